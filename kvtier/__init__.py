@@ -1,0 +1,1 @@
+"""kvtier: tiered KV-cache offload for vLLM."""

@@ -1,0 +1,78 @@
+"""TierClient: the protocol the connector and the CLI speak, whatever serves it.
+
+`InProcessClient` serves it from a TierManager in this process (embedded mode). The daemon serves
+the same protocol over gRPC; chunk bytes always travel through the arena, which a client maps by
+path (`arena_path`) and addresses with the offsets in each `SlotRef`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from kvtier.keys import ChunkKey, NamespaceSpec
+from kvtier.manager import LookupResult, ManagerStats, TierManager
+from kvtier.tiers.cpu import SlotRef
+
+
+@runtime_checkable
+class TierClient(Protocol):
+    @property
+    def arena_path(self) -> Path: ...
+
+    def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes: ...
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult: ...
+
+    def reserve(self, keys: Sequence[ChunkKey], replica: str) -> list[SlotRef | None]: ...
+
+    def commit(self, refs: Sequence[SlotRef]) -> int: ...
+
+    def abort(self, refs: Sequence[SlotRef]) -> None: ...
+
+    def load(self, keys: Sequence[ChunkKey], replica: str) -> list[SlotRef | None]: ...
+
+    def release(self, refs: Sequence[SlotRef]) -> None: ...
+
+    def stats(self) -> ManagerStats: ...
+
+    def close(self) -> None: ...
+
+
+class InProcessClient:
+    """Embedded mode: the TierManager lives in this process."""
+
+    def __init__(self, manager: TierManager) -> None:
+        self.manager = manager
+
+    @property
+    def arena_path(self) -> Path:
+        return self.manager.cpu.memory.path
+
+    def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes:
+        return self.manager.register_pool(spec, chunk_bytes)
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
+        return self.manager.lookup(keys)
+
+    def reserve(self, keys: Sequence[ChunkKey], replica: str) -> list[SlotRef | None]:
+        return self.manager.reserve(keys, replica)
+
+    def commit(self, refs: Sequence[SlotRef]) -> int:
+        return self.manager.commit(refs)
+
+    def abort(self, refs: Sequence[SlotRef]) -> None:
+        self.manager.abort(refs)
+
+    def load(self, keys: Sequence[ChunkKey], replica: str) -> list[SlotRef | None]:
+        return self.manager.load(keys, replica)
+
+    def release(self, refs: Sequence[SlotRef]) -> None:
+        self.manager.release(refs)
+
+    def stats(self) -> ManagerStats:
+        return self.manager.stats()
+
+    def close(self) -> None:
+        self.manager.close()

@@ -1,0 +1,203 @@
+"""The one typed configuration tree, loaded once from YAML and ``KVTIER_`` environment variables.
+
+Environment variables override the file: ``KVTIER_ARENA__SIZE_BYTES=8GiB`` sets ``arena.size_bytes``
+(sections and keys joined by a double underscore). Values are parsed as YAML scalars. Every key has
+a default and a description; `describe()` lists them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+
+from kvtier.errors import ConfigError
+
+ENV_PREFIX = "KVTIER_"
+MiB = 1 << 20
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local/state")
+    return Path(base) / "kvtier"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class PoolConfig(_Section):
+    max_share: float = Field(
+        1.0, gt=0.0, le=1.0, description="Largest fraction of the arena this pool may occupy."
+    )
+    replica_share: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Quota of one replica, as a fraction of the pool's capacity; a replica over "
+        "its quota is evicted first.",
+    )
+
+
+def _default_pools() -> dict[str, PoolConfig]:
+    return {"target": PoolConfig(), "draft": PoolConfig(max_share=0.5)}
+
+
+class ArenaConfig(_Section):
+    path: Path = Field(
+        Path("/dev/shm/kvtier-arena"), description="Arena file; other processes map it by path."
+    )
+    size_bytes: ByteSize | None = Field(
+        None, description="Arena size. Unset: `auto_fraction` of available memory."
+    )
+    auto_fraction: float = Field(
+        0.25, gt=0.0, le=0.9, description="Share of available memory used when size_bytes is unset."
+    )
+    extent_bytes: ByteSize = Field(
+        ByteSize(32 * MiB),
+        description="Allocation unit handed to a pool; one slot size class per extent.",
+    )
+    min_slot_bytes: ByteSize = Field(
+        ByteSize(64 << 10), description="Smallest chunk a pool may register; sizes the slot table."
+    )
+    prefault: bool = Field(True, description="Touch every page at start so stores never fault.")
+    eviction_policy: str = Field("lru", description="Eviction policy by name (lru, fifo).")
+    pools: dict[str, PoolConfig] = Field(
+        default_factory=_default_pools, description="Per-pool budgets, by pool name."
+    )
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> ArenaConfig:
+        if self.min_slot_bytes <= 0 or self.extent_bytes < self.min_slot_bytes:
+            raise ValueError("extent_bytes must be at least min_slot_bytes")
+        if self.size_bytes is not None and self.size_bytes < self.extent_bytes:
+            raise ValueError("size_bytes must hold at least one extent")
+        return self
+
+
+class LMDBConfig(_Section):
+    enabled: bool = Field(True, description="Run the lmdb tier.")
+    path: Path = Field(
+        default_factory=lambda: default_state_dir() / "lmdb", description="LMDB environment dir."
+    )
+    budget_bytes: ByteSize | None = Field(
+        None, description="Bytes of chunks kept. Unset: `auto_fraction` of free disk."
+    )
+    auto_fraction: float = Field(
+        0.5, gt=0.0, le=0.95, description="Share of free disk used when budget_bytes is unset."
+    )
+    high_water: float = Field(
+        0.95, gt=0.0, le=1.0, description="Eviction starts when use passes this share of budget."
+    )
+    low_water: float = Field(
+        0.85, gt=0.0, le=1.0, description="Eviction stops when use falls to this share."
+    )
+    sync_interval_s: float = Field(
+        1.0, ge=0.0, description="Seconds between background syncs; 0 syncs every commit."
+    )
+    max_readers: int = Field(126, ge=1, description="Concurrent LMDB read transactions.")
+    eviction_policy: str = Field("lru", description="Eviction policy by name (lru, fifo).")
+
+    @model_validator(mode="after")
+    def _check_marks(self) -> LMDBConfig:
+        if self.low_water > self.high_water:
+            raise ValueError("low_water must not exceed high_water")
+        return self
+
+
+class DemoteMode(StrEnum):
+    WRITE_BACK = "write_back"
+    WRITE_THROUGH = "write_through"
+
+
+class ManagerConfig(_Section):
+    demote_mode: DemoteMode = Field(
+        DemoteMode.WRITE_BACK,
+        description="write_back: copy arena chunks to lmdb before they are evicted; "
+        "write_through: on every commit.",
+    )
+    writeback_queue_chunks: int = Field(
+        256, ge=1, description="Bound on chunks queued for write-back; beyond it work is dropped."
+    )
+    writeback_batch_chunks: int = Field(
+        16, ge=1, description="Chunks written per LMDB transaction."
+    )
+    clean_reserve: float = Field(
+        0.2,
+        ge=0.0,
+        le=1.0,
+        description="Share of each arena pool kept free or already in lmdb, so stores find a "
+        "victim without waiting.",
+    )
+
+
+class KVTierConfig(_Section):
+    arena: ArenaConfig = Field(default_factory=ArenaConfig, description="The cpu tier.")
+    lmdb: LMDBConfig = Field(default_factory=LMDBConfig, description="The lmdb tier.")
+    manager: ManagerConfig = Field(default_factory=ManagerConfig, description="Tier movers.")
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = name[len(ENV_PREFIX) :].lower().split("__")
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(name, "conflicts with another KVTIER_ variable")
+        node[path[-1]] = yaml.safe_load(raw) if raw else raw
+    return tree
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def from_mapping(data: Mapping[str, Any]) -> KVTierConfig:
+    try:
+        return KVTierConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "<root>"
+        raise ConfigError(key, first["msg"]) from exc
+
+
+def load_config(path: Path | None = None, env: Mapping[str, str] | None = None) -> KVTierConfig:
+    """Load YAML (if given), apply ``KVTIER_`` overrides, validate once."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError("--config", f"{path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError("--config", f"{path} must hold a mapping at the top level")
+        data = loaded or {}
+    data = _merge(data, _env_overrides(os.environ if env is None else env))
+    return from_mapping(data)
+
+
+def describe(model: type[BaseModel] = KVTierConfig, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """Yield ``(dotted key, description)`` for every leaf key, for docs and `kvtier config`."""
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from describe(annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field.description or ""

@@ -1,0 +1,129 @@
+"""Namespaces and chunk keys.
+
+A chunk key is ``namespace (16 bytes) || chunk hash``. The chunk hash is the engine's own block hash
+of the chunk's last block, so it already commits to the whole token prefix (and cache salt, LoRA,
+multimodal inputs). The namespace commits to everything else that decides whether the bytes can be
+reused: model and weights, pool, dtype, page layout, shard, hash algorithm and tenant.
+
+The data-parallel replica is deliberately absent: replicas produce identical bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import NewType
+
+NAMESPACE_BYTES = 16
+MAX_CHUNK_HASH_BYTES = 32
+_ENCODING_TAG = "kvtier.namespace.v1"
+
+ChunkKey = NewType("ChunkKey", bytes)
+"""``namespace || chunk_hash``; plain bytes so that hot-path lookups cost a dict probe."""
+
+
+class Pool(enum.StrEnum):
+    TARGET = "target"
+    DRAFT = "draft"
+
+
+@dataclass(frozen=True, slots=True)
+class PageLayout:
+    """How one pool's KV pages are laid out, as far as byte identity is concerned."""
+
+    tokens_per_block: int
+    blocks_per_chunk: int
+    num_kv_heads: int
+    head_sizes: tuple[int, ...]
+    """Per-tensor head sizes, e.g. ``(k, v)``; MLA has a single latent size."""
+    layer_names: tuple[str, ...]
+    """Layers of the pool, in payload order."""
+    kv_order: str = "default"
+    """Element order of one page (backends differ); part of identity so bytes never mix."""
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_block", "blocks_per_chunk", "num_kv_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"PageLayout.{name} must be positive")
+        if not self.head_sizes or any(h <= 0 for h in self.head_sizes):
+            raise ValueError("PageLayout.head_sizes must be non-empty and positive")
+        if not self.layer_names:
+            raise ValueError("PageLayout.layer_names must not be empty")
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceSpec:
+    """Everything that decides whether stored KV bytes may be reused."""
+
+    model: str
+    model_revision: str
+    pool: Pool
+    kv_dtype: str
+    layout: PageLayout
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    hash_algo: str = "sha256"
+    tenant: str = "default"
+    draft_model: str | None = None
+    """Draft pool only."""
+    draft_revision: str | None = None
+    """Draft pool only; a draft swap changes it and nothing else."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pool", Pool(self.pool))
+        if self.pool is Pool.DRAFT:
+            if not self.draft_model or self.draft_revision is None:
+                raise ValueError("a draft namespace needs draft_model and draft_revision")
+        elif self.draft_model is not None or self.draft_revision is not None:
+            raise ValueError("draft_model/draft_revision belong to the draft pool only")
+        if not 0 <= self.tp_rank < self.tp_size or not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError("shard rank out of range")
+        if not self.model or not self.kv_dtype or not self.hash_algo:
+            raise ValueError("model, kv_dtype and hash_algo must be set")
+
+    def canonical(self) -> bytes:
+        """A stable byte encoding: sorted-key JSON tagged with its own version."""
+        fields = asdict(self)
+        fields["pool"] = str(self.pool)
+        doc = {"tag": _ENCODING_TAG, "fields": fields}
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+    def digest(self) -> bytes:
+        return hashlib.blake2b(self.canonical(), digest_size=NAMESPACE_BYTES).digest()
+
+
+def chunk_hash_bytes(block_hash: bytes | int) -> bytes:
+    """Normalise an engine block hash to bytes (ints are 8-byte big-endian, two's complement)."""
+    if isinstance(block_hash, int):
+        return block_hash.to_bytes(8, "big", signed=block_hash < 0)
+    if not 0 < len(block_hash) <= MAX_CHUNK_HASH_BYTES:
+        raise ValueError(f"chunk hash must be 1..{MAX_CHUNK_HASH_BYTES} bytes")
+    return bytes(block_hash)
+
+
+def make_key(namespace: bytes, block_hash: bytes | int) -> ChunkKey:
+    if len(namespace) != NAMESPACE_BYTES:
+        raise ValueError(f"namespace must be {NAMESPACE_BYTES} bytes")
+    return ChunkKey(namespace + chunk_hash_bytes(block_hash))
+
+
+def make_keys(namespace: bytes, block_hashes: list[bytes] | list[int]) -> list[ChunkKey]:
+    return [make_key(namespace, h) for h in block_hashes]
+
+
+def namespace_of(key: ChunkKey | bytes) -> bytes:
+    return key[:NAMESPACE_BYTES]
+
+
+def chunk_hash_of(key: ChunkKey | bytes) -> bytes:
+    return key[NAMESPACE_BYTES:]
+
+
+def validate_key(key: bytes) -> ChunkKey:
+    if not NAMESPACE_BYTES < len(key) <= NAMESPACE_BYTES + MAX_CHUNK_HASH_BYTES:
+        raise ValueError(f"malformed chunk key of {len(key)} bytes")
+    return ChunkKey(key)

@@ -1,0 +1,60 @@
+"""Registered namespaces: which pool a key belongs to, and what its chunks look like."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from kvtier.blockfmt import ChunkDescriptor
+from kvtier.errors import PoolLayoutError, UnknownPoolError
+from kvtier.keys import NAMESPACE_BYTES, NamespaceSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    namespace: bytes
+    pool: str
+    chunk_bytes: int
+    descriptor: ChunkDescriptor
+
+
+class PoolRegistry:
+    """Maps a namespace (the first 16 bytes of every key) to its pool and chunk size.
+
+    Thread-safe; shared by every tier of one TierManager.
+    """
+
+    def __init__(self) -> None:
+        self._by_namespace: dict[bytes, Registration] = {}
+        self._lock = threading.Lock()
+
+    def register(self, spec: NamespaceSpec, chunk_bytes: int) -> Registration:
+        if chunk_bytes <= 0:
+            raise PoolLayoutError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        namespace = spec.digest()
+        reg = Registration(namespace, str(spec.pool), chunk_bytes, ChunkDescriptor.from_spec(spec))
+        with self._lock:
+            known = self._by_namespace.get(namespace)
+            if known is not None and known != reg:
+                raise PoolLayoutError(
+                    f"namespace {namespace.hex()} already registered with "
+                    f"{known.chunk_bytes} bytes per chunk, not {chunk_bytes}"
+                )
+            self._by_namespace[namespace] = reg
+        return reg
+
+    def resolve(self, key: bytes) -> Registration:
+        reg = self._by_namespace.get(key[:NAMESPACE_BYTES])
+        if reg is None:
+            raise UnknownPoolError(
+                f"key namespace {key[:NAMESPACE_BYTES].hex()} is not registered; "
+                "register the pool before storing or loading"
+            )
+        return reg
+
+    def get(self, namespace: bytes) -> Registration | None:
+        return self._by_namespace.get(namespace)
+
+    def registrations(self) -> list[Registration]:
+        with self._lock:
+            return list(self._by_namespace.values())

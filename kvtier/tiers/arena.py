@@ -1,0 +1,185 @@
+"""The shared-memory arena file: its layout, creation, pre-faulting and mapping by path.
+
+Layout of the file::
+
+    [0, 4 KiB)            header: magic, version, sizes
+    [4 KiB, ...)          extent table: slot size of each extent (0 = unassigned)
+    slot table            per slot: generation u64, state u32, refcount u32 (separate arrays)
+    data (2 MiB aligned)  extents of ``extent_bytes``, each cut into equal slots
+
+Only the owning process (the TierManager) writes the tables; any process may map the file and
+read a slot's generation to tell whether a reference it holds is still current.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import fcntl
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.errors import CapacityError, ConfigError, TierUnavailableError
+
+_MAGIC = b"KVTARENA"
+_VERSION = 1
+_HEADER = struct.Struct("<8sIIQQQQQQ")
+_PAGE = 4096
+_DATA_ALIGN = 2 << 20
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    WRITING = 1
+    READY = 2
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _plan(size: int, extent_bytes: int, max_slots_per_extent: int) -> tuple[int, int, int]:
+    """Largest extent count whose tables and data fit in ``size``; returns offsets too."""
+    extents = size // extent_bytes
+    while extents > 0:
+        slots = extents * max_slots_per_extent
+        table_off = _align(_PAGE + extents * 8, _PAGE)
+        data_off = _align(table_off + slots * 16, _DATA_ALIGN)
+        if data_off + extents * extent_bytes <= size:
+            return extents, table_off, data_off
+        extents -= 1
+    raise ConfigError(
+        "arena.size_bytes", f"{size} bytes cannot hold one {extent_bytes}-byte extent"
+    )
+
+
+class ArenaMemory:
+    """One mapping of the arena file, owning or attached."""
+
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap, owner: bool) -> None:
+        self.path = path
+        self._fd = fd
+        self._mm = mm
+        self.owner = owner
+        self.size: int
+        self.extent_bytes: int
+        self.num_extents: int
+        self.max_slots_per_extent: int
+        self.data_offset: int
+        (
+            magic,
+            version,
+            _reserved,
+            self.size,
+            self.extent_bytes,
+            self.num_extents,
+            self.max_slots_per_extent,
+            table_off,
+            self.data_offset,
+        ) = _HEADER.unpack_from(mm, 0)
+        if magic != _MAGIC or version != _VERSION:
+            raise TierUnavailableError(f"{path} is not a kvtier arena (version {_VERSION})")
+        n = self.num_extents * self.max_slots_per_extent
+        self.extent_slot_bytes: npt.NDArray[np.uint64] = np.frombuffer(
+            mm, np.uint64, self.num_extents, _PAGE
+        )
+        self.generation: npt.NDArray[np.uint64] = np.frombuffer(mm, np.uint64, n, table_off)
+        self.state: npt.NDArray[np.uint32] = np.frombuffer(mm, np.uint32, n, table_off + 8 * n)
+        self.refcount: npt.NDArray[np.uint32] = np.frombuffer(mm, np.uint32, n, table_off + 12 * n)
+        self._view = memoryview(mm)
+
+    @classmethod
+    def create(
+        cls, path: Path, size: int, extent_bytes: int, min_slot_bytes: int, prefault: bool = True
+    ) -> ArenaMemory:
+        """Create (or take over) the arena file, reserve its memory and map it."""
+        max_slots = extent_bytes // min_slot_bytes
+        extents, table_off, data_off = _plan(size, extent_bytes, max_slots)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _take_over_stale(path)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            raise ConfigError("arena.path", f"cannot create {path}: {exc.strerror}") from exc
+        try:
+            os.posix_fallocate(fd, 0, size)  # fail now, not with SIGBUS on a later store
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise CapacityError(
+                f"arena.size_bytes: cannot reserve {size} bytes at {path}: {exc.strerror}; "
+                "lower arena.size_bytes or enlarge the shared-memory mount"
+            ) from exc
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        if prefault:
+            pages = np.frombuffer(mm, np.uint8)
+            pages[::_PAGE] = 0  # one write per page maps it in
+            del pages
+        _HEADER.pack_into(
+            mm, 0, _MAGIC, _VERSION, 0, size, extent_bytes, extents, max_slots, table_off, data_off
+        )
+        return cls(path, fd, mm, owner=True)
+
+    @classmethod
+    def attach(cls, path: Path) -> ArenaMemory:
+        """Map an existing arena, as a worker process does."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise TierUnavailableError(f"cannot open arena {path}: {exc.strerror}") from exc
+        size = os.fstat(fd).st_size
+        if size < _HEADER.size:
+            os.close(fd)
+            raise TierUnavailableError(f"{path} is not a kvtier arena (too small)")
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return cls(path, fd, mm, owner=False)
+
+    def slot_id(self, extent: int, index: int) -> int:
+        return extent * self.max_slots_per_extent + index
+
+    def slot_offset(self, slot: int) -> int:
+        extent, index = divmod(slot, self.max_slots_per_extent)
+        slot_bytes = int(self.extent_slot_bytes[extent])
+        return self.data_offset + extent * self.extent_bytes + index * slot_bytes
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        return self._view[offset : offset + nbytes]
+
+    def is_current(self, slot: int, generation: int) -> bool:
+        """Whether a reference taken at ``generation`` still names the same chunk."""
+        return int(self.generation[slot]) == generation
+
+    def close(self) -> None:
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+        del self.extent_slot_bytes, self.generation, self.state, self.refcount
+        self._view.release()
+        # A caller may still hold a slot view; the mapping then goes when that view does.
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+        os.close(self._fd)
+
+
+def _take_over_stale(path: Path) -> None:
+    """Unlink an arena left by a dead owner; refuse one whose owner still holds its lock.
+
+    Unlinking (not truncating) leaves processes that still map the old file unharmed.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise ConfigError("arena.path", f"{path} is in use by another kvtier process") from None
+        path.unlink()
+    finally:
+        os.close(fd)

@@ -1,0 +1,102 @@
+"""The contract every tier implements, and the stats it reports.
+
+Invariants shared by all tiers (tests/contract checks them for each one):
+
+- a key becomes visible only once its whole payload is stored (`put` returned True);
+- `read_into` either fills the destination with exactly what was stored or reports a miss;
+  a tier never hands out bytes that failed verification;
+- a pinned chunk is never evicted; eviction follows the tier's named policy;
+- a key whose namespace is not registered raises `UnknownPoolError`, and a payload of the
+  wrong size raises `PayloadSizeError`, before anything is changed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.errors import PayloadSizeError
+from kvtier.keys import ChunkKey
+from kvtier.pools import PoolRegistry, Registration
+
+
+@dataclass(slots=True)
+class UsageStats:
+    used_bytes: int = 0
+    chunks: int = 0
+    capacity_bytes: int = 0
+
+
+@dataclass(slots=True)
+class TierStats:
+    tier: str
+    capacity_bytes: int
+    used_bytes: int
+    chunks: int
+    pools: dict[str, UsageStats] = field(default_factory=dict)
+    replicas: dict[tuple[str, str], UsageStats] = field(default_factory=dict)
+    """Keyed by (replica, pool); capacity_bytes there is the replica's quota."""
+    counters: Counter[str] = field(default_factory=Counter)
+    """hits, misses, stores, store_rejected, evictions_<reason>, corrupt, ..."""
+
+
+class Tier(ABC):
+    """One storage medium holding verified chunks, keyed by `ChunkKey`."""
+
+    name: str
+    persistent: bool
+    """Whether chunks survive a close and reopen."""
+
+    def __init__(self, registry: PoolRegistry) -> None:
+        self.registry = registry
+
+    def _check_payload(self, key: ChunkKey, nbytes: int) -> Registration:
+        reg = self.registry.resolve(key)
+        if nbytes != reg.chunk_bytes:
+            raise PayloadSizeError(
+                f"payload of {nbytes} bytes for pool {reg.pool!r}, "
+                f"which stores {reg.chunk_bytes}-byte chunks"
+            )
+        return reg
+
+    @abstractmethod
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Presence of each key (no verification, no recency update)."""
+
+    @abstractmethod
+    def put(self, key: ChunkKey, payload: memoryview | bytes, replica: str = "default") -> bool:
+        """Store one chunk; False when the tier has no room now (counted, nothing changed)."""
+
+    @abstractmethod
+    def read_into(self, key: ChunkKey, dst: memoryview) -> bool:
+        """Copy a verified chunk into ``dst``; False on a miss or a failed verification."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Drop chunks that are not in use; returns how many were dropped."""
+
+    @abstractmethod
+    def pin(self, keys: Sequence[ChunkKey]) -> None:
+        """Keep these keys from eviction, including ones stored later."""
+
+    @abstractmethod
+    def unpin(self, keys: Sequence[ChunkKey]) -> None: ...
+
+    @abstractmethod
+    def evict(
+        self, *, pool: str | None = None, namespace: bytes | None = None, replica: str | None = None
+    ) -> int:
+        """Drop every unpinned, unused chunk that matches all given filters."""
+
+    @abstractmethod
+    def stats(self) -> TierStats: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def check_unique(keys: Sequence[ChunkKey]) -> None:
+    if len(set(keys)) != len(keys):
+        raise ValueError("duplicate keys in one batch")

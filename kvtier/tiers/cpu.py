@@ -1,0 +1,541 @@
+"""The cpu tier: chunks in slots of the shared-memory arena.
+
+Each pool gets one slot size class per chunk size; a class grows by whole extents up to its pool's
+share of the arena, so a small draft pool wastes nothing on target-sized slots. A slot moves
+FREE -> WRITING (reserved) -> READY (committed, visible) -> FREE, and its generation is bumped
+each time it is freed, so a stale reservation or lease is recognised instead of trusted.
+
+Eviction takes the best victim of a replica over its quota first, else the best victim of any
+replica, by the configured policy. Slots that are leased, pinned or not yet written to the next
+tier (dirty) are never evicted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from kvtier.config import ArenaConfig
+from kvtier.errors import CapacityError, PoolLayoutError
+from kvtier.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.pools import PoolRegistry, Registration
+from kvtier.tiers.arena import ArenaMemory, SlotState
+from kvtier.tiers.base import Tier, TierStats, UsageStats
+from kvtier.tiers.eviction import EvictionPolicy, make_policy
+
+log = logging.getLogger(__name__)
+
+_SCAN_LIMIT = 256  # slots inspected per queue when looking for a victim
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """Where a reserved or leased chunk lives in the arena; valid while ``generation`` holds."""
+
+    key: ChunkKey
+    slot: int
+    offset: int
+    nbytes: int
+    generation: int
+
+
+class _SlotClass:
+    """Slots of one (pool, chunk size)."""
+
+    def __init__(self, pool: str, slot_bytes: int, policy: EvictionPolicy, per_extent: int) -> None:
+        self.pool = pool
+        self.slot_bytes = slot_bytes
+        self.per_extent = per_extent
+        self.policy = policy
+        self.free: list[int] = []
+        self.extents = 0
+        self.ready = 0
+        self.dirty: deque[tuple[int, int]] = deque()  # (slot, generation), commit order
+        self.dirty_count = 0
+
+
+def default_arena_size(fraction: float, shm_dir: Path) -> int:
+    available = psutil.virtual_memory().available
+    shm_free = psutil.disk_usage(str(shm_dir)).free
+    size = int(min(available, shm_free) * fraction)
+    log.warning(
+        "arena.size_bytes is not set: using %.2f GiB, %.0f%% of the %.2f GiB available "
+        "(memory %.2f GiB, %s free %.2f GiB); set arena.size_bytes to choose",
+        size / 2**30,
+        fraction * 100,
+        min(available, shm_free) / 2**30,
+        available / 2**30,
+        shm_dir,
+        shm_free / 2**30,
+    )
+    return size
+
+
+class CpuTier(Tier):
+    name = "cpu"
+    persistent = False
+
+    def __init__(self, config: ArenaConfig, registry: PoolRegistry) -> None:
+        super().__init__(registry)
+        self.config = config
+        if config.size_bytes is None:
+            size = default_arena_size(config.auto_fraction, config.path.parent)
+        else:
+            size = int(config.size_bytes)
+        self._check_memory(size)
+        self.memory = ArenaMemory.create(
+            config.path, size, config.extent_bytes, config.min_slot_bytes, config.prefault
+        )
+        mem = self.memory
+        n = mem.num_extents * mem.max_slots_per_extent
+        self._lock = threading.RLock()
+        self._free_extents = list(range(mem.num_extents - 1, -1, -1))
+        self._classes: dict[tuple[str, int], _SlotClass] = {}
+        self._class_of_extent: list[_SlotClass | None] = [None] * mem.num_extents
+        self._index: dict[ChunkKey, int] = {}  # committed chunks
+        self._writing: dict[ChunkKey, int] = {}  # reserved, not yet committed
+        self._key: list[ChunkKey | None] = [None] * n
+        self._owner = [0] * n
+        self._dirty = [False] * n
+        self._pinned = [False] * n
+        self._pinned_keys: set[ChunkKey] = set()
+        self._replicas: dict[str, int] = {}
+        self._replica_names: list[str] = []
+        self._used: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> bytes
+        self._chunks: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> chunks
+        self._quota_override: dict[tuple[str, str], int] = {}
+        self._counters: Counter[str] = Counter()
+        self._track_dirty = False
+        log.info(
+            "arena %s: %.2f GiB, %d extents of %d MiB",
+            config.path,
+            mem.size / 2**30,
+            mem.num_extents,
+            mem.extent_bytes >> 20,
+        )
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _check_memory(self, size: int) -> None:
+        total = psutil.virtual_memory().total
+        if size > total:
+            raise CapacityError(
+                f"arena.size_bytes: {size} bytes exceeds this machine's {total} bytes of memory"
+            )
+
+    def track_dirty(self, enabled: bool) -> None:
+        """Mark committed chunks dirty until `writeback_done`; set when a next tier exists."""
+        self._track_dirty = enabled
+
+    def _replica(self, name: str) -> int:
+        q = self._replicas.get(name)
+        if q is None:
+            q = self._replicas[name] = len(self._replica_names)
+            self._replica_names.append(name)
+        return q
+
+    def _class_for(self, reg: Registration) -> _SlotClass:
+        cls = self._classes.get((reg.pool, reg.chunk_bytes))
+        if cls is None:
+            if reg.pool not in self.config.pools:
+                known = sorted(self.config.pools)
+                raise PoolLayoutError(f"pool {reg.pool!r} has no arena budget; configured: {known}")
+            if reg.chunk_bytes > self.memory.extent_bytes:
+                raise PoolLayoutError(
+                    f"chunks of {reg.chunk_bytes} bytes exceed arena.extent_bytes "
+                    f"({self.memory.extent_bytes}); raise arena.extent_bytes"
+                )
+            if reg.chunk_bytes < self.memory.extent_bytes // self.memory.max_slots_per_extent:
+                raise PoolLayoutError(
+                    f"chunks of {reg.chunk_bytes} bytes are below arena.min_slot_bytes"
+                )
+            policy = make_policy(self.config.eviction_policy, len(self._key))
+            per_extent = self.memory.extent_bytes // reg.chunk_bytes
+            cls = self._classes[(reg.pool, reg.chunk_bytes)] = _SlotClass(
+                reg.pool, reg.chunk_bytes, policy, per_extent
+            )
+        return cls
+
+    def pool_capacity_bytes(self, pool: str) -> int:
+        share = self.config.pools[pool].max_share
+        return max(1, int(self.memory.num_extents * share)) * self.memory.extent_bytes
+
+    def quota_bytes(self, replica: str, pool: str) -> int:
+        override = self._quota_override.get((replica, pool))
+        if override is not None:
+            return override
+        return int(self.pool_capacity_bytes(pool) * self.config.pools[pool].replica_share)
+
+    def set_quota(self, replica: str, pool: str, nbytes: int | None) -> None:
+        with self._lock:
+            if nbytes is None:
+                self._quota_override.pop((replica, pool), None)
+            else:
+                self._quota_override[(replica, pool)] = nbytes
+
+    # -- allocation and eviction ----------------------------------------------------------
+
+    def _grow(self, cls: _SlotClass) -> bool:
+        pool_extents = sum(c.extents for c in self._classes.values() if c.pool == cls.pool)
+        limit = self.pool_capacity_bytes(cls.pool) // self.memory.extent_bytes
+        if not self._free_extents or pool_extents >= limit:
+            return False
+        extent = self._free_extents.pop()
+        self.memory.extent_slot_bytes[extent] = cls.slot_bytes
+        self._class_of_extent[extent] = cls
+        cls.extents += 1
+        first = self.memory.slot_id(extent, 0)
+        cls.free.extend(range(first + cls.per_extent - 1, first - 1, -1))
+        return True
+
+    def _evictable(self, slot: int) -> bool:
+        return not self._dirty[slot] and self.memory.refcount[slot] == 0
+
+    def _first_victim(self, cls: _SlotClass, queue: int) -> int | None:
+        for scanned, slot in enumerate(cls.policy.candidates(queue)):
+            if scanned >= _SCAN_LIMIT:
+                break
+            if self._evictable(slot):
+                return slot
+        return None
+
+    def _victim(self, cls: _SlotClass) -> tuple[int, str] | None:
+        over = []
+        for name, q in self._replicas.items():
+            excess = self._used[(q, cls.pool)] - self.quota_bytes(name, cls.pool)
+            if excess > 0:
+                over.append((excess, q))
+        for _excess, q in sorted(over, reverse=True):
+            slot = self._first_victim(cls, q)
+            if slot is not None:
+                return slot, "quota"
+        best: int | None = None
+        for q in range(cls.policy.queues):
+            slot = self._first_victim(cls, q)
+            if slot is not None and (best is None or cls.policy.rank(slot) < cls.policy.rank(best)):
+                best = slot
+        return None if best is None else (best, "capacity")
+
+    def _allocate(self, cls: _SlotClass) -> int | None:
+        if cls.free or self._grow(cls):
+            return cls.free.pop()
+        victim = self._victim(cls)
+        if victim is None:
+            return None
+        slot, reason = victim
+        self._release_slot(slot)
+        self._counters[f"evictions_{reason}"] += 1
+        return cls.free.pop()
+
+    def _release_slot(self, slot: int) -> None:
+        """Return a READY or WRITING slot to its class's free list and bump its generation."""
+        mem = self.memory
+        cls = self._class_of_extent[slot // mem.max_slots_per_extent]
+        assert cls is not None
+        key = self._key[slot]
+        if mem.state[slot] == SlotState.READY:
+            assert key is not None
+            del self._index[key]
+            cls.policy.remove(slot)
+            cls.ready -= 1
+            self._used[(self._owner[slot], cls.pool)] -= cls.slot_bytes
+            self._chunks[(self._owner[slot], cls.pool)] -= 1
+            if self._dirty[slot]:
+                self._dirty[slot] = False
+                cls.dirty_count -= 1
+        elif key is not None:
+            self._writing.pop(key, None)
+        self._key[slot] = None
+        self._pinned[slot] = False
+        mem.generation[slot] += 1
+        mem.state[slot] = SlotState.FREE
+        cls.free.append(slot)
+
+    def _ref(self, key: ChunkKey, slot: int, nbytes: int) -> SlotRef:
+        mem = self.memory
+        return SlotRef(key, slot, mem.slot_offset(slot), nbytes, int(mem.generation[slot]))
+
+    def _current(self, ref: SlotRef, state: SlotState) -> bool:
+        mem = self.memory
+        return (
+            0 <= ref.slot < len(self._key)
+            and self._key[ref.slot] == ref.key
+            and mem.state[ref.slot] == state
+            and int(mem.generation[ref.slot]) == ref.generation
+        )
+
+    # -- the store path: reserve -> write -> commit | abort -------------------------------
+
+    def reserve(self, keys: Sequence[ChunkKey], replica: str = "default") -> list[SlotRef | None]:
+        """Reserve a slot per key. None for a key that is present, in flight, or has no room."""
+        regs = [self.registry.resolve(k) for k in keys]  # validate the batch before changing it
+        out: list[SlotRef | None] = []
+        with self._lock:
+            q = self._replica(replica)
+            for key, reg in zip(keys, regs, strict=True):
+                if key in self._index or key in self._writing:
+                    self._counters["store_duplicate"] += 1
+                    out.append(None)
+                    continue
+                cls = self._class_for(reg)
+                slot = self._allocate(cls)
+                if slot is None:
+                    self._counters["store_rejected"] += 1
+                    out.append(None)
+                    continue
+                self._key[slot] = key
+                self._owner[slot] = q
+                self._writing[key] = slot
+                self.memory.state[slot] = SlotState.WRITING
+                out.append(self._ref(key, slot, reg.chunk_bytes))
+        return out
+
+    def commit(self, refs: Sequence[SlotRef], *, clean: bool = False, lease: bool = False) -> int:
+        """Publish written slots; ``clean`` marks them as already held by the next tier, and
+        ``lease`` takes a read lease on each in the same step (release it with `release`)."""
+        done = 0
+        with self._lock:
+            for ref in refs:
+                if not self._current(ref, SlotState.WRITING):
+                    self._counters["commit_stale"] += 1
+                    continue
+                slot = ref.slot
+                cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
+                assert cls is not None
+                del self._writing[ref.key]
+                self._index[ref.key] = slot
+                self.memory.state[slot] = SlotState.READY
+                cls.ready += 1
+                self._used[(self._owner[slot], cls.pool)] += cls.slot_bytes
+                self._chunks[(self._owner[slot], cls.pool)] += 1
+                if ref.key in self._pinned_keys:
+                    self._pinned[slot] = True
+                else:
+                    cls.policy.insert(slot, self._owner[slot])
+                if self._track_dirty and not clean:
+                    self._dirty[slot] = True
+                    cls.dirty_count += 1
+                    cls.dirty.append((slot, ref.generation))
+                if lease:
+                    self.memory.refcount[slot] += 1
+                self._counters["stores"] += 1
+                done += 1
+        return done
+
+    def abort(self, refs: Sequence[SlotRef]) -> None:
+        with self._lock:
+            for ref in refs:
+                if self._current(ref, SlotState.WRITING):
+                    self._release_slot(ref.slot)
+                    self._counters["store_aborted"] += 1
+
+    # -- the load path: lease -> read -> release ------------------------------------------
+
+    def lease(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
+        """A refcounted read lease per present key; a leased slot is never freed."""
+        out: list[SlotRef | None] = []
+        mem = self.memory
+        with self._lock:
+            for key in keys:
+                slot = self._index.get(key)
+                if slot is None:
+                    self._counters["misses"] += 1
+                    out.append(None)
+                    continue
+                cls = self._class_of_extent[slot // mem.max_slots_per_extent]
+                assert cls is not None
+                mem.refcount[slot] += 1
+                cls.policy.access(slot)
+                self._counters["hits"] += 1
+                out.append(self._ref(key, slot, cls.slot_bytes))
+        return out
+
+    def release(self, refs: Sequence[SlotRef]) -> None:
+        with self._lock:
+            for ref in refs:
+                if self._current(ref, SlotState.READY) and self.memory.refcount[ref.slot] > 0:
+                    self.memory.refcount[ref.slot] -= 1
+                else:
+                    self._counters["release_stale"] += 1
+
+    def owner_of(self, ref: SlotRef) -> str:
+        return self._replica_names[self._owner[ref.slot]]
+
+    def view(self, ref: SlotRef) -> memoryview:
+        return self.memory.view(ref.offset, ref.nbytes)
+
+    # -- write-back support ---------------------------------------------------------------
+
+    def take_dirty(self, limit: int, everything: bool) -> list[SlotRef]:
+        """Lease up to ``limit`` dirty chunks, oldest first, from classes past their clean
+        reserve (or all classes with ``everything``). The caller writes them to the next tier
+        and calls `writeback_done`."""
+        out: list[SlotRef] = []
+        reserve = self._clean_reserve
+        with self._lock:
+            for cls in self._classes.values():
+                capacity = cls.extents * cls.per_extent
+                while cls.dirty and len(out) < limit:
+                    clean_or_free = capacity - cls.dirty_count
+                    if not everything and clean_or_free >= reserve * capacity:
+                        break
+                    slot, gen = cls.dirty.popleft()
+                    key = self._key[slot]
+                    if key is None or not self._dirty[slot] or self.memory.generation[slot] != gen:
+                        continue  # freed or re-used since it was queued
+                    self.memory.refcount[slot] += 1
+                    out.append(self._ref(key, slot, cls.slot_bytes))
+        return out
+
+    _clean_reserve = 0.2
+
+    def set_clean_reserve(self, share: float) -> None:
+        self._clean_reserve = share
+
+    def writeback_pending(self) -> int:
+        with self._lock:
+            return sum(c.dirty_count for c in self._classes.values())
+
+    def writeback_done(self, refs: Sequence[SlotRef], ok: bool) -> None:
+        """End write-back leases; a failed write leaves the chunk clean-but-arena-only."""
+        with self._lock:
+            for ref in refs:
+                if not self._current(ref, SlotState.READY):
+                    continue
+                slot = ref.slot
+                self.memory.refcount[slot] -= 1
+                if self._dirty[slot]:
+                    self._dirty[slot] = False
+                    cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
+                    assert cls is not None
+                    cls.dirty_count -= 1
+                self._counters["writeback_ok" if ok else "writeback_failed"] += 1
+
+    # -- the Tier contract ----------------------------------------------------------------
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        index = self._index
+        return [k in index for k in keys]
+
+    def locate(self, keys: Sequence[ChunkKey]) -> int:
+        """Length of the prefix of ``keys`` present here."""
+        index = self._index
+        n = 0
+        for k in keys:
+            if k not in index:
+                break
+            n += 1
+        return n
+
+    def put(self, key: ChunkKey, payload: memoryview | bytes, replica: str = "default") -> bool:
+        self._check_payload(key, len(payload))
+        (ref,) = self.reserve([key], replica)
+        if ref is None:
+            return key in self._index
+        self.view(ref)[:] = payload
+        return self.commit([ref]) == 1
+
+    def read_into(self, key: ChunkKey, dst: memoryview) -> bool:
+        (ref,) = self.lease([key])
+        if ref is None:
+            return False
+        try:
+            if len(dst) != ref.nbytes:
+                raise ValueError(f"destination of {len(dst)} bytes for a {ref.nbytes}-byte chunk")
+            dst[:] = self.view(ref)
+        finally:
+            self.release([ref])
+        return True
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        dropped = 0
+        with self._lock:
+            for key in keys:
+                slot = self._index.get(key)
+                if slot is not None and self.memory.refcount[slot] == 0:
+                    self._release_slot(slot)
+                    dropped += 1
+        return dropped
+
+    def pin(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._pinned_keys.add(key)
+                slot = self._index.get(key)
+                if slot is not None and not self._pinned[slot]:
+                    self._pinned[slot] = True
+                    self._class_of(slot).policy.remove(slot)
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._pinned_keys.discard(key)
+                slot = self._index.get(key)
+                if slot is not None and self._pinned[slot]:
+                    self._pinned[slot] = False
+                    self._class_of(slot).policy.insert(slot, self._owner[slot])
+
+    def _class_of(self, slot: int) -> _SlotClass:
+        cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
+        assert cls is not None
+        return cls
+
+    def evict(
+        self, *, pool: str | None = None, namespace: bytes | None = None, replica: str | None = None
+    ) -> int:
+        dropped = 0
+        with self._lock:
+            q = self._replicas.get(replica) if replica is not None else None
+            if replica is not None and q is None:
+                return 0
+            for key, slot in list(self._index.items()):
+                if self._pinned[slot] or self.memory.refcount[slot] != 0:
+                    continue
+                if pool is not None and self._class_of(slot).pool != pool:
+                    continue
+                if namespace is not None and key[:NAMESPACE_BYTES] != namespace:
+                    continue
+                if q is not None and self._owner[slot] != q:
+                    continue
+                self._release_slot(slot)
+                dropped += 1
+            self._counters["evictions_admin"] += dropped
+        return dropped
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            pools: dict[str, UsageStats] = {}
+            for cls in self._classes.values():
+                usage = pools.setdefault(cls.pool, UsageStats())
+                usage.used_bytes += cls.ready * cls.slot_bytes
+                usage.chunks += cls.ready
+            for name in pools:
+                pools[name].capacity_bytes = self.pool_capacity_bytes(name)
+            replicas = {
+                (self._replica_names[q], pool): UsageStats(
+                    used_bytes=used,
+                    chunks=self._chunks[(q, pool)],
+                    capacity_bytes=self.quota_bytes(self._replica_names[q], pool),
+                )
+                for (q, pool), used in self._used.items()
+            }
+            used = sum(u.used_bytes for u in pools.values())
+            return TierStats(
+                tier=self.name,
+                capacity_bytes=self.memory.num_extents * self.memory.extent_bytes,
+                used_bytes=used,
+                chunks=len(self._index),
+                pools=pools,
+                replicas=replicas,
+                counters=Counter(self._counters),
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self.memory.close()

@@ -1,0 +1,449 @@
+"""The lmdb tier: verified chunks in one LMDB environment, with an LRU index kept inside LMDB.
+
+Databases in the environment:
+
+- ``chunks``: key -> encoded chunk (see `kvtier.blockfmt`);
+- ``lru``: tick (8 bytes, big-endian) || key -> empty; oldest first, pinned chunks absent;
+- ``meta``: key -> tick, encoded size, pinned flag, pool and owning replica.
+
+Commits are not synced one by one (sync off, metasync off); a background thread syncs every
+``sync_interval_s``. A process killed mid-write leaves LMDB at its last commit, and every read is
+verified, so a chunk is either whole and correct or absent.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import struct
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from kvtier import blockfmt
+from kvtier.config import LMDBConfig
+from kvtier.errors import ChunkFormatError, ConfigError
+from kvtier.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.pools import PoolRegistry
+from kvtier.tiers.base import Tier, TierStats, UsageStats
+
+log = logging.getLogger(__name__)
+
+_META = struct.Struct("<QQ?")
+_TICK = struct.Struct(">Q")
+_MAX_PENDING_TOUCHES = 1 << 16
+_PUT_RETRIES = 4
+_MAP_HEADROOM = 64 << 20
+
+
+@dataclass(slots=True)
+class _Entry:
+    tick: int
+    nbytes: int
+    pinned: bool
+    pool: str
+    replica: str
+
+    def pack(self) -> bytes:
+        return (
+            _META.pack(self.tick, self.nbytes, self.pinned)
+            + f"{self.pool}\0{self.replica}".encode()
+        )
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> _Entry:
+        tick, nbytes, pinned = _META.unpack_from(raw)
+        pool, _, replica = bytes(raw[_META.size :]).decode().partition("\0")
+        return cls(tick, nbytes, pinned, pool, replica)
+
+
+_Pending = tuple[ChunkKey, bytes, memoryview | bytes, str]  # key, header, payload, pool
+
+
+def _lru_key(tick: int, key: bytes) -> bytes:
+    return _TICK.pack(tick) + key
+
+
+def _prepare_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".kvtier-write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError("lmdb.path", f"{path} is not writable: {exc.strerror}") from exc
+
+
+def _budget(config: LMDBConfig) -> int:
+    usage = shutil.disk_usage(config.path)
+    data = config.path / "data.mdb"
+    existing = data.stat().st_size if data.exists() else 0
+    room = usage.free + existing
+    if config.budget_bytes is None:
+        budget = int(room * config.auto_fraction)
+        log.warning(
+            "lmdb.budget_bytes is not set: using %.2f GiB, %.0f%% of %.2f GiB free at %s",
+            budget / 2**30,
+            config.auto_fraction * 100,
+            room / 2**30,
+            config.path,
+        )
+        return budget
+    budget = int(config.budget_bytes)
+    if budget + _MAP_HEADROOM > room:
+        raise ConfigError(
+            "lmdb.budget_bytes",
+            f"{budget} bytes does not fit the {room} bytes free at {config.path}",
+        )
+    return budget
+
+
+class LmdbTier(Tier):
+    name = "lmdb"
+    persistent = True
+
+    def __init__(self, config: LMDBConfig, registry: PoolRegistry) -> None:
+        super().__init__(registry)
+        self.config = config
+        _prepare_dir(config.path)
+        self.budget = _budget(config)
+        self._high = int(self.budget * config.high_water)
+        self._low = int(self.budget * config.low_water)
+        map_size = self.budget + self.budget // 4 + _MAP_HEADROOM
+        try:
+            self.env = lmdb.open(
+                str(config.path),
+                map_size=map_size,
+                max_dbs=4,
+                max_readers=config.max_readers,
+                writemap=False,
+                sync=False,
+                metasync=False,
+                readahead=True,
+            )
+        except lmdb.Error as exc:
+            raise ConfigError("lmdb.path", f"cannot open LMDB at {config.path}: {exc}") from exc
+        stale = self.env.reader_check()
+        if stale:
+            log.info("lmdb: cleared %d stale reader slots", stale)
+        self._chunks = self.env.open_db(b"chunks")
+        self._lru = self.env.open_db(b"lru")
+        self._meta = self.env.open_db(b"meta")
+        self._lock = threading.Lock()
+        self._index: dict[ChunkKey, _Entry] = {}
+        self._pinned_keys: set[ChunkKey] = set()
+        self._touched: dict[ChunkKey, None] = {}
+        self._scratch = bytearray()
+        self._counters: Counter[str] = Counter()
+        self._clock = 0
+        self._load_index()
+        self._track_access = config.eviction_policy == "lru"
+        if config.eviction_policy not in ("lru", "fifo"):
+            raise ConfigError("lmdb.eviction_policy", f"unknown policy {config.eviction_policy!r}")
+        self._stop = threading.Event()
+        self._syncer: threading.Thread | None = None
+        if config.sync_interval_s > 0:
+            self._syncer = threading.Thread(
+                target=self._sync_loop, name="kvtier-lmdb-sync", daemon=True
+            )
+            self._syncer.start()
+
+    def _load_index(self) -> None:
+        with self.env.begin(db=self._meta) as txn:
+            for key, raw in txn.cursor():
+                entry = _Entry.unpack(raw)
+                self._index[ChunkKey(bytes(key))] = entry
+                self._clock = max(self._clock, entry.tick)
+                if entry.pinned:
+                    self._pinned_keys.add(ChunkKey(bytes(key)))
+        self._used = sum(e.nbytes for e in self._index.values())
+        log.info(
+            "lmdb %s: %d chunks, %.2f GiB of %.2f GiB",
+            self.config.path,
+            len(self._index),
+            self._used / 2**30,
+            self.budget / 2**30,
+        )
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def put(self, key: ChunkKey, payload: memoryview | bytes, replica: str = "default") -> bool:
+        return self.put_many([(key, payload)], replica)[0]
+
+    def put_many(
+        self, items: Sequence[tuple[ChunkKey, memoryview | bytes]], replica: str = "default"
+    ) -> list[bool]:
+        """Store chunks in one transaction; False for those that found no room."""
+        regs = [self._check_payload(key, len(payload)) for key, payload in items]
+        values = [
+            (key, blockfmt.encode_header(key, reg.descriptor, payload), payload, reg.pool)
+            for (key, payload), reg in zip(items, regs, strict=True)
+        ]
+        for attempt in range(_PUT_RETRIES):
+            try:
+                return self._put_txn(values, replica, extra_room=attempt * (self.budget // 20))
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)
+            except lmdb.MapFullError:
+                self._counters["map_full"] += 1
+            except lmdb.Error as exc:  # a full or failing disk: the chunks are just not stored
+                log.error("lmdb: write failed, %d chunks not stored: %s", len(items), exc)
+                self._counters["store_failed"] += len(items)
+                return [False] * len(items)
+        self._counters["store_rejected"] += len(items)
+        return [False] * len(items)
+
+    def _put_txn(
+        self,
+        values: list[tuple[ChunkKey, bytes, memoryview | bytes, str]],
+        replica: str,
+        extra_room: int,
+    ) -> list[bool]:
+        with self._lock:
+            incoming = sum(len(h) + len(p) for k, h, p, _ in values if k not in self._index)
+            added: dict[ChunkKey, _Entry] = {}
+            with self.env.begin(write=True) as txn:
+                evicted = self._evict_for(txn, incoming + extra_room)
+                self._flush_touches(txn)
+                results = []
+                for key, header, payload, pool in values:
+                    if key in self._index or key in added:
+                        results.append(True)
+                        continue
+                    if self._used_after(evicted, added) + len(header) + len(payload) > self.budget:
+                        results.append(False)
+                        continue
+                    txn.put(key, self._assemble(header, payload), db=self._chunks)
+                    entry = _Entry(
+                        self._tick(),
+                        len(header) + len(payload),
+                        key in self._pinned_keys,
+                        pool,
+                        replica,
+                    )
+                    txn.put(key, entry.pack(), db=self._meta)
+                    if not entry.pinned:
+                        txn.put(_lru_key(entry.tick, key), b"", db=self._lru)
+                    added[key] = entry
+                    results.append(True)
+            # committed: only now does the in-memory index follow
+            for key in evicted:
+                self._used -= self._index.pop(key).nbytes
+            self._index.update(added)
+            self._used += sum(e.nbytes for e in added.values())
+            self._counters["evictions_capacity"] += len(evicted)
+            self._counters["stores"] += len(added)
+            self._counters["store_rejected"] += results.count(False)
+        if self.config.sync_interval_s == 0:
+            self.env.sync(True)
+        return results
+
+    def _assemble(self, header: bytes, payload: memoryview | bytes) -> memoryview:
+        """Header and payload in one reused buffer (LMDB takes a single value)."""
+        total = len(header) + len(payload)
+        if len(self._scratch) < total:
+            self._scratch = bytearray(total)
+        view = memoryview(self._scratch)
+        view[: len(header)] = header
+        view[len(header) : total] = payload
+        return view[:total]
+
+    def _used_after(self, evicted: list[ChunkKey], added: dict[ChunkKey, _Entry]) -> int:
+        return (
+            self._used
+            - sum(self._index[k].nbytes for k in evicted)
+            + sum(e.nbytes for e in added.values())
+        )
+
+    def _evict_for(self, txn: lmdb.Transaction, incoming: int) -> list[ChunkKey]:
+        """Delete oldest unpinned chunks, inside ``txn``, until ``incoming`` fits under the
+        high-water mark (then down to the low-water mark)."""
+        if self._used + incoming <= self._high:
+            return []
+        target = min(self._low, self._high - incoming)
+        freed = 0
+        evicted: list[ChunkKey] = []
+        cursor = txn.cursor(db=self._lru)
+        for lru_key, _ in cursor:
+            if self._used - freed <= target:
+                break
+            key = ChunkKey(bytes(lru_key[8:]))
+            entry = self._index.get(key)
+            cursor.delete()
+            txn.delete(key, db=self._chunks)
+            txn.delete(key, db=self._meta)
+            if entry is not None:
+                freed += entry.nbytes
+                evicted.append(key)
+        return evicted
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def read_into(self, key: ChunkKey, dst: memoryview) -> bool:
+        if key not in self._index:
+            self._counters["misses"] += 1
+            return False
+        failure: ChunkFormatError | None = None
+        with self.env.begin(db=self._chunks, buffers=True) as txn:
+            value = txn.get(key)
+            if value is None:
+                self._counters["misses"] += 1
+                return False
+            try:
+                blockfmt.decode_into(value, key, dst)
+            except ChunkFormatError as exc:
+                failure = exc
+        if failure is not None:
+            self.quarantine(key, failure)
+            return False
+        self._counters["hits"] += 1
+        if self._track_access and len(self._touched) < _MAX_PENDING_TOUCHES:
+            self._touched[key] = None
+        return True
+
+    def quarantine(self, key: ChunkKey, reason: Exception) -> None:
+        """Delete a chunk that failed verification and count it; it is never served."""
+        log.error("lmdb: chunk %s failed verification (%s); deleted", key.hex(), reason)
+        self._counters["corrupt"] += 1
+        self._drop([key], force=True)
+
+    def _flush_touches(self, txn: lmdb.Transaction) -> None:
+        touched, self._touched = self._touched, {}
+        for key in touched:
+            entry = self._index.get(key)
+            if entry is None or entry.pinned:
+                continue
+            txn.delete(_lru_key(entry.tick, key), db=self._lru)
+            entry.tick = self._tick()
+            txn.put(_lru_key(entry.tick, key), b"", db=self._lru)
+            txn.put(key, entry.pack(), db=self._meta)
+
+    # -- maintenance ----------------------------------------------------------------------
+
+    def _sync_loop(self) -> None:
+        while not self._stop.wait(self.config.sync_interval_s):
+            try:
+                self.sync()
+            except lmdb.Error as exc:
+                self._counters["sync_failed"] += 1
+                log.error("lmdb: background sync failed: %s", exc)
+
+    def sync(self) -> None:
+        """Apply recorded accesses to the LRU index and flush everything to disk."""
+        if self._touched:
+            with self._lock, self.env.begin(write=True) as txn:
+                self._flush_touches(txn)
+        self.env.sync(True)
+
+    def _drop(self, keys: Sequence[ChunkKey], force: bool) -> int:
+        with self._lock, self.env.begin(write=True) as txn:
+            dropped = []
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is None and not force:
+                    continue
+                if entry is not None and entry.pinned and not force:
+                    continue
+                txn.delete(key, db=self._chunks)
+                txn.delete(key, db=self._meta)
+                if entry is not None:
+                    txn.delete(_lru_key(entry.tick, key), db=self._lru)
+                    dropped.append(key)
+        for key in dropped:
+            self._used -= self._index.pop(key).nbytes
+        return len(dropped)
+
+    def _set_pinned(self, keys: Sequence[ChunkKey], pinned: bool) -> None:
+        with self._lock, self.env.begin(write=True) as txn:
+            for key in keys:
+                (self._pinned_keys.add if pinned else self._pinned_keys.discard)(key)
+                entry = self._index.get(key)
+                if entry is None or entry.pinned == pinned:
+                    continue
+                entry.pinned = pinned
+                if pinned:
+                    txn.delete(_lru_key(entry.tick, key), db=self._lru)
+                else:
+                    entry.tick = self._tick()
+                    txn.put(_lru_key(entry.tick, key), b"", db=self._lru)
+                txn.put(key, entry.pack(), db=self._meta)
+
+    # -- the Tier contract ----------------------------------------------------------------
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        index = self._index
+        return [k in index for k in keys]
+
+    def locate(self, keys: Sequence[ChunkKey]) -> int:
+        index = self._index
+        n = 0
+        for k in keys:
+            if k not in index:
+                break
+            n += 1
+        return n
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        return self._drop(keys, force=False)
+
+    def pin(self, keys: Sequence[ChunkKey]) -> None:
+        self._set_pinned(keys, True)
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        self._set_pinned(keys, False)
+
+    def keys(self) -> Iterator[ChunkKey]:
+        return iter(list(self._index))
+
+    def evict(
+        self, *, pool: str | None = None, namespace: bytes | None = None, replica: str | None = None
+    ) -> int:
+        victims = [
+            key
+            for key, entry in list(self._index.items())
+            if not entry.pinned
+            and (pool is None or entry.pool == pool)
+            and (namespace is None or key[:NAMESPACE_BYTES] == namespace)
+            and (replica is None or entry.replica == replica)
+        ]
+        dropped = self._drop(victims, force=False)
+        self._counters["evictions_admin"] += dropped
+        return dropped
+
+    def stats(self) -> TierStats:
+        pools: dict[str, UsageStats] = {}
+        replicas: dict[tuple[str, str], UsageStats] = {}
+        with self._lock:
+            for entry in self._index.values():
+                for usage in (
+                    pools.setdefault(entry.pool, UsageStats()),
+                    replicas.setdefault((entry.replica, entry.pool), UsageStats()),
+                ):
+                    usage.used_bytes += entry.nbytes
+                    usage.chunks += 1
+            return TierStats(
+                tier=self.name,
+                capacity_bytes=self.budget,
+                used_bytes=self._used,
+                chunks=len(self._index),
+                pools=pools,
+                replicas=replicas,
+                counters=Counter(self._counters),
+            )
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._syncer is not None:
+            self._syncer.join()
+        try:
+            self.sync()
+        finally:
+            self.env.close()
