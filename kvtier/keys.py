@@ -74,6 +74,8 @@ class NamespaceSpec:
     """Draft pool only; a draft swap changes it and nothing else."""
 
     def __post_init__(self) -> None:
+        if self.pool not in tuple(Pool):
+            raise ValueError(f"pool must be one of {[str(p) for p in Pool]}, got {self.pool!r}")
         object.__setattr__(self, "pool", Pool(self.pool))
         if self.pool is Pool.DRAFT:
             if not self.draft_model or self.draft_revision is None:

@@ -112,6 +112,7 @@ class CpuTier(Tier):
         self._quota_override: dict[tuple[str, str], int] = {}
         self._counters: Counter[str] = Counter()
         self._track_dirty = False
+        self._closed = False
         log.info(
             "arena %s: %.2f GiB, %d extents of %d MiB",
             config.path,
@@ -538,4 +539,6 @@ class CpuTier(Tier):
 
     def close(self) -> None:
         with self._lock:
-            self.memory.close()
+            if not self._closed:
+                self._closed = True
+                self.memory.close()

@@ -211,8 +211,8 @@ class LmdbTier(Tier):
             incoming = sum(len(h) + len(p) for k, h, p, _ in values if k not in self._index)
             added: dict[ChunkKey, _Entry] = {}
             with self.env.begin(write=True) as txn:
+                self._flush_touches(txn)  # recency first, so eviction sees it
                 evicted = self._evict_for(txn, incoming + extra_room)
-                self._flush_touches(txn)
                 results = []
                 for key, header, payload, pool in values:
                     if key in self._index or key in added:
@@ -440,6 +440,8 @@ class LmdbTier(Tier):
             )
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._syncer is not None:
             self._syncer.join()

@@ -1,0 +1,78 @@
+"""Test helpers: namespace specs, keys, payloads and small configs for real arenas and LMDB."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtier.config import ArenaConfig, KVTierConfig, LMDBConfig, from_mapping
+from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool, make_key
+
+MiB = 1 << 20
+
+
+def layout(layers: int = 2) -> PageLayout:
+    return PageLayout(
+        tokens_per_block=16,
+        blocks_per_chunk=4,
+        num_kv_heads=2,
+        head_sizes=(32, 32),
+        layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers)),
+    )
+
+
+def target_spec(**overrides: object) -> NamespaceSpec:
+    fields: dict[str, object] = {
+        "model": "tiny-llama",
+        "model_revision": "r1",
+        "pool": Pool.TARGET,
+        "kv_dtype": "float16",
+        "layout": layout(),
+    }
+    fields.update(overrides)
+    return NamespaceSpec(**fields)  # type: ignore[arg-type]
+
+
+def draft_spec(**overrides: object) -> NamespaceSpec:
+    fields: dict[str, object] = {
+        "pool": Pool.DRAFT,
+        "draft_model": "tiny-draft",
+        "draft_revision": "d1",
+        "kv_dtype": "fp8",
+        "layout": layout(1),
+    }
+    fields.update(overrides)
+    return target_spec(**fields)
+
+
+def keys_for(namespace: bytes, n: int, start: int = 0) -> list[ChunkKey]:
+    return [make_key(namespace, (start + i).to_bytes(32, "big")) for i in range(n)]
+
+
+def payload_for(key: ChunkKey, nbytes: int) -> bytes:
+    """Distinct, checkable bytes per key."""
+    seed = key[-4:] * 4
+    return (seed * (nbytes // len(seed) + 1))[:nbytes]
+
+
+def arena_config(path: Path, size: int = 16 * MiB, **overrides: object) -> ArenaConfig:
+    fields: dict[str, object] = {"path": path, "size_bytes": size, "extent_bytes": 2 * MiB}
+    fields.update(overrides)
+    return ArenaConfig.model_validate(fields)
+
+
+def lmdb_config(path: Path, budget: int = 64 * MiB, **overrides: object) -> LMDBConfig:
+    fields: dict[str, object] = {"path": path, "budget_bytes": budget, "sync_interval_s": 0.2}
+    fields.update(overrides)
+    return LMDBConfig.model_validate(fields)
+
+
+def manager_config(
+    shm: Path, tmp: Path, arena_mib: int = 16, lmdb_mib: int = 64, **manager: object
+) -> KVTierConfig:
+    return from_mapping(
+        {
+            "arena": {"path": str(shm), "size_bytes": arena_mib * MiB, "extent_bytes": 2 * MiB},
+            "lmdb": {"path": str(tmp / "lmdb"), "budget_bytes": lmdb_mib * MiB},
+            "manager": manager,
+        }
+    )
