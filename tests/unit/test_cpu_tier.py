@@ -1,0 +1,254 @@
+"""The arena's own guarantees beyond the shared contract: slot states, generations, leases,
+per-replica quotas, per-pool size classes, mapping by path, and refusal of bad set-ups."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from kvtier.errors import CapacityError, ConfigError, PoolLayoutError
+from kvtier.pools import PoolRegistry
+from kvtier.tiers.arena import ArenaMemory, SlotState
+from kvtier.tiers.cpu import CpuTier, default_arena_size
+from tests.support import MiB, arena_config, draft_spec, keys_for, payload_for, target_spec
+
+CHUNK = 256 << 10
+
+
+@pytest.fixture
+def registry() -> PoolRegistry:
+    return PoolRegistry()
+
+
+@pytest.fixture
+def tier(shm_path: Path, registry: PoolRegistry) -> CpuTier:
+    tier = CpuTier(arena_config(shm_path, 16 * MiB), registry)
+    yield tier  # type: ignore[misc]
+    tier.close()
+
+
+@pytest.fixture
+def ns(registry: PoolRegistry) -> bytes:
+    return registry.register(target_spec(), CHUNK).namespace
+
+
+def test_slot_moves_free_writing_ready_and_uncommitted_is_invisible(
+    tier: CpuTier, ns: bytes
+) -> None:
+    (key,) = keys_for(ns, 1)
+    (ref,) = tier.reserve([key], "r0")
+    assert ref is not None
+    assert tier.memory.state[ref.slot] == SlotState.WRITING
+    assert tier.contains([key]) == [False]  # reserved, not yet visible
+    assert tier.lease([key]) == [None]
+    assert tier.reserve([key], "r1") == [None]  # already in flight: not copied twice
+    tier.view(ref)[:] = payload_for(key, CHUNK)
+    assert tier.commit([ref]) == 1
+    assert tier.memory.state[ref.slot] == SlotState.READY
+    assert tier.contains([key]) == [True]
+    assert tier.reserve([key], "r1") == [None]  # present: not copied twice
+
+
+def test_abort_frees_the_slot_and_bumps_the_generation(tier: CpuTier, ns: bytes) -> None:
+    (key,) = keys_for(ns, 1)
+    (ref,) = tier.reserve([key])
+    assert ref is not None
+    tier.abort([ref])
+    assert tier.memory.state[ref.slot] == SlotState.FREE
+    assert not tier.memory.is_current(ref.slot, ref.generation)
+    assert tier.commit([ref]) == 0  # a stale reservation cannot publish anything
+    assert tier.contains([key]) == [False]
+    assert tier.stats().counters["commit_stale"] == 1
+
+
+def test_leased_chunks_are_never_evicted(tier: CpuTier, ns: bytes) -> None:
+    keys = keys_for(ns, 200)
+    assert tier.put(keys[0], payload_for(keys[0], CHUNK))
+    (lease,) = tier.lease([keys[0]])
+    assert lease is not None
+    for key in keys[1:]:
+        tier.put(key, payload_for(key, CHUNK))
+    assert tier.contains([keys[0]]) == [True]
+    assert bytes(tier.view(lease)) == payload_for(keys[0], CHUNK)
+    assert tier.delete([keys[0]]) == 0  # in use
+    tier.release([lease])
+    assert tier.delete([keys[0]]) == 1
+    assert not tier.memory.is_current(lease.slot, lease.generation)
+    tier.release([lease])  # a stale release is ignored, not an underflow
+    assert tier.stats().counters["release_stale"] == 1
+
+
+def test_when_everything_is_leased_stores_are_rejected_not_blocked(
+    tier: CpuTier, ns: bytes
+) -> None:
+    keys = keys_for(ns, 57)
+    for key in keys[:56]:
+        assert tier.put(key, payload_for(key, CHUNK))
+    leases = tier.lease(keys[:56])
+    assert tier.reserve([keys[56]]) == [None]
+    assert tier.stats().counters["store_rejected"] == 1
+    tier.release([lease for lease in leases if lease is not None])
+    assert tier.reserve([keys[56]])[0] is not None
+
+
+def test_replica_over_quota_is_evicted_first(tier: CpuTier, ns: bytes) -> None:
+    tier.set_quota("hot", "target", 8 * CHUNK)
+    calm = keys_for(ns, 20)
+    for key in calm:  # the older chunks: plain LRU would evict these first
+        tier.put(key, payload_for(key, CHUNK), "calm")
+    for key in keys_for(ns, 200, start=1000):
+        tier.put(key, payload_for(key, CHUNK), "hot")
+    assert tier.contains(calm) == [True] * 20
+    stats = tier.stats()
+    assert stats.replicas[("hot", "target")].chunks == 56 - 20
+    assert stats.counters["evictions_quota"] > 0
+
+
+def test_chunk_stored_by_one_replica_is_a_hit_for_another_and_stored_once(
+    tier: CpuTier, ns: bytes
+) -> None:
+    (key,) = keys_for(ns, 1)
+    assert tier.put(key, payload_for(key, CHUNK), "r0")
+    assert tier.put(key, payload_for(key, CHUNK), "r1")
+    assert tier.lease([key])[0] is not None
+    stats = tier.stats()
+    assert stats.chunks == 1
+    assert ("r1", "target") not in stats.replicas
+
+
+def test_draft_pool_uses_its_own_slot_size(
+    tier: CpuTier, ns: bytes, registry: PoolRegistry
+) -> None:
+    draft = registry.register(draft_spec(), 64 << 10).namespace
+    for key in keys_for(draft, 40):
+        assert tier.put(key, payload_for(key, 64 << 10))
+    pools = tier.stats().pools
+    assert pools["draft"].used_bytes == 40 * (64 << 10)  # no slot padded to the target's size
+    # 40 small chunks fit in two extents; the other five remain for the target pool
+    for key in keys_for(ns, 40):
+        assert tier.put(key, payload_for(key, CHUNK))
+    assert tier.stats().pools["target"].chunks == 40
+
+
+def test_pool_share_caps_a_pool(shm_path: Path, registry: PoolRegistry) -> None:
+    tier = CpuTier(arena_config(shm_path, 16 * MiB), registry)  # draft max_share 0.5
+    try:
+        draft = registry.register(draft_spec(), CHUNK).namespace
+        for key in keys_for(draft, 100):
+            tier.put(key, payload_for(key, CHUNK))
+        assert tier.stats().pools["draft"].chunks == 3 * 8  # floor(7 * 0.5) extents
+    finally:
+        tier.close()
+
+
+def test_chunks_larger_than_an_extent_are_refused(tier: CpuTier, registry: PoolRegistry) -> None:
+    big = registry.register(target_spec(model="big"), 4 * MiB).namespace
+    with pytest.raises(PoolLayoutError, match="extent_bytes"):
+        tier.reserve(keys_for(big, 1))
+
+
+def test_another_process_maps_the_arena_by_path(tier: CpuTier, ns: bytes) -> None:
+    key, other = keys_for(ns, 2)
+    tier.put(key, payload_for(key, CHUNK))
+    (lease,) = tier.lease([key])
+    (res,) = tier.reserve([other])
+    assert lease is not None
+    assert res is not None
+    script = (
+        "import sys; from pathlib import Path; from kvtier.tiers.arena import ArenaMemory;"
+        "m = ArenaMemory.attach(Path(sys.argv[1]));"
+        "r = m.view(int(sys.argv[2]), int(sys.argv[3]));"
+        "w = m.view(int(sys.argv[4]), int(sys.argv[3]));"
+        "w[:] = bytes(r)[::-1];"  # write the reverse into the reserved slot
+        "print(m.is_current(int(sys.argv[5]), int(sys.argv[6])), int(m.generation[int(sys.argv[5])]))"
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            str(tier.memory.path),
+            str(lease.offset),
+            str(CHUNK),
+            str(res.offset),
+            str(lease.slot),
+            str(lease.generation),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.split() == ["True", str(lease.generation)]
+    tier.commit([res])
+    assert bytes(tier.view(res)) == payload_for(key, CHUNK)[::-1]
+
+
+def test_second_owner_of_the_same_arena_is_refused(tier: CpuTier, shm_path: Path) -> None:
+    with pytest.raises(ConfigError, match="in use by another kvtier process"):
+        CpuTier(arena_config(shm_path, 16 * MiB), PoolRegistry())
+
+
+def test_stale_arena_of_a_dead_owner_is_replaced(shm_path: Path) -> None:
+    shm_path.write_bytes(b"left over by a killed daemon")
+    tier = CpuTier(arena_config(shm_path, 16 * MiB), PoolRegistry())
+    try:
+        assert ArenaMemory.attach(shm_path).num_extents == tier.memory.num_extents
+    finally:
+        tier.close()
+    assert not shm_path.exists()
+
+
+def test_unwritable_arena_path_is_a_config_error(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    path = Path("/proc/kvtier-arena") if _is_root() else ro / "arena"
+    with pytest.raises(ConfigError, match=r"arena\.path"):
+        CpuTier(arena_config(path, 16 * MiB), PoolRegistry())
+
+
+def test_arena_larger_than_memory_is_refused(shm_path: Path) -> None:
+    with pytest.raises(CapacityError, match=r"arena\.size_bytes"):
+        CpuTier(arena_config(shm_path, 1 << 50), PoolRegistry())
+    assert not shm_path.exists()
+
+
+def test_default_size_comes_from_free_memory_with_a_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING"):
+        size = default_arena_size(0.25, Path("/dev/shm"))
+    assert size > 0
+    assert "arena.size_bytes is not set" in caplog.text
+
+
+def test_hot_path_allocates_nothing_chunk_sized(tier: CpuTier, ns: bytes) -> None:
+    keys = keys_for(ns, 300)
+    payload = payload_for(keys[0], CHUNK)
+    for key in keys[:60]:  # warm up: every slot and list already exists
+        tier.put(key, payload)
+    tracemalloc.start()
+    try:
+        for key in keys[60:]:
+            (ref,) = tier.reserve([key])
+            assert ref is not None
+            tier.view(ref)[:] = payload
+            tier.commit([ref])
+            (lease,) = tier.lease([key])
+            assert lease is not None
+            tier.release([lease])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < CHUNK // 4, f"peak {peak} bytes traced on the store/load path"
+
+
+def _is_root() -> bool:
+    import os
+
+    return os.geteuid() == 0
