@@ -164,7 +164,8 @@ def test_another_process_maps_the_arena_by_path(tier: CpuTier, ns: bytes) -> Non
         "r = m.view(int(sys.argv[2]), int(sys.argv[3]));"
         "w = m.view(int(sys.argv[4]), int(sys.argv[3]));"
         "w[:] = bytes(r)[::-1];"  # write the reverse into the reserved slot
-        "print(m.is_current(int(sys.argv[5]), int(sys.argv[6])), int(m.generation[int(sys.argv[5])]))"
+        "s = int(sys.argv[5]);"
+        "print(m.is_current(s, int(sys.argv[6])), int(m.generation[s]))"
     )
     out = subprocess.run(
         [

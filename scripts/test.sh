@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The project's one test command: installs what the tests need into .venv, then lints,
+# type-checks and runs the suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${KVTIER_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[test]'
+
+"$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
+"$VENV/bin/mypy"
+
+# pytest exits 5 when it collects nothing; set -e turns that into a failure too.
+"$VENV/bin/pytest" "$@"

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import KVTierConfig, describe, load_config
+
+
+def test_defaults_need_no_file() -> None:
+    cfg = load_config(env={})
+    assert cfg.arena.path == Path("/dev/shm/kvtier-arena")
+    assert cfg.arena.size_bytes is None
+    assert cfg.lmdb.enabled
+    assert set(cfg.arena.pools) == {"target", "draft"}
+
+
+def test_yaml_then_environment_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "kvtier.yaml"
+    f.write_text("arena:\n  size_bytes: 1GiB\nlmdb:\n  high_water: 0.9\n  low_water: 0.5\n")
+    cfg = load_config(f, env={"KVTIER_ARENA__SIZE_BYTES": "2GiB", "KVTIER_LMDB__ENABLED": "false"})
+    assert cfg.arena.size_bytes == 2 << 30
+    assert cfg.lmdb.high_water == 0.9
+    assert not cfg.lmdb.enabled
+
+
+@pytest.mark.parametrize(
+    ("env", "key"),
+    [
+        ({"KVTIER_ARENA__SIZE_BYTES": "lots"}, "arena.size_bytes"),
+        ({"KVTIER_ARENA__BOGUS": "1"}, "arena.bogus"),
+        ({"KVTIER_LMDB__HIGH_WATER": "1.5"}, "lmdb.high_water"),
+        ({"KVTIER_LMDB__LOW_WATER": "0.99"}, "lmdb"),
+        ({"KVTIER_MANAGER__DEMOTE_MODE": "sometimes"}, "manager.demote_mode"),
+        ({"KVTIER_ARENA__POOLS__DRAFT__MAX_SHARE": "0"}, "arena.pools.draft.max_share"),
+    ],
+)
+def test_invalid_values_name_their_key(env: dict[str, str], key: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{key}\b"):
+        load_config(env=env)
+
+
+def test_bad_files_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--config: cannot read"):
+        load_config(tmp_path / "missing.yaml", env={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(ValueError, match="mapping at the top level"):
+        load_config(bad, env={})
+
+
+def test_every_key_has_a_default_and_a_description() -> None:
+    KVTierConfig()  # every key has a default
+    keys = dict(describe())
+    assert len(keys) > 15
+    assert all(keys.values()), [k for k, d in keys.items() if not d]
+
+
+def test_readme_documents_every_key() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    missing = [key for key, _ in describe() if f"`{key}`" not in readme]
+    assert not missing, f"README lacks {missing}"
