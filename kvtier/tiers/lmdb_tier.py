@@ -291,16 +291,14 @@ class LmdbTier(Tier):
         if key not in self._index:
             self._counters["misses"] += 1
             return False
-        failure: ChunkFormatError | None = None
-        with self.env.begin(db=self._chunks, buffers=True) as txn:
-            value = txn.get(key)
-            if value is None:
-                self._counters["misses"] += 1
-                return False
-            try:
-                blockfmt.decode_into(value, key, dst)
-            except ChunkFormatError as exc:
-                failure = exc
+        try:
+            found, failure = self._copy_verified(key, dst)
+        except lmdb.MapResizedError:  # another process grew the map: adopt it and go on
+            self.env.set_mapsize(0)
+            found, failure = self._copy_verified(key, dst)
+        if not found:
+            self._counters["misses"] += 1
+            return False
         if failure is not None:
             self.quarantine(key, failure)
             return False
@@ -308,6 +306,20 @@ class LmdbTier(Tier):
         if self._track_access and len(self._touched) < _MAX_PENDING_TOUCHES:
             self._touched[key] = None
         return True
+
+    def _copy_verified(
+        self, key: ChunkKey, dst: memoryview
+    ) -> tuple[bool, ChunkFormatError | None]:
+        """Copy out inside one short read transaction; the buffer is invalid after it."""
+        with self.env.begin(db=self._chunks, buffers=True) as txn:
+            value = txn.get(key)
+            if value is None:
+                return False, None
+            try:
+                blockfmt.decode_into(value, key, dst)
+            except ChunkFormatError as exc:
+                return True, exc
+        return True, None
 
     def quarantine(self, key: ChunkKey, reason: Exception) -> None:
         """Delete a chunk that failed verification and count it; it is never served."""
