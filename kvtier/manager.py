@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.config import DemoteMode, KVTierConfig
+from kvtier.counters import Counters
 from kvtier.keys import ChunkKey, NamespaceSpec
 from kvtier.pools import PoolRegistry
 from kvtier.tiers.base import Tier, TierStats
@@ -60,7 +61,7 @@ class TierManager:
         self.cpu.track_dirty(self.lmdb is not None)
         self._write_through = config.manager.demote_mode is DemoteMode.WRITE_THROUGH
         self.cpu.set_clean_reserve(1.0 if self._write_through else config.manager.clean_reserve)
-        self._counters: Counter[str] = Counter()
+        self._counters = Counters()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._writer: threading.Thread | None = None
@@ -98,11 +99,11 @@ class TierManager:
             else:
                 break
         counters = self._counters
-        counters["lookups"] += 1
-        counters["lookup_chunks"] += len(keys)
+        counters.add("lookups", 1)
+        counters.add("lookup_chunks", len(keys))
         n_cpu = tiers.count(TIER_CPU)
-        counters["hit_chunks_cpu"] += n_cpu
-        counters["hit_chunks_lmdb"] += len(tiers) - n_cpu
+        counters.add("hit_chunks_cpu", n_cpu)
+        counters.add("hit_chunks_lmdb", len(tiers) - n_cpu)
         return LookupResult(len(tiers), tiers)
 
     # -- store ----------------------------------------------------------------------------
@@ -151,14 +152,14 @@ class TierManager:
             return None
         (ref,) = self.cpu.reserve([key], replica)
         if ref is None:  # no room, or another caller is promoting it right now
-            self._counters["promotion_failed"] += 1
+            self._counters.add("promotion_failed", 1)
             return None
         if not self.lmdb.read_into(key, self.cpu.view(ref)):
             self.cpu.abort([ref])
-            self._counters["promotion_failed"] += 1
+            self._counters.add("promotion_failed", 1)
             return None
         self.cpu.commit([ref], clean=True, lease=True)
-        self._counters["promotions"] += 1
+        self._counters.add("promotions", 1)
         return ref
 
     def release(self, refs: Sequence[SlotRef]) -> None:
@@ -174,7 +175,7 @@ class TierManager:
                 while self._writeback_batch(everything=self._write_through):
                     pass
             except Exception:  # never let the mover die silently
-                self._counters["writeback_errors"] += 1
+                self._counters.add("writeback_errors", 1)
                 log.exception("write-back batch failed")
 
     def _writeback_batch(self, everything: bool) -> int:
@@ -241,7 +242,7 @@ class TierManager:
     def stats(self) -> ManagerStats:
         return ManagerStats(
             tiers={name: tier.stats() for name, tier in self.tiers.items()},
-            counters=Counter(self._counters),
+            counters=self._counters.snapshot(),
         )
 
     def close(self) -> None:

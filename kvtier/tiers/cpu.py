@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from kvtier.config import ArenaConfig
+from kvtier.counters import Counters
 from kvtier.errors import CapacityError, PoolLayoutError
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.pools import PoolRegistry, Registration
@@ -110,7 +111,7 @@ class CpuTier(Tier):
         self._used: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> bytes
         self._chunks: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> chunks
         self._quota_override: dict[tuple[str, str], int] = {}
-        self._counters: Counter[str] = Counter()
+        self._counters = Counters()
         self._track_dirty = False
         self._closed = False
         log.info(
@@ -231,7 +232,7 @@ class CpuTier(Tier):
             return None
         slot, reason = victim
         self._release_slot(slot)
-        self._counters[f"evictions_{reason}"] += 1
+        self._counters.add(f"evictions_{reason}", 1)
         return cls.free.pop()
 
     def _release_slot(self, slot: int) -> None:
@@ -281,13 +282,13 @@ class CpuTier(Tier):
             q = self._replica(replica)
             for key, reg in zip(keys, regs, strict=True):
                 if key in self._index or key in self._writing:
-                    self._counters["store_duplicate"] += 1
+                    self._counters.add("store_duplicate", 1)
                     out.append(None)
                     continue
                 cls = self._class_for(reg)
                 slot = self._allocate(cls)
                 if slot is None:
-                    self._counters["store_rejected"] += 1
+                    self._counters.add("store_rejected", 1)
                     out.append(None)
                     continue
                 self._key[slot] = key
@@ -304,7 +305,7 @@ class CpuTier(Tier):
         with self._lock:
             for ref in refs:
                 if not self._current(ref, SlotState.WRITING):
-                    self._counters["commit_stale"] += 1
+                    self._counters.add("commit_stale", 1)
                     continue
                 slot = ref.slot
                 cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
@@ -325,7 +326,7 @@ class CpuTier(Tier):
                     cls.dirty.append((slot, ref.generation))
                 if lease:
                     self.memory.refcount[slot] += 1
-                self._counters["stores"] += 1
+                self._counters.add("stores", 1)
                 done += 1
         return done
 
@@ -334,7 +335,7 @@ class CpuTier(Tier):
             for ref in refs:
                 if self._current(ref, SlotState.WRITING):
                     self._release_slot(ref.slot)
-                    self._counters["store_aborted"] += 1
+                    self._counters.add("store_aborted", 1)
 
     # -- the load path: lease -> read -> release ------------------------------------------
 
@@ -346,14 +347,14 @@ class CpuTier(Tier):
             for key in keys:
                 slot = self._index.get(key)
                 if slot is None:
-                    self._counters["misses"] += 1
+                    self._counters.add("misses", 1)
                     out.append(None)
                     continue
                 cls = self._class_of_extent[slot // mem.max_slots_per_extent]
                 assert cls is not None
                 mem.refcount[slot] += 1
                 cls.policy.access(slot)
-                self._counters["hits"] += 1
+                self._counters.add("hits", 1)
                 out.append(self._ref(key, slot, cls.slot_bytes))
         return out
 
@@ -363,7 +364,7 @@ class CpuTier(Tier):
                 if self._current(ref, SlotState.READY) and self.memory.refcount[ref.slot] > 0:
                     self.memory.refcount[ref.slot] -= 1
                 else:
-                    self._counters["release_stale"] += 1
+                    self._counters.add("release_stale", 1)
 
     def owner_of(self, ref: SlotRef) -> str:
         return self._replica_names[self._owner[ref.slot]]
@@ -416,7 +417,7 @@ class CpuTier(Tier):
                     cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
                     assert cls is not None
                     cls.dirty_count -= 1
-                self._counters["writeback_ok" if ok else "writeback_failed"] += 1
+                self._counters.add("writeback_ok" if ok else "writeback_failed", 1)
 
     # -- the Tier contract ----------------------------------------------------------------
 
@@ -506,7 +507,7 @@ class CpuTier(Tier):
                     continue
                 self._release_slot(slot)
                 dropped += 1
-            self._counters["evictions_admin"] += dropped
+            self._counters.add("evictions_admin", dropped)
         return dropped
 
     def stats(self) -> TierStats:
@@ -534,7 +535,7 @@ class CpuTier(Tier):
                 chunks=len(self._index),
                 pools=pools,
                 replicas=replicas,
-                counters=Counter(self._counters),
+                counters=self._counters.snapshot(),
             )
 
     def close(self) -> None:

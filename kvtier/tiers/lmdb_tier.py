@@ -17,7 +17,6 @@ import logging
 import shutil
 import struct
 import threading
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import lmdb
 
 from kvtier import blockfmt
 from kvtier.config import LMDBConfig
+from kvtier.counters import Counters
 from kvtier.errors import ChunkFormatError, ConfigError
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.pools import PoolRegistry
@@ -138,7 +138,7 @@ class LmdbTier(Tier):
         self._pinned_keys: set[ChunkKey] = set()
         self._touched: dict[ChunkKey, None] = {}
         self._scratch = bytearray()
-        self._counters: Counter[str] = Counter()
+        self._counters = Counters()
         self._clock = 0
         self._load_index()
         self._track_access = config.eviction_policy == "lru"
@@ -193,12 +193,12 @@ class LmdbTier(Tier):
             except lmdb.MapResizedError:
                 self.env.set_mapsize(0)
             except lmdb.MapFullError:
-                self._counters["map_full"] += 1
+                self._counters.add("map_full", 1)
             except lmdb.Error as exc:  # a full or failing disk: the chunks are just not stored
                 log.error("lmdb: write failed, %d chunks not stored: %s", len(items), exc)
-                self._counters["store_failed"] += len(items)
+                self._counters.add("store_failed", len(items))
                 return [False] * len(items)
-        self._counters["store_rejected"] += len(items)
+        self._counters.add("store_rejected", len(items))
         return [False] * len(items)
 
     def _put_txn(
@@ -239,9 +239,9 @@ class LmdbTier(Tier):
                 self._used -= self._index.pop(key).nbytes
             self._index.update(added)
             self._used += sum(e.nbytes for e in added.values())
-            self._counters["evictions_capacity"] += len(evicted)
-            self._counters["stores"] += len(added)
-            self._counters["store_rejected"] += results.count(False)
+            self._counters.add("evictions_capacity", len(evicted))
+            self._counters.add("stores", len(added))
+            self._counters.add("store_rejected", results.count(False))
         if self.config.sync_interval_s == 0:
             self.env.sync(True)
         return results
@@ -289,7 +289,7 @@ class LmdbTier(Tier):
 
     def read_into(self, key: ChunkKey, dst: memoryview) -> bool:
         if key not in self._index:
-            self._counters["misses"] += 1
+            self._counters.add("misses", 1)
             return False
         try:
             found, failure = self._copy_verified(key, dst)
@@ -297,12 +297,12 @@ class LmdbTier(Tier):
             self.env.set_mapsize(0)
             found, failure = self._copy_verified(key, dst)
         if not found:
-            self._counters["misses"] += 1
+            self._counters.add("misses", 1)
             return False
         if failure is not None:
             self.quarantine(key, failure)
             return False
-        self._counters["hits"] += 1
+        self._counters.add("hits", 1)
         if self._track_access and len(self._touched) < _MAX_PENDING_TOUCHES:
             self._touched[key] = None
         return True
@@ -324,7 +324,7 @@ class LmdbTier(Tier):
     def quarantine(self, key: ChunkKey, reason: Exception) -> None:
         """Delete a chunk that failed verification and count it; it is never served."""
         log.error("lmdb: chunk %s failed verification (%s); deleted", key.hex(), reason)
-        self._counters["corrupt"] += 1
+        self._counters.add("corrupt", 1)
         self._drop([key], force=True)
 
     def _flush_touches(self, txn: lmdb.Transaction) -> None:
@@ -345,7 +345,7 @@ class LmdbTier(Tier):
             try:
                 self.sync()
             except lmdb.Error as exc:
-                self._counters["sync_failed"] += 1
+                self._counters.add("sync_failed", 1)
                 log.error("lmdb: background sync failed: %s", exc)
 
     def sync(self) -> None:
@@ -427,7 +427,7 @@ class LmdbTier(Tier):
             and (replica is None or entry.replica == replica)
         ]
         dropped = self._drop(victims, force=False)
-        self._counters["evictions_admin"] += dropped
+        self._counters.add("evictions_admin", dropped)
         return dropped
 
     def stats(self) -> TierStats:
@@ -448,7 +448,7 @@ class LmdbTier(Tier):
                 chunks=len(self._index),
                 pools=pools,
                 replicas=replicas,
-                counters=Counter(self._counters),
+                counters=self._counters.snapshot(),
             )
 
     def close(self) -> None:
