@@ -65,6 +65,15 @@ class Tier(ABC):
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Presence of each key (no verification, no recency update)."""
 
+    def locate(self, keys: Sequence[ChunkKey]) -> int:
+        """Length of the prefix of ``keys`` present here."""
+        n = 0
+        for present in self.contains(keys):
+            if not present:
+                break
+            n += 1
+        return n
+
     @abstractmethod
     def put(self, key: ChunkKey, payload: memoryview | bytes, replica: str = "default") -> bool:
         """Store one chunk; False when the tier has no room now (counted, nothing changed)."""
@@ -95,8 +104,3 @@ class Tier(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
-
-
-def check_unique(keys: Sequence[ChunkKey]) -> None:
-    if len(set(keys)) != len(keys):
-        raise ValueError("duplicate keys in one batch")

@@ -425,16 +425,6 @@ class CpuTier(Tier):
         index = self._index
         return [k in index for k in keys]
 
-    def locate(self, keys: Sequence[ChunkKey]) -> int:
-        """Length of the prefix of ``keys`` present here."""
-        index = self._index
-        n = 0
-        for k in keys:
-            if k not in index:
-                break
-            n += 1
-        return n
-
     def put(self, key: ChunkKey, payload: memoryview | bytes, replica: str = "default") -> bool:
         self._check_payload(key, len(payload))
         (ref,) = self.reserve([key], replica)

@@ -394,15 +394,6 @@ class LmdbTier(Tier):
         index = self._index
         return [k in index for k in keys]
 
-    def locate(self, keys: Sequence[ChunkKey]) -> int:
-        index = self._index
-        n = 0
-        for k in keys:
-            if k not in index:
-                break
-            n += 1
-        return n
-
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         return self._drop(keys, force=False)
 
