@@ -4,11 +4,16 @@ Databases in the environment:
 
 - ``chunks``: key -> encoded chunk (see `kvtier.blockfmt`);
 - ``lru``: tick (8 bytes, big-endian) || key -> empty; oldest first, pinned chunks absent;
-- ``meta``: key -> tick, encoded size, pinned flag, pool and owning replica.
+- ``meta``: key -> tick, encoded size, pinned flag, pool and owning replica;
+- ``pins``: pinned keys, including ones not stored yet.
+
+The in-memory index follows LMDB only after a transaction commits, so an aborted write (map
+full, disk full) leaves the two in agreement.
 
 Commits are not synced one by one (sync off, metasync off); a background thread syncs every
-``sync_interval_s``. A process killed mid-write leaves LMDB at its last commit, and every read is
-verified, so a chunk is either whole and correct or absent.
+``sync_interval_s``. A killed process leaves LMDB at its last commit, and every read is verified,
+so a chunk is either whole and correct or absent. An OS crash or power loss can lose up to
+``sync_interval_s`` of commits; set it to 0 to sync every commit at about 1 ms each.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import shutil
 import struct
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import lmdb
@@ -118,7 +123,7 @@ class LmdbTier(Tier):
             self.env = lmdb.open(
                 str(config.path),
                 map_size=map_size,
-                max_dbs=4,
+                max_dbs=8,
                 max_readers=config.max_readers,
                 writemap=False,
                 sync=False,
@@ -133,6 +138,7 @@ class LmdbTier(Tier):
         self._chunks = self.env.open_db(b"chunks")
         self._lru = self.env.open_db(b"lru")
         self._meta = self.env.open_db(b"meta")
+        self._pins = self.env.open_db(b"pins")
         self._lock = threading.Lock()
         self._index: dict[ChunkKey, _Entry] = {}
         self._pinned_keys: set[ChunkKey] = set()
@@ -158,8 +164,8 @@ class LmdbTier(Tier):
                 entry = _Entry.unpack(raw)
                 self._index[ChunkKey(bytes(key))] = entry
                 self._clock = max(self._clock, entry.tick)
-                if entry.pinned:
-                    self._pinned_keys.add(ChunkKey(bytes(key)))
+        with self.env.begin(db=self._pins) as txn:
+            self._pinned_keys.update(ChunkKey(bytes(key)) for key, _ in txn.cursor())
         self._used = sum(e.nbytes for e in self._index.values())
         log.info(
             "lmdb %s: %d chunks, %.2f GiB of %.2f GiB",
@@ -201,50 +207,48 @@ class LmdbTier(Tier):
         self._counters.add("store_rejected", len(items))
         return [False] * len(items)
 
-    def _put_txn(
-        self,
-        values: list[tuple[ChunkKey, bytes, memoryview | bytes, str]],
-        replica: str,
-        extra_room: int,
-    ) -> list[bool]:
+    def _put_txn(self, values: list[_Pending], replica: str, extra_room: int) -> list[bool]:
         with self._lock:
-            incoming = sum(len(h) + len(p) for k, h, p, _ in values if k not in self._index)
+            new = {k: len(h) + len(p) for k, h, p, _ in values if k not in self._index}
             added: dict[ChunkKey, _Entry] = {}
             with self.env.begin(write=True) as txn:
-                self._flush_touches(txn)  # recency first, so eviction sees it
-                evicted = self._evict_for(txn, incoming + extra_room)
+                touched = self._flush_touches(txn)  # recency first, so eviction sees it
+                evicted = set(self._evict_for(txn, sum(new.values()) + extra_room))
                 results = []
                 for key, header, payload, pool in values:
-                    if key in self._index or key in added:
+                    if (key in self._index and key not in evicted) or key in added:
                         results.append(True)
                         continue
-                    if self._used_after(evicted, added) + len(header) + len(payload) > self.budget:
+                    size = len(header) + len(payload)
+                    if self._used_after(evicted, added) + size > self.budget:
                         results.append(False)
                         continue
                     txn.put(key, self._assemble(header, payload), db=self._chunks)
-                    entry = _Entry(
-                        self._tick(),
-                        len(header) + len(payload),
-                        key in self._pinned_keys,
-                        pool,
-                        replica,
-                    )
+                    pinned = key in self._pinned_keys
+                    entry = _Entry(self._tick(), size, pinned, pool, replica)
                     txn.put(key, entry.pack(), db=self._meta)
-                    if not entry.pinned:
+                    if not pinned:
                         txn.put(_lru_key(entry.tick, key), b"", db=self._lru)
                     added[key] = entry
                     results.append(True)
             # committed: only now does the in-memory index follow
+            self._apply(touched)
             for key in evicted:
                 self._used -= self._index.pop(key).nbytes
-            self._index.update(added)
-            self._used += sum(e.nbytes for e in added.values())
+            self._apply(added)
             self._counters.add("evictions_capacity", len(evicted))
             self._counters.add("stores", len(added))
             self._counters.add("store_rejected", results.count(False))
         if self.config.sync_interval_s == 0:
             self.env.sync(True)
         return results
+
+    def _apply(self, entries: dict[ChunkKey, _Entry]) -> None:
+        """Adopt entries written by a committed transaction."""
+        for key, entry in entries.items():
+            old = self._index.get(key)
+            self._used += entry.nbytes - (old.nbytes if old is not None else 0)
+            self._index[key] = entry
 
     def _assemble(self, header: bytes, payload: memoryview | bytes) -> memoryview:
         """Header and payload in one reused buffer (LMDB takes a single value)."""
@@ -256,7 +260,7 @@ class LmdbTier(Tier):
         view[len(header) : total] = payload
         return view[:total]
 
-    def _used_after(self, evicted: list[ChunkKey], added: dict[ChunkKey, _Entry]) -> int:
+    def _used_after(self, evicted: set[ChunkKey], added: dict[ChunkKey, _Entry]) -> int:
         return (
             self._used
             - sum(self._index[k].nbytes for k in evicted)
@@ -296,8 +300,9 @@ class LmdbTier(Tier):
         except lmdb.MapResizedError:  # another process grew the map: adopt it and go on
             self.env.set_mapsize(0)
             found, failure = self._copy_verified(key, dst)
-        if not found:
+        if not found:  # indexed but gone from LMDB: stop claiming it
             self._counters.add("misses", 1)
+            self._drop([key], force=True)
             return False
         if failure is not None:
             self.quarantine(key, failure)
@@ -327,16 +332,20 @@ class LmdbTier(Tier):
         self._counters.add("corrupt", 1)
         self._drop([key], force=True)
 
-    def _flush_touches(self, txn: lmdb.Transaction) -> None:
+    def _flush_touches(self, txn: lmdb.Transaction) -> dict[ChunkKey, _Entry]:
+        """Move accessed chunks to the young end of the LRU index, inside ``txn``; returns the
+        new entries for the caller to adopt once ``txn`` commits."""
         touched, self._touched = self._touched, {}
-        for key in touched:
+        updates: dict[ChunkKey, _Entry] = {}
+        for key in list(touched):  # one C-level copy: readers may still add to the old dict
             entry = self._index.get(key)
             if entry is None or entry.pinned:
                 continue
             txn.delete(_lru_key(entry.tick, key), db=self._lru)
-            entry.tick = self._tick()
-            txn.put(_lru_key(entry.tick, key), b"", db=self._lru)
-            txn.put(key, entry.pack(), db=self._meta)
+            updates[key] = moved = replace(entry, tick=self._tick())
+            txn.put(_lru_key(moved.tick, key), b"", db=self._lru)
+            txn.put(key, moved.pack(), db=self._meta)
+        return updates
 
     # -- maintenance ----------------------------------------------------------------------
 
@@ -344,15 +353,17 @@ class LmdbTier(Tier):
         while not self._stop.wait(self.config.sync_interval_s):
             try:
                 self.sync()
-            except lmdb.Error as exc:
+            except Exception:  # keep syncing; a dead syncer would go unnoticed
                 self._counters.add("sync_failed", 1)
-                log.error("lmdb: background sync failed: %s", exc)
+                log.exception("lmdb: background sync failed")
 
     def sync(self) -> None:
         """Apply recorded accesses to the LRU index and flush everything to disk."""
         if self._touched:
-            with self._lock, self.env.begin(write=True) as txn:
-                self._flush_touches(txn)
+            with self._lock:
+                with self.env.begin(write=True) as txn:
+                    touched = self._flush_touches(txn)
+                self._apply(touched)
         self.env.sync(True)
 
     def _drop(self, keys: Sequence[ChunkKey], force: bool) -> int:
@@ -374,19 +385,30 @@ class LmdbTier(Tier):
         return len(dropped)
 
     def _set_pinned(self, keys: Sequence[ChunkKey], pinned: bool) -> None:
-        with self._lock, self.env.begin(write=True) as txn:
-            for key in keys:
-                (self._pinned_keys.add if pinned else self._pinned_keys.discard)(key)
-                entry = self._index.get(key)
-                if entry is None or entry.pinned == pinned:
-                    continue
-                entry.pinned = pinned
-                if pinned:
-                    txn.delete(_lru_key(entry.tick, key), db=self._lru)
-                else:
-                    entry.tick = self._tick()
-                    txn.put(_lru_key(entry.tick, key), b"", db=self._lru)
-                txn.put(key, entry.pack(), db=self._meta)
+        with self._lock:
+            updates: dict[ChunkKey, _Entry] = {}
+            with self.env.begin(write=True) as txn:
+                for key in keys:
+                    if pinned:
+                        txn.put(key, b"", db=self._pins)
+                    else:
+                        txn.delete(key, db=self._pins)
+                    entry = self._index.get(key)
+                    if entry is None or entry.pinned == pinned:
+                        continue
+                    if pinned:
+                        txn.delete(_lru_key(entry.tick, key), db=self._lru)
+                        entry = replace(entry, pinned=True)
+                    else:
+                        entry = replace(entry, pinned=False, tick=self._tick())
+                        txn.put(_lru_key(entry.tick, key), b"", db=self._lru)
+                    txn.put(key, entry.pack(), db=self._meta)
+                    updates[key] = entry
+            if pinned:
+                self._pinned_keys.update(keys)
+            else:
+                self._pinned_keys.difference_update(keys)
+            self._apply(updates)
 
     # -- the Tier contract ----------------------------------------------------------------
 

@@ -14,7 +14,7 @@ CHUNK = 256 << 10
 
 GROW = """
 import lmdb, sys
-env = lmdb.open(sys.argv[1], map_size=int(sys.argv[2]), max_dbs=4)
+env = lmdb.open(sys.argv[1], map_size=int(sys.argv[2]), max_dbs=8)
 db = env.open_db(b"scratch")
 with env.begin(write=True, db=db) as txn:
     for i in range(40):
