@@ -38,6 +38,7 @@ VERSION = 1
 _BODY = struct.Struct(f"<4sHH{NAMESPACE_BYTES}sBB2x{MAX_CHUNK_HASH_BYTES}s16sIIIIIQ16s")
 _TAIL = struct.Struct("<Q")
 HEADER_SIZE = _BODY.size + _TAIL.size
+_PIECE = 256 << 10  # copy-and-hash granule of decode_into; fits L2
 _POOL_CODES = {Pool.TARGET: 0, Pool.DRAFT: 1}
 _POOLS_BY_CODE = {code: pool for pool, code in _POOL_CODES.items()}
 
@@ -202,15 +203,20 @@ def decode_into(
 ) -> ChunkHeader:
     """Verify ``value`` and copy its payload into ``dst``, which must be exactly its size.
 
-    The payload is copied first and the checksum taken over the copy while it is still in cache;
-    on a mismatch ``dst`` holds garbage and the caller must not publish it.
+    The payload is copied in pieces and each piece hashed right after, while it is in cache; on
+    a mismatch ``dst`` holds garbage and the caller must not publish it.
     """
     header = decode_header(value, expect_key)
     if len(dst) != header.payload_len:
         raise CorruptChunkError(
             f"payload of {header.payload_len} bytes does not fit a {len(dst)}-byte slot"
         )
-    dst[:] = memoryview(value)[HEADER_SIZE:]
-    if payload_checksum(dst) != header.payload_checksum:
+    src = memoryview(value)[HEADER_SIZE:]
+    digest = xxhash.xxh3_128()
+    for start in range(0, header.payload_len, _PIECE):
+        piece = dst[start : start + _PIECE]
+        piece[:] = src[start : start + _PIECE]
+        digest.update(piece)  # while the piece is still in L2
+    if digest.digest() != header.payload_checksum:
         raise CorruptChunkError("payload checksum mismatch")
     return header

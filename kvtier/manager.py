@@ -31,6 +31,10 @@ TIER_CPU = "cpu"
 TIER_LMDB = "lmdb"
 
 
+def _nowhere(key: ChunkKey) -> bool:
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     hits: int
@@ -87,14 +91,12 @@ class TierManager:
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         if keys:
             self.registry.resolve(keys[0])
-        cpu_index = self.cpu.contains
-        in_cpu = cpu_index(keys)
-        in_lmdb = self.lmdb.contains(keys) if self.lmdb is not None else [False] * len(keys)
+        in_lmdb = self.lmdb.__contains__ if self.lmdb is not None else _nowhere
         tiers: list[str] = []
-        for cpu_hit, lmdb_hit in zip(in_cpu, in_lmdb, strict=True):
-            if cpu_hit:
+        for key, in_cpu in zip(keys, self.cpu.contains(keys), strict=True):
+            if in_cpu:
                 tiers.append(TIER_CPU)
-            elif lmdb_hit:
+            elif in_lmdb(key):
                 tiers.append(TIER_LMDB)
             else:
                 break

@@ -18,6 +18,7 @@ so a chunk is either whole and correct or absent. An OS crash or power loss can 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import shutil
 import struct
@@ -73,6 +74,19 @@ def _lru_key(tick: int, key: bytes) -> bytes:
     return _TICK.pack(tick) + key
 
 
+def _keep_freed_pages() -> None:
+    """With writemap off, LMDB mallocs every large value's pages per transaction and frees them at
+    commit; glibc would return them to the kernel each time and fault in fresh zeroed pages on
+    the next write, which costs more than the write. Keep freed heap memory in the process."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing to tune
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum: values up to 32 MiB use the heap
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
 def _prepare_dir(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -115,6 +129,8 @@ class LmdbTier(Tier):
         super().__init__(registry)
         self.config = config
         _prepare_dir(config.path)
+        if config.keep_freed_pages:
+            _keep_freed_pages()
         self.budget = _budget(config)
         self._high = int(self.budget * config.high_water)
         self._low = int(self.budget * config.low_water)
@@ -215,14 +231,16 @@ class LmdbTier(Tier):
                 touched = self._flush_touches(txn)  # recency first, so eviction sees it
                 evicted = set(self._evict_for(txn, sum(new.values()) + extra_room))
                 results = []
+                used = self._used - sum(self._index[k].nbytes for k in evicted)
                 for key, header, payload, pool in values:
                     if (key in self._index and key not in evicted) or key in added:
                         results.append(True)
                         continue
                     size = len(header) + len(payload)
-                    if self._used_after(evicted, added) + size > self.budget:
+                    if used + size > self.budget:
                         results.append(False)
                         continue
+                    used += size
                     txn.put(key, self._assemble(header, payload), db=self._chunks)
                     pinned = key in self._pinned_keys
                     entry = _Entry(self._tick(), size, pinned, pool, replica)
@@ -259,13 +277,6 @@ class LmdbTier(Tier):
         view[: len(header)] = header
         view[len(header) : total] = payload
         return view[:total]
-
-    def _used_after(self, evicted: set[ChunkKey], added: dict[ChunkKey, _Entry]) -> int:
-        return (
-            self._used
-            - sum(self._index[k].nbytes for k in evicted)
-            + sum(e.nbytes for e in added.values())
-        )
 
     def _evict_for(self, txn: lmdb.Transaction, incoming: int) -> list[ChunkKey]:
         """Delete oldest unpinned chunks, inside ``txn``, until ``incoming`` fits under the
@@ -415,6 +426,9 @@ class LmdbTier(Tier):
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         index = self._index
         return [k in index for k in keys]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         return self._drop(keys, force=False)
