@@ -85,10 +85,9 @@ def encoded_size(payload_len: int) -> int:
     return HEADER_SIZE + payload_len
 
 
-def encode_header(
-    key: ChunkKey, descriptor: ChunkDescriptor, payload: bytes | bytearray | memoryview
+def _pack_header(
+    key: ChunkKey, descriptor: ChunkDescriptor, payload_len: int, checksum: bytes
 ) -> bytes:
-    """The header for ``payload``; callers write it and the payload back to back."""
     chunk_hash = chunk_hash_of(key)
     dtype = descriptor.kv_dtype.encode()
     if len(dtype) > 16:
@@ -107,10 +106,17 @@ def encode_header(
         descriptor.num_layers,
         descriptor.num_kv_heads,
         descriptor.head_size,
-        len(payload),
-        payload_checksum(payload),
+        payload_len,
+        checksum,
     )
     return body + _TAIL.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def encode_header(
+    key: ChunkKey, descriptor: ChunkDescriptor, payload: bytes | bytearray | memoryview
+) -> bytes:
+    """The header for ``payload``; callers write it and the payload back to back."""
+    return _pack_header(key, descriptor, len(payload), payload_checksum(payload))
 
 
 def encode(key: ChunkKey, descriptor: ChunkDescriptor, payload: bytes | memoryview) -> bytes:
@@ -124,12 +130,20 @@ def encode_into(
     descriptor: ChunkDescriptor,
     payload: bytes | bytearray | memoryview,
 ) -> int:
-    """Write the encoded chunk into ``out`` (a reusable buffer); returns the encoded length."""
-    header = encode_header(key, descriptor, payload)
-    total = HEADER_SIZE + len(payload)
+    """Write the encoded chunk into ``out`` (a reusable buffer); returns the encoded length.
+
+    The payload is copied in pieces and each copy hashed while it is in cache, so the payload is
+    read from memory once.
+    """
     view = memoryview(out)
-    view[:HEADER_SIZE] = header
-    view[HEADER_SIZE:total] = payload
+    src = memoryview(payload)
+    total = HEADER_SIZE + len(src)
+    digest = xxhash.xxh3_128()
+    for start in range(0, len(src), _PIECE):
+        piece = view[HEADER_SIZE + start : HEADER_SIZE + min(start + _PIECE, len(src))]
+        piece[:] = src[start : start + _PIECE]
+        digest.update(piece)
+    view[:HEADER_SIZE] = _pack_header(key, descriptor, len(src), digest.digest())
     return total
 
 

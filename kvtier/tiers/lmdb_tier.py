@@ -34,7 +34,7 @@ from kvtier.config import LMDBConfig
 from kvtier.counters import Counters
 from kvtier.errors import ChunkFormatError, ConfigError
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
-from kvtier.pools import PoolRegistry
+from kvtier.pools import PoolRegistry, Registration
 from kvtier.tiers.base import Tier, TierStats, UsageStats
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class _Entry:
         return cls(tick, nbytes, pinned, pool, replica)
 
 
-_Pending = tuple[ChunkKey, bytes, memoryview | bytes, str]  # key, header, payload, pool
+_Pending = tuple[ChunkKey, memoryview | bytes, Registration]
 
 
 def _lru_key(tick: int, key: bytes) -> bytes:
@@ -205,10 +205,7 @@ class LmdbTier(Tier):
     ) -> list[bool]:
         """Store chunks in one transaction; False for those that found no room."""
         regs = [self._check_payload(key, len(payload)) for key, payload in items]
-        values = [
-            (key, blockfmt.encode_header(key, reg.descriptor, payload), payload, reg.pool)
-            for (key, payload), reg in zip(items, regs, strict=True)
-        ]
+        values = [(key, payload, reg) for (key, payload), reg in zip(items, regs, strict=True)]
         for attempt in range(_PUT_RETRIES):
             try:
                 return self._put_txn(values, replica, extra_room=attempt * (self.budget // 20))
@@ -225,25 +222,25 @@ class LmdbTier(Tier):
 
     def _put_txn(self, values: list[_Pending], replica: str, extra_room: int) -> list[bool]:
         with self._lock:
-            new = {k: len(h) + len(p) for k, h, p, _ in values if k not in self._index}
+            new = {k: blockfmt.encoded_size(len(p)) for k, p, _ in values if k not in self._index}
             added: dict[ChunkKey, _Entry] = {}
             with self.env.begin(write=True) as txn:
                 touched = self._flush_touches(txn)  # recency first, so eviction sees it
                 evicted = set(self._evict_for(txn, sum(new.values()) + extra_room))
                 results = []
                 used = self._used - sum(self._index[k].nbytes for k in evicted)
-                for key, header, payload, pool in values:
+                for key, payload, reg in values:
                     if (key in self._index and key not in evicted) or key in added:
                         results.append(True)
                         continue
-                    size = len(header) + len(payload)
+                    size = blockfmt.encoded_size(len(payload))
                     if used + size > self.budget:
                         results.append(False)
                         continue
                     used += size
-                    txn.put(key, self._assemble(header, payload), db=self._chunks)
+                    txn.put(key, self._encode(key, payload, reg), db=self._chunks)
                     pinned = key in self._pinned_keys
-                    entry = _Entry(self._tick(), size, pinned, pool, replica)
+                    entry = _Entry(self._tick(), size, pinned, reg.pool, replica)
                     txn.put(key, entry.pack(), db=self._meta)
                     if not pinned:
                         txn.put(_lru_key(entry.tick, key), b"", db=self._lru)
@@ -268,15 +265,13 @@ class LmdbTier(Tier):
             self._used += entry.nbytes - (old.nbytes if old is not None else 0)
             self._index[key] = entry
 
-    def _assemble(self, header: bytes, payload: memoryview | bytes) -> memoryview:
-        """Header and payload in one reused buffer (LMDB takes a single value)."""
-        total = len(header) + len(payload)
+    def _encode(self, key: ChunkKey, payload: memoryview | bytes, reg: Registration) -> memoryview:
+        """The encoded chunk in one reused buffer (LMDB takes a single value)."""
+        total = blockfmt.encoded_size(len(payload))
         if len(self._scratch) < total:
             self._scratch = bytearray(total)
-        view = memoryview(self._scratch)
-        view[: len(header)] = header
-        view[len(header) : total] = payload
-        return view[:total]
+        blockfmt.encode_into(self._scratch, key, reg.descriptor, payload)
+        return memoryview(self._scratch)[:total]
 
     def _evict_for(self, txn: lmdb.Transaction, incoming: int) -> list[ChunkKey]:
         """Delete oldest unpinned chunks, inside ``txn``, until ``incoming`` fits under the

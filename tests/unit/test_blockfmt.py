@@ -46,6 +46,9 @@ def test_roundtrip(key: ChunkKey, desc: ChunkDescriptor, payload: bytes) -> None
     dst = bytearray(len(payload))
     blockfmt.decode_into(value, key, memoryview(dst))
     assert bytes(dst) == payload
+    reused = bytearray(b"\xee" * (len(value) + 7))  # a scratch buffer larger than needed
+    assert blockfmt.encode_into(reused, key, desc, payload) == len(value)
+    assert bytes(reused[: len(value)]) == value
 
 
 @given(keys, descriptors, payloads, st.data())
