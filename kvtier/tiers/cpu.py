@@ -113,6 +113,7 @@ class CpuTier(Tier):
         self._quota_override: dict[tuple[str, str], int] = {}
         self._counters = Counters()
         self._track_dirty = False
+        self._clean_reserve = 0.2
         self._closed = False
         log.info(
             "arena %s: %.2f GiB, %d extents of %d MiB",
@@ -394,8 +395,6 @@ class CpuTier(Tier):
                     self.memory.refcount[slot] += 1
                     out.append(self._ref(key, slot, cls.slot_bytes))
         return out
-
-    _clean_reserve = 0.2
 
     def set_clean_reserve(self, share: float) -> None:
         self._clean_reserve = share
