@@ -1,22 +1,30 @@
-"""The `kvtier` command line."""
+"""The `kvtier` command line: `serve` runs the daemon, the rest call its admin API."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
-from kvtier.config import describe, load_config
-from kvtier.errors import ConfigError
+from google.protobuf.json_format import MessageToDict
+from pydantic import ByteSize, TypeAdapter
+
+from kvtier.config import KVTierConfig, describe, load_config
+from kvtier.errors import ConfigError, KVTierError
+
+_BYTES = TypeAdapter(ByteSize)
 
 
-def _config(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as exc:
-        print(f"kvtier: invalid configuration: {exc}", file=sys.stderr)
-        return 2
+def _config(args: argparse.Namespace) -> KVTierConfig:
+    return load_config(args.config)
+
+
+def _show_config(args: argparse.Namespace) -> int:
+    cfg = _config(args)
     if args.check:
         print("configuration is valid")
         return 0
@@ -29,15 +37,227 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _serve(args: argparse.Namespace) -> int:
+    from kvtier.server.daemon import serve
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return serve(_config(args))
+
+
+# -- admin commands ---------------------------------------------------------------------------
+
+
+def _admin(args: argparse.Namespace) -> Any:
+    from kvtier.rpc import AdminClient
+
+    cfg = _config(args).server
+    address = args.address or cfg.admin_address
+    token_file = args.token_file or cfg.admin_token_file
+    token = Path(token_file).read_text().strip() if token_file else None
+    return AdminClient(address, token=token)
+
+
+def _emit(args: argparse.Namespace, message: Any, table: Callable[[], None]) -> None:
+    if args.json:
+        print(json.dumps(MessageToDict(message, always_print_fields_with_no_presence=True)))
+    else:
+        table()
+
+
+def _rows(header: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
+    for line in [list(header), *cells]:
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _stats(args: argparse.Namespace) -> int:
+    stats = _admin(args).stats()
+
+    def table() -> None:
+        _rows(
+            ("tier", "used", "capacity", "chunks"),
+            [
+                (t.tier, _gib(t.usage.used_bytes), _gib(t.usage.capacity_bytes), t.usage.chunks)
+                for t in stats.tiers
+            ],
+        )
+        print()
+        _rows(
+            ("tier", "replica", "pool", "used", "quota", "chunks"),
+            [
+                (
+                    t.tier,
+                    r.replica,
+                    r.pool,
+                    _gib(r.usage.used_bytes),
+                    _gib(r.usage.capacity_bytes) if t.tier == "cpu" else "-",
+                    r.usage.chunks,
+                )
+                for t in stats.tiers
+                for r in t.replicas
+            ],
+        )
+        print(f"\nsessions {stats.sessions}, leases {stats.leases}")
+        hits = {k: v for k, v in stats.counters.items() if k.startswith(("hit_", "lookup"))}
+        print("  ".join(f"{k} {v}" for k, v in sorted(hits.items())))
+
+    _emit(args, stats, table)
+    return 0
+
+
+def _evict(args: argparse.Namespace) -> int:
+    namespace = bytes.fromhex(args.namespace) if args.namespace else b""
+    evicted = _admin(args).evict(
+        tier=args.tier or "", pool=args.pool or "", namespace=namespace, replica=args.replica or ""
+    )
+    if args.json:
+        print(json.dumps(evicted))
+    else:
+        _rows(("tier", "evicted"), sorted(evicted.items()))
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> list[bytes]:
+    hexes = list(args.keys)
+    if args.keys_file:
+        hexes += Path(args.keys_file).read_text().split()
+    return [bytes.fromhex(h) for h in hexes]
+
+
+def _pin(args: argparse.Namespace) -> int:
+    client = _admin(args)
+    n = (client.unpin if args.command == "unpin" else client.pin)(_keys(args))
+    print(json.dumps({"keys": n}) if args.json else f"{args.command}ned {n} keys")
+    return 0
+
+
+def _quota(args: argparse.Namespace) -> int:
+    nbytes = int(_BYTES.validate_python(args.bytes))
+    _admin(args).set_quota(args.replica, args.pool, nbytes)
+    what = "cleared" if nbytes == 0 else f"set to {nbytes} bytes"
+    print(json.dumps({"ok": True}) if args.json else f"quota of {args.replica}/{args.pool} {what}")
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    result = _admin(args).drain(args.timeout)
+    _emit(
+        args,
+        result,
+        lambda: print(
+            "drained: every arena chunk is in lmdb"
+            if result.complete
+            else f"drain incomplete: {result.pending} chunks still pending"
+        ),
+    )
+    return 0 if result.complete else 1
+
+
+def _follow(args: argparse.Namespace, stream: Iterable[Any], count: Callable[[Any], int]) -> Any:
+    last = None
+    for last in stream:
+        if not args.json and last.total:
+            filled = int(30 * count(last) / last.total)
+            bar = "#" * filled + "." * (30 - filled)
+            print(f"\r[{bar}] {count(last)}/{last.total}", end="", file=sys.stderr, flush=True)
+    if not args.json:
+        print(file=sys.stderr)
+    return last
+
+
+def _verify(args: argparse.Namespace) -> int:
+    last = _follow(args, _admin(args).verify(args.tier or ""), lambda p: p.checked)
+    _emit(
+        args,
+        last,
+        lambda: print(f"verified {last.checked} chunks, {last.corrupt} corrupt (quarantined)"),
+    )
+    return 0 if last.corrupt == 0 else 1
+
+
+def _warmup(args: argparse.Namespace) -> int:
+    namespace = bytes.fromhex(args.namespace) if args.namespace else b""
+    stream = _admin(args).warmup(namespace, args.max_chunks)
+    last = _follow(args, stream, lambda p: p.promoted)
+    _emit(args, last, lambda: print(f"promoted {last.promoted} of {last.total} chunks"))
+    return 0
+
+
+def _draft_swap(args: argparse.Namespace) -> int:
+    client = _admin(args)
+    begun = client.draft_swap_begin(args.revision)
+    done = client.draft_swap_commit(begun.swap_id)
+    _emit(args, done, lambda: print(f"draft revision is now {done.revision}"))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", type=Path, help="YAML file; KVTIER_ variables override it")
     parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache offload.")
     sub = parser.add_subparsers(dest="command", required=True)
-    config = sub.add_parser("config", help="show every configuration key, or check a file")
-    config.add_argument("--config", type=Path, help="YAML file (KVTIER_ variables override it)")
+
+    config = sub.add_parser(
+        "config", parents=[common], help="show every configuration key, or check a file"
+    )
     config.add_argument("--check", action="store_true", help="only validate")
-    config.set_defaults(func=_config)
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    config.set_defaults(func=_show_config)
+
+    serve = sub.add_parser("serve", parents=[common], help="run the kvtierd daemon")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=_serve)
+
+    def admin(name: str, func: Callable[[argparse.Namespace], int], help: str) -> Any:
+        p = sub.add_parser(name, parents=[common], help=help)
+        p.add_argument("--address", help="admin API host:port (default: server.admin_address)")
+        p.add_argument("--token-file", help="bearer token file (default: server.admin_token_file)")
+        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        p.set_defaults(func=func)
+        return p
+
+    admin("stats", _stats, "usage and hits per tier, pool and replica")
+    evict = admin("evict", _evict, "drop chunks matching every given filter")
+    evict.add_argument("--tier", choices=["cpu", "lmdb"])
+    evict.add_argument("--pool")
+    evict.add_argument("--namespace", help="16-byte namespace, hex")
+    evict.add_argument("--replica")
+    for name in ("pin", "unpin"):
+        p = admin(name, _pin, f"{name} chunk keys (hex)")
+        p.add_argument("keys", nargs="*")
+        p.add_argument("--keys-file", help="file of hex keys, whitespace-separated")
+    quota = admin("quota", _quota, "set a replica's quota in a pool (0 clears)")
+    quota.add_argument("--replica", required=True)
+    quota.add_argument("--pool", required=True)
+    quota.add_argument("--bytes", required=True, help="e.g. 8GiB; 0 restores the default share")
+    drain = admin("drain", _drain, "write every arena chunk to lmdb")
+    drain.add_argument("--timeout", type=float, default=60.0)
+    verify = admin("verify", _verify, "verify stored chunks; corrupt ones are quarantined")
+    verify.add_argument("--tier", choices=["lmdb"])
+    warmup = admin("warmup", _warmup, "promote stored chunks into the arena")
+    warmup.add_argument("--namespace", help="16-byte namespace, hex")
+    warmup.add_argument("--max-chunks", type=int, default=0)
+    swap = admin("draft-swap", _draft_swap, "switch the draft pool to a new revision")
+    swap.add_argument("--revision", required=True)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"kvtier: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except (KVTierError, ValueError, OSError) as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -141,10 +141,61 @@ class ManagerConfig(_Section):
     )
 
 
+class ServerConfig(_Section):
+    socket_path: Path = Field(
+        default_factory=lambda: default_state_dir() / "kvtierd.sock",
+        description="Unix socket of the data plane (mode 0660); engines on this node connect here.",
+    )
+    admin_address: str = Field(
+        "127.0.0.1:7461",
+        description="host:port of the admin API. A non-loopback address needs an admin token or "
+        "mTLS.",
+    )
+    metrics_address: str = Field(
+        "127.0.0.1:7462", description="host:port of the Prometheus /metrics endpoint; '' disables."
+    )
+    admin_token_file: Path | None = Field(
+        None, description="File holding the bearer token for every admin call."
+    )
+    read_token_file: Path | None = Field(
+        None, description="File holding a bearer token that allows read-only admin calls only."
+    )
+    tls_cert_file: Path | None = Field(None, description="Admin API server certificate (PEM).")
+    tls_key_file: Path | None = Field(None, description="Admin API server key (PEM).")
+    tls_client_ca_file: Path | None = Field(
+        None, description="CA that signs admin clients; set with the cert and key for mTLS."
+    )
+    session_timeout_s: float = Field(
+        10.0, gt=0, description="A session whose heartbeat lapses this long loses its leases."
+    )
+    heartbeat_interval_s: float = Field(
+        2.0, gt=0, description="How often clients are told to send a heartbeat."
+    )
+    max_batch_keys: int = Field(
+        65536, ge=1, description="Most keys or refs one call may carry; more is INVALID_ARGUMENT."
+    )
+    workers: int = Field(8, ge=1, description="Threads serving gRPC calls, per server.")
+    drain_timeout_s: float = Field(
+        60.0, ge=0, description="On SIGTERM, how long writing the arena back to lmdb may take."
+    )
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> ServerConfig:
+        tls = (self.tls_cert_file, self.tls_key_file)
+        if any(tls) and not all(tls):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file is not None and not all(tls):
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        if self.heartbeat_interval_s >= self.session_timeout_s:
+            raise ValueError("heartbeat_interval_s must be shorter than session_timeout_s")
+        return self
+
+
 class KVTierConfig(_Section):
     arena: ArenaConfig = Field(default_factory=ArenaConfig, description="The cpu tier.")
     lmdb: LMDBConfig = Field(default_factory=LMDBConfig, description="The lmdb tier.")
     manager: ManagerConfig = Field(default_factory=ManagerConfig, description="Tier movers.")
+    server: ServerConfig = Field(default_factory=ServerConfig, description="kvtierd's APIs.")
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:

@@ -60,3 +60,19 @@ class WrongKeyError(ChunkFormatError):
 
 class UnknownVersionError(ChunkFormatError):
     """The value was written by a format version this build cannot read."""
+
+
+class InvalidRequestError(KVTierError, ValueError):
+    """A request is malformed, oversized or out of range."""
+
+
+class SessionNotFoundError(KVTierError, LookupError):
+    """The session expired or never existed (for example, the daemon restarted): register again."""
+
+
+class PermissionDeniedError(KVTierError):
+    """The caller's credentials do not allow this call."""
+
+
+class UnsupportedError(KVTierError):
+    """The call is defined but this build does not serve it yet."""

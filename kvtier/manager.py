@@ -247,11 +247,14 @@ class TierManager:
             counters=self._counters.snapshot(),
         )
 
-    def close(self) -> None:
+    def close(self, flush_timeout: float = 30.0) -> None:
         """Write back what the arena holds, then close every tier."""
         try:
-            if self.lmdb is not None:
-                self.flush()
+            if self.lmdb is not None and not self.flush(flush_timeout):
+                log.error(
+                    "closing with %d arena chunks not written back to lmdb",
+                    self.cpu.writeback_pending(),
+                )
         finally:
             self._stop.set()
             self._wake.set()

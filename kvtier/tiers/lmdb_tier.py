@@ -332,6 +332,32 @@ class LmdbTier(Tier):
                 return True, exc
         return True, None
 
+    def verify_chunk(self, key: ChunkKey) -> bool | None:
+        """Verify one stored chunk in place: True if sound, False if it failed (it is then
+        quarantined), None if absent."""
+        try:
+            failure = self._verify_in_txn(key)
+        except lmdb.MapResizedError:
+            self.env.set_mapsize(0)
+            failure = self._verify_in_txn(key)
+        if failure is None:
+            return None
+        if isinstance(failure, ChunkFormatError):
+            self.quarantine(key, failure)
+            return False
+        return True
+
+    def _verify_in_txn(self, key: ChunkKey) -> ChunkFormatError | bool | None:
+        with self.env.begin(db=self._chunks, buffers=True) as txn:
+            value = txn.get(key)
+            if value is None:
+                return None
+            try:
+                blockfmt.decode(value, key)
+            except ChunkFormatError as exc:
+                return exc
+        return True
+
     def quarantine(self, key: ChunkKey, reason: Exception) -> None:
         """Delete a chunk that failed verification and count it; it is never served."""
         log.error("lmdb: chunk %s failed verification (%s); deleted", key.hex(), reason)

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (see scripts/gen_protos.py)."""

@@ -1,0 +1,223 @@
+"""Client side of kvtierd's gRPC APIs: the data-plane `GrpcTierClient` and `AdminClient`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
+from kvtier.errors import KVTierError, TierUnavailableError
+from kvtier.keys import ChunkKey, NamespaceSpec
+from kvtier.manager import LookupResult
+from kvtier.server.convert import TIER_CODES, grants_from, ref_to, spec_to
+from kvtier.status import error_from
+from kvtier.tiers.cpu import SlotRef
+
+log = logging.getLogger(__name__)
+
+_TIER_NAMES = {code: name for name, code in TIER_CODES.items()}
+_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+R = TypeVar("R")
+
+
+def _translate(target: str, exc: grpc.RpcError) -> KVTierError:
+    """A failed call as a kvtier error that says what to do."""
+    code, details = exc.code(), exc.details() or ""
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return TierUnavailableError(
+            f"daemon not running at {target}: start it with `kvtier serve` ({details})"
+        )
+    return error_from(code, details)
+
+
+def _call(target: str, fn: Callable[..., R], request: Any, **kwargs: Any) -> R:
+    try:
+        return fn(request, **kwargs)
+    except grpc.RpcError as exc:
+        raise _translate(target, exc) from None
+
+
+class GrpcTierClient:
+    """The TierClient protocol served by kvtierd over its unix socket."""
+
+    def __init__(
+        self,
+        socket_path: Path,
+        replica: str,
+        engine_id: str = "",
+        tp_rank: int = 0,
+        pp_rank: int = 0,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.target = f"unix:{socket_path}"
+        self.replica = replica
+        self._identity = (engine_id, tp_rank, pp_rank)
+        self._timeout = timeout_s
+        self._channel = grpc.insecure_channel(self.target, options=_OPTIONS)
+        self._stub = tier_pb2_grpc.TierServiceStub(self._channel)
+        self.session_id = ""
+        self._arena_path: Path | None = None
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    def _rpc(self, method: Callable[..., R], request: Any) -> R:
+        return _call(self.target, method, request, timeout=self._timeout)
+
+    @property
+    def arena_path(self) -> Path:
+        if self._arena_path is None:
+            raise KVTierError("register a pool first: the arena path comes with the session")
+        return self._arena_path
+
+    def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes:
+        engine_id, tp_rank, pp_rank = self._identity
+        response = self._rpc(
+            self._stub.RegisterSession,
+            tier_pb2.RegisterSessionRequest(
+                replica_id=self.replica,
+                engine_id=engine_id,
+                tp_rank=tp_rank,
+                pp_rank=pp_rank,
+                pools=[tier_pb2.PoolRegistration(spec=spec_to(spec), chunk_bytes=chunk_bytes)],
+                session_id=self.session_id,
+            ),
+        )
+        self.session_id = response.session_id
+        self._arena_path = Path(response.arena_path)
+        if self._heartbeat is None:
+            interval = response.heartbeat_interval_ms / 1000
+            self._heartbeat = threading.Thread(
+                target=self._beat, args=(interval,), name="kvtier-heartbeat", daemon=True
+            )
+            self._heartbeat.start()
+        return bytes(response.namespaces[0])
+
+    def _beat(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                alive = self._rpc(
+                    self._stub.Heartbeat, tier_pb2.HeartbeatRequest(session_id=self.session_id)
+                ).alive
+            except KVTierError as exc:
+                log.warning("heartbeat to %s failed: %s", self.target, exc)
+                continue
+            if not alive:
+                log.error("session %s expired at %s; register again", self.session_id, self.target)
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
+        response = self._rpc(
+            self._stub.Lookup, tier_pb2.LookupRequest(session_id=self.session_id, keys=keys)
+        )
+        return LookupResult(response.hits, [_TIER_NAMES[t] for t in response.tiers])
+
+    def reserve(self, keys: Sequence[ChunkKey], replica: str = "") -> list[SlotRef | None]:
+        response = self._rpc(
+            self._stub.Reserve, tier_pb2.ReserveRequest(session_id=self.session_id, keys=keys)
+        )
+        return grants_from(response.grants)
+
+    def commit(self, refs: Sequence[SlotRef]) -> int:
+        request = tier_pb2.CommitRequest(session_id=self.session_id, refs=[ref_to(r) for r in refs])
+        return self._rpc(self._stub.Commit, request).committed
+
+    def abort(self, refs: Sequence[SlotRef]) -> None:
+        request = tier_pb2.AbortRequest(session_id=self.session_id, refs=[ref_to(r) for r in refs])
+        self._rpc(self._stub.Abort, request)
+
+    def load(self, keys: Sequence[ChunkKey], replica: str = "") -> list[SlotRef | None]:
+        response = self._rpc(
+            self._stub.Prefetch, tier_pb2.PrefetchRequest(session_id=self.session_id, keys=keys)
+        )
+        return grants_from(response.leases)
+
+    def release(self, refs: Sequence[SlotRef]) -> None:
+        request = tier_pb2.ReleaseRequest(
+            session_id=self.session_id, refs=[ref_to(r) for r in refs]
+        )
+        self._rpc(self._stub.Release, request)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+        self._channel.close()
+
+
+class AdminClient:
+    """The admin API, with an optional bearer token and TLS."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        tls_ca: bytes | None = None,
+        tls_client: tuple[bytes, bytes] | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.target = address
+        if tls_ca is not None or tls_client is not None:
+            key, cert = tls_client if tls_client is not None else (None, None)
+            creds = grpc.ssl_channel_credentials(tls_ca, key, cert)
+            self._channel = grpc.secure_channel(address, creds, options=_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
+        self._metadata = [("authorization", f"Bearer {token}")] if token else []
+        self._timeout = timeout_s
+
+    def _rpc(self, method: Callable[..., R], request: Any) -> R:
+        return _call(self.target, method, request, timeout=self._timeout, metadata=self._metadata)
+
+    def stats(self) -> admin_pb2.StatsResponse:
+        return self._rpc(self._stub.Stats, admin_pb2.StatsRequest())
+
+    def evict(self, **filters: Any) -> dict[str, int]:
+        return dict(self._rpc(self._stub.Evict, admin_pb2.EvictRequest(**filters)).evicted)
+
+    def pin(self, keys: Sequence[bytes]) -> int:
+        return self._rpc(self._stub.Pin, admin_pb2.PinRequest(keys=keys)).keys
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return self._rpc(self._stub.Unpin, admin_pb2.PinRequest(keys=keys)).keys
+
+    def set_quota(self, replica: str, pool: str, nbytes: int) -> None:
+        request = admin_pb2.SetQuotaRequest(replica=replica, pool=pool, bytes=nbytes)
+        self._rpc(self._stub.SetQuota, request)
+
+    def drain(self, timeout_s: float = 60.0) -> admin_pb2.DrainResponse:
+        return self._rpc(self._stub.Drain, admin_pb2.DrainRequest(timeout_s=timeout_s))
+
+    def verify(self, tier: str = "") -> Iterator[admin_pb2.VerifyProgress]:
+        return self._stream(self._stub.Verify, admin_pb2.VerifyRequest(tier=tier))
+
+    def warmup(
+        self, namespace: bytes = b"", max_chunks: int = 0
+    ) -> Iterator[admin_pb2.WarmupProgress]:
+        request = admin_pb2.WarmupRequest(namespace=namespace, max_chunks=max_chunks)
+        return self._stream(self._stub.Warmup, request)
+
+    def draft_swap_begin(self, revision: str) -> admin_pb2.DraftSwapBeginResponse:
+        request = admin_pb2.DraftSwapBeginRequest(revision=revision)
+        return self._rpc(self._stub.DraftSwapBegin, request)
+
+    def draft_swap_commit(self, swap_id: str) -> admin_pb2.DraftSwapCommitResponse:
+        request = admin_pb2.DraftSwapCommitRequest(swap_id=swap_id)
+        return self._rpc(self._stub.DraftSwapCommit, request)
+
+    def _stream(self, method: Callable[..., Iterator[R]], request: Any) -> Iterator[R]:
+        stream = _call(self.target, method, request, timeout=None, metadata=self._metadata)
+        try:
+            yield from stream
+        except grpc.RpcError as exc:
+            raise error_from(exc.code(), exc.details() or "") from None
+
+    def close(self) -> None:
+        self._channel.close()

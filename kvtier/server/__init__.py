@@ -1,0 +1,1 @@
+"""kvtierd: the daemon wiring, its gRPC servicers, sessions and authentication."""

@@ -1,0 +1,138 @@
+"""The admin servicer: protobuf in, TierManager out. Authentication happens in interceptors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from kvtier.api.v1 import admin_pb2, admin_pb2_grpc
+from kvtier.errors import InvalidRequestError, UnsupportedError
+from kvtier.keys import NAMESPACE_BYTES
+from kvtier.manager import TierManager
+from kvtier.server.convert import check_batch, keys_from, namespace_from, tier_stats_to
+from kvtier.server.sessions import SessionRegistry
+
+READ_ONLY_METHODS = frozenset({"Stats"})
+_PROGRESS_EVERY = 256
+_MAX_PIN_KEYS = 1 << 20
+
+
+class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
+    def __init__(self, manager: TierManager, sessions: SessionRegistry) -> None:
+        self.manager = manager
+        self.sessions = sessions
+
+    def Stats(
+        self, request: admin_pb2.StatsRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.StatsResponse:
+        stats = self.manager.stats()
+        sessions, leases, _ = self.sessions.counts()
+        return admin_pb2.StatsResponse(
+            tiers=[tier_stats_to(t) for t in stats.tiers.values()],
+            counters=dict(stats.counters),
+            sessions=sessions,
+            leases=leases,
+        )
+
+    def Evict(
+        self, request: admin_pb2.EvictRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.EvictResponse:
+        evicted = self.manager.evict(
+            request.tier or None,
+            pool=request.pool or None,
+            namespace=namespace_from(request.namespace),
+            replica=request.replica or None,
+        )
+        return admin_pb2.EvictResponse(evicted=evicted)
+
+    def Pin(
+        self, request: admin_pb2.PinRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.PinResponse:
+        check_batch(request.keys, _MAX_PIN_KEYS)
+        keys = keys_from(request.keys)
+        self.manager.pin(keys)
+        return admin_pb2.PinResponse(keys=len(keys))
+
+    def Unpin(
+        self, request: admin_pb2.PinRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.PinResponse:
+        check_batch(request.keys, _MAX_PIN_KEYS)
+        keys = keys_from(request.keys)
+        self.manager.unpin(keys)
+        return admin_pb2.PinResponse(keys=len(keys))
+
+    def SetQuota(
+        self, request: admin_pb2.SetQuotaRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.SetQuotaResponse:
+        if not request.replica or not request.pool:
+            raise InvalidRequestError("replica and pool are required")
+        if request.pool not in self.manager.config.arena.pools:
+            raise InvalidRequestError(f"unknown pool {request.pool!r}")
+        self.manager.set_quota(request.replica, request.pool, request.bytes or None)
+        return admin_pb2.SetQuotaResponse()
+
+    def Drain(
+        self, request: admin_pb2.DrainRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.DrainResponse:
+        timeout = request.timeout_s if request.timeout_s > 0 else 60.0
+        complete = self.manager.flush(timeout)
+        if self.manager.lmdb is not None:
+            self.manager.lmdb.sync()
+        return admin_pb2.DrainResponse(
+            complete=complete, pending=self.manager.cpu.writeback_pending()
+        )
+
+    def Verify(
+        self, request: admin_pb2.VerifyRequest, context: grpc.ServicerContext
+    ) -> Iterator[admin_pb2.VerifyProgress]:
+        if request.tier not in ("", "lmdb"):
+            raise InvalidRequestError("only the lmdb tier stores checksummed chunks to verify")
+        lmdb = self.manager.lmdb
+        keys = list(lmdb.keys()) if lmdb is not None else []
+        corrupt = 0
+        for i, key in enumerate(keys, 1):
+            assert lmdb is not None
+            if lmdb.verify_chunk(key) is False:
+                corrupt += 1
+            if i % _PROGRESS_EVERY == 0 and i < len(keys):
+                yield admin_pb2.VerifyProgress(checked=i, total=len(keys), corrupt=corrupt)
+        yield admin_pb2.VerifyProgress(
+            checked=len(keys), total=len(keys), corrupt=corrupt, done=True
+        )
+
+    def Warmup(
+        self, request: admin_pb2.WarmupRequest, context: grpc.ServicerContext
+    ) -> Iterator[admin_pb2.WarmupProgress]:
+        namespace = namespace_from(request.namespace)
+        lmdb = self.manager.lmdb
+        keys = [
+            k
+            for k in (lmdb.keys() if lmdb is not None else ())
+            if namespace is None or k[:NAMESPACE_BYTES] == namespace
+        ]
+        if request.max_chunks:
+            keys = keys[: request.max_chunks]
+        promoted = 0
+        for start in range(0, len(keys), _PROGRESS_EVERY):
+            batch = [k for k in keys[start : start + _PROGRESS_EVERY] if self._known(k)]
+            leases = self.manager.load(batch, "warmup")
+            self.manager.release([lease for lease in leases if lease is not None])
+            promoted += sum(lease is not None for lease in leases)
+            if start + _PROGRESS_EVERY < len(keys):
+                yield admin_pb2.WarmupProgress(promoted=promoted, total=len(keys))
+        yield admin_pb2.WarmupProgress(promoted=promoted, total=len(keys), done=True)
+
+    def _known(self, key: bytes) -> bool:
+        """Chunks of pools no engine registered since start cannot be placed in the arena."""
+        return self.manager.registry.get(key[:NAMESPACE_BYTES]) is not None
+
+    def DraftSwapBegin(
+        self, request: admin_pb2.DraftSwapBeginRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.DraftSwapBeginResponse:
+        raise UnsupportedError("draft swaps are not served by this build yet")
+
+    def DraftSwapCommit(
+        self, request: admin_pb2.DraftSwapCommitRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.DraftSwapCommitResponse:
+        raise UnsupportedError("draft swaps are not served by this build yet")

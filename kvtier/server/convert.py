@@ -1,0 +1,140 @@
+"""Protobuf <-> domain conversions for the data plane and admin API, with request validation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvtier.api.v1 import admin_pb2, tier_pb2
+from kvtier.errors import InvalidRequestError
+from kvtier.keys import NAMESPACE_BYTES, ChunkKey, NamespaceSpec, PageLayout, Pool, validate_key
+from kvtier.tiers.base import TierStats, UsageStats
+from kvtier.tiers.cpu import SlotRef
+
+_POOLS = {tier_pb2.POOL_TARGET: Pool.TARGET, tier_pb2.POOL_DRAFT: Pool.DRAFT}
+_POOL_CODES = {pool: code for code, pool in _POOLS.items()}
+TIER_CODES = {"cpu": tier_pb2.TIER_CPU, "lmdb": tier_pb2.TIER_LMDB, "object": tier_pb2.TIER_OBJECT}
+
+
+def check_batch(items: Sequence[object], limit: int, what: str = "keys") -> None:
+    if len(items) > limit:
+        raise InvalidRequestError(f"{len(items)} {what} in one call; the limit is {limit}")
+
+
+def keys_from(raw: Iterable[bytes]) -> list[ChunkKey]:
+    try:
+        return [validate_key(k) for k in raw]
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
+
+
+def namespace_from(raw: bytes) -> bytes | None:
+    if not raw:
+        return None
+    if len(raw) != NAMESPACE_BYTES:
+        raise InvalidRequestError(f"a namespace is {NAMESPACE_BYTES} bytes, got {len(raw)}")
+    return raw
+
+
+def spec_from(pb: tier_pb2.NamespaceSpec) -> NamespaceSpec:
+    if pb.pool not in _POOLS:
+        raise InvalidRequestError("pool must be POOL_TARGET or POOL_DRAFT")
+    layout = pb.layout
+    try:
+        return NamespaceSpec(
+            model=pb.model,
+            model_revision=pb.model_revision,
+            pool=_POOLS[pb.pool],
+            kv_dtype=pb.kv_dtype,
+            layout=PageLayout(
+                tokens_per_block=layout.tokens_per_block,
+                blocks_per_chunk=layout.blocks_per_chunk,
+                num_kv_heads=layout.num_kv_heads,
+                head_sizes=tuple(layout.head_sizes),
+                layer_names=tuple(layout.layer_names),
+                kv_order=layout.kv_order or "default",
+            ),
+            tp_rank=pb.tp_rank,
+            tp_size=pb.tp_size or 1,
+            pp_rank=pb.pp_rank,
+            pp_size=pb.pp_size or 1,
+            hash_algo=pb.hash_algo or "sha256",
+            tenant=pb.tenant or "default",
+            draft_model=pb.draft_model or None,
+            draft_revision=pb.draft_revision or None,
+        )
+    except ValueError as exc:
+        raise InvalidRequestError(f"invalid namespace spec: {exc}") from None
+
+
+def spec_to(spec: NamespaceSpec) -> tier_pb2.NamespaceSpec:
+    layout = spec.layout
+    return tier_pb2.NamespaceSpec(
+        model=spec.model,
+        model_revision=spec.model_revision,
+        pool=_POOL_CODES[spec.pool],
+        kv_dtype=spec.kv_dtype,
+        layout=tier_pb2.PageLayout(
+            tokens_per_block=layout.tokens_per_block,
+            blocks_per_chunk=layout.blocks_per_chunk,
+            num_kv_heads=layout.num_kv_heads,
+            head_sizes=list(layout.head_sizes),
+            layer_names=list(layout.layer_names),
+            kv_order=layout.kv_order,
+        ),
+        tp_rank=spec.tp_rank,
+        tp_size=spec.tp_size,
+        pp_rank=spec.pp_rank,
+        pp_size=spec.pp_size,
+        hash_algo=spec.hash_algo,
+        tenant=spec.tenant,
+        draft_model=spec.draft_model or "",
+        draft_revision=spec.draft_revision or "",
+    )
+
+
+def ref_to(ref: SlotRef) -> tier_pb2.SlotRef:
+    return tier_pb2.SlotRef(
+        key=ref.key, slot=ref.slot, offset=ref.offset, nbytes=ref.nbytes, generation=ref.generation
+    )
+
+
+def ref_from(pb: tier_pb2.SlotRef) -> SlotRef:
+    (key,) = keys_from([pb.key])
+    return SlotRef(key, pb.slot, pb.offset, pb.nbytes, pb.generation)
+
+
+def grants_to(refs: Sequence[SlotRef | None]) -> list[tier_pb2.SlotGrant]:
+    return [
+        tier_pb2.SlotGrant(granted=True, ref=ref_to(r)) if r is not None else tier_pb2.SlotGrant()
+        for r in refs
+    ]
+
+
+def grants_from(grants: Iterable[tier_pb2.SlotGrant]) -> list[SlotRef | None]:
+    return [
+        SlotRef(ChunkKey(g.ref.key), g.ref.slot, g.ref.offset, g.ref.nbytes, g.ref.generation)
+        if g.granted
+        else None
+        for g in grants
+    ]
+
+
+def _usage(u: UsageStats) -> admin_pb2.Usage:
+    return admin_pb2.Usage(
+        used_bytes=u.used_bytes, chunks=u.chunks, capacity_bytes=u.capacity_bytes
+    )
+
+
+def tier_stats_to(stats: TierStats) -> admin_pb2.TierStats:
+    return admin_pb2.TierStats(
+        tier=stats.tier,
+        usage=admin_pb2.Usage(
+            used_bytes=stats.used_bytes, chunks=stats.chunks, capacity_bytes=stats.capacity_bytes
+        ),
+        pools=[admin_pb2.PoolUsage(pool=p, usage=_usage(u)) for p, u in stats.pools.items()],
+        replicas=[
+            admin_pb2.ReplicaUsage(replica=r, pool=p, usage=_usage(u))
+            for (r, p), u in stats.replicas.items()
+        ],
+        counters={k: max(0, v) for k, v in stats.counters.items()},
+    )

@@ -1,0 +1,261 @@
+"""kvtierd wiring: the TierManager behind a unix-socket data plane, a TCP admin API, health,
+reflection and a Prometheus endpoint; and the lifecycle around them."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+from types import FrameType
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
+from kvtier.config import KVTierConfig, ServerConfig
+from kvtier.errors import ConfigError
+from kvtier.manager import TierManager
+from kvtier.metrics import build_registry
+from kvtier.server.admin import READ_ONLY_METHODS, AdminServicer
+from kvtier.server.dataplane import TierServicer
+from kvtier.server.interceptors import ErrorInterceptor, TokenAuthInterceptor
+from kvtier.server.sessions import SessionRegistry
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+_GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+_SERVICES = (
+    tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name,
+    admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+)
+
+
+def split_address(address: str, key: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(key, f"{address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _read_token(path: Path | None, key: str) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(key, f"cannot read {path}: {exc.strerror}") from exc
+    if not token:
+        raise ConfigError(key, f"{path} is empty")
+    return token
+
+
+def admin_credentials(cfg: ServerConfig) -> tuple[str | None, str | None]:
+    """The admin and read-only tokens; refuses an unauthenticated non-loopback admin API."""
+    host, _ = split_address(cfg.admin_address, "server.admin_address")
+    admin = _read_token(cfg.admin_token_file, "server.admin_token_file")
+    read = _read_token(cfg.read_token_file, "server.read_token_file")
+    mtls = cfg.tls_client_ca_file is not None
+    if not is_loopback(host) and admin is None and not mtls:
+        raise ConfigError(
+            "server.admin_address",
+            f"refusing to serve the admin API on non-loopback {host!r} without authentication; "
+            "set server.admin_token_file, or mTLS (tls_cert_file, tls_key_file, "
+            "tls_client_ca_file), or bind to 127.0.0.1",
+        )
+    if read is not None and admin is None:
+        raise ConfigError("server.read_token_file", "needs server.admin_token_file as well")
+    return admin, read
+
+
+def _take_socket_path(path: Path) -> None:
+    """Remove a socket left by a dead daemon; refuse to start next to a live one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()
+        log.info("removed stale socket %s", path)
+        return
+    finally:
+        probe.close()
+    raise ConfigError("server.socket_path", f"a kvtier daemon is already serving at {path}")
+
+
+def _server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+    if cfg.tls_cert_file is None or cfg.tls_key_file is None:
+        return None
+    key, cert = cfg.tls_key_file.read_bytes(), cfg.tls_cert_file.read_bytes()
+    ca = cfg.tls_client_ca_file.read_bytes() if cfg.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+class Daemon:
+    def __init__(self, config: KVTierConfig) -> None:
+        self.config = config
+        self.admin_port = 0
+        self.metrics_port = 0
+        self._stopped = threading.Event()
+        self._health = health.HealthServicer()
+        self._servers: list[grpc.Server] = []
+        self._metrics: object | None = None
+
+    def start(self) -> None:
+        cfg = self.config.server
+        admin_token, read_token = admin_credentials(cfg)  # before anything is created
+        admin_host, admin_port = split_address(cfg.admin_address, "server.admin_address")
+        self.manager = TierManager(self.config)
+        try:
+            self.sessions = SessionRegistry(self.manager, cfg.session_timeout_s)
+            self._start_data_plane(cfg)
+            self._start_admin(cfg, admin_host, admin_port, admin_token, read_token)
+            self._start_metrics(cfg)
+        except BaseException:
+            self.stop()
+            raise
+        for service in ("", *_SERVICES):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._reaper = threading.Thread(target=self._reap_loop, name="kvtier-reaper", daemon=True)
+        self._reaper.start()
+
+    def _grpc_server(self, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
+        server = grpc.server(
+            futures.ThreadPoolExecutor(self.config.server.workers),
+            interceptors=interceptors,
+            options=_GRPC_OPTIONS,
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (*_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        self._servers.append(server)
+        return server
+
+    def _start_data_plane(self, cfg: ServerConfig) -> None:
+        _take_socket_path(cfg.socket_path)
+        server = self._grpc_server([ErrorInterceptor()])
+        tier_pb2_grpc.add_TierServiceServicer_to_server(
+            TierServicer(self.manager, self.sessions, cfg), server
+        )
+        old_umask = os.umask(0o117)  # the socket is born 0660: no window with wider access
+        try:
+            server.add_insecure_port(f"unix:{cfg.socket_path}")
+            server.start()
+        finally:
+            os.umask(old_umask)
+        os.chmod(cfg.socket_path, 0o660)
+
+    def _start_admin(
+        self,
+        cfg: ServerConfig,
+        host: str,
+        port: int,
+        admin_token: str | None,
+        read_token: str | None,
+    ) -> None:
+        interceptors: list[grpc.ServerInterceptor] = []
+        if admin_token is not None:
+            interceptors.append(TokenAuthInterceptor(admin_token, read_token, READ_ONLY_METHODS))
+        interceptors.append(ErrorInterceptor())
+        server = self._grpc_server(interceptors)
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(
+            AdminServicer(self.manager, self.sessions), server
+        )
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        creds = _server_credentials(cfg)
+        try:
+            if creds is None:
+                self.admin_port = server.add_insecure_port(address)
+            else:
+                self.admin_port = server.add_secure_port(address, creds)
+        except RuntimeError as exc:
+            raise ConfigError("server.admin_address", f"cannot listen on {address}: {exc}") from exc
+        server.start()
+
+    def _start_metrics(self, cfg: ServerConfig) -> None:
+        if not cfg.metrics_address:
+            return
+        host, port = split_address(cfg.metrics_address, "server.metrics_address")
+        registry = build_registry(self.manager, self.sessions.counts)
+        try:
+            server, _thread = start_http_server(port, host, registry=registry)
+        except OSError as exc:
+            raise ConfigError("server.metrics_address", f"cannot listen: {exc.strerror}") from exc
+        self._metrics = server
+        self.metrics_port = server.server_port
+
+    def _reap_loop(self) -> None:
+        interval = self.config.server.session_timeout_s / 4
+        while not self._stopped.wait(interval):
+            self.sessions.reap()
+
+    def stop(self) -> None:
+        """Stop taking calls, hand back what sessions hold, write the arena back, sync, close."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._health.enter_graceful_shutdown()
+        for server in self._servers:
+            server.stop(grace=2.0).wait()
+        if self._metrics is not None:
+            self._metrics.shutdown()  # type: ignore[attr-defined]
+        if hasattr(self, "sessions"):
+            self.sessions.close_all()
+        if hasattr(self, "manager"):
+            self.manager.close(self.config.server.drain_timeout_s)
+        with contextlib.suppress(FileNotFoundError):
+            self.config.server.socket_path.unlink()
+        log.info("kvtierd stopped")
+
+
+def serve(config: KVTierConfig) -> int:
+    """Run until SIGTERM or SIGINT; exit 0 after a clean drain."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s: draining", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    daemon = Daemon(config)
+    daemon.start()
+    cfg = config.server
+    print(
+        f"kvtierd ready: data=unix:{cfg.socket_path} admin_port={daemon.admin_port} "
+        f"metrics_port={daemon.metrics_port} arena={daemon.manager.cpu.memory.path}",
+        flush=True,
+    )
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        daemon.stop()
+    sys.stdout.flush()
+    return 0
