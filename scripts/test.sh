@@ -10,6 +10,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[test]'
 
+"$VENV/bin/python" scripts/gen_protos.py --check  # committed stubs match protos/
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 "$VENV/bin/mypy"

@@ -1,0 +1,119 @@
+"""The admin commands of the `kvtier` CLI against a daemon serving in this process."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.config import from_mapping
+from kvtier.rpc import GrpcTierClient
+from kvtier.server.daemon import Daemon
+from kvtier.tiers.arena import ArenaMemory
+from tests.support import keys_for, payload_for, target_spec
+
+CHUNK = 256 << 10
+
+
+@pytest.fixture
+def daemon(shm_path: Path, tmp_path: Path) -> Iterator[Daemon]:
+    cfg = from_mapping(
+        {
+            "arena": {"path": str(shm_path), "size_bytes": "32MiB", "extent_bytes": "2MiB"},
+            "lmdb": {"path": str(tmp_path / "lmdb"), "budget_bytes": "64MiB"},
+            "server": {
+                "socket_path": str(tmp_path / "kvtierd.sock"),
+                "admin_address": "127.0.0.1:0",
+                "metrics_address": "",
+            },
+        }
+    )
+    d = Daemon(cfg)
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def stored(daemon: Daemon) -> Iterator[list[bytes]]:
+    client = GrpcTierClient(daemon.config.server.socket_path, "dp0")
+    ns = client.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 8)
+    arena = ArenaMemory.attach(client.arena_path)
+    refs = [r for r in client.reserve(keys) if r is not None]
+    for ref in refs:
+        arena.view(ref.offset, ref.nbytes)[:] = payload_for(ref.key, CHUNK)
+    assert client.commit(refs) == 8
+    yield list(keys)
+    arena.close()
+    client.close()
+
+
+def run(capsys: pytest.CaptureFixture[str], daemon: Daemon, *args: str) -> tuple[int, str, str]:
+    rc = main([args[0], "--address", f"127.0.0.1:{daemon.admin_port}", *args[1:]])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_stats_table_and_json(
+    capsys: pytest.CaptureFixture[str], daemon: Daemon, stored: list[bytes]
+) -> None:
+    rc, out, _ = run(capsys, daemon, "stats")
+    assert rc == 0
+    assert "dp0" in out
+    assert "sessions 1" in out
+    rc, out, _ = run(capsys, daemon, "stats", "--json")
+    doc = json.loads(out)
+    cpu = next(t for t in doc["tiers"] if t["tier"] == "cpu")
+    assert int(cpu["usage"]["chunks"]) == 8
+
+
+def test_drain_verify_evict_warmup(
+    capsys: pytest.CaptureFixture[str], daemon: Daemon, stored: list[bytes]
+) -> None:
+    assert run(capsys, daemon, "drain")[0] == 0
+    rc, out, err = run(capsys, daemon, "verify")
+    assert rc == 0
+    assert "verified 8 chunks, 0 corrupt" in out
+    assert "8/8" in err  # the progress bar
+    rc, out, _ = run(capsys, daemon, "evict", "--tier", "cpu", "--json")
+    assert json.loads(out) == {"cpu": 8}
+    rc, out, _ = run(capsys, daemon, "warmup")
+    assert rc == 0
+    assert "promoted 8 of 8 chunks" in out
+
+
+def test_pin_and_quota(
+    capsys: pytest.CaptureFixture[str], daemon: Daemon, stored: list[bytes]
+) -> None:
+    assert run(capsys, daemon, "pin", stored[0].hex())[1].strip() == "pinned 1 keys"
+    run(capsys, daemon, "evict")
+    assert daemon.manager.lookup(stored[:1]).hits == 1
+    rc, out, _ = run(
+        capsys, daemon, "quota", "--replica", "dp0", "--pool", "target", "--bytes", "1MiB"
+    )
+    assert rc == 0
+    assert daemon.manager.cpu.quota_bytes("dp0", "target") == 1 << 20
+    rc, _, err = run(capsys, daemon, "quota", "--replica", "dp0", "--pool", "nope", "--bytes", "1")
+    assert rc == 1
+    assert "unknown pool" in err
+
+
+def test_draft_swap_is_refused_cleanly(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
+    rc, _, err = run(capsys, daemon, "draft-swap", "--revision", "r2")
+    assert rc == 1
+    assert "not served by this build" in err
+
+
+def test_no_daemon_says_how_to_start_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    rc = main(["stats", "--address", f"127.0.0.1:{port}"])
+    _, err = capsys.readouterr()
+    assert rc == 1
+    assert f"daemon not running at 127.0.0.1:{port}: start it with `kvtier serve`" in err
