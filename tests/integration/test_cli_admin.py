@@ -93,10 +93,8 @@ def test_pin_and_quota(
     assert run(capsys, daemon, "pin", stored[0].hex())[1].strip() == "pinned 1 keys"
     run(capsys, daemon, "evict")
     assert daemon.manager.lookup(stored[:1]).hits == 1
-    rc, out, _ = run(
-        capsys, daemon, "quota", "--replica", "dp0", "--pool", "target", "--bytes", "1MiB"
-    )
-    assert rc == 0
+    quota = ("quota", "--replica", "dp0", "--pool", "target", "--bytes", "1MiB")
+    assert run(capsys, daemon, *quota)[0] == 0
     assert daemon.manager.cpu.quota_bytes("dp0", "target") == 1 << 20
     rc, _, err = run(capsys, daemon, "quota", "--replica", "dp0", "--pool", "nope", "--bytes", "1")
     assert rc == 1
