@@ -125,6 +125,7 @@ class Daemon:
         self._health = health.HealthServicer()
         self._servers: list[grpc.Server] = []
         self._metrics: object | None = None
+        self._owns_socket = False  # never remove the socket of another live daemon
 
     def start(self) -> None:
         cfg = self.config.server
@@ -159,6 +160,7 @@ class Daemon:
 
     def _start_data_plane(self, cfg: ServerConfig) -> None:
         _take_socket_path(cfg.socket_path)
+        self._owns_socket = True
         server = self._grpc_server([ErrorInterceptor()])
         tier_pb2_grpc.add_TierServiceServicer_to_server(
             TierServicer(self.manager, self.sessions, cfg), server
@@ -229,8 +231,9 @@ class Daemon:
             self.sessions.close_all()
         if hasattr(self, "manager"):
             self.manager.close(self.config.server.drain_timeout_s)
-        with contextlib.suppress(FileNotFoundError):
-            self.config.server.socket_path.unlink()
+        if self._owns_socket:
+            with contextlib.suppress(FileNotFoundError):
+                self.config.server.socket_path.unlink()
         log.info("kvtierd stopped")
 
 
