@@ -46,6 +46,33 @@ class SlotRef:
     generation: int
 
 
+_FREE, _WRITING, _READY = int(SlotState.FREE), int(SlotState.WRITING), int(SlotState.READY)
+
+
+class _SlotTable:
+    """State, generation and refcount of every slot: Python lists for the owner's hot-path reads,
+    written through to the arena's shared table so other processes can check a reference."""
+
+    def __init__(self, memory: ArenaMemory) -> None:
+        n = memory.num_extents * memory.max_slots_per_extent
+        self._memory = memory
+        self.state = [_FREE] * n
+        self.generation = [0] * n
+        self.refcount = [0] * n
+
+    def set_state(self, slot: int, state: int) -> None:
+        self.state[slot] = state
+        self._memory.state[slot] = state
+
+    def bump_generation(self, slot: int) -> None:
+        self.generation[slot] += 1
+        self._memory.generation[slot] = self.generation[slot]
+
+    def add_ref(self, slot: int, delta: int) -> None:
+        self.refcount[slot] += delta
+        self._memory.refcount[slot] = self.refcount[slot]
+
+
 class _SlotClass:
     """Slots of one (pool, chunk size)."""
 
@@ -95,6 +122,7 @@ class CpuTier(Tier):
         )
         mem = self.memory
         n = mem.num_extents * mem.max_slots_per_extent
+        self._slots = _SlotTable(mem)
         self._lock = threading.RLock()
         self._free_extents = list(range(mem.num_extents - 1, -1, -1))
         self._classes: dict[tuple[str, int], _SlotClass] = {}
@@ -198,7 +226,7 @@ class CpuTier(Tier):
         return True
 
     def _evictable(self, slot: int) -> bool:
-        return not self._dirty[slot] and self.memory.refcount[slot] == 0
+        return not self._dirty[slot] and self._slots.refcount[slot] == 0
 
     def _first_victim(self, cls: _SlotClass, queue: int) -> int | None:
         for scanned, slot in enumerate(cls.policy.candidates(queue)):
@@ -242,7 +270,7 @@ class CpuTier(Tier):
         cls = self._class_of_extent[slot // mem.max_slots_per_extent]
         assert cls is not None
         key = self._key[slot]
-        if mem.state[slot] == SlotState.READY:
+        if self._slots.state[slot] == _READY:
             assert key is not None
             del self._index[key]
             cls.policy.remove(slot)
@@ -256,21 +284,20 @@ class CpuTier(Tier):
             self._writing.pop(key, None)
         self._key[slot] = None
         self._pinned[slot] = False
-        mem.generation[slot] += 1
-        mem.state[slot] = SlotState.FREE
+        self._slots.bump_generation(slot)
+        self._slots.set_state(slot, _FREE)
         cls.free.append(slot)
 
     def _ref(self, key: ChunkKey, slot: int, nbytes: int) -> SlotRef:
         mem = self.memory
-        return SlotRef(key, slot, mem.slot_offset(slot), nbytes, int(mem.generation[slot]))
+        return SlotRef(key, slot, mem.slot_offset(slot), nbytes, self._slots.generation[slot])
 
-    def _current(self, ref: SlotRef, state: SlotState) -> bool:
-        mem = self.memory
+    def _current(self, ref: SlotRef, state: int) -> bool:
         return (
             0 <= ref.slot < len(self._key)
             and self._key[ref.slot] == ref.key
-            and mem.state[ref.slot] == state
-            and int(mem.generation[ref.slot]) == ref.generation
+            and self._slots.state[ref.slot] == state
+            and self._slots.generation[ref.slot] == ref.generation
         )
 
     # -- the store path: reserve -> write -> commit | abort -------------------------------
@@ -295,7 +322,7 @@ class CpuTier(Tier):
                 self._key[slot] = key
                 self._owner[slot] = q
                 self._writing[key] = slot
-                self.memory.state[slot] = SlotState.WRITING
+                self._slots.set_state(slot, _WRITING)
                 out.append(self._ref(key, slot, reg.chunk_bytes))
         return out
 
@@ -305,7 +332,7 @@ class CpuTier(Tier):
         done = 0
         with self._lock:
             for ref in refs:
-                if not self._current(ref, SlotState.WRITING):
+                if not self._current(ref, _WRITING):
                     self._counters.add("commit_stale", 1)
                     continue
                 slot = ref.slot
@@ -313,7 +340,7 @@ class CpuTier(Tier):
                 assert cls is not None
                 del self._writing[ref.key]
                 self._index[ref.key] = slot
-                self.memory.state[slot] = SlotState.READY
+                self._slots.set_state(slot, _READY)
                 cls.ready += 1
                 self._used[(self._owner[slot], cls.pool)] += cls.slot_bytes
                 self._chunks[(self._owner[slot], cls.pool)] += 1
@@ -326,7 +353,7 @@ class CpuTier(Tier):
                     cls.dirty_count += 1
                     cls.dirty.append((slot, ref.generation))
                 if lease:
-                    self.memory.refcount[slot] += 1
+                    self._slots.add_ref(slot, 1)
                 self._counters.add("stores", 1)
                 done += 1
         return done
@@ -334,7 +361,7 @@ class CpuTier(Tier):
     def abort(self, refs: Sequence[SlotRef]) -> None:
         with self._lock:
             for ref in refs:
-                if self._current(ref, SlotState.WRITING):
+                if self._current(ref, _WRITING):
                     self._release_slot(ref.slot)
                     self._counters.add("store_aborted", 1)
 
@@ -353,7 +380,7 @@ class CpuTier(Tier):
                     continue
                 cls = self._class_of_extent[slot // mem.max_slots_per_extent]
                 assert cls is not None
-                mem.refcount[slot] += 1
+                self._slots.add_ref(slot, 1)
                 cls.policy.access(slot)
                 self._counters.add("hits", 1)
                 out.append(self._ref(key, slot, cls.slot_bytes))
@@ -362,8 +389,8 @@ class CpuTier(Tier):
     def release(self, refs: Sequence[SlotRef]) -> None:
         with self._lock:
             for ref in refs:
-                if self._current(ref, SlotState.READY) and self.memory.refcount[ref.slot] > 0:
-                    self.memory.refcount[ref.slot] -= 1
+                if self._current(ref, _READY) and self._slots.refcount[ref.slot] > 0:
+                    self._slots.add_ref(ref.slot, -1)
                 else:
                     self._counters.add("release_stale", 1)
 
@@ -390,9 +417,9 @@ class CpuTier(Tier):
                         break
                     slot, gen = cls.dirty.popleft()
                     key = self._key[slot]
-                    if key is None or not self._dirty[slot] or self.memory.generation[slot] != gen:
+                    if key is None or not self._dirty[slot] or self._slots.generation[slot] != gen:
                         continue  # freed or re-used since it was queued
-                    self.memory.refcount[slot] += 1
+                    self._slots.add_ref(slot, 1)
                     out.append(self._ref(key, slot, cls.slot_bytes))
         return out
 
@@ -407,10 +434,10 @@ class CpuTier(Tier):
         """End write-back leases; a failed write leaves the chunk clean-but-arena-only."""
         with self._lock:
             for ref in refs:
-                if not self._current(ref, SlotState.READY):
+                if not self._current(ref, _READY):
                     continue
                 slot = ref.slot
-                self.memory.refcount[slot] -= 1
+                self._slots.add_ref(slot, -1)
                 if self._dirty[slot]:
                     self._dirty[slot] = False
                     cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
@@ -449,7 +476,7 @@ class CpuTier(Tier):
         with self._lock:
             for key in keys:
                 slot = self._index.get(key)
-                if slot is not None and self.memory.refcount[slot] == 0:
+                if slot is not None and self._slots.refcount[slot] == 0:
                     self._release_slot(slot)
                     dropped += 1
         return dropped
@@ -486,7 +513,7 @@ class CpuTier(Tier):
             if replica is not None and q is None:
                 return 0
             for key, slot in list(self._index.items()):
-                if self._pinned[slot] or self.memory.refcount[slot] != 0:
+                if self._pinned[slot] or self._slots.refcount[slot] != 0:
                     continue
                 if pool is not None and self._class_of(slot).pool != pool:
                     continue
