@@ -25,13 +25,21 @@ class TierClient(Protocol):
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult: ...
 
-    def reserve(self, keys: Sequence[ChunkKey], replica: str) -> list[SlotRef | None]: ...
+    def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]: ...
 
     def commit(self, refs: Sequence[SlotRef]) -> int: ...
 
     def abort(self, refs: Sequence[SlotRef]) -> None: ...
 
-    def load(self, keys: Sequence[ChunkKey], replica: str) -> list[SlotRef | None]: ...
+    def commit_then_reserve(
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    ) -> tuple[int, list[SlotRef | None]]: ...
+
+    def release_then_load(
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    ) -> list[SlotRef | None]: ...
+
+    def load(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]: ...
 
     def release(self, refs: Sequence[SlotRef]) -> None: ...
 
@@ -41,8 +49,9 @@ class TierClient(Protocol):
 class InProcessClient:
     """Embedded mode: the TierManager lives in this process."""
 
-    def __init__(self, manager: TierManager) -> None:
+    def __init__(self, manager: TierManager, replica: str = "default") -> None:
         self.manager = manager
+        self.replica = replica
 
     @property
     def arena_path(self) -> Path:
@@ -54,8 +63,8 @@ class InProcessClient:
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         return self.manager.lookup(keys)
 
-    def reserve(self, keys: Sequence[ChunkKey], replica: str) -> list[SlotRef | None]:
-        return self.manager.reserve(keys, replica)
+    def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
+        return self.manager.reserve(keys, self.replica)
 
     def commit(self, refs: Sequence[SlotRef]) -> int:
         return self.manager.commit(refs)
@@ -63,8 +72,19 @@ class InProcessClient:
     def abort(self, refs: Sequence[SlotRef]) -> None:
         self.manager.abort(refs)
 
-    def load(self, keys: Sequence[ChunkKey], replica: str) -> list[SlotRef | None]:
-        return self.manager.load(keys, replica)
+    def load(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
+        return self.manager.load(keys, self.replica)
+
+    def commit_then_reserve(
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    ) -> tuple[int, list[SlotRef | None]]:
+        return self.manager.commit(refs), self.manager.reserve(keys, self.replica)
+
+    def release_then_load(
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    ) -> list[SlotRef | None]:
+        self.manager.release(refs)
+        return self.manager.load(keys, self.replica)
 
     def release(self, refs: Sequence[SlotRef]) -> None:
         self.manager.release(refs)

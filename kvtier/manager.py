@@ -29,18 +29,25 @@ log = logging.getLogger(__name__)
 
 TIER_CPU = "cpu"
 TIER_LMDB = "lmdb"
-
-
-def _nowhere(key: ChunkKey) -> bool:
-    return False
+TIER_OBJECT = "object"
+# One byte per chunk in lookup answers; the values are those of the wire's Tier enum.
+TIER_CODES = {TIER_CPU: 1, TIER_LMDB: 2, TIER_OBJECT: 3}
+TIER_NAMES = {code: name for name, code in TIER_CODES.items()}
+_CPU = TIER_CODES[TIER_CPU]
+_LMDB = TIER_CODES[TIER_LMDB]
 
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     hits: int
     """Length of the longest prefix of the asked keys present in some tier."""
-    tiers: list[str]
-    """Tier of each of those ``hits`` chunks (the fastest one holding it)."""
+    tier_codes: bytes
+    """Tier of each of those ``hits`` chunks (the fastest one holding it), a `TIER_CODES` value
+    per byte: compact for batches of thousands."""
+
+    @property
+    def tiers(self) -> list[str]:
+        return [TIER_NAMES[c] for c in self.tier_codes]
 
 
 @dataclass(slots=True)
@@ -91,22 +98,28 @@ class TierManager:
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         if keys:
             self.registry.resolve(keys[0])
-        in_lmdb = self.lmdb.__contains__ if self.lmdb is not None else _nowhere
-        tiers: list[str] = []
-        for key, in_cpu in zip(keys, self.cpu.contains(keys), strict=True):
-            if in_cpu:
-                tiers.append(TIER_CPU)
-            elif in_lmdb(key):
-                tiers.append(TIER_LMDB)
-            else:
-                break
+        in_cpu = self.cpu.contains(keys)
+        try:
+            in_arena = in_cpu.index(False)
+        except ValueError:
+            in_arena = len(keys)
+        codes = bytearray(bytes([_CPU]) * in_arena)  # the common case: a prefix all in the arena
+        if in_arena < len(keys) and self.lmdb is not None:
+            in_lmdb = self.lmdb.__contains__
+            for i in range(in_arena, len(keys)):
+                if in_cpu[i]:
+                    codes.append(_CPU)
+                elif in_lmdb(keys[i]):
+                    codes.append(_LMDB)
+                else:
+                    break
         counters = self._counters
         counters.add("lookups", 1)
         counters.add("lookup_chunks", len(keys))
-        n_cpu = tiers.count(TIER_CPU)
+        n_cpu = codes.count(_CPU)
         counters.add("hit_chunks_cpu", n_cpu)
-        counters.add("hit_chunks_lmdb", len(tiers) - n_cpu)
-        return LookupResult(len(tiers), tiers)
+        counters.add("hit_chunks_lmdb", len(codes) - n_cpu)
+        return LookupResult(len(codes), bytes(codes))
 
     # -- store ----------------------------------------------------------------------------
 

@@ -14,13 +14,12 @@ from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
 from kvtier.errors import KVTierError, TierUnavailableError
 from kvtier.keys import ChunkKey, NamespaceSpec
 from kvtier.manager import LookupResult
-from kvtier.server.convert import TIER_CODES, grants_from, ref_to, spec_to
+from kvtier.server.convert import grants_from, pack_keys, ref_to, spec_to
 from kvtier.status import error_from
 from kvtier.tiers.cpu import SlotRef
 
 log = logging.getLogger(__name__)
 
-_TIER_NAMES = {code: name for name, code in TIER_CODES.items()}
 _OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
@@ -114,15 +113,36 @@ class GrpcTierClient:
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         response = self._rpc(
-            self._stub.Lookup, tier_pb2.LookupRequest(session_id=self.session_id, keys=keys)
+            self._stub.Lookup,
+            tier_pb2.LookupRequest(session_id=self.session_id, keys=pack_keys(keys)),
         )
-        return LookupResult(response.hits, [_TIER_NAMES[t] for t in response.tiers])
+        return LookupResult(response.hits, response.tiers)
 
-    def reserve(self, keys: Sequence[ChunkKey], replica: str = "") -> list[SlotRef | None]:
+    def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
         response = self._rpc(
-            self._stub.Reserve, tier_pb2.ReserveRequest(session_id=self.session_id, keys=keys)
+            self._stub.Reserve,
+            tier_pb2.ReserveRequest(session_id=self.session_id, keys=pack_keys(keys)),
         )
         return grants_from(response.grants)
+
+    def commit_then_reserve(
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    ) -> tuple[int, list[SlotRef | None]]:
+        """Commit written slots and reserve the next batch in one call."""
+        request = tier_pb2.ReserveRequest(
+            session_id=self.session_id, keys=pack_keys(keys), commit=[ref_to(r) for r in refs]
+        )
+        response = self._rpc(self._stub.Reserve, request)
+        return response.committed, grants_from(response.grants)
+
+    def release_then_load(
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    ) -> list[SlotRef | None]:
+        """End leases and lease the next batch in one call."""
+        request = tier_pb2.PrefetchRequest(
+            session_id=self.session_id, keys=pack_keys(keys), release=[ref_to(r) for r in refs]
+        )
+        return grants_from(self._rpc(self._stub.Prefetch, request).leases)
 
     def commit(self, refs: Sequence[SlotRef]) -> int:
         request = tier_pb2.CommitRequest(session_id=self.session_id, refs=[ref_to(r) for r in refs])
@@ -132,9 +152,10 @@ class GrpcTierClient:
         request = tier_pb2.AbortRequest(session_id=self.session_id, refs=[ref_to(r) for r in refs])
         self._rpc(self._stub.Abort, request)
 
-    def load(self, keys: Sequence[ChunkKey], replica: str = "") -> list[SlotRef | None]:
+    def load(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
         response = self._rpc(
-            self._stub.Prefetch, tier_pb2.PrefetchRequest(session_id=self.session_id, keys=keys)
+            self._stub.Prefetch,
+            tier_pb2.PrefetchRequest(session_id=self.session_id, keys=pack_keys(keys)),
         )
         return grants_from(response.leases)
 

@@ -13,14 +13,14 @@ from kvtier.config import ServerConfig
 from kvtier.errors import InvalidRequestError
 from kvtier.manager import TierManager
 from kvtier.server.convert import (
-    TIER_CODES,
     check_batch,
     grants_to,
-    keys_from,
     ref_from,
     spec_from,
+    unpack_keys,
 )
 from kvtier.server.sessions import Session, SessionRegistry
+from kvtier.tiers.cpu import SlotRef
 
 _REPLICA_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _MAX_POOLS = 16
@@ -41,6 +41,9 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     def _batch(self, items: Sequence[T]) -> Sequence[T]:
         check_batch(items, self.config.max_batch_keys)
         return items
+
+    def _refs(self, refs: Sequence[tier_pb2.SlotRef]) -> list[SlotRef]:
+        return [ref_from(r) for r in self._batch(refs)]
 
     def RegisterSession(
         self, request: tier_pb2.RegisterSessionRequest, context: grpc.ServicerContext
@@ -71,44 +74,45 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self, request: tier_pb2.LookupRequest, context: grpc.ServicerContext
     ) -> tier_pb2.LookupResponse:
         self._session(request.session_id)
-        result = self.manager.lookup(keys_from(self._batch(request.keys)))
-        return tier_pb2.LookupResponse(
-            hits=result.hits, tiers=[TIER_CODES[t] for t in result.tiers]
-        )
+        result = self.manager.lookup(unpack_keys(request.keys, self.config.max_batch_keys))
+        return tier_pb2.LookupResponse(hits=result.hits, tiers=result.tier_codes)
 
     def Reserve(
         self, request: tier_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> tier_pb2.ReserveResponse:
         session = self._session(request.session_id)
-        keys = keys_from(self._batch(request.keys))
-        return tier_pb2.ReserveResponse(grants=grants_to(self.sessions.reserve(session, keys)))
+        committed = self.sessions.commit(session, self._refs(request.commit))
+        keys = unpack_keys(request.keys, self.config.max_batch_keys)
+        grants = grants_to(self.sessions.reserve(session, keys))
+        return tier_pb2.ReserveResponse(grants=grants, committed=committed)
 
     def Commit(
         self, request: tier_pb2.CommitRequest, context: grpc.ServicerContext
     ) -> tier_pb2.CommitResponse:
         session = self._session(request.session_id)
-        refs = [ref_from(r) for r in self._batch(request.refs)]
-        return tier_pb2.CommitResponse(committed=self.sessions.commit(session, refs))
+        committed = self.sessions.commit(session, self._refs(request.refs))
+        return tier_pb2.CommitResponse(committed=committed)
 
     def Abort(
         self, request: tier_pb2.AbortRequest, context: grpc.ServicerContext
     ) -> tier_pb2.AbortResponse:
         session = self._session(request.session_id)
-        self.sessions.abort(session, [ref_from(r) for r in self._batch(request.refs)])
+        self.sessions.abort(session, self._refs(request.refs))
         return tier_pb2.AbortResponse()
 
     def Prefetch(
         self, request: tier_pb2.PrefetchRequest, context: grpc.ServicerContext
     ) -> tier_pb2.PrefetchResponse:
         session = self._session(request.session_id)
-        keys = keys_from(self._batch(request.keys))
+        self.sessions.release(session, self._refs(request.release))
+        keys = unpack_keys(request.keys, self.config.max_batch_keys)
         return tier_pb2.PrefetchResponse(leases=grants_to(self.sessions.prefetch(session, keys)))
 
     def Release(
         self, request: tier_pb2.ReleaseRequest, context: grpc.ServicerContext
     ) -> tier_pb2.ReleaseResponse:
         session = self._session(request.session_id)
-        self.sessions.release(session, [ref_from(r) for r in self._batch(request.refs)])
+        self.sessions.release(session, self._refs(request.refs))
         return tier_pb2.ReleaseResponse()
 
     def Heartbeat(

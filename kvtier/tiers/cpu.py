@@ -448,8 +448,7 @@ class CpuTier(Tier):
     # -- the Tier contract ----------------------------------------------------------------
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        index = self._index
-        return [k in index for k in keys]
+        return list(map(self._index.__contains__, keys))
 
     def put(self, key: ChunkKey, payload: memoryview | bytes, replica: str = "default") -> bool:
         self._check_payload(key, len(payload))

@@ -445,8 +445,7 @@ class LmdbTier(Tier):
     # -- the Tier contract ----------------------------------------------------------------
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        index = self._index
-        return [k in index for k in keys]
+        return list(map(self._index.__contains__, keys))
 
     def __contains__(self, key: object) -> bool:
         return key in self._index

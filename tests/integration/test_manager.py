@@ -27,7 +27,8 @@ def manager(shm_path: Path, tmp_path: Path) -> Iterator[TierManager]:
 
 
 def store(m: TierManager | TierClient, keys: list[ChunkKey], replica: str = "r0") -> int:
-    refs = [r for r in m.reserve(keys, replica) if r is not None]
+    reserved = m.reserve(keys, replica) if isinstance(m, TierManager) else m.reserve(keys)
+    refs = [r for r in reserved if r is not None]
     view = m.cpu.view if isinstance(m, TierManager) else m.manager.cpu.view  # type: ignore[attr-defined]
     for ref in refs:
         view(ref)[:] = payload_for(ref.key, ref.nbytes)

@@ -246,6 +246,32 @@ class RegisterSessionResponse(_message.Message):
 Global___RegisterSessionResponse: _TypeAlias = RegisterSessionResponse  # noqa: Y015
 
 @_typing.final
+class KeyBatch(_message.Message):
+    """Chunk keys of one batch, all `key_bytes` long, back to back: one field instead of thousands
+    keeps encoding and decoding off the per-key path.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_BYTES_FIELD_NUMBER: _builtins.int
+    PACKED_FIELD_NUMBER: _builtins.int
+    key_bytes: _builtins.int
+    packed: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        key_bytes: _builtins.int = ...,
+        packed: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_bytes", b"key_bytes", "packed", b"packed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeyBatch: _TypeAlias = KeyBatch  # noqa: Y015
+
+@_typing.final
 class LookupRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -253,14 +279,14 @@ class LookupRequest(_message.Message):
     KEYS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     @_builtins.property
-    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def keys(self) -> Global___KeyBatch: ...
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
-        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        keys: Global___KeyBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
@@ -275,13 +301,13 @@ class LookupResponse(_message.Message):
     HITS_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
     hits: _builtins.int
-    @_builtins.property
-    def tiers(self) -> _containers.RepeatedScalarFieldContainer[Global___Tier.ValueType]: ...
+    tiers: _builtins.bytes
+    """One Tier value per byte, for each of the `hits` chunks: compact for batches of thousands."""
     def __init__(
         self,
         *,
         hits: _builtins.int = ...,
-        tiers: _abc.Iterable[Global___Tier.ValueType] | None = ...,
+        tiers: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -355,18 +381,24 @@ class ReserveRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     KEYS_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     @_builtins.property
-    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def keys(self) -> Global___KeyBatch: ...
+    @_builtins.property
+    def commit(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotRef]:
+        """Committed before reserving, so a stream of stores needs one call per batch."""
+
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
-        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        keys: Global___KeyBatch | None = ...,
+        commit: _abc.Iterable[Global___SlotRef] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "keys", b"keys", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -377,16 +409,19 @@ class ReserveResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     GRANTS_FIELD_NUMBER: _builtins.int
+    COMMITTED_FIELD_NUMBER: _builtins.int
+    committed: _builtins.int
     @_builtins.property
     def grants(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotGrant]: ...
     def __init__(
         self,
         *,
         grants: _abc.Iterable[Global___SlotGrant] | None = ...,
+        committed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["grants", b"grants"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed", b"committed", "grants", b"grants"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -478,18 +513,24 @@ class PrefetchRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     KEYS_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     @_builtins.property
-    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def keys(self) -> Global___KeyBatch: ...
+    @_builtins.property
+    def release(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotRef]:
+        """Released before leasing, so a stream of loads needs one call per batch."""
+
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
-        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        keys: Global___KeyBatch | None = ...,
+        release: _abc.Iterable[Global___SlotRef] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "release", b"release", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
