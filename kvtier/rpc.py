@@ -6,15 +6,18 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
+from kvtier import wire
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
-from kvtier.errors import KVTierError, TierUnavailableError
+from kvtier.errors import InvalidRequestError, KVTierError, TierUnavailableError
 from kvtier.keys import ChunkKey, NamespaceSpec
 from kvtier.manager import LookupResult
-from kvtier.server.convert import grants_from, pack_keys, ref_to, spec_to
+from kvtier.memory import keep_freed_pages
+from kvtier.server.convert import grants_from, ref_to, spec_to
 from kvtier.status import error_from
 from kvtier.tiers.cpu import SlotRef
 
@@ -25,6 +28,7 @@ _OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
 ]
 R = TypeVar("R")
+_TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
 
 
 def _translate(target: str, exc: grpc.RpcError) -> KVTierError:
@@ -44,6 +48,22 @@ def _call(target: str, fn: Callable[..., R], request: Any, **kwargs: Any) -> R:
         raise _translate(target, exc) from None
 
 
+class Pending(Generic[R]):
+    """A call in flight; `result` waits for it and converts the response."""
+
+    def __init__(self, future: Any, convert: Callable[[Any], R], target: str) -> None:
+        self._future = future
+        self._convert = convert
+        self._target = target
+
+    def result(self) -> R:
+        try:
+            response = self._future.result()
+        except grpc.RpcError as exc:
+            raise _translate(self._target, exc) from None
+        return self._convert(response)
+
+
 class GrpcTierClient:
     """The TierClient protocol served by kvtierd over its unix socket."""
 
@@ -55,13 +75,20 @@ class GrpcTierClient:
         tp_rank: int = 0,
         pp_rank: int = 0,
         timeout_s: float = 10.0,
+        tune_memory: bool = True,
     ) -> None:
+        if tune_memory:
+            keep_freed_pages()  # see kvtier.memory: halves the cost of large batches here
         self.target = f"unix:{socket_path}"
         self.replica = replica
         self._identity = (engine_id, tp_rank, pp_rank)
         self._timeout = timeout_s
         self._channel = grpc.insecure_channel(self.target, options=_OPTIONS)
         self._stub = tier_pb2_grpc.TierServiceStub(self._channel)
+        # key-carrying calls send requests encoded by kvtier.wire (see there for why)
+        self._lookup = self._raw("Lookup", tier_pb2.LookupResponse)
+        self._reserve = self._raw("Reserve", tier_pb2.ReserveResponse)
+        self._prefetch = self._raw("Prefetch", tier_pb2.PrefetchResponse)
         self.session_id = ""
         self._arena_path: Path | None = None
         self._stop = threading.Event()
@@ -69,6 +96,37 @@ class GrpcTierClient:
 
     def _rpc(self, method: Callable[..., R], request: Any) -> R:
         return _call(self.target, method, request, timeout=self._timeout)
+
+    def _raw(self, name: str, response: type[Message]) -> grpc.UnaryUnaryMultiCallable[bytes, Any]:
+        return self._channel.unary_unary(
+            f"/{_TIER_SERVICE}/{name}", response_deserializer=response.FromString
+        )
+
+    def _encode(self, keys: Sequence[ChunkKey], refs: Sequence[SlotRef]) -> bytes:
+        key_bytes = len(keys[0]) if keys else 0
+        packed = b"".join(keys)
+        if len(packed) != key_bytes * len(keys):  # cheaper than checking every key
+            raise InvalidRequestError("keys of one batch must share one length")
+        encoded_refs = [ref_to(r).SerializeToString() for r in refs]
+        return wire.key_request(self.session_id, key_bytes, packed, encoded_refs)
+
+    def _keys_call(
+        self,
+        method: grpc.UnaryUnaryMultiCallable[bytes, Any],
+        keys: Sequence[ChunkKey],
+        refs: Sequence[SlotRef] = (),
+    ) -> Any:
+        return self._rpc(method, self._encode(keys, refs))
+
+    def _keys_call_async(
+        self,
+        method: grpc.UnaryUnaryMultiCallable[bytes, Any],
+        keys: Sequence[ChunkKey],
+        refs: Sequence[SlotRef],
+        convert: Callable[[Any], R],
+    ) -> Pending[R]:
+        future = method.future(self._encode(keys, refs), timeout=self._timeout)
+        return Pending(future, convert, self.target)
 
     @property
     def arena_path(self) -> Path:
@@ -112,37 +170,39 @@ class GrpcTierClient:
                 log.error("session %s expired at %s; register again", self.session_id, self.target)
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
-        response = self._rpc(
-            self._stub.Lookup,
-            tier_pb2.LookupRequest(session_id=self.session_id, keys=pack_keys(keys)),
-        )
+        response = self._keys_call(self._lookup, keys)
         return LookupResult(response.hits, response.tiers)
 
     def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
-        response = self._rpc(
-            self._stub.Reserve,
-            tier_pb2.ReserveRequest(session_id=self.session_id, keys=pack_keys(keys)),
-        )
+        response = self._keys_call(self._reserve, keys)
         return grants_from(response.grants)
 
     def commit_then_reserve(
         self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
     ) -> tuple[int, list[SlotRef | None]]:
         """Commit written slots and reserve the next batch in one call."""
-        request = tier_pb2.ReserveRequest(
-            session_id=self.session_id, keys=pack_keys(keys), commit=[ref_to(r) for r in refs]
-        )
-        response = self._rpc(self._stub.Reserve, request)
+        response = self._keys_call(self._reserve, keys, refs)
         return response.committed, grants_from(response.grants)
 
     def release_then_load(
         self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
     ) -> list[SlotRef | None]:
         """End leases and lease the next batch in one call."""
-        request = tier_pb2.PrefetchRequest(
-            session_id=self.session_id, keys=pack_keys(keys), release=[ref_to(r) for r in refs]
+        return grants_from(self._keys_call(self._prefetch, keys, refs).leases)
+
+    def commit_then_reserve_async(
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    ) -> Pending[tuple[int, list[SlotRef | None]]]:
+        """`commit_then_reserve` without waiting, so the call overlaps copying a batch."""
+        return self._keys_call_async(
+            self._reserve, keys, refs, lambda r: (r.committed, grants_from(r.grants))
         )
-        return grants_from(self._rpc(self._stub.Prefetch, request).leases)
+
+    def release_then_load_async(
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    ) -> Pending[list[SlotRef | None]]:
+        """`release_then_load` without waiting, so the call overlaps copying a batch."""
+        return self._keys_call_async(self._prefetch, keys, refs, lambda r: grants_from(r.leases))
 
     def commit(self, refs: Sequence[SlotRef]) -> int:
         request = tier_pb2.CommitRequest(session_id=self.session_id, refs=[ref_to(r) for r in refs])
@@ -153,10 +213,7 @@ class GrpcTierClient:
         self._rpc(self._stub.Abort, request)
 
     def load(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
-        response = self._rpc(
-            self._stub.Prefetch,
-            tier_pb2.PrefetchRequest(session_id=self.session_id, keys=pack_keys(keys)),
-        )
+        response = self._keys_call(self._prefetch, keys)
         return grants_from(response.leases)
 
     def release(self, refs: Sequence[SlotRef]) -> None:

@@ -38,15 +38,6 @@ def keys_from(raw: Iterable[bytes]) -> list[ChunkKey]:
     return cast(list[ChunkKey], keys)
 
 
-def pack_keys(keys: Sequence[bytes]) -> tier_pb2.KeyBatch:
-    if not keys:
-        return tier_pb2.KeyBatch()
-    lengths = set(map(len, keys))
-    if len(lengths) != 1:
-        raise InvalidRequestError("keys of one batch must share one length")
-    return tier_pb2.KeyBatch(key_bytes=lengths.pop(), packed=b"".join(keys))
-
-
 def unpack_keys(batch: tier_pb2.KeyBatch, limit: int) -> list[ChunkKey]:
     if not batch.packed:
         return []

@@ -18,7 +18,6 @@ so a chunk is either whole and correct or absent. An OS crash or power loss can 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import shutil
 import struct
@@ -34,6 +33,7 @@ from kvtier.config import LMDBConfig
 from kvtier.counters import Counters
 from kvtier.errors import ChunkFormatError, ConfigError
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.memory import keep_freed_pages
 from kvtier.pools import PoolRegistry, Registration
 from kvtier.tiers.base import Tier, TierStats, UsageStats
 
@@ -72,19 +72,6 @@ _Pending = tuple[ChunkKey, memoryview | bytes, Registration]
 
 def _lru_key(tick: int, key: bytes) -> bytes:
     return _TICK.pack(tick) + key
-
-
-def _keep_freed_pages() -> None:
-    """With writemap off, LMDB mallocs every large value's pages per transaction and frees them at
-    commit; glibc would return them to the kernel each time and fault in fresh zeroed pages on
-    the next write, which costs more than the write. Keep freed heap memory in the process."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc: nothing to tune
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum: values up to 32 MiB use the heap
-    libc.mallopt(m_trim_threshold, 1 << 30)
 
 
 def _prepare_dir(path: Path) -> None:
@@ -130,7 +117,7 @@ class LmdbTier(Tier):
         self.config = config
         _prepare_dir(config.path)
         if config.keep_freed_pages:
-            _keep_freed_pages()
+            keep_freed_pages()
         self.budget = _budget(config)
         self._high = int(self.budget * config.high_water)
         self._low = int(self.budget * config.low_water)
