@@ -91,7 +91,9 @@ class TierManager:
 
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes:
         """Register a namespace and its chunk size; returns the 16-byte namespace."""
-        return self.registry.register(spec, chunk_bytes).namespace
+        registration = self.registry.register(spec, chunk_bytes)
+        self.cpu.accept(registration)  # refuse now what the arena could never hold
+        return registration.namespace
 
     # -- lookup ---------------------------------------------------------------------------
 

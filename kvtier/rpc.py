@@ -13,7 +13,12 @@ from google.protobuf.message import Message
 
 from kvtier import wire
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
-from kvtier.errors import InvalidRequestError, KVTierError, TierUnavailableError
+from kvtier.errors import (
+    InvalidRequestError,
+    KVTierError,
+    SessionNotFoundError,
+    TierUnavailableError,
+)
 from kvtier.keys import ChunkKey, NamespaceSpec
 from kvtier.manager import LookupResult
 from kvtier.memory import keep_freed_pages
@@ -26,6 +31,9 @@ log = logging.getLogger(__name__)
 _OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
+    # a restarted daemon is found again within a second, not after minutes of backoff
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 R = TypeVar("R")
 _TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
@@ -90,6 +98,8 @@ class GrpcTierClient:
         self._reserve = self._raw("Reserve", tier_pb2.ReserveResponse)
         self._prefetch = self._raw("Prefetch", tier_pb2.PrefetchResponse)
         self.session_id = ""
+        self._pools: list[tier_pb2.PoolRegistration] = []
+        self._reopen_lock = threading.Lock()
         self._arena_path: Path | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -116,7 +126,7 @@ class GrpcTierClient:
         keys: Sequence[ChunkKey],
         refs: Sequence[SlotRef] = (),
     ) -> Any:
-        return self._rpc(method, self._encode(keys, refs))
+        return self._in_session(lambda: self._rpc(method, self._encode(keys, refs)))
 
     def _keys_call_async(
         self,
@@ -135,18 +145,29 @@ class GrpcTierClient:
         return self._arena_path
 
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes:
+        """Add a pool to this client's session (opening one if needed); returns its namespace."""
+        registration = tier_pb2.PoolRegistration(spec=spec_to(spec), chunk_bytes=chunk_bytes)
+        try:
+            response = self._register([registration], self.session_id)
+        except SessionNotFoundError:
+            response = self._reopen()
+            response = self._register([registration], self.session_id)
+        self._pools.append(registration)
+        return bytes(response.namespaces[0])
+
+    def _register(
+        self, pools: list[tier_pb2.PoolRegistration], session_id: str
+    ) -> tier_pb2.RegisterSessionResponse:
         engine_id, tp_rank, pp_rank = self._identity
-        response = self._rpc(
-            self._stub.RegisterSession,
-            tier_pb2.RegisterSessionRequest(
-                replica_id=self.replica,
-                engine_id=engine_id,
-                tp_rank=tp_rank,
-                pp_rank=pp_rank,
-                pools=[tier_pb2.PoolRegistration(spec=spec_to(spec), chunk_bytes=chunk_bytes)],
-                session_id=self.session_id,
-            ),
+        request = tier_pb2.RegisterSessionRequest(
+            replica_id=self.replica,
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            pools=pools,
+            session_id=session_id,
         )
+        response = self._rpc(self._stub.RegisterSession, request)
         self.session_id = response.session_id
         self._arena_path = Path(response.arena_path)
         if self._heartbeat is None:
@@ -155,7 +176,21 @@ class GrpcTierClient:
                 target=self._beat, args=(interval,), name="kvtier-heartbeat", daemon=True
             )
             self._heartbeat.start()
-        return bytes(response.namespaces[0])
+        return response
+
+    def _reopen(self) -> tier_pb2.RegisterSessionResponse:
+        """A new session with every pool registered so far: after the daemon restarted, or
+        after this client's session expired. Leases and reservations of the old one are gone."""
+        log.warning("session %s is gone at %s; opening a new one", self.session_id, self.target)
+        with self._reopen_lock:
+            return self._register(list(self._pools), "")
+
+    def _in_session(self, call: Callable[[], R]) -> R:
+        try:
+            return call()
+        except SessionNotFoundError:
+            self._reopen()
+            return call()
 
     def _beat(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -163,11 +198,10 @@ class GrpcTierClient:
                 alive = self._rpc(
                     self._stub.Heartbeat, tier_pb2.HeartbeatRequest(session_id=self.session_id)
                 ).alive
+                if not alive:  # expired, or the daemon restarted: carry on in a new session
+                    self._reopen()
             except KVTierError as exc:
                 log.warning("heartbeat to %s failed: %s", self.target, exc)
-                continue
-            if not alive:
-                log.error("session %s expired at %s; register again", self.session_id, self.target)
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         response = self._keys_call(self._lookup, keys)
@@ -204,13 +238,22 @@ class GrpcTierClient:
         """`release_then_load` without waiting, so the call overlaps copying a batch."""
         return self._keys_call_async(self._prefetch, keys, refs, lambda r: grants_from(r.leases))
 
+    def _old_refs_call(self, call: Callable[[], R]) -> R | None:
+        """Refs of a lost session are void: open a new session and report nothing done."""
+        try:
+            return call()
+        except SessionNotFoundError:
+            self._reopen()
+            return None
+
     def commit(self, refs: Sequence[SlotRef]) -> int:
         request = tier_pb2.CommitRequest(session_id=self.session_id, refs=[ref_to(r) for r in refs])
-        return self._rpc(self._stub.Commit, request).committed
+        response = self._old_refs_call(lambda: self._rpc(self._stub.Commit, request))
+        return response.committed if response is not None else 0
 
     def abort(self, refs: Sequence[SlotRef]) -> None:
         request = tier_pb2.AbortRequest(session_id=self.session_id, refs=[ref_to(r) for r in refs])
-        self._rpc(self._stub.Abort, request)
+        self._old_refs_call(lambda: self._rpc(self._stub.Abort, request))
 
     def load(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
         response = self._keys_call(self._prefetch, keys)
@@ -220,7 +263,7 @@ class GrpcTierClient:
         request = tier_pb2.ReleaseRequest(
             session_id=self.session_id, refs=[ref_to(r) for r in refs]
         )
-        self._rpc(self._stub.Release, request)
+        self._old_refs_call(lambda: self._rpc(self._stub.Release, request))
 
     def close(self) -> None:
         self._stop.set()

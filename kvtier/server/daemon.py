@@ -24,6 +24,7 @@ from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
 from kvtier.config import KVTierConfig, ServerConfig
 from kvtier.errors import ConfigError
 from kvtier.manager import TierManager
+from kvtier.memory import keep_freed_pages
 from kvtier.metrics import build_registry
 from kvtier.server.admin import READ_ONLY_METHODS, AdminServicer
 from kvtier.server.dataplane import TierServicer
@@ -37,10 +38,8 @@ _GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
-_SERVICES = (
-    tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name,
-    admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
-)
+_TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
+_ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 
 
 def split_address(address: str, key: str) -> tuple[str, int]:
@@ -122,13 +121,13 @@ class Daemon:
         self.admin_port = 0
         self.metrics_port = 0
         self._stopped = threading.Event()
-        self._health = health.HealthServicer()
-        self._servers: list[grpc.Server] = []
+        self._servers: list[tuple[grpc.Server, health.HealthServicer, str]] = []
         self._metrics: object | None = None
         self._owns_socket = False  # never remove the socket of another live daemon
 
     def start(self) -> None:
         cfg = self.config.server
+        keep_freed_pages()  # see kvtier.memory: requests of thousands of keys
         admin_token, read_token = admin_credentials(cfg)  # before anything is created
         admin_host, admin_port = split_address(cfg.admin_address, "server.admin_address")
         self.manager = TierManager(self.config)
@@ -140,28 +139,31 @@ class Daemon:
         except BaseException:
             self.stop()
             raise
-        for service in ("", *_SERVICES):
-            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        for _server, health_servicer, service in self._servers:
+            for name in ("", service):
+                health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = threading.Thread(target=self._reap_loop, name="kvtier-reaper", daemon=True)
         self._reaper.start()
 
-    def _grpc_server(self, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
+    def _grpc_server(self, service: str, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
+        """A server for one kvtier service, with health and reflection that name only it."""
         server = grpc.server(
             futures.ThreadPoolExecutor(self.config.server.workers),
             interceptors=interceptors,
             options=_GRPC_OPTIONS,
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        health_servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
-            (*_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            (service, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        self._servers.append(server)
+        self._servers.append((server, health_servicer, service))
         return server
 
     def _start_data_plane(self, cfg: ServerConfig) -> None:
         _take_socket_path(cfg.socket_path)
         self._owns_socket = True
-        server = self._grpc_server([ErrorInterceptor()])
+        server = self._grpc_server(_TIER_SERVICE, [ErrorInterceptor()])
         tier_pb2_grpc.add_TierServiceServicer_to_server(
             TierServicer(self.manager, self.sessions, cfg), server
         )
@@ -185,7 +187,7 @@ class Daemon:
         if admin_token is not None:
             interceptors.append(TokenAuthInterceptor(admin_token, read_token, READ_ONLY_METHODS))
         interceptors.append(ErrorInterceptor())
-        server = self._grpc_server(interceptors)
+        server = self._grpc_server(_ADMIN_SERVICE, interceptors)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
             AdminServicer(self.manager, self.sessions), server
         )
@@ -222,8 +224,9 @@ class Daemon:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self._health.enter_graceful_shutdown()
-        for server in self._servers:
+        for _server, health_servicer, _service in self._servers:
+            health_servicer.enter_graceful_shutdown()
+        for server, _health, _service in self._servers:
             server.stop(grace=2.0).wait()
         if self._metrics is not None:
             self._metrics.shutdown()  # type: ignore[attr-defined]

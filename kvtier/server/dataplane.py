@@ -11,6 +11,7 @@ import grpc
 from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
 from kvtier.config import ServerConfig
 from kvtier.errors import InvalidRequestError
+from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.manager import TierManager
 from kvtier.server.convert import (
     check_batch,
@@ -41,6 +42,12 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     def _batch(self, items: Sequence[T]) -> Sequence[T]:
         check_batch(items, self.config.max_batch_keys)
         return items
+
+    def _known_keys(self, batch: tier_pb2.KeyBatch) -> list[ChunkKey]:
+        keys = unpack_keys(batch, self.config.max_batch_keys)
+        for namespace in {key[:NAMESPACE_BYTES] for key in keys}:
+            self.manager.registry.resolve(namespace)
+        return keys
 
     def _refs(self, refs: Sequence[tier_pb2.SlotRef]) -> list[SlotRef]:
         return [ref_from(r) for r in self._batch(refs)]
@@ -81,8 +88,9 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self, request: tier_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> tier_pb2.ReserveResponse:
         session = self._session(request.session_id)
-        committed = self.sessions.commit(session, self._refs(request.commit))
-        keys = unpack_keys(request.keys, self.config.max_batch_keys)
+        keys = self._known_keys(request.keys)  # check everything first: a bad call changes nothing
+        refs = self._refs(request.commit)
+        committed = self.sessions.commit(session, refs)
         grants = grants_to(self.sessions.reserve(session, keys))
         return tier_pb2.ReserveResponse(grants=grants, committed=committed)
 
@@ -104,8 +112,8 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self, request: tier_pb2.PrefetchRequest, context: grpc.ServicerContext
     ) -> tier_pb2.PrefetchResponse:
         session = self._session(request.session_id)
+        keys = self._known_keys(request.keys)  # check everything first: a bad call changes nothing
         self.sessions.release(session, self._refs(request.release))
-        keys = unpack_keys(request.keys, self.config.max_batch_keys)
         return tier_pb2.PrefetchResponse(leases=grants_to(self.sessions.prefetch(session, keys)))
 
     def Release(

@@ -171,6 +171,11 @@ class CpuTier(Tier):
             self._replica_names.append(name)
         return q
 
+    def accept(self, reg: Registration) -> None:
+        """Check that the arena can hold this pool's chunks (raises `PoolLayoutError`)."""
+        with self._lock:
+            self._class_for(reg)
+
     def _class_for(self, reg: Registration) -> _SlotClass:
         cls = self._classes.get((reg.pool, reg.chunk_bytes))
         if cls is None:
@@ -541,6 +546,7 @@ class CpuTier(Tier):
                     capacity_bytes=self.quota_bytes(self._replica_names[q], pool),
                 )
                 for (q, pool), used in self._used.items()
+                if self._chunks[(q, pool)]  # replicas that hold nothing here any more drop out
             }
             used = sum(u.used_bytes for u in pools.values())
             return TierStats(
