@@ -23,10 +23,11 @@ the headline ratio is the geometric mean over chunk sizes.
 - ``store_commit_chunks_per_s``: Reserve then Commit, 64 keys per call, 64 KiB chunks, no payload
   written: the rate of the store path's control calls alone.
 - ``memcpy_gbps``: in client A, copy the working set chunk by chunk between two numpy buffers.
-- ``arena_store_gbps``: client A reserves (32 keys per call), copies each chunk from its source
-  buffer into the arena at the slot's offset, commits.
-- ``arena_load_gbps``: client B prefetches the same keys (32 per call), copies each chunk out of
-  the arena into its own buffer, releases.
+- ``arena_store_gbps``: client A streams the working set into the arena, 64 chunks per call: one
+  ``commit_then_reserve`` call per batch, in flight while the batch before it is copied in with
+  numpy (which drops the GIL, so the call progresses meanwhile), as an engine worker would.
+- ``arena_load_gbps``: client B streams the same keys out, one ``release_then_load`` call per
+  batch in flight while the batch before it is copied out.
 - ``arena_transfer_gbps``: the slower of the two sides, which is the rate of a transfer whose
   store and load overlap (a pipeline runs at its slowest stage). ``arena_transfer_serial_gbps``
   is the working set over the time of both phases run one after the other, for reference.
