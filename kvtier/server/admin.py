@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc
 from kvtier.errors import InvalidRequestError, UnsupportedError
-from kvtier.keys import NAMESPACE_BYTES
+from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.manager import TierManager
 from kvtier.server.convert import check_batch, keys_from, namespace_from, tier_stats_to
 from kvtier.server.sessions import SessionRegistry
@@ -49,17 +49,19 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def Pin(
         self, request: admin_pb2.PinRequest, context: grpc.ServicerContext
     ) -> admin_pb2.PinResponse:
-        check_batch(request.keys, _MAX_PIN_KEYS)
-        keys = keys_from(request.keys)
-        self.manager.pin(keys)
-        return admin_pb2.PinResponse(keys=len(keys))
+        return self._pinning(request, self.manager.pin)
 
     def Unpin(
         self, request: admin_pb2.PinRequest, context: grpc.ServicerContext
     ) -> admin_pb2.PinResponse:
+        return self._pinning(request, self.manager.unpin)
+
+    def _pinning(
+        self, request: admin_pb2.PinRequest, apply: Callable[[list[ChunkKey]], None]
+    ) -> admin_pb2.PinResponse:
         check_batch(request.keys, _MAX_PIN_KEYS)
         keys = keys_from(request.keys)
-        self.manager.unpin(keys)
+        apply(keys)
         return admin_pb2.PinResponse(keys=len(keys))
 
     def SetQuota(
