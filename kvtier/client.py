@@ -43,6 +43,10 @@ class TierClient(Protocol):
 
     def release(self, refs: Sequence[SlotRef]) -> None: ...
 
+    def promote(self, keys: Sequence[ChunkKey]) -> int:
+        """Queue chunks of slower tiers for the arena without waiting; returns how many."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -88,6 +92,9 @@ class InProcessClient:
 
     def release(self, refs: Sequence[SlotRef]) -> None:
         self.manager.release(refs)
+
+    def promote(self, keys: Sequence[ChunkKey]) -> int:
+        return self.manager.promote(keys, self.replica)
 
     def stats(self) -> ManagerStats:
         return self.manager.stats()

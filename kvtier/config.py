@@ -129,6 +129,12 @@ class ManagerConfig(_Section):
     writeback_queue_chunks: int = Field(
         256, ge=1, description="Bound on chunks queued for write-back; beyond it work is dropped."
     )
+    promote_queue_chunks: int = Field(
+        1024,
+        ge=1,
+        description="Bound on lmdb chunks queued for promotion into the arena; "
+        "beyond it requests are dropped and counted, never waited on.",
+    )
     writeback_batch_chunks: int = Field(
         16, ge=1, description="Chunks written per LMDB transaction."
     )

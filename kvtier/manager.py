@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import Counter
@@ -75,12 +76,19 @@ class TierManager:
         self._counters = Counters()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._writer: threading.Thread | None = None
+        self._promotions: queue.Queue[tuple[ChunkKey, str]] = queue.Queue(
+            config.manager.promote_queue_chunks
+        )
+        self._promoting: set[ChunkKey] = set()
+        self._threads: list[threading.Thread] = []
         if self.lmdb is not None:
-            self._writer = threading.Thread(
-                target=self._writeback_loop, name="kvtier-writeback", daemon=True
-            )
-            self._writer.start()
+            for target, name in (
+                (self._writeback_loop, "kvtier-writeback"),
+                (self._promote_loop, "kvtier-promote"),
+            ):
+                thread = threading.Thread(target=target, name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
     @property
     def tiers(self) -> dict[str, Tier]:
@@ -163,7 +171,40 @@ class TierManager:
                 leases[i] = self._promote(keys[i], replica)
         return leases
 
-    def _promote(self, key: ChunkKey, replica: str) -> SlotRef | None:
+    def promote(self, keys: Sequence[ChunkKey], replica: str = "default") -> int:
+        """Queue lmdb chunks for promotion into the arena, without waiting; returns how many
+        were queued. A later lookup finds them in the arena."""
+        if self.lmdb is None:
+            return 0
+        queued = 0
+        in_cpu = self.cpu.contains(keys)
+        for key, cached in zip(keys, in_cpu, strict=True):
+            if cached or key not in self.lmdb or key in self._promoting:
+                continue
+            try:
+                self._promotions.put_nowait((key, replica))
+            except queue.Full:
+                self._counters.add("promotions_dropped", 1)
+                break
+            self._promoting.add(key)
+            queued += 1
+        return queued
+
+    def _promote_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                key, replica = self._promotions.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                self._promote(key, replica, lease=False)
+            except Exception:  # never let the mover die silently
+                self._counters.add("promotion_errors", 1)
+                log.exception("promotion failed")
+            finally:
+                self._promoting.discard(key)
+
+    def _promote(self, key: ChunkKey, replica: str, lease: bool = True) -> SlotRef | None:
         assert self.lmdb is not None
         if not self.lmdb.contains([key])[0]:
             return None
@@ -175,7 +216,7 @@ class TierManager:
             self.cpu.abort([ref])
             self._counters.add("promotion_failed", 1)
             return None
-        self.cpu.commit([ref], clean=True, lease=True)
+        self.cpu.commit([ref], clean=True, lease=lease)
         self._counters.add("promotions", 1)
         return ref
 
@@ -273,8 +314,8 @@ class TierManager:
         finally:
             self._stop.set()
             self._wake.set()
-            if self._writer is not None:
-                self._writer.join()
+            for thread in self._threads:
+                thread.join()
             if self.lmdb is not None:
                 self.lmdb.close()
             self.cpu.close()

@@ -97,6 +97,7 @@ class GrpcTierClient:
         self._lookup = self._raw("Lookup", tier_pb2.LookupResponse)
         self._reserve = self._raw("Reserve", tier_pb2.ReserveResponse)
         self._prefetch = self._raw("Prefetch", tier_pb2.PrefetchResponse)
+        self._promote = self._raw("Promote", tier_pb2.PromoteResponse)
         self.session_id = ""
         self._pools: list[tier_pb2.PoolRegistration] = []
         self._reopen_lock = threading.Lock()
@@ -258,6 +259,9 @@ class GrpcTierClient:
     def load(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
         response = self._keys_call(self._prefetch, keys)
         return grants_from(response.leases)
+
+    def promote(self, keys: Sequence[ChunkKey]) -> int:
+        return int(self._keys_call(self._promote, keys).queued)
 
     def release(self, refs: Sequence[SlotRef]) -> None:
         request = tier_pb2.ReleaseRequest(

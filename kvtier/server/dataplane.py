@@ -123,6 +123,13 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self.sessions.release(session, self._refs(request.refs))
         return tier_pb2.ReleaseResponse()
 
+    def Promote(
+        self, request: tier_pb2.PromoteRequest, context: grpc.ServicerContext
+    ) -> tier_pb2.PromoteResponse:
+        session = self._session(request.session_id)
+        keys = self._known_keys(request.keys)
+        return tier_pb2.PromoteResponse(queued=self.manager.promote(keys, session.replica))
+
     def Heartbeat(
         self, request: tier_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> tier_pb2.HeartbeatResponse:

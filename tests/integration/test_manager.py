@@ -270,3 +270,19 @@ def test_arena_is_sized_from_memory_when_unset(tmp_path: Path, shm_path: Path) -
         assert m.cpu.memory.size > 16 * MiB
     finally:
         m.close()
+
+
+def test_promote_moves_lmdb_chunks_into_the_arena_without_waiting(manager: TierManager) -> None:
+    ns = manager.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 6)
+    store(manager, keys)
+    assert manager.flush()
+    manager.evict("cpu")
+    assert manager.promote(keys, "r0") == 6
+    assert manager.promote(keys, "r0") <= 6  # already queued ones are not queued twice
+    deadline = time.monotonic() + 10
+    while manager.lookup(keys).tiers != ["cpu"] * 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert manager.lookup(keys).tiers == ["cpu"] * 6
+    assert int(sum(manager.cpu.memory.refcount)) == 0  # promotion holds no lease
+    assert manager.promote(keys, "r0") == 0  # nothing left to do

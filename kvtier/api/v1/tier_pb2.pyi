@@ -595,6 +595,48 @@ class ReleaseResponse(_message.Message):
 Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015
 
 @_typing.final
+class PromoteRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    @_builtins.property
+    def keys(self) -> Global___KeyBatch: ...
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        keys: Global___KeyBatch | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromoteRequest: _TypeAlias = PromoteRequest  # noqa: Y015
+
+@_typing.final
+class PromoteResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUED_FIELD_NUMBER: _builtins.int
+    queued: _builtins.int
+    def __init__(
+        self,
+        *,
+        queued: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queued", b"queued"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromoteResponse: _TypeAlias = PromoteResponse  # noqa: Y015
+
+@_typing.final
 class HeartbeatRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

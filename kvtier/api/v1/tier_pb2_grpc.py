@@ -69,6 +69,11 @@ class TierServiceStub:
                 request_serializer=kvtier_dot_v1_dot_tier__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_tier__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Promote = channel.unary_unary(
+                '/kvtier.v1.TierService/Promote',
+                request_serializer=kvtier_dot_v1_dot_tier__pb2.PromoteRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_tier__pb2.PromoteResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/kvtier.v1.TierService/Heartbeat',
                 request_serializer=kvtier_dot_v1_dot_tier__pb2.HeartbeatRequest.SerializeToString,
@@ -128,6 +133,14 @@ class TierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Promote(self, request, context):
+        """Queues chunks held by slower tiers for promotion into the arena, without waiting, so that
+        a later Lookup finds them there.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Heartbeat(self, request, context):
         """Keeps the session alive; a session whose heartbeat lapses loses its leases and
         reservations.
@@ -173,6 +186,11 @@ def add_TierServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvtier_dot_v1_dot_tier__pb2.ReleaseRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_tier__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Promote': grpc.unary_unary_rpc_method_handler(
+                    servicer.Promote,
+                    request_deserializer=kvtier_dot_v1_dot_tier__pb2.PromoteRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_tier__pb2.PromoteResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -369,6 +387,33 @@ class TierService:
             '/kvtier.v1.TierService/Release',
             kvtier_dot_v1_dot_tier__pb2.ReleaseRequest.SerializeToString,
             kvtier_dot_v1_dot_tier__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Promote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.TierService/Promote',
+            kvtier_dot_v1_dot_tier__pb2.PromoteRequest.SerializeToString,
+            kvtier_dot_v1_dot_tier__pb2.PromoteResponse.FromString,
             options,
             channel_credentials,
             insecure,

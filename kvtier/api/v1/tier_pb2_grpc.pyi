@@ -48,6 +48,10 @@ class TierServiceStub:
     """Leases arena slots holding the keys, promoting from slower tiers first."""
     Release: _grpc.UnaryUnaryMultiCallable[_tier_pb2.ReleaseRequest, _tier_pb2.ReleaseResponse]
     """Ends leases."""
+    Promote: _grpc.UnaryUnaryMultiCallable[_tier_pb2.PromoteRequest, _tier_pb2.PromoteResponse]
+    """Queues chunks held by slower tiers for promotion into the arena, without waiting, so that
+    a later Lookup finds them there.
+    """
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_tier_pb2.HeartbeatRequest, _tier_pb2.HeartbeatResponse]
     """Keeps the session alive; a session whose heartbeat lapses loses its leases and
     reservations.
@@ -70,6 +74,10 @@ class TierServiceAsyncStub(TierServiceStub):
     """Leases arena slots holding the keys, promoting from slower tiers first."""
     Release: _aio.UnaryUnaryMultiCallable[_tier_pb2.ReleaseRequest, _tier_pb2.ReleaseResponse]  # type: ignore[assignment]
     """Ends leases."""
+    Promote: _aio.UnaryUnaryMultiCallable[_tier_pb2.PromoteRequest, _tier_pb2.PromoteResponse]  # type: ignore[assignment]
+    """Queues chunks held by slower tiers for promotion into the arena, without waiting, so that
+    a later Lookup finds them there.
+    """
     Heartbeat: _aio.UnaryUnaryMultiCallable[_tier_pb2.HeartbeatRequest, _tier_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Keeps the session alive; a session whose heartbeat lapses loses its leases and
     reservations.
@@ -131,6 +139,16 @@ class TierServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_tier_pb2.ReleaseResponse, _abc.Awaitable[_tier_pb2.ReleaseResponse]]:
         """Ends leases."""
+
+    @_abc_1.abstractmethod
+    def Promote(
+        self,
+        request: _tier_pb2.PromoteRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_tier_pb2.PromoteResponse, _abc.Awaitable[_tier_pb2.PromoteResponse]]:
+        """Queues chunks held by slower tiers for promotion into the arena, without waiting, so that
+        a later Lookup finds them there.
+        """
 
     @_abc_1.abstractmethod
     def Heartbeat(
