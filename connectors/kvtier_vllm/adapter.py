@@ -1,0 +1,29 @@
+"""Everything that differs between the vLLM versions we support (0.32 CPU build, 0.33), and the
+only place that imports vLLM's connector types."""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+__all__ = [
+    "KVConnectorBase_V1",
+    "KVConnectorMetadata",
+    "KVConnectorRole",
+    "KVConnectorWorkerMetadata",
+    "replica_of",
+]
+
+
+def replica_of(vllm_config: object) -> str:
+    """The data-parallel replica: dense DP engines reset data_parallel_rank to 0, so the index
+    is what tells them apart."""
+    parallel = vllm_config.parallel_config  # type: ignore[attr-defined]
+    index = getattr(parallel, "data_parallel_index", None)
+    if index is None:
+        index = getattr(parallel, "data_parallel_rank", 0)
+    return f"dp{index}"

@@ -1,0 +1,55 @@
+"""The connector's own settings, from ``kv_connector_extra_config``, validated once."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvtier.errors import ConfigError
+
+
+class Mode(StrEnum):
+    EMBEDDED = "embedded"
+    SIDECAR = "sidecar"
+
+
+class ConnectorConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Mode = Field(
+        Mode.EMBEDDED,
+        description="embedded: the tiers run inside vLLM's scheduler process; "
+        "sidecar: kvtierd serves them over its unix socket.",
+    )
+    kvtier_config: Path | None = Field(
+        None, description="Embedded mode: kvtier YAML file (KVTIER_ variables apply as well)."
+    )
+    socket_path: Path | None = Field(
+        None, description="Sidecar mode: kvtierd's socket (default: server.socket_path)."
+    )
+    blocks_per_chunk: int = Field(1, ge=1, description="vLLM blocks per stored chunk.")
+    model_revision: str = Field(
+        "", description="Weights revision in the namespace (default: vLLM's model revision)."
+    )
+    tenant: str = Field("default", description="Tenant in the namespace.")
+    replica_id: str = Field(
+        "", description="Replica id (default: dp<data_parallel_index>), for budgets and metrics."
+    )
+    promote_wait_ms: int = Field(
+        1000,
+        ge=0,
+        description="How long a request may wait (asked again each step, never blocking) for "
+        "its chunks to be promoted into the arena before it loads only what the arena holds.",
+    )
+
+
+def parse(extra: dict[str, Any] | None) -> ConnectorConfig:
+    try:
+        return ConnectorConfig.model_validate(extra or {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "<root>"
+        raise ConfigError(f"kv_connector_extra_config.{key}", first["msg"]) from exc

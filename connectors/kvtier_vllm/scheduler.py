@@ -1,0 +1,329 @@
+"""The connector's scheduler side: lookups, load plans, store reservations, commits.
+
+It holds the only TierClient: the tiers themselves in embedded mode, or a session with kvtierd.
+Every call into kvtier is guarded: if the tiers fail (a daemon that is gone), the engine goes on
+as if there were no connector, and the client finds the daemon again by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvtier.client import InProcessClient, TierClient
+from kvtier.config import load_config
+from kvtier.errors import KVTierError
+from kvtier.keys import ChunkKey, Pool, make_key
+from kvtier.manager import TIER_CODES, TierManager
+from kvtier.rpc import GrpcTierClient
+from kvtier.tiers.cpu import SlotRef
+from kvtier_vllm.adapter import replica_of
+from kvtier_vllm.config import ConnectorConfig, Mode
+from kvtier_vllm.layout import plan_pools
+from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
+
+log = logging.getLogger(__name__)
+
+_CPU = TIER_CODES["cpu"]
+_LEASE_STEPS = 2  # a load's leases outlive the step that copies it
+_STORE_STEPS = 8  # a reservation no worker confirmed by then is given back
+
+
+def open_client(cfg: ConnectorConfig, replica: str) -> TierClient:
+    if cfg.mode is Mode.SIDECAR:
+        socket = cfg.socket_path or load_config(cfg.kvtier_config).server.socket_path
+        return GrpcTierClient(socket, replica)
+    return InProcessClient(TierManager(load_config(cfg.kvtier_config)), replica)
+
+
+@dataclass
+class _LoadPlan:
+    first_chunk: int
+    chunks: int
+    leases: dict[Pool, list[SlotRef]]
+    zero_pools: list[Pool]
+
+
+@dataclass
+class _RequestState:
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    stored_chunks: int = 0
+    waiting_since: float | None = None
+    plan: _LoadPlan | None = None
+    local_tokens: int = 0
+
+
+class KVTierScheduler:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> None:
+        self.cfg = cfg
+        self.block_size = vllm_config.cache_config.block_size
+        self.chunk_tokens = self.block_size * cfg.blocks_per_chunk
+        self.replica = cfg.replica_id or replica_of(vllm_config)
+        layer_names = [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names]
+        self.plans = plan_pools(vllm_config, layer_names, self._stable(cfg, vllm_config))
+        self.client: TierClient | None = None
+        self.namespaces: dict[Pool, bytes] = {}
+        self.arena_path = ""
+        try:
+            self.client = open_client(cfg, self.replica)
+            for plan in self.plans:
+                self.namespaces[plan.pool] = self.client.register_pool(plan.spec, plan.chunk_bytes)
+            self.arena_path = str(self.client.arena_path)
+        except KVTierError as exc:  # never take the engine down: serve as if unconnected
+            log.error("kvtier connector disabled: %s", exc)
+            self.client = None
+        self._requests: dict[str, _RequestState] = {}
+        self._ready_loads: dict[str, _LoadPlan] = {}
+        self._lease_gc: deque[list[SlotRef]] = deque([[] for _ in range(_LEASE_STEPS)])
+        self._stores: dict[tuple[int, int], tuple[SlotRef, int]] = {}  # -> (ref, step)
+        self._step = 0
+        self._failing = False
+        log.info(
+            "kvtier connector: %s mode, replica %s, pools %s, arena %s",
+            cfg.mode,
+            self.replica,
+            {str(p.pool): p.chunk_bytes for p in self.plans},
+            self.arena_path,
+        )
+
+    @staticmethod
+    def _stable(cfg: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:
+        algo = vllm_config.cache_config.prefix_caching_hash_algo
+        if algo.startswith("xxhash") and not os.environ.get("PYTHONHASHSEED"):
+            log.warning(
+                "prefix_caching_hash_algo=%s seeds block hashes per process: kvtier keeps this "
+                "engine's chunks to itself. Set PYTHONHASHSEED or use sha256 to share them.",
+                algo,
+            )
+            return replace(cfg, tenant=f"{cfg.tenant}/process-{uuid.uuid4().hex}")
+        return cfg
+
+    # -- guarded calls into kvtier --------------------------------------------------------
+
+    def _guard(self, what: str, error: KVTierError) -> None:
+        if not self._failing:
+            log.error("kvtier %s failed; serving without it until it is back: %s", what, error)
+        self._failing = True
+
+    def _keys(self, pool: Pool, hashes: Any, chunks: range) -> list[ChunkKey]:
+        bpc = self.cfg.blocks_per_chunk
+        ns = self.namespaces[pool]
+        return [make_key(ns, hashes[(c + 1) * bpc - 1]) for c in chunks]
+
+    # -- lookups --------------------------------------------------------------------------
+
+    def state(self, request: Any) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestState(request)
+        return state
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self.client is None:
+            return 0, False
+        state = self.state(request)
+        self._drop_plan(state)
+        prompt = len(request.prompt_token_ids or ())
+        # at least one prompt token is always computed, to produce the first output
+        limit = min(
+            (prompt - 1) // self.chunk_tokens,
+            len(request.block_hashes) // self.cfg.blocks_per_chunk,
+        )
+        first = num_computed_tokens // self.chunk_tokens
+        if limit <= first:
+            return 0, False
+        try:
+            plan = self._plan(state, request, first, limit)
+        except KVTierError as exc:
+            self._guard("lookup", exc)
+            return 0, False
+        self._failing = False
+        if plan is None:
+            return None, False  # chunks are on their way into the arena: ask again
+        if plan.chunks == 0:
+            return 0, False
+        state.plan = plan
+        state.local_tokens = num_computed_tokens
+        return (first + plan.chunks) * self.chunk_tokens - num_computed_tokens, False
+
+    def _plan(self, state: _RequestState, request: Any, first: int, limit: int) -> _LoadPlan | None:
+        target = self.namespaces[Pool.TARGET]
+        assert target is not None
+        keys = self._keys(Pool.TARGET, request.block_hashes, range(limit))
+        found = self.client.lookup(keys)
+        codes = found.tier_codes
+        in_arena = next((i for i, c in enumerate(codes) if c != _CPU), found.hits)
+        if in_arena < found.hits:
+            now = time.monotonic()
+            if state.waiting_since is None:
+                state.waiting_since = now
+            if now - state.waiting_since < self.cfg.promote_wait_ms / 1000:
+                self.client.promote(keys[in_arena : found.hits])
+                return None
+        hits = in_arena
+        if hits <= first:
+            return _LoadPlan(first, 0, {}, [])
+        leases = {Pool.TARGET: self.client.load(keys[first:hits])}
+        zero: list[Pool] = []
+        if Pool.DRAFT in self.namespaces:
+            draft_keys = self._keys(Pool.DRAFT, request.block_hashes, range(first, hits))
+            draft = self.client.load(draft_keys)
+            if all(ref is not None for ref in draft):
+                leases[Pool.DRAFT] = draft  # type: ignore[assignment]
+            else:  # never leave draft pages uninitialised
+                self.client.release([r for r in draft if r is not None])
+                zero.append(Pool.DRAFT)
+        granted = next((i for i, r in enumerate(leases[Pool.TARGET]) if r is None), hits - first)
+        for pool, refs in leases.items():
+            self.client.release([r for r in refs[granted:] if r is not None])
+            leases[pool] = refs[:granted]  # type: ignore[assignment]
+        return _LoadPlan(first, granted, leases, zero)  # type: ignore[arg-type]
+
+    def _drop_plan(self, state: _RequestState) -> None:
+        if state.plan is not None:
+            self._release([r for refs in state.plan.leases.values() for r in refs])
+            state.plan = None
+
+    def _release(self, refs: list[SlotRef]) -> None:
+        if not refs:
+            return
+        try:
+            self.client.release(refs)
+        except KVTierError as exc:
+            self._guard("release", exc)
+
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        state = self.state(request)
+        if num_external_tokens == 0 or state.plan is None:
+            self._drop_plan(state)
+            return
+        self._ready_loads[request.request_id] = state.plan
+        state.plan = None
+
+    # -- per step -------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        self._step += 1
+        meta = KVTierMetadata(arena_path=self.arena_path)
+        if self.client is None:
+            return meta
+        self._release(self._lease_gc.popleft())
+        self._lease_gc.append([])
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._add_load(meta, new.req_id, state)
+            self._add_stores(meta, state, new.num_computed_tokens, scheduler_output)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            self._add_stores(meta, state, cached.num_computed_tokens[i], scheduler_output)
+        self._expire_stores()
+        return meta
+
+    def _add_load(self, meta: KVTierMetadata, req_id: str, state: _RequestState) -> None:
+        plan = self._ready_loads.pop(req_id, None)
+        if plan is None:
+            return
+        bpc = self.cfg.blocks_per_chunk
+        skip = state.local_tokens // self.block_size
+        copies = []
+        for pool, refs in plan.leases.items():
+            for i, ref in enumerate(refs):
+                chunk = plan.first_chunk + i
+                first = max(0, skip - chunk * bpc)
+                blocks = state.block_ids[chunk * bpc + first : (chunk + 1) * bpc]
+                copies.append(
+                    ChunkCopy(str(pool), ref.slot, ref.offset, ref.generation, tuple(blocks), first)
+                )
+            self._lease_gc[-1].extend(refs)
+        meta.loads.extend(copies)
+        start = max(skip, plan.first_chunk * bpc)
+        end = (plan.first_chunk + plan.chunks) * bpc
+        for pool in plan.zero_pools:
+            meta.zero.setdefault(str(pool), []).extend(state.block_ids[start:end])
+        state.stored_chunks = max(state.stored_chunks, plan.first_chunk + plan.chunks)
+
+    def _add_stores(
+        self, meta: KVTierMetadata, state: _RequestState, computed: int, out: Any
+    ) -> None:
+        request = state.request
+        done = computed + out.num_scheduled_tokens.get(request.request_id, 0)
+        bpc = self.cfg.blocks_per_chunk
+        full = min(
+            done // self.chunk_tokens, len(request.block_hashes) // bpc, len(state.block_ids) // bpc
+        )
+        if full <= state.stored_chunks:
+            return
+        chunks = range(state.stored_chunks, full)
+        state.stored_chunks = full
+        for plan in self.plans:
+            try:
+                refs = self.client.reserve(self._keys(plan.pool, request.block_hashes, chunks))
+            except KVTierError as exc:
+                self._guard("reserve", exc)
+                return
+            for chunk, ref in zip(chunks, refs, strict=True):
+                if ref is None:
+                    continue  # present already, or no room right now
+                blocks = tuple(state.block_ids[chunk * bpc : (chunk + 1) * bpc])
+                meta.stores.append(
+                    ChunkCopy(str(plan.pool), ref.slot, ref.offset, ref.generation, blocks)
+                )
+                self._stores[(ref.slot, ref.generation)] = (ref, self._step)
+
+    def _expire_stores(self) -> None:
+        stale = [h for h, (_, step) in self._stores.items() if self._step - step > _STORE_STEPS]
+        if stale:
+            self._abort([self._stores.pop(h)[0] for h in stale])
+
+    def _abort(self, refs: list[SlotRef]) -> None:
+        try:
+            self.client.abort(refs)
+        except KVTierError as exc:
+            self._guard("abort", exc)
+
+    def update_connector_output(self, worker_meta: Any) -> None:
+        if self.client is None or not isinstance(worker_meta, KVTierWorkerMetadata):
+            return
+        done = [self._stores.pop(h)[0] for h in worker_meta.stored if h in self._stores]
+        failed = [self._stores.pop(h)[0] for h in worker_meta.failed if h in self._stores]
+        try:
+            if done:
+                self.client.commit(done)
+        except KVTierError as exc:
+            self._guard("commit", exc)
+        self._abort(failed) if failed else None
+
+    def request_finished(self, request: Any) -> None:
+        state = self._requests.pop(request.request_id, None)
+        if state is not None:
+            self._drop_plan(state)
+        plan = self._ready_loads.pop(request.request_id, None)
+        if plan is not None:
+            self._release([r for refs in plan.leases.values() for r in refs])
+
+    def shutdown(self) -> None:
+        if self.client is None:
+            return
+        for refs in self._lease_gc:
+            self._release(refs)
+        self._abort([ref for ref, _ in self._stores.values()])
+        self.client.close()
