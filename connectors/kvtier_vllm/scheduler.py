@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 _CPU = TIER_CODES["cpu"]
 _LEASE_STEPS = 2  # a load's leases outlive the step that copies it
 _STORE_STEPS = 8  # a reservation no worker confirmed by then is given back
+_RECONNECT_S = 5
 
 
 def open_client(cfg: ConnectorConfig, replica: str) -> TierClient:
@@ -70,14 +71,8 @@ class KVTierScheduler:
         self.client: TierClient | None = None
         self.namespaces: dict[Pool, bytes] = {}
         self.arena_path = ""
-        try:
-            self.client = open_client(cfg, self.replica)
-            for plan in self.plans:
-                self.namespaces[plan.pool] = self.client.register_pool(plan.spec, plan.chunk_bytes)
-            self.arena_path = str(self.client.arena_path)
-        except KVTierError as exc:  # never take the engine down: serve as if unconnected
-            log.error("kvtier connector disabled: %s", exc)
-            self.client = None
+        self._next_connect = 0.0
+        self._connect()
         self._requests: dict[str, _RequestState] = {}
         self._ready_loads: dict[str, _LoadPlan] = {}
         self._lease_gc: deque[list[SlotRef]] = deque([[] for _ in range(_LEASE_STEPS)])
@@ -91,6 +86,30 @@ class KVTierScheduler:
             {str(p.pool): p.chunk_bytes for p in self.plans},
             self.arena_path,
         )
+
+    def _connect(self) -> bool:
+        """Open the tiers; on failure serve as if unconnected and try again later."""
+        if self.client is not None:
+            return True
+        now = time.monotonic()
+        if now < self._next_connect:
+            return False
+        self._next_connect = now + _RECONNECT_S
+        client: TierClient | None = None
+        try:
+            client = open_client(self.cfg, self.replica)
+            for plan in self.plans:
+                self.namespaces[plan.pool] = client.register_pool(plan.spec, plan.chunk_bytes)
+            self.arena_path = str(client.arena_path)
+        except KVTierError as exc:  # never take the engine down
+            if client is not None:
+                client.close()
+            log.error(
+                "kvtier unavailable, serving without it (retry in %d s): %s", _RECONNECT_S, exc
+            )
+            return False
+        self.client = client
+        return True
 
     @staticmethod
     def _stable(cfg: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:
@@ -127,7 +146,7 @@ class KVTierScheduler:
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if self.client is None:
+        if not self._connect():
             return 0, False
         state = self.state(request)
         self._drop_plan(state)

@@ -9,11 +9,13 @@ recomputes those blocks instead of using them.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvtier.errors import KVTierError
 from kvtier.keys import Pool
 from kvtier.tiers.arena import ArenaMemory
 from kvtier_vllm.config import ConnectorConfig
@@ -37,6 +39,7 @@ class KVTierWorker:
         self.pages: dict[str, list[torch.Tensor]] = {}
         self._arena: ArenaMemory | None = None
         self._arena_bytes: torch.Tensor | None = None
+        self._arena_inode = 0
         self._stored: list[tuple[int, int]] = []
         self._failed: list[tuple[int, int]] = []
         self._load_errors: set[int] = set()
@@ -56,13 +59,24 @@ class KVTierWorker:
             self.plans[str(plan.pool)] = plan
             self.pages[str(plan.pool)] = pages
 
-    def _slots(self, arena_path: str) -> torch.Tensor:
-        if self._arena is None or str(self._arena.path) != arena_path:
-            self._arena = ArenaMemory.attach(Path(arena_path))
+    def _slots(self, arena_path: str) -> torch.Tensor | None:
+        """The arena as bytes; mapped again when the file at the path is a new one (a restarted
+        daemon), so nothing is ever copied into an arena nobody reads."""
+        try:
+            inode = os.stat(arena_path).st_ino
+        except OSError:
+            return None
+        if self._arena is None or self._arena_inode != inode:
+            self.shutdown()
+            try:
+                self._arena = ArenaMemory.attach(Path(arena_path))
+            except KVTierError as exc:
+                log.error("kvtier: cannot map the arena at %s: %s", arena_path, exc)
+                return None
+            self._arena_inode = inode
             self._arena_bytes = torch.frombuffer(
                 self._arena.view(0, self._arena.size), dtype=torch.uint8
             )
-        assert self._arena_bytes is not None
         return self._arena_bytes
 
     def _copy(self, job: ChunkCopy, slots: torch.Tensor, into_arena: bool) -> bool:
@@ -83,7 +97,10 @@ class KVTierWorker:
         if not meta.loads and not meta.zero:
             return
         slots = self._slots(meta.arena_path)
-        assert self._arena is not None
+        if slots is None or self._arena is None:
+            for job in meta.loads:
+                self._load_errors.update(job.block_ids)
+            return
         for job in meta.loads:
             copied = self._copy(job, slots, into_arena=False)
             if not copied or not self._arena.is_current(job.slot, job.generation):
@@ -96,6 +113,9 @@ class KVTierWorker:
         if not meta.stores:
             return
         slots = self._slots(meta.arena_path)
+        if slots is None:
+            self._failed.extend((job.slot, job.generation) for job in meta.stores)
+            return
         for job in meta.stores:
             handle = (job.slot, job.generation)
             (self._stored if self._copy(job, slots, into_arena=True) else self._failed).append(

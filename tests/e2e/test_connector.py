@@ -1,0 +1,194 @@
+"""KVTierConnector in a real vLLM engine (the CPU build), with locally built models.
+
+Greedy outputs must be identical with and without the connector; a fresh engine must get
+external hits for prefixes an earlier engine stored; and a dead kvtierd must never cost a
+correct output.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvtier.rpc import AdminClient
+from tests.e2e.conftest import set_engine_env
+from tests.e2e.models import (
+    ModelSet,
+    counter_value,
+    generate_tokens,
+    running_llm,
+    shared_prefix_prompts,
+    vocab_size_of,
+)
+from tests.integration.daemon_harness import DaemonFiles, Processes, write_config
+
+MAX_TOKENS = 12
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
+
+pytestmark = [
+    # torch and vLLM internals call their own deprecated APIs while vLLM loads.
+    pytest.mark.filterwarnings(
+        r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning"
+    ),
+    pytest.mark.filterwarnings(
+        r"ignore:`torch\.distributed\.reduce_op` is deprecated:FutureWarning"
+    ),
+]
+
+
+def kvtier_config(extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier_vllm.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def embedded_yaml(tmp: Path, shm_path: Path) -> Path:
+    path = tmp / "kvtier.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "arena": {
+                    "path": str(shm_path),
+                    "size_bytes": "64MiB",
+                    "extent_bytes": "2MiB",
+                    "min_slot_bytes": "16KiB",
+                },
+                "lmdb": {"path": str(tmp / "lmdb"), "budget_bytes": "256MiB"},
+            }
+        )
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_models: ModelSet) -> list[list[int]]:
+    return shared_prefix_prompts(
+        4,
+        vocab_size=vocab_size_of(tiny_models.target),
+        prefix_len=640,
+        suffix_len=48,
+        num_prefixes=4,
+    )
+
+
+@pytest.fixture(scope="module")
+def fresh_prompts(tiny_models: ModelSet) -> list[list[int]]:
+    return shared_prefix_prompts(
+        2, vocab_size=vocab_size_of(tiny_models.target), prefix_len=320, seed=7
+    )
+
+
+@pytest.fixture(scope="module")
+def baseline(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    fresh_prompts: list[list[int]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> list[list[int]]:
+    """Greedy tokens with no connector: `prompts`, then `fresh_prompts`."""
+    with pytest.MonkeyPatch.context() as mp:
+        set_engine_env(mp, tmp_path_factory.mktemp("baseline"))
+        with running_llm(tiny_models.target) as llm:
+            tokens, _ = generate_tokens(llm, prompts + fresh_prompts, max_tokens=MAX_TOKENS)
+    return tokens
+
+
+def test_embedded_outputs_match_and_a_fresh_engine_hits_what_another_stored(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    tmp_path: Path,
+    shm_path: Path,
+) -> None:
+    connector = kvtier_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path))})
+    with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+        first, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+        assert counter_value(llm, EXTERNAL_HITS) == 0  # nothing stored before this engine
+    assert first == baseline[: len(prompts)]
+    assert cached == [0] * len(prompts)
+    # the first engine closed its tiers: the arena is gone, lmdb holds the chunks
+    with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+        second, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+        assert counter_value(llm, EXTERNAL_HITS) > 0
+    assert second == baseline[: len(prompts)]
+    assert all(c >= 600 for c in cached), cached  # the whole shared part of each prompt
+
+
+def test_multiprocess_engine_stores_and_loads_across_processes(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    tmp_path: Path,
+    shm_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    set_engine_env(monkeypatch, tmp_path, multiprocess=True)
+    connector = kvtier_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path))})
+    for run in range(2):
+        with running_llm(
+            tiny_models.target, kv_transfer_config=connector, multiprocess=True
+        ) as llm:
+            tokens, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+        assert tokens == baseline[: len(prompts)]
+        if run == 1:
+            assert all(c >= 600 for c in cached), cached
+
+
+@pytest.fixture
+def procs(tmp_path: Path, shm_path: Path) -> Iterator[Processes]:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    group = Processes(logs)
+    yield group
+    group.close()
+
+
+@pytest.fixture
+def daemon_files(tmp_path: Path, shm_path: Path) -> DaemonFiles:
+    return write_config(
+        tmp_path, shm_path, {"arena": {"size_bytes": 64 << 20, "min_slot_bytes": 16 << 10}}
+    )
+
+
+def test_sidecar_hits_from_the_daemons_arena_and_survives_its_death(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    fresh_prompts: list[list[int]],
+    procs: Processes,
+    daemon_files: DaemonFiles,
+) -> None:
+    daemon = procs.start_daemon(daemon_files)
+    connector = kvtier_config({"mode": "sidecar", "socket_path": str(daemon_files.socket)})
+    admin = AdminClient(daemon.admin_address)
+    try:
+        with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+            assert (
+                generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)[0] == baseline[: len(prompts)]
+            )
+        stored = admin.stats().counters["hit_chunks_cpu"]
+        with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+            tokens, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+            assert tokens == baseline[: len(prompts)]
+            assert all(c >= 600 for c in cached), cached
+            # served from the daemon's arena, which outlived the first engine
+            assert admin.stats().counters["hit_chunks_cpu"] > stored
+            # kvtierd dies mid-run: the engine keeps serving, with correct outputs
+            daemon.proc.send_signal(signal.SIGKILL)
+            daemon.proc.wait()
+            external = counter_value(llm, EXTERNAL_HITS)
+            tokens, _ = generate_tokens(llm, fresh_prompts, max_tokens=MAX_TOKENS)
+            assert tokens == baseline[len(prompts) :]
+            assert counter_value(llm, EXTERNAL_HITS) == external
+            again, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+            assert again == baseline[: len(prompts)]
+    finally:
+        admin.close()
