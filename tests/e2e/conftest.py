@@ -1,0 +1,44 @@
+"""Fixtures for tests that drive a real vLLM engine on the CPU.
+
+vLLM is imported only inside fixtures and tests, after the environment is set: it reads its
+variables lazily, and a module-level import would run at collection time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.models import ModelSet, build_models, engine_env, reset_env_caches
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Root holding the tokenizer, the 2-layer target and the 1-layer draft, built once."""
+    root = tmp_path_factory.mktemp("models")
+    build_models(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_models(models_dir: Path) -> ModelSet:
+    return build_models(models_dir)
+
+
+def set_engine_env(mp: pytest.MonkeyPatch, tmp: Path, *, multiprocess: bool = False) -> None:
+    for name, value in engine_env(tmp, multiprocess=multiprocess).items():
+        mp.setenv(name, value)
+    # The KV size is given as kv_cache_memory_bytes; this variable would silently override it.
+    mp.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    reset_env_caches()
+
+
+@pytest.fixture(autouse=True)
+def engine_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Every e2e test runs offline with vLLM's caches, sockets and temp files in its tmp_path."""
+    set_engine_env(monkeypatch, tmp_path)
+    yield tmp_path
+    monkeypatch.undo()
+    reset_env_caches()
