@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -27,6 +28,8 @@ from kvtier.tiers.cpu import CpuTier, SlotRef
 from kvtier.tiers.lmdb_tier import LmdbTier
 
 log = logging.getLogger(__name__)
+
+_STOP = (ChunkKey(b""), "")  # wakes the promoter to stop
 
 TIER_CPU = "cpu"
 TIER_LMDB = "lmdb"
@@ -193,9 +196,12 @@ class TierManager:
     def _promote_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                key, replica = self._promotions.get(timeout=0.5)
+                item = self._promotions.get(timeout=0.5)
             except queue.Empty:
                 continue
+            if item is _STOP:
+                return
+            key, replica = item
             try:
                 self._promote(key, replica, lease=False)
             except Exception:  # never let the mover die silently
@@ -314,6 +320,8 @@ class TierManager:
         finally:
             self._stop.set()
             self._wake.set()
+            with contextlib.suppress(queue.Full):
+                self._promotions.put_nowait(_STOP)  # wake the promoter now
             for thread in self._threads:
                 thread.join()
             if self.lmdb is not None:

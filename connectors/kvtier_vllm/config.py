@@ -27,6 +27,11 @@ class ConnectorConfig(BaseModel):
     kvtier_config: Path | None = Field(
         None, description="Embedded mode: kvtier YAML file (KVTIER_ variables apply as well)."
     )
+    write_through: bool = Field(
+        True,
+        description="Embedded mode: write each stored chunk to lmdb right away, since the "
+        "arena ends with the engine process, cleanly or not.",
+    )
     socket_path: Path | None = Field(
         None, description="Sidecar mode: kvtierd's socket (default: server.socket_path)."
     )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtier.client import InProcessClient, TierClient
-from kvtier.config import load_config
+from kvtier.config import DemoteMode, load_config
 from kvtier.errors import KVTierError
 from kvtier.keys import ChunkKey, Pool, make_key
 from kvtier.manager import TIER_CODES, TierManager
@@ -39,7 +39,11 @@ def open_client(cfg: ConnectorConfig, replica: str) -> TierClient:
     if cfg.mode is Mode.SIDECAR:
         socket = cfg.socket_path or load_config(cfg.kvtier_config).server.socket_path
         return GrpcTierClient(socket, replica)
-    return InProcessClient(TierManager(load_config(cfg.kvtier_config)), replica)
+    config = load_config(cfg.kvtier_config)
+    if cfg.write_through:
+        manager = config.manager.model_copy(update={"demote_mode": DemoteMode.WRITE_THROUGH})
+        config = config.model_copy(update={"manager": manager})
+    return InProcessClient(TierManager(config), replica)
 
 
 @dataclass

@@ -6,7 +6,6 @@ subdirectory of a cache root named after its parameters and is reused when prese
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import random
@@ -111,7 +110,9 @@ def build_tokenizer(root: Path, *, vocab_size: int = VOCAB_SIZE, seed: int = 0) 
         [
             processors.ByteLevel(trim_offsets=False),
             processors.TemplateProcessing(
-                single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]
+                single=f"{BOS} $A",
+                pair=f"{BOS} $A {BOS} $B",
+                special_tokens=[(BOS, SPECIAL_TOKENS.index(BOS))],
             ),
         ]
     )
@@ -331,13 +332,16 @@ def shutdown_llm(llm: Any) -> None:
 
 @contextmanager
 def running_llm(model_path: Path, **kwargs: Any) -> Iterator[Any]:
+    """`make_llm(model_path, **kwargs)`, shut down on exit so the next engine can start.
+
+    The KV cache and weights are released on exit even while the caller still holds the LLM:
+    vLLM's shutdown unfreezes the GC heap it froze at start-up and collects it.
+    """
     llm = make_llm(model_path, **kwargs)
     try:
         yield llm
     finally:
         shutdown_llm(llm)
-        del llm
-        gc.collect()
 
 
 def greedy(max_tokens: int = 16) -> Any:

@@ -192,3 +192,66 @@ def test_sidecar_hits_from_the_daemons_arena_and_survives_its_death(
             assert again == baseline[: len(prompts)]
     finally:
         admin.close()
+
+
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+
+
+def _self_draft(models: ModelSet) -> dict[str, Any]:
+    # the target as its own draft accepts every proposal, so any lost draft KV would show
+    return {"method": "draft_model", "model": str(models.target), "num_speculative_tokens": 3}
+
+
+def test_speculative_decoding_keeps_two_pools_and_mixed_fleets_share_one_store(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    tmp_path: Path,
+    shm_path: Path,
+) -> None:
+    from kvtier.config import load_config
+    from kvtier.pools import PoolRegistry
+    from kvtier.tiers.lmdb_tier import LmdbTier
+
+    config = embedded_yaml(tmp_path, shm_path)
+    connector = kvtier_config({"kvtier_config": str(config)})
+    spec = _self_draft(tiny_models)
+    with running_llm(tiny_models.target, speculative_config=spec) as llm:
+        reference, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+        # the last two again hit vLLM's own prefix cache: the acceptance to match
+        before = counter_value(llm, ACCEPTED)
+        assert generate_tokens(llm, prompts[2:], max_tokens=MAX_TOKENS)[0] == reference[2:]
+        accepted_on_prefix_hits = counter_value(llm, ACCEPTED) - before
+    assert reference == baseline[: len(prompts)]
+    assert accepted_on_prefix_hits > 0
+
+    # a fleet member without speculation stores only target chunks for the first two prompts
+    with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+        generate_tokens(llm, prompts[:2], max_tokens=MAX_TOKENS)
+    # a speculating engine: target hits for the first two (draft pages zero-filled), and it
+    # stores both pools for all four
+    with running_llm(
+        tiny_models.target, kv_transfer_config=connector, speculative_config=spec
+    ) as llm:
+        tokens, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+        assert tokens == reference
+        assert min(cached[:2]) >= 600, cached  # only these were stored, and without a draft
+    tier = LmdbTier(load_config(config).lmdb, PoolRegistry())
+    try:
+        pools = tier.stats().pools
+        assert pools["draft"].chunks > 0
+        # one draft layer against two target layers: each pool has its own bytes per chunk
+        assert pools["draft"].used_bytes < pools["target"].used_bytes
+    finally:
+        tier.close()
+
+    # a fresh speculating engine loads both pools of the last two (stored with their draft)
+    # and accepts exactly as on vLLM's own prefix hits
+    with running_llm(
+        tiny_models.target, kv_transfer_config=connector, speculative_config=spec
+    ) as llm:
+        tokens, cached = generate_tokens(llm, prompts[2:], max_tokens=MAX_TOKENS)
+        accepted = counter_value(llm, ACCEPTED)
+    assert tokens == reference[2:]
+    assert all(c >= 600 for c in cached), cached
+    assert accepted == accepted_on_prefix_hits

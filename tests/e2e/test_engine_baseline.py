@@ -22,6 +22,8 @@ from tests.e2e.models import (
 )
 
 MAX_TOKENS = 12
+PREFIX_LEN = 640
+NUM_PREFIXES = 2
 
 pytestmark = [
     # torch and vLLM internals call their own deprecated APIs while vLLM loads.
@@ -52,9 +54,9 @@ def prompts(tiny_models: ModelSet) -> list[list[int]]:
     return shared_prefix_prompts(
         4,
         vocab_size=vocab_size_of(tiny_models.target),
-        prefix_len=640,
+        prefix_len=PREFIX_LEN,
         suffix_len=48,
-        num_prefixes=2,
+        num_prefixes=NUM_PREFIXES,
     )
 
 
@@ -70,7 +72,7 @@ def plain_tokens(
             assert counter_value(llm, "vllm:external_prefix_cache_hits") == 0
     assert all(len(t) == MAX_TOKENS for t in tokens)
     # Prompts that share a prefix hit the local prefix cache, but never past the prefix.
-    assert max(cached) <= 640
+    assert max(cached) <= PREFIX_LEN
     return tokens
 
 
@@ -97,7 +99,7 @@ def test_example_connector_loads_across_engines(
 
     assert cached == [example_hit(len(p)) for p in prompts]
     # The first prompt of each prefix pair loads all of its blocks from the files.
-    assert external_hits >= 2 * example_hit(len(prompts[0]))
+    assert external_hits >= NUM_PREFIXES * example_hit(len(prompts[0]))
     assert saved_tokens == plain_tokens
     assert loaded_tokens == plain_tokens
 
