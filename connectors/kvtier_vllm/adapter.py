@@ -15,6 +15,7 @@ __all__ = [
     "KVConnectorMetadata",
     "KVConnectorRole",
     "KVConnectorWorkerMetadata",
+    "cache_hit_source",
     "replica_of",
 ]
 
@@ -27,3 +28,12 @@ def replica_of(vllm_config: object) -> str:
     if index is None:
         index = getattr(parallel, "data_parallel_rank", 0)
     return f"dp{index}"
+
+
+def cache_hit_source(name: str) -> object:
+    """vLLM's CacheHitSource member for "host" or "disk" (a plain string where it is absent)."""
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:
+        return name
+    return CacheHitSource(name)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvtier_vllm.adapter import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from kvtier_vllm.adapter import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    cache_hit_source,
+)
 from kvtier_vllm.config import parse
 from kvtier_vllm.metadata import KVTierMetadata
 
@@ -45,6 +50,15 @@ class KVTierConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int]:
+        assert self._scheduler is not None
+        sources = self._scheduler.hit_sources(request, num_external_tokens)
+        if not sources:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return {cache_hit_source(name): tokens for name, tokens in sources.items()}
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None

@@ -52,6 +52,8 @@ class _LoadPlan:
     chunks: int
     leases: dict[Pool, list[SlotRef]]
     zero_pools: list[Pool]
+    tiers: bytes = b""
+    """Where each chunk was when first asked for (promoted ones came from lmdb)."""
 
 
 @dataclass
@@ -60,6 +62,7 @@ class _RequestState:
     block_ids: list[int] = field(default_factory=list)
     stored_chunks: int = 0
     waiting_since: float | None = None
+    first_tiers: bytes = b""
     plan: _LoadPlan | None = None
     local_tokens: int = 0
 
@@ -183,6 +186,8 @@ class KVTierScheduler:
         keys = self._keys(Pool.TARGET, request.block_hashes, range(limit))
         found = self.client.lookup(keys)
         codes = found.tier_codes
+        if len(codes) > len(state.first_tiers):
+            state.first_tiers = state.first_tiers + codes[len(state.first_tiers) :]
         in_arena = next((i for i, c in enumerate(codes) if c != _CPU), found.hits)
         if in_arena < found.hits:
             now = time.monotonic()
@@ -208,7 +213,8 @@ class KVTierScheduler:
         for pool, refs in leases.items():
             self.client.release([r for r in refs[granted:] if r is not None])
             leases[pool] = refs[:granted]  # type: ignore[assignment]
-        return _LoadPlan(first, granted, leases, zero)  # type: ignore[arg-type]
+        tiers = state.first_tiers[first : first + granted]
+        return _LoadPlan(first, granted, leases, zero, tiers)  # type: ignore[arg-type]
 
     def _drop_plan(self, state: _RequestState) -> None:
         if state.plan is not None:
@@ -230,6 +236,20 @@ class KVTierScheduler:
             return
         self._ready_loads[request.request_id] = state.plan
         state.plan = None
+
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        """External tokens by the tier that held them: "host" (arena) or "disk" (lmdb)."""
+        plan = self._ready_loads.get(request.request_id)
+        if plan is None or num_external_tokens == 0:
+            return {}
+        state = self.state(request)
+        sources: dict[str, int] = {}
+        for i, code in enumerate(plan.tiers):
+            start = max((plan.first_chunk + i) * self.chunk_tokens, state.local_tokens)
+            end = (plan.first_chunk + i + 1) * self.chunk_tokens
+            source = "host" if code == _CPU else "disk"
+            sources[source] = sources.get(source, 0) + max(0, end - start)
+        return sources if sum(sources.values()) == num_external_tokens else {}
 
     # -- per step -------------------------------------------------------------------------
 

@@ -41,6 +41,19 @@ pytestmark = [
 ]
 
 
+def cached_by_source(llm: Any, source: str) -> int:
+    """Prompt tokens vLLM counted as cached, from one source ("host", "disk", ...)."""
+    from vllm.v1.metrics.reader import Counter
+
+    return sum(
+        m.value
+        for m in llm.get_metrics()
+        if isinstance(m, Counter)
+        and m.name == "vllm:prompt_tokens_cached_by_source"
+        and m.labels.get("source") == source
+    )
+
+
 def kvtier_config(extra: dict[str, Any]) -> dict[str, Any]:
     return {
         "kv_connector": "KVTierConnector",
@@ -118,6 +131,9 @@ def test_embedded_outputs_match_and_a_fresh_engine_hits_what_another_stored(
     with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
         second, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
         assert counter_value(llm, EXTERNAL_HITS) > 0
+        # the arena died with the first engine: these hits came up from lmdb
+        assert cached_by_source(llm, "disk") > 0
+        assert cached_by_source(llm, "host") == 0
     assert second == baseline[: len(prompts)]
     assert all(c >= 600 for c in cached), cached  # the whole shared part of each prompt
 
@@ -181,6 +197,7 @@ def test_sidecar_hits_from_the_daemons_arena_and_survives_its_death(
             assert all(c >= 600 for c in cached), cached
             # served from the daemon's arena, which outlived the first engine
             assert admin.stats().counters["hit_chunks_cpu"] > stored
+            assert cached_by_source(llm, "host") > 0
             # kvtierd dies mid-run: the engine keeps serving, with correct outputs
             daemon.proc.send_signal(signal.SIGKILL)
             daemon.proc.wait()
