@@ -15,6 +15,7 @@ __all__ = [
     "KVConnectorMetadata",
     "KVConnectorRole",
     "KVConnectorWorkerMetadata",
+    "block_stored_event",
     "cache_hit_source",
     "replica_of",
 ]
@@ -37,3 +38,21 @@ def cache_hit_source(name: str) -> object:
     except ImportError:
         return name
     return CacheHitSource(name)
+
+
+def block_stored_event(
+    hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int
+) -> object:
+    """A KV event telling routers these blocks are now held in host memory (the arena)."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return BlockStored(
+        block_hashes=[maybe_convert_block_hash(h) for h in hashes],
+        parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
+        token_ids=token_ids,
+        block_size=block_size,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+    )

@@ -68,6 +68,9 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
 
+    def take_events(self) -> Any:
+        return self._scheduler.take_events() if self._scheduler is not None else ()
+
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

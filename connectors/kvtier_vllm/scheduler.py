@@ -22,7 +22,7 @@ from kvtier.keys import ChunkKey, Pool, make_key
 from kvtier.manager import TIER_CODES, TierManager
 from kvtier.rpc import GrpcTierClient
 from kvtier.tiers.cpu import SlotRef
-from kvtier_vllm.adapter import replica_of
+from kvtier_vllm.adapter import block_stored_event, replica_of
 from kvtier_vllm.config import ConnectorConfig, Mode
 from kvtier_vllm.layout import plan_pools
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
@@ -85,6 +85,8 @@ class KVTierScheduler:
         self._lease_gc: deque[list[SlotRef]] = deque([[] for _ in range(_LEASE_STEPS)])
         self._stores: dict[tuple[int, int], tuple[SlotRef, int]] = {}  # -> (ref, step)
         self._step = 0
+        self._pending_events: dict[tuple[int, int], object] = {}
+        self._events: list[object] = []
         self._failing = False
         log.info(
             "kvtier connector: %s mode, replica %s, pools %s, arena %s",
@@ -327,14 +329,29 @@ class KVTierScheduler:
                 if ref is None:
                     continue  # present already, or no room right now
                 blocks = tuple(state.block_ids[chunk * bpc : (chunk + 1) * bpc])
+                if plan.pool is Pool.TARGET:
+                    self._pending_events[(ref.slot, ref.generation)] = self._event(request, chunk)
                 meta.stores.append(
                     ChunkCopy(str(plan.pool), ref.slot, ref.offset, ref.generation, blocks)
                 )
                 self._stores[(ref.slot, ref.generation)] = (ref, self._step)
 
+    def _event(self, request: Any, chunk: int) -> object:
+        bpc = self.cfg.blocks_per_chunk
+        hashes = request.block_hashes[chunk * bpc : (chunk + 1) * bpc]
+        parent = request.block_hashes[chunk * bpc - 1] if chunk else None
+        tokens = request.all_token_ids[chunk * self.chunk_tokens : (chunk + 1) * self.chunk_tokens]
+        return block_stored_event(list(hashes), parent, list(tokens), self.block_size)
+
+    def take_events(self) -> list[object]:
+        events, self._events = self._events, []
+        return events
+
     def _expire_stores(self) -> None:
         stale = [h for h, (_, step) in self._stores.items() if self._step - step > _STORE_STEPS]
         if stale:
+            for handle in stale:
+                self._pending_events.pop(handle, None)
             self._abort([self._stores.pop(h)[0] for h in stale])
 
     def _abort(self, refs: list[SlotRef]) -> None:
@@ -347,6 +364,12 @@ class KVTierScheduler:
         if self.client is None or not isinstance(worker_meta, KVTierWorkerMetadata):
             return
         done = [self._stores.pop(h)[0] for h in worker_meta.stored if h in self._stores]
+        for handle in worker_meta.stored:
+            event = self._pending_events.pop(handle, None)
+            if event is not None:
+                self._events.append(event)
+        for handle in worker_meta.failed:
+            self._pending_events.pop(handle, None)
         failed = [self._stores.pop(h)[0] for h in worker_meta.failed if h in self._stores]
         try:
             if done:
