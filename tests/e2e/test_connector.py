@@ -30,16 +30,6 @@ from tests.integration.daemon_harness import DaemonFiles, Processes, write_confi
 MAX_TOKENS = 12
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
 
-pytestmark = [
-    # torch and vLLM internals call their own deprecated APIs while vLLM loads.
-    pytest.mark.filterwarnings(
-        r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning"
-    ),
-    pytest.mark.filterwarnings(
-        r"ignore:`torch\.distributed\.reduce_op` is deprecated:FutureWarning"
-    ),
-]
-
 
 def cached_by_source(llm: Any, source: str) -> int:
     """Prompt tokens vLLM counted as cached, from one source ("host", "disk", ...)."""

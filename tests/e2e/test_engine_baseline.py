@@ -25,16 +25,6 @@ MAX_TOKENS = 12
 PREFIX_LEN = 640
 NUM_PREFIXES = 2
 
-pytestmark = [
-    # torch and vLLM internals call their own deprecated APIs while vLLM loads.
-    pytest.mark.filterwarnings(
-        r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning"
-    ),
-    pytest.mark.filterwarnings(
-        r"ignore:`torch\.distributed\.reduce_op` is deprecated:FutureWarning"
-    ),
-]
-
 
 def example_connector(storage: Path) -> dict[str, object]:
     return {
