@@ -278,3 +278,36 @@ def test_speculative_decoding_keeps_two_pools_and_mixed_fleets_share_one_store(
     assert tokens == reference[2:]
     assert all(c >= 600 for c in cached), cached
     assert accepted == accepted_on_prefix_hits
+
+
+def test_two_replicas_share_one_daemon_and_each_chunk_is_stored_once(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    procs: Processes,
+    daemon_files: DaemonFiles,
+) -> None:
+    daemon = procs.start_daemon(daemon_files)
+    admin = AdminClient(daemon.admin_address)
+    sidecar = {"mode": "sidecar", "socket_path": str(daemon_files.socket)}
+    try:
+        # replica dp0 is named from vLLM's data_parallel_index; dp1 is set explicitly
+        with running_llm(tiny_models.target, kv_transfer_config=kvtier_config(sidecar)) as llm:
+            assert generate_tokens(llm, prompts[:2], max_tokens=MAX_TOKENS)[0] == baseline[:2]
+        cpu = next(t for t in admin.stats().tiers if t.tier == "cpu")
+        stored = cpu.usage.chunks
+        assert stored > 0
+        other = kvtier_config({**sidecar, "replica_id": "dp1"})
+        with running_llm(tiny_models.target, kv_transfer_config=other) as llm:
+            tokens, cached = generate_tokens(llm, prompts[:2], max_tokens=MAX_TOKENS)
+            assert cached_by_source(llm, "host") > 0
+        assert tokens == baseline[:2]
+        assert all(c >= 600 for c in cached), cached
+        cpu = next(t for t in admin.stats().tiers if t.tier == "cpu")
+        by_replica = {(r.replica, r.pool): r.usage.chunks for r in cpu.replicas}
+        # dp1's hits were dp0's chunks: nothing stored twice, nothing charged to dp1
+        assert by_replica.get(("dp1", "target"), 0) == 0
+        assert by_replica[("dp0", "target")] == stored
+        assert cpu.usage.chunks == stored
+    finally:
+        admin.close()
