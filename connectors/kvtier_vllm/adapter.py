@@ -45,11 +45,11 @@ def block_stored_event(
 ) -> object:
     """A KV event telling routers these blocks are now held in host memory (the arena)."""
     from vllm.distributed.kv_events import BlockStored
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
     return BlockStored(
-        block_hashes=[maybe_convert_block_hash(h) for h in hashes],
-        parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
+        block_hashes=[maybe_convert_block_hash(BlockHash(h)) for h in hashes],
+        parent_block_hash=None if parent is None else maybe_convert_block_hash(BlockHash(parent)),
         token_ids=token_ids,
         block_size=block_size,
         lora_id=None,

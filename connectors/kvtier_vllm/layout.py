@@ -79,12 +79,11 @@ def plan_pools(
             draft_model = spec_cfg.draft_model_config if spec_cfg is not None else None
             owner = draft_model or model
             cache_dtype = getattr(spec_cfg, "kv_cache_dtype", None) or cache.cache_dtype
-            draft = {
-                "draft_model": str(owner.model),
-                "draft_revision": owner.revision or "none",
-            }
+            draft_name: str | None = str(owner.model)
+            draft_revision: str | None = owner.revision or "none"
         else:
-            owner, cache_dtype, draft = model, cache.cache_dtype, {}
+            owner, cache_dtype = model, cache.cache_dtype
+            draft_name = draft_revision = None
         page = _page_bytes(owner, parallel, cache_dtype, block_size)
         heads = owner.get_num_kv_heads(parallel)
         head = owner.get_head_size()
@@ -105,7 +104,8 @@ def plan_pools(
             pp_size=parallel.pipeline_parallel_size,
             hash_algo=cache.prefix_caching_hash_algo,
             tenant=cfg.tenant,
-            **draft,
+            draft_model=draft_name,
+            draft_revision=draft_revision,
         )
         plans.append(PoolPlan(pool, layers, page, spec, cfg.blocks_per_chunk))
     return plans

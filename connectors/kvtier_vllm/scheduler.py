@@ -12,7 +12,7 @@ import os
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.client import InProcessClient, TierClient
@@ -129,7 +129,7 @@ class KVTierScheduler:
                 "engine's chunks to itself. Set PYTHONHASHSEED or use sha256 to share them.",
                 algo,
             )
-            return replace(cfg, tenant=f"{cfg.tenant}/process-{uuid.uuid4().hex}")
+            return cfg.model_copy(update={"tenant": f"{cfg.tenant}/process-{uuid.uuid4().hex}"})
         return cfg
 
     # -- guarded calls into kvtier --------------------------------------------------------
@@ -183,10 +183,10 @@ class KVTierScheduler:
         return (first + plan.chunks) * self.chunk_tokens - num_computed_tokens, False
 
     def _plan(self, state: _RequestState, request: Any, first: int, limit: int) -> _LoadPlan | None:
-        target = self.namespaces[Pool.TARGET]
-        assert target is not None
+        client = self.client
+        assert client is not None
         keys = self._keys(Pool.TARGET, request.block_hashes, range(limit))
-        found = self.client.lookup(keys)
+        found = client.lookup(keys)
         codes = found.tier_codes
         if len(codes) > len(state.first_tiers):
             state.first_tiers = state.first_tiers + codes[len(state.first_tiers) :]
@@ -196,27 +196,28 @@ class KVTierScheduler:
             if state.waiting_since is None:
                 state.waiting_since = now
             if now - state.waiting_since < self.cfg.promote_wait_ms / 1000:
-                self.client.promote(keys[in_arena : found.hits])
+                client.promote(keys[in_arena : found.hits])
                 return None
         hits = in_arena
         if hits <= first:
             return _LoadPlan(first, 0, {}, [])
-        leases = {Pool.TARGET: self.client.load(keys[first:hits])}
+        offered = {Pool.TARGET: client.load(keys[first:hits])}
         zero: list[Pool] = []
         if Pool.DRAFT in self.namespaces:
-            draft_keys = self._keys(Pool.DRAFT, request.block_hashes, range(first, hits))
-            draft = self.client.load(draft_keys)
+            draft = client.load(self._keys(Pool.DRAFT, request.block_hashes, range(first, hits)))
             if all(ref is not None for ref in draft):
-                leases[Pool.DRAFT] = draft  # type: ignore[assignment]
+                offered[Pool.DRAFT] = draft
             else:  # never leave draft pages uninitialised
-                self.client.release([r for r in draft if r is not None])
+                client.release([r for r in draft if r is not None])
                 zero.append(Pool.DRAFT)
-        granted = next((i for i, r in enumerate(leases[Pool.TARGET]) if r is None), hits - first)
-        for pool, refs in leases.items():
-            self.client.release([r for r in refs[granted:] if r is not None])
-            leases[pool] = refs[:granted]  # type: ignore[assignment]
+        # the prefix of chunks leased in every pool; the rest goes back
+        granted = next((i for i, r in enumerate(offered[Pool.TARGET]) if r is None), hits - first)
+        leases: dict[Pool, list[SlotRef]] = {}
+        for pool, refs in offered.items():
+            client.release([r for r in refs[granted:] if r is not None])
+            leases[pool] = [r for r in refs[:granted] if r is not None]
         tiers = state.first_tiers[first : first + granted]
-        return _LoadPlan(first, granted, leases, zero, tiers)  # type: ignore[arg-type]
+        return _LoadPlan(first, granted, leases, zero, tiers)
 
     def _drop_plan(self, state: _RequestState) -> None:
         if state.plan is not None:
@@ -224,7 +225,7 @@ class KVTierScheduler:
             state.plan = None
 
     def _release(self, refs: list[SlotRef]) -> None:
-        if not refs:
+        if not refs or self.client is None:
             return
         try:
             self.client.release(refs)
@@ -319,9 +320,11 @@ class KVTierScheduler:
             return
         chunks = range(state.stored_chunks, full)
         state.stored_chunks = full
+        client = self.client
+        assert client is not None
         for plan in self.plans:
             try:
-                refs = self.client.reserve(self._keys(plan.pool, request.block_hashes, chunks))
+                refs = client.reserve(self._keys(plan.pool, request.block_hashes, chunks))
             except KVTierError as exc:
                 self._guard("reserve", exc)
                 return
@@ -355,6 +358,8 @@ class KVTierScheduler:
             self._abort([self._stores.pop(h)[0] for h in stale])
 
     def _abort(self, refs: list[SlotRef]) -> None:
+        if not refs or self.client is None:
+            return
         try:
             self.client.abort(refs)
         except KVTierError as exc:
