@@ -43,17 +43,3 @@ def engine_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
     monkeypatch.undo()
     reset_env_caches()
 
-
-# torch and vLLM internals call their own deprecated APIs while vLLM loads.
-_VLLM_IMPORT_WARNINGS = (
-    r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning",
-    r"ignore:`torch\.distributed\.reduce_op` is deprecated:FutureWarning",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(item.path).parents:
-            for spec in _VLLM_IMPORT_WARNINGS:
-                item.add_marker(pytest.mark.filterwarnings(spec))
