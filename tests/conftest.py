@@ -1,4 +1,4 @@
-"""Shared fixtures: small real arenas in /dev/shm."""
+"""Shared fixtures: small real arenas in /dev/shm, and processes a test starts."""
 
 from __future__ import annotations
 
@@ -9,9 +9,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.daemon_harness import Processes
+
 
 @pytest.fixture
 def shm_path() -> Iterator[Path]:
     path = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     yield path
     path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def procs(tmp_path: Path, shm_path: Path) -> Iterator[Processes]:
+    # depends on shm_path so that the arena is unlinked only after every process is gone
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    group = Processes(logs)
+    yield group
+    group.close()

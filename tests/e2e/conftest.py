@@ -42,4 +42,3 @@ def engine_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
     yield tmp_path
     monkeypatch.undo()
     reset_env_caches()
-

@@ -8,7 +8,6 @@ correct output.
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -162,15 +161,6 @@ def test_multiprocess_engine_stores_and_loads_across_processes(
         assert tokens == baseline[: len(prompts)]
         if run == 1:
             assert all(c >= 600 for c in cached), cached
-
-
-@pytest.fixture
-def procs(tmp_path: Path, shm_path: Path) -> Iterator[Processes]:
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    group = Processes(logs)
-    yield group
-    group.close()
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import random
 import signal
 import stat
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -40,16 +40,6 @@ HEALTH_SERVICE = "grpc.health.v1.Health"
 REFLECTION_SERVICE = "grpc.reflection.v1alpha.ServerReflection"
 EXIT_TIMEOUT_S = 10.0
 CRASH_ROUNDS = 3
-
-
-@pytest.fixture
-def procs(tmp_path: Path, shm_path: Path) -> Iterator[Processes]:
-    # depends on shm_path so that the arena is unlinked only after every process is gone
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    group = Processes(logs)
-    yield group
-    group.close()
 
 
 @pytest.fixture
