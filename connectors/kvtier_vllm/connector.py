@@ -12,6 +12,7 @@ from kvtier_vllm.adapter import (
 )
 from kvtier_vllm.config import parse
 from kvtier_vllm.metadata import KVTierMetadata
+from kvtier_vllm.stats import KVTierPromMetrics, KVTierStats
 
 if TYPE_CHECKING:
     import torch
@@ -109,6 +110,23 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> Any:
         return self._worker.worker_meta() if self._worker is not None else None
+
+    def get_kv_connector_stats(self) -> Any:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return KVTierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

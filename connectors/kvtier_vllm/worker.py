@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from kvtier.tiers.arena import ArenaMemory
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.layout import PoolPlan, plan_pools
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
+from kvtier_vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class KVTierWorker:
         self._stored: list[tuple[int, int]] = []
         self._failed: list[tuple[int, int]] = []
         self._load_errors: set[int] = set()
+        self.stats = KVTierStats()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for plan in plan_pools(self.vllm_config, kv_caches, self.cfg):
@@ -102,9 +105,12 @@ class KVTierWorker:
                 self._load_errors.update(job.block_ids)
             return
         for job in meta.loads:
+            started = time.perf_counter()
             copied = self._copy(job, slots, into_arena=False)
-            if not copied or not self._arena.is_current(job.slot, job.generation):
+            ok = copied and self._arena.is_current(job.slot, job.generation)
+            if not ok:
                 self._load_errors.update(job.block_ids)
+            self._record("load", job, started, ok)
         for pool, blocks in meta.zero.items():
             for pages in self.pages.get(pool, []):
                 pages[blocks] = 0
@@ -117,10 +123,21 @@ class KVTierWorker:
             self._failed.extend((job.slot, job.generation) for job in meta.stores)
             return
         for job in meta.stores:
-            handle = (job.slot, job.generation)
-            (self._stored if self._copy(job, slots, into_arena=True) else self._failed).append(
-                handle
-            )
+            started = time.perf_counter()
+            ok = self._copy(job, slots, into_arena=True)
+            (self._stored if ok else self._failed).append((job.slot, job.generation))
+            self._record("store", job, started, ok)
+
+    def _record(self, direction: str, job: ChunkCopy, started: float, ok: bool) -> None:
+        plan = self.plans.get(job.pool)
+        nbytes = plan.page_bytes * len(plan.layer_names) * len(job.block_ids) if plan else 0
+        self.stats.record(direction, job.pool, nbytes, time.perf_counter() - started, ok)
+
+    def take_stats(self) -> KVTierStats | None:
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, KVTierStats()
+        return stats
 
     def block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

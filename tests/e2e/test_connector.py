@@ -28,19 +28,25 @@ from tests.integration.daemon_harness import DaemonFiles, Processes, write_confi
 
 MAX_TOKENS = 12
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
+TRANSFER_BYTES = "vllm:kvtier_transfer_bytes"  # the reader drops "_total"
 
 
-def cached_by_source(llm: Any, source: str) -> int:
-    """Prompt tokens vLLM counted as cached, from one source ("host", "disk", ...)."""
+def counter(llm: Any, name: str, **labels: str) -> float:
+    """A vLLM counter summed over the series whose labels include ``labels``."""
     from vllm.v1.metrics.reader import Counter
 
     return sum(
         m.value
         for m in llm.get_metrics()
         if isinstance(m, Counter)
-        and m.name == "vllm:prompt_tokens_cached_by_source"
-        and m.labels.get("source") == source
+        and m.name == name
+        and all(m.labels.get(k) == v for k, v in labels.items())
     )
+
+
+def cached_by_source(llm: Any, source: str) -> float:
+    """Prompt tokens vLLM counted as cached, from one source ("host", "disk", ...)."""
+    return counter(llm, "vllm:prompt_tokens_cached_by_source", source=source)
 
 
 def kvtier_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -126,6 +132,7 @@ def test_embedded_outputs_match_and_a_fresh_engine_hits_what_another_stored(
     with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
         first, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
         assert counter_value(llm, EXTERNAL_HITS) == 0  # nothing stored before this engine
+        stored = counter(llm, TRANSFER_BYTES, direction="store", pool="target")
     assert first == baseline[: len(prompts)]
     assert cached == [0] * len(prompts)
     # routers hear of every chunk offloaded to host memory, with the engine's own hashes
@@ -139,6 +146,10 @@ def test_embedded_outputs_match_and_a_fresh_engine_hits_what_another_stored(
         # the arena died with the first engine: these hits came up from lmdb
         assert cached_by_source(llm, "disk") > 0
         assert cached_by_source(llm, "host") == 0
+        loaded = counter(llm, TRANSFER_BYTES, direction="load", pool="target")
+    # kvtier's own transfer counters in vLLM's /metrics: what one stored, the other loaded
+    assert stored > 0
+    assert 0 < loaded <= stored
     assert second == baseline[: len(prompts)]
     assert all(c >= 600 for c in cached), cached  # the whole shared part of each prompt
 
