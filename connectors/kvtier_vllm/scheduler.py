@@ -17,7 +17,7 @@ from typing import Any
 
 from kvtier.client import InProcessClient, TierClient
 from kvtier.config import DemoteMode, load_config
-from kvtier.errors import KVTierError
+from kvtier.errors import KVTierError, PoolLayoutError
 from kvtier.keys import ChunkKey, Pool, make_key
 from kvtier.manager import TIER_CODES, TierManager
 from kvtier.rpc import GrpcTierClient
@@ -75,6 +75,7 @@ class KVTierScheduler:
         self.replica = cfg.replica_id or replica_of(vllm_config)
         layer_names = [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names]
         self.plans = plan_pools(vllm_config, layer_names, self._stable(cfg, vllm_config))
+        self._has_draft = any(plan.pool is Pool.DRAFT for plan in self.plans)
         self.client: TierClient | None = None
         self.namespaces: dict[Pool, bytes] = {}
         self.arena_path = ""
@@ -108,7 +109,13 @@ class KVTierScheduler:
         try:
             client = open_client(self.cfg, self.replica)
             for plan in self.plans:
-                self.namespaces[plan.pool] = client.register_pool(plan.spec, plan.chunk_bytes)
+                try:
+                    self.namespaces[plan.pool] = client.register_pool(plan.spec, plan.chunk_bytes)
+                except PoolLayoutError as exc:
+                    if plan.pool is Pool.TARGET:
+                        raise
+                    # without a draft pool, draft pages of hits are filled instead of loaded
+                    log.error("kvtier: no %s pool: %s", plan.pool, exc)
             self.arena_path = str(client.arena_path)
         except KVTierError as exc:  # never take the engine down
             if client is not None:
@@ -210,6 +217,8 @@ class KVTierScheduler:
             else:  # never leave draft pages uninitialised
                 client.release([r for r in draft if r is not None])
                 zero.append(Pool.DRAFT)
+        elif self._has_draft:
+            zero.append(Pool.DRAFT)
         # the prefix of chunks leased in every pool; the rest goes back
         granted = next((i for i, r in enumerate(offered[Pool.TARGET]) if r is None), hits - first)
         leases: dict[Pool, list[SlotRef]] = {}
@@ -323,6 +332,8 @@ class KVTierScheduler:
         client = self.client
         assert client is not None
         for plan in self.plans:
+            if plan.pool not in self.namespaces:
+                continue
             try:
                 refs = client.reserve(self._keys(plan.pool, request.block_hashes, chunks))
             except KVTierError as exc:

@@ -67,7 +67,7 @@ def embedded_yaml(tmp: Path, shm_path: Path) -> Path:
                     "path": str(shm_path),
                     "size_bytes": "64MiB",
                     "extent_bytes": "2MiB",
-                    "min_slot_bytes": "16KiB",
+                    "min_slot_bytes": "4KiB",
                 },
                 "lmdb": {"path": str(tmp / "lmdb"), "budget_bytes": "256MiB"},
             }
@@ -312,3 +312,40 @@ def test_two_replicas_share_one_daemon_and_each_chunk_is_stored_once(
         assert cpu.usage.chunks == stored
     finally:
         admin.close()
+
+
+def test_a_draft_with_its_own_kv_dtype_gets_its_own_pool_bytes(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    tmp_path: Path,
+    shm_path: Path,
+) -> None:
+    from kvtier.config import load_config
+    from kvtier.pools import PoolRegistry
+    from kvtier.tiers.lmdb_tier import LmdbTier
+    from tests.e2e.cpu_patches import per_layer_kv_dtype_on_cpu
+
+    config = embedded_yaml(tmp_path, shm_path)
+    connector = kvtier_config({"kvtier_config": str(config)})
+    spec = {**_self_draft(tiny_models), "kv_cache_dtype": "fp8"}
+    with per_layer_kv_dtype_on_cpu():
+        for run in range(2):
+            with running_llm(
+                tiny_models.target, kv_transfer_config=connector, speculative_config=spec
+            ) as llm:
+                tokens, cached = generate_tokens(llm, prompts[:2], max_tokens=MAX_TOKENS)
+            assert tokens == baseline[:2]  # verification keeps outputs exact whatever the draft
+            if run == 1:
+                assert all(c >= 600 for c in cached), cached
+    tier = LmdbTier(load_config(config).lmdb, PoolRegistry())
+    try:
+        pools = tier.stats().pools
+        # the same two layers as the target, at 1 byte per element against 4: a quarter per
+        # chunk, in every tier, with nothing padded to the target's slot size
+        per_chunk = {name: u.used_bytes / u.chunks for name, u in pools.items()}
+        header = 128
+        assert pools["draft"].chunks == pools["target"].chunks
+        assert (per_chunk["draft"] - header) * 4 == per_chunk["target"] - header
+    finally:
+        tier.close()
