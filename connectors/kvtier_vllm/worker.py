@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from kvtier.errors import KVTierError
-from kvtier.keys import Pool
 from kvtier.tiers.arena import ArenaMemory
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.layout import PoolPlan, plan_pools
@@ -156,5 +155,3 @@ class KVTierWorker:
             self._arena.close()
             self._arena = None
 
-
-__all__ = ["KVTierWorker", "Pool"]
