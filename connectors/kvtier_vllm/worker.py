@@ -154,4 +154,3 @@ class KVTierWorker:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
-
