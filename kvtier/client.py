@@ -13,7 +13,10 @@ from typing import Protocol, runtime_checkable
 
 from kvtier.keys import ChunkKey, NamespaceSpec
 from kvtier.manager import LookupResult, ManagerStats, TierManager
+from kvtier.tiers.arena import ArenaMemory
 from kvtier.tiers.cpu import SlotRef
+
+__all__ = ["ArenaMemory", "InProcessClient", "SlotRef", "TierClient"]
 
 
 @runtime_checkable

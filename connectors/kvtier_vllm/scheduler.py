@@ -15,13 +15,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.client import InProcessClient, TierClient
+from kvtier.client import InProcessClient, SlotRef, TierClient
 from kvtier.config import DemoteMode, load_config
 from kvtier.errors import KVTierError, PoolLayoutError
 from kvtier.keys import ChunkKey, Pool, make_key
 from kvtier.manager import TIER_CODES, TierManager
 from kvtier.rpc import GrpcTierClient
-from kvtier.tiers.cpu import SlotRef
 from kvtier_vllm.adapter import block_stored_event, replica_of
 from kvtier_vllm.config import ConnectorConfig, Mode
 from kvtier_vllm.layout import plan_pools

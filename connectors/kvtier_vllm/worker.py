@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from kvtier.client import ArenaMemory
 from kvtier.errors import KVTierError
-from kvtier.tiers.arena import ArenaMemory
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.layout import PoolPlan, plan_pools
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
