@@ -661,6 +661,7 @@ class Bench:
         assert daemon.admin is not None
         drain = daemon.admin.drain()
         evicted = daemon.admin.evict(tier="cpu")
+        drained = daemon.counters()
         data = daemon.lmdb_path / "data.mdb"
         lmdb_bytes = data.stat().st_size
         # one pass only: chunks kvtierd has read stay mapped in it, and mapped pages are not
@@ -672,7 +673,7 @@ class Bench:
                 self.from_files(llm, prompt, lmdb, [data], drop=True)
         after = daemon.counters()
         arena.counters = {name: delta(loaded, stored, name) for name in LOAD_COUNTERS}
-        lmdb.counters = {name: delta(after, loaded, name) for name in LOAD_COUNTERS}
+        lmdb.counters = {name: delta(after, drained, name) for name in LOAD_COUNTERS}
         daemon.admin.evict(tier="cpu")  # the next namespace starts with an empty arena
         self.cases[arena.name] = arena
         self.cases[lmdb.name] = lmdb
