@@ -803,11 +803,16 @@ class Bench:
         log.info("ExampleConnector")
         self.case_example()
         mark = self.phase(mark, "example_connector_s")
-        largest = max(self.chunk_bytes(b) for b in self.bpcs)
-        per_namespace = (len(self.prompts) + 1) * PROMPT_TOKENS * self.kv_per_token
-        extent = _extent_for(largest)
-        # room for two namespaces' chunks, so that none is evicted
-        arena_bytes = _round_up(2 * (per_namespace + 2 * extent), 256 * MiB)
+        extent = _extent_for(max(self.chunk_bytes(b) for b in self.bpcs))
+        # a slot class keeps every extent it was given (kvtier hands none back, not even after
+        # evicting all its chunks), so the arena needs room for each chunk size's extents
+        needed = 0
+        for bpc in self.bpcs:
+            tokens = self.block_size * bpc
+            chunks = (len(self.prompts) + 1) * (self.full_hit(tokens) // tokens)
+            per_extent = extent // self.chunk_bytes(bpc)
+            needed += -(-chunks // per_extent) * extent
+        arena_bytes = _round_up(needed + 2 * extent, 256 * MiB)
         daemon = Kvtierd(self.root, self.shm("daemon"), arena_bytes, extent)
         try:
             daemon.start()
