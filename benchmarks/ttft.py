@@ -1,6 +1,7 @@
 """Time to first token with kvtier, against recompute, vLLM's prefix cache and ExampleConnector.
 
 Usage: ``python benchmarks/ttft.py [--quick] [--json] [--block-size N] [--blocks-per-chunk A,B]``
+``[--connector-extra JSON] [--cache-dir DIR]``
 
 With ``--gpu`` it measures GPU<->arena copy bandwidth instead (needs a CUDA device):
 ``python benchmarks/ttft.py --gpu [--quick] [--json]``
@@ -33,7 +34,7 @@ token is always computed and hits are whole blocks or chunks), and vLLM's extern
   (``posix_fadvise(DONTNEED)``); engine 3, fresh, loads them (kvtier promotes them into the arena
   first). One pass only: pages kvtierd has read through its LMDB mapping stay mapped there, and
   mapped pages are not dropped (``lmdb_resident_before_load``: share of data.mdb cached before a
-  load, all of it chunks already loaded). ``lmdb_read_in_vs_prompt_kv``: bytes of data.mdb a
+  load, mostly chunks already loaded). ``lmdb_read_in_vs_prompt_kv``: bytes of data.mdb a
   load brought into the page cache (mincore before and after) over the prompt's KV bytes; about
   1 when the load really read from disk. ``disk_cold_read_ms`` is the floor for that: one
   sequential cold read of a prompt's KV bytes from a plain file on the same file system.
@@ -318,9 +319,10 @@ class Kvtierd:
     def __init__(self, root: Path, shm: Path, arena_bytes: int, extent_bytes: int) -> None:
         self.root = root
         self.shm = shm
-        self.socket_path = root / "kvtierd.sock"
-        if len(str(self.socket_path)) > MAX_SOCKET_PATH:
-            self.socket_path = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp")) / "kvtierd.sock"
+        self.socket_dir = root
+        if len(str(root / "kvtierd.sock")) > MAX_SOCKET_PATH:
+            self.socket_dir = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+        self.socket_path = self.socket_dir / "kvtierd.sock"
         self.lmdb_path = root / "lmdb"
         self.config_path = root / "kvtierd.yaml"
         self.log_path = root / "kvtierd.log"
@@ -404,6 +406,8 @@ class Kvtierd:
         if self.exit_code != 0:
             log.error("kvtierd exited %d:\n%s", self.exit_code, self.log_tail())
         self.shm.unlink(missing_ok=True)
+        if self.socket_dir != self.root:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def delta(after: dict[str, int], before: dict[str, int], name: str) -> int:
