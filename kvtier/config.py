@@ -147,6 +147,96 @@ class ManagerConfig(_Section):
     )
 
 
+class Admission(StrEnum):
+    ALL = "all"
+    HITS = "hits"
+
+
+# Config keys that would hold a static secret; refused with a pointer to workload identity.
+_STATIC_CREDENTIAL_HINTS = ("access_key", "secret", "session_token", "key_file", "credentials")
+
+
+class ObjectStoreConfig(_Section):
+    url: str | None = Field(
+        None,
+        description="s3://bucket/prefix, gs://bucket/prefix or file:///path; unset: no object "
+        "tier. Credentials come from the SDK's default chain (IRSA, pod identity, GKE Workload "
+        "Identity, workload identity federation), never from this file.",
+    )
+    index_path: Path = Field(
+        default_factory=lambda: default_state_dir() / "objindex",
+        description="LMDB environment indexing the chunks known to be in the store.",
+    )
+    index_map_bytes: ByteSize = Field(
+        ByteSize(1 << 30), description="Largest size the index environment may grow to."
+    )
+    pack_target_bytes: ByteSize = Field(
+        ByteSize(8 * MiB),
+        description="Consecutive chunks of one prefix are packed into objects of about this size "
+        "(requests cost milliseconds each; 8 MiB objects are much cheaper per byte). 0: one "
+        "object per chunk.",
+    )
+    pack_linger_ms: float = Field(
+        50.0, ge=0, description="How long a part-filled pack waits for more chunks before upload."
+    )
+    upload_queue_chunks: int = Field(
+        1024, ge=1, description="Bound on chunks waiting for upload; beyond it work is dropped."
+    )
+    upload_concurrency: int = Field(8, ge=1, le=256, description="Uploads in flight at once.")
+    download_concurrency: int = Field(
+        8, ge=1, le=256, description="Downloads (promotions and probes) in flight at once."
+    )
+    admission: Admission = Field(
+        Admission.ALL,
+        description="all: upload every chunk written back to lmdb; hits: only chunks hit at "
+        "least admission_min_hits times.",
+    )
+    admission_min_hits: int = Field(2, ge=1, description="Hits needed with admission: hits.")
+    request_timeout_s: float = Field(10.0, gt=0, description="Timeout of one request.")
+    retries: int = Field(3, ge=0, description="Retries of a failed request.")
+    backoff_s: float = Field(
+        0.1, gt=0, description="First retry delay; doubled each time, with full jitter."
+    )
+    breaker_failures: int = Field(
+        5, ge=1, description="Consecutive failures that open the circuit breaker."
+    )
+    breaker_reset_s: float = Field(
+        5.0, gt=0, description="How long the open breaker refuses requests before one trial."
+    )
+    lookup_budget_ms: float = Field(
+        20.0,
+        ge=0,
+        description="Longest a lookup waits for probes of chunks other nodes uploaded; past it "
+        "the caller is told to ask again.",
+    )
+    probe_chunks: int = Field(
+        4, ge=0, description="Chunks past the known prefix probed in the store per lookup."
+    )
+    budget_bytes: ByteSize | None = Field(
+        None,
+        description="Bytes this node keeps in the store, least recently used dropped first; "
+        "unset: unbounded (use bucket lifecycle rules and `kvtier gc`).",
+    )
+    retention_s: float = Field(
+        7 * 86400.0, gt=0, description="`kvtier gc` deletes objects older than this."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_static_credentials(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            for key in data:
+                if any(hint in str(key).lower() for hint in _STATIC_CREDENTIAL_HINTS):
+                    raise ValueError(
+                        f"static credentials ({key}) are refused: kvtier reaches the object "
+                        "store through workload identity only. On EKS use IRSA or EKS Pod "
+                        "Identity (AWS_ROLE_ARN and AWS_WEB_IDENTITY_TOKEN_FILE); on GKE use "
+                        "Workload Identity, or workload identity federation with an "
+                        "external_account file in GOOGLE_APPLICATION_CREDENTIALS"
+                    )
+        return data
+
+
 class ServerConfig(_Section):
     socket_path: Path = Field(
         default_factory=lambda: default_state_dir() / "kvtierd.sock",
@@ -201,6 +291,9 @@ class KVTierConfig(_Section):
     arena: ArenaConfig = Field(default_factory=ArenaConfig, description="The cpu tier.")
     lmdb: LMDBConfig = Field(default_factory=LMDBConfig, description="The lmdb tier.")
     manager: ManagerConfig = Field(default_factory=ManagerConfig, description="Tier movers.")
+    object: ObjectStoreConfig = Field(
+        default_factory=ObjectStoreConfig, description="The object tier."
+    )
     server: ServerConfig = Field(default_factory=ServerConfig, description="kvtierd's APIs.")
 
 

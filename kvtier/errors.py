@@ -76,3 +76,16 @@ class PermissionDeniedError(KVTierError):
 
 class UnsupportedError(KVTierError):
     """The call is defined but this build does not serve it yet."""
+
+
+class ObjectStoreError(TierUnavailableError):
+    """An object-store request failed (timeout, 5xx, connection); it may succeed if retried."""
+
+
+class ObjectNotFoundError(ObjectStoreError, LookupError):
+    """The object does not exist."""
+
+
+class CredentialError(ObjectStoreError):
+    """The workload identity could not produce credentials (for example, the token file is
+    missing or the token exchange failed). The object tier is unhealthy until it recovers."""
