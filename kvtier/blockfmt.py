@@ -203,6 +203,39 @@ def decode_header(value: bytes | bytearray | memoryview, expect_key: ChunkKey) -
     return ChunkHeader(stored_key, descriptor, payload_len, checksum)
 
 
+def peek(value: bytes | bytearray | memoryview) -> tuple[ChunkKey, int]:
+    """Key and encoded length of the chunk that starts ``value`` (which may run on into more
+    chunks), after checking the header's own checksum; the payload is not verified."""
+    if len(value) < HEADER_SIZE:
+        raise TruncatedChunkError(f"value of {len(value)} bytes has no whole header")
+    if bytes(value[: len(MAGIC)]) != MAGIC:
+        raise CorruptChunkError("bad magic")
+    (version,) = struct.unpack_from("<H", value, len(MAGIC))
+    if version != VERSION:
+        raise UnknownVersionError(f"chunk format version {version}, this build reads {VERSION}")
+    fields = _BODY.unpack_from(value, 0)
+    (stored_header_sum,) = _TAIL.unpack_from(value, _BODY.size)
+    if xxhash.xxh3_64_intdigest(value[: _BODY.size]) != stored_header_sum:
+        raise CorruptChunkError("header checksum mismatch")
+    namespace, hash_len, chunk_hash, payload_len = fields[3], fields[4], fields[6], fields[13]
+    if not 0 < hash_len <= MAX_CHUNK_HASH_BYTES:
+        raise CorruptChunkError("chunk hash length out of range")
+    return ChunkKey(namespace + chunk_hash[:hash_len]), HEADER_SIZE + payload_len
+
+
+def split(value: bytes | bytearray | memoryview) -> list[tuple[ChunkKey, memoryview]]:
+    """Verify a run of encoded chunks written back to back (an object pack) and return each
+    key with a view of its payload. Any flaw anywhere raises `ChunkFormatError`."""
+    view = memoryview(value)
+    out: list[tuple[ChunkKey, memoryview]] = []
+    offset = 0
+    while offset < len(view):
+        key, length = peek(view[offset:])
+        out.append((key, decode(view[offset : offset + length], key)))
+        offset += length
+    return out
+
+
 def decode(value: bytes | bytearray | memoryview, expect_key: ChunkKey) -> memoryview:
     """Verify ``value`` fully and return a view of its payload."""
     header = decode_header(value, expect_key)

@@ -16,6 +16,7 @@ class Registration:
     pool: str
     chunk_bytes: int
     descriptor: ChunkDescriptor
+    tenant: str = "default"
 
 
 class PoolRegistry:
@@ -32,7 +33,9 @@ class PoolRegistry:
         if chunk_bytes <= 0:
             raise PoolLayoutError(f"chunk_bytes must be positive, got {chunk_bytes}")
         namespace = spec.digest()
-        reg = Registration(namespace, str(spec.pool), chunk_bytes, ChunkDescriptor.from_spec(spec))
+        reg = Registration(
+            namespace, str(spec.pool), chunk_bytes, ChunkDescriptor.from_spec(spec), spec.tenant
+        )
         with self._lock:
             known = self._by_namespace.get(namespace)
             if known is not None and known != reg:

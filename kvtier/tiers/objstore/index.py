@@ -1,0 +1,166 @@
+"""What this node knows to be in the object store: chunk -> (object, offset, length), kept in a
+small LMDB environment so a restart does not upload or probe everything again.
+
+Databases: ``chunks`` (key -> location), ``objects`` (name -> size, tick), ``pins`` (keys).
+An in-memory mirror answers lookups; LMDB is written only after the store acknowledged an upload,
+so the index may lack an object but never claims one that was not written. Objects deleted
+behind our back (another node's gc) are found on read and dropped then.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from kvtier.keys import ChunkKey
+
+_LOC = struct.Struct("<QQ")
+_OBJ = struct.Struct("<QQ")
+
+
+@dataclass(slots=True)
+class ChunkLocation:
+    obj: str
+    offset: int
+    length: int
+    pool: str
+    replica: str
+
+    def pack(self) -> bytes:
+        return (
+            _LOC.pack(self.offset, self.length)
+            + f"{self.obj}\0{self.pool}\0{self.replica}".encode()
+        )
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> ChunkLocation:
+        offset, length = _LOC.unpack_from(raw)
+        obj, pool, replica = bytes(raw[_LOC.size :]).decode().split("\0")
+        return cls(obj, offset, length, pool, replica)
+
+
+@dataclass(slots=True)
+class ObjectEntry:
+    size: int
+    tick: int
+    keys: set[ChunkKey]
+
+
+class ObjectIndex:
+    def __init__(self, path: Path, map_bytes: int) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(str(path), map_size=map_bytes, max_dbs=4, sync=False, metasync=False)
+        self._chunks = self.env.open_db(b"chunks")
+        self._objects = self.env.open_db(b"objects")
+        self._pins = self.env.open_db(b"pins")
+        self._lock = threading.Lock()
+        self.chunks: dict[ChunkKey, ChunkLocation] = {}
+        self.objects: dict[str, ObjectEntry] = {}
+        self.pins: set[ChunkKey] = set()
+        self._tick = 0
+        self._closed = False
+        with self.env.begin() as txn:
+            for name, raw in txn.cursor(db=self._objects):
+                size, tick = _OBJ.unpack(raw)
+                self.objects[bytes(name).decode()] = ObjectEntry(size, tick, set())
+                self._tick = max(self._tick, tick)
+            for key, raw in txn.cursor(db=self._chunks):
+                loc = ChunkLocation.unpack(raw)
+                entry = self.objects.get(loc.obj)
+                if entry is not None:
+                    self.chunks[ChunkKey(bytes(key))] = loc
+                    entry.keys.add(ChunkKey(bytes(key)))
+            self.pins = {ChunkKey(bytes(k)) for k, _ in txn.cursor(db=self._pins)}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.chunks
+
+    def get(self, key: ChunkKey) -> ChunkLocation | None:
+        return self.chunks.get(key)
+
+    def add(
+        self, name: str, size: int, locations: Sequence[tuple[ChunkKey, ChunkLocation]]
+    ) -> None:
+        with self._lock, self.env.begin(write=True) as txn:
+            self._tick += 1
+            txn.put(name.encode(), _OBJ.pack(size, self._tick), db=self._objects)
+            for key, loc in locations:
+                txn.put(key, loc.pack(), db=self._chunks)
+            entry = self.objects.setdefault(name, ObjectEntry(size, self._tick, set()))
+            entry.size, entry.tick = size, self._tick
+            for key, loc in locations:
+                self.chunks[key] = loc
+                entry.keys.add(key)
+
+    def touch(self, name: str) -> None:
+        """Mark an object used (in memory; the persisted order is that of uploads)."""
+        with self._lock:
+            entry = self.objects.get(name)
+            if entry is not None:
+                self._tick += 1
+                entry.tick = self._tick
+
+    def drop_keys(self, keys: Iterable[ChunkKey]) -> list[str]:
+        """Forget chunks; returns the objects left holding no indexed chunk (to delete)."""
+        emptied: list[str] = []
+        with self._lock, self.env.begin(write=True) as txn:
+            for key in keys:
+                loc = self.chunks.pop(key, None)
+                if loc is None:
+                    continue
+                txn.delete(key, db=self._chunks)
+                entry = self.objects.get(loc.obj)
+                if entry is None:
+                    continue
+                entry.keys.discard(key)
+                if not entry.keys:
+                    del self.objects[loc.obj]
+                    txn.delete(loc.obj.encode(), db=self._objects)
+                    emptied.append(loc.obj)
+        return emptied
+
+    def drop_object(self, name: str) -> list[ChunkKey]:
+        entry = self.objects.get(name)
+        keys = sorted(entry.keys) if entry is not None else []
+        self.drop_keys(keys)
+        with self._lock, self.env.begin(write=True) as txn:
+            self.objects.pop(name, None)
+            txn.delete(name.encode(), db=self._objects)
+        return keys
+
+    def set_pinned(self, keys: Sequence[ChunkKey], pinned: bool) -> None:
+        with self._lock, self.env.begin(write=True) as txn:
+            for key in keys:
+                if pinned:
+                    txn.put(key, b"", db=self._pins)
+                    self.pins.add(key)
+                else:
+                    txn.delete(key, db=self._pins)
+                    self.pins.discard(key)
+
+    def pinned(self, name: str) -> bool:
+        entry = self.objects.get(name)
+        return entry is not None and not self.pins.isdisjoint(entry.keys)
+
+    def oldest_first(self) -> list[str]:
+        with self._lock:
+            return sorted(self.objects, key=lambda n: self.objects[n].tick)
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(e.size for e in self.objects.values())
+
+    def sync(self) -> None:
+        self.env.sync(True)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.env.sync(True)
+        self.env.close()

@@ -1,0 +1,321 @@
+"""The object tier: chunks in S3, GCS or a shared filesystem, shared by every node.
+
+Object names are ``prefix/tenant/namespace/hash[:2]/hash``, named after the first chunk they hold.
+An object is one chunk, or a pack of consecutive chunks of one prefix written back to back in the
+chunk format, each with its own verified header; the format version, chunk count and an xxh3-128
+of the whole body are also in the object's metadata. Every read is verified: a corrupt object is
+deleted, counted and answered as a miss.
+
+Requests go through `RequestGuard` (retries, backoff, breaker). A broken identity or an open
+breaker makes the tier unhealthy: it answers misses until a trial request succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from kvtier import blockfmt
+from kvtier.config import ObjectStoreConfig
+from kvtier.counters import Counters
+from kvtier.errors import ChunkFormatError, ObjectNotFoundError, ObjectStoreError
+from kvtier.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.pools import PoolRegistry
+from kvtier.tiers.base import Tier, TierStats, UsageStats
+from kvtier.tiers.objstore.backend import ObjectBackend, open_backend
+from kvtier.tiers.objstore.index import ChunkLocation, ObjectIndex
+from kvtier.tiers.objstore.resilience import CircuitBreaker, RequestGuard
+
+log = logging.getLogger(__name__)
+
+META_FORMAT = "kvtier-format"
+META_CHUNKS = "kvtier-chunks"
+META_CHECKSUM = "kvtier-xxh3-128"
+REMOTE_REPLICA = "remote"
+"""Owner recorded for chunks found in the store rather than uploaded from here."""
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedChunk:
+    key: ChunkKey
+    payload: memoryview
+    """Verified; valid as long as the fetched object's buffer is referenced."""
+
+
+class ObjectTier(Tier):
+    name = "object"
+    persistent = True
+
+    def __init__(
+        self,
+        config: ObjectStoreConfig,
+        registry: PoolRegistry,
+        backend: ObjectBackend | None = None,
+    ) -> None:
+        super().__init__(registry)
+        if config.url is None and backend is None:
+            raise ValueError("the object tier needs object.url")
+        self.config = config
+        self.backend = backend or open_backend(str(config.url), config.request_timeout_s)
+        self.index = ObjectIndex(config.index_path, int(config.index_map_bytes))
+        self.counters = Counters()
+        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_s)
+        self.guard = RequestGuard(self.breaker, config.retries, config.backoff_s, self.counters)
+        self.budget = int(config.budget_bytes) if config.budget_bytes is not None else None
+        self.principal = self._resolve_principal()
+
+    def _resolve_principal(self) -> str:
+        try:
+            principal = self.backend.principal()
+        except ObjectStoreError as exc:
+            self.breaker.failure(exc, trip=True)
+            log.error(
+                "object store %s: no usable identity (%s); the tier answers misses until it "
+                "recovers",
+                self.backend.url,
+                exc,
+            )
+            return "unknown"
+        log.info("object store %s: running as %s", self.backend.url, principal)
+        return principal
+
+    @property
+    def healthy(self) -> bool:
+        return self.breaker.state != CircuitBreaker.OPEN
+
+    # -- naming ---------------------------------------------------------------------------
+
+    def object_name(self, key: ChunkKey) -> str:
+        reg = self.registry.resolve(key)
+        digest = key[NAMESPACE_BYTES:].hex()
+        return f"{reg.tenant}/{key[:NAMESPACE_BYTES].hex()}/{digest[:2]}/{digest}"
+
+    @staticmethod
+    def key_of(name: str) -> ChunkKey | None:
+        """The first chunk's key from an object name; None for names kvtier did not write."""
+        parts = name.split("/")
+        if len(parts) < 4:
+            return None
+        try:
+            namespace, digest = bytes.fromhex(parts[-3]), bytes.fromhex(parts[-1])
+        except ValueError:
+            return None
+        if len(namespace) != NAMESPACE_BYTES or not digest:
+            return None
+        return ChunkKey(namespace + digest)
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def put(self, key: ChunkKey, payload: memoryview | bytes, replica: str = "default") -> bool:
+        return self.put_pack([(key, payload)], replica) == 1
+
+    def put_pack(
+        self, items: Sequence[tuple[ChunkKey, memoryview | bytes]], replica: str = "default"
+    ) -> int:
+        """Upload chunks as one object; returns how many are now in the store (0 on failure,
+        counted). Chunks already indexed are skipped."""
+        regs = [self._check_payload(key, len(payload)) for key, payload in items]
+        todo = [
+            (key, payload, reg)
+            for (key, payload), reg in zip(items, regs, strict=True)
+            if key not in self.index
+        ]
+        if not todo:
+            return len(items)
+        size = sum(blockfmt.encoded_size(len(payload)) for _, payload, _ in todo)
+        if not self._make_room(size):
+            self.counters.add("store_rejected", len(todo))
+            return 0
+        body = bytearray(size)
+        locations: list[tuple[ChunkKey, ChunkLocation]] = []
+        offset = 0
+        name = self.object_name(todo[0][0])
+        for key, payload, reg in todo:
+            length = blockfmt.encode_into(memoryview(body)[offset:], key, reg.descriptor, payload)
+            locations.append((key, ChunkLocation(name, offset, length, reg.pool, replica)))
+            offset += length
+        metadata = {
+            META_FORMAT: str(blockfmt.VERSION),
+            META_CHUNKS: str(len(todo)),
+            META_CHECKSUM: xxhash.xxh3_128_hexdigest(body),
+        }
+        started = time.perf_counter()
+        try:
+            self.guard.call(lambda: self.backend.put(name, memoryview(body), metadata))
+        except ObjectStoreError as exc:
+            self.counters.add("store_errors", len(todo))
+            log.warning("upload of %s failed: %s", name, exc)
+            return 0
+        self.counters.add("upload_seconds_us", int((time.perf_counter() - started) * 1e6))
+        self.counters.add("upload_bytes", size)
+        self.counters.add("objects_uploaded", 1)
+        self.index.add(name, size, locations)
+        self.counters.add("stores", len(todo))
+        return len(items)
+
+    def _make_room(self, incoming: int) -> bool:
+        if self.budget is None:
+            return True
+        if incoming > self.budget:
+            return False
+        used = self.index.used_bytes()
+        for name in self.index.oldest_first():
+            if used + incoming <= self.budget:
+                break
+            if self.index.pinned(name):
+                continue
+            entry = self.index.objects.get(name)
+            if entry is None:
+                continue
+            if self._delete_objects([name]):
+                used -= entry.size
+                self.index.drop_object(name)
+                self.counters.add("evictions_capacity", len(entry.keys))
+        return used + incoming <= self.budget
+
+    def _delete_objects(self, names: Sequence[str]) -> bool:
+        if not names:
+            return True
+        try:
+            self.guard.call(lambda: self.backend.delete(names))
+        except ObjectStoreError as exc:
+            log.warning("deleting %d objects failed: %s", len(names), exc)
+            return False
+        return True
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def read_into(self, key: ChunkKey, dst: memoryview) -> bool:
+        loc = self.index.get(key)
+        if loc is None or not self.healthy:
+            self.counters.add("misses", 1)
+            return False
+        try:
+            value = self.guard.call(
+                lambda: self.backend.get(loc.obj, loc.offset, loc.length),
+                self.config.request_timeout_s,
+            )
+            blockfmt.decode_into(value, key, dst)
+        except ObjectNotFoundError:  # deleted behind our back (gc, another node)
+            self.counters.add("misses", 1)
+            self.index.drop_object(loc.obj)
+            return False
+        except ObjectStoreError:
+            self.counters.add("misses", 1)
+            return False
+        except ChunkFormatError as exc:
+            self.quarantine(loc.obj, exc)
+            return False
+        self.index.touch(loc.obj)
+        self.counters.add("hits", 1)
+        self.counters.add("download_bytes", len(value))
+        return True
+
+    def fetch(self, name: str) -> list[FetchedChunk] | None:
+        """GET a whole object and verify every chunk in it; None when it does not exist or is
+        corrupt (then deleted). Indexes what it found. Raises `ObjectStoreError` when the store
+        cannot answer."""
+        try:
+            body = self.guard.call(lambda: self.backend.get(name), self.config.request_timeout_s)
+        except ObjectNotFoundError:
+            self.index.drop_object(name)
+            return None
+        try:
+            chunks = blockfmt.split(body)
+            if not chunks or self.object_name(chunks[0][0]) != name:
+                raise ChunkFormatError(f"object {name} does not start with the chunk it names")
+            regs = [self._check_payload(key, len(payload)) for key, payload in chunks]
+        except (ChunkFormatError, ValueError, KeyError) as exc:  # incl. a foreign namespace
+            self.quarantine(name, exc)
+            return None
+        self.counters.add("download_bytes", len(body))
+        if name not in self.index.objects:
+            locations = []
+            offset = 0
+            for (key, payload), reg in zip(chunks, regs, strict=True):
+                length = blockfmt.encoded_size(len(payload))
+                locations.append(
+                    (key, ChunkLocation(name, offset, length, reg.pool, REMOTE_REPLICA))
+                )
+                offset += length
+            self.index.add(name, len(body), locations)
+        self.index.touch(name)
+        self.counters.add("hits", len(chunks))
+        return [FetchedChunk(key, payload) for key, payload in chunks]
+
+    def probe(self, key: ChunkKey) -> list[FetchedChunk] | None:
+        """Look for an object another node uploaded that starts with ``key``."""
+        self.counters.add("probes", 1)
+        return self.fetch(self.object_name(key))
+
+    def quarantine(self, name: str, reason: Exception) -> None:
+        log.error("object %s failed verification (%s); deleting it", name, reason)
+        self.counters.add("corrupt", 1)
+        self.index.drop_object(name)
+        self._delete_objects([name])
+
+    # -- the rest of the contract ---------------------------------------------------------
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        chunks = self.index.chunks
+        return [key in chunks for key in keys]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.index.chunks
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        present = [k for k in keys if k in self.index]
+        emptied = self.index.drop_keys(present)
+        self._delete_objects(emptied)
+        return len(present)
+
+    def pin(self, keys: Sequence[ChunkKey]) -> None:
+        self.index.set_pinned(keys, True)
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        self.index.set_pinned(keys, False)
+
+    def evict(
+        self, *, pool: str | None = None, namespace: bytes | None = None, replica: str | None = None
+    ) -> int:
+        victims = [
+            key
+            for key, loc in list(self.index.chunks.items())
+            if key not in self.index.pins
+            and (pool is None or loc.pool == pool)
+            and (namespace is None or key[:NAMESPACE_BYTES] == namespace)
+            and (replica is None or loc.replica == replica)
+        ]
+        n = self.delete(victims)
+        self.counters.add("evictions_admin", n)
+        return n
+
+    def stats(self) -> TierStats:
+        pools: dict[str, UsageStats] = {}
+        replicas: dict[tuple[str, str], UsageStats] = {}
+        for loc in list(self.index.chunks.values()):
+            for usage in (
+                pools.setdefault(loc.pool, UsageStats()),
+                replicas.setdefault((loc.replica, loc.pool), UsageStats()),
+            ):
+                usage.chunks += 1
+                usage.used_bytes += loc.length
+        counters = self.counters.snapshot()
+        counters["healthy"] = int(self.healthy)
+        return TierStats(
+            tier=self.name,
+            capacity_bytes=self.budget or 0,
+            used_bytes=sum(u.used_bytes for u in pools.values()),
+            chunks=sum(u.chunks for u in pools.values()),
+            pools=pools,
+            replicas=replicas,
+            counters=counters,
+        )
+
+    def close(self) -> None:
+        self.index.close()
+        self.backend.close()
