@@ -5,7 +5,10 @@
   invisible;
 - ``load`` leases arena chunks, promoting lmdb chunks into the arena first;
 - committed arena chunks are written back to lmdb by a background thread before they can be
-  evicted (write-back), or right after commit (write-through); the data plane never waits on it.
+  evicted (write-back), or right after commit (write-through); the data plane never waits on it;
+- with an object store, chunks written to lmdb are uploaded from a bounded queue, object chunks are
+  promoted on request, and a lookup probes the store for chunks other nodes uploaded, waiting no
+  longer than ``object.lookup_budget_ms``.
 """
 
 from __future__ import annotations
@@ -17,15 +20,20 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
-from kvtier.config import DemoteMode, KVTierConfig
+from kvtier.config import Admission, DemoteMode, KVTierConfig
 from kvtier.counters import Counters
+from kvtier.errors import ConfigError, KVTierError
 from kvtier.keys import ChunkKey, NamespaceSpec
 from kvtier.pools import PoolRegistry
 from kvtier.tiers.base import Tier, TierStats
 from kvtier.tiers.cpu import CpuTier, SlotRef
 from kvtier.tiers.lmdb_tier import LmdbTier
+from kvtier.tiers.objstore.tier import REMOTE_REPLICA, FetchedChunk, ObjectTier
+from kvtier.tiers.objstore.uploader import Uploader
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +47,9 @@ TIER_CODES = {TIER_CPU: 1, TIER_LMDB: 2, TIER_OBJECT: 3}
 TIER_NAMES = {code: name for name, code in TIER_CODES.items()}
 _CPU = TIER_CODES[TIER_CPU]
 _LMDB = TIER_CODES[TIER_LMDB]
+_OBJECT = TIER_CODES[TIER_OBJECT]
+_PROBE_MISS_TTL_S = 10.0  # a chunk another node uploads after a miss is found this much later
+_MAX_TRACKED = 1 << 17  # bound on per-key bookkeeping (probe misses, hit counts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +59,8 @@ class LookupResult:
     tier_codes: bytes
     """Tier of each of those ``hits`` chunks (the fastest one holding it), a `TIER_CODES` value
     per byte: compact for batches of thousands."""
+    pending: bool = False
+    """The object store is still being probed past ``hits``: asking again may find more."""
 
     @property
     def tiers(self) -> list[str]:
@@ -73,6 +86,27 @@ class TierManager:
         except BaseException:
             self.cpu.close()
             raise
+        self.object: ObjectTier | None = None
+        self.uploader: Uploader | None = None
+        if config.object.url is not None:
+            if self.lmdb is None:
+                self.cpu.close()
+                raise ConfigError("object.url", "the object tier needs the lmdb tier enabled")
+            try:
+                self.object = ObjectTier(config.object, self.registry)
+            except BaseException:
+                self.lmdb.close()
+                self.cpu.close()
+                raise
+            self.uploader = Uploader(
+                self.object, self._read_lmdb, config.object, self.object.counters
+            )
+        self._downloads = ThreadPoolExecutor(config.object.download_concurrency, "kvtier-download")
+        self._probes: dict[ChunkKey, Future[bool]] = {}
+        self._probe_misses: dict[ChunkKey, float] = {}
+        self._fetching: set[str] = set()
+        self._hit_counts: Counter[ChunkKey] = Counter()
+        self._object_lock = threading.Lock()
         self.cpu.track_dirty(self.lmdb is not None)
         self._write_through = config.manager.demote_mode is DemoteMode.WRITE_THROUGH
         self.cpu.set_clean_reserve(1.0 if self._write_through else config.manager.clean_reserve)
@@ -98,6 +132,8 @@ class TierManager:
         tiers: dict[str, Tier] = {TIER_CPU: self.cpu}
         if self.lmdb is not None:
             tiers[TIER_LMDB] = self.lmdb
+        if self.object is not None:
+            tiers[TIER_OBJECT] = self.object
         return tiers
 
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes:
@@ -117,22 +153,159 @@ class TierManager:
         except ValueError:
             in_arena = len(keys)
         codes = bytearray(bytes([_CPU]) * in_arena)  # the common case: a prefix all in the arena
+        pending = False
         if in_arena < len(keys) and self.lmdb is not None:
-            in_lmdb = self.lmdb.__contains__
-            for i in range(in_arena, len(keys)):
-                if in_cpu[i]:
-                    codes.append(_CPU)
-                elif in_lmdb(keys[i]):
-                    codes.append(_LMDB)
-                else:
-                    break
+            self._extend_codes(keys, in_cpu, codes)
+            if self.object is not None and len(codes) < len(keys):
+                pending = self._probe_past(keys, in_cpu, codes)
         counters = self._counters
         counters.add("lookups", 1)
         counters.add("lookup_chunks", len(keys))
         n_cpu = codes.count(_CPU)
+        n_object = codes.count(_OBJECT)
         counters.add("hit_chunks_cpu", n_cpu)
-        counters.add("hit_chunks_lmdb", len(codes) - n_cpu)
-        return LookupResult(len(codes), bytes(codes))
+        counters.add("hit_chunks_lmdb", len(codes) - n_cpu - n_object)
+        counters.add("hit_chunks_object", n_object)
+        return LookupResult(len(codes), bytes(codes), pending)
+
+    def _extend_codes(self, keys: Sequence[ChunkKey], in_cpu: list[bool], codes: bytearray) -> None:
+        """Append the tier of each key from ``len(codes)`` on, up to the first one nowhere."""
+        assert self.lmdb is not None
+        in_lmdb = self.lmdb.__contains__
+        in_object = self.object.__contains__ if self.object is not None else None
+        for i in range(len(codes), len(keys)):
+            if in_cpu[i]:
+                codes.append(_CPU)
+            elif in_lmdb(keys[i]):
+                codes.append(_LMDB)
+            elif in_object is not None and in_object(keys[i]):
+                codes.append(_OBJECT)
+            else:
+                break
+
+    # -- object store ---------------------------------------------------------------------
+
+    def _probe_past(self, keys: Sequence[ChunkKey], in_cpu: list[bool], codes: bytearray) -> bool:
+        """Probe the store for objects other nodes uploaded, starting at the first key found
+        nowhere, within the lookup budget. Found chunks land in lmdb and extend ``codes``.
+        Returns True when a probe is still running at the deadline."""
+        assert self.object is not None
+        cfg = self.config.object
+        deadline = time.monotonic() + cfg.lookup_budget_ms / 1000.0
+        for _ in range(cfg.probe_chunks):
+            if len(codes) >= len(keys) or not self.object.healthy:
+                return False
+            found = self._probe(keys[len(codes)], deadline)
+            if found is None:
+                return True
+            if not found:
+                return False
+            before = len(codes)
+            self._extend_codes(keys, in_cpu, codes)
+            if len(codes) == before:
+                return False
+        return False
+
+    def _probe(self, key: ChunkKey, deadline: float) -> bool | None:
+        """Whether an object starting at ``key`` exists (its chunks are then in lmdb); None
+        when the answer did not come before ``deadline``."""
+        now = time.monotonic()
+        with self._object_lock:
+            if self._probe_misses.get(key, 0.0) > now:
+                return False
+            future = self._probes.get(key)
+            if future is None:
+                future = self._downloads.submit(self._probe_job, key)
+                self._probes[key] = future
+        try:
+            return future.result(timeout=max(0.0, deadline - now))
+        except FutureTimeout:
+            self._counters.add("probes_over_budget", 1)
+            return None
+
+    def _probe_job(self, key: ChunkKey) -> bool:
+        assert self.object is not None
+        found = False
+        try:
+            chunks = self.object.probe(key)
+            if chunks:
+                self._keep_fetched(chunks)
+                found = True
+        except KVTierError as exc:
+            log.debug("probe of %s failed: %s", key.hex(), exc)
+        finally:
+            with self._object_lock:
+                self._probes.pop(key, None)
+                if not found:
+                    if len(self._probe_misses) > _MAX_TRACKED:
+                        self._probe_misses.clear()
+                    self._probe_misses[key] = time.monotonic() + _PROBE_MISS_TTL_S
+        return found
+
+    def _keep_fetched(self, chunks: Sequence[FetchedChunk]) -> None:
+        assert self.lmdb is not None
+        self.lmdb.put_many([(c.key, c.payload) for c in chunks], REMOTE_REPLICA)
+
+    def _read_lmdb(self, key: ChunkKey) -> bytes | None:
+        assert self.lmdb is not None
+        try:
+            buf = bytearray(self.registry.resolve(key).chunk_bytes)
+        except KVTierError:
+            return None
+        return bytes(buf) if self.lmdb.read_into(key, memoryview(buf)) else None
+
+    def _fetch_objects(self, keys: Sequence[ChunkKey], replica: str) -> int:
+        """Queue downloads of the objects holding ``keys`` into lmdb and the arena."""
+        assert self.object is not None
+        wanted: dict[str, list[ChunkKey]] = {}
+        for key in keys:
+            loc = self.object.index.get(key)
+            if loc is not None:
+                wanted.setdefault(loc.obj, []).append(key)
+        queued = 0
+        for name, group in wanted.items():
+            with self._object_lock:
+                if name in self._fetching:
+                    continue
+                self._fetching.add(name)
+            self._downloads.submit(self._fetch_job, name, group, replica)
+            queued += len(group)
+        return queued
+
+    def _fetch_job(self, name: str, keys: list[ChunkKey], replica: str) -> None:
+        assert self.object is not None
+        try:
+            chunks = self.object.fetch(name)
+            if chunks:
+                self._keep_fetched(chunks)
+                for key in keys:
+                    self._promote(key, replica, lease=False)
+                self._counters.add("promotions_object", len(keys))
+        except KVTierError as exc:
+            self._counters.add("promotion_failed", len(keys))
+            log.debug("download of %s failed: %s", name, exc)
+        except Exception:  # never let a mover die silently
+            self._counters.add("promotion_errors", 1)
+            log.exception("download of %s failed", name)
+        finally:
+            with self._object_lock:
+                self._fetching.discard(name)
+
+    def _count_hits(self, keys: Sequence[ChunkKey], replica: str) -> None:
+        """Admission by hits: offer a chunk for upload once it was loaded often enough."""
+        if self.uploader is None or self.config.object.admission is not Admission.HITS:
+            return
+        threshold = self.config.object.admission_min_hits
+        hot = []
+        with self._object_lock:
+            if len(self._hit_counts) > _MAX_TRACKED:
+                self._hit_counts.clear()
+            for key in keys:
+                self._hit_counts[key] += 1
+                if self._hit_counts[key] == threshold:
+                    hot.append(key)
+        if hot:
+            self.uploader.offer(hot, replica)
 
     # -- store ----------------------------------------------------------------------------
 
@@ -172,17 +345,25 @@ class TierManager:
         for i, lease in enumerate(leases):
             if lease is None:
                 leases[i] = self._promote(keys[i], replica)
+        self._count_hits(
+            [k for k, ref in zip(keys, leases, strict=True) if ref is not None], replica
+        )
         return leases
 
     def promote(self, keys: Sequence[ChunkKey], replica: str = "default") -> int:
-        """Queue lmdb chunks for promotion into the arena, without waiting; returns how many
-        were queued. A later lookup finds them in the arena."""
+        """Queue lmdb and object chunks for promotion into the arena, without waiting; returns
+        how many were queued. A later lookup finds them in the arena."""
         if self.lmdb is None:
             return 0
         queued = 0
         in_cpu = self.cpu.contains(keys)
+        remote: list[ChunkKey] = []
         for key, cached in zip(keys, in_cpu, strict=True):
-            if cached or key not in self.lmdb or key in self._promoting:
+            if cached or key in self._promoting:
+                continue
+            if key not in self.lmdb:
+                if self.object is not None and key in self.object:
+                    remote.append(key)
                 continue
             try:
                 self._promotions.put_nowait((key, replica))
@@ -191,6 +372,8 @@ class TierManager:
                 break
             self._promoting.add(key)
             queued += 1
+        if remote:
+            queued += self._fetch_objects(remote, replica)
         return queued
 
     def _promote_loop(self) -> None:
@@ -253,7 +436,11 @@ class TierManager:
             for ref in refs:
                 by_owner.setdefault(self.cpu.owner_of(ref), []).append(ref)
             for owner, group in by_owner.items():
-                self.lmdb.put_many([(r.key, self.cpu.view(r)) for r in group], owner)
+                stored = self.lmdb.put_many([(r.key, self.cpu.view(r)) for r in group], owner)
+                if self.uploader is not None and self.config.object.admission is Admission.ALL:
+                    self.uploader.offer(
+                        [r.key for r, done in zip(group, stored, strict=True) if done], owner
+                    )
             ok = True
         finally:
             self.cpu.writeback_done(refs, ok)
@@ -289,16 +476,22 @@ class TierManager:
         namespace: bytes | None = None,
         replica: str | None = None,
     ) -> dict[str, int]:
-        """Drop matching chunks from one tier, or all. Arena chunks reach lmdb first."""
+        """Drop matching chunks from one tier, or from every local one (arena and lmdb).
+        Arena chunks reach lmdb first."""
         if tier is not None and tier not in self.tiers:
             raise ValueError(f"unknown tier {tier!r}; known: {sorted(self.tiers)}")
         if tier == TIER_CPU:
             self.flush()
-        names = [tier] if tier is not None else list(self.tiers)
+        # the object store is shared by the fleet: only an explicit tier="object" touches it
+        names = [tier] if tier is not None else [n for n in self.tiers if n != TIER_OBJECT]
         return {
             name: self.tiers[name].evict(pool=pool, namespace=namespace, replica=replica)
             for name in names
         }
+
+    def flush_uploads(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued upload is done; True when none is left."""
+        return self.uploader is None or self.uploader.wait_idle(timeout)
 
     def set_quota(self, replica: str, pool: str, nbytes: int | None) -> None:
         self.cpu.set_quota(replica, pool, nbytes)
@@ -324,6 +517,11 @@ class TierManager:
                 self._promotions.put_nowait(_STOP)  # wake the promoter now
             for thread in self._threads:
                 thread.join()
+            if self.uploader is not None:
+                self.uploader.close(flush_timeout)
+            self._downloads.shutdown(wait=True, cancel_futures=True)
+            if self.object is not None:
+                self.object.close()
             if self.lmdb is not None:
                 self.lmdb.close()
             self.cpu.close()

@@ -206,7 +206,7 @@ class GrpcTierClient:
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         response = self._keys_call(self._lookup, keys)
-        return LookupResult(response.hits, response.tiers)
+        return LookupResult(response.hits, response.tiers, response.pending)
 
     def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
         response = self._keys_call(self._reserve, keys)

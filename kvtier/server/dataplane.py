@@ -82,7 +82,9 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     ) -> tier_pb2.LookupResponse:
         self._session(request.session_id)
         result = self.manager.lookup(unpack_keys(request.keys, self.config.max_batch_keys))
-        return tier_pb2.LookupResponse(hits=result.hits, tiers=result.tier_codes)
+        return tier_pb2.LookupResponse(
+            hits=result.hits, tiers=result.tier_codes, pending=result.pending
+        )
 
     def Reserve(
         self, request: tier_pb2.ReserveRequest, context: grpc.ServicerContext

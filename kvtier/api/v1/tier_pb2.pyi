@@ -300,18 +300,24 @@ class LookupResponse(_message.Message):
 
     HITS_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
     hits: _builtins.int
     tiers: _builtins.bytes
     """One Tier value per byte, for each of the `hits` chunks: compact for batches of thousands."""
+    pending: _builtins.bool
+    """The object store was still being probed past `hits` when the lookup budget ran out: asking
+    again may find more.
+    """
     def __init__(
         self,
         *,
         hits: _builtins.int = ...,
         tiers: _builtins.bytes = ...,
+        pending: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits", "pending", b"pending", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,229 @@
+"""s3:// objects through boto3, with credentials only from the SDK's default chain.
+
+On EKS that chain is IRSA (``AWS_ROLE_ARN`` and ``AWS_WEB_IDENTITY_TOKEN_FILE``: botocore trades
+the projected token for temporary keys at STS and trades again, re-reading the file, before they
+expire) or EKS Pod Identity. The endpoint is the SDK's too: ``AWS_ENDPOINT_URL`` or
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL_STS`` for S3-compatible stores and VPC endpoints.
+The region is ``AWS_DEFAULT_REGION``, or ``AWS_REGION`` (which EKS sets and botocore ignores).
+
+Object metadata travels as S3 user metadata (``x-amz-meta-*``): keys come back lower-cased, and
+keys and values must be ASCII.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NoReturn
+
+import boto3.session
+import botocore.config
+import botocore.exceptions
+import botocore.session
+
+from kvtier.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
+from kvtier.tiers.objstore.backend import ObjectBackend, ObjectInfo, StoreLocation
+
+_DELETE_BATCH = 1000  # the most keys one DeleteObjects call accepts
+_NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
+# Error codes that mean the identity is wrong or its keys are no longer valid.
+_CREDENTIAL_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AccessDeniedException",
+        "403",
+        "ExpiredToken",
+        "ExpiredTokenException",
+        "InvalidAccessKeyId",
+        "InvalidClientTokenId",
+        "InvalidIdentityToken",
+        "InvalidToken",
+        "SignatureDoesNotMatch",
+        "TokenRefreshRequired",
+        "UnrecognizedClientException",
+    }
+)
+# Operations botocore's credential providers call; any failure there is an identity failure.
+_CREDENTIAL_OPERATIONS = frozenset(
+    {"AssumeRoleWithWebIdentity", "AssumeRole", "GetRoleCredentials", "GetCallerIdentity"}
+)
+_CREDENTIAL_EXCEPTIONS: tuple[type[Exception], ...] = (
+    botocore.exceptions.NoCredentialsError,
+    botocore.exceptions.PartialCredentialsError,
+    botocore.exceptions.CredentialRetrievalError,
+    botocore.exceptions.MetadataRetrievalError,
+    botocore.exceptions.RefreshWithMFAUnsupportedError,
+    botocore.exceptions.TokenRetrievalError,
+    botocore.exceptions.UnauthorizedSSOTokenError,
+    botocore.exceptions.InvalidConfigError,
+)
+
+
+def _raise_mapped(exc: Exception, what: str) -> NoReturn:
+    """Re-raise a boto3 failure as the kvtier error the tier acts on."""
+    if isinstance(exc, botocore.exceptions.ClientError):
+        err = exc.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        message = f"{what}: {code} {err.get('Message', '')}".rstrip()
+        if code in _NOT_FOUND:
+            raise ObjectNotFoundError(what) from exc
+        if code in _CREDENTIAL_CODES or exc.operation_name in _CREDENTIAL_OPERATIONS:
+            raise CredentialError(message) from exc
+        raise ObjectStoreError(message) from exc
+    if isinstance(exc, _CREDENTIAL_EXCEPTIONS):
+        raise CredentialError(f"{what}: {exc}") from exc
+    if isinstance(exc, OSError) and exc.filename is not None:
+        # botocore reads the web identity token file with a plain open(): a missing or
+        # unreadable file escapes as an OSError that names it
+        raise CredentialError(f"{what}: cannot read {exc.filename}: {exc.strerror}") from exc
+    raise ObjectStoreError(f"{what}: {exc}") from exc
+
+
+# What a boto3 call can raise besides our own errors; anything else is a bug and propagates.
+_SDK_ERRORS: tuple[type[Exception], ...] = (botocore.exceptions.BotoCoreError, OSError)
+_CALL_ERRORS = (botocore.exceptions.ClientError, *_SDK_ERRORS)
+
+
+class S3Backend(ObjectBackend):
+    """One bucket and prefix. Each call is one request (or one page), with no SDK retries."""
+
+    def __init__(self, location: StoreLocation, timeout_s: float) -> None:
+        super().__init__(location, timeout_s)
+        self._prefix = f"{location.prefix}/" if location.prefix else ""
+        config = botocore.config.Config(
+            connect_timeout=timeout_s,
+            read_timeout=timeout_s,
+            # total_max_attempts counts the first request; max_attempts would mean one retry
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            max_pool_connections=64,
+        )
+        core = botocore.session.Session()
+        # The session's default config reaches the STS client botocore builds for the
+        # web-identity exchange too, so a hung STS is bounded by the same timeout.
+        core.set_default_client_config(config)
+        region = None if core.get_config_variable("region") else os.environ.get("AWS_REGION")
+        try:
+            self._session = boto3.session.Session(botocore_session=core, region_name=region)
+            self._s3: Any = self._session.client("s3", config=config)
+        except _CALL_ERRORS as exc:
+            _raise_mapped(exc, f"creating the S3 client for {self.url}")
+        self._sts: Any = None
+        self._sts_lock = threading.Lock()
+
+    def _key(self, name: str) -> str:
+        return self._prefix + name
+
+    def put(self, name: str, body: bytes | memoryview, metadata: Mapping[str, str]) -> None:
+        data = body if isinstance(body, bytes) else bytes(body)
+        try:
+            self._s3.put_object(
+                Bucket=self.location.bucket, Key=self._key(name), Body=data, Metadata=dict(metadata)
+            )
+        except _CALL_ERRORS as exc:
+            _raise_mapped(exc, f"put {self._key(name)}")
+
+    def get(self, name: str, start: int = 0, length: int | None = None) -> bytes:
+        key = self._key(name)
+        if length == 0:
+            if self.head(name) is None:
+                raise ObjectNotFoundError(key)
+            return b""
+        kwargs: dict[str, Any] = {"Bucket": self.location.bucket, "Key": key}
+        if length is not None:
+            kwargs["Range"] = f"bytes={start}-{start + length - 1}"
+        elif start:
+            kwargs["Range"] = f"bytes={start}-"
+        try:
+            response = self._s3.get_object(**kwargs)
+            stream = response["Body"]
+            try:
+                data: bytes = stream.read()
+            finally:
+                stream.close()
+            return data
+        except botocore.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+                return b""  # starts at or past the end, as a file read would
+            _raise_mapped(exc, f"get {key}")
+        except _SDK_ERRORS as exc:
+            _raise_mapped(exc, f"get {key}")
+
+    def head(self, name: str) -> ObjectInfo | None:
+        try:
+            response = self._s3.head_object(Bucket=self.location.bucket, Key=self._key(name))
+        except _CALL_ERRORS as exc:
+            try:
+                _raise_mapped(exc, f"head {self._key(name)}")
+            except ObjectNotFoundError:
+                return None
+        return ObjectInfo(
+            name,
+            int(response["ContentLength"]),
+            response["LastModified"].timestamp(),
+            dict(response.get("Metadata", {})),
+        )
+
+    def delete(self, names: Sequence[str]) -> None:
+        for i in range(0, len(names), _DELETE_BATCH):
+            batch = [{"Key": self._key(n)} for n in names[i : i + _DELETE_BATCH]]
+            try:
+                response = self._s3.delete_objects(
+                    Bucket=self.location.bucket, Delete={"Objects": batch, "Quiet": True}
+                )
+            except _CALL_ERRORS as exc:
+                _raise_mapped(exc, f"delete {len(batch)} objects under {self.url}")
+            errors = [e for e in response.get("Errors", []) if e.get("Code") not in _NOT_FOUND]
+            if errors:
+                first = errors[0]
+                message = (
+                    f"delete {first.get('Key')}: {first.get('Code')} {first.get('Message', '')}"
+                    f" ({len(errors)} of {len(batch)} failed)"
+                )
+                if first.get("Code") in _CREDENTIAL_CODES:
+                    raise CredentialError(message)
+                raise ObjectStoreError(message)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        paginator = self._s3.get_paginator("list_objects_v2")
+        pages = paginator.paginate(Bucket=self.location.bucket, Prefix=self._key(prefix))
+        cut = len(self._prefix)
+        try:
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    yield ObjectInfo(
+                        obj["Key"][cut:], int(obj["Size"]), obj["LastModified"].timestamp()
+                    )
+        except _CALL_ERRORS as exc:
+            _raise_mapped(exc, f"list {self._key(prefix)}*")
+
+    def principal(self) -> str:
+        credentials = self._session.get_credentials()
+        if credentials is None:
+            raise CredentialError(
+                "no AWS credentials: set up IRSA (AWS_ROLE_ARN and AWS_WEB_IDENTITY_TOKEN_FILE) "
+                "or EKS Pod Identity"
+            )
+        try:
+            credentials.get_frozen_credentials()  # runs the exchange if it is due
+        except _CALL_ERRORS as exc:
+            _raise_mapped(exc, "resolving AWS credentials")
+        with self._sts_lock:
+            if self._sts is None:
+                try:
+                    self._sts = self._session.client("sts")
+                except _CALL_ERRORS as exc:
+                    _raise_mapped(exc, "creating the STS client")
+        try:
+            arn: str = self._sts.get_caller_identity()["Arn"]
+            return arn
+        except botocore.exceptions.ClientError as exc:
+            _raise_mapped(exc, "GetCallerIdentity")
+        except _SDK_ERRORS:
+            # STS unreachable (no VPC endpoint, say) while S3 works: name the method instead
+            return f"aws:{credentials.method}"
+
+    def close(self) -> None:
+        self._s3.close()
+        if self._sts is not None:
+            self._sts.close()

@@ -1,0 +1,220 @@
+"""TierManager with an object store shared by two nodes (two managers, each with its own arena
+and lmdb) on a file:// bucket: uploads, probes, promotion, restart, corruption."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import KVTierConfig, from_mapping
+from kvtier.keys import ChunkKey
+from kvtier.manager import TierManager
+from kvtier.tiers.objstore.tier import ObjectTier
+from tests.support import MiB, keys_for, payload_for, target_spec
+
+CHUNK = 256 << 10
+Node = Callable[..., TierManager]
+
+
+def node_config(root: Path, bucket: str, **object_overrides: object) -> KVTierConfig:
+    shm = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    obj: dict[str, object] = {
+        "url": bucket,
+        "index_path": str(root / "objindex"),
+        "index_map_bytes": 64 * MiB,
+        "pack_target_bytes": 4 * CHUNK,
+        "pack_linger_ms": 20,
+        "lookup_budget_ms": 2000,
+        "retries": 1,
+        "backoff_s": 0.01,
+    }
+    obj.update(object_overrides)
+    return from_mapping(
+        {
+            "arena": {"path": str(shm), "size_bytes": 16 * MiB, "extent_bytes": 2 * MiB},
+            "lmdb": {"path": str(root / "lmdb"), "budget_bytes": 64 * MiB},
+            "object": obj,
+        }
+    )
+
+
+@pytest.fixture
+def bucket(tmp_path: Path) -> str:
+    return f"file://{tmp_path}/bucket"
+
+
+@pytest.fixture
+def node(tmp_path: Path, bucket: str) -> Iterator[Node]:
+    made: list[TierManager] = []
+
+    def make(name: str = "a", **object_overrides: object) -> TierManager:
+        config = node_config(tmp_path / name, bucket, **object_overrides)
+        manager = TierManager(config)
+        made.append(manager)
+        return manager
+
+    yield make
+    for manager in made:
+        manager.close()
+        manager.config.arena.path.unlink(missing_ok=True)
+
+
+def store(m: TierManager, keys: list[ChunkKey]) -> int:
+    refs = [r for r in m.reserve(keys, "r0") if r is not None]
+    for ref in refs:
+        m.cpu.view(ref)[:] = payload_for(ref.key, ref.nbytes)
+    return m.commit(refs)
+
+
+def load_bytes(m: TierManager, keys: list[ChunkKey]) -> list[bytes | None]:
+    leases = m.load(keys, "r0")
+    out = [bytes(m.cpu.view(ref)) if ref is not None else None for ref in leases]
+    m.release([r for r in leases if r is not None])
+    return out
+
+
+def uploaded(m: TierManager, keys: list[ChunkKey]) -> None:
+    assert m.flush()
+    assert m.flush_uploads(10.0)
+    assert m.object is not None
+    assert m.object.contains(keys) == [True] * len(keys)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_chunks_are_uploaded_in_packs_and_another_node_finds_them(node: Node) -> None:
+    a, b = node("a"), node("b")
+    ns = a.register_pool(target_spec(), CHUNK)
+    b.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 8)
+    assert store(a, keys) == 8
+    uploaded(a, keys)
+    assert a.object is not None
+    assert len(a.object.index.objects) == 2, "8 chunks in packs of 4"
+
+    result = b.lookup(keys)  # b never saw them: found by probes, kept in b's lmdb
+    assert result.hits == 8
+    assert not result.pending
+    assert set(result.tiers) == {"lmdb"}
+    assert load_bytes(b, keys) == [payload_for(k, CHUNK) for k in keys]
+    assert b.stats().tiers["object"].counters["probes"] == 2
+
+
+def test_a_missing_prefix_is_probed_once_then_remembered(node: Node) -> None:
+    a = node("a")
+    ns = a.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 3)
+    assert a.lookup(keys).hits == 0
+    assert a.lookup(keys).hits == 0
+    assert a.stats().tiers["object"].counters["probes"] == 1
+
+
+def test_object_chunks_are_promoted_after_lmdb_is_wiped(node: Node, tmp_path: Path) -> None:
+    a = node("a")
+    ns = a.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 4)
+    store(a, keys)
+    uploaded(a, keys)
+    a.evict()  # arena and lmdb empty; the store keeps them
+    a.evict("object", pool="draft")  # a filter matching nothing leaves the store alone
+    result = a.lookup(keys)
+    assert result.tiers == ["object"] * 4
+    assert a.promote(keys, "r0") == 4
+    wait_for(lambda: a.lookup(keys).tiers == ["cpu"] * 4)
+    assert load_bytes(a, keys) == [payload_for(k, CHUNK) for k in keys]
+
+
+def test_the_index_survives_a_restart_so_nothing_is_uploaded_twice(node: Node) -> None:
+    a = node("a")
+    ns = a.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 4)
+    store(a, keys)
+    uploaded(a, keys)
+    uploads = a.stats().tiers["object"].counters["objects_uploaded"]
+    assert uploads == 1
+    a.close()
+    a.config.arena.path.unlink(missing_ok=True)
+    again = TierManager(a.config)
+    try:
+        again.register_pool(target_spec(), CHUNK)
+        assert again.object is not None
+        assert again.object.contains(keys) == [True] * 4
+        assert again.uploader is not None
+        assert again.uploader.offer(keys, "r0") == 0
+        assert again.stats().tiers["object"].counters["objects_uploaded"] == 0
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap"])
+def test_a_corrupt_object_is_never_served(node: Node, tmp_path: Path, damage: str) -> None:
+    a, b = node("a"), node("b")
+    ns = a.register_pool(target_spec(), CHUNK)
+    b.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 8)
+    store(a, keys)
+    uploaded(a, keys)
+    assert a.object is not None
+    first, second = (a.object.object_name(keys[0]), a.object.object_name(keys[4]))
+    path = tmp_path / "bucket" / first
+    body = bytearray(path.read_bytes())
+    if damage == "flip":
+        body[len(body) // 2] ^= 0x10
+    elif damage == "truncate":
+        del body[-100:]
+    else:  # another pack's bytes under this name
+        body = bytearray((tmp_path / "bucket" / second).read_bytes())
+    path.write_bytes(bytes(body))
+
+    result = b.lookup(keys)
+    assert result.hits == 0, "a corrupt pack must not be served"
+    assert b.object is not None
+    assert b.object.stats().counters["corrupt"] == 1
+    assert not path.exists(), "the corrupt object is deleted"
+
+
+def test_admission_by_hits_uploads_only_chunks_hit_often_enough(node: Node) -> None:
+    a = node("a", admission="hits", admission_min_hits=2)
+    ns = a.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 4)
+    store(a, keys)
+    assert a.flush()
+    load_bytes(a, keys[:2])
+    load_bytes(a, keys[:1])
+    assert a.flush_uploads(10.0)
+    assert a.object is not None
+    assert a.object.contains(keys) == [True, False, False, False]
+
+
+def test_a_full_upload_queue_drops_work_and_counts_it(node: Node) -> None:
+    a = node("a", upload_queue_chunks=2, pack_target_bytes=0, upload_concurrency=1)
+    ns = a.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 40)
+    for i in range(0, 40, 8):
+        store(a, keys[i : i + 8])
+    assert a.flush()
+    assert a.flush_uploads(10.0)
+    counters = a.stats().tiers["object"].counters
+    assert counters["uploads_dropped"] > 0
+    assert a.object is not None
+    assert sum(a.object.contains(keys)) == 40 - counters["uploads_dropped"]
+
+
+def test_object_names_follow_the_documented_layout(node: Node) -> None:
+    a = node("a")
+    ns = a.register_pool(target_spec(tenant="acme"), CHUNK)
+    (key,) = keys_for(ns, 1)
+    assert a.object is not None
+    digest = key[16:].hex()
+    assert a.object.object_name(key) == f"acme/{ns.hex()}/{digest[:2]}/{digest}"
+    assert ObjectTier.key_of(a.object.object_name(key)) == key
