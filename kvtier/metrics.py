@@ -10,7 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvtier.manager import TierManager
@@ -72,6 +77,19 @@ class TierCollector(Collector):
         for tier_name in stats.tiers:
             hits.add_metric([tier_name], stats.counters[f"hit_chunks_{tier_name}"])
         yield from (lookups, hits)
+
+        store = self.manager.object
+        if store is not None:
+            info = InfoMetricFamily(
+                "kvtier_object_store", "The object store and the identity kvtier runs as."
+            )
+            info.add_metric([], {"url": store.backend.url, "principal": store.principal})
+            yield info
+            yield GaugeMetricFamily(
+                "kvtier_object_store_healthy",
+                "1 while the object store answers and the identity works; 0: lookups miss it.",
+                value=int(store.healthy),
+            )
 
         sessions, leases, reservations = self.session_counts()
         yield GaugeMetricFamily("kvtier_sessions", "Open data-plane sessions.", value=sessions)

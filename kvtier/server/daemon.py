@@ -40,6 +40,8 @@ _GRPC_OPTIONS = [
 ]
 _TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
 _ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+OBJECT_HEALTH_SERVICE = "kvtier.object"
+"""Health service name of the object store: NOT_SERVING while its identity or the store fails."""
 
 
 def split_address(address: str, key: str) -> tuple[str, int]:
@@ -142,6 +144,7 @@ class Daemon:
         for _server, health_servicer, service in self._servers:
             for name in ("", service):
                 health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._report_object_health()
         self._reaper = threading.Thread(target=self._reap_loop, name="kvtier-reaper", daemon=True)
         self._reaper.start()
 
@@ -215,9 +218,24 @@ class Daemon:
         self.metrics_port = server.server_port
 
     def _reap_loop(self) -> None:
-        interval = self.config.server.session_timeout_s / 4
+        interval = min(1.0, self.config.server.session_timeout_s / 4)
         while not self._stopped.wait(interval):
             self.sessions.reap()
+            self._report_object_health()
+
+    def _report_object_health(self) -> None:
+        """The object store's health under its own service name; the daemon itself stays
+        SERVING, since without the store it still serves the arena and lmdb."""
+        tier = self.manager.object
+        if tier is None:
+            return
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if tier.healthy
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for _server, health_servicer, _service in self._servers:
+            health_servicer.set(OBJECT_HEALTH_SERVICE, status)
 
     def stop(self) -> None:
         """Stop taking calls, hand back what sessions hold, write the arena back, sync, close."""
