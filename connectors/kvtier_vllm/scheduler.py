@@ -29,6 +29,9 @@ from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 log = logging.getLogger(__name__)
 
 _CPU = TIER_CODES["cpu"]
+# vLLM's CacheHitSource values per tier; the object store is remote, shared storage
+_HIT_SOURCES = {TIER_CODES["cpu"]: "host", TIER_CODES["lmdb"]: "disk"}
+_REMOTE_SOURCE = "external_unspecified"
 _LEASE_STEPS = 2  # a load's leases outlive the step that copies it
 _STORE_STEPS = 8  # a reservation no worker confirmed by then is given back
 _RECONNECT_S = 5
@@ -197,12 +200,16 @@ class KVTierScheduler:
         if len(codes) > len(state.first_tiers):
             state.first_tiers = state.first_tiers + codes[len(state.first_tiers) :]
         in_arena = next((i for i, c in enumerate(codes) if c != _CPU), found.hits)
-        if in_arena < found.hits:
+        if in_arena < found.hits or found.pending:
             now = time.monotonic()
             if state.waiting_since is None:
                 state.waiting_since = now
             if now - state.waiting_since < self.cfg.promote_wait_ms / 1000:
-                client.promote(keys[in_arena : found.hits])
+                if in_arena < found.hits:
+                    client.promote(keys[in_arena : found.hits])
+                    if Pool.DRAFT in self.namespaces:  # draft chunks travel with their target
+                        draft = range(in_arena, found.hits)
+                        client.promote(self._keys(Pool.DRAFT, request.block_hashes, draft))
                 return None
         hits = in_arena
         if hits <= first:
@@ -249,7 +256,8 @@ class KVTierScheduler:
         state.plan = None
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
-        """External tokens by the tier that held them: "host" (arena) or "disk" (lmdb)."""
+        """External tokens by the tier that held them: "host" (arena), "disk" (lmdb) or
+        "external_unspecified" (the object store)."""
         plan = self._ready_loads.get(request.request_id)
         if plan is None or num_external_tokens == 0:
             return {}
@@ -258,7 +266,7 @@ class KVTierScheduler:
         for i, code in enumerate(plan.tiers):
             start = max((plan.first_chunk + i) * self.chunk_tokens, state.local_tokens)
             end = (plan.first_chunk + i + 1) * self.chunk_tokens
-            source = "host" if code == _CPU else "disk"
+            source = _HIT_SOURCES.get(code, _REMOTE_SOURCE)
             sources[source] = sources.get(source, 0) + max(0, end - start)
         return sources if sum(sources.values()) == num_external_tokens else {}
 
