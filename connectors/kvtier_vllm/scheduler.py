@@ -208,8 +208,8 @@ class KVTierScheduler:
                 if in_arena < found.hits:
                     client.promote(keys[in_arena : found.hits])
                     if Pool.DRAFT in self.namespaces:  # draft chunks travel with their target
-                        draft = range(in_arena, found.hits)
-                        client.promote(self._keys(Pool.DRAFT, request.block_hashes, draft))
+                        span = range(in_arena, found.hits)
+                        client.promote(self._keys(Pool.DRAFT, request.block_hashes, span))
                 return None
         hits = in_arena
         if hits <= first:
