@@ -203,9 +203,18 @@ def decode_header(value: bytes | bytearray | memoryview, expect_key: ChunkKey) -
     return ChunkHeader(stored_key, descriptor, payload_len, checksum)
 
 
-def peek(value: bytes | bytearray | memoryview) -> tuple[ChunkKey, int]:
-    """Key and encoded length of the chunk that starts ``value`` (which may run on into more
-    chunks), after checking the header's own checksum; the payload is not verified."""
+@dataclass(frozen=True, slots=True)
+class PeekedHeader:
+    key: ChunkKey
+    encoded_len: int
+    """Header and payload: where the next chunk of a pack starts."""
+    pool: Pool
+
+
+def peek_header(value: bytes | bytearray | memoryview) -> PeekedHeader:
+    """Key, encoded length and pool of the chunk that starts ``value`` (which may run on into
+    more chunks, or be only the header), after checking the header's own checksum; the payload
+    is not verified."""
     if len(value) < HEADER_SIZE:
         raise TruncatedChunkError(f"value of {len(value)} bytes has no whole header")
     if bytes(value[: len(MAGIC)]) != MAGIC:
@@ -217,10 +226,32 @@ def peek(value: bytes | bytearray | memoryview) -> tuple[ChunkKey, int]:
     (stored_header_sum,) = _TAIL.unpack_from(value, _BODY.size)
     if xxhash.xxh3_64_intdigest(value[: _BODY.size]) != stored_header_sum:
         raise CorruptChunkError("header checksum mismatch")
-    namespace, hash_len, chunk_hash, payload_len = fields[3], fields[4], fields[6], fields[13]
+    namespace, hash_len, pool_code = fields[3], fields[4], fields[5]
+    chunk_hash, payload_len = fields[6], fields[13]
     if not 0 < hash_len <= MAX_CHUNK_HASH_BYTES:
         raise CorruptChunkError("chunk hash length out of range")
-    return ChunkKey(namespace + chunk_hash[:hash_len]), HEADER_SIZE + payload_len
+    if pool_code not in _POOLS_BY_CODE:
+        raise CorruptChunkError("header fields out of range")
+    return PeekedHeader(
+        ChunkKey(namespace + chunk_hash[:hash_len]),
+        HEADER_SIZE + payload_len,
+        _POOLS_BY_CODE[pool_code],
+    )
+
+
+def copy_verified(value: bytes | bytearray | memoryview, key: ChunkKey, dst: memoryview) -> None:
+    """Copy a whole encoded chunk (header and payload) into ``dst``, verifying it on the way;
+    ``dst`` must be exactly its size. On a mismatch ``dst`` holds garbage."""
+    if len(dst) != len(value):
+        raise CorruptChunkError(f"value of {len(value)} bytes, destination of {len(dst)}")
+    decode_into(value, key, dst[HEADER_SIZE:])
+    dst[:HEADER_SIZE] = value[:HEADER_SIZE]
+
+
+def peek(value: bytes | bytearray | memoryview) -> tuple[ChunkKey, int]:
+    """Key and encoded length of the chunk that starts ``value``; see `peek_header`."""
+    head = peek_header(value)
+    return head.key, head.encoded_len
 
 
 def split(value: bytes | bytearray | memoryview) -> list[tuple[ChunkKey, memoryview]]:

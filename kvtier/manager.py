@@ -99,7 +99,7 @@ class TierManager:
                 self.cpu.close()
                 raise
             self.uploader = Uploader(
-                self.object, self._read_lmdb, config.object, self.object.counters
+                self.object, self.lmdb.copy_encoded, config.object, self.object.counters
             )
         self._downloads = ThreadPoolExecutor(config.object.download_concurrency, "kvtier-download")
         self._probes: dict[ChunkKey, Future[bool]] = {}
@@ -245,14 +245,6 @@ class TierManager:
     def _keep_fetched(self, chunks: Sequence[FetchedChunk]) -> None:
         assert self.lmdb is not None
         self.lmdb.put_many([(c.key, c.payload) for c in chunks], REMOTE_REPLICA)
-
-    def _read_lmdb(self, key: ChunkKey) -> bytes | None:
-        assert self.lmdb is not None
-        try:
-            buf = bytearray(self.registry.resolve(key).chunk_bytes)
-        except KVTierError:
-            return None
-        return bytes(buf) if self.lmdb.read_into(key, memoryview(buf)) else None
 
     def _fetch_objects(self, keys: Sequence[ChunkKey], replica: str) -> int:
         """Queue downloads of the objects holding ``keys`` into lmdb and the arena."""

@@ -319,6 +319,24 @@ class LmdbTier(Tier):
                 return True, exc
         return True, None
 
+    def copy_encoded(self, key: ChunkKey, dst: memoryview) -> bool:
+        """Copy the stored chunk, header included, verified, into ``dst`` (exactly its encoded
+        size): what the object tier uploads, without decoding and encoding again. False when
+        absent or corrupt (then quarantined)."""
+        try:
+            with self.env.begin(db=self._chunks, buffers=True) as txn:
+                value = txn.get(key)
+                if value is None:
+                    return False
+                blockfmt.copy_verified(value, key, dst)
+        except ChunkFormatError as exc:
+            self.quarantine(key, exc)
+            return False
+        except lmdb.MapResizedError:  # another process grew the map: adopt it, try once more
+            self.env.set_mapsize(0)
+            return self.copy_encoded(key, dst)
+        return True
+
     def verify_chunk(self, key: ChunkKey) -> bool | None:
         """Verify one stored chunk in place: True if sound, False if it failed (it is then
         quarantined), None if absent."""

@@ -218,3 +218,23 @@ def test_object_names_follow_the_documented_layout(node: Node) -> None:
     digest = key[16:].hex()
     assert a.object.object_name(key) == f"acme/{ns.hex()}/{digest[:2]}/{digest}"
     assert ObjectTier.key_of(a.object.object_name(key)) == key
+
+
+def test_a_chunk_corrupted_in_lmdb_is_never_uploaded(node: Node) -> None:
+    a = node("a", admission="hits", admission_min_hits=99)  # nothing uploads by itself
+    ns = a.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 3)
+    store(a, keys)
+    assert a.flush()
+    assert a.lmdb is not None
+    with a.lmdb.env.begin(write=True, db=a.lmdb._chunks) as txn:
+        value = bytearray(txn.get(keys[1]))
+        value[-1] ^= 0x01
+        txn.put(keys[1], bytes(value))
+    assert a.uploader is not None
+    assert a.uploader.offer(keys, "r0") == 3
+    assert a.flush_uploads(10.0)
+    assert a.object is not None
+    assert a.object.contains(keys) == [True, False, True]
+    assert a.lmdb.stats().counters["corrupt"] == 1
+    assert a.lmdb.contains(keys) == [True, False, True]

@@ -126,36 +126,49 @@ class ObjectTier(Tier):
         ]
         if not todo:
             return len(items)
-        size = sum(blockfmt.encoded_size(len(payload)) for _, payload, _ in todo)
-        if not self._make_room(size):
-            self.counters.add("store_rejected", len(todo))
+        body = bytearray(sum(blockfmt.encoded_size(len(payload)) for _, payload, _ in todo))
+        offset = 0
+        for key, payload, reg in todo:
+            offset += blockfmt.encode_into(memoryview(body)[offset:], key, reg.descriptor, payload)
+        done = self.put_encoded([key for key, _, _ in todo], memoryview(body), replica)
+        return len(items) if done else 0
+
+    def put_encoded(self, keys: Sequence[ChunkKey], body: memoryview, replica: str) -> int:
+        """Upload chunks already in the chunk format, back to back in ``body``, as one object
+        named after the first; returns how many are now in the store (0 on failure)."""
+        if not keys:
             return 0
-        body = bytearray(size)
+        name = self.object_name(keys[0])
         locations: list[tuple[ChunkKey, ChunkLocation]] = []
         offset = 0
-        name = self.object_name(todo[0][0])
-        for key, payload, reg in todo:
-            length = blockfmt.encode_into(memoryview(body)[offset:], key, reg.descriptor, payload)
+        for key in keys:
+            reg = self.registry.resolve(key)
+            length = blockfmt.encoded_size(reg.chunk_bytes)
             locations.append((key, ChunkLocation(name, offset, length, reg.pool, replica)))
             offset += length
+        if offset != len(body):
+            raise ValueError(f"body of {len(body)} bytes, {len(keys)} chunks need {offset}")
+        if not self._make_room(len(body)):
+            self.counters.add("store_rejected", len(keys))
+            return 0
         metadata = {
             META_FORMAT: str(blockfmt.VERSION),
-            META_CHUNKS: str(len(todo)),
+            META_CHUNKS: str(len(keys)),
             META_CHECKSUM: xxhash.xxh3_128_hexdigest(body),
         }
         started = time.perf_counter()
         try:
-            self.guard.call(lambda: self.backend.put(name, memoryview(body), metadata))
+            self.guard.call(lambda: self.backend.put(name, body, metadata))
         except ObjectStoreError as exc:
-            self.counters.add("store_errors", len(todo))
+            self.counters.add("store_errors", len(keys))
             log.warning("upload of %s failed: %s", name, exc)
             return 0
         self.counters.add("upload_seconds_us", int((time.perf_counter() - started) * 1e6))
-        self.counters.add("upload_bytes", size)
+        self.counters.add("upload_bytes", len(body))
         self.counters.add("objects_uploaded", 1)
-        self.index.add(name, size, locations)
-        self.counters.add("stores", len(todo))
-        return len(items)
+        self.index.add(name, len(body), locations)
+        self.counters.add("stores", len(keys))
+        return len(keys)
 
     def _make_room(self, incoming: int) -> bool:
         if self.budget is None:

@@ -4,7 +4,7 @@ Callers `offer` keys and never wait: a full queue drops the work and counts it (
 in lmdb). A packer thread groups consecutive chunks of one namespace and owner into packs of about
 ``pack_target_bytes`` (or sends a part-filled pack after ``pack_linger_ms``), and a pool of
 ``upload_concurrency`` threads uploads them. Payloads are read from lmdb, verified, at upload time,
-so the queue holds keys only.
+so the queue holds keys only; they are copied from lmdb already encoded, verified on the way.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from kvtier import blockfmt
 from kvtier.config import ObjectStoreConfig
 from kvtier.counters import Counters
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
@@ -24,18 +25,19 @@ from kvtier.tiers.objstore.tier import ObjectTier
 
 log = logging.getLogger(__name__)
 
-ReadChunk = Callable[[ChunkKey], bytes | None]
-"""Returns a verified payload, or None when the chunk is gone."""
+CopyEncoded = Callable[[ChunkKey, memoryview], bool]
+"""Copies a chunk, in the chunk format and verified, into a buffer of its encoded size; False
+when it is gone."""
 
 _STOP = (ChunkKey(b""), "")
 
 
 class Uploader:
     def __init__(
-        self, tier: ObjectTier, read: ReadChunk, config: ObjectStoreConfig, counters: Counters
+        self, tier: ObjectTier, copy: CopyEncoded, config: ObjectStoreConfig, counters: Counters
     ) -> None:
         self.tier = tier
-        self.read = read
+        self.copy = copy
         self.config = config
         self.counters = counters
         self._queue: queue.Queue[tuple[ChunkKey, str]] = queue.Queue(config.upload_queue_chunks)
@@ -124,15 +126,20 @@ class Uploader:
 
     def _upload(self, keys: list[ChunkKey], replica: str) -> None:
         try:
-            items = []
-            for key in keys:
-                payload = self.read(key)
-                if payload is None:
+            todo = [k for k in keys if k not in self.tier]
+            sizes = [blockfmt.encoded_size(self.tier.registry.resolve(k).chunk_bytes) for k in todo]
+            body = bytearray(sum(sizes))
+            view = memoryview(body)
+            copied: list[ChunkKey] = []
+            offset = 0
+            for key, size in zip(todo, sizes, strict=True):
+                if self.copy(key, view[offset : offset + size]):
+                    copied.append(key)
+                    offset += size
+                else:
                     self.counters.add("uploads_source_missing", 1)
-                    continue
-                items.append((key, payload))
-            if items and self.tier.put_pack(items, replica) == 0:
-                self.counters.add("uploads_failed", len(items))
+            if copied and self.tier.put_encoded(copied, view[:offset], replica) == 0:
+                self.counters.add("uploads_failed", len(copied))
         except Exception:  # an upload thread must survive anything
             self.counters.add("uploads_failed", len(keys))
             log.exception("upload of %d chunks failed", len(keys))
