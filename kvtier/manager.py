@@ -172,7 +172,9 @@ class TierManager:
         """Append the tier of each key from ``len(codes)`` on, up to the first one nowhere."""
         assert self.lmdb is not None
         in_lmdb = self.lmdb.__contains__
-        in_object = self.object.__contains__ if self.object is not None else None
+        # an unhealthy store (identity or breaker) is left out: its chunks are misses until then
+        store = self.object
+        in_object = store.__contains__ if store is not None and store.healthy else None
         for i in range(len(codes), len(keys)):
             if in_cpu[i]:
                 codes.append(_CPU)

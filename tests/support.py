@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.config import ArenaConfig, KVTierConfig, LMDBConfig, from_mapping
+from kvtier.config import ArenaConfig, KVTierConfig, LMDBConfig, ObjectStoreConfig, from_mapping
 from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool, make_key
 
 MiB = 1 << 20
@@ -76,3 +76,17 @@ def manager_config(
             "manager": manager,
         }
     )
+
+
+def object_config(url: str, index: Path, **overrides: object) -> ObjectStoreConfig:
+    """An object tier on ``url`` with its index under ``index``, quick to give up."""
+    fields: dict[str, object] = {
+        "url": url,
+        "index_path": index,
+        "index_map_bytes": 64 * MiB,
+        "retries": 1,
+        "backoff_s": 0.01,
+        "request_timeout_s": 5.0,
+    }
+    fields.update(overrides)
+    return ObjectStoreConfig.model_validate(fields)

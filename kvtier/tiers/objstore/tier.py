@@ -204,8 +204,12 @@ class ObjectTier(Tier):
 
     def read_into(self, key: ChunkKey, dst: memoryview) -> bool:
         loc = self.index.get(key)
-        if loc is None or not self.healthy:
+        if loc is None:
             self.counters.add("misses", 1)
+            return False
+        if not self.healthy:  # fail fast while the breaker is open
+            self.counters.add("misses", 1)
+            self.counters.add("misses_unhealthy", 1)
             return False
         try:
             value = self.guard.call(
