@@ -1,0 +1,92 @@
+"""A lookup never waits on a slow object store longer than its budget."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import from_mapping
+from kvtier.manager import TierManager
+from tests.objstore.conftest import StoreFactory
+from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
+from tests.support import MiB, keys_for, payload_for, target_spec
+
+CHUNK = 256 << 10
+BUDGET_MS = 50.0
+
+
+def manager_on(url: str, root: Path) -> TierManager:
+    shm = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return TierManager(
+        from_mapping(
+            {
+                "arena": {"path": str(shm), "size_bytes": 16 * MiB, "extent_bytes": 2 * MiB},
+                "lmdb": {"path": str(root / "lmdb"), "budget_bytes": 64 * MiB},
+                "object": {
+                    "url": url,
+                    "index_path": str(root / "objindex"),
+                    "index_map_bytes": 64 * MiB,
+                    "lookup_budget_ms": BUDGET_MS,
+                    "request_timeout_s": 5.0,
+                },
+            }
+        )
+    )
+
+
+@pytest.fixture
+def managers(tmp_path: Path) -> Iterator[Callable[[str, str], TierManager]]:
+    made: list[TierManager] = []
+
+    def make(url: str, name: str) -> TierManager:
+        manager = manager_on(url, tmp_path / name)
+        made.append(manager)
+        return manager
+
+    yield make
+    for manager in made:
+        manager.close(flush_timeout=5.0)
+        manager.config.arena.path.unlink(missing_ok=True)
+
+
+def test_a_slow_store_costs_a_lookup_at_most_its_budget_and_asking_again_finds_the_chunks(
+    managers: Callable[[str, str], TierManager],
+    store_factory: StoreFactory,
+    moto_server: ServerProcess,
+    fault_proxy: Callable[[str], FaultProxy],
+) -> None:
+    proxy = fault_proxy(moto_server.url)
+    url = store_factory("s3", endpoint=proxy.url)
+    writer = managers(url, "writer")
+    ns = writer.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 4)
+    refs = [r for r in writer.reserve(keys, "r0") if r is not None]
+    for ref in refs:
+        writer.cpu.view(ref)[:] = payload_for(ref.key, ref.nbytes)
+    assert writer.commit(refs) == 4
+    assert writer.flush()
+    assert writer.flush_uploads(10.0)
+
+    reader = managers(url, "reader")
+    reader.register_pool(target_spec(), CHUNK)
+    proxy.set_mode(FaultMode.DELAY, delay_ms=400)
+    waits = []
+    result = None
+    for _ in range(40):
+        started = time.monotonic()
+        result = reader.lookup(keys)
+        waits.append(time.monotonic() - started)
+        if result.hits:
+            break
+        assert result.pending, "a probe in flight is reported, so the caller asks again"
+        time.sleep(0.02)
+    assert result is not None
+    assert result.hits == 4
+    assert result.tiers == ["lmdb"] * 4
+    assert max(waits) < BUDGET_MS / 1000 + 0.04, waits
+    assert len(waits) > 1, "the first lookup did not wait for the slow store"
