@@ -231,7 +231,7 @@ class Daemon:
             return
         status = (
             health_pb2.HealthCheckResponse.SERVING
-            if tier.healthy
+            if tier.check()
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for _server, health_servicer, _service in self._servers:

@@ -85,7 +85,21 @@ class ObjectTier(Tier):
 
     @property
     def healthy(self) -> bool:
+        """Whether requests may go out: the breaker is closed, or lets a trial through."""
         return self.breaker.state != CircuitBreaker.OPEN
+
+    def check(self) -> bool:
+        """Send a trial request when the breaker is not closed (a health loop calls this, so
+        a store that recovered is noticed without traffic); True when the store is sound."""
+        if self.breaker.state == CircuitBreaker.HALF_OPEN:
+            try:
+                principal = self.guard.call(self.backend.principal)
+            except ObjectStoreError:
+                return False
+            if self.principal == "unknown":
+                self.principal = principal
+                log.info("object store %s: running as %s", self.backend.url, principal)
+        return self.breaker.state == CircuitBreaker.CLOSED
 
     # -- naming ---------------------------------------------------------------------------
 

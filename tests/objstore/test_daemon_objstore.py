@@ -1,0 +1,115 @@
+"""kvtierd with an S3 object store (moto) reached through IRSA: a second node finds what the
+first uploaded, reports the identity it runs as, and a broken identity costs only the store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvtier.server.daemon import OBJECT_HEALTH_SERVICE
+from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon, write_config
+from tests.objstore.conftest import AwsIrsa
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def node(root: Path, url: str, name: str) -> DaemonFiles:
+    directory = root / name
+    directory.mkdir()
+    arena = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return write_config(
+        directory,
+        arena,
+        {
+            "object": {
+                "url": url,
+                "index_path": str(directory / "objindex"),
+                "index_map_bytes": 64 << 20,
+                "lookup_budget_ms": 3000,
+                "request_timeout_s": 2.0,
+                "breaker_reset_s": 0.5,
+            }
+        },
+    )
+
+
+def object_health(daemon: RunningDaemon) -> int:
+    with grpc.insecure_channel(daemon.admin_address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service=OBJECT_HEALTH_SERVICE)
+        return int(stub.Check(request, timeout=10).status)
+
+
+def metric(daemon: RunningDaemon, name: str) -> list[tuple[dict[str, str], float]]:
+    return [(labels, value) for n, labels, value in daemon.metrics() if n == name]
+
+
+def test_a_second_node_finds_what_the_first_uploaded(
+    procs: Processes, tmp_path: Path, s3_store: str, aws_irsa: AwsIrsa
+) -> None:
+    files_a = node(tmp_path, s3_store, "a")
+    a = procs.start_daemon(files_a)
+    try:
+        assert procs.client(files_a.socket, "dp0", "--store", "0:6")["stored"] == list(range(6))
+        # SIGTERM drains the arena to lmdb and the upload queue to the store
+        assert a.signal_and_wait(signal.SIGTERM, 60) == 0
+    finally:
+        files_a.arena.unlink(missing_ok=True)
+
+    files_b = node(tmp_path, s3_store, "b")
+    b = procs.start_daemon(files_b)
+    try:
+        assert object_health(b) == SERVING
+        [(info, _)] = metric(b, "kvtier_object_store_info")
+        assert info["url"] == s3_store
+        assert info["principal"].startswith("arn:aws:sts::")
+        assert "assumed-role" in info["principal"]
+        assert metric(b, "kvtier_object_store_healthy") == [({}, 1.0)]
+        found = procs.client(files_b.socket, "dp0", "--lookup", "0:6", "--load", "0:6")
+        assert found["hits"] == 6
+        assert found["tiers"] == ["lmdb"] * 6  # probed in the store, then kept on disk
+        assert found["loaded"] == [True] * 6  # the harness checks every byte
+        probes = [
+            v
+            for labels, v in metric(b, "kvtier_tier_events_total")
+            if labels == {"tier": "object", "event": "probes"}
+        ]
+        assert probes and probes[0] >= 1
+    finally:
+        b.signal_and_wait(signal.SIGTERM, 60)
+        files_b.arena.unlink(missing_ok=True)
+
+
+def test_a_broken_identity_makes_only_the_store_unhealthy(
+    procs: Processes, tmp_path: Path, s3_store: str, aws_irsa: AwsIrsa
+) -> None:
+    aws_irsa.token_file.unlink()
+    files = node(tmp_path, s3_store, "a")
+    daemon = procs.start_daemon(files)
+    try:
+        assert object_health(daemon) == NOT_SERVING
+        assert metric(daemon, "kvtier_object_store_healthy") == [({}, 0.0)]
+        # the arena and lmdb serve as ever
+        assert procs.client(files.socket, "dp0", "--store", "0:4")["stored"] == list(range(4))
+        found = procs.client(files.socket, "dp1", "--lookup", "0:6", "--load", "0:4")
+        assert found["hits"] == 4
+        assert found["loaded"] == [True] * 4
+        time.sleep(1.5)  # past breaker_reset_s: the health loop's trials still fail
+        assert object_health(daemon) == NOT_SERVING
+        aws_irsa.write_token()  # the token is projected again: the store comes back, idle
+        deadline = time.monotonic() + 10
+        while object_health(daemon) != SERVING and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert object_health(daemon) == SERVING
+        [(info, _)] = metric(daemon, "kvtier_object_store_info")
+        assert "assumed-role" in info["principal"]
+    finally:
+        assert daemon.signal_and_wait(signal.SIGTERM, 60) == 0
+        files.arena.unlink(missing_ok=True)
