@@ -160,20 +160,34 @@ def _drain(args: argparse.Namespace) -> int:
     return 0 if result.complete else 1
 
 
-def _follow(args: argparse.Namespace, stream: Iterable[Any], count: Callable[[Any], int]) -> Any:
+def _follow(
+    args: argparse.Namespace, stream: Iterable[Any], where: Callable[[Any], tuple[str, int, int]]
+) -> Any:
+    """Draw a progress bar per phase from (label, done, total); without a total yet, a count."""
     last = None
+    shown: str | None = None
     for last in stream:
-        if not args.json and last.total:
-            filled = int(30 * count(last) / last.total)
+        if args.json:
+            continue
+        label, done, total = where(last)
+        if shown is not None and label != shown:
+            print(file=sys.stderr)  # keep the finished phase's last line
+        shown = label
+        if total:
+            filled = int(30 * done / total)
             bar = "#" * filled + "." * (30 - filled)
-            print(f"\r[{bar}] {count(last)}/{last.total}", end="", file=sys.stderr, flush=True)
+            print(f"\r{label}[{bar}] {done}/{total}", end="", file=sys.stderr, flush=True)
+        elif label:
+            print(f"\r{label}{done}", end="", file=sys.stderr, flush=True)
     if not args.json:
         print(file=sys.stderr)
+    if last is None:
+        raise KVTierError("the daemon ended the stream without a result")
     return last
 
 
 def _verify(args: argparse.Namespace) -> int:
-    last = _follow(args, _admin(args).verify(args.tier or ""), lambda p: p.checked)
+    last = _follow(args, _admin(args).verify(args.tier or ""), lambda p: ("", p.checked, p.total))
     _emit(
         args,
         last,
@@ -182,12 +196,61 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if last.corrupt == 0 else 1
 
 
+def _warmup_where(p: Any) -> tuple[str, int, int]:
+    if p.phase == "list":
+        return "listing objects ", p.objects_listed, 0
+    if p.phase in ("index", "fetch"):
+        return f"{p.phase} objects ", p.objects_checked, p.objects_total
+    return ("promote " if p.phase else ""), p.promoted, p.total
+
+
 def _warmup(args: argparse.Namespace) -> int:
     namespace = bytes.fromhex(args.namespace) if args.namespace else b""
-    stream = _admin(args).warmup(namespace, args.max_chunks)
-    last = _follow(args, stream, lambda p: p.promoted)
-    _emit(args, last, lambda: print(f"promoted {last.promoted} of {last.total} chunks"))
-    return 0
+    stream = _admin(args).warmup(
+        namespace, args.max_chunks, object_index=args.object_index, fetch=args.fetch
+    )
+    last = _follow(args, stream, _warmup_where)
+
+    def table() -> None:
+        if args.object_index:
+            print(
+                f"indexed {last.chunks_indexed} chunks in {last.objects_indexed} objects "
+                f"({last.objects_listed} listed)"
+            )
+        if args.fetch:
+            print(f"fetched {last.chunks_fetched} chunks in {last.objects_fetched} objects")
+        if last.objects_corrupt or last.objects_failed:
+            print(
+                f"{last.objects_corrupt} corrupt objects (quarantined), "
+                f"{last.objects_failed} not handled (run again)"
+            )
+        print(f"promoted {last.promoted} of {last.total} chunks")
+
+    _emit(args, last, table)
+    return 0 if last.objects_failed == 0 else 1
+
+
+def _gc_where(p: Any) -> tuple[str, int, int]:
+    if p.total:
+        return "checked ", p.checked, p.total
+    return "listing objects ", p.listed, 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    stream = _admin(args).gc(args.retention_s, args.dry_run)
+    last = _follow(args, stream, _gc_where)
+
+    def table() -> None:
+        verb = "would delete" if last.dry_run else "deleted"
+        print(
+            f"{verb} {last.deleted} of {last.total} objects ({_gib(last.deleted_bytes)}) "
+            f"older than {last.retention_s:g} s"
+        )
+        if last.pinned or last.failed:
+            print(f"kept {last.pinned} holding pinned chunks; {last.failed} failed (run again)")
+
+    _emit(args, last, table)
+    return 0 if last.failed == 0 else 1
 
 
 def _draft_swap(args: argparse.Namespace) -> int:
@@ -224,7 +287,7 @@ def _parser() -> argparse.ArgumentParser:
 
     admin("stats", _stats, "usage and hits per tier, pool and replica")
     evict = admin("evict", _evict, "drop chunks matching every given filter")
-    evict.add_argument("--tier", choices=["cpu", "lmdb"])
+    evict.add_argument("--tier", choices=["cpu", "lmdb", "object"])
     evict.add_argument("--pool")
     evict.add_argument("--namespace", help="16-byte namespace, hex")
     evict.add_argument("--replica")
@@ -242,7 +305,25 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--tier", choices=["lmdb"])
     warmup = admin("warmup", _warmup, "promote stored chunks into the arena")
     warmup.add_argument("--namespace", help="16-byte namespace, hex")
-    warmup.add_argument("--max-chunks", type=int, default=0)
+    warmup.add_argument("--max-chunks", type=int, default=0, help="chunks promoted at most")
+    warmup.add_argument(
+        "--object-index",
+        action="store_true",
+        help="first rebuild the object tier's index by listing the store (reads headers only)",
+    )
+    warmup.add_argument(
+        "--fetch",
+        action="store_true",
+        help="download the namespace's objects into lmdb (verified) before promoting "
+        "(without --namespace: every namespace registered on the node)",
+    )
+    gc = admin("gc", _gc, "delete objects older than the retention from the object store")
+    gc.add_argument(
+        "--retention-s",
+        type=float,
+        help="age in seconds (default: the daemon's object.retention_s)",
+    )
+    gc.add_argument("--dry-run", action="store_true", help="only count what would be deleted")
     swap = admin("draft-swap", _draft_swap, "switch the draft pool to a new revision")
     swap.add_argument("--revision", required=True)
     return parser

@@ -38,6 +38,10 @@ class CapacityError(KVTierError):
     """A tier cannot take more data now (budget reached, nothing evictable)."""
 
 
+class TierNotConfiguredError(KVTierError):
+    """The call needs a tier this daemon was not configured with (for example, no object.url)."""
+
+
 class TierUnavailableError(KVTierError):
     """A tier cannot be used at all (closed, failed to open, unhealthy)."""
 

@@ -324,10 +324,24 @@ class AdminClient:
         return self._stream(self._stub.Verify, admin_pb2.VerifyRequest(tier=tier))
 
     def warmup(
-        self, namespace: bytes = b"", max_chunks: int = 0
+        self,
+        namespace: bytes = b"",
+        max_chunks: int = 0,
+        *,
+        object_index: bool = False,
+        fetch: bool = False,
     ) -> Iterator[admin_pb2.WarmupProgress]:
-        request = admin_pb2.WarmupRequest(namespace=namespace, max_chunks=max_chunks)
+        request = admin_pb2.WarmupRequest(
+            namespace=namespace, max_chunks=max_chunks, object_index=object_index, fetch=fetch
+        )
         return self._stream(self._stub.Warmup, request)
+
+    def gc(
+        self, retention_s: float | None = None, dry_run: bool = False
+    ) -> Iterator[admin_pb2.GcProgress]:
+        """Delete old objects from the object store; None keeps the daemon's retention."""
+        request = admin_pb2.GcRequest(retention_s=retention_s, dry_run=dry_run)
+        return self._stream(self._stub.Gc, request)
 
     def draft_swap_begin(self, revision: str) -> admin_pb2.DraftSwapBeginResponse:
         request = admin_pb2.DraftSwapBeginRequest(revision=revision)

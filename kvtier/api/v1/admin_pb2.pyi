@@ -456,17 +456,25 @@ class WarmupRequest(_message.Message):
 
     NAMESPACE_FIELD_NUMBER: _builtins.int
     MAX_CHUNKS_FIELD_NUMBER: _builtins.int
+    OBJECT_INDEX_FIELD_NUMBER: _builtins.int
+    FETCH_FIELD_NUMBER: _builtins.int
     namespace: _builtins.bytes
     max_chunks: _builtins.int
+    object_index: _builtins.bool
+    """List the object store and index the chunks of every object not indexed yet."""
+    fetch: _builtins.bool
+    """Download the indexed objects (of `namespace` when set) into lmdb before promoting."""
     def __init__(
         self,
         *,
         namespace: _builtins.bytes = ...,
         max_chunks: _builtins.int = ...,
+        object_index: _builtins.bool = ...,
+        fetch: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_chunks", b"max_chunks", "namespace", b"namespace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fetch", b"fetch", "max_chunks", b"max_chunks", "namespace", b"namespace", "object_index", b"object_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -474,28 +482,143 @@ Global___WarmupRequest: _TypeAlias = WarmupRequest  # noqa: Y015
 
 @_typing.final
 class WarmupProgress(_message.Message):
+    """Counters are cumulative over the whole call."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PROMOTED_FIELD_NUMBER: _builtins.int
     TOTAL_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    OBJECTS_LISTED_FIELD_NUMBER: _builtins.int
+    OBJECTS_CHECKED_FIELD_NUMBER: _builtins.int
+    OBJECTS_TOTAL_FIELD_NUMBER: _builtins.int
+    OBJECTS_INDEXED_FIELD_NUMBER: _builtins.int
+    CHUNKS_INDEXED_FIELD_NUMBER: _builtins.int
+    OBJECTS_CORRUPT_FIELD_NUMBER: _builtins.int
+    OBJECTS_FAILED_FIELD_NUMBER: _builtins.int
+    OBJECTS_FETCHED_FIELD_NUMBER: _builtins.int
+    CHUNKS_FETCHED_FIELD_NUMBER: _builtins.int
     promoted: _builtins.int
+    """Chunks promoted into the arena, of `total` found in lmdb."""
     total: _builtins.int
     done: _builtins.bool
+    phase: _builtins.str
+    """"list", "index", "fetch" or "promote"; empty from servers without the object phases."""
+    objects_listed: _builtins.int
+    """Objects seen by the listing, and how many of them the current object phase has handled."""
+    objects_checked: _builtins.int
+    objects_total: _builtins.int
+    objects_indexed: _builtins.int
+    chunks_indexed: _builtins.int
+    objects_corrupt: _builtins.int
+    """Objects that failed verification; they were deleted from the store."""
+    objects_failed: _builtins.int
+    """Objects the store could not serve now (errors, timeouts); left alone."""
+    objects_fetched: _builtins.int
+    chunks_fetched: _builtins.int
     def __init__(
         self,
         *,
         promoted: _builtins.int = ...,
         total: _builtins.int = ...,
         done: _builtins.bool = ...,
+        phase: _builtins.str = ...,
+        objects_listed: _builtins.int = ...,
+        objects_checked: _builtins.int = ...,
+        objects_total: _builtins.int = ...,
+        objects_indexed: _builtins.int = ...,
+        chunks_indexed: _builtins.int = ...,
+        objects_corrupt: _builtins.int = ...,
+        objects_failed: _builtins.int = ...,
+        objects_fetched: _builtins.int = ...,
+        chunks_fetched: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "promoted", b"promoted", "total", b"total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks_fetched", b"chunks_fetched", "chunks_indexed", b"chunks_indexed", "done", b"done", "objects_checked", b"objects_checked", "objects_corrupt", b"objects_corrupt", "objects_failed", b"objects_failed", "objects_fetched", b"objects_fetched", "objects_indexed", b"objects_indexed", "objects_listed", b"objects_listed", "objects_total", b"objects_total", "phase", b"phase", "promoted", b"promoted", "total", b"total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WarmupProgress: _TypeAlias = WarmupProgress  # noqa: Y015
+
+@_typing.final
+class GcRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RETENTION_S_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    retention_s: _builtins.float
+    """Unset: the daemon's object.retention_s."""
+    dry_run: _builtins.bool
+    """Only count what would be deleted."""
+    def __init__(
+        self,
+        *,
+        retention_s: _builtins.float | None = ...,
+        dry_run: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_retention_s", b"_retention_s", "retention_s", b"retention_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_retention_s", b"_retention_s", "dry_run", b"dry_run", "retention_s", b"retention_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__retention_s: _TypeAlias = _typing.Literal["retention_s"]  # noqa: Y015
+    _WhichOneofArgType__retention_s: _TypeAlias = _typing.Literal["_retention_s", b"_retention_s"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__retention_s) -> _WhichOneofReturnType__retention_s | None: ...
+
+Global___GcRequest: _TypeAlias = GcRequest  # noqa: Y015
+
+@_typing.final
+class GcProgress(_message.Message):
+    """Counters are cumulative over the whole call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LISTED_FIELD_NUMBER: _builtins.int
+    CHECKED_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    DELETED_FIELD_NUMBER: _builtins.int
+    DELETED_BYTES_FIELD_NUMBER: _builtins.int
+    PINNED_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    RETENTION_S_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    listed: _builtins.int
+    """Objects seen by the listing so far; `total` is set once the listing is complete."""
+    checked: _builtins.int
+    total: _builtins.int
+    deleted: _builtins.int
+    """Objects (and their bytes) deleted, or that would be with dry_run."""
+    deleted_bytes: _builtins.int
+    pinned: _builtins.int
+    """Old objects kept because they hold pinned chunks."""
+    failed: _builtins.int
+    """Old objects whose deletion failed; a later gc retries them."""
+    dry_run: _builtins.bool
+    retention_s: _builtins.float
+    done: _builtins.bool
+    def __init__(
+        self,
+        *,
+        listed: _builtins.int = ...,
+        checked: _builtins.int = ...,
+        total: _builtins.int = ...,
+        deleted: _builtins.int = ...,
+        deleted_bytes: _builtins.int = ...,
+        pinned: _builtins.int = ...,
+        failed: _builtins.int = ...,
+        dry_run: _builtins.bool = ...,
+        retention_s: _builtins.float = ...,
+        done: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checked", b"checked", "deleted", b"deleted", "deleted_bytes", b"deleted_bytes", "done", b"done", "dry_run", b"dry_run", "failed", b"failed", "listed", b"listed", "pinned", b"pinned", "retention_s", b"retention_s", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GcProgress: _TypeAlias = GcProgress  # noqa: Y015
 
 @_typing.final
 class DraftSwapBeginRequest(_message.Message):

@@ -74,6 +74,11 @@ class AdminServiceStub:
                 request_serializer=kvtier_dot_v1_dot_admin__pb2.WarmupRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_admin__pb2.WarmupProgress.FromString,
                 _registered_method=True)
+        self.Gc = channel.unary_stream(
+                '/kvtier.v1.AdminService/Gc',
+                request_serializer=kvtier_dot_v1_dot_admin__pb2.GcRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_admin__pb2.GcProgress.FromString,
+                _registered_method=True)
         self.DraftSwapBegin = channel.unary_unary(
                 '/kvtier.v1.AdminService/DraftSwapBegin',
                 request_serializer=kvtier_dot_v1_dot_admin__pb2.DraftSwapBeginRequest.SerializeToString,
@@ -135,7 +140,15 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Warmup(self, request, context):
-        """Promotes stored chunks into the arena ahead of use.
+        """Promotes stored chunks into the arena ahead of use; optionally first rebuilds the object
+        tier's index from a listing of the store, and downloads a namespace's objects into lmdb.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Gc(self, request, context):
+        """Deletes objects older than the retention from the object store and from the index.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -195,6 +208,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.Warmup,
                     request_deserializer=kvtier_dot_v1_dot_admin__pb2.WarmupRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_admin__pb2.WarmupProgress.SerializeToString,
+            ),
+            'Gc': grpc.unary_stream_rpc_method_handler(
+                    servicer.Gc,
+                    request_deserializer=kvtier_dot_v1_dot_admin__pb2.GcRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_admin__pb2.GcProgress.SerializeToString,
             ),
             'DraftSwapBegin': grpc.unary_unary_rpc_method_handler(
                     servicer.DraftSwapBegin,
@@ -423,6 +441,33 @@ class AdminService:
             '/kvtier.v1.AdminService/Warmup',
             kvtier_dot_v1_dot_admin__pb2.WarmupRequest.SerializeToString,
             kvtier_dot_v1_dot_admin__pb2.WarmupProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Gc(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvtier.v1.AdminService/Gc',
+            kvtier_dot_v1_dot_admin__pb2.GcRequest.SerializeToString,
+            kvtier_dot_v1_dot_admin__pb2.GcProgress.FromString,
             options,
             channel_credentials,
             insecure,

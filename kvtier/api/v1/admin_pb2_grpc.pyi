@@ -42,7 +42,11 @@ class AdminServiceStub:
     Verify: _grpc.UnaryStreamMultiCallable[_admin_pb2.VerifyRequest, _admin_pb2.VerifyProgress]
     """Reads and verifies stored chunks; corrupt ones are quarantined and reported."""
     Warmup: _grpc.UnaryStreamMultiCallable[_admin_pb2.WarmupRequest, _admin_pb2.WarmupProgress]
-    """Promotes stored chunks into the arena ahead of use."""
+    """Promotes stored chunks into the arena ahead of use; optionally first rebuilds the object
+    tier's index from a listing of the store, and downloads a namespace's objects into lmdb.
+    """
+    Gc: _grpc.UnaryStreamMultiCallable[_admin_pb2.GcRequest, _admin_pb2.GcProgress]
+    """Deletes objects older than the retention from the object store and from the index."""
     DraftSwapBegin: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DraftSwapBeginRequest, _admin_pb2.DraftSwapBeginResponse]
     DraftSwapCommit: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DraftSwapCommitRequest, _admin_pb2.DraftSwapCommitResponse]
 
@@ -60,7 +64,11 @@ class AdminServiceAsyncStub(AdminServiceStub):
     Verify: _aio.UnaryStreamMultiCallable[_admin_pb2.VerifyRequest, _admin_pb2.VerifyProgress]  # type: ignore[assignment]
     """Reads and verifies stored chunks; corrupt ones are quarantined and reported."""
     Warmup: _aio.UnaryStreamMultiCallable[_admin_pb2.WarmupRequest, _admin_pb2.WarmupProgress]  # type: ignore[assignment]
-    """Promotes stored chunks into the arena ahead of use."""
+    """Promotes stored chunks into the arena ahead of use; optionally first rebuilds the object
+    tier's index from a listing of the store, and downloads a namespace's objects into lmdb.
+    """
+    Gc: _aio.UnaryStreamMultiCallable[_admin_pb2.GcRequest, _admin_pb2.GcProgress]  # type: ignore[assignment]
+    """Deletes objects older than the retention from the object store and from the index."""
     DraftSwapBegin: _aio.UnaryUnaryMultiCallable[_admin_pb2.DraftSwapBeginRequest, _admin_pb2.DraftSwapBeginResponse]  # type: ignore[assignment]
     DraftSwapCommit: _aio.UnaryUnaryMultiCallable[_admin_pb2.DraftSwapCommitRequest, _admin_pb2.DraftSwapCommitResponse]  # type: ignore[assignment]
 
@@ -123,7 +131,17 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.WarmupRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_admin_pb2.WarmupProgress], _abc.AsyncIterator[_admin_pb2.WarmupProgress]]:
-        """Promotes stored chunks into the arena ahead of use."""
+        """Promotes stored chunks into the arena ahead of use; optionally first rebuilds the object
+        tier's index from a listing of the store, and downloads a namespace's objects into lmdb.
+        """
+
+    @_abc_1.abstractmethod
+    def Gc(
+        self,
+        request: _admin_pb2.GcRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_admin_pb2.GcProgress], _abc.AsyncIterator[_admin_pb2.GcProgress]]:
+        """Deletes objects older than the retention from the object store and from the index."""
 
     @_abc_1.abstractmethod
     def DraftSwapBegin(

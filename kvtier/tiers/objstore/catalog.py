@@ -1,0 +1,309 @@
+"""Work on the whole store behind an object tier: rebuild the index from a listing, download a
+namespace's objects, and delete objects past their retention (gc).
+
+Each operation is a generator of its progress, so a caller can stream it; every yield hands out
+the same mutable counters object, to be read before the next step. Only objects whose names
+kvtier writes are touched; anything else under the prefix is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from enum import Enum
+from typing import TypeVar
+
+from kvtier import blockfmt
+from kvtier.errors import (
+    ChunkFormatError,
+    CorruptChunkError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+)
+from kvtier.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.tiers.objstore.backend import ObjectInfo
+from kvtier.tiers.objstore.index import ChunkLocation
+from kvtier.tiers.objstore.tier import REMOTE_REPLICA, FetchedChunk, ObjectTier
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY = 256
+"""Objects listed or handled between two progress reports."""
+DELETE_BATCH = 256
+"""Names per delete request (S3 takes up to 1000)."""
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Outcome(Enum):
+    DONE = "done"
+    CORRUPT = "corrupt"
+    FAILED = "failed"
+    GONE = "gone"
+    SKIPPED = "skipped"
+
+
+@dataclass(slots=True)
+class WarmupCounts:
+    phase: str = ""
+    """One of "list", "index" and "fetch"."""
+    listed: int = 0
+    checked: int = 0
+    """Objects the current phase has handled, of ``total``."""
+    total: int = 0
+    indexed: int = 0
+    chunks_indexed: int = 0
+    corrupt: int = 0
+    failed: int = 0
+    fetched: int = 0
+    chunks_fetched: int = 0
+
+
+@dataclass(slots=True)
+class GcCounts:
+    retention_s: float
+    dry_run: bool
+    listed: int = 0
+    checked: int = 0
+    total: int = 0
+    deleted: int = 0
+    deleted_bytes: int = 0
+    pinned: int = 0
+    failed: int = 0
+    done: bool = False
+
+
+def _bounded_map(
+    fn: Callable[[T], R], items: Iterable[T], concurrency: int
+) -> Iterator[tuple[T, R]]:
+    """``fn`` over ``items`` on a few threads, results in completion order; no more than
+    twice ``concurrency`` submitted at once, so millions of objects do not sit in futures."""
+    pool = ThreadPoolExecutor(max(1, concurrency), "kvtier-catalog")
+    pending: dict[Future[R], T] = {}
+    try:
+        for item in items:
+            pending[pool.submit(fn, item)] = item
+            while len(pending) >= 2 * concurrency:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    yield pending.pop(future), future.result()
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                yield pending.pop(future), future.result()
+    finally:  # a cancelled stream stops here: drop what has not started
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class Catalog:
+    def __init__(self, tier: ObjectTier) -> None:
+        self.tier = tier
+        self.concurrency = tier.config.download_concurrency
+
+    # -- listing --------------------------------------------------------------------------
+
+    def _list(self, counts: WarmupCounts | GcCounts, into: list[ObjectInfo]) -> Iterator[None]:
+        """Append kvtier's objects to ``into``, yielding now and then to report ``listed``."""
+        for info in self.tier.backend.list():
+            counts.listed += 1
+            if ObjectTier.key_of(info.name) is not None:
+                into.append(info)
+            if counts.listed % PROGRESS_EVERY == 0:
+                yield
+
+    # -- index ----------------------------------------------------------------------------
+
+    def rebuild_index(self, counts: WarmupCounts | None = None) -> Iterator[WarmupCounts]:
+        """Index every object of the store not indexed yet, reading only its chunk headers."""
+        counts = WarmupCounts() if counts is None else counts
+        counts.phase = "list"
+        objects: list[ObjectInfo] = []
+        for _ in self._list(counts, objects):
+            yield counts
+        known = self.tier.index.objects
+        todo = [info for info in objects if info.name not in known]
+        counts.phase, counts.checked, counts.total = "index", 0, len(todo)
+        yield counts
+        for info, (outcome, chunks) in _bounded_map(self._index_one, todo, self.concurrency):
+            counts.checked += 1
+            if outcome is Outcome.DONE:
+                counts.indexed += 1
+                counts.chunks_indexed += chunks
+            elif outcome is Outcome.CORRUPT:
+                counts.corrupt += 1
+            elif outcome is Outcome.FAILED:
+                counts.failed += 1
+                log.warning("could not index %s now; a later warmup retries it", info.name)
+            if counts.checked % PROGRESS_EVERY == 0 and counts.checked < counts.total:
+                yield counts
+        yield counts
+
+    def _peek(self, name: str, offset: int) -> blockfmt.PeekedHeader:
+        tier = self.tier
+        raw = tier.guard.call(
+            lambda: tier.backend.get(name, offset, blockfmt.HEADER_SIZE),
+            tier.config.request_timeout_s,
+        )
+        return blockfmt.peek_header(raw)
+
+    def _index_one(self, info: ObjectInfo) -> tuple[Outcome, int]:
+        name, size = info.name, info.size
+        first = ObjectTier.key_of(name)
+        assert first is not None
+        try:
+            head = self._peek(name, 0)
+            if head.key != first:
+                raise CorruptChunkError(
+                    "the object does not start with the chunk it is named after"
+                )
+            length = head.encoded_len
+            # one namespace per object, hence one chunk length: n = size / length
+            if size % length:
+                raise CorruptChunkError(
+                    f"{size} bytes is not a whole number of {length}-byte chunks"
+                )
+            reg = self.tier.registry.get(first[:NAMESPACE_BYTES])
+            if reg is not None and length != blockfmt.encoded_size(reg.chunk_bytes):
+                raise CorruptChunkError(
+                    f"chunks of {length} bytes, the pool's are {reg.chunk_bytes}"
+                )
+            locations = [(head.key, ChunkLocation(name, 0, length, str(head.pool), REMOTE_REPLICA))]
+            for offset in range(length, size, length):
+                other = self._peek(name, offset)
+                if (
+                    other.encoded_len != length
+                    or other.key[:NAMESPACE_BYTES] != first[:NAMESPACE_BYTES]
+                ):
+                    raise CorruptChunkError(f"the chunk at {offset} belongs to another namespace")
+                locations.append(
+                    (
+                        other.key,
+                        ChunkLocation(name, offset, length, str(other.pool), REMOTE_REPLICA),
+                    )
+                )
+        except ObjectNotFoundError:
+            return Outcome.GONE, 0  # deleted since the listing
+        except ObjectStoreError as exc:
+            log.debug("reading headers of %s failed: %s", name, exc)
+            return Outcome.FAILED, 0
+        except ChunkFormatError as exc:
+            return self._corrupt(info, exc), 0
+        self.tier.index.add(name, size, locations)
+        return Outcome.DONE, len(locations)
+
+    def _corrupt(self, info: ObjectInfo, reason: Exception) -> Outcome:
+        """Quarantine an object whose headers did not add up, unless it was rewritten since the
+        listing (then what was read mixes two versions and proves nothing)."""
+        tier = self.tier
+        try:
+            now = tier.guard.call(lambda: tier.backend.head(info.name))
+        except ObjectStoreError:
+            return Outcome.FAILED
+        if now is None:
+            return Outcome.GONE
+        if now.size != info.size or now.modified != info.modified:
+            return Outcome.FAILED
+        tier.quarantine(info.name, reason)
+        return Outcome.CORRUPT
+
+    # -- fetch ----------------------------------------------------------------------------
+
+    def objects_of(self, namespaces: Iterable[bytes]) -> list[str]:
+        """Indexed objects holding chunks of ``namespaces``."""
+        wanted = set(namespaces)
+        return sorted(
+            name
+            for name in list(self.tier.index.objects)
+            if (key := ObjectTier.key_of(name)) is not None and key[:NAMESPACE_BYTES] in wanted
+        )
+
+    def fetch(
+        self,
+        names: Sequence[str],
+        keep: Callable[[Sequence[FetchedChunk]], object],
+        local: Callable[[ChunkKey], bool],
+        counts: WarmupCounts | None = None,
+    ) -> Iterator[WarmupCounts]:
+        """Download and verify whole objects, handing their chunks to ``keep``; objects whose
+        chunks are all ``local`` already are skipped."""
+        counts = WarmupCounts() if counts is None else counts
+        counts.phase, counts.checked, counts.total = "fetch", 0, len(names)
+        yield counts
+
+        def one(name: str) -> tuple[Outcome, int]:
+            entry = self.tier.index.objects.get(name)
+            if entry is not None and entry.keys and all(map(local, list(entry.keys))):
+                return Outcome.SKIPPED, 0
+            try:
+                chunks = self.tier.fetch(name)
+            except ObjectStoreError as exc:
+                log.debug("download of %s failed: %s", name, exc)
+                return Outcome.FAILED, 0
+            if chunks is None:  # gone, or corrupt and quarantined by fetch
+                return Outcome.GONE, 0
+            keep(chunks)
+            return Outcome.DONE, len(chunks)
+
+        for _name, (outcome, chunks) in _bounded_map(one, names, self.concurrency):
+            counts.checked += 1
+            if outcome is Outcome.DONE:
+                counts.fetched += 1
+                counts.chunks_fetched += chunks
+            elif outcome in (Outcome.FAILED, Outcome.GONE):
+                counts.failed += 1
+            if counts.checked % PROGRESS_EVERY == 0 and counts.checked < counts.total:
+                yield counts
+        yield counts
+
+    # -- gc -------------------------------------------------------------------------------
+
+    def gc(
+        self, retention_s: float, dry_run: bool = False, now: float | None = None
+    ) -> Iterator[GcCounts]:
+        """Delete objects last written more than ``retention_s`` ago, except those holding
+        pinned chunks, and forget them in the index."""
+        counts = GcCounts(retention_s, dry_run)
+        cutoff = (time.time() if now is None else now) - retention_s
+        objects: list[ObjectInfo] = []
+        for _ in self._list(counts, objects):
+            yield counts
+        counts.total = len(objects)
+        yield counts
+        batch: list[ObjectInfo] = []
+        for info in objects:
+            counts.checked += 1
+            if info.modified >= cutoff:
+                continue
+            if self.tier.index.pinned(info.name):
+                counts.pinned += 1
+                continue
+            batch.append(info)
+            if len(batch) >= DELETE_BATCH:
+                self._delete(batch, counts)
+                batch = []
+                yield counts
+        self._delete(batch, counts)
+        counts.done = True
+        yield counts
+
+    def _delete(self, batch: Sequence[ObjectInfo], counts: GcCounts) -> None:
+        if not batch:
+            return
+        names = [info.name for info in batch]
+        if not counts.dry_run:
+            tier = self.tier
+            try:
+                tier.guard.call(lambda: tier.backend.delete(names))
+            except ObjectStoreError as exc:
+                log.warning("gc: deleting %d objects failed: %s", len(names), exc)
+                counts.failed += len(names)
+                return
+            for name in names:
+                tier.index.drop_object(name)
+            tier.counters.add("objects_gc", len(names))
+        counts.deleted += len(names)
+        counts.deleted_bytes += sum(info.size for info in batch)
