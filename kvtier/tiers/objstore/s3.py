@@ -46,7 +46,7 @@ _CREDENTIAL_CODES = frozenset(
 )
 # Operations botocore's credential providers call; any failure there is an identity failure.
 _CREDENTIAL_OPERATIONS = frozenset(
-    {"AssumeRoleWithWebIdentity", "AssumeRole", "GetRoleCredentials", "GetCallerIdentity"}
+    {"AssumeRoleWithWebIdentity", "AssumeRole", "GetRoleCredentials"}
 )
 _CREDENTIAL_EXCEPTIONS: tuple[type[Exception], ...] = (
     botocore.exceptions.NoCredentialsError,
@@ -60,29 +60,48 @@ _CREDENTIAL_EXCEPTIONS: tuple[type[Exception], ...] = (
 )
 
 
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, botocore.exceptions.ClientError):
+        err = exc.response.get("Error", {})
+        return f"{exc.operation_name}: {err.get('Code', '')} {err.get('Message', '')}".rstrip()
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"cannot read {exc.filename}: {exc.strerror}"
+    return str(exc)
+
+
 def _raise_mapped(exc: Exception, what: str) -> NoReturn:
     """Re-raise a boto3 failure as the kvtier error the tier acts on."""
     if isinstance(exc, botocore.exceptions.ClientError):
-        err = exc.response.get("Error", {})
-        code = str(err.get("Code", ""))
-        message = f"{what}: {code} {err.get('Message', '')}".rstrip()
+        code = str(exc.response.get("Error", {}).get("Code", ""))
         if code in _NOT_FOUND:
             raise ObjectNotFoundError(what) from exc
         if code in _CREDENTIAL_CODES or exc.operation_name in _CREDENTIAL_OPERATIONS:
-            raise CredentialError(message) from exc
-        raise ObjectStoreError(message) from exc
-    if isinstance(exc, _CREDENTIAL_EXCEPTIONS):
-        raise CredentialError(f"{what}: {exc}") from exc
-    if isinstance(exc, OSError) and exc.filename is not None:
+            raise CredentialError(f"{what}: {_describe(exc)}") from exc
+    elif isinstance(exc, _CREDENTIAL_EXCEPTIONS) or (
         # botocore reads the web identity token file with a plain open(): a missing or
         # unreadable file escapes as an OSError that names it
-        raise CredentialError(f"{what}: cannot read {exc.filename}: {exc.strerror}") from exc
-    raise ObjectStoreError(f"{what}: {exc}") from exc
+        isinstance(exc, OSError) and exc.filename is not None
+    ):
+        raise CredentialError(f"{what}: {_describe(exc)}") from exc
+    raise ObjectStoreError(f"{what}: {_describe(exc)}") from exc
+
+
+def _is_not_found(exc: Exception) -> bool:
+    return (
+        isinstance(exc, botocore.exceptions.ClientError)
+        and exc.response.get("Error", {}).get("Code") in _NOT_FOUND
+    )
 
 
 # What a boto3 call can raise besides our own errors; anything else is a bug and propagates.
 _SDK_ERRORS: tuple[type[Exception], ...] = (botocore.exceptions.BotoCoreError, OSError)
-_CALL_ERRORS = (botocore.exceptions.ClientError, *_SDK_ERRORS)
+_CALL_ERRORS: tuple[type[Exception], ...] = (botocore.exceptions.ClientError, *_SDK_ERRORS)
+# The request never got an answer (or could not be signed for lack of a region).
+_UNREACHABLE: tuple[type[Exception], ...] = (
+    botocore.exceptions.HTTPClientError,
+    botocore.exceptions.ConnectionError,
+    botocore.exceptions.NoRegionError,
+)
 
 
 class S3Backend(ObjectBackend):
@@ -114,8 +133,28 @@ class S3Backend(ObjectBackend):
     def _key(self, name: str) -> str:
         return self._prefix + name
 
+    def _resolve_credentials(self) -> Any:
+        """Make sure the keys are current before a request. botocore would do it inside the
+        request, where an STS or token-file failure looks like a store failure (the same
+        endpoint may serve both); here every failure is the identity's. Cheap while the keys
+        are fresh."""
+        credentials = self._session.get_credentials()
+        if credentials is None:
+            raise CredentialError(
+                "no AWS credentials: set up IRSA (AWS_ROLE_ARN and AWS_WEB_IDENTITY_TOKEN_FILE) "
+                "or EKS Pod Identity"
+            )
+        try:
+            credentials.get_frozen_credentials()
+        except _CALL_ERRORS as exc:
+            raise CredentialError(
+                f"resolving AWS credentials ({credentials.method}): {_describe(exc)}"
+            ) from exc
+        return credentials
+
     def put(self, name: str, body: bytes | memoryview, metadata: Mapping[str, str]) -> None:
         data = body if isinstance(body, bytes) else bytes(body)
+        self._resolve_credentials()
         try:
             self._s3.put_object(
                 Bucket=self.location.bucket, Key=self._key(name), Body=data, Metadata=dict(metadata)
@@ -134,6 +173,7 @@ class S3Backend(ObjectBackend):
             kwargs["Range"] = f"bytes={start}-{start + length - 1}"
         elif start:
             kwargs["Range"] = f"bytes={start}-"
+        self._resolve_credentials()
         try:
             response = self._s3.get_object(**kwargs)
             stream = response["Body"]
@@ -142,21 +182,22 @@ class S3Backend(ObjectBackend):
             finally:
                 stream.close()
             return data
-        except botocore.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+        except _CALL_ERRORS as exc:
+            if (
+                isinstance(exc, botocore.exceptions.ClientError)
+                and exc.response.get("Error", {}).get("Code") == "InvalidRange"
+            ):
                 return b""  # starts at or past the end, as a file read would
-            _raise_mapped(exc, f"get {key}")
-        except _SDK_ERRORS as exc:
             _raise_mapped(exc, f"get {key}")
 
     def head(self, name: str) -> ObjectInfo | None:
+        self._resolve_credentials()
         try:
             response = self._s3.head_object(Bucket=self.location.bucket, Key=self._key(name))
         except _CALL_ERRORS as exc:
-            try:
-                _raise_mapped(exc, f"head {self._key(name)}")
-            except ObjectNotFoundError:
+            if _is_not_found(exc):
                 return None
+            _raise_mapped(exc, f"head {self._key(name)}")
         return ObjectInfo(
             name,
             int(response["ContentLength"]),
@@ -167,6 +208,7 @@ class S3Backend(ObjectBackend):
     def delete(self, names: Sequence[str]) -> None:
         for i in range(0, len(names), _DELETE_BATCH):
             batch = [{"Key": self._key(n)} for n in names[i : i + _DELETE_BATCH]]
+            self._resolve_credentials()
             try:
                 response = self._s3.delete_objects(
                     Bucket=self.location.bucket, Delete={"Objects": batch, "Quiet": True}
@@ -185,6 +227,7 @@ class S3Backend(ObjectBackend):
                 raise ObjectStoreError(message)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        self._resolve_credentials()
         paginator = self._s3.get_paginator("list_objects_v2")
         pages = paginator.paginate(Bucket=self.location.bucket, Prefix=self._key(prefix))
         cut = len(self._prefix)
@@ -198,16 +241,7 @@ class S3Backend(ObjectBackend):
             _raise_mapped(exc, f"list {self._key(prefix)}*")
 
     def principal(self) -> str:
-        credentials = self._session.get_credentials()
-        if credentials is None:
-            raise CredentialError(
-                "no AWS credentials: set up IRSA (AWS_ROLE_ARN and AWS_WEB_IDENTITY_TOKEN_FILE) "
-                "or EKS Pod Identity"
-            )
-        try:
-            credentials.get_frozen_credentials()  # runs the exchange if it is due
-        except _CALL_ERRORS as exc:
-            _raise_mapped(exc, "resolving AWS credentials")
+        credentials = self._resolve_credentials()
         with self._sts_lock:
             if self._sts is None:
                 try:
@@ -217,11 +251,19 @@ class S3Backend(ObjectBackend):
         try:
             arn: str = self._sts.get_caller_identity()["Arn"]
             return arn
-        except botocore.exceptions.ClientError as exc:
+        except _CALL_ERRORS as exc:
+            code = (
+                exc.response.get("Error", {}).get("Code")
+                if isinstance(exc, botocore.exceptions.ClientError)
+                else None
+            )
+            if isinstance(exc, _UNREACHABLE) or (
+                code is not None and code not in _CREDENTIAL_CODES
+            ):
+                # STS unreachable (no VPC endpoint, say) or failing while the keys are fine:
+                # name the credential method instead
+                return f"aws:{credentials.method}"
             _raise_mapped(exc, "GetCallerIdentity")
-        except _SDK_ERRORS:
-            # STS unreachable (no VPC endpoint, say) while S3 works: name the method instead
-            return f"aws:{credentials.method}"
 
     def close(self) -> None:
         self._s3.close()
