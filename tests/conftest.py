@@ -11,6 +11,9 @@ import pytest
 
 from tests.integration.daemon_harness import Processes
 
+# real object-store servers and identities (moto, the GCS emulator, fault proxy), for any test
+pytest_plugins = ["tests.objstore.fixtures"]
+
 
 @pytest.fixture
 def shm_path() -> Iterator[Path]:

@@ -16,7 +16,7 @@ import pytest
 
 from kvtier.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
 from kvtier.tiers.objstore.backend import ObjectBackend, open_backend
-from tests.objstore.conftest import (
+from tests.objstore.fixtures import (
     AWS_ACCOUNT,
     AWS_ROLE_NAME,
     AwsIrsa,

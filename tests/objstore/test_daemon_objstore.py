@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.server.daemon import OBJECT_HEALTH_SERVICE
 from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon, write_config
-from tests.objstore.conftest import AwsIrsa
+from tests.objstore.fixtures import AwsIrsa
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

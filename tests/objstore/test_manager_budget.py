@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.config import from_mapping
 from kvtier.manager import TierManager
-from tests.objstore.conftest import StoreFactory
+from tests.objstore.fixtures import StoreFactory
 from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
 from tests.support import MiB, keys_for, payload_for, target_spec
 

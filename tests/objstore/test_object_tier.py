@@ -15,7 +15,7 @@ from kvtier.keys import ChunkKey
 from kvtier.pools import PoolRegistry
 from kvtier.tiers.objstore.tier import ObjectTier
 from tests.contract.tier_contract import CHUNK, TierContract
-from tests.objstore.conftest import AwsIrsa, StoreFactory
+from tests.objstore.fixtures import AwsIrsa, StoreFactory
 from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
 from tests.support import MiB, keys_for, object_config, payload_for, target_spec
 

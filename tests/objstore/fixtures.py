@@ -1,5 +1,6 @@
-"""Object stores for tests: real S3 and GCS test servers, reached through workload identity
-exactly as in production (no keys, no endpoint in code), plus a fault-injecting proxy.
+"""Object stores for tests, a plugin of the whole suite (see tests/conftest.py): real S3 and
+GCS test servers, reached through workload identity exactly as in production (no keys, no
+endpoint in code), plus a fault-injecting proxy.
 
 Servers (separate processes on free loopback ports, shared by the session):
 
