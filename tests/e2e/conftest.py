@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.models import ModelSet, build_models, engine_env, reset_env_caches
+from tests.e2e.models import (
+    EagleModels,
+    ModelSet,
+    build_eagle_pair,
+    build_models,
+    build_tokenizer,
+    engine_env,
+    reset_env_caches,
+)
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +50,9 @@ def engine_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
     yield tmp_path
     monkeypatch.undo()
     reset_env_caches()
+
+
+@pytest.fixture(scope="session")
+def eagle_models(models_dir: Path) -> EagleModels:
+    """A 2-layer target and an EAGLE head that reproduces its first layer, built once."""
+    return build_eagle_pair(models_dir, tokenizer_dir=build_tokenizer(models_dir))

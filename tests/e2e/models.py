@@ -194,6 +194,95 @@ def build_draft(root: Path, **kwargs: Any) -> Path:
     return build_llama(root, **{**kwargs, "layers": 1})
 
 
+@dataclass(frozen=True)
+class EagleModels:
+    target: Path
+    head: Path
+
+
+def build_eagle_pair(
+    root: Path,
+    *,
+    tokenizer_dir: Path | None = None,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    seed: int = 0,
+) -> EagleModels:
+    """A 2-layer fp32 target and an EAGLE head (one layer, numbered after the target's) that
+    reproduces the target's first layer.
+
+    A random head never agrees with its target, so acceptance would tell nothing. Here the
+    target's embeddings have unit RMS, so the head's missing input norm changes nothing; its
+    first layer attends sharply and strongly, so the head's proposals depend on the head's own
+    KV cache; its second layer only nudges the result. The head is that first layer behind an
+    ``fc`` that passes the token embedding through, sharing the target's embeddings and
+    lm_head. It proposes what the target says, and nonsense once its KV pages are lost.
+    """
+    suffix = f"h{hidden}-a{heads}-kv{kv_heads}-d{head_dim}-s{seed}"
+    target_path = Path(root) / f"eagle-target-{suffix}"
+    head_path = Path(root) / f"eagle-head-{suffix}"
+    if _is_built(target_path) and _is_built(head_path):
+        return EagleModels(target_path, head_path)
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else build_tokenizer(root)
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed.div_(embed.pow(2).mean(-1, keepdim=True).sqrt())
+        first = model.model.layers[0].self_attn
+        for proj, scale in ((first.q_proj, 8.0), (first.k_proj, 8.0)):
+            proj.weight.mul_(scale)  # sharp attention: a few positions decide
+        for proj in (first.v_proj, first.o_proj):
+            proj.weight.mul_(4.5)  # attention output about as large as the embedding
+        second = model.model.layers[1]
+        second.self_attn.o_proj.weight.mul_(0.1)
+        second.mlp.down_proj.weight.mul_(0.1)
+    _fresh(target_path)
+    model.save_pretrained(str(target_path), safe_serialization=True)
+    for file in _TOKENIZER_FILES:
+        if (tokenizer_dir / file).is_file():
+            shutil.copy2(tokenizer_dir / file, target_path / file)
+    (target_path / _DONE).touch()
+
+    _fresh(head_path)
+    head_config = LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 1})
+    head_config.architectures = ["LlamaForCausalLM"]  # vLLM loads it as EagleLlamaForCausalLM
+    head_config.save_pretrained(str(head_path))
+    # EAGLE checkpoints name weights without "model."; no lm_head, final norm or input norm
+    layer = "model.layers.0."
+    weights = {
+        name.removeprefix("model."): tensor.detach().clone().contiguous()
+        for name, tensor in model.state_dict().items()
+        if name.startswith(layer) and "input_layernorm" not in name
+    }
+    weights["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    save_file(weights, str(head_path / "model.safetensors"), metadata={"format": "pt"})
+    (head_path / _DONE).touch()
+    return EagleModels(target_path, head_path)
+
+
 def build_benchmark_llama(root: Path, *, tokenizer_dir: Path | None = None) -> Path:
     return build_llama(
         root,

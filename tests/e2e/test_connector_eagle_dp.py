@@ -1,0 +1,250 @@
+"""KVTierConnector with an EAGLE drafter, and with data-parallel replicas sharing one kvtierd,
+in the real vLLM engine (the CPU build) with locally built models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.rpc import AdminClient
+from tests.e2e.conftest import set_engine_env
+from tests.e2e.models import (
+    EagleModels,
+    ModelSet,
+    counter_value,
+    generate_tokens,
+    make_llm,
+    reset_env_caches,
+    running_llm,
+    shared_prefix_prompts,
+    shutdown_llm,
+    vocab_size_of,
+)
+from tests.e2e.test_connector import (
+    ACCEPTED,
+    EXTERNAL_HITS,
+    TRANSFER_BYTES,
+    cached_by_source,
+    counter,
+    embedded_yaml,
+    kvtier_config,
+)
+from tests.integration.daemon_harness import Processes, write_config
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 12
+DRAFTED = "vllm:spec_decode_num_draft_tokens"
+CHUNK_HEADER = 128
+
+
+# -- EAGLE ---------------------------------------------------------------------------------------
+
+
+@contextmanager
+def recorded_worker_plans(mp: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """The pools each in-process worker planned from the caches vLLM registered."""
+    from kvtier_vllm.worker import KVTierWorker
+
+    plans: dict[str, Any] = {}
+    register = KVTierWorker.register_kv_caches
+
+    def recording(self: KVTierWorker, kv_caches: dict[str, Any]) -> None:
+        register(self, kv_caches)
+        plans.update(self.plans)
+
+    mp.setattr(KVTierWorker, "register_kv_caches", recording)
+    yield plans
+
+
+def test_eagle_head_gets_its_own_pool_and_a_fresh_engine_accepts_as_on_local_hits(
+    eagle_models: EagleModels,
+    tmp_path: Path,
+    shm_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvtier.config import load_config
+    from kvtier.pools import PoolRegistry
+    from kvtier.tiers.lmdb_tier import LmdbTier
+
+    target = eagle_models.target
+    prompts = shared_prefix_prompts(
+        4, vocab_size=vocab_size_of(target), prefix_len=640, suffix_len=48, num_prefixes=4
+    )
+    spec = {"method": "eagle", "model": str(eagle_models.head), "num_speculative_tokens": 3}
+    config = embedded_yaml(tmp_path, shm_path)
+    connector = kvtier_config({"kvtier_config": str(config)})
+
+    with running_llm(target, speculative_config=spec) as llm:
+        reference, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+        # the last two again hit vLLM's own prefix cache: the acceptance to match
+        accepted, drafted = counter_value(llm, ACCEPTED), counter_value(llm, DRAFTED)
+        again, cached = generate_tokens(llm, prompts[2:], max_tokens=MAX_TOKENS)
+        accepted_on_prefix_hits = counter_value(llm, ACCEPTED) - accepted
+        drafted_on_prefix_hits = counter_value(llm, DRAFTED) - drafted
+    assert again == reference[2:]
+    assert min(cached) >= 600, cached
+    # a head that guesses well, so draft KV lost or misplaced would show in acceptance
+    assert accepted_on_prefix_hits * 2 > drafted_on_prefix_hits > 0
+
+    with (
+        recorded_worker_plans(monkeypatch) as plans,
+        running_llm(target, kv_transfer_config=connector, speculative_config=spec) as llm,
+    ):
+        tokens, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+        stored = {p: counter(llm, TRANSFER_BYTES, direction="store", pool=p) for p in plans}
+    assert tokens == reference
+    assert cached == [0] * len(prompts)
+    # the head's layer continues the target's numbering: it, and only it, is the draft pool
+    assert {pool: plan.layer_names for pool, plan in plans.items()} == {
+        "target": ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"),
+        "draft": ("model.layers.2.self_attn.attn",),
+    }
+    # one draft layer against two target layers, the same heads: half the bytes per chunk
+    assert stored["draft"] > 0
+    assert stored["draft"] * 2 == stored["target"]
+    tier = LmdbTier(load_config(config).lmdb, PoolRegistry())
+    try:
+        pools = tier.stats().pools
+        per_chunk = {name: u.used_bytes / u.chunks for name, u in pools.items()}
+        assert pools["draft"].chunks == pools["target"].chunks > 0
+        assert (per_chunk["draft"] - CHUNK_HEADER) * 2 == per_chunk["target"] - CHUNK_HEADER
+    finally:
+        tier.close()
+
+    # a fresh engine loads both pools and its head accepts exactly as on vLLM's own hits
+    with running_llm(target, kv_transfer_config=connector, speculative_config=spec) as llm:
+        tokens, cached = generate_tokens(llm, prompts[2:], max_tokens=MAX_TOKENS)
+        assert counter_value(llm, EXTERNAL_HITS) > 0
+        loaded = {p: counter(llm, TRANSFER_BYTES, direction="load", pool=p) for p in plans}
+        accepted = counter_value(llm, ACCEPTED)
+    assert tokens == reference[2:]
+    assert min(cached) >= 600, cached
+    assert loaded["draft"] > 0
+    assert loaded["draft"] * 2 == loaded["target"]
+    assert accepted == accepted_on_prefix_hits
+
+
+# -- data-parallel replicas ----------------------------------------------------------------------
+
+SLOT = 32 << 10  # one chunk of the 2-layer target: 32 tokens x 2 heads x 2 x 32 x fp32, 2 layers
+ARENA_SLOTS = 64
+QUOTA_SLOTS = 4
+LONG_PROMPT = 640 + 48
+SHORT_CHUNKS = 4  # full blocks of a short prompt, all stored in its prefill step
+SHORT_PROMPT = SHORT_CHUNKS * 32 + 12  # its output never fills another block
+
+
+@contextmanager
+def dp_replica(mp: pytest.MonkeyPatch, index: int) -> Iterator[None]:
+    """How a launcher starts replica ``index`` on its own: VLLM_DP_RANK without VLLM_DP_SIZE;
+    the engine core reads it when it starts."""
+    mp.setenv("VLLM_DP_RANK", str(index))
+    mp.delenv("VLLM_DP_SIZE", raising=False)
+    reset_env_caches()
+    try:
+        yield
+    finally:
+        mp.delenv("VLLM_DP_RANK")
+        reset_env_caches()
+
+
+def cpu_stats(admin: AdminClient) -> Any:
+    return next(t for t in admin.stats().tiers if t.tier == "cpu")
+
+
+def by_replica(cpu: Any) -> dict[str, Any]:
+    return {r.replica: r.usage for r in cpu.replicas if r.pool == "target"}
+
+
+def test_dp_replicas_share_one_daemon_under_their_own_names_and_quotas(
+    tiny_models: ModelSet,
+    procs: Processes,
+    tmp_path: Path,
+    shm_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    target = tiny_models.target
+    vocab = vocab_size_of(target)
+    files = write_config(
+        tmp_path,
+        shm_path,
+        {
+            # 1 MiB extents of 32 target slots: two of them fit in 4 MiB
+            "arena": {"size_bytes": 4 << 20, "extent_bytes": 1 << 20, "min_slot_bytes": 16 << 10},
+            # every chunk clean at once: under write_back a replica's own recent chunks are
+            # dirty, so not evictable, and its stores past its quota evict other replicas'
+            "manager": {"demote_mode": "write_through"},
+        },
+    )
+    daemon = procs.start_daemon(files)
+    admin = AdminClient(daemon.admin_address)
+    # no replica_id: each connector names itself from vLLM's data_parallel_index
+    connector = kvtier_config({"mode": "sidecar", "socket_path": str(files.socket)})
+    set_engine_env(monkeypatch, tmp_path, multiprocess=True)
+    with ExitStack() as stack:
+        stack.callback(admin.close)
+        engines = []
+        for index in range(2):
+            with dp_replica(monkeypatch, index):
+                llm = make_llm(target, kv_transfer_config=connector, multiprocess=True)
+            stack.callback(shutdown_llm, llm)
+            engines.append(llm)
+        dp0, dp1 = engines
+        indices = [e.llm_engine.vllm_config.parallel_config.data_parallel_index for e in engines]
+        assert indices == [0, 1]
+        cpu = cpu_stats(admin)
+        assert {p.pool: p.usage.capacity_bytes for p in cpu.pools}["target"] == ARENA_SLOTS * SLOT
+
+        # a prefix dp0 stored is a hit for dp1, and is stored once
+        shared = shared_prefix_prompts(
+            2, vocab_size=vocab, prefix_len=640, suffix_len=48, num_prefixes=2
+        )
+        first, cached = generate_tokens(dp0, shared, max_tokens=MAX_TOKENS)
+        assert cached == [0, 0]
+        stored = cpu_stats(admin).usage.chunks
+        assert stored == 2 * (LONG_PROMPT // 32)
+        tokens, cached = generate_tokens(dp1, shared, max_tokens=MAX_TOKENS)
+        assert tokens == first
+        assert min(cached) >= 600, cached
+        assert cached_by_source(dp1, "host") > 0
+        cpu = cpu_stats(admin)
+        assert cpu.usage.chunks == stored
+        assert set(by_replica(cpu)) == {"dp0"}
+        assert by_replica(cpu)["dp0"].chunks == stored
+
+        # dp1 gets a small quota; dp0 fills the arena
+        quota = QUOTA_SLOTS * SLOT
+        admin.set_quota("dp1", "target", quota)
+        fill = shared_prefix_prompts(
+            2, vocab_size=vocab, prefix_len=640, suffix_len=48, num_prefixes=2, seed=1
+        )
+        generate_tokens(dp0, fill, max_tokens=MAX_TOKENS)
+        cpu = cpu_stats(admin)
+        assert cpu.usage.chunks == ARENA_SLOTS
+        evicted_for_quota = cpu.counters["evictions_quota"]
+
+        # dp1 stores far more than its quota, one request at a time. Once past its quota its
+        # stores evict its own chunks, not dp0's; reservations count once committed, so it may
+        # pass the quota by one request's chunks.
+        short = shared_prefix_prompts(
+            8, vocab_size=vocab, prefix_len=0, suffix_len=SHORT_PROMPT, seed=2
+        )
+        for prompt in short:
+            generate_tokens(dp1, [prompt], max_tokens=MAX_TOKENS)
+            usage = by_replica(cpu_stats(admin))
+            assert usage["dp1"].used_bytes <= quota + SHORT_CHUNKS * SLOT, usage
+        cpu = cpu_stats(admin)
+        usage = by_replica(cpu)
+        assert set(usage) == {"dp0", "dp1"}
+        assert usage["dp1"].capacity_bytes == quota
+        evicted_for_quota = cpu.counters["evictions_quota"] - evicted_for_quota
+        assert evicted_for_quota >= len(short) * SHORT_CHUNKS - QUOTA_SLOTS - SHORT_CHUNKS
+        # dp0 keeps the rest of the arena, under its default quota (the whole pool)
+        assert usage["dp0"].capacity_bytes == ARENA_SLOTS * SLOT
+        assert usage["dp0"].chunks == ARENA_SLOTS - usage["dp1"].chunks
+        assert usage["dp0"].chunks >= ARENA_SLOTS - QUOTA_SLOTS - SHORT_CHUNKS
