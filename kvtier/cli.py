@@ -326,6 +326,9 @@ def _parser() -> argparse.ArgumentParser:
     gc.add_argument("--dry-run", action="store_true", help="only count what would be deleted")
     swap = admin("draft-swap", _draft_swap, "switch the draft pool to a new revision")
     swap.add_argument("--revision", required=True)
+    from kvtier.top import add_parser as add_top
+
+    add_top(sub, common)
     return parser
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -13,6 +15,7 @@ from kvtier.config import ServerConfig
 from kvtier.errors import InvalidRequestError
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.manager import TierManager
+from kvtier.metrics import telemetry_of
 from kvtier.server.convert import (
     check_batch,
     grants_to,
@@ -26,6 +29,23 @@ from kvtier.tiers.cpu import SlotRef
 _REPLICA_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _MAX_POOLS = 16
 T = TypeVar("T")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[["TierServicer", Req, grpc.ServicerContext], Resp]
+
+
+def _timed(op: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
+    """Count the call and observe its duration under ``op``, errors included."""
+
+    def wrap(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
+        @functools.wraps(fn)
+        def timed(self: TierServicer, request: Req, context: grpc.ServicerContext) -> Resp:
+            with self.telemetry.timed(op):
+                return fn(self, request, context)
+
+        return timed
+
+    return wrap
 
 
 class TierServicer(tier_pb2_grpc.TierServiceServicer):
@@ -33,6 +53,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self.manager = manager
         self.sessions = sessions
         self.config = config
+        self.telemetry = telemetry_of(manager)
 
     def _session(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
@@ -65,9 +86,13 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
             session = self.sessions.open(
                 replica, request.engine_id, request.tp_rank, request.pp_rank
             )
+        specs = [spec_from(p.spec) for p in request.pools]
         namespaces = [
-            self.manager.register_pool(spec_from(p.spec), p.chunk_bytes) for p in request.pools
+            self.manager.register_pool(spec, p.chunk_bytes)
+            for spec, p in zip(specs, request.pools, strict=True)
         ]
+        for spec in specs:
+            self.telemetry.registered(spec)
         session.namespaces.update(namespaces)
         return tier_pb2.RegisterSessionResponse(
             session_id=session.id,
@@ -77,32 +102,44 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
             session_timeout_ms=int(self.config.session_timeout_s * 1000),
         )
 
+    @_timed("lookup")
     def Lookup(
         self, request: tier_pb2.LookupRequest, context: grpc.ServicerContext
     ) -> tier_pb2.LookupResponse:
-        self._session(request.session_id)
+        session = self._session(request.session_id)
         result = self.manager.lookup(unpack_keys(request.keys, self.config.max_batch_keys))
+        self.telemetry.looked_up(
+            session.replica, request.keys.packed, request.keys.key_bytes, result.tier_codes
+        )
         return tier_pb2.LookupResponse(
             hits=result.hits, tiers=result.tier_codes, pending=result.pending
         )
 
+    @_timed("reserve")
     def Reserve(
         self, request: tier_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> tier_pb2.ReserveResponse:
         session = self._session(request.session_id)
         keys = self._known_keys(request.keys)  # check everything first: a bad call changes nothing
         refs = self._refs(request.commit)
+        started = time.perf_counter()
         committed = self.sessions.commit(session, refs)
+        self.telemetry.moved("store", refs, committed, time.perf_counter() - started)
         grants = grants_to(self.sessions.reserve(session, keys))
         return tier_pb2.ReserveResponse(grants=grants, committed=committed)
 
+    @_timed("commit")
     def Commit(
         self, request: tier_pb2.CommitRequest, context: grpc.ServicerContext
     ) -> tier_pb2.CommitResponse:
         session = self._session(request.session_id)
-        committed = self.sessions.commit(session, self._refs(request.refs))
+        refs = self._refs(request.refs)
+        started = time.perf_counter()
+        committed = self.sessions.commit(session, refs)
+        self.telemetry.moved("store", refs, committed, time.perf_counter() - started)
         return tier_pb2.CommitResponse(committed=committed)
 
+    @_timed("abort")
     def Abort(
         self, request: tier_pb2.AbortRequest, context: grpc.ServicerContext
     ) -> tier_pb2.AbortResponse:
@@ -110,14 +147,20 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self.sessions.abort(session, self._refs(request.refs))
         return tier_pb2.AbortResponse()
 
+    @_timed("prefetch")
     def Prefetch(
         self, request: tier_pb2.PrefetchRequest, context: grpc.ServicerContext
     ) -> tier_pb2.PrefetchResponse:
         session = self._session(request.session_id)
         keys = self._known_keys(request.keys)  # check everything first: a bad call changes nothing
         self.sessions.release(session, self._refs(request.release))
-        return tier_pb2.PrefetchResponse(leases=grants_to(self.sessions.prefetch(session, keys)))
+        started = time.perf_counter()
+        leases = self.sessions.prefetch(session, keys)
+        held = [lease for lease in leases if lease is not None]
+        self.telemetry.moved("load", held, len(held), time.perf_counter() - started)
+        return tier_pb2.PrefetchResponse(leases=grants_to(leases))
 
+    @_timed("release")
     def Release(
         self, request: tier_pb2.ReleaseRequest, context: grpc.ServicerContext
     ) -> tier_pb2.ReleaseResponse:
@@ -125,6 +168,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self.sessions.release(session, self._refs(request.refs))
         return tier_pb2.ReleaseResponse()
 
+    @_timed("promote")
     def Promote(
         self, request: tier_pb2.PromoteRequest, context: grpc.ServicerContext
     ) -> tier_pb2.PromoteResponse:
