@@ -137,6 +137,7 @@ class CpuTier(Tier):
         self._replicas: dict[str, int] = {}
         self._replica_names: list[str] = []
         self._used: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> bytes
+        self._inflight: Counter[tuple[int, str]] = Counter()  # reserved, not committed
         self._chunks: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> chunks
         self._quota_override: dict[tuple[str, str], int] = {}
         self._counters = Counters()
@@ -258,10 +259,22 @@ class CpuTier(Tier):
                 best = slot
         return None if best is None else (best, "capacity")
 
-    def _allocate(self, cls: _SlotClass) -> int | None:
+    def _over_quota(self, q: int, cls: _SlotClass) -> bool:
+        name = self._replica_names[q]
+        held = self._used[(q, cls.pool)] + self._inflight[(q, cls.pool)]
+        return held + cls.slot_bytes > self.quota_bytes(name, cls.pool)
+
+    def _allocate(self, cls: _SlotClass, q: int) -> int | None:
         if cls.free or self._grow(cls):
             return cls.free.pop()
-        victim = self._victim(cls)
+        if self._over_quota(q, cls):
+            # a replica at its quota makes room from its own chunks only, or stores nothing
+            slot = self._first_victim(cls, q)
+            victim = None if slot is None else (slot, "quota")
+            if victim is None:
+                self._counters.add("store_over_quota", 1)
+        else:
+            victim = self._victim(cls)
         if victim is None:
             return None
         slot, reason = victim
@@ -285,8 +298,8 @@ class CpuTier(Tier):
             if self._dirty[slot]:
                 self._dirty[slot] = False
                 cls.dirty_count -= 1
-        elif key is not None:
-            self._writing.pop(key, None)
+        elif key is not None and self._writing.pop(key, None) is not None:
+            self._inflight[(self._owner[slot], cls.pool)] -= cls.slot_bytes
         self._key[slot] = None
         self._pinned[slot] = False
         self._slots.bump_generation(slot)
@@ -319,7 +332,7 @@ class CpuTier(Tier):
                     out.append(None)
                     continue
                 cls = self._class_for(reg)
-                slot = self._allocate(cls)
+                slot = self._allocate(cls, q)
                 if slot is None:
                     self._counters.add("store_rejected", 1)
                     out.append(None)
@@ -327,6 +340,7 @@ class CpuTier(Tier):
                 self._key[slot] = key
                 self._owner[slot] = q
                 self._writing[key] = slot
+                self._inflight[(q, cls.pool)] += cls.slot_bytes
                 self._slots.set_state(slot, _WRITING)
                 out.append(self._ref(key, slot, reg.chunk_bytes))
         return out
@@ -344,6 +358,7 @@ class CpuTier(Tier):
                 cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
                 assert cls is not None
                 del self._writing[ref.key]
+                self._inflight[(self._owner[slot], cls.pool)] -= cls.slot_bytes
                 self._index[ref.key] = slot
                 self._slots.set_state(slot, _READY)
                 cls.ready += 1

@@ -108,6 +108,27 @@ def test_replica_over_quota_is_evicted_first(tier: CpuTier, ns: bytes) -> None:
     assert stats.counters["evictions_quota"] > 0
 
 
+def test_a_replica_at_its_quota_never_evicts_another_replicas_chunks(
+    tier: CpuTier, ns: bytes
+) -> None:
+    """With write-back, a replica's own recent chunks are dirty (not evictable): it must store
+    nothing rather than push out another replica's chunks; reservations count as held."""
+    tier.track_dirty(True)
+    calm = keys_for(ns, 56)
+    for key in calm:
+        tier.put(key, payload_for(key, CHUNK), "calm")
+    tier.writeback_done(tier.take_dirty(100, everything=True), ok=True)  # calm's are clean
+    tier.set_quota("hot", "target", 4 * CHUNK)
+    batch = tier.reserve(keys_for(ns, 8, start=1000), "hot")
+    assert sum(ref is not None for ref in batch) == 4, "in-flight reservations count"
+    tier.commit([ref for ref in batch if ref is not None])
+    assert tier.reserve(keys_for(ns, 4, start=2000), "hot") == [None] * 4  # own chunks dirty
+    stats = tier.stats()
+    assert stats.replicas[("hot", "target")].chunks == 4
+    assert stats.replicas[("calm", "target")].chunks == 52
+    assert stats.counters["store_over_quota"] >= 4
+
+
 def test_chunk_stored_by_one_replica_is_a_hit_for_another_and_stored_once(
     tier: CpuTier, ns: bytes
 ) -> None:
