@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
@@ -147,8 +148,8 @@ def encode_into(
     return total
 
 
-def decode_header(value: bytes | bytearray | memoryview, expect_key: ChunkKey) -> ChunkHeader:
-    """Verify everything but the payload checksum; returns the parsed header."""
+def _header_fields(value: bytes | bytearray | memoryview) -> tuple[Any, ...]:
+    """The header's fields, after checking magic, version, length and the header checksum."""
     if len(value) < len(MAGIC) + 2:
         raise TruncatedChunkError(f"value of {len(value)} bytes has no header")
     if bytes(value[: len(MAGIC)]) != MAGIC:
@@ -162,10 +163,20 @@ def decode_header(value: bytes | bytearray | memoryview, expect_key: ChunkKey) -
     (stored_header_sum,) = _TAIL.unpack_from(value, _BODY.size)
     if xxhash.xxh3_64_intdigest(value[: _BODY.size]) != stored_header_sum:
         raise CorruptChunkError("header checksum mismatch")
+    header_len, hash_len, pool_code = fields[2], fields[4], fields[5]
+    if header_len != HEADER_SIZE or pool_code not in _POOLS_BY_CODE:
+        raise CorruptChunkError("header fields out of range")
+    if not 0 < hash_len <= MAX_CHUNK_HASH_BYTES:
+        raise CorruptChunkError("chunk hash length out of range")
+    return fields
+
+
+def decode_header(value: bytes | bytearray | memoryview, expect_key: ChunkKey) -> ChunkHeader:
+    """Verify everything but the payload checksum; returns the parsed header."""
     (
         _magic,
         _version,
-        header_len,
+        _header_len,
         namespace,
         hash_len,
         pool_code,
@@ -178,11 +189,7 @@ def decode_header(value: bytes | bytearray | memoryview, expect_key: ChunkKey) -
         head_size,
         payload_len,
         checksum,
-    ) = fields
-    if header_len != HEADER_SIZE or pool_code not in _POOLS_BY_CODE:
-        raise CorruptChunkError("header fields out of range")
-    if not 0 < hash_len <= MAX_CHUNK_HASH_BYTES:
-        raise CorruptChunkError("chunk hash length out of range")
+    ) = _header_fields(value)
     stored_key = ChunkKey(namespace + chunk_hash[:hash_len])
     if stored_key != expect_key:
         raise WrongKeyError("value belongs to another namespace or chunk hash")
@@ -215,23 +222,9 @@ def peek_header(value: bytes | bytearray | memoryview) -> PeekedHeader:
     """Key, encoded length and pool of the chunk that starts ``value`` (which may run on into
     more chunks, or be only the header), after checking the header's own checksum; the payload
     is not verified."""
-    if len(value) < HEADER_SIZE:
-        raise TruncatedChunkError(f"value of {len(value)} bytes has no whole header")
-    if bytes(value[: len(MAGIC)]) != MAGIC:
-        raise CorruptChunkError("bad magic")
-    (version,) = struct.unpack_from("<H", value, len(MAGIC))
-    if version != VERSION:
-        raise UnknownVersionError(f"chunk format version {version}, this build reads {VERSION}")
-    fields = _BODY.unpack_from(value, 0)
-    (stored_header_sum,) = _TAIL.unpack_from(value, _BODY.size)
-    if xxhash.xxh3_64_intdigest(value[: _BODY.size]) != stored_header_sum:
-        raise CorruptChunkError("header checksum mismatch")
+    fields = _header_fields(value)
     namespace, hash_len, pool_code = fields[3], fields[4], fields[5]
     chunk_hash, payload_len = fields[6], fields[13]
-    if not 0 < hash_len <= MAX_CHUNK_HASH_BYTES:
-        raise CorruptChunkError("chunk hash length out of range")
-    if pool_code not in _POOLS_BY_CODE:
-        raise CorruptChunkError("header fields out of range")
     return PeekedHeader(
         ChunkKey(namespace + chunk_hash[:hash_len]),
         HEADER_SIZE + payload_len,
