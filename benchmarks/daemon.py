@@ -48,8 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import gc
 import json
 import logging
 import math
@@ -67,7 +65,7 @@ import time
 import traceback
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -75,9 +73,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 import yaml
+from common import die_with_parent, filled, geomean, keys_for, no_gc, small_spec, touched
 
 from kvtier.config import ENV_PREFIX
-from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool, make_key
+from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
 from kvtier.rpc import AdminClient, GrpcTierClient, Pending
 from kvtier.tiers.arena import ArenaMemory
 from kvtier.tiers.cpu import SlotRef
@@ -101,7 +100,6 @@ STOP_TIMEOUT_S = 90.0
 CLIENT_TIMEOUT_S = 120.0
 HEARTBEAT = "HeartbeatRequest"
 READY = re.compile(r"kvtierd ready: .*admin_port=(\d+) metrics_port=(\d+)")
-PR_SET_PDEATHSIG = 1
 
 TARGETS: dict[str, tuple[str, float]] = {
     "lookup_8192_keys_p99_us": ("<=", 3000.0),
@@ -138,16 +136,6 @@ class Samples:
         self.ratios.setdefault(name, []).append(value)
 
 
-@contextlib.contextmanager
-def no_gc() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def timed(fn: Callable[[], object]) -> float:
     with no_gc():
         start = time.perf_counter()
@@ -171,37 +159,6 @@ def transfer_spec(chunk_bytes: int) -> NamespaceSpec:
         kv_dtype="float16",
         layout=layout,
     )
-
-
-def small_spec(model: str, chunk_bytes: int) -> NamespaceSpec:
-    # one layer of 16 tokens x (64 + 64) x fp16 is 4 KiB per head
-    layout = PageLayout(
-        tokens_per_block=16,
-        blocks_per_chunk=1,
-        num_kv_heads=max(1, chunk_bytes // (4 * KiB)),
-        head_sizes=(64, 64),
-        layer_names=("model.layers.0.self_attn.attn",),
-    )
-    return NamespaceSpec(
-        model=model, model_revision="r1", pool=Pool.TARGET, kv_dtype="float16", layout=layout
-    )
-
-
-def keys_for(namespace: bytes, n: int) -> list[ChunkKey]:
-    return [make_key(namespace, i.to_bytes(32, "big")) for i in range(n)]
-
-
-def filled(nbytes: int) -> np.ndarray:
-    """A buffer of non-repeating bytes, already faulted in."""
-    words = np.arange(nbytes // 8, dtype=np.uint64)
-    words *= np.uint64(0x9E3779B97F4A7C15)
-    return words.view(np.uint8)
-
-
-def touched(nbytes: int) -> np.ndarray:
-    buf = np.empty(nbytes, np.uint8)
-    buf.fill(1)
-    return buf
 
 
 def granted(refs: Sequence[SlotRef | None], what: str) -> list[SlotRef]:
@@ -309,12 +266,6 @@ def client_b(conn: Connection, socket_path: str, total: int) -> None:
 # -- the daemon, in its own process ----------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    # a daemon left behind by a killed benchmark would keep its arena in /dev/shm
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class DaemonProcess:
     """kvtierd started with ``kvtier serve`` and stopped with SIGTERM."""
 
@@ -363,7 +314,7 @@ class DaemonProcess:
                 stderr=stderr,
                 env=env,
                 text=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT_S)
@@ -716,10 +667,6 @@ class Bench:
         self.phases["total_s"] = sum(self.phases.values())
         out["elapsed_s"] = self.phases
         return out
-
-
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 SIZE_ROWS = (

@@ -56,9 +56,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import ctypes
 import functools
-import gc
 import json
 import logging
 import os
@@ -83,10 +81,11 @@ from typing import Any
 import boto3.session
 import botocore.config
 import numpy as np
+from common import die_with_parent, keys_for, no_gc
 
 from kvtier.config import LMDBConfig, ObjectStoreConfig, from_mapping
 from kvtier.counters import Counters
-from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool, make_key
+from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
 from kvtier.manager import TierManager
 from kvtier.pools import PoolRegistry
 from kvtier.tiers.lmdb_tier import LmdbTier
@@ -126,7 +125,6 @@ TARGETS: dict[str, tuple[str, float]] = {
     "upload_vs_raw_boto3": (">=", 0.8),
     "download_vs_raw_boto3": (">=", 0.8),
 }
-PR_SET_PDEATHSIG = 1
 GET_PASSES = 3
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 RATIOS = (
@@ -165,16 +163,6 @@ class Samples:
     def pair(self, name: str, raw_s: float, tier_s: float) -> None:
         """Tier throughput over raw throughput, from the times both took for the same bytes."""
         self.ratios.setdefault(name, []).append(raw_s / tier_s)
-
-
-@contextlib.contextmanager
-def no_gc() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 @dataclass
@@ -250,10 +238,6 @@ def spec(model: str, chunk_bytes: int) -> NamespaceSpec:
     )
 
 
-def keys_for(namespace: bytes, n: int, start: int = 0) -> list[ChunkKey]:
-    return [make_key(namespace, (start + i).to_bytes(32, "big")) for i in range(n)]
-
-
 def filled(nbytes: int, seed: int) -> bytes:
     """Non-repeating bytes (moto and the checksums see no easy pattern)."""
     words = np.arange(seed, seed + nbytes // 8, dtype=np.uint64)
@@ -268,12 +252,6 @@ def jwt_like() -> str:
     now = int(time.time())
     claims = {"sub": "system:serviceaccount:kvtier:kvtierd", "iat": now, "exp": now + 3600}
     return f"{b64({'alg': 'RS256', 'typ': 'JWT'})}.{b64(claims)}.c2lnbmF0dXJl"
-
-
-def _die_with_parent() -> None:
-    # a moto server left behind by a killed benchmark would hold its objects in memory
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -318,7 +296,7 @@ class MotoServer:
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,
                 )
             if self._wait_ready():
                 return self

@@ -34,27 +34,25 @@ later speed (pages backed lazily by the host); the warm-up repetition absorbs mo
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import logging
-import math
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import filled, geomean, keys_for, no_gc, touched
 
 from kvtier import blockfmt
 from kvtier.config import ArenaConfig, LMDBConfig, from_mapping
-from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool, make_key
+from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
 from kvtier.manager import TierManager
 from kvtier.pools import PoolRegistry, Registration
 from kvtier.tiers.cpu import CpuTier
@@ -105,16 +103,6 @@ class Samples:
         self.ratios.setdefault(name, []).append(num / den)
 
 
-@contextlib.contextmanager
-def no_gc() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def gbps(nbytes: int, fn: Callable[[], object]) -> float:
     with no_gc():
         start = time.perf_counter()
@@ -156,23 +144,6 @@ def lookup_spec() -> NamespaceSpec:
         kv_dtype="float16",
         layout=layout,
     )
-
-
-def keys_for(namespace: bytes, n: int, start: int = 0) -> list[ChunkKey]:
-    return [make_key(namespace, (start + i).to_bytes(32, "big")) for i in range(n)]
-
-
-def filled(nbytes: int) -> np.ndarray:
-    """A buffer of non-repeating bytes, already faulted in."""
-    words = np.arange(nbytes // 8, dtype=np.uint64)
-    words *= np.uint64(0x9E3779B97F4A7C15)
-    return words.view(np.uint8)
-
-
-def touched(nbytes: int) -> np.ndarray:
-    buf = np.empty(nbytes, np.uint8)
-    buf.fill(1)
-    return buf
 
 
 class Bench:
@@ -493,10 +464,6 @@ class Bench:
         for path in (self.shm, Path(str(self.shm) + "-lookup")):
             path.unlink(missing_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 ROWS = (
