@@ -28,9 +28,24 @@ class ConnectorConfig(BaseModel):
         None, description="Embedded mode: kvtier YAML file (KVTIER_ variables apply as well)."
     )
     write_through: bool = Field(
-        True,
-        description="Embedded mode: write each stored chunk to lmdb right away, since the "
-        "arena ends with the engine process, cleanly or not.",
+        False,
+        description="Embedded mode: write each stored chunk to lmdb right away. Otherwise "
+        "chunks reach lmdb while the engine is idle, past writeback_backlog_mib, and when the "
+        "connector shuts down (the arena ends with the engine process): writing next to a "
+        "forward costs the engine's own CPU time.",
+    )
+    writeback_idle_ms: int = Field(
+        100,
+        ge=1,
+        description="Embedded mode without write_through: the engine counts as idle, and "
+        "chunks are written to lmdb, once it has had no request for this long.",
+    )
+    writeback_backlog_mib: int = Field(
+        256,
+        ge=0,
+        description="Embedded mode without write_through: most MiB of chunks held only in the "
+        "arena while the engine is busy; past it they are written anyway, so that a shutdown "
+        "(vLLM gives an engine process 5 s) writes the rest in time and a crash loses little.",
     )
     socket_path: Path | None = Field(
         None, description="Sidecar mode: kvtierd's socket (default: server.socket_path)."

@@ -7,10 +7,13 @@ as if there were no connector, and the client finds the daemon again by itself.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,17 +38,69 @@ _REMOTE_SOURCE = "external_unspecified"
 _LEASE_STEPS = 2  # a load's leases outlive the step that copies it
 _STORE_STEPS = 8  # a reservation no worker confirmed by then is given back
 _RECONNECT_S = 5
+_WRITE_TXN_BYTES = 16 << 20  # per lmdb transaction: a request arriving mid-write waits for one
 
 
-def open_client(cfg: ConnectorConfig, replica: str) -> TierClient:
+def open_client(cfg: ConnectorConfig, replica: str, chunk_bytes: int = 0) -> TierClient:
     if cfg.mode is Mode.SIDECAR:
         socket = cfg.socket_path or load_config(cfg.kvtier_config).server.socket_path
         return GrpcTierClient(socket, replica)
     config = load_config(cfg.kvtier_config)
+    update: dict[str, Any] = {}
     if cfg.write_through:
-        manager = config.manager.model_copy(update={"demote_mode": DemoteMode.WRITE_THROUGH})
+        update["demote_mode"] = DemoteMode.WRITE_THROUGH
+    elif chunk_bytes:
+        # the connector's idle writer decides when chunks reach lmdb (see _IdleWriter); the
+        # manager's reserve counts only the extents a pool holds, so it would write while
+        # the engine is busy whenever a pool grows
+        batch = max(1, _WRITE_TXN_BYTES // chunk_bytes)
+        update["writeback_batch_chunks"] = min(config.manager.writeback_batch_chunks, batch)
+        update["clean_reserve"] = 0.0
+    if update:
+        manager = config.manager.model_copy(update=update)
         config = config.model_copy(update={"manager": manager})
     return InProcessClient(TierManager(config), replica)
+
+
+class _IdleWriter:
+    """Embedded mode: writes committed arena chunks to lmdb while the engine has no request, or
+    while more than ``backlog`` chunks are held only in the arena. Writing next to a forward
+    would take CPU time from it; what is left at shutdown is written by `TierManager.close`."""
+
+    def __init__(self, manager: TierManager, idle_s: float, backlog: int) -> None:
+        self._manager = manager
+        self._idle_s = idle_s
+        self._backlog = backlog
+        self._active = False
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtier-idle-writer", daemon=True)
+        self._thread.start()
+
+    def touch(self, active: bool) -> None:
+        """The engine did something; ``active``: it holds requests."""
+        self._active = active
+        self._last = time.monotonic()
+
+    def _due(self) -> bool:
+        pending = self._manager.cpu.writeback_pending()
+        if pending > self._backlog:
+            return True
+        idle = not self._active and time.monotonic() - self._last >= self._idle_s
+        return pending > 0 and idle
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._idle_s / 2):
+            try:
+                while self._due() and not self._stop.is_set():
+                    # one transaction per call: flush checks its deadline after each
+                    self._manager.flush(timeout=0)
+            except Exception:  # never let the writer die silently
+                log.exception("kvtier: writing arena chunks to lmdb failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @dataclass
@@ -79,6 +134,8 @@ class KVTierScheduler:
         self.plans = plan_pools(vllm_config, layer_names, self._stable(cfg, vllm_config))
         self._has_draft = any(plan.pool is Pool.DRAFT for plan in self.plans)
         self.client: TierClient | None = None
+        self._writer: _IdleWriter | None = None
+        self._at_exit: Any = None
         self.namespaces: dict[Pool, bytes] = {}
         self.arena_path = ""
         self._next_connect = 0.0
@@ -109,7 +166,8 @@ class KVTierScheduler:
         self._next_connect = now + _RECONNECT_S
         client: TierClient | None = None
         try:
-            client = open_client(self.cfg, self.replica)
+            chunk_bytes = max(plan.chunk_bytes for plan in self.plans)
+            client = open_client(self.cfg, self.replica, chunk_bytes)
             for plan in self.plans:
                 try:
                     self.namespaces[plan.pool] = client.register_pool(plan.spec, plan.chunk_bytes)
@@ -127,7 +185,28 @@ class KVTierScheduler:
             )
             return False
         self.client = client
+        if isinstance(client, InProcessClient):
+            self._keep_on_exit(client, chunk_bytes)
         return True
+
+    def _keep_on_exit(self, client: InProcessClient, chunk_bytes: int) -> None:
+        """The arena ends with this process: write it to lmdb when idle, and at exit if nobody
+        shut the connector down."""
+        if not self.cfg.write_through:
+            # half the arena at most stays dirty: stores always find clean or free slots
+            most = min(self.cfg.writeback_backlog_mib << 20, client.manager.cpu.memory.size // 2)
+            backlog = most // chunk_bytes
+            idle_s = self.cfg.writeback_idle_ms / 1000
+            self._writer = _IdleWriter(client.manager, idle_s, backlog)
+        ref = weakref.ref(self)
+
+        def at_exit() -> None:
+            scheduler = ref()
+            if scheduler is not None:
+                scheduler.shutdown()
+
+        self._at_exit = at_exit
+        atexit.register(at_exit)
 
     @staticmethod
     def _stable(cfg: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:
@@ -167,6 +246,8 @@ class KVTierScheduler:
         if not self._connect():
             return 0, False
         state = self.state(request)
+        if self._writer is not None:
+            self._writer.touch(True)
         self._drop_plan(state)
         prompt = len(request.prompt_token_ids or ())
         # at least one prompt token is always computed, to produce the first output
@@ -214,14 +295,18 @@ class KVTierScheduler:
         hits = in_arena
         if hits <= first:
             return _LoadPlan(first, 0, {}, [])
-        offered = {Pool.TARGET: client.load(keys[first:hits])}
+        if Pool.DRAFT in self.namespaces and self._draft_on_its_way(state, request, first, hits):
+            return None
+        # leases this step's build_connector_meta would release go back in the same call
+        due, self._lease_gc[0] = self._lease_gc[0], []
+        offered = {Pool.TARGET: client.release_then_load(due, keys[first:hits])}
         zero: list[Pool] = []
         if Pool.DRAFT in self.namespaces:
             draft = client.load(self._keys(Pool.DRAFT, request.block_hashes, range(first, hits)))
             if all(ref is not None for ref in draft):
                 offered[Pool.DRAFT] = draft
             else:  # never leave draft pages uninitialised
-                client.release([r for r in draft if r is not None])
+                self._release([r for r in draft if r is not None])
                 zero.append(Pool.DRAFT)
         elif self._has_draft:
             zero.append(Pool.DRAFT)
@@ -229,10 +314,29 @@ class KVTierScheduler:
         granted = next((i for i, r in enumerate(offered[Pool.TARGET]) if r is None), hits - first)
         leases: dict[Pool, list[SlotRef]] = {}
         for pool, refs in offered.items():
-            client.release([r for r in refs[granted:] if r is not None])
+            self._release([r for r in refs[granted:] if r is not None])
             leases[pool] = [r for r in refs[:granted] if r is not None]
         tiers = state.first_tiers[first : first + granted]
         return _LoadPlan(first, granted, leases, zero, tiers)
+
+    def _draft_on_its_way(self, state: _RequestState, request: Any, first: int, hits: int) -> bool:
+        """Whether draft chunks of the hit are still coming up into the arena (then ask again,
+        within the wait): loading them now would find them mid-promotion and zero them."""
+        client = self.client
+        assert client is not None
+        keys = self._keys(Pool.DRAFT, request.block_hashes, range(first, hits))
+        found = client.lookup(keys)
+        below = [k for k, c in zip(keys, found.tier_codes, strict=False) if c != _CPU]
+        if not below and not found.pending:
+            return False
+        now = time.monotonic()
+        if state.waiting_since is None:
+            state.waiting_since = now
+        if now - state.waiting_since >= self.cfg.promote_wait_ms / 1000:
+            return False
+        if below:
+            client.promote(below)
+        return True
 
     def _drop_plan(self, state: _RequestState) -> None:
         if state.plan is not None:
@@ -274,6 +378,8 @@ class KVTierScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         self._step += 1
+        if self._writer is not None:
+            self._writer.touch(bool(self._requests))
         meta = KVTierMetadata(arena_path=self.arena_path)
         if self.client is None:
             return meta
@@ -408,11 +514,20 @@ class KVTierScheduler:
         plan = self._ready_loads.pop(request.request_id, None)
         if plan is not None:
             self._release([r for refs in plan.leases.values() for r in refs])
+        if self._writer is not None:
+            self._writer.touch(bool(self._requests))
 
     def shutdown(self) -> None:
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         if self.client is None:
             return
         for refs in self._lease_gc:
             self._release(refs)
         self._abort([ref for ref, _ in self._stores.values()])
-        self.client.close()
+        client, self.client = self.client, None
+        client.close()  # embedded: writes what the arena holds to lmdb

@@ -32,15 +32,51 @@ def _pages(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(tensor.shape[0], -1).view(torch.uint8)
 
 
+def _stacked(pages: list[torch.Tensor]) -> torch.Tensor | None:
+    """All layers of a pool as one [layers, blocks, page bytes] view, when they sit at one
+    stride in one allocation (vLLM allocates a single buffer): a chunk's pages then move in
+    one copy per run of blocks instead of one per page."""
+    first = pages[0]
+    if first.stride() != (first.shape[1], 1):
+        return None
+    base = first.data_ptr()
+    stride = pages[1].data_ptr() - base if len(pages) > 1 else first.numel()
+    if stride < first.numel():
+        return None
+    storage = first.untyped_storage().data_ptr()
+    for i, page in enumerate(pages):
+        if (
+            page.shape != first.shape
+            or page.stride() != first.stride()
+            or page.untyped_storage().data_ptr() != storage
+            or page.data_ptr() != base + i * stride
+        ):
+            return None
+    return first.as_strided((len(pages), *first.shape), (stride, *first.stride()))
+
+
+def _runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(index in the chunk, first block id, length) of each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(block_ids) + 1):
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+            runs.append((start, block_ids[start], i - start))
+            start = i
+    return runs
+
+
 class KVTierWorker:
     def __init__(self, vllm_config: Any, cfg: ConnectorConfig) -> None:
         self.vllm_config = vllm_config
         self.cfg = cfg
         self.plans: dict[str, PoolPlan] = {}
         self.pages: dict[str, list[torch.Tensor]] = {}
+        self.stacks: dict[str, torch.Tensor] = {}
         self._arena: ArenaMemory | None = None
         self._arena_bytes: torch.Tensor | None = None
         self._arena_inode = 0
+        self._announced = ""
         self._stored: list[tuple[int, int]] = []
         self._failed: list[tuple[int, int]] = []
         self._load_errors: set[int] = set()
@@ -60,6 +96,9 @@ class KVTierWorker:
                 continue
             self.plans[str(plan.pool)] = plan
             self.pages[str(plan.pool)] = pages
+            stack = _stacked(pages)
+            if stack is not None:
+                self.stacks[str(plan.pool)] = stack
 
     def _slots(self, arena_path: str) -> torch.Tensor | None:
         """The arena as bytes; mapped again when the file at the path is a new one (a restarted
@@ -85,17 +124,32 @@ class KVTierWorker:
         plan = self.plans.get(job.pool)
         if plan is None:
             return False
-        for layer, pages in enumerate(self.pages[job.pool]):
-            for i, block in enumerate(job.block_ids):
-                start = job.offset + plan.layer_offset(layer, job.first_block + i)
-                slot = slots[start : start + plan.page_bytes]
+        # the slot as [layers, blocks of the chunk, page bytes], as `PoolPlan.layer_offset` lays
+        # the payload out
+        chunk = slots[job.offset : job.offset + plan.chunk_bytes].view(
+            len(plan.layer_names), plan.blocks_per_chunk, plan.page_bytes
+        )
+        stack = self.stacks.get(job.pool)
+        for index, block, n in _runs(job.block_ids):
+            part = chunk[:, job.first_block + index : job.first_block + index + n]
+            pairs = (
+                [(part, stack[:, block : block + n])]
+                if stack is not None
+                else [(part[i], p[block : block + n]) for i, p in enumerate(self.pages[job.pool])]
+            )
+            for arena, pages in pairs:
                 if into_arena:
-                    slot.copy_(pages[block])
+                    arena.copy_(pages)
                 else:
-                    pages[block].copy_(slot)
+                    pages.copy_(arena)
         return True
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
+        if meta.arena_path != self._announced:
+            # map it on the first step that names it: populating the mapping of a large arena
+            # takes a while, and would otherwise delay the first copy
+            self._announced = meta.arena_path
+            self._slots(meta.arena_path)
         if not meta.loads and not meta.zero:
             return
         slots = self._slots(meta.arena_path)
@@ -111,6 +165,10 @@ class KVTierWorker:
                 self._load_errors.update(job.block_ids)
             self._record("load", job, started, ok)
         for pool, blocks in meta.zero.items():
+            stack = self.stacks.get(pool)
+            if stack is not None:
+                stack[:, blocks] = 0
+                continue
             for pages in self.pages.get(pool, []):
                 pages[blocks] = 0
 
