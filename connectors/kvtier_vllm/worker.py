@@ -19,6 +19,7 @@ import torch
 from kvtier.client import ArenaMemory
 from kvtier.errors import KVTierError
 from kvtier_vllm.config import ConnectorConfig
+from kvtier_vllm.copies import CpuCopies, Done, copies_for
 from kvtier_vllm.layout import PoolPlan, plan_pools
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.stats import KVTierStats
@@ -78,6 +79,9 @@ class KVTierWorker:
         self._arena_inode = 0
         self._announced = ""
         self._stored: list[tuple[int, int]] = []
+        self._landing: list[tuple[Done, list[tuple[int, int]]]] = []
+        """Stores issued on a device stream, reported once their event completed."""
+        self.copies: CpuCopies = CpuCopies()
         self._failed: list[tuple[int, int]] = []
         self._load_errors: set[int] = set()
         self.stats = KVTierStats()
@@ -96,6 +100,8 @@ class KVTierWorker:
                 continue
             self.plans[str(plan.pool)] = plan
             self.pages[str(plan.pool)] = pages
+            if pages[0].device != self.copies.device:
+                self.copies = copies_for(pages[0].device)
             stack = _stacked(pages)
             if stack is not None:
                 self.stacks[str(plan.pool)] = stack
@@ -118,6 +124,7 @@ class KVTierWorker:
             self._arena_bytes = torch.frombuffer(
                 self._arena.view(0, self._arena.size), dtype=torch.uint8
             )
+            self.copies.attach(self._arena_bytes)
         return self._arena_bytes
 
     def _copy(self, job: ChunkCopy, slots: torch.Tensor, into_arena: bool) -> bool:
@@ -139,9 +146,9 @@ class KVTierWorker:
             )
             for arena, pages in pairs:
                 if into_arena:
-                    arena.copy_(pages)
+                    self.copies.copy(arena, pages)
                 else:
-                    pages.copy_(arena)
+                    self.copies.copy(pages, arena)
         return True
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
@@ -157,6 +164,7 @@ class KVTierWorker:
             for job in meta.loads:
                 self._load_errors.update(job.block_ids)
             return
+        self.copies.begin_loads()
         for job in meta.loads:
             started = time.perf_counter()
             copied = self._copy(job, slots, into_arena=False)
@@ -164,6 +172,7 @@ class KVTierWorker:
             if not ok:
                 self._load_errors.update(job.block_ids)
             self._record("load", job, started, ok)
+        self.copies.end_loads()
         for pool, blocks in meta.zero.items():
             stack = self.stacks.get(pool)
             if stack is not None:
@@ -179,11 +188,14 @@ class KVTierWorker:
         if slots is None:
             self._failed.extend((job.slot, job.generation) for job in meta.stores)
             return
+        self.copies.begin_stores()
+        issued: list[tuple[int, int]] = []
         for job in meta.stores:
             started = time.perf_counter()
             ok = self._copy(job, slots, into_arena=True)
-            (self._stored if ok else self._failed).append((job.slot, job.generation))
+            (issued if ok else self._failed).append((job.slot, job.generation))
             self._record("store", job, started, ok)
+        self._landing.append((self.copies.end_stores(), issued))
 
     def _record(self, direction: str, job: ChunkCopy, started: float, ok: bool) -> None:
         plan = self.plans.get(job.pool)
@@ -201,6 +213,13 @@ class KVTierWorker:
         return errors
 
     def worker_meta(self) -> KVTierWorkerMetadata | None:
+        waiting = []
+        for done, issued in self._landing:  # a slot is committed only once its bytes landed
+            if done():
+                self._stored.extend(issued)
+            else:
+                waiting.append((done, issued))
+        self._landing = waiting
         if not self._stored and not self._failed:
             return None
         meta = KVTierWorkerMetadata(self._stored, self._failed)
@@ -208,6 +227,7 @@ class KVTierWorker:
         return meta
 
     def shutdown(self) -> None:
+        self.copies.detach()
         self._arena_bytes = None
         if self._arena is not None:
             self._arena.close()
