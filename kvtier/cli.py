@@ -104,6 +104,21 @@ def _stats(args: argparse.Namespace) -> int:
                 for r in t.replicas
             ],
         )
+        if stats.draft_revisions:
+            print()
+            tiers = [t.tier for t in stats.tiers]
+            _rows(
+                ("draft model", "revision", "current", *tiers),
+                [
+                    (
+                        d.draft_model,
+                        d.revision,
+                        "yes" if d.current else "no",
+                        *(d.chunks.get(t, 0) for t in tiers),
+                    )
+                    for d in stats.draft_revisions
+                ],
+            )
         print(f"\nsessions {stats.sessions}, leases {stats.leases}")
         hits = {k: v for k, v in stats.counters.items() if k.startswith(("hit_", "lookup"))}
         print("  ".join(f"{k} {v}" for k, v in sorted(hits.items())))
@@ -255,7 +270,23 @@ def _gc(args: argparse.Namespace) -> int:
 
 def _draft_swap(args: argparse.Namespace) -> int:
     client = _admin(args)
-    begun = client.draft_swap_begin(args.revision)
+    if args.commit:
+        done = client.draft_swap_commit(args.commit)
+        _emit(args, done, lambda: print(f"draft revision is now {done.revision}"))
+        return 0
+    if not args.revision:
+        raise ValueError("draft-swap needs --revision (or --commit SWAP_ID)")
+    begun = client.draft_swap_begin(args.revision, args.draft_model or "")
+    if args.begin:  # the caller swaps vLLM's draft weights, then commits
+        _emit(
+            args,
+            begun,
+            lambda: print(
+                f"draft swap {begun.swap_id} begun (was {begun.previous_revision}); "
+                f"commit it with: kvtier draft-swap --commit {begun.swap_id}"
+            ),
+        )
+        return 0
     done = client.draft_swap_commit(begun.swap_id)
     _emit(args, done, lambda: print(f"draft revision is now {done.revision}"))
     return 0
@@ -325,7 +356,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     gc.add_argument("--dry-run", action="store_true", help="only count what would be deleted")
     swap = admin("draft-swap", _draft_swap, "switch the draft pool to a new revision")
-    swap.add_argument("--revision", required=True)
+    swap.add_argument("--revision", help="the draft's new revision")
+    swap.add_argument("--draft-model", help="only this draft model's pools (default: all)")
+    step = swap.add_mutually_exclusive_group()
+    step.add_argument(
+        "--begin",
+        action="store_true",
+        help="only begin: engines stop loading and storing draft chunks until the commit",
+    )
+    step.add_argument("--commit", metavar="SWAP_ID", help="commit a swap begun with --begin")
     from kvtier.top import add_parser as add_top
 
     add_top(sub, common)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from kvtier.keys import ChunkKey, NamespaceSpec
-from kvtier.manager import LookupResult, ManagerStats, TierManager
+from kvtier.manager import DraftState, LookupResult, ManagerStats, TierManager
 from kvtier.tiers.arena import ArenaMemory
 from kvtier.tiers.cpu import SlotRef
 
@@ -48,6 +48,10 @@ class TierClient(Protocol):
 
     def promote(self, keys: Sequence[ChunkKey]) -> int:
         """Queue chunks of slower tiers for the arena without waiting; returns how many."""
+        ...
+
+    def draft_states(self, refresh: bool = False) -> dict[bytes, DraftState]:
+        """Each draft pool's revision and swap state, by lineage; cheap unless ``refresh``."""
         ...
 
     def close(self) -> None: ...
@@ -98,6 +102,9 @@ class InProcessClient:
 
     def promote(self, keys: Sequence[ChunkKey]) -> int:
         return self.manager.promote(keys, self.replica)
+
+    def draft_states(self, refresh: bool = False) -> dict[bytes, DraftState]:
+        return self.manager.draft_states()
 
     def stats(self) -> ManagerStats:
         return self.manager.stats()

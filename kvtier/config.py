@@ -145,6 +145,13 @@ class ManagerConfig(_Section):
         description="Share of each arena pool kept free or already in lmdb, so stores find a "
         "victim without waiting.",
     )
+    draft_grace_s: float = Field(
+        3600.0,
+        ge=0.0,
+        description="After a draft swap, how long the old revision's chunks are kept (evicted "
+        "first, and a fill source for the new revision) before they are deleted from lmdb and "
+        "the object store.",
+    )
 
 
 class Admission(StrEnum):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import NewType
 
 NAMESPACE_BYTES = 16
@@ -96,6 +96,19 @@ class NamespaceSpec:
 
     def digest(self) -> bytes:
         return hashlib.blake2b(self.canonical(), digest_size=NAMESPACE_BYTES).digest()
+
+    def with_draft_revision(self, revision: str) -> NamespaceSpec:
+        """The same draft pool at another revision: what a draft swap changes."""
+        if self.pool is not Pool.DRAFT:
+            raise ValueError("only a draft namespace has a draft revision")
+        return replace(self, draft_revision=revision)
+
+    def draft_lineage(self) -> bytes:
+        """The draft pool's identity without its revision: every revision of one draft pool
+        shares it, so a swap can find the namespaces it retires."""
+        if self.pool is not Pool.DRAFT:
+            raise ValueError("only a draft namespace has a lineage")
+        return replace(self, draft_revision="").digest()
 
 
 def chunk_hash_bytes(block_hash: bytes | int) -> bytes:

@@ -8,7 +8,10 @@
   evicted (write-back), or right after commit (write-through); the data plane never waits on it;
 - with an object store, chunks written to lmdb are uploaded from a bounded queue, object chunks are
   promoted on request, and a lookup probes the store for chunks other nodes uploaded, waiting no
-  longer than ``object.lookup_budget_ms``.
+  longer than ``object.lookup_budget_ms``;
+- draft pools are versioned: a new draft revision (an admin swap, or an engine registering one)
+  becomes current, the old revision's chunks are evicted first and, after
+  ``manager.draft_grace_s``, deleted from every tier. Target chunks are never touched.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,8 +30,8 @@ from dataclasses import dataclass, field
 
 from kvtier.config import Admission, DemoteMode, KVTierConfig
 from kvtier.counters import Counters
-from kvtier.errors import ConfigError, KVTierError
-from kvtier.keys import ChunkKey, NamespaceSpec
+from kvtier.errors import ConfigError, InvalidRequestError, KVTierError, UnknownPoolError
+from kvtier.keys import NAMESPACE_BYTES, ChunkKey, NamespaceSpec, Pool
 from kvtier.pools import PoolRegistry
 from kvtier.tiers.base import Tier, TierStats
 from kvtier.tiers.cpu import CpuTier, SlotRef
@@ -50,6 +54,7 @@ _LMDB = TIER_CODES[TIER_LMDB]
 _OBJECT = TIER_CODES[TIER_OBJECT]
 _PROBE_MISS_TTL_S = 10.0  # a chunk another node uploads after a miss is found this much later
 _MAX_TRACKED = 1 << 17  # bound on per-key bookkeeping (probe misses, hit counts)
+_DRAFT_GC_EVERY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +77,45 @@ class ManagerStats:
     tiers: dict[str, TierStats]
     counters: Counter[str] = field(default_factory=Counter)
     """lookups, lookup_chunks, hit_chunks_<tier>, promotions, promotion_failed, ..."""
+
+
+@dataclass(frozen=True, slots=True)
+class DraftState:
+    """Where one draft pool stands, as engines follow it."""
+
+    revision: str
+    swapping: bool = False
+    """A swap has begun and not been committed: the draft's weights are in flux, so engines
+    neither load nor store its chunks."""
+    epoch: int = 0
+    """Bumped by every begin and every change of revision, so a client sees A -> B -> A."""
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRevision:
+    """One revision of a draft pool, and the chunks each tier holds of it."""
+
+    model: str
+    draft_model: str
+    revision: str
+    namespace: bytes
+    current: bool
+    chunks: dict[str, int]
+
+
+@dataclass
+class _Lineage:
+    """Every revision of one draft pool (same model, layout, dtype, shard, tenant)."""
+
+    model: str
+    draft_model: str
+    current: str
+    namespaces: dict[str, bytes]
+    retired_at: dict[str, float] = field(default_factory=dict)
+    """Revision -> when it stopped being current (monotonic); deleted after the grace."""
+    swap_id: str = ""
+    swap_revision: str = ""
+    epoch: int = 0
 
 
 class TierManager:
@@ -117,6 +161,9 @@ class TierManager:
             config.manager.promote_queue_chunks
         )
         self._promoting: set[ChunkKey] = set()
+        self._drafts: dict[bytes, _Lineage] = {}
+        self._draft_lock = threading.Lock()
+        self._next_draft_gc = 0.0
         self._threads: list[threading.Thread] = []
         if self.lmdb is not None:
             for target, name in (
@@ -140,7 +187,147 @@ class TierManager:
         """Register a namespace and its chunk size; returns the 16-byte namespace."""
         registration = self.registry.register(spec, chunk_bytes)
         self.cpu.accept(registration)  # refuse now what the arena could never hold
+        if spec.pool is Pool.DRAFT:
+            self._draft_registered(spec, registration.namespace)
         return registration.namespace
+
+    # -- draft revisions ------------------------------------------------------------------
+
+    def _draft_registered(self, spec: NamespaceSpec, namespace: bytes) -> None:
+        """The last revision registered is current: an engine that swapped its draft by
+        itself registers the new one."""
+        assert spec.draft_model is not None
+        lineage = spec.draft_lineage()
+        revision = spec.draft_revision or ""
+        with self._draft_lock:
+            known = self._drafts.get(lineage)
+            if known is None:
+                self._drafts[lineage] = _Lineage(
+                    spec.model, spec.draft_model, revision, {revision: namespace}
+                )
+                return
+            known.namespaces.setdefault(revision, namespace)
+            if revision != known.current:
+                self._switch(known, revision)
+
+    def _switch(self, lineage: _Lineage, revision: str) -> None:
+        old = lineage.current
+        lineage.retired_at[old] = time.monotonic()
+        lineage.retired_at.pop(revision, None)
+        lineage.current = revision
+        lineage.epoch += 1
+        self._counters.add("draft_swaps", 1)
+        retiring: list[LmdbTier | CpuTier] = (
+            [self.cpu] if self.lmdb is None else [self.cpu, self.lmdb]
+        )
+        for tier in retiring:
+            if old in lineage.namespaces:
+                tier.retire(lineage.namespaces[old])
+            tier.retire(lineage.namespaces[revision], retired=False)
+
+    def begin_draft_swap(self, revision: str, draft_model: str = "") -> tuple[str, str]:
+        """Start switching the draft pools (of ``draft_model``, or all) to ``revision``; until
+        `commit_draft_swap`, engines neither load nor store draft chunks. Returns the swap id and
+        the revision in use before."""
+        if not revision:
+            raise InvalidRequestError("a draft swap needs a revision")
+        with self._draft_lock:
+            lineages = [
+                lin
+                for lin in self._drafts.values()
+                if not draft_model or lin.draft_model == draft_model
+            ]
+            if not lineages:
+                raise UnknownPoolError(
+                    "no engine has registered a draft pool"
+                    + (f" of {draft_model!r}" if draft_model else "")
+                    + " with this daemon; start one with speculative decoding first"
+                )
+            swap_id = uuid.uuid4().hex
+            for lin in lineages:  # a begin never committed is superseded, not stuck
+                lin.swap_id, lin.swap_revision = swap_id, revision
+                lin.epoch += 1
+            previous = sorted({lin.current for lin in lineages})
+        return swap_id, ",".join(previous)
+
+    def commit_draft_swap(self, swap_id: str) -> str:
+        """Make the revision given at `begin_draft_swap` current; returns it."""
+        with self._draft_lock:
+            lineages = [lin for lin in self._drafts.values() if swap_id and lin.swap_id == swap_id]
+            if not lineages:
+                raise InvalidRequestError(f"no draft swap {swap_id!r} is under way")
+            revision = lineages[0].swap_revision
+            for lin in lineages:
+                now = lin.namespaces[lin.current]
+                spec = self.registry.spec_of(now)
+                reg = self.registry.get(now)
+                assert spec is not None
+                assert reg is not None
+                new = self.registry.register(spec.with_draft_revision(revision), reg.chunk_bytes)
+                self.cpu.accept(new)
+                lin.namespaces.setdefault(revision, new.namespace)
+                lin.swap_id = lin.swap_revision = ""
+                if revision != lin.current:
+                    self._switch(lin, revision)
+                else:
+                    lin.epoch += 1
+        return revision
+
+    def draft_states(self) -> dict[bytes, DraftState]:
+        """Each draft pool's state, by `NamespaceSpec.draft_lineage`."""
+        with self._draft_lock:
+            return {
+                key: DraftState(lin.current, bool(lin.swap_id), lin.epoch)
+                for key, lin in self._drafts.items()
+            }
+
+    def draft_revisions(self) -> list[DraftRevision]:
+        """Every draft revision still known, with its chunks per tier."""
+        counts: dict[str, Counter[bytes]] = {TIER_CPU: self.cpu.namespace_chunks()}
+        if self.lmdb is not None:
+            counts[TIER_LMDB] = self.lmdb.namespace_chunks()
+        if self.object is not None:
+            counts[TIER_OBJECT] = Counter(
+                k[:NAMESPACE_BYTES] for k in list(self.object.index.chunks)
+            )
+        out = []
+        with self._draft_lock:
+            for lin in self._drafts.values():
+                for revision, ns in lin.namespaces.items():
+                    chunks = {tier: held[ns] for tier, held in counts.items()}
+                    out.append(
+                        DraftRevision(
+                            lin.model,
+                            lin.draft_model,
+                            revision,
+                            ns,
+                            revision == lin.current,
+                            chunks,
+                        )
+                    )
+        return out
+
+    def gc_draft_revisions(self, grace_s: float | None = None) -> int:
+        """Delete, from every tier, the chunks of draft revisions retired longer than the
+        grace ago; returns how many went."""
+        grace = self.config.manager.draft_grace_s if grace_s is None else grace_s
+        now = time.monotonic()
+        due: list[bytes] = []
+        with self._draft_lock:
+            for lin in self._drafts.values():
+                for revision, since in list(lin.retired_at.items()):
+                    if now - since >= grace:
+                        del lin.retired_at[revision]
+                        due.append(lin.namespaces.pop(revision))
+        dropped = 0
+        for namespace in due:
+            for tier in self.tiers.values():
+                dropped += tier.evict(namespace=namespace)
+            self.cpu.retire(namespace, retired=False)
+            if self.lmdb is not None:
+                self.lmdb.retire(namespace, retired=False)
+        self._counters.add("draft_gc_chunks", dropped)
+        return dropped
 
     # -- lookup ---------------------------------------------------------------------------
 
@@ -415,6 +602,9 @@ class TierManager:
             try:
                 while self._writeback_batch(everything=self._write_through):
                     pass
+                if time.monotonic() >= self._next_draft_gc:
+                    self._next_draft_gc = time.monotonic() + _DRAFT_GC_EVERY_S
+                    self.gc_draft_revisions()
             except Exception:  # never let the mover die silently
                 self._counters.add("writeback_errors", 1)
                 log.exception("write-back batch failed")

@@ -2,7 +2,8 @@
 
 Most values are read from the TierManager and the sessions at scrape time. What only the data
 plane sees (lookups and hits per pool and replica, bytes moved for engines, call latencies, the
-draft revisions registered) is recorded by a `Telemetry` object, one per manager.
+draft revisions registered) is recorded by a `Telemetry` object, one per manager; draft
+revisions and swaps are the manager's own.
 
 Everything is built against a registry passed in (no module-level registry), so tests and several
 daemons in one process never share state. Label values come from small fixed sets (tier, pool,
@@ -202,13 +203,21 @@ METRICS: tuple[MetricSpec, ...] = (
         "info",
         "draft_revision",
         "model draft_model draft_revision",
-        "The draft revision last registered for each target and draft model.",
+        "The current draft revision of each target and draft model.",
     ),
     _spec(
         "counter",
         "draft_swaps",
         "",
-        "Draft revision changes seen at pool registration.",
+        "Draft revision changes: admin draft-swap commits, and engines registering a new "
+        "revision of a known draft pool.",
+    ),
+    _spec(
+        "gauge",
+        "draft_revision_chunks",
+        "tier draft_model draft_revision",
+        "Chunks held per draft revision; old revisions are evicted first and deleted after "
+        "manager.draft_grace_s.",
     ),
 )
 SPECS = {spec.name: spec for spec in METRICS}
@@ -383,7 +392,7 @@ class TierCollector(Collector):
         yield from self._queues(stats)
         yield from self._sessions()
         yield from self._object_store(stats)
-        yield from self._drafts()
+        yield from self._drafts(stats)
 
     def _tiers(self, stats: ManagerStats) -> Iterator[Metric]:
         config = self.manager.config
@@ -543,15 +552,26 @@ class TierCollector(Collector):
             errors.add_metric([result], counts[counter])
         yield errors
 
-    def _drafts(self) -> Iterator[Metric]:
+    def _drafts(self, stats: ManagerStats) -> Iterator[Metric]:
         info = _info("draft_revision")
-        for (model, draft_model), revision in sorted(self.telemetry.drafts().items()):
+        chunks = _family("draft_revision_chunks")
+        current = set()
+        held: Counter[tuple[str, str, str]] = Counter()
+        for rev in self.manager.draft_revisions():
+            if rev.current:
+                current.add((rev.model, rev.draft_model, rev.revision))
+            for tier, n in rev.chunks.items():
+                held[tier, rev.draft_model, rev.revision] += n
+        for model, draft_model, revision in sorted(current):
             info.add_metric(
                 [], {"model": model, "draft_model": draft_model, "draft_revision": revision}
             )
+        for labels, n in sorted(held.items()):
+            chunks.add_metric(list(labels), n)
         yield info
+        yield chunks
         swaps = _family("draft_swaps")
-        swaps.add_metric([], self.telemetry.counts()["draft_swaps",])
+        swaps.add_metric([], stats.counters["draft_swaps"])
         yield swaps
 
 

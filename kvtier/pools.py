@@ -27,6 +27,7 @@ class PoolRegistry:
 
     def __init__(self) -> None:
         self._by_namespace: dict[bytes, Registration] = {}
+        self._specs: dict[bytes, NamespaceSpec] = {}
         self._lock = threading.Lock()
 
     def register(self, spec: NamespaceSpec, chunk_bytes: int) -> Registration:
@@ -44,7 +45,12 @@ class PoolRegistry:
                     f"{known.chunk_bytes} bytes per chunk, not {chunk_bytes}"
                 )
             self._by_namespace[namespace] = reg
+            self._specs[namespace] = spec
         return reg
+
+    def spec_of(self, namespace: bytes) -> NamespaceSpec | None:
+        """The spec a namespace was registered with (a draft swap derives the next one)."""
+        return self._specs.get(namespace)
 
     def resolve(self, key: bytes) -> Registration:
         reg = self._by_namespace.get(key[:NAMESPACE_BYTES])

@@ -20,9 +20,9 @@ from kvtier.errors import (
     TierUnavailableError,
 )
 from kvtier.keys import ChunkKey, NamespaceSpec
-from kvtier.manager import LookupResult
+from kvtier.manager import DraftState, LookupResult
 from kvtier.memory import keep_freed_pages
-from kvtier.server.convert import grants_from, ref_to, spec_to
+from kvtier.server.convert import drafts_from, grants_from, ref_to, spec_to
 from kvtier.status import error_from
 from kvtier.tiers.cpu import SlotRef
 
@@ -104,6 +104,7 @@ class GrpcTierClient:
         self._arena_path: Path | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._drafts: dict[bytes, DraftState] = {}
 
     def _rpc(self, method: Callable[..., R], request: Any) -> R:
         return _call(self.target, method, request, timeout=self._timeout)
@@ -171,6 +172,7 @@ class GrpcTierClient:
         response = self._rpc(self._stub.RegisterSession, request)
         self.session_id = response.session_id
         self._arena_path = Path(response.arena_path)
+        self._drafts = drafts_from(response.drafts)
         if self._heartbeat is None:
             interval = response.heartbeat_interval_ms / 1000
             self._heartbeat = threading.Thread(
@@ -196,13 +198,23 @@ class GrpcTierClient:
     def _beat(self, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
-                alive = self._rpc(
-                    self._stub.Heartbeat, tier_pb2.HeartbeatRequest(session_id=self.session_id)
-                ).alive
-                if not alive:  # expired, or the daemon restarted: carry on in a new session
-                    self._reopen()
+                self._heartbeat_once()
             except KVTierError as exc:
                 log.warning("heartbeat to %s failed: %s", self.target, exc)
+
+    def _heartbeat_once(self) -> None:
+        response = self._rpc(
+            self._stub.Heartbeat, tier_pb2.HeartbeatRequest(session_id=self.session_id)
+        )
+        self._drafts = drafts_from(response.drafts)
+        if not response.alive:  # expired, or the daemon restarted: carry on in a new session
+            self._reopen()
+
+    def draft_states(self, refresh: bool = False) -> dict[bytes, DraftState]:
+        """The daemon's draft pools, as of the last heartbeat; ``refresh`` asks now."""
+        if refresh:
+            self._heartbeat_once()
+        return dict(self._drafts)
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         response = self._keys_call(self._lookup, keys)
@@ -343,8 +355,10 @@ class AdminClient:
         request = admin_pb2.GcRequest(retention_s=retention_s, dry_run=dry_run)
         return self._stream(self._stub.Gc, request)
 
-    def draft_swap_begin(self, revision: str) -> admin_pb2.DraftSwapBeginResponse:
-        request = admin_pb2.DraftSwapBeginRequest(revision=revision)
+    def draft_swap_begin(
+        self, revision: str, draft_model: str = ""
+    ) -> admin_pb2.DraftSwapBeginResponse:
+        request = admin_pb2.DraftSwapBeginRequest(revision=revision, draft_model=draft_model)
         return self._rpc(self._stub.DraftSwapBegin, request)
 
     def draft_swap_commit(self, swap_id: str) -> admin_pb2.DraftSwapCommitResponse:

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvtier.errors import ConfigError
+from kvtier_vllm.draft import FillPolicy
 
 
 class Mode(StrEnum):
@@ -57,6 +58,23 @@ class ConnectorConfig(BaseModel):
     tenant: str = Field("default", description="Tenant in the namespace.")
     replica_id: str = Field(
         "", description="Replica id (default: dp<data_parallel_index>), for budgets and metrics."
+    )
+    draft_fill: FillPolicy = Field(
+        FillPolicy.PREVIOUS,
+        description="Draft pages of a target hit that the current draft revision has no chunk "
+        "for: previous (the last revision's chunk, zeros where it has none) or zeros.",
+    )
+    draft_check_steps: int = Field(
+        16,
+        ge=0,
+        description="Fingerprint the draft weights every this many steps, to notice a draft "
+        "swap made without kvtier (0: only at start, after reset_cache() and before draft "
+        "transfers).",
+    )
+    draft_check_transfers: bool = Field(
+        True,
+        description="Fingerprint the draft weights before every step that loads or stores "
+        "draft chunks, so that none is used under the wrong draft revision.",
     )
     promote_wait_ms: int = Field(
         1000,

@@ -69,6 +69,11 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
 
+    def reset_cache(self) -> bool | None:
+        if self._scheduler is not None:
+            self._scheduler.reset_cache()
+        return True
+
     def take_events(self) -> Any:
         return self._scheduler.take_events() if self._scheduler is not None else ()
 
@@ -112,6 +117,8 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._worker.worker_meta() if self._worker is not None else None
 
     def get_kv_connector_stats(self) -> Any:
+        if self._scheduler is not None:
+            return self._scheduler.take_stats()
         return self._worker.take_stats() if self._worker is not None else None
 
     @classmethod

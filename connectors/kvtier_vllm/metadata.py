@@ -21,6 +21,9 @@ class ChunkCopy:
     generation: int
     block_ids: tuple[int, ...]
     first_block: int = 0
+    fill: str = ""
+    """Draft loads: "previous" when the chunk is another revision's, loaded as a fill; such a
+    load is never mistaken for the current revision's."""
 
 
 @dataclass
@@ -30,6 +33,10 @@ class KVTierMetadata(KVConnectorMetadata):
     stores: list[ChunkCopy] = field(default_factory=list)
     zero: dict[str, list[int]] = field(default_factory=dict)
     """Blocks whose pages of a pool must be zeroed: a hit with no chunk of that pool."""
+    draft_check: bool = False
+    """Fingerprint the draft weights this step."""
+    draft_fingerprints: dict[int, str] = field(default_factory=dict)
+    """Per worker rank, the fingerprint of the draft weights the plan is for; none: unbound."""
 
 
 @dataclass
@@ -37,7 +44,13 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     stored: list[tuple[int, int]] = field(default_factory=list)
     """(slot, generation) of store copies that completed."""
     failed: list[tuple[int, int]] = field(default_factory=list)
+    draft_fingerprints: dict[int, str] = field(default_factory=dict)
+    """Per worker rank, the fingerprint of the draft weights, when one was taken."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
-        return KVTierWorkerMetadata(self.stored + other.stored, self.failed + other.failed)
+        return KVTierWorkerMetadata(
+            self.stored + other.stored,
+            self.failed + other.failed,
+            {**self.draft_fingerprints, **other.draft_fingerprints},
+        )

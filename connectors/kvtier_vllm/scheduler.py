@@ -21,13 +21,15 @@ from typing import Any
 from kvtier.client import InProcessClient, SlotRef, TierClient
 from kvtier.config import DemoteMode, load_config
 from kvtier.errors import KVTierError, PoolLayoutError
-from kvtier.keys import ChunkKey, Pool, make_key
+from kvtier.keys import ChunkKey, NamespaceSpec, Pool, make_key
 from kvtier.manager import TIER_CODES, TierManager
 from kvtier.rpc import GrpcTierClient
 from kvtier_vllm.adapter import block_stored_event, replica_of
 from kvtier_vllm.config import ConnectorConfig, Mode
+from kvtier_vllm.draft import AcceptanceMeter, DraftTracker, Fill, lease_draft
 from kvtier_vllm.layout import plan_pools
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
+from kvtier_vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,8 @@ class _LoadPlan:
     zero_pools: list[Pool]
     tiers: bytes = b""
     """Where each chunk was when first asked for (promoted ones came from lmdb)."""
+    fill: Fill = Fill.NONE
+    """How the draft pages of these chunks are set."""
 
 
 @dataclass
@@ -122,6 +126,9 @@ class _RequestState:
     first_tiers: bytes = b""
     plan: _LoadPlan | None = None
     local_tokens: int = 0
+    local_hit: int = 0
+    """Tokens vLLM's own prefix cache held when the request was first scheduled."""
+    fill: Fill = Fill.NONE
 
 
 class KVTierScheduler:
@@ -132,7 +139,17 @@ class KVTierScheduler:
         self.replica = cfg.replica_id or replica_of(vllm_config)
         layer_names = [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names]
         self.plans = plan_pools(vllm_config, layer_names, self._stable(cfg, vllm_config))
-        self._has_draft = any(plan.pool is Pool.DRAFT for plan in self.plans)
+        draft = next((plan for plan in self.plans if plan.pool is Pool.DRAFT), None)
+        self._draft_bytes = draft.chunk_bytes if draft is not None else 0
+        self.draft = (
+            DraftTracker(draft.spec, self._register_draft, cfg.draft_fill, cfg.draft_check_steps)
+            if draft is not None
+            else None
+        )
+        self.stats = KVTierStats()
+        self._acceptance = AcceptanceMeter()
+        self._followed = -1
+        self._revision_reported = ""
         self.client: TierClient | None = None
         self._writer: _IdleWriter | None = None
         self._at_exit: Any = None
@@ -170,7 +187,10 @@ class KVTierScheduler:
             client = open_client(self.cfg, self.replica, chunk_bytes)
             for plan in self.plans:
                 try:
-                    self.namespaces[plan.pool] = client.register_pool(plan.spec, plan.chunk_bytes)
+                    spec = plan.spec
+                    if plan.pool is Pool.DRAFT and self.draft is not None:
+                        spec = self.draft.current_spec()  # the revision swapped to, if any
+                    self.namespaces[plan.pool] = client.register_pool(spec, plan.chunk_bytes)
                 except PoolLayoutError as exc:
                     if plan.pool is Pool.TARGET:
                         raise
@@ -185,6 +205,8 @@ class KVTierScheduler:
             )
             return False
         self.client = client
+        if self.draft is not None:
+            self.draft.namespace = self.namespaces.get(Pool.DRAFT)
         if isinstance(client, InProcessClient):
             self._keep_on_exit(client, chunk_bytes)
         return True
@@ -220,6 +242,74 @@ class KVTierScheduler:
             return cfg.model_copy(update={"tenant": f"{cfg.tenant}/process-{uuid.uuid4().hex}"})
         return cfg
 
+    # -- the draft pool through swaps -----------------------------------------------------
+
+    def _register_draft(self, spec: NamespaceSpec) -> bytes:
+        """Register a draft revision with kvtier; returns its namespace."""
+        if self.client is None:
+            raise KVTierError("kvtier is not connected")
+        return self.client.register_pool(spec, self._draft_bytes)
+
+    def _sync_draft(self, follow: bool) -> None:
+        """Follow kvtier's view of the draft pool (``follow``), then use its namespace."""
+        if self.draft is None or self.client is None:
+            return
+        if follow:
+            self._followed = self._step
+            try:
+                self.draft.follow(self.client.draft_states())
+            except KVTierError as exc:
+                self._guard("draft state", exc)
+        if self.draft.namespace is None:
+            self.namespaces.pop(Pool.DRAFT, None)
+        else:
+            self.namespaces[Pool.DRAFT] = self.draft.namespace
+
+    def reset_cache(self) -> None:
+        """vLLM dropped its prefix cache (pause_generation(clear_cache=True), around weight
+        updates): drop the draft pool until its weights are fingerprinted again or kvtier names
+        the revision; the target pool is kept."""
+        if self.draft is None:
+            return
+        self.draft.reset()
+        if self.client is not None:
+            try:
+                self.draft.follow(self.client.draft_states(refresh=True))
+            except KVTierError as exc:
+                self._guard("draft state", exc)
+            self._sync_draft(follow=False)
+
+    def _wait(self, state: _RequestState) -> bool:
+        """Whether a request may still be asked again next step (up to promote_wait_ms)."""
+        now = time.monotonic()
+        if state.waiting_since is None:
+            state.waiting_since = now
+        return now - state.waiting_since < self.cfg.promote_wait_ms / 1000
+
+    def _count_acceptance(self, req_id: str, computed: int, state: _RequestState, out: Any) -> None:
+        settled = self._acceptance.progressed(req_id, computed)
+        if settled is not None:
+            self.stats.spec(*settled)
+        drafts = getattr(out, "scheduled_spec_decode_tokens", {}).get(req_id)
+        if drafts and self.draft is not None:
+            self._acceptance.scheduled(
+                req_id, computed, len(drafts), self.draft.revision, state.fill
+            )
+
+    def take_stats(self) -> KVTierStats | None:
+        """Acceptance per draft revision and fill, fills, swaps and the revision in use."""
+        if self.draft is not None:
+            if self.draft.revision != self._revision_reported:
+                self._revision_reported = self.draft.revision
+                self.stats.revision(self.draft.revision)
+            for source in self.draft.swaps:
+                self.stats.swap(source)
+            self.draft.swaps.clear()
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, KVTierStats()
+        return stats
+
     # -- guarded calls into kvtier --------------------------------------------------------
 
     def _guard(self, what: str, error: KVTierError) -> None:
@@ -246,9 +336,14 @@ class KVTierScheduler:
         if not self._connect():
             return 0, False
         state = self.state(request)
+        state.local_hit = num_computed_tokens
+        if self._followed != self._step:
+            self._sync_draft(follow=True)
         if self._writer is not None:
             self._writer.touch(True)
         self._drop_plan(state)
+        if self.draft is not None and self.draft.awaiting and self._wait(state):
+            return None, False  # one step: the workers fingerprint the draft weights in it
         prompt = len(request.prompt_token_ids or ())
         # at least one prompt token is always computed, to produce the first output
         limit = min(
@@ -291,6 +386,14 @@ class KVTierScheduler:
                     if Pool.DRAFT in self.namespaces:  # draft chunks travel with their target
                         span = range(in_arena, found.hits)
                         client.promote(self._keys(Pool.DRAFT, request.block_hashes, span))
+                    bpc = self.cfg.blocks_per_chunk
+                    for source in self.draft.fill_sources() if self.draft is not None else ():
+                        client.promote(
+                            [
+                                make_key(source, request.block_hashes[(c + 1) * bpc - 1])
+                                for c in range(in_arena, found.hits)
+                            ]
+                        )
                 return None
         hits = in_arena
         if hits <= first:
@@ -301,15 +404,16 @@ class KVTierScheduler:
         due, self._lease_gc[0] = self._lease_gc[0], []
         offered = {Pool.TARGET: client.release_then_load(due, keys[first:hits])}
         zero: list[Pool] = []
-        if Pool.DRAFT in self.namespaces:
-            draft = client.load(self._keys(Pool.DRAFT, request.block_hashes, range(first, hits)))
-            if all(ref is not None for ref in draft):
+        fill = Fill.NONE
+        if self.draft is not None:
+            bpc = self.cfg.blocks_per_chunk
+            hashes = [request.block_hashes[(c + 1) * bpc - 1] for c in range(first, hits)]
+            draft, fill, back = lease_draft(client, self.draft, hashes)
+            self._release(back)
+            if draft is not None:
                 offered[Pool.DRAFT] = draft
             else:  # never leave draft pages uninitialised
-                self._release([r for r in draft if r is not None])
                 zero.append(Pool.DRAFT)
-        elif self._has_draft:
-            zero.append(Pool.DRAFT)
         # the prefix of chunks leased in every pool; the rest goes back
         granted = next((i for i, r in enumerate(offered[Pool.TARGET]) if r is None), hits - first)
         leases: dict[Pool, list[SlotRef]] = {}
@@ -317,7 +421,7 @@ class KVTierScheduler:
             self._release([r for r in refs[granted:] if r is not None])
             leases[pool] = [r for r in refs[:granted] if r is not None]
         tiers = state.first_tiers[first : first + granted]
-        return _LoadPlan(first, granted, leases, zero, tiers)
+        return _LoadPlan(first, granted, leases, zero, tiers, fill)
 
     def _draft_on_its_way(self, state: _RequestState, request: Any, first: int, hits: int) -> bool:
         """Whether draft chunks of the hit are still coming up into the arena (then ask again,
@@ -383,6 +487,11 @@ class KVTierScheduler:
         meta = KVTierMetadata(arena_path=self.arena_path)
         if self.client is None:
             return meta
+        self._sync_draft(follow=True)
+        self._followed = -1  # the next step's first lookup follows kvtier again
+        if self.draft is not None:
+            meta.draft_check = self.draft.check_due()
+            meta.draft_fingerprints = dict(self.draft.bound)
         self._release(self._lease_gc.popleft())
         self._lease_gc.append([])
         for new in scheduler_output.scheduled_new_reqs:
@@ -397,6 +506,7 @@ class KVTierScheduler:
             state = self._requests.get(req_id)
             if state is None:
                 continue
+            self._count_acceptance(req_id, cached.num_computed_tokens[i], state, scheduler_output)
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 state.block_ids = list(new_ids[0]) if new_ids else []
@@ -418,8 +528,12 @@ class KVTierScheduler:
                 chunk = plan.first_chunk + i
                 first = max(0, skip - chunk * bpc)
                 blocks = state.block_ids[chunk * bpc + first : (chunk + 1) * bpc]
+                # another revision's draft chunk is a fill, never loaded as the current one
+                fill = "previous" if pool is Pool.DRAFT and plan.fill is Fill.PREVIOUS else ""
                 copies.append(
-                    ChunkCopy(str(pool), ref.slot, ref.offset, ref.generation, tuple(blocks), first)
+                    ChunkCopy(
+                        str(pool), ref.slot, ref.offset, ref.generation, tuple(blocks), first, fill
+                    )
                 )
             self._lease_gc[-1].extend(refs)
         meta.loads.extend(copies)
@@ -427,6 +541,9 @@ class KVTierScheduler:
         end = (plan.first_chunk + plan.chunks) * bpc
         for pool in plan.zero_pools:
             meta.zero.setdefault(str(pool), []).extend(state.block_ids[start:end])
+        state.fill = plan.fill
+        if plan.fill is not Fill.NONE and plan.chunks:
+            self.stats.fill(plan.fill, plan.chunks)
         state.stored_chunks = max(state.stored_chunks, plan.first_chunk + plan.chunks)
 
     def _add_stores(
@@ -447,12 +564,20 @@ class KVTierScheduler:
         for plan in self.plans:
             if plan.pool not in self.namespaces:
                 continue
+            span = chunks
+            if plan.pool is Pool.DRAFT and self.draft is not None:
+                if not self.draft.active:
+                    continue  # the draft's weights may be in flux: its KV is no revision's
+                if self.draft.local_cache_stale:
+                    # vLLM's own cache may hold an older revision's draft KV: never store it
+                    local = -(-state.local_hit // self.chunk_tokens)
+                    span = range(max(chunks.start, local), chunks.stop)
             try:
-                refs = client.reserve(self._keys(plan.pool, request.block_hashes, chunks))
+                refs = client.reserve(self._keys(plan.pool, request.block_hashes, span))
             except KVTierError as exc:
                 self._guard("reserve", exc)
                 return
-            for chunk, ref in zip(chunks, refs, strict=True):
+            for chunk, ref in zip(span, refs, strict=True):
                 if ref is None:
                     continue  # present already, or no room right now
                 blocks = tuple(state.block_ids[chunk * bpc : (chunk + 1) * bpc])
@@ -492,6 +617,9 @@ class KVTierScheduler:
     def update_connector_output(self, worker_meta: Any) -> None:
         if self.client is None or not isinstance(worker_meta, KVTierWorkerMetadata):
             return
+        if self.draft is not None and worker_meta.draft_fingerprints:
+            self.draft.reported(worker_meta.draft_fingerprints)
+            self._sync_draft(follow=False)
         done = [self._stores.pop(h)[0] for h in worker_meta.stored if h in self._stores]
         for handle in worker_meta.stored:
             event = self._pending_events.pop(handle, None)
@@ -508,6 +636,9 @@ class KVTierScheduler:
         self._abort(failed) if failed else None
 
     def request_finished(self, request: Any) -> None:
+        settled = self._acceptance.progressed(request.request_id, request.num_computed_tokens)
+        if settled is not None:
+            self.stats.spec(*settled)
         state = self._requests.pop(request.request_id, None)
         if state is not None:
             self._drop_plan(state)

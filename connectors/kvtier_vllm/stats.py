@@ -1,7 +1,10 @@
-"""Transfer statistics inside vLLM: its log line (KVConnectorStats) and its /metrics.
+"""Transfer and draft statistics inside vLLM: its log line (KVConnectorStats) and its /metrics.
 
 Workers count bytes, chunks and seconds per direction and pool; vLLM sums them across workers
-and hands them to the logger and to `KVTierPromMetrics`. Label values come from fixed sets.
+and hands them to the logger and to `KVTierPromMetrics`. The scheduler side adds what only it
+sees: speculative tokens proposed and accepted per draft revision and fill, draft fills, stale
+draft chunks served, swaps and the current draft revision. Label values come from fixed sets,
+except draft revisions, which are bounded by `MAX_REVISIONS`.
 """
 
 from __future__ import annotations
@@ -16,10 +19,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 DIRECTIONS = ("load", "store")
 _FIELDS = ("bytes", "chunks", "seconds", "errors")
+FILLS = ("none", "previous", "zeros")
+"""How a request's draft pages were set: loaded (none), or filled by policy."""
+SWAP_SOURCES = ("admin", "fingerprint")
+MAX_REVISIONS = 16
+_SEP = "|"  # draft keys; revisions may hold dots, never this
+OTHER = "other"
 
 
 def _key(direction: str, pool: str, what: str) -> str:
     return f"{direction}.{pool}.{what}"
+
+
+def spec_key(what: str, revision: str, fill: str) -> str:
+    """``what``: drafted or accepted (speculative tokens)."""
+    return _SEP.join(("spec", what, revision, fill))
 
 
 @dataclass
@@ -33,6 +47,26 @@ class KVTierStats(KVConnectorStats):
         ):
             key = _key(direction, pool, what)
             self.data[key] = self.data.get(key, 0) + value
+
+    def add(self, key: str, value: float) -> None:
+        self.data[key] = self.data.get(key, 0) + value
+
+    def spec(self, revision: str, fill: str, drafted: int, accepted: int) -> None:
+        self.add(spec_key("drafted", revision, fill), drafted)
+        self.add(spec_key("accepted", revision, fill), accepted)
+
+    def fill(self, policy: str, chunks: int) -> None:
+        self.add(_SEP.join(("fill", policy)), chunks)
+
+    def stale(self, chunks: int) -> None:
+        self.add(_SEP.join(("stale", "served")), chunks)
+
+    def swap(self, source: str) -> None:
+        self.add(_SEP.join(("swap", source)), 1)
+
+    def revision(self, revision: str) -> None:
+        """The draft revision now current (a gauge: the last one reported wins)."""
+        self.data[_SEP.join(("revision", revision))] = 1
 
     def reset(self) -> None:
         self.data = {}
@@ -55,10 +89,24 @@ class KVTierStats(KVConnectorStats):
             )
             out[f"kvtier_{direction}_MiB"] = round(nbytes / 2**20, 2)
             out[f"kvtier_{direction}_GBps"] = round(nbytes / seconds / 1e9, 2) if seconds else 0.0
+        drafted = accepted = 0.0
+        for key, value in self.data.items():
+            parts = key.split(_SEP)
+            if parts[0] == "spec":
+                if parts[1] == "drafted":
+                    drafted += value
+                else:
+                    accepted += value
+            elif parts[0] == "fill":
+                out[f"kvtier_draft_fill_{parts[1]}"] = (
+                    out.get(f"kvtier_draft_fill_{parts[1]}", 0) + value
+                )
+        if drafted:
+            out["kvtier_acceptance"] = round(accepted / drafted, 3)
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not self.data  # a zero counted is still news: the series then exists
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
@@ -86,9 +134,75 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             for what, doc in help_of.items()
         }
 
+        base = self._labelnames
+        self._spec: dict[str, Any] = {
+            what: self._counter_cls(
+                name=f"vllm:kvtier_spec_{what}_tokens_total",
+                documentation=f"Speculative tokens {what}, per draft revision and per how the "
+                "request's draft pages were set (none: loaded or computed; previous, zeros: "
+                "filled).",
+                labelnames=[*base, "draft_revision", "fill"],
+            )
+            for what in ("drafted", "accepted")
+        }
+        self._fills: Any = self._counter_cls(
+            name="vllm:kvtier_draft_fill_chunks_total",
+            documentation="Draft chunks of target hits filled instead of loaded, by fill.",
+            labelnames=[*base, "policy"],
+        )
+        self._stale: Any = self._counter_cls(
+            name="vllm:kvtier_stale_draft_chunks_served_total",
+            documentation="Draft chunks of an older revision loaded as if current (0 is right).",
+            labelnames=base,
+        )
+        self._swaps: Any = self._counter_cls(
+            name="vllm:kvtier_draft_swaps_total",
+            documentation="Draft revision changes this engine followed, by how it learned.",
+            labelnames=[*base, "source"],
+        )
+        gauge: Any = self._gauge_cls
+        self._revision: Any = gauge(
+            name="vllm:kvtier_draft_revision_info",
+            documentation="1 for the draft revision in use.",
+            labelnames=[*base, "draft_revision"],
+            multiprocess_mode="mostrecent",
+        )
+        self._current: dict[int, str] = {}
+        self._revisions: set[str] = set()
+
+    def _bounded(self, revision: str) -> str:
+        if revision not in self._revisions and len(self._revisions) >= MAX_REVISIONS:
+            return OTHER
+        self._revisions.add(revision)
+        return revision
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
         for key, value in transfer_stats_data.items():
+            if _SEP in key:
+                self._observe_draft(engine_idx, engine_labels, key.split(_SEP), value)
+                continue
             direction, pool, what = key.split(".")
             if value and what in self._counters:
                 self._counters[what].labels(*engine_labels, direction, pool).inc(value)
+
+    def _observe_draft(
+        self, engine_idx: int, labels: list[str], parts: list[str], value: float
+    ) -> None:
+        kind = parts[0]
+        if kind == "spec" and parts[1] in self._spec and parts[3] in FILLS:
+            counter = self._spec[parts[1]].labels(*labels, self._bounded(parts[2]), parts[3])
+            counter.inc(value)
+        elif kind == "fill" and parts[1] in FILLS and value:
+            self._fills.labels(*labels, parts[1]).inc(value)
+        elif kind == "stale":
+            self._stale.labels(*labels).inc(value)
+        elif kind == "swap" and parts[1] in SWAP_SOURCES and value:
+            self._swaps.labels(*labels, parts[1]).inc(value)
+        elif kind == "revision":
+            revision = self._bounded(parts[1])
+            previous = self._current.get(engine_idx)
+            if previous is not None and previous != revision:
+                self._revision.labels(*labels, previous).set(0)
+            self._revision.labels(*labels, revision).set(1)
+            self._current[engine_idx] = revision

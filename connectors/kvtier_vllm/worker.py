@@ -20,6 +20,7 @@ from kvtier.client import ArenaMemory
 from kvtier.errors import KVTierError
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.copies import CpuCopies, Done, copies_for
+from kvtier_vllm.draft import DraftWatch, Fill, find_draft_model_source
 from kvtier_vllm.layout import PoolPlan, plan_pools
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.stats import KVTierStats
@@ -85,6 +86,9 @@ class KVTierWorker:
         self._failed: list[tuple[int, int]] = []
         self._load_errors: set[int] = set()
         self.stats = KVTierStats()
+        self._draft_watch: DraftWatch | None = None
+        self._draft_ok = True
+        self._fingerprints: dict[int, str] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for plan in plan_pools(self.vllm_config, kv_caches, self.cfg):
@@ -105,6 +109,13 @@ class KVTierWorker:
             stack = _stacked(pages)
             if stack is not None:
                 self.stacks[str(plan.pool)] = stack
+        if "draft" in self.plans:
+            # the model runner calls this: the draft model is found from it, to fingerprint
+            source = find_draft_model_source()
+            if source is None:
+                log.warning("kvtier: draft model not found; draft swaps need kvtier's draft-swap")
+            rank = self.vllm_config.parallel_config.rank
+            self._draft_watch = DraftWatch(source, rank, self.cfg.draft_check_transfers)
 
     def _slots(self, arena_path: str) -> torch.Tensor | None:
         """The arena as bytes; mapped again when the file at the path is a new one (a restarted
@@ -151,12 +162,37 @@ class KVTierWorker:
                     self.copies.copy(pages, arena)
         return True
 
+    def _check_draft(self, meta: KVTierMetadata) -> str:
+        """Whether the draft weights are still those the scheduler planned for; the
+        fingerprint taken, if one was."""
+        watch = self._draft_watch
+        self._draft_ok = True
+        if watch is None:
+            return ""
+        moves = any(j.pool == "draft" for j in meta.loads) or any(
+            j.pool == "draft" for j in meta.stores
+        )
+        self._draft_ok, taken = watch.check(meta.draft_check, moves, meta.draft_fingerprints)
+        if taken:
+            self._fingerprints[watch.rank] = taken
+            self.stats.stale(watch.stale_after(self._draft_ok))
+        return taken
+
+    def _zero(self, pool: str, blocks: list[int]) -> None:
+        stack = self.stacks.get(pool)
+        if stack is not None:
+            stack[:, blocks] = 0
+            return
+        for pages in self.pages.get(pool, []):
+            pages[blocks] = 0
+
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         if meta.arena_path != self._announced:
             # map it on the first step that names it: populating the mapping of a large arena
             # takes a while, and would otherwise delay the first copy
             self._announced = meta.arena_path
             self._slots(meta.arena_path)
+        checked = self._check_draft(meta)
         if not meta.loads and not meta.zero:
             return
         slots = self._slots(meta.arena_path)
@@ -166,6 +202,13 @@ class KVTierWorker:
             return
         self.copies.begin_loads()
         for job in meta.loads:
+            if job.pool == "draft" and not job.fill:
+                if not self._draft_ok:  # planned for other weights: a defined fill instead
+                    self._zero(job.pool, list(job.block_ids))
+                    self.stats.fill(Fill.ZEROS, 1)
+                    continue
+                if not checked and self._draft_watch is not None:
+                    self._draft_watch.unverified += 1
             started = time.perf_counter()
             copied = self._copy(job, slots, into_arena=False)
             ok = copied and self._arena.is_current(job.slot, job.generation)
@@ -174,12 +217,7 @@ class KVTierWorker:
             self._record("load", job, started, ok)
         self.copies.end_loads()
         for pool, blocks in meta.zero.items():
-            stack = self.stacks.get(pool)
-            if stack is not None:
-                stack[:, blocks] = 0
-                continue
-            for pages in self.pages.get(pool, []):
-                pages[blocks] = 0
+            self._zero(pool, blocks)
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         if not meta.stores:
@@ -191,6 +229,9 @@ class KVTierWorker:
         self.copies.begin_stores()
         issued: list[tuple[int, int]] = []
         for job in meta.stores:
+            if job.pool == "draft" and not self._draft_ok:
+                self._failed.append((job.slot, job.generation))  # other weights' KV: not stored
+                continue
             started = time.perf_counter()
             ok = self._copy(job, slots, into_arena=True)
             (issued if ok else self._failed).append((job.slot, job.generation))
@@ -220,10 +261,10 @@ class KVTierWorker:
             else:
                 waiting.append((done, issued))
         self._landing = waiting
-        if not self._stored and not self._failed:
+        if not self._stored and not self._failed and not self._fingerprints:
             return None
-        meta = KVTierWorkerMetadata(self._stored, self._failed)
-        self._stored, self._failed = [], []
+        meta = KVTierWorkerMetadata(self._stored, self._failed, self._fingerprints)
+        self._stored, self._failed, self._fingerprints = [], [], {}
         return meta
 
     def shutdown(self) -> None:

@@ -11,11 +11,16 @@ from kvtier.errors import (
     InvalidRequestError,
     TierNotConfiguredError,
     UnknownPoolError,
-    UnsupportedError,
 )
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.manager import TierManager
-from kvtier.server.convert import check_batch, keys_from, namespace_from, tier_stats_to
+from kvtier.server.convert import (
+    check_batch,
+    draft_revisions_to,
+    keys_from,
+    namespace_from,
+    tier_stats_to,
+)
 from kvtier.server.sessions import SessionRegistry
 from kvtier.tiers.objstore.catalog import Catalog, GcCounts, WarmupCounts
 from kvtier.tiers.objstore.tier import REMOTE_REPLICA, FetchedChunk
@@ -40,6 +45,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             counters=dict(stats.counters),
             sessions=sessions,
             leases=leases,
+            draft_revisions=draft_revisions_to(self.manager.draft_revisions()),
         )
 
     def Evict(
@@ -188,12 +194,15 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def DraftSwapBegin(
         self, request: admin_pb2.DraftSwapBeginRequest, context: grpc.ServicerContext
     ) -> admin_pb2.DraftSwapBeginResponse:
-        raise UnsupportedError("draft swaps are not served by this build yet")
+        swap_id, previous = self.manager.begin_draft_swap(request.revision, request.draft_model)
+        return admin_pb2.DraftSwapBeginResponse(swap_id=swap_id, previous_revision=previous)
 
     def DraftSwapCommit(
         self, request: admin_pb2.DraftSwapCommitRequest, context: grpc.ServicerContext
     ) -> admin_pb2.DraftSwapCommitResponse:
-        raise UnsupportedError("draft swaps are not served by this build yet")
+        return admin_pb2.DraftSwapCommitResponse(
+            revision=self.manager.commit_draft_swap(request.swap_id)
+        )
 
 
 def _warmup_progress(

@@ -17,6 +17,7 @@ from kvtier.keys import (
     PageLayout,
     Pool,
 )
+from kvtier.manager import DraftRevision, DraftState
 from kvtier.tiers.base import TierStats, UsageStats
 from kvtier.tiers.cpu import SlotRef
 
@@ -164,3 +165,29 @@ def tier_stats_to(stats: TierStats) -> admin_pb2.TierStats:
         ],
         counters={k: max(0, v) for k, v in stats.counters.items()},
     )
+
+
+def drafts_to(states: dict[bytes, DraftState]) -> list[tier_pb2.DraftState]:
+    return [
+        tier_pb2.DraftState(
+            lineage=lineage, revision=s.revision, swapping=s.swapping, epoch=s.epoch
+        )
+        for lineage, s in states.items()
+    ]
+
+
+def drafts_from(raw: Iterable[tier_pb2.DraftState]) -> dict[bytes, DraftState]:
+    return {bytes(d.lineage): DraftState(d.revision, d.swapping, d.epoch) for d in raw}
+
+
+def draft_revisions_to(revisions: Iterable[DraftRevision]) -> list[admin_pb2.DraftRevisionStats]:
+    return [
+        admin_pb2.DraftRevisionStats(
+            model=r.model,
+            draft_model=r.draft_model,
+            revision=r.revision,
+            current=r.current,
+            chunks=r.chunks,
+        )
+        for r in revisions
+    ]

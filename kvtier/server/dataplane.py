@@ -18,6 +18,7 @@ from kvtier.manager import TierManager
 from kvtier.metrics import telemetry_of
 from kvtier.server.convert import (
     check_batch,
+    drafts_to,
     grants_to,
     ref_from,
     spec_from,
@@ -100,6 +101,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
             namespaces=namespaces,
             heartbeat_interval_ms=int(self.config.heartbeat_interval_s * 1000),
             session_timeout_ms=int(self.config.session_timeout_s * 1000),
+            drafts=drafts_to(self.manager.draft_states()),
         )
 
     @_timed("lookup")
@@ -179,4 +181,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     def Heartbeat(
         self, request: tier_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> tier_pb2.HeartbeatResponse:
-        return tier_pb2.HeartbeatResponse(alive=self.sessions.heartbeat(request.session_id))
+        return tier_pb2.HeartbeatResponse(
+            alive=self.sessions.heartbeat(request.session_id),
+            drafts=drafts_to(self.manager.draft_states()),
+        )

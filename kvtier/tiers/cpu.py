@@ -12,6 +12,7 @@ tier (dirty) are never evicted.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import Counter, deque
@@ -86,6 +87,7 @@ class _SlotClass:
         self.ready = 0
         self.dirty: deque[tuple[int, int]] = deque()  # (slot, generation), commit order
         self.dirty_count = 0
+        self.retired: set[int] = set()  # slots of retired draft revisions: evicted first
 
 
 def default_arena_size(fraction: float, shm_dir: Path) -> int:
@@ -140,6 +142,7 @@ class CpuTier(Tier):
         self._inflight: Counter[tuple[int, str]] = Counter()  # reserved, not committed
         self._chunks: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> chunks
         self._quota_override: dict[tuple[str, str], int] = {}
+        self._retired: set[bytes] = set()  # namespaces whose chunks go first
         self._counters = Counters()
         self._track_dirty = False
         self._clean_reserve = 0.2
@@ -242,7 +245,20 @@ class CpuTier(Tier):
                 return slot
         return None
 
+    def _retired_victim(
+        self, cls: _SlotClass, q: int | None, reason: str
+    ) -> tuple[int, str] | None:
+        """A chunk of a retired draft revision (of replica ``q``, when given): these go first."""
+        for slot in itertools.islice(cls.retired, _SCAN_LIMIT):
+            if self._evictable(slot) and (q is None or self._owner[slot] == q):
+                self._counters.add("retired_evicted", 1)
+                return slot, reason
+        return None
+
     def _victim(self, cls: _SlotClass) -> tuple[int, str] | None:
+        retired = self._retired_victim(cls, None, "capacity")
+        if retired is not None:
+            return retired
         over = []
         for name, q in self._replicas.items():
             excess = self._used[(q, cls.pool)] - self.quota_bytes(name, cls.pool)
@@ -269,10 +285,12 @@ class CpuTier(Tier):
             return cls.free.pop()
         if self._over_quota(q, cls):
             # a replica at its quota makes room from its own chunks only, or stores nothing
-            slot = self._first_victim(cls, q)
-            victim = None if slot is None else (slot, "quota")
+            victim = self._retired_victim(cls, q, "quota")
             if victim is None:
-                self._counters.add("store_over_quota", 1)
+                slot = self._first_victim(cls, q)
+                victim = None if slot is None else (slot, "quota")
+                if victim is None:
+                    self._counters.add("store_over_quota", 1)
         else:
             victim = self._victim(cls)
         if victim is None:
@@ -292,6 +310,7 @@ class CpuTier(Tier):
             assert key is not None
             del self._index[key]
             cls.policy.remove(slot)
+            cls.retired.discard(slot)
             cls.ready -= 1
             self._used[(self._owner[slot], cls.pool)] -= cls.slot_bytes
             self._chunks[(self._owner[slot], cls.pool)] -= 1
@@ -368,6 +387,8 @@ class CpuTier(Tier):
                     self._pinned[slot] = True
                 else:
                     cls.policy.insert(slot, self._owner[slot])
+                    if self._retired and ref.key[:NAMESPACE_BYTES] in self._retired:
+                        cls.retired.add(slot)
                 if self._track_dirty and not clean:
                     self._dirty[slot] = True
                     cls.dirty_count += 1
@@ -544,6 +565,24 @@ class CpuTier(Tier):
                 dropped += 1
             self._counters.add("evictions_admin", dropped)
         return dropped
+
+    def retire(self, namespace: bytes, retired: bool = True) -> None:
+        """Mark a namespace's chunks (an old draft revision) to be evicted before any other;
+        ``retired=False`` makes it current again (a swap back)."""
+        with self._lock:
+            if retired:
+                self._retired.add(namespace)
+            else:
+                self._retired.discard(namespace)
+            for key, slot in self._index.items():
+                if key[:NAMESPACE_BYTES] == namespace and not self._pinned[slot]:
+                    cls = self._class_of(slot)
+                    (cls.retired.add if retired else cls.retired.discard)(slot)
+
+    def namespace_chunks(self) -> Counter[bytes]:
+        """Chunks held per namespace."""
+        with self._lock:
+            return Counter(key[:NAMESPACE_BYTES] for key in self._index)
 
     def stats(self) -> TierStats:
         with self._lock:

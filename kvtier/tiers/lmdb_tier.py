@@ -22,6 +22,7 @@ import logging
 import shutil
 import struct
 import threading
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -146,6 +147,7 @@ class LmdbTier(Tier):
         self._index: dict[ChunkKey, _Entry] = {}
         self._pinned_keys: set[ChunkKey] = set()
         self._touched: dict[ChunkKey, None] = {}
+        self._retired: set[bytes] = set()  # old draft revisions: evicted before anything else
         self._scratch = bytearray()
         self._counters = Counters()
         self._clock = 0
@@ -239,6 +241,9 @@ class LmdbTier(Tier):
                 self._used -= self._index.pop(key).nbytes
             self._apply(added)
             self._counters.add("evictions_capacity", len(evicted))
+            if self._retired:
+                retired = sum(k[:NAMESPACE_BYTES] in self._retired for k in evicted)
+                self._counters.add("retired_evicted", retired)
             self._counters.add("stores", len(added))
             self._counters.add("store_rejected", results.count(False))
         if self.config.sync_interval_s == 0:
@@ -268,11 +273,26 @@ class LmdbTier(Tier):
         target = min(self._low, self._high - incoming)
         freed = 0
         evicted: list[ChunkKey] = []
+        if self._retired:
+            for key, old in list(self._index.items()):
+                if self._used - freed <= target:
+                    return evicted
+                if old.pinned or key[:NAMESPACE_BYTES] not in self._retired:
+                    continue
+                txn.delete(_lru_key(old.tick, key), db=self._lru)
+                txn.delete(key, db=self._chunks)
+                txn.delete(key, db=self._meta)
+                freed += old.nbytes
+                evicted.append(key)
+        gone = set(evicted)
         cursor = txn.cursor(db=self._lru)
         for lru_key, _ in cursor:
             if self._used - freed <= target:
                 break
             key = ChunkKey(bytes(lru_key[8:]))
+            if key in gone:  # a retired one, deleted above under an older tick
+                cursor.delete()
+                continue
             entry = self._index.get(key)
             cursor.delete()
             txn.delete(key, db=self._chunks)
@@ -463,6 +483,17 @@ class LmdbTier(Tier):
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         self._set_pinned(keys, False)
+
+    def retire(self, namespace: bytes, retired: bool = True) -> None:
+        """Evict a namespace's chunks (an old draft revision) before any other when room is
+        needed; ``retired=False`` undoes it (a swap back)."""
+        with self._lock:
+            (self._retired.add if retired else self._retired.discard)(namespace)
+
+    def namespace_chunks(self) -> Counter[bytes]:
+        """Chunks held per namespace."""
+        with self._lock:
+            return Counter(key[:NAMESPACE_BYTES] for key in self._index)
 
     def keys(self) -> Iterator[ChunkKey]:
         return iter(list(self._index))

@@ -14,7 +14,7 @@ from kvtier.config import from_mapping
 from kvtier.rpc import GrpcTierClient
 from kvtier.server.daemon import Daemon
 from kvtier.tiers.arena import ArenaMemory
-from tests.support import keys_for, payload_for, target_spec
+from tests.support import draft_spec, keys_for, payload_for, target_spec
 
 CHUNK = 256 << 10
 
@@ -101,10 +101,54 @@ def test_pin_and_quota(
     assert "unknown pool" in err
 
 
-def test_draft_swap_is_refused_cleanly(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
+DRAFT_CHUNK = 64 << 10
+
+
+def test_draft_swap_needs_a_draft_pool(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
     rc, _, err = run(capsys, daemon, "draft-swap", "--revision", "r2")
     assert rc == 1
-    assert "not served by this build" in err
+    assert "no engine has registered a draft pool" in err
+
+
+def test_draft_swap_switches_revision_keeps_target_and_stats_show_each_revision(
+    capsys: pytest.CaptureFixture[str], daemon: Daemon, stored: list[bytes]
+) -> None:
+    client = GrpcTierClient(daemon.config.server.socket_path, "dp0")
+    try:
+        draft = client.register_pool(draft_spec(), DRAFT_CHUNK)
+        refs = [r for r in client.reserve(keys_for(draft, 3)) if r is not None]
+        assert client.commit(refs) == 3
+        (lineage,) = client.draft_states(refresh=True)
+        assert client.draft_states()[lineage].revision == "d1"
+
+        rc, out, _ = run(capsys, daemon, "draft-swap", "--revision", "d2", "--begin", "--json")
+        assert rc == 0
+        begun = json.loads(out)
+        assert begun["previousRevision"] == "d1"
+        assert client.draft_states(refresh=True)[lineage].swapping
+        rc, out, _ = run(capsys, daemon, "draft-swap", "--commit", begun["swapId"])
+        assert (rc, out.strip()) == (0, "draft revision is now d2")
+        state = client.draft_states(refresh=True)[lineage]
+        assert (state.revision, state.swapping) == ("d2", False)
+        # the new revision's namespace is the one an engine computes for itself
+        assert client.register_pool(draft_spec(draft_revision="d2"), DRAFT_CHUNK) != draft
+
+        assert client.lookup(stored).hits == len(stored)  # target chunks untouched
+        rc, out, _ = run(capsys, daemon, "stats", "--json")
+        revisions = {
+            (d["revision"], d.get("current", False)): d["chunks"]
+            for d in json.loads(out)["draftRevisions"]
+        }
+        assert revisions[("d1", False)]["cpu"] == "3"
+        assert revisions[("d2", True)]["cpu"] == "0"
+        rc, out, _ = run(capsys, daemon, "stats")
+        assert "d2" in out
+        assert "yes" in out
+        rc, _, err = run(capsys, daemon, "draft-swap", "--commit", begun["swapId"])
+        assert rc == 1
+        assert "no draft swap" in err
+    finally:
+        client.close()
 
 
 def test_no_daemon_says_how_to_start_one(capsys: pytest.CaptureFixture[str]) -> None:

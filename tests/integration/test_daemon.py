@@ -451,9 +451,14 @@ def test_malformed_admin_requests_get_their_status(procs: Processes, files: Daem
             ),
             ("pin short key", lambda: stub.Pin(admin_pb2.PinRequest(keys=[b"k"])), invalid),
             (
-                "draft swap",
+                "draft swap with no draft pool",
                 lambda: stub.DraftSwapBegin(admin_pb2.DraftSwapBeginRequest(revision="d2")),
-                grpc.StatusCode.UNIMPLEMENTED,
+                grpc.StatusCode.FAILED_PRECONDITION,
+            ),
+            (
+                "draft swap commit of an unknown swap",
+                lambda: stub.DraftSwapCommit(admin_pb2.DraftSwapCommitRequest(swap_id="x")),
+                invalid,
             ),
         ]
         got = {name: _code(call) for name, call, _ in cases}

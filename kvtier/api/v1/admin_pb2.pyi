@@ -192,12 +192,15 @@ class StatsResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _builtins.int
     SESSIONS_FIELD_NUMBER: _builtins.int
     LEASES_FIELD_NUMBER: _builtins.int
+    DRAFT_REVISIONS_FIELD_NUMBER: _builtins.int
     sessions: _builtins.int
     leases: _builtins.int
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStats]: ...
     @_builtins.property
     def counters(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def draft_revisions(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftRevisionStats]: ...
     def __init__(
         self,
         *,
@@ -205,14 +208,71 @@ class StatsResponse(_message.Message):
         counters: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         sessions: _builtins.int = ...,
         leases: _builtins.int = ...,
+        draft_revisions: _abc.Iterable[Global___DraftRevisionStats] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "leases", b"leases", "sessions", b"sessions", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "draft_revisions", b"draft_revisions", "leases", b"leases", "sessions", b"sessions", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatsResponse: _TypeAlias = StatsResponse  # noqa: Y015
+
+@_typing.final
+class DraftRevisionStats(_message.Message):
+    """One revision of a draft pool and the chunks each tier holds of it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ChunksEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    DRAFT_MODEL_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    CURRENT_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    draft_model: _builtins.str
+    revision: _builtins.str
+    current: _builtins.bool
+    @_builtins.property
+    def chunks(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """tier -> chunks"""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        draft_model: _builtins.str = ...,
+        revision: _builtins.str = ...,
+        current: _builtins.bool = ...,
+        chunks: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "current", b"current", "draft_model", b"draft_model", "model", b"model", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DraftRevisionStats: _TypeAlias = DraftRevisionStats  # noqa: Y015
 
 @_typing.final
 class EvictRequest(_message.Message):
@@ -625,15 +685,19 @@ class DraftSwapBeginRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REVISION_FIELD_NUMBER: _builtins.int
+    DRAFT_MODEL_FIELD_NUMBER: _builtins.int
     revision: _builtins.str
+    draft_model: _builtins.str
+    """Empty: every draft pool registered."""
     def __init__(
         self,
         *,
         revision: _builtins.str = ...,
+        draft_model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_model", b"draft_model", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -155,13 +155,17 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DraftSwapBegin(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Starts switching draft pools to a new revision: until the commit, engines neither load nor
+        store draft chunks (draft pages of target hits get the fill). Target chunks stay valid.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DraftSwapCommit(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Makes the new revision current; the old one's chunks are evicted first, and deleted after
+        manager.draft_grace_s.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

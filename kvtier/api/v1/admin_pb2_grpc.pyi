@@ -48,7 +48,13 @@ class AdminServiceStub:
     Gc: _grpc.UnaryStreamMultiCallable[_admin_pb2.GcRequest, _admin_pb2.GcProgress]
     """Deletes objects older than the retention from the object store and from the index."""
     DraftSwapBegin: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DraftSwapBeginRequest, _admin_pb2.DraftSwapBeginResponse]
+    """Starts switching draft pools to a new revision: until the commit, engines neither load nor
+    store draft chunks (draft pages of target hits get the fill). Target chunks stay valid.
+    """
     DraftSwapCommit: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DraftSwapCommitRequest, _admin_pb2.DraftSwapCommitResponse]
+    """Makes the new revision current; the old one's chunks are evicted first, and deleted after
+    manager.draft_grace_s.
+    """
 
 @_typing.type_check_only
 class AdminServiceAsyncStub(AdminServiceStub):
@@ -70,7 +76,13 @@ class AdminServiceAsyncStub(AdminServiceStub):
     Gc: _aio.UnaryStreamMultiCallable[_admin_pb2.GcRequest, _admin_pb2.GcProgress]  # type: ignore[assignment]
     """Deletes objects older than the retention from the object store and from the index."""
     DraftSwapBegin: _aio.UnaryUnaryMultiCallable[_admin_pb2.DraftSwapBeginRequest, _admin_pb2.DraftSwapBeginResponse]  # type: ignore[assignment]
+    """Starts switching draft pools to a new revision: until the commit, engines neither load nor
+    store draft chunks (draft pages of target hits get the fill). Target chunks stay valid.
+    """
     DraftSwapCommit: _aio.UnaryUnaryMultiCallable[_admin_pb2.DraftSwapCommitRequest, _admin_pb2.DraftSwapCommitResponse]  # type: ignore[assignment]
+    """Makes the new revision current; the old one's chunks are evicted first, and deleted after
+    manager.draft_grace_s.
+    """
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -148,13 +160,19 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _admin_pb2.DraftSwapBeginRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_pb2.DraftSwapBeginResponse, _abc.Awaitable[_admin_pb2.DraftSwapBeginResponse]]: ...
+    ) -> _typing.Union[_admin_pb2.DraftSwapBeginResponse, _abc.Awaitable[_admin_pb2.DraftSwapBeginResponse]]:
+        """Starts switching draft pools to a new revision: until the commit, engines neither load nor
+        store draft chunks (draft pages of target hits get the fill). Target chunks stay valid.
+        """
 
     @_abc_1.abstractmethod
     def DraftSwapCommit(
         self,
         request: _admin_pb2.DraftSwapCommitRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_pb2.DraftSwapCommitResponse, _abc.Awaitable[_admin_pb2.DraftSwapCommitResponse]]: ...
+    ) -> _typing.Union[_admin_pb2.DraftSwapCommitResponse, _abc.Awaitable[_admin_pb2.DraftSwapCommitResponse]]:
+        """Makes the new revision current; the old one's chunks are evicted first, and deleted after
+        manager.draft_grace_s.
+        """
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -220,6 +220,7 @@ class RegisterSessionResponse(_message.Message):
     NAMESPACES_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     SESSION_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    DRAFTS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     arena_path: _builtins.str
     heartbeat_interval_ms: _builtins.int
@@ -227,6 +228,10 @@ class RegisterSessionResponse(_message.Message):
     @_builtins.property
     def namespaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """The 16-byte namespace of each registered pool, in request order."""
+
+    @_builtins.property
+    def drafts(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftState]:
+        """Every draft pool the daemon knows, so an engine starting mid-swap follows it."""
 
     def __init__(
         self,
@@ -236,14 +241,49 @@ class RegisterSessionResponse(_message.Message):
         namespaces: _abc.Iterable[_builtins.bytes] | None = ...,
         heartbeat_interval_ms: _builtins.int = ...,
         session_timeout_ms: _builtins.int = ...,
+        drafts: _abc.Iterable[Global___DraftState] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_path", b"arena_path", "heartbeat_interval_ms", b"heartbeat_interval_ms", "namespaces", b"namespaces", "session_id", b"session_id", "session_timeout_ms", b"session_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_path", b"arena_path", "drafts", b"drafts", "heartbeat_interval_ms", b"heartbeat_interval_ms", "namespaces", b"namespaces", "session_id", b"session_id", "session_timeout_ms", b"session_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterSessionResponse: _TypeAlias = RegisterSessionResponse  # noqa: Y015
+
+@_typing.final
+class DraftState(_message.Message):
+    """One draft pool: its current revision, and whether a swap is under way (engines then neither
+    load nor store its chunks).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINEAGE_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    SWAPPING_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    lineage: _builtins.bytes
+    """The draft pool's identity without its revision (NamespaceSpec.draft_lineage)."""
+    revision: _builtins.str
+    swapping: _builtins.bool
+    epoch: _builtins.int
+    """Changes with every swap begun or committed."""
+    def __init__(
+        self,
+        *,
+        lineage: _builtins.bytes = ...,
+        revision: _builtins.str = ...,
+        swapping: _builtins.bool = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "lineage", b"lineage", "revision", b"revision", "swapping", b"swapping"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DraftState: _TypeAlias = DraftState  # noqa: Y015
 
 @_typing.final
 class KeyBatch(_message.Message):
@@ -666,16 +706,22 @@ class HeartbeatResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ALIVE_FIELD_NUMBER: _builtins.int
+    DRAFTS_FIELD_NUMBER: _builtins.int
     alive: _builtins.bool
     """False when the session is unknown (expired, or the daemon restarted): register again."""
+    @_builtins.property
+    def drafts(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftState]:
+        """Every draft pool the daemon knows: how engines learn of an admin draft swap."""
+
     def __init__(
         self,
         *,
         alive: _builtins.bool = ...,
+        drafts: _abc.Iterable[Global___DraftState] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "drafts", b"drafts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
