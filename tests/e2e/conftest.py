@@ -18,8 +18,14 @@ from tests.e2e.models import (
     build_models,
     build_tokenizer,
     engine_env,
+    generate_tokens,
     reset_env_caches,
+    running_llm,
+    shared_prefix_prompts,
+    vocab_size_of,
 )
+
+MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="session")
@@ -56,3 +62,40 @@ def engine_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
 def eagle_models(models_dir: Path) -> EagleModels:
     """A 2-layer target and an EAGLE head that reproduces its first layer, built once."""
     return build_eagle_pair(models_dir, tokenizer_dir=build_tokenizer(models_dir))
+
+
+# Prompts sharing prefixes, and their greedy tokens with no connector; a module may override
+# `fresh_prompts`.
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_models: ModelSet) -> list[list[int]]:
+    return shared_prefix_prompts(
+        4,
+        vocab_size=vocab_size_of(tiny_models.target),
+        prefix_len=640,
+        suffix_len=48,
+        num_prefixes=4,
+    )
+
+
+@pytest.fixture(scope="module")
+def fresh_prompts(tiny_models: ModelSet) -> list[list[int]]:
+    return shared_prefix_prompts(
+        2, vocab_size=vocab_size_of(tiny_models.target), prefix_len=320, seed=7
+    )
+
+
+@pytest.fixture(scope="module")
+def baseline(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    fresh_prompts: list[list[int]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> list[list[int]]:
+    """Greedy tokens with no connector: `prompts`, then `fresh_prompts`."""
+    with pytest.MonkeyPatch.context() as mp:
+        set_engine_env(mp, tmp_path_factory.mktemp("baseline"))
+        with running_llm(tiny_models.target) as llm:
+            tokens, _ = generate_tokens(llm, prompts + fresh_prompts, max_tokens=MAX_TOKENS)
+    return tokens

@@ -15,18 +15,15 @@ import pytest
 import yaml
 
 from kvtier.rpc import AdminClient
-from tests.e2e.conftest import set_engine_env
+from tests.e2e.conftest import MAX_TOKENS, set_engine_env
 from tests.e2e.models import (
     ModelSet,
     counter_value,
     generate_tokens,
     running_llm,
-    shared_prefix_prompts,
-    vocab_size_of,
 )
 from tests.integration.daemon_harness import DaemonFiles, Processes, write_config
 
-MAX_TOKENS = 12
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
 TRANSFER_BYTES = "vllm:kvtier_transfer_bytes"  # the reader drops "_total"
 
@@ -74,39 +71,6 @@ def embedded_yaml(tmp: Path, shm_path: Path) -> Path:
         )
     )
     return path
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_models: ModelSet) -> list[list[int]]:
-    return shared_prefix_prompts(
-        4,
-        vocab_size=vocab_size_of(tiny_models.target),
-        prefix_len=640,
-        suffix_len=48,
-        num_prefixes=4,
-    )
-
-
-@pytest.fixture(scope="module")
-def fresh_prompts(tiny_models: ModelSet) -> list[list[int]]:
-    return shared_prefix_prompts(
-        2, vocab_size=vocab_size_of(tiny_models.target), prefix_len=320, seed=7
-    )
-
-
-@pytest.fixture(scope="module")
-def baseline(
-    tiny_models: ModelSet,
-    prompts: list[list[int]],
-    fresh_prompts: list[list[int]],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> list[list[int]]:
-    """Greedy tokens with no connector: `prompts`, then `fresh_prompts`."""
-    with pytest.MonkeyPatch.context() as mp:
-        set_engine_env(mp, tmp_path_factory.mktemp("baseline"))
-        with running_llm(tiny_models.target) as llm:
-            tokens, _ = generate_tokens(llm, prompts + fresh_prompts, max_tokens=MAX_TOKENS)
-    return tokens
 
 
 def test_embedded_outputs_match_and_a_fresh_engine_hits_what_another_stored(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvtier.rpc import AdminClient
-from tests.e2e.conftest import set_engine_env
+from tests.e2e.conftest import MAX_TOKENS, set_engine_env
 from tests.e2e.models import (
     EagleModels,
     ModelSet,
@@ -37,7 +37,6 @@ from tests.integration.daemon_harness import Processes, write_config
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 12
 DRAFTED = "vllm:spec_decode_num_draft_tokens"
 CHUNK_HEADER = 128
 

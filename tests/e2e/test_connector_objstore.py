@@ -9,16 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import ModelSet, counter_value, generate_tokens, running_llm
-from tests.e2e.test_connector import (
-    EXTERNAL_HITS,
-    MAX_TOKENS,
-    baseline,  # noqa: F401 (module fixtures shared with the connector tests)
-    cached_by_source,
-    fresh_prompts,  # noqa: F401
-    kvtier_config,
-    prompts,  # noqa: F401
-)
+from tests.e2e.test_connector import EXTERNAL_HITS, cached_by_source, kvtier_config
 from tests.objstore.fixtures import AwsIrsa
 
 pytestmark = pytest.mark.slow
@@ -48,8 +41,8 @@ def node_yaml(root: Path, shm_path: Path, url: str) -> Path:
 
 def test_a_fresh_node_gets_its_hits_from_the_object_store(
     tiny_models: ModelSet,
-    prompts: list[list[int]],  # noqa: F811
-    baseline: list[list[int]],  # noqa: F811
+    prompts: list[list[int]],
+    baseline: list[list[int]],
     tmp_path: Path,
     shm_path: Path,
     s3_store: str,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvtier.cli import main as kvtier_cli
-from tests.e2e.conftest import set_engine_env
+from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.draft_weights import checkpoint_weights, noisy, swap_draft_weights
 from tests.e2e.models import (
     EagleModels,
@@ -32,7 +32,6 @@ from tests.integration.daemon_harness import DaemonFiles, Processes, write_confi
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 12
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 DRAFTED = "vllm:spec_decode_num_draft_tokens"
 STALE = "vllm:kvtier_stale_draft_chunks_served"
@@ -45,36 +44,10 @@ def spec_config(models: ModelSet) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny_models: ModelSet) -> list[list[int]]:
-    return shared_prefix_prompts(
-        4,
-        vocab_size=vocab_size_of(tiny_models.target),
-        prefix_len=640,
-        suffix_len=48,
-        num_prefixes=4,
-    )
-
-
-@pytest.fixture(scope="module")
-def fresh_prompts(tiny_models: ModelSet) -> list[list[int]]:
+def fresh_prompts(tiny_models: ModelSet) -> list[list[int]]:  # this module's own
     return shared_prefix_prompts(
         2, vocab_size=vocab_size_of(tiny_models.target), prefix_len=320, seed=11
     )
-
-
-@pytest.fixture(scope="module")
-def baseline(
-    tiny_models: ModelSet,
-    prompts: list[list[int]],
-    fresh_prompts: list[list[int]],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> list[list[int]]:
-    """Greedy tokens with neither kvtier nor speculation: `prompts`, then `fresh_prompts`."""
-    with pytest.MonkeyPatch.context() as mp:
-        set_engine_env(mp, tmp_path_factory.mktemp("baseline"))
-        with running_llm(tiny_models.target) as llm:
-            tokens, _ = generate_tokens(llm, prompts + fresh_prompts, max_tokens=MAX_TOKENS)
-    return tokens
 
 
 @pytest.fixture(scope="module")
