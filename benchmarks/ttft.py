@@ -91,6 +91,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from common import die_with_parent, no_gc
 
 from kvtier.config import ENV_PREFIX, ArenaConfig
 from kvtier.keys import NamespaceSpec, PageLayout, Pool, make_key
@@ -130,7 +131,6 @@ LOAD_COUNTERS = (
     "cpu.misses",
     "cpu.writeback_ok",
 )
-PR_SET_PDEATHSIG = 1
 MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes
 
 TARGETS: dict[str, tuple[str, float]] = {
@@ -164,16 +164,6 @@ class Mode:
 ABBA = (False, True, True, False)
 QUICK = Mode("quick", 3, 2, (128, 512), 2, ABBA, 512 * MiB, 5)
 FULL = Mode("full", 5, 3, (32, 128, 512), 3, ABBA + ABBA[::-1], 1 * GiB, 11)
-
-
-@contextlib.contextmanager
-def no_gc() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def median(values: Sequence[float]) -> float:
@@ -308,11 +298,6 @@ def fs_type(path: Path) -> str:
 # -- kvtierd ----------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    # a daemon outliving a killed benchmark would keep its arena in /dev/shm
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class Kvtierd:
     """``kvtier serve`` in a subprocess, stopped with SIGTERM."""
 
@@ -360,7 +345,7 @@ class Kvtierd:
                 stderr=stderr,
                 env=env,
                 text=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT_S)

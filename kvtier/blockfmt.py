@@ -241,12 +241,6 @@ def copy_verified(value: bytes | bytearray | memoryview, key: ChunkKey, dst: mem
     dst[:HEADER_SIZE] = value[:HEADER_SIZE]
 
 
-def peek(value: bytes | bytearray | memoryview) -> tuple[ChunkKey, int]:
-    """Key and encoded length of the chunk that starts ``value``; see `peek_header`."""
-    head = peek_header(value)
-    return head.key, head.encoded_len
-
-
 def split(value: bytes | bytearray | memoryview) -> list[tuple[ChunkKey, memoryview]]:
     """Verify a run of encoded chunks written back to back (an object pack) and return each
     key with a view of its payload. Any flaw anywhere raises `ChunkFormatError`."""
@@ -254,9 +248,9 @@ def split(value: bytes | bytearray | memoryview) -> list[tuple[ChunkKey, memoryv
     out: list[tuple[ChunkKey, memoryview]] = []
     offset = 0
     while offset < len(view):
-        key, length = peek(view[offset:])
-        out.append((key, decode(view[offset : offset + length], key)))
-        offset += length
+        head = peek_header(view[offset:])
+        out.append((head.key, decode(view[offset : offset + head.encoded_len], head.key)))
+        offset += head.encoded_len
     return out
 
 

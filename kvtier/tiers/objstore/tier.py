@@ -190,6 +190,8 @@ class ObjectTier(Tier):
         if incoming > self.budget:
             return False
         used = self.index.used_bytes()
+        if used + incoming <= self.budget:
+            return True  # the common case: no need to order every object by age
         for name in self.index.oldest_first():
             if used + incoming <= self.budget:
                 break
