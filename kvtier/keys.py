@@ -72,6 +72,9 @@ class NamespaceSpec:
     """Draft pool only."""
     draft_revision: str | None = None
     """Draft pool only; a draft swap changes it and nothing else."""
+    attention: str = "full"
+    """What the pool's layers attend to: "full", or "sliding_window=N" for a KV-cache group
+    that reads only the last N tokens (its chunks are stored only where a hit needs them)."""
 
     def __post_init__(self) -> None:
         if self.pool not in tuple(Pool):
@@ -91,6 +94,8 @@ class NamespaceSpec:
         """A stable byte encoding: sorted-key JSON tagged with its own version."""
         fields = asdict(self)
         fields["pool"] = str(self.pool)
+        if self.attention == "full":
+            del fields["attention"]  # at its default: namespaces of earlier versions stay valid
         doc = {"tag": _ENCODING_TAG, "fields": fields}
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 

@@ -7,7 +7,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 __all__ = [
@@ -15,9 +17,11 @@ __all__ = [
     "KVConnectorMetadata",
     "KVConnectorRole",
     "KVConnectorWorkerMetadata",
+    "SupportsHMA",
     "block_stored_event",
     "cache_hit_source",
     "replica_of",
+    "transfer_results",
 ]
 
 
@@ -56,3 +60,8 @@ def block_stored_event(
         medium="CPU",
         lora_name=None,
     )
+
+
+def transfer_results(done: set[str], failed: set[str]) -> KVConnectorTransferResults:
+    """Loads finished; a failed one is also finished, so vLLM stops waiting for it."""
+    return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)

@@ -8,7 +8,9 @@ from kvtier_vllm.adapter import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
     cache_hit_source,
+    transfer_results,
 )
 from kvtier_vllm.config import parse
 from kvtier_vllm.metadata import KVTierMetadata
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
     from kvtier_vllm.worker import KVTierWorker
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = parse(self._kv_transfer_config.kv_connector_extra_config)
@@ -34,7 +36,7 @@ class KVTierConnector(KVConnectorBase_V1):
         else:
             from kvtier_vllm.worker import KVTierWorker
 
-            self._worker = KVTierWorker(vllm_config, cfg)
+            self._worker = KVTierWorker(vllm_config, cfg, kv_cache_config)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -50,7 +52,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, num_external_tokens)
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(
         self, request: Any, num_external_tokens: int
@@ -84,6 +86,13 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler.request_finished(request)
         return False, None  # stores copy in the step that computed them: blocks may go
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        self._scheduler.request_finished(request)
+        return False, None
+
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -109,6 +118,12 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
         self._worker.wait_for_save(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Asynchronous loads (several KV-cache groups) done, and those that failed."""
+        if self._worker is None:
+            return transfer_results(set(), set())
+        return transfer_results(*self._worker.finished_loads())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.block_ids_with_load_errors() if self._worker is not None else set()

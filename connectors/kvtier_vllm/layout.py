@@ -1,14 +1,17 @@
 """Which registered layers form the target and draft pools, and what their chunks look like.
 
-Both connector sides compute the same plan from vLLM's configuration; the worker then checks it
-against the tensors it was given and refuses a pool whose pages differ, rather than guess.
+Each KV-cache group vLLM allocates (one, or several with the hybrid allocator) has its own block
+ids; its layers are split into the target and draft pools, and every (group, pool) pair is a
+plan with its own pages, chunk size and namespace. Both connector sides compute the same plans
+from vLLM's configuration; the worker then checks them against the tensors it was given and
+refuses a plan whose pages differ, rather than guess.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtier.keys import NamespaceSpec, PageLayout, Pool
@@ -16,6 +19,23 @@ from kvtier_vllm.config import ConnectorConfig
 
 DRAFT_PREFIX = "draft_model."
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+class UnsupportedGroupError(ValueError):
+    """A KV-cache group kvtier cannot store (state-space or chunked-local layers)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One of vLLM's KV-cache groups: layers that share one block table."""
+
+    index: int
+    layer_names: tuple[str, ...]
+    window: int = 0
+    """Tokens before a position that its attention still reads (vLLM keeps their blocks);
+    0: every earlier token (full attention)."""
+    sliding_window: int = 0
+    """The model's window, for the namespace; 0: full attention."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +46,19 @@ class PoolPlan:
     """Bytes of one block of one layer."""
     spec: NamespaceSpec
     blocks_per_chunk: int
+    key: str = ""
+    """Names the plan in step metadata and on the worker: the pool, plus the group when there
+    are several."""
+    group: int = 0
+    window: int = 0
+    """See `KVGroup.window`."""
+
+    def first_needed(self, chunks: int, chunk_tokens: int) -> int:
+        """The first chunk a hit of ``chunks`` chunks needs from this plan: 0 for full
+        attention, the start of the window before the hit's end for a sliding window."""
+        if not self.window:
+            return 0
+        return max(0, chunks * chunk_tokens - self.window) // chunk_tokens
 
     @property
     def chunk_bytes(self) -> int:
@@ -63,7 +96,73 @@ def _page_bytes(model_config: Any, parallel_config: Any, cache_dtype: str, block
     return int(block_size * heads * 2 * head_size * dtype.itemsize)
 
 
-def plan_pools(
+def _group_kind(spec: Any) -> tuple[int, int]:
+    """(retained window, sliding window) of a group's spec; raises for layers kvtier cannot
+    store by block."""
+    kind = type(spec).__name__
+    if kind in ("UniformTypeKVCacheSpecs",):  # one block table, layers of one attention type
+        specs = list(spec.kv_cache_specs.values())
+        spec, kind = specs[0], type(specs[0]).__name__
+    if "SlidingWindow" in kind:
+        window = int(spec.sliding_window)
+        return window - 1 + int(getattr(spec, "extra_retained_tokens", 0)), window
+    if kind in ("FullAttentionSpec", "MLAAttentionSpec", "CrossAttentionSpec"):
+        return 0, 0
+    raise UnsupportedGroupError(
+        f"kvtier stores attention KV by block; a {kind} group ({spec}) is not supported: run "
+        "this model without kvtier, or with the hybrid allocator off if its layers allow it"
+    )
+
+
+def kv_groups(kv_cache_config: Any, layer_names: Iterable[str] = ()) -> list[KVGroup]:
+    """vLLM's KV-cache groups; without a config, one full-attention group of ``layer_names``."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups:
+        return [KVGroup(0, tuple(layer_names))]
+    block_sizes = {g.kv_cache_spec.block_size for g in groups}
+    if len(block_sizes) > 1:
+        raise UnsupportedGroupError(
+            f"KV-cache groups with different block sizes {sorted(block_sizes)} are not supported"
+        )
+    out = []
+    for index, group in enumerate(groups):
+        window, sliding = _group_kind(group.kv_cache_spec)
+        out.append(KVGroup(index, tuple(group.layer_names), window, sliding))
+    return out
+
+
+def misplaced_draft(vllm_config: Any, groups: list[KVGroup]) -> str:
+    """Why a ``draft_model`` drafter outside group 0 must not be cached, or "".
+
+    vLLM hands such a drafter group 0's block table, so its KV lands in the target's blocks and
+    outputs are wrong with or without a connector; nothing computed under it may be stored."""
+    spec = vllm_config.speculative_config
+    if spec is None or getattr(spec, "method", None) != "draft_model":
+        return ""
+    for group in groups:
+        if group.index and any(n.startswith(DRAFT_PREFIX) for n in group.layer_names):
+            return (
+                f"the draft_model drafter's layers are in KV-cache group {group.index}, where "
+                "vLLM writes its KV into the target's blocks (wrong outputs, with or without "
+                "kvtier). Start vLLM with --disable-hybrid-kv-cache-manager for this "
+                "deployment, or use an EAGLE or DFlash drafter."
+            )
+    return ""
+
+
+def plan_pools(vllm_config: Any, groups: list[KVGroup], cfg: ConnectorConfig) -> list[PoolPlan]:
+    plans = []
+    for group in groups:
+        for plan in _plan_group(vllm_config, group.layer_names, cfg):
+            key = str(plan.pool) if len(groups) == 1 else f"{plan.pool}.{group.index}"
+            spec = plan.spec
+            if group.sliding_window:
+                spec = replace(spec, attention=f"sliding_window={group.sliding_window}")
+            plans.append(replace(plan, spec=spec, key=key, group=group.index, window=group.window))
+    return plans
+
+
+def _plan_group(
     vllm_config: Any, layer_names: Iterable[str], cfg: ConnectorConfig
 ) -> list[PoolPlan]:
     model = vllm_config.model_config
@@ -107,5 +206,5 @@ def plan_pools(
             draft_model=draft_name,
             draft_revision=draft_revision,
         )
-        plans.append(PoolPlan(pool, layers, page, spec, cfg.blocks_per_chunk))
+        plans.append(PoolPlan(pool, layers, page, spec, cfg.blocks_per_chunk, str(pool)))
     return plans

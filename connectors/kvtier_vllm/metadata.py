@@ -15,7 +15,8 @@ class ChunkCopy:
     are already in vLLM (a local prefix hit) and are not touched.
     """
 
-    pool: str
+    plan: str
+    """The `PoolPlan.key` of the pool and KV-cache group the blocks belong to."""
     slot: int
     offset: int
     generation: int
@@ -24,6 +25,8 @@ class ChunkCopy:
     fill: str = ""
     """Draft loads: "previous" when the chunk is another revision's, loaded as a fill; such a
     load is never mistaken for the current revision's."""
+    request: str = ""
+    """Asynchronous loads: the request whose load this copy is part of."""
 
 
 @dataclass
@@ -32,7 +35,10 @@ class KVTierMetadata(KVConnectorMetadata):
     loads: list[ChunkCopy] = field(default_factory=list)
     stores: list[ChunkCopy] = field(default_factory=list)
     zero: dict[str, list[int]] = field(default_factory=dict)
-    """Blocks whose pages of a pool must be zeroed: a hit with no chunk of that pool."""
+    """Per plan key, blocks whose pages must be zeroed: a hit with no chunk of that pool."""
+    receiving: list[str] = field(default_factory=list)
+    """Requests whose loads are asynchronous (several KV-cache groups): each worker reports
+    them finished, or failed, once their copies are done."""
     draft_check: bool = False
     """Fingerprint the draft weights this step."""
     draft_fingerprints: dict[int, str] = field(default_factory=dict)

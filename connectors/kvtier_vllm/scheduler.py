@@ -15,6 +15,7 @@ import time
 import uuid
 import weakref
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,13 @@ from kvtier.rpc import GrpcTierClient
 from kvtier_vllm.adapter import block_stored_event, replica_of
 from kvtier_vllm.config import ConnectorConfig, Mode
 from kvtier_vllm.draft import AcceptanceMeter, DraftTracker, Fill, lease_draft
-from kvtier_vllm.layout import plan_pools
+from kvtier_vllm.layout import (
+    PoolPlan,
+    UnsupportedGroupError,
+    kv_groups,
+    misplaced_draft,
+    plan_pools,
+)
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.stats import KVTierStats
 
@@ -41,6 +48,7 @@ _LEASE_STEPS = 2  # a load's leases outlive the step that copies it
 _STORE_STEPS = 8  # a reservation no worker confirmed by then is given back
 _RECONNECT_S = 5
 _WRITE_TXN_BYTES = 16 << 20  # per lmdb transaction: a request arriving mid-write waits for one
+_WINDOW_TRIES = 4  # sliding-window checks of one lookup, each with a shorter hit
 
 
 def open_client(cfg: ConnectorConfig, replica: str, chunk_bytes: int = 0) -> TierClient:
@@ -109,22 +117,29 @@ class _IdleWriter:
 class _LoadPlan:
     first_chunk: int
     chunks: int
-    leases: dict[Pool, list[SlotRef]]
-    zero_pools: list[Pool]
+    leases: dict[str, tuple[int, list[SlotRef]]]
+    """Per plan key, the first chunk leased and the leases, chunk after chunk."""
+    zero_plans: list[str]
     tiers: bytes = b""
     """Where each chunk was when first asked for (promoted ones came from lmdb)."""
     fill: Fill = Fill.NONE
     """How the draft pages of these chunks are set."""
 
+    def refs(self) -> list[SlotRef]:
+        return [r for _, refs in self.leases.values() for r in refs]
+
 
 @dataclass
 class _RequestState:
     request: Any
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    """Per KV-cache group, the request's blocks by position (0: vLLM's null block)."""
     stored_chunks: int = 0
     waiting_since: float | None = None
     first_tiers: bytes = b""
     plan: _LoadPlan | None = None
+    hit: _LoadPlan | None = None
+    """The load granted, for its hit sources."""
     local_tokens: int = 0
     local_hit: int = 0
     """Tokens vLLM's own prefix cache held when the request was first scheduled."""
@@ -137,10 +152,27 @@ class KVTierScheduler:
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = self.block_size * cfg.blocks_per_chunk
         self.replica = cfg.replica_id or replica_of(vllm_config)
-        layer_names = [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names]
-        self.plans = plan_pools(vllm_config, layer_names, self._stable(cfg, vllm_config))
-        draft = next((plan for plan in self.plans if plan.pool is Pool.DRAFT), None)
-        self._draft_bytes = draft.chunk_bytes if draft is not None else 0
+        self.refusal = ""
+        """Why this engine's KV is never cached (set at start, for good)."""
+        try:
+            groups = kv_groups(kv_cache_config)
+        except UnsupportedGroupError as exc:
+            groups, self.refusal = [], str(exc)
+        self.refusal = self.refusal or misplaced_draft(vllm_config, groups)
+        if self.refusal:
+            log.error("kvtier is off for this engine: %s", self.refusal)
+            groups = []
+        self.plans = plan_pools(vllm_config, groups, self._stable(cfg, vllm_config))
+        # full-attention plans first: a shorter hit they find never moves their own start
+        self.targets = sorted(
+            (p for p in self.plans if p.pool is Pool.TARGET), key=lambda p: bool(p.window)
+        )
+        self.anchor = self.targets[0] if self.targets else None
+        """The plan whose chunks stand for a hit: in KV events and hit sources."""
+        self.draft_plan = next((p for p in self.plans if p.pool is Pool.DRAFT), None)
+        self.async_loads = len(groups) > 1
+        """Several groups: vLLM takes load failures only per request, after an async load."""
+        draft = self.draft_plan
         self.draft = (
             DraftTracker(draft.spec, self._register_draft, cfg.draft_fill, cfg.draft_check_steps)
             if draft is not None
@@ -153,12 +185,16 @@ class KVTierScheduler:
         self.client: TierClient | None = None
         self._writer: _IdleWriter | None = None
         self._at_exit: Any = None
-        self.namespaces: dict[Pool, bytes] = {}
+        self.namespaces: dict[str, bytes] = {}
+        """Per plan key; a pool without one is not stored (a draft mid-swap)."""
         self.arena_path = ""
         self._next_connect = 0.0
         self._connect()
         self._requests: dict[str, _RequestState] = {}
         self._ready_loads: dict[str, _LoadPlan] = {}
+        self._queued = KVTierMetadata()
+        """Asynchronous loads planned since the last step, for the next step's metadata."""
+        self._queued_leases: list[SlotRef] = []
         self._lease_gc: deque[list[SlotRef]] = deque([[] for _ in range(_LEASE_STEPS)])
         self._stores: dict[tuple[int, int], tuple[SlotRef, int]] = {}  # -> (ref, step)
         self._step = 0
@@ -169,7 +205,7 @@ class KVTierScheduler:
             "kvtier connector: %s mode, replica %s, pools %s, arena %s",
             cfg.mode,
             self.replica,
-            {str(p.pool): p.chunk_bytes for p in self.plans},
+            {p.key: p.chunk_bytes for p in self.plans},
             self.arena_path,
         )
 
@@ -178,7 +214,7 @@ class KVTierScheduler:
         if self.client is not None:
             return True
         now = time.monotonic()
-        if now < self._next_connect:
+        if now < self._next_connect or not self.plans:
             return False
         self._next_connect = now + _RECONNECT_S
         client: TierClient | None = None
@@ -190,7 +226,7 @@ class KVTierScheduler:
                     spec = plan.spec
                     if plan.pool is Pool.DRAFT and self.draft is not None:
                         spec = self.draft.current_spec()  # the revision swapped to, if any
-                    self.namespaces[plan.pool] = client.register_pool(spec, plan.chunk_bytes)
+                    self.namespaces[plan.key] = client.register_pool(spec, plan.chunk_bytes)
                 except PoolLayoutError as exc:
                     if plan.pool is Pool.TARGET:
                         raise
@@ -205,8 +241,8 @@ class KVTierScheduler:
             )
             return False
         self.client = client
-        if self.draft is not None:
-            self.draft.namespace = self.namespaces.get(Pool.DRAFT)
+        if self.draft is not None and self.draft_plan is not None:
+            self.draft.namespace = self.namespaces.get(self.draft_plan.key)
         if isinstance(client, InProcessClient):
             self._keep_on_exit(client, chunk_bytes)
         return True
@@ -246,13 +282,13 @@ class KVTierScheduler:
 
     def _register_draft(self, spec: NamespaceSpec) -> bytes:
         """Register a draft revision with kvtier; returns its namespace."""
-        if self.client is None:
+        if self.client is None or self.draft_plan is None:
             raise KVTierError("kvtier is not connected")
-        return self.client.register_pool(spec, self._draft_bytes)
+        return self.client.register_pool(spec, self.draft_plan.chunk_bytes)
 
     def _sync_draft(self, follow: bool) -> None:
         """Follow kvtier's view of the draft pool (``follow``), then use its namespace."""
-        if self.draft is None or self.client is None:
+        if self.draft is None or self.draft_plan is None or self.client is None:
             return
         if follow:
             self._followed = self._step
@@ -261,9 +297,9 @@ class KVTierScheduler:
             except KVTierError as exc:
                 self._guard("draft state", exc)
         if self.draft.namespace is None:
-            self.namespaces.pop(Pool.DRAFT, None)
+            self.namespaces.pop(self.draft_plan.key, None)
         else:
-            self.namespaces[Pool.DRAFT] = self.draft.namespace
+            self.namespaces[self.draft_plan.key] = self.draft.namespace
 
     def reset_cache(self) -> None:
         """vLLM dropped its prefix cache (pause_generation(clear_cache=True), around weight
@@ -317,10 +353,12 @@ class KVTierScheduler:
             log.error("kvtier %s failed; serving without it until it is back: %s", what, error)
         self._failing = True
 
-    def _keys(self, pool: Pool, hashes: Any, chunks: range) -> list[ChunkKey]:
+    def _keys(self, plan: PoolPlan, hashes: Any, chunks: Iterable[int]) -> list[ChunkKey]:
+        return self._keys_in(self.namespaces[plan.key], hashes, chunks)
+
+    def _keys_in(self, namespace: bytes, hashes: Any, chunks: Iterable[int]) -> list[ChunkKey]:
         bpc = self.cfg.blocks_per_chunk
-        ns = self.namespaces[pool]
-        return [make_key(ns, hashes[(c + 1) * bpc - 1]) for c in chunks]
+        return [make_key(namespace, hashes[(c + 1) * bpc - 1]) for c in chunks]
 
     # -- lookups --------------------------------------------------------------------------
 
@@ -344,12 +382,7 @@ class KVTierScheduler:
         self._drop_plan(state)
         if self.draft is not None and self.draft.awaiting and self._wait(state):
             return None, False  # one step: the workers fingerprint the draft weights in it
-        prompt = len(request.prompt_token_ids or ())
-        # at least one prompt token is always computed, to produce the first output
-        limit = min(
-            (prompt - 1) // self.chunk_tokens,
-            len(request.block_hashes) // self.cfg.blocks_per_chunk,
-        )
+        limit = self._hit_limit(request)
         first = num_computed_tokens // self.chunk_tokens
         if limit <= first:
             return 0, False
@@ -365,78 +398,157 @@ class KVTierScheduler:
             return 0, False
         state.plan = plan
         state.local_tokens = num_computed_tokens
-        return (first + plan.chunks) * self.chunk_tokens - num_computed_tokens, False
+        tokens = (first + plan.chunks) * self.chunk_tokens - num_computed_tokens
+        return tokens, self.async_loads
+
+    def _hit_limit(self, request: Any) -> int:
+        """The most chunks a hit may cover: at least one prompt token is always computed, to
+        produce the first output."""
+        prompt = len(request.prompt_token_ids or ())
+        hashed = len(request.block_hashes) // self.cfg.blocks_per_chunk
+        return int(min((prompt - 1) // self.chunk_tokens, hashed))
+
+    def _find(self, hashes: Any, limit: int) -> tuple[int, dict[str, tuple[int, bytes]], bool]:
+        """The longest hit every target plan holds, in chunks; per plan, the first chunk it
+        needs for that hit and the tier of each chunk from there; whether the object store is
+        still being probed.
+
+        Full-attention plans need every chunk of the hit. A sliding-window plan needs only the
+        window before the hit's end, which moves when the hit gets shorter: its check repeats,
+        a few times at most."""
+        client = self.client
+        assert client is not None
+        chunks, pending = limit, False
+        found: dict[str, tuple[int, bytes]] = {}
+        for _ in range(_WINDOW_TRIES):
+            settled = True
+            for plan in self.targets:
+                start = plan.first_needed(chunks, self.chunk_tokens)
+                if plan.window or plan.key not in found:
+                    result = client.lookup(self._keys(plan, hashes, range(start, chunks)))
+                    pending |= result.pending
+                    found[plan.key] = (start, result.tier_codes)
+                have = start + len(found[plan.key][1])
+                if have < chunks:
+                    chunks = have
+                    settled = settled and not plan.window
+            if settled:
+                return chunks, found, pending
+        return 0, found, pending
 
     def _plan(self, state: _RequestState, request: Any, first: int, limit: int) -> _LoadPlan | None:
         client = self.client
         assert client is not None
-        keys = self._keys(Pool.TARGET, request.block_hashes, range(limit))
-        found = client.lookup(keys)
-        codes = found.tier_codes
+        hashes = request.block_hashes
+        chunks, found, pending = self._find(hashes, limit)
+        assert self.anchor is not None
+        codes = found[self.anchor.key][1][:chunks]
         if len(codes) > len(state.first_tiers):
             state.first_tiers = state.first_tiers + codes[len(state.first_tiers) :]
-        in_arena = next((i for i, c in enumerate(codes) if c != _CPU), found.hits)
-        if in_arena < found.hits or found.pending:
-            now = time.monotonic()
-            if state.waiting_since is None:
-                state.waiting_since = now
-            if now - state.waiting_since < self.cfg.promote_wait_ms / 1000:
-                if in_arena < found.hits:
-                    client.promote(keys[in_arena : found.hits])
-                    if Pool.DRAFT in self.namespaces:  # draft chunks travel with their target
-                        span = range(in_arena, found.hits)
-                        client.promote(self._keys(Pool.DRAFT, request.block_hashes, span))
-                    bpc = self.cfg.blocks_per_chunk
-                    for source in self.draft.fill_sources() if self.draft is not None else ():
-                        client.promote(
-                            [
-                                make_key(source, request.block_hashes[(c + 1) * bpc - 1])
-                                for c in range(in_arena, found.hits)
-                            ]
-                        )
+        # per plan, the chunks to load (from `first` on: vLLM holds the rest) not in the arena
+        below = {
+            plan.key: [
+                c
+                for c, code in enumerate(found[plan.key][1][: chunks - start], start)
+                if c >= first and code != _CPU
+            ]
+            for plan in self.targets
+            for start in (found[plan.key][0],)
+        }
+        if any(below.values()) or pending:
+            if self._wait(state):
+                self._promote(hashes, below)
                 return None
-        hits = in_arena
-        if hits <= first:
+            if len(self.targets) > 1 and any(below.values()):
+                return _LoadPlan(first, 0, {}, [])  # a shorter hit would need other windows
+            chunks = min([chunks, *(c[0] for c in below.values() if c)])
+        if chunks <= first:
             return _LoadPlan(first, 0, {}, [])
-        if Pool.DRAFT in self.namespaces and self._draft_on_its_way(state, request, first, hits):
+        draft = self.draft_plan
+        hit = range(first, chunks)
+        if (
+            draft is not None
+            and draft.key in self.namespaces
+            and self._draft_on_its_way(draft, state, hashes, hit)
+        ):
             return None
-        # leases this step's build_connector_meta would release go back in the same call
+        return self._lease(state, hashes, first, chunks)
+
+    def _needed(self, plan: PoolPlan, first: int, chunks: int) -> range:
+        return range(max(first, plan.first_needed(chunks, self.chunk_tokens)), chunks)
+
+    def _promote(self, hashes: Any, below: dict[str, list[int]]) -> None:
+        """Bring a hit's chunks up into the arena, the draft's with their target's."""
+        client = self.client
+        assert client is not None
+        span: set[int] = set()
+        for plan in self.targets:
+            chunks = below.get(plan.key, [])
+            if chunks:
+                client.promote(self._keys(plan, hashes, chunks))
+                span.update(chunks)
+        if not span or self.draft_plan is None:
+            return
+        namespaces = [self.namespaces.get(self.draft_plan.key)]
+        namespaces += self.draft.fill_sources() if self.draft is not None else []
+        for namespace in namespaces:
+            if namespace is not None:
+                client.promote(self._keys_in(namespace, hashes, sorted(span)))
+
+    def _lease(
+        self, state: _RequestState, hashes: Any, first: int, chunks: int
+    ) -> _LoadPlan | None:
+        """Lease every plan's chunks of the hit; the hit shrinks to what all of them got."""
+        client = self.client
+        assert client is not None
+        # leases this step's build_connector_meta would release go back in the first call
         due, self._lease_gc[0] = self._lease_gc[0], []
-        offered = {Pool.TARGET: client.release_then_load(due, keys[first:hits])}
-        zero: list[Pool] = []
+        offered: dict[str, tuple[int, list[SlotRef | None]]] = {}
+        granted = chunks
+        for plan in self.targets:
+            span = self._needed(plan, first, chunks)
+            refs = client.release_then_load(due, self._keys(plan, hashes, span))
+            due = []
+            offered[plan.key] = (span.start, refs)
+            missing = next((i for i, r in enumerate(refs) if r is None), None)
+            if missing is not None:
+                # a shorter hit moves the sliding windows: with several plans, none
+                granted = first if len(self.targets) > 1 else min(granted, span.start + missing)
+        zero: list[str] = []
         fill = Fill.NONE
-        if self.draft is not None:
-            bpc = self.cfg.blocks_per_chunk
-            hashes = [request.block_hashes[(c + 1) * bpc - 1] for c in range(first, hits)]
-            draft, fill, back = lease_draft(client, self.draft, hashes)
+        if self.draft is not None and self.draft_plan is not None:
+            span = self._needed(self.draft_plan, first, chunks)
+            chunk_hashes = [hashes[(c + 1) * self.cfg.blocks_per_chunk - 1] for c in span]
+            draft, fill, back = lease_draft(client, self.draft, chunk_hashes)
             self._release(back)
             if draft is not None:
-                offered[Pool.DRAFT] = draft
+                offered[self.draft_plan.key] = (span.start, draft)
             else:  # never leave draft pages uninitialised
-                zero.append(Pool.DRAFT)
-        # the prefix of chunks leased in every pool; the rest goes back
-        granted = next((i for i, r in enumerate(offered[Pool.TARGET]) if r is None), hits - first)
-        leases: dict[Pool, list[SlotRef]] = {}
-        for pool, refs in offered.items():
-            self._release([r for r in refs[granted:] if r is not None])
-            leases[pool] = [r for r in refs[:granted] if r is not None]
-        tiers = state.first_tiers[first : first + granted]
-        return _LoadPlan(first, granted, leases, zero, tiers, fill)
+                zero.append(self.draft_plan.key)
+        leases: dict[str, tuple[int, list[SlotRef]]] = {}
+        for key, (start, refs) in offered.items():
+            keep = max(0, granted - start)
+            self._release([r for r in refs[keep:] if r is not None])
+            leases[key] = (start, [r for r in refs[:keep] if r is not None])
+        if granted <= first:
+            self._release([r for _, refs in leases.values() for r in refs])
+            return None if self._wait(state) else _LoadPlan(first, 0, {}, [])
+        tiers = state.first_tiers[first:granted]
+        return _LoadPlan(first, granted - first, leases, zero, tiers, fill)
 
-    def _draft_on_its_way(self, state: _RequestState, request: Any, first: int, hits: int) -> bool:
+    def _draft_on_its_way(
+        self, draft: PoolPlan, state: _RequestState, hashes: Any, hit: range
+    ) -> bool:
         """Whether draft chunks of the hit are still coming up into the arena (then ask again,
         within the wait): loading them now would find them mid-promotion and zero them."""
         client = self.client
         assert client is not None
-        keys = self._keys(Pool.DRAFT, request.block_hashes, range(first, hits))
+        keys = self._keys(draft, hashes, self._needed(draft, hit.start, hit.stop))
         found = client.lookup(keys)
         below = [k for k, c in zip(keys, found.tier_codes, strict=False) if c != _CPU]
         if not below and not found.pending:
             return False
-        now = time.monotonic()
-        if state.waiting_since is None:
-            state.waiting_since = now
-        if now - state.waiting_since >= self.cfg.promote_wait_ms / 1000:
+        if not self._wait(state):
             return False
         if below:
             client.promote(below)
@@ -444,7 +556,7 @@ class KVTierScheduler:
 
     def _drop_plan(self, state: _RequestState) -> None:
         if state.plan is not None:
-            self._release([r for refs in state.plan.leases.values() for r in refs])
+            self._release(state.plan.refs())
             state.plan = None
 
     def _release(self, refs: list[SlotRef]) -> None:
@@ -455,21 +567,30 @@ class KVTierScheduler:
         except KVTierError as exc:
             self._guard("release", exc)
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self.state(request)
-        if num_external_tokens == 0 or state.plan is None:
-            self._drop_plan(state)
+        plan, state.plan = state.plan, None
+        if num_external_tokens == 0 or plan is None:
+            if plan is not None:
+                self._release(plan.refs())
             return
-        self._ready_loads[request.request_id] = state.plan
-        state.plan = None
+        state.hit = plan
+        if not self.async_loads:
+            self._ready_loads[request.request_id] = plan
+            return
+        # the request waits for this load; its blocks are known now, the copies go out with
+        # the next step's metadata and the workers report the request done or failed
+        state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
+        self._queued_leases.extend(self._add_load(self._queued, state, plan))
+        self._queued.receiving.append(request.request_id)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """External tokens by the tier that held them: "host" (arena), "disk" (lmdb) or
         "external_unspecified" (the object store)."""
-        plan = self._ready_loads.get(request.request_id)
-        if plan is None or num_external_tokens == 0:
+        state = self._requests.get(request.request_id)
+        plan = state.hit if state is not None else None
+        if state is None or plan is None or num_external_tokens == 0:
             return {}
-        state = self.state(request)
         sources: dict[str, int] = {}
         for i, code in enumerate(plan.tiers):
             start = max((plan.first_chunk + i) * self.chunk_tokens, state.local_tokens)
@@ -484,7 +605,8 @@ class KVTierScheduler:
         self._step += 1
         if self._writer is not None:
             self._writer.touch(bool(self._requests))
-        meta = KVTierMetadata(arena_path=self.arena_path)
+        meta, self._queued = self._queued, KVTierMetadata()
+        meta.arena_path = self.arena_path
         if self.client is None:
             return meta
         self._sync_draft(follow=True)
@@ -493,13 +615,16 @@ class KVTierScheduler:
             meta.draft_check = self.draft.check_due()
             meta.draft_fingerprints = dict(self.draft.bound)
         self._release(self._lease_gc.popleft())
-        self._lease_gc.append([])
+        self._lease_gc.append(self._queued_leases)
+        self._queued_leases = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
-            self._add_load(meta, new.req_id, state)
+            state.block_ids = [list(ids) for ids in new.block_ids]
+            plan = self._ready_loads.pop(new.req_id, None)
+            if plan is not None:
+                self._lease_gc[-1].extend(self._add_load(meta, state, plan))
             self._add_stores(meta, state, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -509,42 +634,47 @@ class KVTierScheduler:
             self._count_acceptance(req_id, cached.num_computed_tokens[i], state, scheduler_output)
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
+                state.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                state.block_ids.extend(new_ids[0])
+                for group, ids in zip(state.block_ids, new_ids, strict=False):
+                    group.extend(ids)
             self._add_stores(meta, state, cached.num_computed_tokens[i], scheduler_output)
         self._expire_stores()
         return meta
 
-    def _add_load(self, meta: KVTierMetadata, req_id: str, state: _RequestState) -> None:
-        plan = self._ready_loads.pop(req_id, None)
-        if plan is None:
-            return
+    def _add_load(
+        self, meta: KVTierMetadata, state: _RequestState, plan: _LoadPlan
+    ) -> list[SlotRef]:
+        """The copies of a granted load into the request's blocks; returns its leases, to give
+        back once the workers copied them."""
         bpc = self.cfg.blocks_per_chunk
         skip = state.local_tokens // self.block_size
-        copies = []
-        for pool, refs in plan.leases.items():
-            for i, ref in enumerate(refs):
-                chunk = plan.first_chunk + i
+        request = state.request.request_id if self.async_loads else ""
+        by_key = {p.key: p for p in self.plans}
+        for key, (start, refs) in plan.leases.items():
+            ids = state.block_ids[by_key[key].group]
+            # another revision's draft chunk is a fill, never loaded as the current one
+            draft = by_key[key].pool is Pool.DRAFT
+            fill = "previous" if draft and plan.fill is Fill.PREVIOUS else ""
+            for chunk, ref in enumerate(refs, start):
                 first = max(0, skip - chunk * bpc)
-                blocks = state.block_ids[chunk * bpc + first : (chunk + 1) * bpc]
-                # another revision's draft chunk is a fill, never loaded as the current one
-                fill = "previous" if pool is Pool.DRAFT and plan.fill is Fill.PREVIOUS else ""
-                copies.append(
+                blocks = tuple(ids[chunk * bpc + first : (chunk + 1) * bpc])
+                meta.loads.append(
                     ChunkCopy(
-                        str(pool), ref.slot, ref.offset, ref.generation, tuple(blocks), first, fill
+                        key, ref.slot, ref.offset, ref.generation, blocks, first, fill, request
                     )
                 )
-            self._lease_gc[-1].extend(refs)
-        meta.loads.extend(copies)
-        start = max(skip, plan.first_chunk * bpc)
         end = (plan.first_chunk + plan.chunks) * bpc
-        for pool in plan.zero_pools:
-            meta.zero.setdefault(str(pool), []).extend(state.block_ids[start:end])
+        for key in plan.zero_plans:
+            zeroed = self._needed(by_key[key], plan.first_chunk, plan.first_chunk + plan.chunks)
+            ids = state.block_ids[by_key[key].group]
+            start = max(skip, zeroed.start * bpc)
+            meta.zero.setdefault(key, []).extend(b for b in ids[start:end] if b)
         state.fill = plan.fill
         if plan.fill is not Fill.NONE and plan.chunks:
             self.stats.fill(plan.fill, plan.chunks)
         state.stored_chunks = max(state.stored_chunks, plan.first_chunk + plan.chunks)
+        return plan.refs()
 
     def _add_stores(
         self, meta: KVTierMetadata, state: _RequestState, computed: int, out: Any
@@ -552,39 +682,49 @@ class KVTierScheduler:
         request = state.request
         done = computed + out.num_scheduled_tokens.get(request.request_id, 0)
         bpc = self.cfg.blocks_per_chunk
-        full = min(
-            done // self.chunk_tokens, len(request.block_hashes) // bpc, len(state.block_ids) // bpc
-        )
+        blocks_known = min((len(ids) for ids in state.block_ids), default=0)
+        full = min(done // self.chunk_tokens, len(request.block_hashes) // bpc, blocks_known // bpc)
         if full <= state.stored_chunks:
             return
         chunks = range(state.stored_chunks, full)
         state.stored_chunks = full
         client = self.client
         assert client is not None
+        # a sliding window is stored where the prompt's own hit would read it, and past it
+        window_end = self._hit_limit(request)
         for plan in self.plans:
-            if plan.pool not in self.namespaces:
+            if plan.key not in self.namespaces:
                 continue
-            span = chunks
+            span = range(
+                max(chunks.start, plan.first_needed(window_end, self.chunk_tokens)), chunks.stop
+            )
+            if len(span) < len(chunks):
+                self.stats.window_skipped(
+                    str(plan.pool), (len(chunks) - len(span)) * plan.chunk_bytes
+                )
             if plan.pool is Pool.DRAFT and self.draft is not None:
                 if not self.draft.active:
                     continue  # the draft's weights may be in flux: its KV is no revision's
                 if self.draft.local_cache_stale:
                     # vLLM's own cache may hold an older revision's draft KV: never store it
                     local = -(-state.local_hit // self.chunk_tokens)
-                    span = range(max(chunks.start, local), chunks.stop)
+                    span = range(max(span.start, local), span.stop)
+            ids = state.block_ids[plan.group]
+            # blocks vLLM already let go of (null) cannot be stored
+            span_blocks = {c: tuple(ids[c * bpc : (c + 1) * bpc]) for c in span}
+            storable = [c for c in span if all(span_blocks[c])]
             try:
-                refs = client.reserve(self._keys(plan.pool, request.block_hashes, span))
+                refs = client.reserve(self._keys(plan, request.block_hashes, storable))
             except KVTierError as exc:
                 self._guard("reserve", exc)
                 return
-            for chunk, ref in zip(span, refs, strict=True):
+            for chunk, ref in zip(storable, refs, strict=True):
                 if ref is None:
                     continue  # present already, or no room right now
-                blocks = tuple(state.block_ids[chunk * bpc : (chunk + 1) * bpc])
-                if plan.pool is Pool.TARGET:
+                if plan is self.anchor:
                     self._pending_events[(ref.slot, ref.generation)] = self._event(request, chunk)
                 meta.stores.append(
-                    ChunkCopy(str(plan.pool), ref.slot, ref.offset, ref.generation, blocks)
+                    ChunkCopy(plan.key, ref.slot, ref.offset, ref.generation, span_blocks[chunk])
                 )
                 self._stores[(ref.slot, ref.generation)] = (ref, self._step)
 
@@ -644,7 +784,7 @@ class KVTierScheduler:
             self._drop_plan(state)
         plan = self._ready_loads.pop(request.request_id, None)
         if plan is not None:
-            self._release([r for refs in plan.leases.values() for r in refs])
+            self._release(plan.refs())
         if self._writer is not None:
             self._writer.touch(bool(self._requests))
 

@@ -3,7 +3,8 @@
 Workers count bytes, chunks and seconds per direction and pool; vLLM sums them across workers
 and hands them to the logger and to `KVTierPromMetrics`. The scheduler side adds what only it
 sees: speculative tokens proposed and accepted per draft revision and fill, draft fills, stale
-draft chunks served, swaps and the current draft revision. Label values come from fixed sets,
+draft chunks served, swaps, the current draft revision, and the bytes of sliding-window chunks
+it did not store because no hit would read them. Label values come from fixed sets,
 except draft revisions, which are bounded by `MAX_REVISIONS`.
 """
 
@@ -22,6 +23,7 @@ _FIELDS = ("bytes", "chunks", "seconds", "errors")
 FILLS = ("none", "previous", "zeros")
 """How a request's draft pages were set: loaded (none), or filled by policy."""
 SWAP_SOURCES = ("admin", "fingerprint")
+POOLS = ("target", "draft")
 MAX_REVISIONS = 16
 _SEP = "|"  # draft keys; revisions may hold dots, never this
 OTHER = "other"
@@ -64,6 +66,10 @@ class KVTierStats(KVConnectorStats):
     def swap(self, source: str) -> None:
         self.add(_SEP.join(("swap", source)), 1)
 
+    def window_skipped(self, pool: str, nbytes: int) -> None:
+        """Bytes of sliding-window chunks left out: outside the window of every hit."""
+        self.add(_SEP.join(("window", pool)), nbytes)
+
     def revision(self, revision: str) -> None:
         """The draft revision now current (a gauge: the last one reported wins)."""
         self.data[_SEP.join(("revision", revision))] = 1
@@ -97,6 +103,10 @@ class KVTierStats(KVConnectorStats):
                     drafted += value
                 else:
                     accepted += value
+            elif parts[0] == "window":
+                out["kvtier_window_skipped_MiB"] = round(
+                    out.get("kvtier_window_skipped_MiB", 0) + value / 2**20, 2
+                )
             elif parts[0] == "fill":
                 out[f"kvtier_draft_fill_{parts[1]}"] = (
                     out.get(f"kvtier_draft_fill_{parts[1]}", 0) + value
@@ -160,6 +170,12 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             documentation="Draft revision changes this engine followed, by how it learned.",
             labelnames=[*base, "source"],
         )
+        self._window: Any = self._counter_cls(
+            name="vllm:kvtier_window_skipped_bytes_total",
+            documentation="Bytes of sliding-window chunks not stored: outside the window of "
+            "every hit, so storing every block of every group would have cost this much more.",
+            labelnames=[*base, "pool"],
+        )
         gauge: Any = self._gauge_cls
         self._revision: Any = gauge(
             name="vllm:kvtier_draft_revision_info",
@@ -195,6 +211,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             counter.inc(value)
         elif kind == "fill" and parts[1] in FILLS and value:
             self._fills.labels(*labels, parts[1]).inc(value)
+        elif kind == "window" and parts[1] in POOLS and value:
+            self._window.labels(*labels, parts[1]).inc(value)
         elif kind == "stale":
             self._stale.labels(*labels).inc(value)
         elif kind == "swap" and parts[1] in SWAP_SOURCES and value:

@@ -18,10 +18,11 @@ import torch
 
 from kvtier.client import ArenaMemory
 from kvtier.errors import KVTierError
+from kvtier.keys import Pool
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.copies import CpuCopies, Done, copies_for
 from kvtier_vllm.draft import DraftWatch, Fill, find_draft_model_source
-from kvtier_vllm.layout import PoolPlan, plan_pools
+from kvtier_vllm.layout import PoolPlan, UnsupportedGroupError, kv_groups, plan_pools
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.stats import KVTierStats
 
@@ -58,20 +59,23 @@ def _stacked(pages: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def _runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(index in the chunk, first block id, length) of each run of consecutive block ids."""
+    """(index in the chunk, first block id, length) of each run of consecutive block ids;
+    vLLM's null block (id 0, where a sliding window needs nothing) is never copied."""
     runs: list[tuple[int, int, int]] = []
     start = 0
     for i in range(1, len(block_ids) + 1):
-        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
-            runs.append((start, block_ids[start], i - start))
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1 or not block_ids[i - 1]:
+            if block_ids[start]:
+                runs.append((start, block_ids[start], i - start))
             start = i
     return runs
 
 
 class KVTierWorker:
-    def __init__(self, vllm_config: Any, cfg: ConnectorConfig) -> None:
+    def __init__(self, vllm_config: Any, cfg: ConnectorConfig, kv_cache_config: Any = None) -> None:
         self.vllm_config = vllm_config
         self.cfg = cfg
+        self.kv_cache_config = kv_cache_config
         self.plans: dict[str, PoolPlan] = {}
         self.pages: dict[str, list[torch.Tensor]] = {}
         self.stacks: dict[str, torch.Tensor] = {}
@@ -85,31 +89,37 @@ class KVTierWorker:
         self.copies: CpuCopies = CpuCopies()
         self._failed: list[tuple[int, int]] = []
         self._load_errors: set[int] = set()
+        self._receiving: list[tuple[Done, set[str], set[str]]] = []
+        """Asynchronous loads issued: (landed, requests, failed requests)."""
         self.stats = KVTierStats()
         self._draft_watch: DraftWatch | None = None
         self._draft_ok = True
         self._fingerprints: dict[int, str] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        for plan in plan_pools(self.vllm_config, kv_caches, self.cfg):
+        try:
+            groups = kv_groups(self.kv_cache_config, kv_caches)
+        except UnsupportedGroupError:
+            return  # the scheduler side says why, and plans nothing
+        for plan in plan_pools(self.vllm_config, groups, self.cfg):
             pages = [_pages(kv_caches[name]) for name in plan.layer_names]
             actual = {p.shape[1] for p in pages}
             if actual != {plan.page_bytes}:
                 log.error(
                     "kvtier: %s pool pages are %s bytes, expected %d; not offloading this pool",
-                    plan.pool,
+                    plan.key,
                     sorted(actual),
                     plan.page_bytes,
                 )
                 continue
-            self.plans[str(plan.pool)] = plan
-            self.pages[str(plan.pool)] = pages
+            self.plans[plan.key] = plan
+            self.pages[plan.key] = pages
             if pages[0].device != self.copies.device:
                 self.copies = copies_for(pages[0].device)
             stack = _stacked(pages)
             if stack is not None:
-                self.stacks[str(plan.pool)] = stack
-        if "draft" in self.plans:
+                self.stacks[plan.key] = stack
+        if any(plan.pool is Pool.DRAFT for plan in self.plans.values()):
             # the model runner calls this: the draft model is found from it, to fingerprint
             source = find_draft_model_source()
             if source is None:
@@ -139,7 +149,7 @@ class KVTierWorker:
         return self._arena_bytes
 
     def _copy(self, job: ChunkCopy, slots: torch.Tensor, into_arena: bool) -> bool:
-        plan = self.plans.get(job.pool)
+        plan = self.plans.get(job.plan)
         if plan is None:
             return False
         # the slot as [layers, blocks of the chunk, page bytes], as `PoolPlan.layer_offset` lays
@@ -147,13 +157,13 @@ class KVTierWorker:
         chunk = slots[job.offset : job.offset + plan.chunk_bytes].view(
             len(plan.layer_names), plan.blocks_per_chunk, plan.page_bytes
         )
-        stack = self.stacks.get(job.pool)
+        stack = self.stacks.get(job.plan)
         for index, block, n in _runs(job.block_ids):
             part = chunk[:, job.first_block + index : job.first_block + index + n]
             pairs = (
                 [(part, stack[:, block : block + n])]
                 if stack is not None
-                else [(part[i], p[block : block + n]) for i, p in enumerate(self.pages[job.pool])]
+                else [(part[i], p[block : block + n]) for i, p in enumerate(self.pages[job.plan])]
             )
             for arena, pages in pairs:
                 if into_arena:
@@ -169,8 +179,8 @@ class KVTierWorker:
         self._draft_ok = True
         if watch is None:
             return ""
-        moves = any(j.pool == "draft" for j in meta.loads) or any(
-            j.pool == "draft" for j in meta.stores
+        moves = any(self._is_draft(j) for j in meta.loads) or any(
+            self._is_draft(j) for j in meta.stores
         )
         self._draft_ok, taken = watch.check(meta.draft_check, moves, meta.draft_fingerprints)
         if taken:
@@ -178,12 +188,16 @@ class KVTierWorker:
             self.stats.stale(watch.stale_after(self._draft_ok))
         return taken
 
-    def _zero(self, pool: str, blocks: list[int]) -> None:
-        stack = self.stacks.get(pool)
+    def _is_draft(self, job: ChunkCopy) -> bool:
+        plan = self.plans.get(job.plan)
+        return plan is not None and plan.pool is Pool.DRAFT
+
+    def _zero(self, key: str, blocks: list[int]) -> None:
+        stack = self.stacks.get(key)
         if stack is not None:
             stack[:, blocks] = 0
             return
-        for pages in self.pages.get(pool, []):
+        for pages in self.pages.get(key, []):
             pages[blocks] = 0
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
@@ -193,31 +207,55 @@ class KVTierWorker:
             self._announced = meta.arena_path
             self._slots(meta.arena_path)
         checked = self._check_draft(meta)
-        if not meta.loads and not meta.zero:
+        if not meta.loads and not meta.zero and not meta.receiving:
             return
+        failed: set[str] = set()
         slots = self._slots(meta.arena_path)
         if slots is None or self._arena is None:
+            self._fail_loads(meta.loads, failed)
+        else:
+            self.copies.begin_loads()
             for job in meta.loads:
-                self._load_errors.update(job.block_ids)
-            return
-        self.copies.begin_loads()
-        for job in meta.loads:
-            if job.pool == "draft" and not job.fill:
-                if not self._draft_ok:  # planned for other weights: a defined fill instead
-                    self._zero(job.pool, list(job.block_ids))
-                    self.stats.fill(Fill.ZEROS, 1)
-                    continue
-                if not checked and self._draft_watch is not None:
-                    self._draft_watch.unverified += 1
-            started = time.perf_counter()
-            copied = self._copy(job, slots, into_arena=False)
-            ok = copied and self._arena.is_current(job.slot, job.generation)
-            if not ok:
-                self._load_errors.update(job.block_ids)
-            self._record("load", job, started, ok)
-        self.copies.end_loads()
-        for pool, blocks in meta.zero.items():
-            self._zero(pool, blocks)
+                if self._is_draft(job) and not job.fill:
+                    if not self._draft_ok:  # planned for other weights: a defined fill instead
+                        self._zero(job.plan, list(job.block_ids))
+                        self.stats.fill(Fill.ZEROS, 1)
+                        continue
+                    if not checked and self._draft_watch is not None:
+                        self._draft_watch.unverified += 1
+                started = time.perf_counter()
+                copied = self._copy(job, slots, into_arena=False)
+                ok = copied and self._arena.is_current(job.slot, job.generation)
+                if not ok:
+                    self._fail_loads([job], failed)
+                self._record("load", job, started, ok)
+            self.copies.end_loads()
+        for key, blocks in meta.zero.items():
+            self._zero(key, blocks)
+        if meta.receiving:
+            self._receiving.append((self.copies.end_stores(), set(meta.receiving), failed))
+
+    def _fail_loads(self, jobs: list[ChunkCopy], failed: set[str]) -> None:
+        """Blocks vLLM must recompute: per request for asynchronous loads, else per block."""
+        for job in jobs:
+            if job.request:
+                failed.add(job.request)
+            else:
+                self._load_errors.update(b for b in job.block_ids if b)
+
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous loads landed, and those among them that failed."""
+        done: set[str] = set()
+        failed: set[str] = set()
+        waiting = []
+        for landed, requests, bad in self._receiving:
+            if landed():
+                done |= requests - bad
+                failed |= bad
+            else:
+                waiting.append((landed, requests, bad))
+        self._receiving = waiting
+        return done, failed
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         if not meta.stores:
@@ -229,7 +267,7 @@ class KVTierWorker:
         self.copies.begin_stores()
         issued: list[tuple[int, int]] = []
         for job in meta.stores:
-            if job.pool == "draft" and not self._draft_ok:
+            if self._is_draft(job) and not self._draft_ok:
                 self._failed.append((job.slot, job.generation))  # other weights' KV: not stored
                 continue
             started = time.perf_counter()
@@ -239,9 +277,12 @@ class KVTierWorker:
         self._landing.append((self.copies.end_stores(), issued))
 
     def _record(self, direction: str, job: ChunkCopy, started: float, ok: bool) -> None:
-        plan = self.plans.get(job.pool)
-        nbytes = plan.page_bytes * len(plan.layer_names) * len(job.block_ids) if plan else 0
-        self.stats.record(direction, job.pool, nbytes, time.perf_counter() - started, ok)
+        plan = self.plans.get(job.plan)
+        if plan is None:
+            return
+        blocks = sum(1 for b in job.block_ids if b)
+        nbytes = plan.page_bytes * len(plan.layer_names) * blocks
+        self.stats.record(direction, str(plan.pool), nbytes, time.perf_counter() - started, ok)
 
     def take_stats(self) -> KVTierStats | None:
         if self.stats.is_empty():

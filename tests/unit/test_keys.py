@@ -27,6 +27,7 @@ SPEC_CHANGES: dict[str, object] = {
     "pp_size": 4,
     "hash_algo": "sha256_cbor",
     "tenant": "tenant-b",
+    "attention": "sliding_window=200",
 }
 LAYOUT_CHANGES: dict[str, object] = {
     "tokens_per_block": 32,

@@ -22,6 +22,13 @@ def test_runs_cover_every_block_once_in_order() -> None:
     assert _runs((7,)) == [(0, 7, 1)]
 
 
+def test_runs_leave_out_the_null_block() -> None:
+    # a sliding-window group's positions before the window are vLLM's null block, id 0
+    assert _runs((0, 0, 0, 5, 6)) == [(3, 5, 2)]
+    assert _runs((0, 1, 2, 0)) == [(1, 1, 2)]
+    assert _runs((0,)) == []
+
+
 def test_the_stacked_view_is_the_layers_pages() -> None:
     _buffer, pages = cache()
     stack = _stacked(pages)
@@ -38,9 +45,9 @@ def test_run_copies_equal_page_by_page_copies() -> None:
     stack = _stacked(pages)
     assert stack is not None
     for _ in range(50):
-        blocks = tuple(rng.sample(range(BLOCKS), rng.randint(1, 8)))
+        blocks = tuple(rng.sample(range(1, BLOCKS), rng.randint(1, 8)))
         if rng.random() < 0.5:
-            start = rng.randrange(BLOCKS - len(blocks))
+            start = rng.randrange(1, BLOCKS - len(blocks))
             blocks = tuple(range(start, start + len(blocks)))
         slot = torch.empty((LAYERS, len(blocks), pages[0].shape[1]), dtype=torch.uint8)
         for index, block, n in _runs(blocks):
