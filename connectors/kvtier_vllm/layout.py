@@ -106,10 +106,10 @@ def _group_kind(spec: Any) -> tuple[int, int]:
     if "SlidingWindow" in kind:
         window = int(spec.sliding_window)
         return window - 1 + int(getattr(spec, "extra_retained_tokens", 0)), window
-    if kind in ("FullAttentionSpec", "MLAAttentionSpec", "CrossAttentionSpec"):
+    if kind in ("FullAttentionSpec", "MLAAttentionSpec"):
         return 0, 0
     raise UnsupportedGroupError(
-        f"kvtier stores attention KV by block; a {kind} group ({spec}) is not supported: run "
+        f"kvtier stores attention KV by block; a {kind} group is not supported: run "
         "this model without kvtier, or with the hybrid allocator off if its layers allow it"
     )
 
@@ -120,12 +120,17 @@ def kv_groups(kv_cache_config: Any, layer_names: Iterable[str] = ()) -> list[KVG
     if not groups:
         return [KVGroup(0, tuple(layer_names))]
     block_sizes = {g.kv_cache_spec.block_size for g in groups}
-    if len(block_sizes) > 1:
+    hashed = getattr(kv_cache_config, "hash_block_size", None)
+    if len(block_sizes) > 1 or (hashed is not None and {hashed} != block_sizes):
+        # chunk keys are the block hashes of whole blocks, the same in every group
         raise UnsupportedGroupError(
-            f"KV-cache groups with different block sizes {sorted(block_sizes)} are not supported"
+            f"KV-cache groups with block sizes {sorted(block_sizes)} hashed every {hashed} "
+            "tokens are not supported"
         )
     out = []
     for index, group in enumerate(groups):
+        if not getattr(group, "enable_kv_transfer", True):
+            raise UnsupportedGroupError(f"KV-cache group {index} does not allow KV transfer")
         window, sliding = _group_kind(group.kv_cache_spec)
         out.append(KVGroup(index, tuple(group.layer_names), window, sliding))
     return out

@@ -15,6 +15,7 @@ from tests.e2e.models import (
     EagleModels,
     ModelSet,
     build_eagle_pair,
+    build_gemma3_hybrid,
     build_models,
     build_tokenizer,
     engine_env,
@@ -66,6 +67,19 @@ def eagle_models(models_dir: Path) -> EagleModels:
 
 # Prompts sharing prefixes, and their greedy tokens with no connector; a module may override
 # `fresh_prompts`.
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(models_dir: Path, tiny_models: ModelSet) -> Path:
+    """Gemma3-text, layers sliding, full, sliding, full (window 200): two KV-cache groups."""
+    return build_gemma3_hybrid(models_dir, tokenizer_dir=tiny_models.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def hybrid_five_to_one(models_dir: Path, tiny_models: ModelSet) -> Path:
+    """Five sliding layers to one full: six one-layer KV-cache groups."""
+    kinds = ("S",) * 5 + ("F",)
+    return build_gemma3_hybrid(models_dir, layer_types=kinds, tokenizer_dir=tiny_models.tokenizer)
 
 
 @pytest.fixture(scope="module")

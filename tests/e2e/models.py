@@ -283,6 +283,71 @@ def build_eagle_pair(
     return EagleModels(target_path, head_path)
 
 
+_GEMMA3_LAYER_TYPES = {"S": "sliding_attention", "F": "full_attention"}
+
+
+def build_gemma3_hybrid(
+    root: Path,
+    *,
+    layer_types: Sequence[str] = ("S", "F", "S", "F"),
+    sliding_window: int = 200,
+    hidden_size: int = 256,
+    tokenizer_dir: Path | None = None,
+    seed: int = 0,
+    name: str | None = None,
+) -> Path:
+    """A random-weight fp32 Gemma3ForCausalLM (model_type gemma3_text) with the tokenizer
+    beside it: "S" layers use a sliding window of `sliding_window` tokens, "F" layers attend
+    fully. With a connector that supports HMA, vLLM gives the two kinds separate KV groups.
+
+    Head dim 32 (4 query heads, 2 KV heads) keeps it on the CPU attention backend's sizes.
+    """
+    kinds = tuple(layer_types)
+    unknown = sorted(set(kinds) - set(_GEMMA3_LAYER_TYPES))
+    if not kinds or unknown:
+        raise ValueError(f"layer_types must be a non-empty sequence of 'S'/'F', got {kinds!r}")
+    name = name or (
+        f"gemma3-{''.join(kinds)}-w{sliding_window}-h{hidden_size}-a4-kv2-d32-float32-s{seed}"
+    )
+    path = Path(root) / name
+    if _is_built(path):
+        return path
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else build_tokenizer(root)
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
+    _fresh(path)
+    head_dim = 32
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=len(kinds),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=sliding_window,
+        layer_types=[_GEMMA3_LAYER_TYPES[k] for k in kinds],
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    config.architectures = ["Gemma3ForCausalLM"]
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config)  # fp32: torch's default dtype
+    model.save_pretrained(str(path), safe_serialization=True)
+    for file in _TOKENIZER_FILES:
+        if (tokenizer_dir / file).is_file():
+            shutil.copy2(tokenizer_dir / file, path / file)
+    (path / _DONE).touch()
+    return path
+
+
 def build_benchmark_llama(root: Path, *, tokenizer_dir: Path | None = None) -> Path:
     return build_llama(
         root,

@@ -197,7 +197,7 @@ def test_fill_policies_write_defined_draft_pages_and_swaps_are_found_without_kvt
     start_load_kv = KVTierWorker.start_load_kv
 
     def poisoned_first(self: KVTierWorker, meta: KVTierMetadata) -> None:
-        blocks = sorted({b for job in meta.loads if job.pool == "target" for b in job.block_ids})
+        blocks = sorted({b for job in meta.loads if job.plan == "target" for b in job.block_ids})
         pages = self.pages.get("draft", [])
         if blocks and pages:
             for layer in pages:

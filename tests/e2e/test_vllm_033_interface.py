@@ -50,12 +50,10 @@ def base_source(tmp_path_factory: pytest.TempPathFactory) -> str:
         return wheel.read(BASE).decode()
 
 
-def _methods(source: str) -> dict[str, tuple[bool, list[str]]]:
-    """name -> (abstract, parameter names) for KVConnectorBase_V1."""
+def _methods(source: str, name: str = "KVConnectorBase_V1") -> dict[str, tuple[bool, list[str]]]:
+    """name -> (abstract, parameter names) for a class of the connector base module."""
     tree = ast.parse(source)
-    (cls,) = [
-        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KVConnectorBase_V1"
-    ]
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
     out = {}
     for node in cls.body:
         if isinstance(node, ast.FunctionDef):
@@ -74,6 +72,11 @@ def test_connector_implements_the_033_interface(base_source: str) -> None:
 
     methods = _methods(base_source)
     assert len(methods) > 20, "did not find the base class"
+    # the hybrid allocator stays on for connectors that also derive from SupportsHMA
+    hybrid = _methods(base_source, "SupportsHMA")
+    assert hybrid["request_finished_all_groups"][0]
+    methods.update(hybrid)
+    assert "failed_recving" in base_source  # request-level load failures
     ours = {
         name: member
         for name, member in vars(KVTierConnector).items()

@@ -1,0 +1,392 @@
+"""Hybrid models with vLLM's hybrid allocator on: sliding-window and full-attention layers in
+separate KV-cache groups, through the arena, lmdb and the object store.
+
+Outputs must be identical, top-3 fp32 logprobs included, with and without the connector and
+in fresh engines that hit; sliding-window groups store only the window a hit reads.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.e2e.conftest import MAX_TOKENS, set_engine_env
+from tests.e2e.models import (
+    BLOCK_SIZE,
+    ModelSet,
+    build_eagle_pair,
+    running_llm,
+    shared_prefix_prompts,
+    vocab_size_of,
+)
+from tests.e2e.test_connector import (
+    TRANSFER_BYTES,
+    cached_by_source,
+    counter,
+    embedded_yaml,
+    kvtier_config,
+)
+from tests.integration.daemon_harness import Processes, write_config
+from tests.objstore.fixtures import AwsIrsa
+
+pytestmark = pytest.mark.slow
+
+WINDOW = 200
+LOGPROBS = 3
+PROMPT_TOKENS = 940
+WINDOW_SKIPPED = "vllm:kvtier_window_skipped_bytes"
+# one chunk is one block here: two layers of 32 tokens x 2 KV heads x (k, v) x 32 x fp32
+CHUNK_BYTES = 2 * BLOCK_SIZE * 2 * 2 * 32 * 4
+
+
+@dataclass(frozen=True)
+class Run:
+    tokens: list[list[int]]
+    logprobs: list[list[dict[int, float]]]
+    """Per prompt and step, the top-3 tokens' logprobs (fp32, compared exactly)."""
+    cached: list[int]
+
+    def same_output(self, other: Run) -> bool:
+        return self.tokens == other.tokens and self.logprobs == other.logprobs
+
+    def same_tokens_and_top(self, other: Run, tolerance: float = 1e-5) -> bool:
+        """The same tokens and top-k candidates, logprobs equal within ``tolerance``: engines
+        in other processes may bind other cores, and fp32 reductions then round differently
+        (seen as 5e-7 here)."""
+        return self.tokens == other.tokens and all(
+            a.keys() == b.keys() and all(abs(a[t] - b[t]) <= tolerance for t in a)
+            for mine, theirs in zip(self.logprobs, other.logprobs, strict=True)
+            for a, b in zip(mine, theirs, strict=True)
+        )
+
+
+def generate(llm: Any, prompts: Sequence[Sequence[int]]) -> Run:
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=LOGPROBS
+    )
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    return Run(
+        [list(o.outputs[0].token_ids) for o in outputs],
+        [
+            [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs or ()]
+            for o in outputs
+        ],
+        [o.num_cached_tokens or 0 for o in outputs],
+    )
+
+
+def hit_chunks(prompt_tokens: int) -> int:
+    """The chunks a prompt can hit: at least one token is always computed."""
+    return (prompt_tokens - 1) // BLOCK_SIZE
+
+
+def window_start(chunks: int) -> int:
+    """The first block vLLM keeps for a sliding window after ``chunks`` chunks: whole blocks
+    before ``T - window + 1`` are skipped (its own formula)."""
+    return max(0, chunks * BLOCK_SIZE - WINDOW + 1) // BLOCK_SIZE
+
+
+@pytest.fixture(scope="module")
+def hybrid_prompts(hybrid_model: Path) -> list[list[int]]:
+    return shared_prefix_prompts(
+        3,
+        vocab_size=vocab_size_of(hybrid_model),
+        prefix_len=PROMPT_TOKENS - 40,
+        suffix_len=40,
+        num_prefixes=3,
+        seed=8,
+    )
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """No connector (vLLM keeps its hybrid allocator on by itself): the prompts cold, then
+    again on vLLM's own prefix-cache hits, which is what a kvtier hit must reproduce exactly
+    (computing a suffix over cached KV may round differently from a whole prefill)."""
+
+    cold: Run
+    hit: Run
+
+
+def baseline_of(model: Path, prompts: list[list[int]], **engine: Any) -> Baseline:
+    with running_llm(model, **engine) as llm:
+        cold = generate(llm, prompts)
+        hit = generate(llm, prompts)
+    assert hit.cached == [hit_chunks(PROMPT_TOKENS) * BLOCK_SIZE] * len(prompts)
+    return Baseline(cold, hit)
+
+
+@pytest.fixture(scope="module")
+def hybrid_baseline(hybrid_model: Path, hybrid_prompts: list[list[int]]) -> Baseline:
+    return baseline_of(hybrid_model, hybrid_prompts)
+
+
+def test_hybrid_groups_store_only_the_window_and_fresh_engines_hit_from_every_tier(
+    hybrid_model: Path,
+    hybrid_prompts: list[list[int]],
+    hybrid_baseline: Baseline,
+    procs: Processes,
+    tmp_path: Path,
+    shm_path: Path,
+    s3_store: str,
+    aws_irsa: AwsIrsa,
+) -> None:
+    files = write_config(
+        tmp_path,
+        shm_path,
+        {
+            "arena": {"size_bytes": 64 << 20, "min_slot_bytes": 16 << 10},
+            "object": {
+                "url": s3_store,
+                "index_path": str(tmp_path / "objindex"),
+                "index_map_bytes": 64 << 20,
+                "lookup_budget_ms": 3000,
+            },
+        },
+    )
+    sidecar = kvtier_config({"mode": "sidecar", "socket_path": str(files.socket)})
+    prompts = hybrid_prompts
+    chunks = hit_chunks(PROMPT_TOKENS)
+    skipped_per_prompt = window_start(chunks)
+    assert 0 < skipped_per_prompt < chunks  # the window is much shorter than the prompt
+
+    daemon = procs.start_daemon(files)
+    with running_llm(hybrid_model, kv_transfer_config=sidecar) as llm:
+        first = generate(llm, prompts)
+        stored = counter(llm, TRANSFER_BYTES, direction="store", pool="target")
+        skipped = counter(llm, WINDOW_SKIPPED, pool="target")
+    assert first.same_output(hybrid_baseline.cold)
+    assert first.cached == [0] * len(prompts)
+    # every full-attention chunk, and of the sliding-window group only the window before the
+    # end of the prompt's hit: from the tier's own count and from vLLM's metrics
+    expected = len(prompts) * (chunks + chunks - skipped_per_prompt)
+    arena = next(t for t in daemon.stats().tiers if t.tier == "cpu")
+    assert arena.usage.chunks == expected
+    assert stored == expected * CHUNK_BYTES
+    assert skipped == len(prompts) * skipped_per_prompt * CHUNK_BYTES
+
+    def fresh_engine_hits(source: str) -> None:
+        with running_llm(hybrid_model, kv_transfer_config=sidecar) as llm:
+            run = generate(llm, prompts)
+            assert cached_by_source(llm, source) == len(prompts) * chunks * BLOCK_SIZE
+        assert run.same_output(hybrid_baseline.hit)
+        assert run.cached == [chunks * BLOCK_SIZE] * len(prompts)
+
+    fresh_engine_hits("host")  # the daemon's arena outlived the first engine
+    # SIGTERM drains the arena to lmdb and uploads to the store
+    assert daemon.signal_and_wait(signal.SIGTERM, 60) == 0
+    daemon = procs.start_daemon(files)
+    fresh_engine_hits("disk")
+    assert daemon.signal_and_wait(signal.SIGTERM, 60) == 0
+    shutil.rmtree(files.lmdb)
+    procs.start_daemon(files)
+    fresh_engine_hits("external_unspecified")  # the object store, through the kept index
+
+
+@dataclass
+class _Snapshot:
+    position: int
+    block: int
+    pages: torch.Tensor
+
+
+@contextmanager
+def sliding_block_reuse(mp: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+    """Counts sliding-window blocks that vLLM handed to a later position of the same request
+    while the first position's KV would still have been worth storing, and that then held other
+    bytes: what a copy deferred past its step would have read.
+
+    In-process engine: the scheduler side records each step's block table of the sliding
+    group, and the worker snapshots the pages computed in that step right after the forward.
+    """
+    from kvtier_vllm.scheduler import KVTierScheduler
+    from kvtier_vllm.worker import KVTierWorker
+
+    seen = {"snapshots": 0, "reused": 0, "overwritten": 0}
+    steps: list[tuple[int, int, list[int]]] = []  # (computed before, after, block ids)
+    snapshots: list[_Snapshot] = []
+    build = KVTierScheduler.build_connector_meta
+    save = KVTierWorker.wait_for_save
+
+    def recording_build(self: KVTierScheduler, out: Any) -> Any:
+        meta = build(self, out)
+        for new in out.scheduled_new_reqs:
+            steps.append((new.num_computed_tokens, 0, list(new.block_ids[0])))
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is not None:
+                steps.append((cached.num_computed_tokens[i], 0, list(state.block_ids[0])))
+        if steps:
+            before, _, ids = steps[-1]
+            scheduled = sum(out.num_scheduled_tokens.values())
+            steps[-1] = (before, before + scheduled, ids)
+        return meta
+
+    def snapshotting_save(self: KVTierWorker, meta: Any) -> None:
+        save(self, meta)
+        if not steps or "target.0" not in self.pages:
+            return
+        before, after, ids = steps[-1]
+        pages = self.pages["target.0"][0]  # a layer of the sliding-window group
+        for old in list(snapshots):
+            later = [p for p in range(old.position + 1, after // BLOCK_SIZE) if ids[p] == old.block]
+            if later:
+                seen["reused"] += 1
+                seen["overwritten"] += int(not torch.equal(pages[old.block], old.pages))
+                snapshots.remove(old)
+        for position in range(before // BLOCK_SIZE, after // BLOCK_SIZE):
+            if position < len(ids) and ids[position]:
+                snapshots.append(_Snapshot(position, ids[position], pages[ids[position]].clone()))
+                seen["snapshots"] += 1
+
+    mp.setattr(KVTierScheduler, "build_connector_meta", recording_build)
+    mp.setattr(KVTierWorker, "wait_for_save", snapshotting_save)
+    yield seen
+
+
+def test_chunked_prefill_copies_each_block_in_the_step_that_computed_it(
+    hybrid_model: Path,
+    hybrid_prompts: list[list[int]],
+    tmp_path: Path,
+    shm_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    chunked = {"enable_chunked_prefill": True, "max_num_batched_tokens": 128}
+    prompt = hybrid_prompts[:1]  # one request at a time: each step is that request's
+    baseline = baseline_of(hybrid_model, prompt, **chunked)
+    connector = kvtier_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path))})
+    with (
+        sliding_block_reuse(monkeypatch) as seen,
+        running_llm(hybrid_model, kv_transfer_config=connector, **chunked) as llm,
+    ):
+        stored = generate(llm, prompt)
+    assert stored.same_output(baseline.cold)
+    # vLLM gave sliding-window block ids to later positions of the same request, and their
+    # bytes changed: a copy made after its step would have stored another position's KV
+    assert seen["snapshots"] >= hit_chunks(PROMPT_TOKENS)
+    assert seen["reused"] > 0
+    assert seen["overwritten"] == seen["reused"]
+    monkeypatch.undo()
+    set_engine_env(monkeypatch, tmp_path)
+    # what was stored, step by step, loads into a fresh engine (lmdb) with exact outputs
+    with running_llm(hybrid_model, kv_transfer_config=connector, **chunked) as llm:
+        loaded = generate(llm, prompt)
+        assert cached_by_source(llm, "disk") > 0
+    assert loaded.same_output(baseline.hit)
+    assert loaded.cached == baseline.hit.cached
+
+
+def test_six_groups_in_a_multiprocess_engine_store_and_load_across_processes(
+    hybrid_five_to_one: Path,
+    hybrid_prompts: list[list[int]],
+    tmp_path: Path,
+    shm_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prompts = hybrid_prompts[:2]
+    baseline = baseline_of(hybrid_five_to_one, prompts)
+    set_engine_env(monkeypatch, tmp_path, multiprocess=True)
+    connector = kvtier_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path))})
+    runs = []
+    for _ in range(2):
+        with running_llm(
+            hybrid_five_to_one, kv_transfer_config=connector, multiprocess=True
+        ) as llm:
+            runs.append(generate(llm, prompts))
+    assert runs[0].same_tokens_and_top(baseline.cold)
+    assert runs[0].cached == [0, 0]
+    assert runs[1].same_tokens_and_top(baseline.hit)
+    assert runs[1].cached == baseline.hit.cached
+
+
+def test_a_draft_model_the_hybrid_allocator_misplaces_is_never_cached(
+    hybrid_model: Path,
+    hybrid_prompts: list[list[int]],
+    hybrid_baseline: Baseline,
+    tiny_models: ModelSet,
+    tmp_path: Path,
+    shm_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = embedded_yaml(tmp_path, shm_path)
+    connector = kvtier_config({"kvtier_config": str(config)})
+    spec = {"method": "draft_model", "model": str(tiny_models.draft), "num_speculative_tokens": 2}
+    prompts = hybrid_prompts[:2]
+    with running_llm(hybrid_model, kv_transfer_config=connector, speculative_config=spec) as llm:
+        generate(llm, prompts)  # vLLM's own output is wrong here; nothing of it may be kept
+        stored = counter(llm, TRANSFER_BYTES, direction="store")
+    assert stored == 0
+    refusal = [r.getMessage() for r in caplog.records if "kvtier is off" in r.getMessage()]
+    assert refusal
+    assert "--disable-hybrid-kv-cache-manager" in refusal[0]
+    assert lmdb_chunks(config) == 0
+
+    # with the hybrid allocator off, the same drafter is right and both pools are cached
+    off = {"disable_hybrid_kv_cache_manager": True, "speculative_config": spec}
+    runs = []
+    for _ in range(2):
+        with running_llm(hybrid_model, kv_transfer_config=connector, **off) as llm:
+            runs.append(generate(llm, prompts))
+            drafted = counter(llm, TRANSFER_BYTES, pool="draft")
+        assert drafted > 0
+    assert runs[0].tokens == hybrid_baseline.cold.tokens[:2]
+    assert runs[1].tokens == hybrid_baseline.cold.tokens[:2]
+    assert min(runs[1].cached) >= hit_chunks(PROMPT_TOKENS) * BLOCK_SIZE - BLOCK_SIZE
+
+
+def lmdb_chunks(config: Path) -> int:
+    from kvtier.config import load_config
+    from kvtier.pools import PoolRegistry
+    from kvtier.tiers.lmdb_tier import LmdbTier
+
+    tier = LmdbTier(load_config(config).lmdb, PoolRegistry())
+    try:
+        return sum(p.chunks for p in tier.stats().pools.values())
+    finally:
+        tier.close()
+
+
+def test_eagle_on_a_hybrid_target_stores_and_loads_both_pools(
+    hybrid_model: Path,
+    hybrid_prompts: list[list[int]],
+    hybrid_baseline: Baseline,
+    models_dir: Path,
+    tiny_models: ModelSet,
+    tmp_path: Path,
+    shm_path: Path,
+) -> None:
+    # a llama EAGLE head of the target's width; vLLM numbers its layer after the target's
+    head = build_eagle_pair(models_dir, tokenizer_dir=tiny_models.tokenizer, hidden=256).head
+    connector = kvtier_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path))})
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
+    prompts = hybrid_prompts[:2]
+    moved = []
+    runs = []
+    for direction in ("store", "load"):
+        with running_llm(
+            hybrid_model, kv_transfer_config=connector, speculative_config=spec
+        ) as llm:
+            runs.append(generate(llm, prompts))
+            moved.append(
+                {
+                    pool: counter(llm, TRANSFER_BYTES, direction=direction, pool=pool)
+                    for pool in ("target", "draft")
+                }
+            )
+    assert runs[0].tokens == hybrid_baseline.cold.tokens[:2]
+    assert runs[1].tokens == hybrid_baseline.cold.tokens[:2]
+    assert runs[1].cached == [hit_chunks(PROMPT_TOKENS) * BLOCK_SIZE] * 2
+    assert moved[0]["target"] > 0
+    assert moved[0]["draft"] > 0
+    assert moved[1]["draft"] > 0

@@ -1,0 +1,114 @@
+"""KV-cache groups as vLLM describes them (its own spec classes, no engine): which groups kvtier
+plans, where a sliding window's needed chunks start, and what it refuses."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kvtier_vllm.layout import (
+    PoolPlan,
+    UnsupportedGroupError,
+    kv_groups,
+    misplaced_draft,
+)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from kvtier.keys import Pool
+from tests.support import target_spec
+
+BLOCK = 32
+WINDOW = 200
+
+
+def attention(kind: type, **extra: int) -> object:
+    return kind(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32, **extra)
+
+
+def config(*groups: tuple[tuple[str, ...], object], hashed: int | None = None) -> KVCacheConfig:
+    specs = [KVCacheGroupSpec(list(names), spec) for names, spec in groups]
+    return KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=specs, hash_block_size=hashed
+    )
+
+
+def layers(*indices: int) -> tuple[str, ...]:
+    return tuple(f"model.layers.{i}.self_attn.attn" for i in indices)
+
+
+def test_a_gemma_like_model_gives_a_window_group_and_a_full_group() -> None:
+    sliding = attention(SlidingWindowSpec, sliding_window=WINDOW, extra_retained_tokens=3)
+    groups = kv_groups(
+        config((layers(0, 2), sliding), (layers(1, 3), attention(FullAttentionSpec)))
+    )
+    assert [(g.index, g.layer_names, g.window, g.sliding_window) for g in groups] == [
+        (0, layers(0, 2), WINDOW - 1 + 3, WINDOW),  # what vLLM keeps: the window, plus retained
+        (1, layers(1, 3), 0, 0),
+    ]
+
+
+def test_without_a_config_every_layer_is_one_full_group() -> None:
+    assert kv_groups(None, layers(0, 1)) == kv_groups(
+        config((layers(0, 1), attention(FullAttentionSpec)))
+    )
+
+
+@pytest.mark.parametrize("hit_tokens", [96, WINDOW, 640, 4000])
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2, 4])
+def test_the_window_starts_at_the_chunk_holding_the_first_block_vllm_keeps(
+    hit_tokens: int, blocks_per_chunk: int
+) -> None:
+    chunk_tokens = BLOCK * blocks_per_chunk
+    chunks = hit_tokens // chunk_tokens
+    tokens = chunks * chunk_tokens
+    plan = PoolPlan(
+        Pool.TARGET, layers(0), 4096, target_spec(), blocks_per_chunk, window=WINDOW - 1
+    )
+    first = plan.first_needed(chunks, chunk_tokens)
+    # vLLM's sliding-window manager skips max(0, T - window + 1) tokens' whole blocks
+    kept = max(0, tokens - WINDOW + 1) // BLOCK
+    assert first == kept // blocks_per_chunk
+    assert first * blocks_per_chunk <= kept  # every block vLLM keeps is loaded
+    assert (first + 1) * blocks_per_chunk > kept  # and no chunk wholly before them
+    assert PoolPlan(Pool.TARGET, layers(0), 4096, target_spec(), 1).first_needed(chunks, 32) == 0
+
+
+def test_state_space_groups_and_mixed_block_sizes_are_refused() -> None:
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4,),), dtypes=(torch.float32,))
+    with pytest.raises(UnsupportedGroupError, match="MambaSpec"):
+        kv_groups(config((layers(0), mamba), (layers(1), attention(FullAttentionSpec))))
+    bigger = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    with pytest.raises(UnsupportedGroupError, match="block sizes"):
+        kv_groups(config((layers(0), attention(FullAttentionSpec)), (layers(1), bigger)))
+    with pytest.raises(UnsupportedGroupError, match="hashed every 16"):
+        kv_groups(config((layers(0), attention(FullAttentionSpec)), hashed=16))
+
+
+def test_a_draft_model_outside_group_zero_is_refused_with_what_to_do() -> None:
+    sliding = attention(SlidingWindowSpec, sliding_window=WINDOW)
+    draft_layers = ("draft_model.model.layers.0.self_attn.attn",)
+    misplaced = kv_groups(
+        config((layers(0, 2), sliding), (layers(1, 3) + draft_layers, attention(FullAttentionSpec)))
+    )
+    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(method="draft_model"))
+    reason = misplaced_draft(vllm_config, misplaced)
+    assert "group 1" in reason
+    assert "--disable-hybrid-kv-cache-manager" in reason
+    assert "EAGLE" in reason
+    # EAGLE heads are placed by vLLM itself; a draft in group 0 gets its own block table
+    assert (
+        misplaced_draft(
+            SimpleNamespace(speculative_config=SimpleNamespace(method="eagle")), misplaced
+        )
+        == ""
+    )
+    in_group_zero = kv_groups(config((layers(0, 1) + draft_layers, attention(FullAttentionSpec))))
+    assert misplaced_draft(vllm_config, in_group_zero) == ""
+    assert misplaced_draft(SimpleNamespace(speculative_config=None), misplaced) == ""
