@@ -69,7 +69,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
+        self._scheduler.update_connector_output(
+            connector_output.kv_connector_worker_meta,
+            getattr(connector_output, "failed_recving", None) or (),
+        )
 
     def reset_cache(self) -> bool | None:
         if self._scheduler is not None:

@@ -201,6 +201,8 @@ class KVTierScheduler:
         self._pending_events: dict[tuple[int, int], object] = {}
         self._events: list[object] = []
         self._failing = False
+        self._failed_loads: set[str] = set()
+        """Requests whose asynchronous load failed: vLLM recomputes them, without kvtier."""
         log.info(
             "kvtier connector: %s mode, replica %s, pools %s, arena %s",
             cfg.mode,
@@ -371,8 +373,8 @@ class KVTierScheduler:
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if not self._connect():
-            return 0, False
+        if request.request_id in self._failed_loads or not self._connect():
+            return 0, False  # a load that failed once is recomputed, not tried again
         state = self.state(request)
         state.local_hit = num_computed_tokens
         if self._followed != self._step:
@@ -754,7 +756,11 @@ class KVTierScheduler:
         except KVTierError as exc:
             self._guard("abort", exc)
 
-    def update_connector_output(self, worker_meta: Any) -> None:
+    def update_connector_output(self, worker_meta: Any, failed_loads: Iterable[str] = ()) -> None:
+        for req_id in failed_loads:
+            if req_id in self._requests:
+                log.warning("kvtier: the load of request %s failed; vLLM recomputes it", req_id)
+                self._failed_loads.add(req_id)
         if self.client is None or not isinstance(worker_meta, KVTierWorkerMetadata):
             return
         if self.draft is not None and worker_meta.draft_fingerprints:
@@ -776,6 +782,7 @@ class KVTierScheduler:
         self._abort(failed) if failed else None
 
     def request_finished(self, request: Any) -> None:
+        self._failed_loads.discard(request.request_id)
         settled = self._acceptance.progressed(request.request_id, request.num_computed_tokens)
         if settled is not None:
             self.stats.spec(*settled)
