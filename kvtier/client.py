@@ -28,6 +28,13 @@ class TierClient(Protocol):
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult: ...
 
+    def release_then_lookup_and_load(
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    ) -> tuple[LookupResult, list[SlotRef | None]]:
+        """End leases, look the keys up, and lease the found chunks the arena holds (from the
+        first), in one call."""
+        ...
+
     def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]: ...
 
     def commit(self, refs: Sequence[SlotRef]) -> int: ...
@@ -73,6 +80,12 @@ class InProcessClient:
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         return self.manager.lookup(keys)
+
+    def release_then_lookup_and_load(
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    ) -> tuple[LookupResult, list[SlotRef | None]]:
+        self.manager.release(refs)
+        return self.manager.lookup_then_load(keys, self.replica)
 
     def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
         return self.manager.reserve(keys, self.replica)

@@ -72,6 +72,12 @@ class LookupResult:
         return [TIER_NAMES[c] for c in self.tier_codes]
 
 
+def arena_prefix(result: LookupResult) -> int:
+    """How many of the found chunks, from the first, the arena holds."""
+    codes = result.tier_codes
+    return len(codes) - len(codes.lstrip(bytes([_CPU])))
+
+
 @dataclass(slots=True)
 class ManagerStats:
     tiers: dict[str, TierStats]
@@ -354,6 +360,14 @@ class TierManager:
         counters.add("hit_chunks_lmdb", len(codes) - n_cpu - n_object)
         counters.add("hit_chunks_object", n_object)
         return LookupResult(len(codes), bytes(codes), pending)
+
+    def lookup_then_load(
+        self, keys: Sequence[ChunkKey], replica: str = "default"
+    ) -> tuple[LookupResult, list[SlotRef | None]]:
+        """A lookup that also leases the chunks of the found prefix the arena holds: a hit
+        served from the arena then takes one call."""
+        result = self.lookup(keys)
+        return result, self.load(keys[: arena_prefix(result)], replica)
 
     def _extend_codes(self, keys: Sequence[ChunkKey], in_cpu: list[bool], codes: bytearray) -> None:
         """Append the tier of each key from ``len(codes)`` on, up to the first one nowhere."""

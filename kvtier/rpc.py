@@ -36,6 +36,7 @@ _OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 R = TypeVar("R")
+_LOOKUP_LEASE = tier_pb2.LookupRequest.LEASE_FIELD_NUMBER
 _TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
 
 
@@ -114,21 +115,22 @@ class GrpcTierClient:
             f"/{_TIER_SERVICE}/{name}", response_deserializer=response.FromString
         )
 
-    def _encode(self, keys: Sequence[ChunkKey], refs: Sequence[SlotRef]) -> bytes:
+    def _encode(self, keys: Sequence[ChunkKey], refs: Sequence[SlotRef], flag: int = 0) -> bytes:
         key_bytes = len(keys[0]) if keys else 0
         packed = b"".join(keys)
         if len(packed) != key_bytes * len(keys):  # cheaper than checking every key
             raise InvalidRequestError("keys of one batch must share one length")
         encoded_refs = [ref_to(r).SerializeToString() for r in refs]
-        return wire.key_request(self.session_id, key_bytes, packed, encoded_refs)
+        return wire.key_request(self.session_id, key_bytes, packed, encoded_refs, flag_field=flag)
 
     def _keys_call(
         self,
         method: grpc.UnaryUnaryMultiCallable[bytes, Any],
         keys: Sequence[ChunkKey],
         refs: Sequence[SlotRef] = (),
+        flag: int = 0,
     ) -> Any:
-        return self._in_session(lambda: self._rpc(method, self._encode(keys, refs)))
+        return self._in_session(lambda: self._rpc(method, self._encode(keys, refs, flag)))
 
     def _keys_call_async(
         self,
@@ -219,6 +221,13 @@ class GrpcTierClient:
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         response = self._keys_call(self._lookup, keys)
         return LookupResult(response.hits, response.tiers, response.pending)
+
+    def release_then_lookup_and_load(
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    ) -> tuple[LookupResult, list[SlotRef | None]]:
+        response = self._keys_call(self._lookup, keys, refs, flag=_LOOKUP_LEASE)
+        result = LookupResult(response.hits, response.tiers, response.pending)
+        return result, grants_from(response.leases)
 
     def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
         response = self._keys_call(self._reserve, keys)

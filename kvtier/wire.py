@@ -30,10 +30,16 @@ def length_delimited(field: int, payload: bytes) -> bytes:
 
 
 def key_request(
-    session_id: str, key_bytes: int, packed: bytes, refs: Sequence[bytes] = (), refs_field: int = 3
+    session_id: str,
+    key_bytes: int,
+    packed: bytes,
+    refs: Sequence[bytes] = (),
+    refs_field: int = 3,
+    flag_field: int = 0,
 ) -> bytes:
-    """LookupRequest, ReserveRequest or PrefetchRequest: session (1), KeyBatch (2), and the
-    already-serialised SlotRefs of field ``refs_field`` (commit or release)."""
+    """LookupRequest, ReserveRequest or PrefetchRequest: session (1), KeyBatch (2), the
+    already-serialised SlotRefs of field ``refs_field`` (commit or release), and the bool field
+    ``flag_field`` set to true (0: none)."""
     batch = b""
     if packed:
         batch = varint(1 << 3 | _VARINT) + varint(key_bytes) + length_delimited(2, packed)
@@ -41,4 +47,6 @@ def key_request(
     if batch:
         parts.append(length_delimited(2, batch))
     parts.extend(length_delimited(refs_field, ref) for ref in refs)
+    if flag_field:
+        parts.append(varint(flag_field << 3 | _VARINT) + varint(1))
     return b"".join(parts)

@@ -17,7 +17,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.client import InProcessClient, SlotRef, TierClient
 from kvtier.config import DemoteMode, load_config
@@ -39,6 +39,7 @@ from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
+Items = TypeVar("Items", bytes, list[Any])
 
 _CPU = TIER_CODES["cpu"]
 # vLLM's CacheHitSource values per tier; the object store is remote, shared storage
@@ -70,6 +71,16 @@ def open_client(cfg: ConnectorConfig, replica: str, chunk_bytes: int = 0) -> Tie
         manager = config.manager.model_copy(update=update)
         config = config.model_copy(update={"manager": manager})
     return InProcessClient(TierManager(config), replica)
+
+
+def _split(items: Items, spans: list[tuple[PoolPlan, range]]) -> list[Items]:
+    """``items`` of consecutive spans, span by span."""
+    out = []
+    offset = 0
+    for _, span in spans:
+        out.append(items[offset : offset + len(span)])
+        offset += len(span)
+    return out
 
 
 class _IdleWriter:
@@ -130,13 +141,24 @@ class _LoadPlan:
 
 
 @dataclass
+class _Found:
+    chunks: int
+    tiers: dict[str, tuple[int, bytes]]
+    """Per plan key, the first chunk looked up and the tier code of each found from there."""
+    pending: bool
+    leases: dict[str, tuple[int, list[SlotRef | None]]] | None = None
+    """Per plan key, the first chunk and the leases the lookup took, when it took them."""
+
+
+@dataclass
 class _RequestState:
     request: Any
     block_ids: list[list[int]] = field(default_factory=list)
     """Per KV-cache group, the request's blocks by position (0: vLLM's null block)."""
     stored_chunks: int = 0
     waiting_since: float | None = None
-    first_tiers: bytes = b""
+    first_tiers: dict[int, int] = field(default_factory=dict)
+    """Per chunk, where it was when first asked for (promoted ones came from lmdb)."""
     plan: _LoadPlan | None = None
     hit: _LoadPlan | None = None
     """The load granted, for its hit sources."""
@@ -410,71 +432,89 @@ class KVTierScheduler:
         hashed = len(request.block_hashes) // self.cfg.blocks_per_chunk
         return int(min((prompt - 1) // self.chunk_tokens, hashed))
 
-    def _find(self, hashes: Any, limit: int) -> tuple[int, dict[str, tuple[int, bytes]], bool]:
-        """The longest hit every target plan holds, in chunks; per plan, the first chunk it
-        needs for that hit and the tier of each chunk from there; whether the object store is
-        still being probed.
+    def _find(self, hashes: Any, first: int, limit: int) -> _Found:
+        """The longest hit every target plan holds, in chunks: per plan, the first chunk it
+        needs (from ``first``: vLLM holds the ones before) and the tier of each chunk from there.
 
         Full-attention plans need every chunk of the hit. A sliding-window plan needs only the
         window before the hit's end, which moves when the hit gets shorter: its check repeats,
-        a few times at most."""
+        a few times at most. The first call also leases what the arena holds, so that a whole
+        hit from the arena takes one call."""
         client = self.client
         assert client is not None
-        chunks, pending = limit, False
-        found: dict[str, tuple[int, bytes]] = {}
+        spans = [(plan, self._needed(plan, first, limit)) for plan in self.targets]
+        keys = [k for plan, span in spans for k in self._keys(plan, hashes, span)]
+        # leases this step's build_connector_meta would release go back in the same call
+        due, self._lease_gc[0] = self._lease_gc[0], []
+        result, leased = client.release_then_lookup_and_load(due, keys)
+        found = {
+            plan.key: (span.start, codes)
+            for (plan, span), codes in zip(spans, _split(result.tier_codes, spans), strict=True)
+        }
+        early = {
+            plan.key: (span.start, refs)
+            for (plan, span), refs in zip(spans, _split(leased, spans), strict=True)
+        }
+        if len(spans) == 1 or result.hits == len(keys):
+            (plan, span), *_ = spans
+            chunks = span.start + result.hits if len(spans) == 1 else limit
+            return _Found(chunks, found, result.pending, early)
+        self._give_back(early)
+        chunks, pending = limit, result.pending
+        found = {}
         for _ in range(_WINDOW_TRIES):
             settled = True
             for plan in self.targets:
-                start = plan.first_needed(chunks, self.chunk_tokens)
+                span = self._needed(plan, first, chunks)
                 if plan.window or plan.key not in found:
-                    result = client.lookup(self._keys(plan, hashes, range(start, chunks)))
+                    result = client.lookup(self._keys(plan, hashes, span))
                     pending |= result.pending
-                    found[plan.key] = (start, result.tier_codes)
-                have = start + len(found[plan.key][1])
+                    found[plan.key] = (span.start, result.tier_codes)
+                have = span.start + len(found[plan.key][1])
                 if have < chunks:
                     chunks = have
                     settled = settled and not plan.window
             if settled:
-                return chunks, found, pending
-        return 0, found, pending
+                return _Found(chunks, found, pending)
+        return _Found(first, found, pending)
+
+    def _give_back(self, leases: dict[str, tuple[int, list[SlotRef | None]]] | None) -> None:
+        """Leases not used: they go back with the next call that releases."""
+        for _, refs in (leases or {}).values():
+            self._lease_gc[0].extend(r for r in refs if r is not None)
 
     def _plan(self, state: _RequestState, request: Any, first: int, limit: int) -> _LoadPlan | None:
-        client = self.client
-        assert client is not None
         hashes = request.block_hashes
-        chunks, found, pending = self._find(hashes, limit)
+        found = self._find(hashes, first, limit)
+        chunks = found.chunks
         assert self.anchor is not None
-        codes = found[self.anchor.key][1][:chunks]
-        if len(codes) > len(state.first_tiers):
-            state.first_tiers = state.first_tiers + codes[len(state.first_tiers) :]
-        # per plan, the chunks to load (from `first` on: vLLM holds the rest) not in the arena
+        start, codes = found.tiers[self.anchor.key]
+        for chunk, code in enumerate(codes, start):
+            state.first_tiers.setdefault(chunk, code)
+        # per plan, the chunks of the hit not in the arena
         below = {
-            plan.key: [
-                c
-                for c, code in enumerate(found[plan.key][1][: chunks - start], start)
-                if c >= first and code != _CPU
-            ]
+            plan.key: [c for c, code in enumerate(codes[: chunks - start], start) if code != _CPU]
             for plan in self.targets
-            for start in (found[plan.key][0],)
+            for start, codes in (found.tiers[plan.key],)
         }
-        if any(below.values()) or pending:
+        if any(below.values()) or found.pending:
+            self._give_back(found.leases)
             if self._wait(state):
                 self._promote(hashes, below)
                 return None
             if len(self.targets) > 1 and any(below.values()):
                 return _LoadPlan(first, 0, {}, [])  # a shorter hit would need other windows
             chunks = min([chunks, *(c[0] for c in below.values() if c)])
-        if chunks <= first:
-            return _LoadPlan(first, 0, {}, [])
+            found.leases = None
         draft = self.draft_plan
-        hit = range(first, chunks)
-        if (
+        if chunks <= first or (
             draft is not None
             and draft.key in self.namespaces
-            and self._draft_on_its_way(draft, state, hashes, hit)
+            and self._draft_on_its_way(draft, state, hashes, range(first, chunks))
         ):
-            return None
-        return self._lease(state, hashes, first, chunks)
+            self._give_back(found.leases)
+            return None if chunks > first else _LoadPlan(first, 0, {}, [])
+        return self._lease(state, hashes, first, chunks, found.leases)
 
     def _needed(self, plan: PoolPlan, first: int, chunks: int) -> range:
         return range(max(first, plan.first_needed(chunks, self.chunk_tokens)), chunks)
@@ -498,20 +538,35 @@ class KVTierScheduler:
                 client.promote(self._keys_in(namespace, hashes, sorted(span)))
 
     def _lease(
-        self, state: _RequestState, hashes: Any, first: int, chunks: int
+        self,
+        state: _RequestState,
+        hashes: Any,
+        first: int,
+        chunks: int,
+        early: dict[str, tuple[int, list[SlotRef | None]]] | None,
     ) -> _LoadPlan | None:
-        """Lease every plan's chunks of the hit; the hit shrinks to what all of them got."""
+        """Lease every plan's chunks of the hit (``early``: those the lookup leased, when they
+        are the hit's); the hit shrinks to what all of them got."""
         client = self.client
         assert client is not None
-        # leases this step's build_connector_meta would release go back in the first call
-        due, self._lease_gc[0] = self._lease_gc[0], []
+        spans = [(plan, self._needed(plan, first, chunks)) for plan in self.targets]
+        if early is None or any(
+            early[plan.key][0] != span.start or len(early[plan.key][1]) != len(span)
+            for plan, span in spans
+        ):
+            self._give_back(early)
+            keys = [k for plan, span in spans for k in self._keys(plan, hashes, span)]
+            due, self._lease_gc[0] = self._lease_gc[0], []
+            leased = client.release_then_load(due, keys)  # every plan's chunks in one call
+            early = {
+                plan.key: (span.start, refs)
+                for (plan, span), refs in zip(spans, _split(leased, spans), strict=True)
+            }
         offered: dict[str, tuple[int, list[SlotRef | None]]] = {}
         granted = chunks
-        for plan in self.targets:
-            span = self._needed(plan, first, chunks)
-            refs = client.release_then_load(due, self._keys(plan, hashes, span))
-            due = []
-            offered[plan.key] = (span.start, refs)
+        for plan, span in spans:
+            start, refs = early[plan.key]
+            offered[plan.key] = (start, refs)
             missing = next((i for i, r in enumerate(refs) if r is None), None)
             if missing is not None:
                 # a shorter hit moves the sliding windows: with several plans, none
@@ -535,7 +590,7 @@ class KVTierScheduler:
         if granted <= first:
             self._release([r for _, refs in leases.values() for r in refs])
             return None if self._wait(state) else _LoadPlan(first, 0, {}, [])
-        tiers = state.first_tiers[first:granted]
+        tiers = bytes(state.first_tiers.get(c, _CPU) for c in range(first, granted))
         return _LoadPlan(first, granted - first, leases, zero, tiers, fill)
 
     def _draft_on_its_way(

@@ -14,7 +14,7 @@ from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
 from kvtier.config import ServerConfig
 from kvtier.errors import InvalidRequestError
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
-from kvtier.manager import TierManager
+from kvtier.manager import TierManager, arena_prefix
 from kvtier.metrics import telemetry_of
 from kvtier.server.convert import (
     check_batch,
@@ -109,13 +109,25 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self, request: tier_pb2.LookupRequest, context: grpc.ServicerContext
     ) -> tier_pb2.LookupResponse:
         session = self._session(request.session_id)
-        result = self.manager.lookup(unpack_keys(request.keys, self.config.max_batch_keys))
+        # leasing touches the pools: check every namespace first, as Prefetch does
+        keys = (
+            self._known_keys(request.keys)
+            if request.lease
+            else unpack_keys(request.keys, self.config.max_batch_keys)
+        )
+        release = self._refs(request.release)
+        if release:
+            self.sessions.release(session, release)
+        result = self.manager.lookup(keys)
         self.telemetry.looked_up(
             session.replica, request.keys.packed, request.keys.key_bytes, result.tier_codes
         )
-        return tier_pb2.LookupResponse(
+        response = tier_pb2.LookupResponse(
             hits=result.hits, tiers=result.tier_codes, pending=result.pending
         )
+        if request.lease:
+            response.leases.extend(grants_to(self._lease(session, keys[: arena_prefix(result)])))
+        return response
 
     @_timed("reserve")
     def Reserve(
@@ -156,11 +168,14 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         session = self._session(request.session_id)
         keys = self._known_keys(request.keys)  # check everything first: a bad call changes nothing
         self.sessions.release(session, self._refs(request.release))
+        return tier_pb2.PrefetchResponse(leases=grants_to(self._lease(session, keys)))
+
+    def _lease(self, session: Session, keys: list[ChunkKey]) -> list[SlotRef | None]:
         started = time.perf_counter()
         leases = self.sessions.prefetch(session, keys)
         held = [lease for lease in leases if lease is not None]
         self.telemetry.moved("load", held, len(held), time.perf_counter() - started)
-        return tier_pb2.PrefetchResponse(leases=grants_to(leases))
+        return leases
 
     @_timed("release")
     def Release(

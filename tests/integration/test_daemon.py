@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
-from kvtier.errors import PermissionDeniedError, TierUnavailableError
+from kvtier.errors import KVTierError, PermissionDeniedError, TierUnavailableError
 from kvtier.rpc import GrpcTierClient
 from kvtier.server.convert import spec_to
 from tests.integration.daemon_harness import (
@@ -536,6 +536,36 @@ def test_a_rejected_prefetch_releases_nothing(procs: Processes, files: DaemonFil
         bad = tier_pb2.PrefetchRequest(session_id=sid, keys=_keys([b"short"]), release=[lease.ref])
         assert _code(lambda: stub.Prefetch(bad)) is grpc.StatusCode.INVALID_ARGUMENT
         assert daemon.stats().leases == 1, "the release carried by a rejected Prefetch took effect"
+
+
+def test_a_leasing_lookup_leases_the_arena_prefix_and_releases_in_one_call(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    daemon = procs.start_daemon(files)
+    client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
+    try:
+        ns = client.register_pool(target_spec(), CHUNK)
+        keys = keys_for(ns, 4)
+        refs = client.reserve(keys[:3])
+        assert all(refs)
+        assert client.commit([r for r in refs if r is not None]) == 3
+        result, leases = client.release_then_lookup_and_load([], keys)
+        assert (result.hits, result.tiers) == (3, ["cpu"] * 3)
+        assert [lease.key if lease else None for lease in leases] == keys[:3]
+        assert daemon.stats().leases == 3
+        # the leases go back in the next call, which leases only what it finds
+        held = [lease for lease in leases if lease is not None]
+        result, leases = client.release_then_lookup_and_load(held, keys[3:])
+        assert (result.hits, leases) == (0, [])
+        assert daemon.stats().leases == 0
+        # an unregistered namespace is refused before anything is released or leased
+        foreign = keys_for(target_spec(model="unregistered").digest(), 1)
+        _, (lease,) = client.release_then_lookup_and_load([], keys[:1])
+        with pytest.raises(KVTierError):
+            client.release_then_lookup_and_load([lease] if lease else [], foreign)
+        assert daemon.stats().leases == 1
+    finally:
+        client.close()
 
 
 def test_client_carries_on_in_a_new_session_after_the_daemon_restarts(

@@ -205,6 +205,23 @@ def test_client_protocol_in_process(manager: TierManager) -> None:
     assert client.arena_path == manager.cpu.memory.path
 
 
+def test_a_leasing_lookup_leases_only_the_prefix_the_arena_holds(manager: TierManager) -> None:
+    client = InProcessClient(manager, "r0")
+    ns = client.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 4)
+    assert store(client, keys[:2]) == 2
+    manager.evict("cpu")  # both reach lmdb first
+    assert store(client, keys[2:]) == 2
+    result, leases = client.release_then_lookup_and_load([], keys[2:])
+    assert (result.hits, [lease.key if lease else None for lease in leases]) == (2, keys[2:])
+    # the first chunk is only in lmdb: nothing is leased, so a lookup never waits on lmdb
+    result, leases = client.release_then_lookup_and_load(
+        [lease for lease in leases if lease is not None], keys
+    )
+    assert (result.tiers, leases) == (["lmdb", "lmdb", "cpu", "cpu"], [])
+    assert manager.evict("cpu")["cpu"] == 2  # released: leased slots would stay
+
+
 def test_unwritable_lmdb_path_is_a_config_error(shm_path: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -34,6 +34,15 @@ def test_hand_encoded_requests_parse_as_the_generated_classes(
     lookup = tier_pb2.LookupRequest.FromString(wire.key_request(session, key_bytes, packed))
     assert lookup.keys.packed == packed
     assert lookup.session_id == session
+    assert not lookup.lease
+    refs = [r.SerializeToString() for r in slot_refs]
+    leasing = wire.key_request(
+        session, key_bytes, packed, refs, flag_field=tier_pb2.LookupRequest.LEASE_FIELD_NUMBER
+    )
+    expected_lookup = tier_pb2.LookupRequest(session_id=session, release=slot_refs, lease=True)
+    if packed:
+        expected_lookup.keys.CopyFrom(tier_pb2.KeyBatch(key_bytes=key_bytes, packed=packed))
+    assert tier_pb2.LookupRequest.FromString(leasing) == expected_lookup
 
 
 def test_varint_matches_protobuf() -> None:

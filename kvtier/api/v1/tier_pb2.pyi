@@ -317,18 +317,30 @@ class LookupRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     KEYS_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    lease: _builtins.bool
+    """Also lease the chunks of the found prefix that the arena holds, as Prefetch would: a hit
+    served from the arena then takes one call.
+    """
     @_builtins.property
     def keys(self) -> Global___KeyBatch: ...
+    @_builtins.property
+    def release(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotRef]:
+        """Leases to end before the lookup."""
+
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         keys: Global___KeyBatch | None = ...,
+        release: _abc.Iterable[Global___SlotRef] | None = ...,
+        lease: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "lease", b"lease", "release", b"release", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -341,6 +353,7 @@ class LookupResponse(_message.Message):
     HITS_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
     PENDING_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
     hits: _builtins.int
     tiers: _builtins.bytes
     """One Tier value per byte, for each of the `hits` chunks: compact for batches of thousands."""
@@ -348,16 +361,21 @@ class LookupResponse(_message.Message):
     """The object store was still being probed past `hits` when the lookup budget ran out: asking
     again may find more.
     """
+    @_builtins.property
+    def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotGrant]:
+        """With `lease`: one answer per chunk of the prefix held in the arena, in order."""
+
     def __init__(
         self,
         *,
         hits: _builtins.int = ...,
         tiers: _builtins.bytes = ...,
         pending: _builtins.bool = ...,
+        leases: _abc.Iterable[Global___SlotGrant] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits", "pending", b"pending", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits", "leases", b"leases", "pending", b"pending", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -92,7 +92,8 @@ class TierServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
-        """Longest present prefix of the keys, and the tier of each of its chunks.
+        """Longest present prefix of the keys, and the tier of each of its chunks; optionally leases
+        the part of it held in the arena.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

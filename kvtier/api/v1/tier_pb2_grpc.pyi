@@ -37,7 +37,9 @@ class TierServiceStub:
     RegisterSession: _grpc.UnaryUnaryMultiCallable[_tier_pb2.RegisterSessionRequest, _tier_pb2.RegisterSessionResponse]
     """Starts a session for one engine worker; everything else names the session."""
     Lookup: _grpc.UnaryUnaryMultiCallable[_tier_pb2.LookupRequest, _tier_pb2.LookupResponse]
-    """Longest present prefix of the keys, and the tier of each of its chunks."""
+    """Longest present prefix of the keys, and the tier of each of its chunks; optionally leases
+    the part of it held in the arena.
+    """
     Reserve: _grpc.UnaryUnaryMultiCallable[_tier_pb2.ReserveRequest, _tier_pb2.ReserveResponse]
     """Arena slots to write new chunks into; a key without a slot needs no store."""
     Commit: _grpc.UnaryUnaryMultiCallable[_tier_pb2.CommitRequest, _tier_pb2.CommitResponse]
@@ -63,7 +65,9 @@ class TierServiceAsyncStub(TierServiceStub):
     RegisterSession: _aio.UnaryUnaryMultiCallable[_tier_pb2.RegisterSessionRequest, _tier_pb2.RegisterSessionResponse]  # type: ignore[assignment]
     """Starts a session for one engine worker; everything else names the session."""
     Lookup: _aio.UnaryUnaryMultiCallable[_tier_pb2.LookupRequest, _tier_pb2.LookupResponse]  # type: ignore[assignment]
-    """Longest present prefix of the keys, and the tier of each of its chunks."""
+    """Longest present prefix of the keys, and the tier of each of its chunks; optionally leases
+    the part of it held in the arena.
+    """
     Reserve: _aio.UnaryUnaryMultiCallable[_tier_pb2.ReserveRequest, _tier_pb2.ReserveResponse]  # type: ignore[assignment]
     """Arena slots to write new chunks into; a key without a slot needs no store."""
     Commit: _aio.UnaryUnaryMultiCallable[_tier_pb2.CommitRequest, _tier_pb2.CommitResponse]  # type: ignore[assignment]
@@ -98,7 +102,9 @@ class TierServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _tier_pb2.LookupRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_tier_pb2.LookupResponse, _abc.Awaitable[_tier_pb2.LookupResponse]]:
-        """Longest present prefix of the keys, and the tier of each of its chunks."""
+        """Longest present prefix of the keys, and the tier of each of its chunks; optionally leases
+        the part of it held in the arena.
+        """
 
     @_abc_1.abstractmethod
     def Reserve(
