@@ -3,7 +3,8 @@
 The worker maps the arena by path. Loads run in ``start_load_kv`` before the forward; stores run
 in ``wait_for_save``, after the forward (and the draft's) wrote the blocks. A load copied from a
 slot that was reused meanwhile (its generation moved) is reported as a load error, so vLLM
-recomputes those blocks instead of using them.
+recomputes those blocks instead of using them: per block with one KV-cache group, per request
+(an asynchronous load) with several.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from kvtier.keys import Pool
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.copies import CpuCopies, Done, copies_for
 from kvtier_vllm.draft import DraftWatch, Fill, find_draft_model_source
-from kvtier_vllm.layout import PoolPlan, UnsupportedGroupError, kv_groups, plan_pools
+from kvtier_vllm.layout import KVGroup, PoolPlan, UnsupportedGroupError, kv_groups, plan_pools
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.stats import KVTierStats
 
@@ -71,6 +73,24 @@ def _runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def own_caches(groups: list[KVGroup], kv_caches: dict[str, torch.Tensor]) -> list[KVGroup]:
+    """Each group's layers less those reading another layer's cache: with cross-layer KV
+    sharing, vLLM adds such layers to their target's group on the worker side only. Their KV
+    is the target's, stored once (and the scheduler side plans without them)."""
+    out = []
+    for group in groups:
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        names = []
+        for name in group.layer_names:
+            tensor = kv_caches[name]
+            cache = (tensor.data_ptr(), tuple(tensor.shape))
+            if cache not in seen:
+                seen.add(cache)
+                names.append(name)
+        out.append(replace(group, layer_names=tuple(names)))
+    return out
+
+
 class KVTierWorker:
     def __init__(self, vllm_config: Any, cfg: ConnectorConfig, kv_cache_config: Any = None) -> None:
         self.vllm_config = vllm_config
@@ -98,7 +118,7 @@ class KVTierWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
-            groups = kv_groups(self.kv_cache_config, kv_caches)
+            groups = own_caches(kv_groups(self.kv_cache_config, kv_caches), kv_caches)
         except UnsupportedGroupError:
             return  # the scheduler side says why, and plans nothing
         for plan in plan_pools(self.vllm_config, groups, self.cfg):

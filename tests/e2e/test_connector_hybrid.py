@@ -85,6 +85,12 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]]) -> Run:
     )
 
 
+def partial_prompts(stored: list[int]) -> tuple[list[int], list[int]]:
+    """``stored`` and 200 tokens more; its first 600 tokens and 300 others."""
+    other = shared_prefix_prompts(1, prefix_len=500, suffix_len=0, seed=99)[0]
+    return stored + other[:200], stored[:600] + other[200:]
+
+
 def hit_chunks(prompt_tokens: int) -> int:
     """The chunks a prompt can hit: at least one token is always computed."""
     return (prompt_tokens - 1) // BLOCK_SIZE
@@ -183,6 +189,17 @@ def test_hybrid_groups_store_only_the_window_and_fresh_engines_hit_from_every_ti
         assert run.cached == [chunks * BLOCK_SIZE] * len(prompts)
 
     fresh_engine_hits("host")  # the daemon's arena outlived the first engine
+    # a prompt extending a stored one hits the stored window; one sharing only a shorter
+    # prefix finds no window there and computes it (what storing only windows gives up)
+    extended, shorter = partial_prompts(prompts[0])
+    with running_llm(hybrid_model) as llm:
+        generate(llm, prompts[:1])
+        reference = generate(llm, [extended, shorter])  # on vLLM's own prefix cache
+    assert reference.cached[0] == chunks * BLOCK_SIZE
+    with running_llm(hybrid_model, kv_transfer_config=sidecar) as llm:
+        partial = generate(llm, [extended, shorter])
+    assert partial.cached == [chunks * BLOCK_SIZE, 0]
+    assert partial.same_tokens_and_top(reference)
     # SIGTERM drains the arena to lmdb and uploads to the store
     assert daemon.signal_and_wait(signal.SIGTERM, 60) == 0
     daemon = procs.start_daemon(files)

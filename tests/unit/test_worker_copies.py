@@ -54,3 +54,19 @@ def test_run_copies_equal_page_by_page_copies() -> None:
             slot[:, index : index + n].copy_(stack[:, block : block + n])
         expected = torch.stack([p[list(blocks)] for p in pages])
         assert torch.equal(slot, expected)
+
+
+def test_a_layer_reading_another_layers_cache_is_not_stored_twice() -> None:
+    from kvtier_vllm.layout import KVGroup
+    from kvtier_vllm.worker import own_caches
+
+    buffer, _ = cache()
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    # layer 3 shares layer 1's cache (cross-layer KV sharing); vLLM appends it to that group
+    caches = {names[0]: buffer[0], names[1]: buffer[1], names[2]: buffer[2], names[3]: buffer[1]}
+    groups = [KVGroup(0, (names[0], names[1], names[2], names[3]))]
+    assert own_caches(groups, caches) == [KVGroup(0, tuple(names[:3]))]
+    # the hybrid allocator's groups share buffers across groups, never within one: kept
+    hybrid = [KVGroup(0, (names[0],), window=199), KVGroup(1, (names[3],))]
+    caches[names[3]] = buffer[0]
+    assert own_caches(hybrid, caches) == hybrid
