@@ -76,6 +76,15 @@ class ConnectorConfig(BaseModel):
         description="Fingerprint the draft weights before every step that loads or stores "
         "draft chunks, so that none is used under the wrong draft revision.",
     )
+    window_checkpoint_tokens: int = Field(
+        0,
+        ge=0,
+        description="Hybrid models: also store the sliding window before every multiple of "
+        "this many tokens (rounded down to whole chunks), so that a prompt sharing only a "
+        "prefix of a stored one (a system prompt) hits at the last such boundary. Each "
+        "boundary costs one window of sliding-window chunks; 0: only the window before the "
+        "end of each prompt's hit.",
+    )
     promote_wait_ms: int = Field(
         1000,
         ge=0,

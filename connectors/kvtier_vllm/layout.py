@@ -60,6 +60,16 @@ class PoolPlan:
             return 0
         return max(0, chunks * chunk_tokens - self.window) // chunk_tokens
 
+    def keeps(self, chunk: int, end: int, every: int, chunk_tokens: int) -> bool:
+        """Whether a prompt whose hit ends at chunk ``end`` stores ``chunk`` here: every chunk
+        for full attention; for a sliding window, the window before ``end``, every chunk past
+        it, and (``every`` > 0) the window before each multiple of ``every`` chunks."""
+        if chunk >= self.first_needed(end, chunk_tokens):
+            return True
+        # the nearest checkpoint after the chunk has the latest window start of any after it
+        checkpoint = (chunk // every + 1) * every if every else end + 1
+        return checkpoint <= end and chunk >= self.first_needed(checkpoint, chunk_tokens)
+
     @property
     def chunk_bytes(self) -> int:
         return self.page_bytes * len(self.layer_names) * self.blocks_per_chunk

@@ -173,6 +173,12 @@ class KVTierScheduler:
         self.cfg = cfg
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = self.block_size * cfg.blocks_per_chunk
+        self.checkpoint = (
+            max(1, cfg.window_checkpoint_tokens // self.chunk_tokens)
+            if cfg.window_checkpoint_tokens
+            else 0
+        )
+        """Chunks between the sliding windows kept for shorter prefixes (0: none)."""
         self.replica = cfg.replica_id or replica_of(vllm_config)
         self.refusal = ""
         """Why this engine's KV is never cached (set at start, for good)."""
@@ -472,6 +478,9 @@ class KVTierScheduler:
                     found[plan.key] = (span.start, result.tier_codes)
                 have = span.start + len(found[plan.key][1])
                 if have < chunks:
+                    if plan.window and self.checkpoint:
+                        # windows are kept before each checkpoint: the last one below
+                        have = min(have, (chunks - 1) // self.checkpoint * self.checkpoint)
                     chunks = have
                     settled = settled and not plan.window
             if settled:
@@ -748,13 +757,11 @@ class KVTierScheduler:
         client = self.client
         assert client is not None
         # a sliding window is stored where the prompt's own hit would read it, and past it
-        window_end = self._hit_limit(request)
+        end = self._hit_limit(request)
         for plan in self.plans:
             if plan.key not in self.namespaces:
                 continue
-            span = range(
-                max(chunks.start, plan.first_needed(window_end, self.chunk_tokens)), chunks.stop
-            )
+            span = [c for c in chunks if plan.keeps(c, end, self.checkpoint, self.chunk_tokens)]
             if len(span) < len(chunks):
                 self.stats.window_skipped(
                     str(plan.pool), (len(chunks) - len(span)) * plan.chunk_bytes
@@ -765,7 +772,7 @@ class KVTierScheduler:
                 if self.draft.local_cache_stale:
                     # vLLM's own cache may hold an older revision's draft KV: never store it
                     local = -(-state.local_hit // self.chunk_tokens)
-                    span = range(max(span.start, local), span.stop)
+                    span = [c for c in span if c >= local]
             ids = state.block_ids[plan.group]
             # blocks vLLM already let go of (null) cannot be stored
             span_blocks = {c: tuple(ids[c * bpc : (c + 1) * bpc]) for c in span}

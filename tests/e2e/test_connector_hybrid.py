@@ -210,6 +210,28 @@ def test_hybrid_groups_store_only_the_window_and_fresh_engines_hit_from_every_ti
     fresh_engine_hits("external_unspecified")  # the object store, through the kept index
 
 
+def test_checkpoint_windows_give_a_prompt_sharing_a_shorter_prefix_a_hit(
+    hybrid_model: Path,
+    hybrid_prompts: list[list[int]],
+    tmp_path: Path,
+    shm_path: Path,
+) -> None:
+    checkpoint = 8 * BLOCK_SIZE
+    extra = {"kvtier_config": str(embedded_yaml(tmp_path, shm_path))}
+    connector = kvtier_config({**extra, "window_checkpoint_tokens": checkpoint})
+    _, shorter = partial_prompts(hybrid_prompts[0])
+    with running_llm(hybrid_model) as llm:
+        cold = generate(llm, [shorter])
+    with running_llm(hybrid_model, kv_transfer_config=connector) as llm:
+        generate(llm, hybrid_prompts[:1])
+    with running_llm(hybrid_model, kv_transfer_config=connector) as llm:
+        hit = generate(llm, [shorter])
+    # 600 shared tokens: 18 whole chunks of full attention, and the window kept before the
+    # last checkpoint below them (16 chunks)
+    assert hit.cached == [16 * BLOCK_SIZE]
+    assert hit.same_tokens_and_top(cold)
+
+
 @dataclass
 class _Snapshot:
     position: int

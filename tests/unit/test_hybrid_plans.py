@@ -112,3 +112,23 @@ def test_a_draft_model_outside_group_zero_is_refused_with_what_to_do() -> None:
     in_group_zero = kv_groups(config((layers(0, 1) + draft_layers, attention(FullAttentionSpec))))
     assert misplaced_draft(vllm_config, in_group_zero) == ""
     assert misplaced_draft(SimpleNamespace(speculative_config=None), misplaced) == ""
+
+
+def test_a_sliding_window_is_kept_before_the_prompt_end_and_each_checkpoint() -> None:
+    plan = PoolPlan(Pool.TARGET, layers(0), 4096, target_spec(), 1, window=WINDOW - 1)
+    full = PoolPlan(Pool.TARGET, layers(1), 4096, target_spec(), 1)
+    end = (940 - 1) // BLOCK  # a 940-token prompt hits 29 chunks
+
+    def kept(every: int) -> list[int]:
+        return [c for c in range(end + 3) if plan.keeps(c, end, every, BLOCK)]
+
+    window = list(range(window_start(end), end + 3))  # and the chunks past the prompt
+    assert kept(0) == window
+    # every 16 chunks (512 tokens): also the window before chunk 16
+    assert kept(16) == list(range(window_start(16), 16)) + window
+    assert all(full.keeps(c, end, 16, BLOCK) for c in range(end + 3))
+
+
+def window_start(chunks: int) -> int:
+    """vLLM's first kept block after ``chunks`` one-block chunks: T - window + 1 on."""
+    return max(0, chunks * BLOCK - WINDOW + 1) // BLOCK
