@@ -52,18 +52,6 @@ def kv_bytes_per_token(model: Any) -> int:
     return int(config["num_hidden_layers"] * config["num_key_value_heads"] * 32 * 2 * 4)
 
 
-def counter(llm: Any, name: str, **labels: str) -> float:
-    from vllm.v1.metrics.reader import Counter
-
-    return sum(
-        m.value
-        for m in llm.get_metrics()
-        if isinstance(m, Counter)
-        and m.name == name
-        and all(m.labels.get(k) == v for k, v in labels.items())
-    )
-
-
 def table(hybrid: dict[str, Any]) -> list[str]:
     cases = hybrid["cases"]
     lines = [
@@ -88,6 +76,8 @@ def table(hybrid: dict[str, Any]) -> list[str]:
 def run(bench: Bench, bpc: int) -> dict[str, Any]:
     """Every hybrid figure, with its own kvtierd; ``bpc``: blocks per chunk."""
     from ttft import Case, Kvtierd, _extent_for, _round_up
+
+    from tests.e2e.models import counter
 
     model = build_model(bench)
     engine = {"model": model, "dtype": "float32"}

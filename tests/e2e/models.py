@@ -67,6 +67,27 @@ def _fresh(path: Path) -> None:
     path.mkdir(parents=True)
 
 
+def _start_build(root: Path, path: Path, tokenizer_dir: Path | None) -> tuple[Path, Any]:
+    """The tokenizer a model is built with (the one under ``root`` when none is given), and
+    ``path`` emptied for the build."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else build_tokenizer(root)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
+    _fresh(path)
+    return tokenizer_dir, tokenizer
+
+
+def _save(model: Any, path: Path, tokenizer_dir: Path) -> Path:
+    """Weights as safetensors, the tokenizer beside them, then the marker of a whole build."""
+    model.save_pretrained(str(path), safe_serialization=True)
+    for file in _TOKENIZER_FILES:
+        if (tokenizer_dir / file).is_file():
+            shutil.copy2(tokenizer_dir / file, path / file)
+    (path / _DONE).touch()
+    return path
+
+
 def _word(rng: random.Random) -> str:
     return "".join(
         rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
@@ -158,12 +179,10 @@ def build_llama(
     path = Path(root) / name
     if _is_built(path):
         return path
-    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else build_tokenizer(root)
+    tokenizer_dir, tokenizer = _start_build(root, path, tokenizer_dir)
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
-    _fresh(path)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -181,12 +200,7 @@ def build_llama(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(str(path), safe_serialization=True)
-    for file in _TOKENIZER_FILES:
-        if (tokenizer_dir / file).is_file():
-            shutil.copy2(tokenizer_dir / file, path / file)
-    (path / _DONE).touch()
-    return path
+    return _save(model, path, tokenizer_dir)
 
 
 def build_draft(root: Path, **kwargs: Any) -> Path:
@@ -312,12 +326,10 @@ def build_gemma3_hybrid(
     path = Path(root) / name
     if _is_built(path):
         return path
-    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else build_tokenizer(root)
+    tokenizer_dir, tokenizer = _start_build(root, path, tokenizer_dir)
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
-    _fresh(path)
     head_dim = 32
     config = Gemma3TextConfig(
         vocab_size=len(tokenizer),
@@ -340,12 +352,7 @@ def build_gemma3_hybrid(
     config.architectures = ["Gemma3ForCausalLM"]
     torch.manual_seed(seed)
     model = Gemma3ForCausalLM(config)  # fp32: torch's default dtype
-    model.save_pretrained(str(path), safe_serialization=True)
-    for file in _TOKENIZER_FILES:
-        if (tokenizer_dir / file).is_file():
-            shutil.copy2(tokenizer_dir / file, path / file)
-    (path / _DONE).touch()
-    return path
+    return _save(model, path, tokenizer_dir)
 
 
 def build_benchmark_llama(root: Path, *, tokenizer_dir: Path | None = None) -> Path:
@@ -519,6 +526,17 @@ def generate_tokens(
 
 def counter_value(llm: Any, name: str) -> int:
     """Sum of a vLLM Prometheus counter over this engine's label sets."""
+    return int(counter(llm, name))
+
+
+def counter(llm: Any, name: str, **labels: str) -> float:
+    """A vLLM counter summed over the series whose labels include ``labels``."""
     from vllm.v1.metrics.reader import Counter
 
-    return sum(m.value for m in llm.get_metrics() if isinstance(m, Counter) and m.name == name)
+    return sum(
+        m.value
+        for m in llm.get_metrics()
+        if isinstance(m, Counter)
+        and m.name == name
+        and all(m.labels.get(k) == v for k, v in labels.items())
+    )

@@ -18,6 +18,7 @@ from kvtier.rpc import AdminClient
 from tests.e2e.conftest import MAX_TOKENS, set_engine_env
 from tests.e2e.models import (
     ModelSet,
+    counter,
     counter_value,
     generate_tokens,
     running_llm,
@@ -26,19 +27,6 @@ from tests.integration.daemon_harness import DaemonFiles, Processes, write_confi
 
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
 TRANSFER_BYTES = "vllm:kvtier_transfer_bytes"  # the reader drops "_total"
-
-
-def counter(llm: Any, name: str, **labels: str) -> float:
-    """A vLLM counter summed over the series whose labels include ``labels``."""
-    from vllm.v1.metrics.reader import Counter
-
-    return sum(
-        m.value
-        for m in llm.get_metrics()
-        if isinstance(m, Counter)
-        and m.name == name
-        and all(m.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 def cached_by_source(llm: Any, source: str) -> float:
