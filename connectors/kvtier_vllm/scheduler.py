@@ -497,8 +497,8 @@ class KVTierScheduler:
         found = self._find(hashes, first, limit)
         chunks = found.chunks
         assert self.anchor is not None
-        start, codes = found.tiers[self.anchor.key]
-        for chunk, code in enumerate(codes, start):
+        anchor_start, anchor_codes = found.tiers[self.anchor.key]
+        for chunk, code in enumerate(anchor_codes, anchor_start):
             state.first_tiers.setdefault(chunk, code)
         # per plan, the chunks of the hit not in the arena
         below = {
