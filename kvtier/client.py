@@ -31,8 +31,8 @@ class TierClient(Protocol):
     def release_then_lookup_and_load(
         self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
     ) -> tuple[LookupResult, list[SlotRef | None]]:
-        """End leases, look the keys up, and lease the found chunks the arena holds (from the
-        first), in one call."""
+        """End leases, look the keys up, and lease the found chunks when the arena holds them
+        all, in one call."""
         ...
 
     def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]: ...

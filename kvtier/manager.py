@@ -72,10 +72,11 @@ class LookupResult:
         return [TIER_NAMES[c] for c in self.tier_codes]
 
 
-def arena_prefix(result: LookupResult) -> int:
-    """How many of the found chunks, from the first, the arena holds."""
+def arena_hit(result: LookupResult) -> int:
+    """How many chunks a lookup found, when the arena holds every one of them; else 0 (part
+    of the hit is still to be promoted, and leases now would only be given back)."""
     codes = result.tier_codes
-    return len(codes) - len(codes.lstrip(bytes([_CPU])))
+    return len(codes) if not codes.strip(bytes([_CPU])) else 0
 
 
 @dataclass(slots=True)
@@ -364,10 +365,10 @@ class TierManager:
     def lookup_then_load(
         self, keys: Sequence[ChunkKey], replica: str = "default"
     ) -> tuple[LookupResult, list[SlotRef | None]]:
-        """A lookup that also leases the chunks of the found prefix the arena holds: a hit
+        """A lookup that also leases the found chunks when the arena holds them all: a hit
         served from the arena then takes one call."""
         result = self.lookup(keys)
-        return result, self.load(keys[: arena_prefix(result)], replica)
+        return result, self.load(keys[: arena_hit(result)], replica)
 
     def _extend_codes(self, keys: Sequence[ChunkKey], in_cpu: list[bool], codes: bytearray) -> None:
         """Append the tier of each key from ``len(codes)`` on, up to the first one nowhere."""

@@ -14,7 +14,7 @@ from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
 from kvtier.config import ServerConfig
 from kvtier.errors import InvalidRequestError
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
-from kvtier.manager import TierManager, arena_prefix
+from kvtier.manager import TierManager, arena_hit
 from kvtier.metrics import telemetry_of
 from kvtier.server.convert import (
     check_batch,
@@ -126,7 +126,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
             hits=result.hits, tiers=result.tier_codes, pending=result.pending
         )
         if request.lease:
-            response.leases.extend(grants_to(self._lease(session, keys[: arena_prefix(result)])))
+            response.leases.extend(grants_to(self._lease(session, keys[: arena_hit(result)])))
         return response
 
     @_timed("reserve")

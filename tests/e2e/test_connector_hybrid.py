@@ -160,7 +160,10 @@ def test_hybrid_groups_store_only_the_window_and_fresh_engines_hit_from_every_ti
             },
         },
     )
-    sidecar = kvtier_config({"mode": "sidecar", "socket_path": str(files.socket)})
+    # hits from lmdb and the store wait for promotion: room for a slow machine
+    sidecar = kvtier_config(
+        {"mode": "sidecar", "socket_path": str(files.socket), "promote_wait_ms": 20000}
+    )
     prompts = hybrid_prompts
     chunks = hit_chunks(PROMPT_TOKENS)
     skipped_per_prompt = window_start(chunks)

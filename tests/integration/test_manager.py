@@ -205,7 +205,7 @@ def test_client_protocol_in_process(manager: TierManager) -> None:
     assert client.arena_path == manager.cpu.memory.path
 
 
-def test_a_leasing_lookup_leases_only_the_prefix_the_arena_holds(manager: TierManager) -> None:
+def test_a_leasing_lookup_leases_only_a_hit_the_arena_holds_whole(manager: TierManager) -> None:
     client = InProcessClient(manager, "r0")
     ns = client.register_pool(target_spec(), CHUNK)
     keys = keys_for(ns, 4)
@@ -219,6 +219,9 @@ def test_a_leasing_lookup_leases_only_the_prefix_the_arena_holds(manager: TierMa
         [lease for lease in leases if lease is not None], keys
     )
     assert (result.tiers, leases) == (["lmdb", "lmdb", "cpu", "cpu"], [])
+    # nor when the arena holds only the first ones: they would only be given back
+    result, leases = client.release_then_lookup_and_load([], keys[2:] + keys[:2])
+    assert (result.tiers, leases) == (["cpu", "cpu", "lmdb", "lmdb"], [])
     assert manager.evict("cpu")["cpu"] == 2  # released: leased slots would stay
 
 

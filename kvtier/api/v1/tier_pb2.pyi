@@ -321,8 +321,8 @@ class LookupRequest(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     lease: _builtins.bool
-    """Also lease the chunks of the found prefix that the arena holds, as Prefetch would: a hit
-    served from the arena then takes one call.
+    """Also lease the found chunks when the arena holds every one of them, as Prefetch would: a
+    hit served from the arena then takes one call.
     """
     @_builtins.property
     def keys(self) -> Global___KeyBatch: ...
@@ -363,7 +363,9 @@ class LookupResponse(_message.Message):
     """
     @_builtins.property
     def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotGrant]:
-        """With `lease`: one answer per chunk of the prefix held in the arena, in order."""
+        """With `lease`: one answer per found chunk, in order; none when part of them is not in the
+        arena.
+        """
 
     def __init__(
         self,

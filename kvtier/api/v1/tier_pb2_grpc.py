@@ -93,7 +93,7 @@ class TierServiceServicer:
 
     def Lookup(self, request, context):
         """Longest present prefix of the keys, and the tier of each of its chunks; optionally leases
-        the part of it held in the arena.
+        them when the arena holds them all.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -38,7 +38,7 @@ class TierServiceStub:
     """Starts a session for one engine worker; everything else names the session."""
     Lookup: _grpc.UnaryUnaryMultiCallable[_tier_pb2.LookupRequest, _tier_pb2.LookupResponse]
     """Longest present prefix of the keys, and the tier of each of its chunks; optionally leases
-    the part of it held in the arena.
+    them when the arena holds them all.
     """
     Reserve: _grpc.UnaryUnaryMultiCallable[_tier_pb2.ReserveRequest, _tier_pb2.ReserveResponse]
     """Arena slots to write new chunks into; a key without a slot needs no store."""
@@ -66,7 +66,7 @@ class TierServiceAsyncStub(TierServiceStub):
     """Starts a session for one engine worker; everything else names the session."""
     Lookup: _aio.UnaryUnaryMultiCallable[_tier_pb2.LookupRequest, _tier_pb2.LookupResponse]  # type: ignore[assignment]
     """Longest present prefix of the keys, and the tier of each of its chunks; optionally leases
-    the part of it held in the arena.
+    them when the arena holds them all.
     """
     Reserve: _aio.UnaryUnaryMultiCallable[_tier_pb2.ReserveRequest, _tier_pb2.ReserveResponse]  # type: ignore[assignment]
     """Arena slots to write new chunks into; a key without a slot needs no store."""
@@ -103,7 +103,7 @@ class TierServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_tier_pb2.LookupResponse, _abc.Awaitable[_tier_pb2.LookupResponse]]:
         """Longest present prefix of the keys, and the tier of each of its chunks; optionally leases
-        the part of it held in the arena.
+        them when the arena holds them all.
         """
 
     @_abc_1.abstractmethod
