@@ -188,7 +188,12 @@ def test_hybrid_groups_store_only_the_window_and_fresh_engines_hit_from_every_ti
         with running_llm(hybrid_model, kv_transfer_config=sidecar) as llm:
             run = generate(llm, prompts)
             assert cached_by_source(llm, source) == len(prompts) * chunks * BLOCK_SIZE
-        assert run.same_output(hybrid_baseline.hit)
+        if source == "host":
+            assert run.same_output(hybrid_baseline.hit)
+        else:
+            # promotions finish when they finish: requests may be batched otherwise than in
+            # the baseline, which rounds fp32 differently
+            assert run.same_tokens_and_top(hybrid_baseline.hit)
         assert run.cached == [chunks * BLOCK_SIZE] * len(prompts)
 
     fresh_engine_hits("host")  # the daemon's arena outlived the first engine
