@@ -92,8 +92,8 @@ def run(bench: Bench, bpc: int) -> dict[str, Any]:
     chunk_tokens = bench.block_size * bpc
     arena = Case("hybrid_arena_hit", bench.full_hit(chunk_tokens), connector=True)
     kv = (len(bench.prompts) + 1) * bench.full_hit(chunk_tokens) * kv_bytes_per_token(model)
-    per_plan_chunk = kv_bytes_per_token(model) // len(LAYERS) * chunk_tokens * len(LAYERS) // 2
-    extent = _extent_for(per_plan_chunk)
+    # each plan (sliding or full) holds half the layers
+    extent = _extent_for(kv_bytes_per_token(model) * chunk_tokens // 2)
     (bench.root / "hybrid").mkdir()
     daemon = Kvtierd(bench.root / "hybrid", bench.shm("hybrid"), _round_up(2 * kv, extent), extent)
     try:

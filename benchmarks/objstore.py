@@ -80,8 +80,7 @@ from typing import Any
 
 import boto3.session
 import botocore.config
-import numpy as np
-from common import die_with_parent, keys_for, no_gc
+from common import die_with_parent, filled, keys_for, no_gc, small_spec
 
 from kvtier.config import LMDBConfig, ObjectStoreConfig, from_mapping
 from kvtier.counters import Counters
@@ -225,24 +224,10 @@ def spec(model: str, chunk_bytes: int) -> NamespaceSpec:
             layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(16)),
         )
     else:
-        # one layer of 16 tokens x (64 + 64) x fp16 is 4 KiB per head
-        layout = PageLayout(
-            tokens_per_block=16,
-            blocks_per_chunk=1,
-            num_kv_heads=max(1, chunk_bytes // (4 * KiB)),
-            head_sizes=(64, 64),
-            layer_names=("model.layers.0.self_attn.attn",),
-        )
+        return small_spec(model, chunk_bytes)
     return NamespaceSpec(
         model=model, model_revision="r1", pool=Pool.TARGET, kv_dtype="float16", layout=layout
     )
-
-
-def filled(nbytes: int, seed: int) -> bytes:
-    """Non-repeating bytes (moto and the checksums see no easy pattern)."""
-    words = np.arange(seed, seed + nbytes // 8, dtype=np.uint64)
-    words *= np.uint64(0x9E3779B97F4A7C15)
-    return words.tobytes()
 
 
 def jwt_like() -> str:
@@ -551,7 +536,7 @@ class Bench:
         self.namespace = self.registry.register(spec("bench-objstore", CHUNK), CHUNK).namespace
         # one bytes object per pack; the tier sees it as chunk views, boto3 as one body
         self.bodies = [
-            filled(self.object_bytes, i * self.object_bytes) for i in range(mode.objects)
+            filled(self.object_bytes, i * self.object_bytes).tobytes() for i in range(mode.objects)
         ]
         self.dst = bytearray(mode.objects * self.object_bytes)
         self.samples = Samples()
@@ -814,7 +799,7 @@ class Bench:
             registry,
         )
         try:
-            payload = filled(LOOKUP_CHUNK, 7)
+            payload = filled(LOOKUP_CHUNK, 7).tobytes()
             seeded = [batch[0] for batch in batches[::2]]
             for ok in self.pool_up.map(lambda key: other.put(key, payload), seeded):
                 if not ok:

@@ -53,6 +53,10 @@ class CpuCopies:
 
     def end_stores(self) -> Done:
         """A check that turns true once every store issued since `begin_stores` landed."""
+        return self.fence()
+
+    def fence(self) -> Done:
+        """A check that turns true once every copy issued so far landed."""
         return _done
 
 
@@ -100,7 +104,7 @@ class CudaCopies(CpuCopies):
         event.record(self.stream)
         torch.cuda.current_stream(self.device).wait_event(event)
 
-    def end_stores(self) -> Done:
+    def fence(self) -> Done:
         event = torch.cuda.Event()
         event.record(self.stream)
         return event.query

@@ -110,7 +110,7 @@ def _group_kind(spec: Any) -> tuple[int, int]:
     """(retained window, sliding window) of a group's spec; raises for layers kvtier cannot
     store by block."""
     kind = type(spec).__name__
-    if kind in ("UniformTypeKVCacheSpecs",):  # one block table, layers of one attention type
+    if kind == "UniformTypeKVCacheSpecs":  # one block table, layers of one attention type
         specs = list(spec.kv_cache_specs.values())
         spec, kind = specs[0], type(specs[0]).__name__
     if "SlidingWindow" in kind:

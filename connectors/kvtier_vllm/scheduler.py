@@ -191,6 +191,7 @@ class KVTierScheduler:
             log.error("kvtier is off for this engine: %s", self.refusal)
             groups = []
         self.plans = plan_pools(vllm_config, groups, self._stable(cfg, vllm_config))
+        self.by_key = {plan.key: plan for plan in self.plans}
         # full-attention plans first: a shorter hit they find never moves their own start
         self.targets = sorted(
             (p for p in self.plans if p.pool is Pool.TARGET), key=lambda p: bool(p.window)
@@ -462,8 +463,7 @@ class KVTierScheduler:
             for (plan, span), refs in zip(spans, _split(leased, spans), strict=True)
         }
         if len(spans) == 1 or result.hits == len(keys):
-            (plan, span), *_ = spans
-            chunks = span.start + result.hits if len(spans) == 1 else limit
+            chunks = spans[0][1].start + result.hits if len(spans) == 1 else limit
             return _Found(chunks, found, result.pending, early)
         self._give_back(early)
         chunks, pending = limit, result.pending
@@ -635,11 +635,10 @@ class KVTierScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self.state(request)
-        plan, state.plan = state.plan, None
-        if num_external_tokens == 0 or plan is None:
-            if plan is not None:
-                self._release(plan.refs())
+        if num_external_tokens == 0 or state.plan is None:
+            self._drop_plan(state)
             return
+        plan, state.plan = state.plan, None
         state.hit = plan
         if not self.async_loads:
             self._ready_loads[request.request_id] = plan
@@ -716,7 +715,7 @@ class KVTierScheduler:
         bpc = self.cfg.blocks_per_chunk
         skip = state.local_tokens // self.block_size
         request = state.request.request_id if self.async_loads else ""
-        by_key = {p.key: p for p in self.plans}
+        by_key = self.by_key
         for key, (start, refs) in plan.leases.items():
             ids = state.block_ids[by_key[key].group]
             # another revision's draft chunk is a fill, never loaded as the current one

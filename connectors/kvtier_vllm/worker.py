@@ -253,7 +253,7 @@ class KVTierWorker:
         for key, blocks in meta.zero.items():
             self._zero(key, blocks)
         if meta.receiving:
-            self._receiving.append((self.copies.end_stores(), set(meta.receiving), failed))
+            self._receiving.append((self.copies.fence(), set(meta.receiving), failed))
 
     def _fail_loads(self, jobs: list[ChunkCopy], failed: set[str]) -> None:
         """Blocks vLLM must recompute: per request for asynchronous loads, else per block."""
