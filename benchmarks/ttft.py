@@ -357,6 +357,7 @@ class Kvtierd:
         fields = dict(part.split("=", 1) for part in line[len(READY) :].split())
         self.start_s = time.perf_counter() - started
         self.admin = AdminClient(f"127.0.0.1:{fields['admin_port']}", timeout_s=STOP_TIMEOUT_S)
+        self.metrics_port = int(fields["metrics_port"])
         log.info("kvtierd pid %d ready in %.2f s", self.proc.pid, self.start_s)
 
     def counters(self) -> dict[str, int]:

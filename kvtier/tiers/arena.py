@@ -5,10 +5,13 @@ Layout of the file::
     [0, 4 KiB)            header: magic, version, sizes
     [4 KiB, ...)          extent table: slot size of each extent (0 = unassigned)
     slot table            per slot: generation u64, state u32, refcount u32 (separate arrays)
+    key index             which slot holds each committed chunk (arena_index.py)
     data (2 MiB aligned)  extents of ``extent_bytes``, each cut into equal slots
 
-Only the owning process (the TierManager) writes the tables; any process may map the file and
-read a slot's generation to tell whether a reference it holds is still current.
+Only the owning process (the TierManager) writes the tables; any process may map the file, read a
+slot's generation to tell whether a reference it holds is still current, and find chunks in the
+index. Every slot's generation starts at the file's random ``epoch``, so a reference into one
+daemon's arena never passes as current in its successor's at the same path.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import enum
 import fcntl
 import mmap
 import os
+import secrets
 import struct
 from pathlib import Path
 
@@ -25,10 +29,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.errors import CapacityError, ConfigError, TierUnavailableError
+from kvtier.tiers.arena_index import ENTRY_BYTES, ArenaIndex, capacity_for
 
 _MAGIC = b"KVTARENA"
-_VERSION = 1
-_HEADER = struct.Struct("<8sIIQQQQQQ")
+_VERSION = 2
+_HEADER = struct.Struct("<8sIIQQQQQQQQQ")
 _PAGE = 4096
 _DATA_ALIGN = 2 << 20
 
@@ -43,15 +48,17 @@ def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def _plan(size: int, extent_bytes: int, max_slots_per_extent: int) -> tuple[int, int, int]:
-    """Largest extent count whose tables and data fit in ``size``; returns offsets too."""
+def _plan(size: int, extent_bytes: int, max_slots_per_extent: int) -> tuple[int, int, int, int]:
+    """Largest extent count whose tables and data fit in ``size``; returns the table, index and
+    data offsets too."""
     extents = size // extent_bytes
     while extents > 0:
         slots = extents * max_slots_per_extent
         table_off = _align(_PAGE + extents * 8, _PAGE)
-        data_off = _align(table_off + slots * 16, _DATA_ALIGN)
+        index_off = _align(table_off + slots * 16, _PAGE)
+        data_off = _align(index_off + capacity_for(slots) * ENTRY_BYTES, _DATA_ALIGN)
         if data_off + extents * extent_bytes <= size:
-            return extents, table_off, data_off
+            return extents, table_off, index_off, data_off
         extents -= 1
     raise ConfigError(
         "arena.size_bytes", f"{size} bytes cannot hold one {extent_bytes}-byte extent"
@@ -71,6 +78,7 @@ class ArenaMemory:
         self.num_extents: int
         self.max_slots_per_extent: int
         self.data_offset: int
+        self.epoch: int
         (
             magic,
             version,
@@ -81,6 +89,9 @@ class ArenaMemory:
             self.max_slots_per_extent,
             table_off,
             self.data_offset,
+            index_off,
+            index_capacity,
+            self.epoch,
         ) = _HEADER.unpack_from(mm, 0)
         if magic != _MAGIC or version != _VERSION:
             raise TierUnavailableError(f"{path} is not a kvtier arena (version {_VERSION})")
@@ -92,6 +103,9 @@ class ArenaMemory:
         self.state: npt.NDArray[np.uint32] = np.frombuffer(mm, np.uint32, n, table_off + 8 * n)
         self.refcount: npt.NDArray[np.uint32] = np.frombuffer(mm, np.uint32, n, table_off + 12 * n)
         self._view = memoryview(mm)
+        self.index = ArenaIndex(self._view, index_off, index_capacity)
+        self._state_words = self._view[table_off + 8 * n : table_off + 12 * n].cast("I")
+        self._generation_words = self._view[table_off : table_off + 8 * n].cast("Q")
 
     @classmethod
     def create(
@@ -99,7 +113,7 @@ class ArenaMemory:
     ) -> ArenaMemory:
         """Create (or take over) the arena file, reserve its memory and map it."""
         max_slots = extent_bytes // min_slot_bytes
-        extents, table_off, data_off = _plan(size, extent_bytes, max_slots)
+        extents, table_off, index_off, data_off = _plan(size, extent_bytes, max_slots)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             _take_over_stale(path)
@@ -121,10 +135,26 @@ class ArenaMemory:
             pages = np.frombuffer(mm, np.uint8)
             pages[::_PAGE] = 0  # one write per page maps it in
             del pages
+        epoch = secrets.randbits(62)  # room for 2**62 generations per slot above it
         _HEADER.pack_into(
-            mm, 0, _MAGIC, _VERSION, 0, size, extent_bytes, extents, max_slots, table_off, data_off
+            mm,
+            0,
+            _MAGIC,
+            _VERSION,
+            0,
+            size,
+            extent_bytes,
+            extents,
+            max_slots,
+            table_off,
+            data_off,
+            index_off,
+            capacity_for(extents * max_slots),
+            epoch,
         )
-        return cls(path, fd, mm, owner=True)
+        memory = cls(path, fd, mm, owner=True)
+        memory.generation[:] = epoch
+        return memory
 
     @classmethod
     def attach(cls, path: Path, populate: bool = True) -> ArenaMemory:
@@ -153,6 +183,9 @@ class ArenaMemory:
         slot_bytes = int(self.extent_slot_bytes[extent])
         return self.data_offset + extent * self.extent_bytes + index * slot_bytes
 
+    def slot_bytes(self, slot: int) -> int:
+        return int(self.extent_slot_bytes[slot // self.max_slots_per_extent])
+
     def view(self, offset: int, nbytes: int) -> memoryview:
         return self._view[offset : offset + nbytes]
 
@@ -160,10 +193,17 @@ class ArenaMemory:
         """Whether a reference taken at ``generation`` still names the same chunk."""
         return int(self.generation[slot]) == generation
 
+    def find(self, key: bytes) -> tuple[int, int] | None:
+        """(slot, generation) of a committed chunk, from the shared index; None if absent or
+        changing right now."""
+        return self.index.find(key, self._state_words, self._generation_words)
+
     def close(self) -> None:
         if self.owner:
             self.path.unlink(missing_ok=True)
-        del self.extent_slot_bytes, self.generation, self.state, self.refcount
+        del self.extent_slot_bytes, self.generation, self.state, self.refcount, self.index
+        self._state_words.release()
+        self._generation_words.release()
         self._view.release()
         # A caller may still hold a slot view; the mapping then goes when that view does.
         with contextlib.suppress(BufferError):
@@ -188,3 +228,31 @@ def _take_over_stale(path: Path) -> None:
         path.unlink()
     finally:
         os.close(fd)
+
+
+class ArenaAtPath:
+    """The arena at ``path`` as another process sees it, mapped again whenever a new file takes
+    the path (a restarted daemon), so nothing is read from or written to an arena nobody owns."""
+
+    def __init__(self, path: Path, populate: bool) -> None:
+        self.path = path
+        self._populate = populate
+        self._inode = 0
+        self.memory: ArenaMemory | None = None
+
+    def current(self) -> ArenaMemory:
+        """The mapping of the file at the path now; raises TierUnavailableError without one."""
+        try:
+            inode = os.stat(self.path).st_ino
+        except OSError as exc:
+            raise TierUnavailableError(f"no arena at {self.path}: {exc.strerror}") from None
+        if self.memory is None or self._inode != inode:
+            self.close()
+            self.memory = ArenaMemory.attach(self.path, self._populate)
+            self._inode = inode
+        return self.memory
+
+    def close(self) -> None:
+        if self.memory is not None:
+            self.memory.close()
+            self.memory = None

@@ -58,7 +58,7 @@ class _SlotTable:
         n = memory.num_extents * memory.max_slots_per_extent
         self._memory = memory
         self.state = [_FREE] * n
-        self.generation = [0] * n
+        self.generation = [int(memory.epoch)] * n
         self.refcount = [0] * n
 
     def set_state(self, slot: int, state: int) -> None:
@@ -309,6 +309,7 @@ class CpuTier(Tier):
         if self._slots.state[slot] == _READY:
             assert key is not None
             del self._index[key]
+            self.memory.index.remove(key)  # before the generation moves: see arena_index.py
             cls.policy.remove(slot)
             cls.retired.discard(slot)
             cls.ready -= 1
@@ -380,6 +381,7 @@ class CpuTier(Tier):
                 self._inflight[(self._owner[slot], cls.pool)] -= cls.slot_bytes
                 self._index[ref.key] = slot
                 self._slots.set_state(slot, _READY)
+                self.memory.index.insert(ref.key, slot)
                 cls.ready += 1
                 self._used[(self._owner[slot], cls.pool)] += cls.slot_bytes
                 self._chunks[(self._owner[slot], cls.pool)] += 1

@@ -3,6 +3,7 @@ validation, authentication, health, reflection, metrics and configuration errors
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -564,6 +565,69 @@ def test_a_leasing_lookup_leases_the_arena_prefix_and_releases_in_one_call(
         with pytest.raises(KVTierError):
             client.release_then_lookup_and_load([lease] if lease else [], foreign)
         assert daemon.stats().leases == 1
+    finally:
+        client.close()
+
+
+def test_a_hit_the_arena_holds_whole_is_found_in_its_index_and_leased_without_waiting(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    daemon = procs.start_daemon(files)
+    client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
+    try:
+        ns = client.register_pool(target_spec(), CHUNK)
+        keys = keys_for(ns, 3)
+        refs = [r for r in client.reserve(keys) if r is not None]
+        assert client.commit(refs) == 3
+        lookups = daemon.stats().counters["lookups"]
+        # the daemon stopped: the answer cannot come from it
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            result, leases = client.release_then_lookup_and_load([], keys)
+            answered_s = time.monotonic() - started
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert answered_s < 5.0  # a call would have waited for its 10 s timeout
+        assert (result.hits, result.tiers, result.pending) == (3, ["cpu"] * 3, False)
+        # the refs the index gave are the committed slots, at their current generation
+        assert leases == refs
+        # the call that leases them (and counts the lookup) went out behind the answer
+        _wait_for(lambda: daemon.stats().leases == 3, 10.0, "the leases taken behind")
+        assert daemon.stats().counters["lookups"] == lookups + 1
+        client.release([lease for lease in leases if lease is not None])
+        assert daemon.stats().leases == 0
+        # a chunk gone from the arena is not answered from the index
+        daemon.admin().evict(tier="cpu")
+        result, leases = client.release_then_lookup_and_load([], keys)
+        assert result.tiers != ["cpu"] * 3
+        assert daemon.stats().leases == sum(lease is not None for lease in leases)
+    finally:
+        client.close()
+
+
+def test_a_lease_taken_behind_for_a_chunk_that_moved_is_given_back_with_the_next_release(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    """The chunk was evicted and stored again between the index read and the lease: the lease
+    names another slot than the ref handed out, and must not leak."""
+    daemon = procs.start_daemon(files)
+    client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
+    try:
+        ns = client.register_pool(target_spec(), CHUNK)
+        (key,) = keys_for(ns, 1)
+        (ref,) = client.reserve([key])
+        assert ref is not None
+        assert client.commit([ref]) == 1
+        _, (handed,) = client.release_then_lookup_and_load([], [key])
+        assert handed == ref
+        _wait_for(lambda: daemon.stats().leases == 1, 10.0, "the lease taken behind")
+        # what the lease call would have granted had the chunk moved: a lease on another slot
+        stale = dataclasses.replace(ref, generation=ref.generation + 1)
+        pending, _ = client._confirming[-1]
+        client._confirming[-1] = (pending, [stale])
+        client.release([stale])  # the holder ends what it was handed...
+        assert daemon.stats().leases == 0  # ...and the lease nobody was handed goes with it
     finally:
         client.close()
 

@@ -1,0 +1,144 @@
+"""The arena's shared key index: which slot holds each committed chunk, readable without a call.
+
+The arena's owner writes it whenever a chunk becomes visible or its slot is freed; any process
+that maps the arena may read it. A lookup whose every chunk is in the arena then needs no round
+trip to kvtierd, which costs a millisecond or more on a busy machine.
+
+An open-addressing table (linear probing, backward-shift deletion) of 64-byte entries::
+
+    seq u64 | slot u32 | key length u16 | 2 unused bytes | key (48 bytes)
+
+The single writer makes ``seq`` odd, writes the entry, then makes it even again, so a reader that
+sees the same even ``seq`` before and after reading an entry read it whole. A reader never
+trusts more than that: it checks the slot's state and generation in the arena's slot table, and
+the copy out of the slot is checked against that generation again after it is made. Anything in
+motion reads as a miss, which sends the caller down the ordinary lookup.
+
+The ordering this relies on (the writer's stores seen in program order by readers) holds on
+x86-64; elsewhere `readable_here` is False and callers do not read the index.
+"""
+
+from __future__ import annotations
+
+import platform
+import struct
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.keys import MAX_CHUNK_HASH_BYTES, NAMESPACE_BYTES
+
+ENTRY_BYTES = 64
+KEY_BYTES = NAMESPACE_BYTES + MAX_CHUNK_HASH_BYTES
+_KEY_AT = 16
+_U64 = (1 << 64) - 1
+_MIX = 0x9E3779B97F4A7C15
+_READY = 2  # SlotState.READY; arena.py imports this module
+_HEAD = struct.Struct("<QQ")  # seq, meta
+
+
+def readable_here() -> bool:
+    """Whether another process may read the index on this CPU architecture (x86-64's total
+    store order); elsewhere it would need memory barriers that Python does not give."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def capacity_for(slots: int) -> int:
+    """Entries for ``slots`` slots: a power of two, at most half full."""
+    return 1 << max(10, (2 * slots - 1).bit_length())
+
+
+def _home(key: bytes, mask: int) -> int:
+    mixed = int.from_bytes(key[:8], "little") ^ int.from_bytes(key[-8:], "little")
+    return ((mixed * _MIX) & _U64) >> 32 & mask
+
+
+class ArenaIndex:
+    """The table over ``buffer`` (``capacity`` entries); ``owner``: this process writes it."""
+
+    def __init__(self, buffer: memoryview, offset: int, capacity: int) -> None:
+        if capacity & (capacity - 1):
+            raise ValueError("the index capacity must be a power of two")
+        self.capacity = capacity
+        self._mask = capacity - 1
+        words = np.frombuffer(buffer, np.uint64, capacity * ENTRY_BYTES // 8, offset)
+        words = words.reshape(capacity, ENTRY_BYTES // 8)
+        self._seq: npt.NDArray[np.uint64] = words[:, 0]
+        self._meta: npt.NDArray[np.uint64] = words[:, 1]  # slot | key length << 32; 0: empty
+        raw = np.frombuffer(buffer, np.uint8, capacity * ENTRY_BYTES, offset)
+        self._keys: npt.NDArray[np.uint8] = raw.reshape(capacity, ENTRY_BYTES)[:, _KEY_AT:]
+        # readers go through the buffer itself: a numpy scalar read costs several times more
+        self._buffer = buffer
+        self._offset = offset
+        self._where: dict[bytes, int] = {}
+        """Owner only: the entry of each key."""
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    # -- the owner ------------------------------------------------------------------------
+
+    def _write(self, at: int, key: bytes, slot: int) -> None:
+        self._seq[at] += 1
+        self._keys[at, : len(key)] = np.frombuffer(key, np.uint8)
+        self._meta[at] = slot | len(key) << 32
+        self._seq[at] += 1
+
+    def _clear(self, at: int) -> None:
+        self._seq[at] += 1
+        self._meta[at] = 0
+        self._seq[at] += 1
+
+    def insert(self, key: bytes, slot: int) -> None:
+        if not 0 < len(key) <= KEY_BYTES:
+            raise ValueError(f"an index key is 1..{KEY_BYTES} bytes")
+        at = self._where.get(key)
+        if at is None:
+            if len(self._where) >= self.capacity // 2:
+                raise OverflowError("the arena index is full")  # sized for every slot: a bug
+            at = _home(key, self._mask)
+            while self._meta[at]:
+                at = (at + 1) & self._mask
+            self._where[key] = at
+        self._write(at, key, slot)
+
+    def remove(self, key: bytes) -> None:
+        hole = self._where.pop(key, None)
+        if hole is None:
+            return
+        self._clear(hole)
+        at = (hole + 1) & self._mask
+        # shift the rest of the cluster back, so probes stop at the first empty entry
+        while self._meta[at]:
+            moved = bytes(self._keys[at, : int(self._meta[at]) >> 32])
+            home = _home(moved, self._mask)
+            if (at - home) & self._mask >= (at - hole) & self._mask:
+                self._write(hole, moved, int(self._meta[at]) & 0xFFFFFFFF)
+                self._where[moved] = hole
+                self._clear(at)
+                hole = at
+            at = (at + 1) & self._mask
+
+    # -- any process ----------------------------------------------------------------------
+
+    def find(self, key: bytes, state: memoryview, generation: memoryview) -> tuple[int, int] | None:
+        """(slot, generation) of ``key`` if a READY slot holds it now, else None (also when an
+        entry on the way is being written). ``state`` and ``generation`` are the arena's slot
+        table as u32 and u64 views."""
+        buffer, base, mask, read = self._buffer, self._offset, self._mask, _HEAD.unpack_from
+        size = len(key)
+        at = _home(key, mask)
+        for _ in range(self.capacity):
+            entry = base + at * ENTRY_BYTES
+            before, meta = read(buffer, entry)
+            if before & 1 or not meta:
+                return None
+            if meta >> 32 == size and buffer[entry + _KEY_AT : entry + _KEY_AT + size] == key:
+                slot = meta & 0xFFFFFFFF
+                if slot >= len(state) or state[slot] != _READY:
+                    return None
+                gen = generation[slot]
+                # the entry unchanged since: the slot was not freed before gen was read
+                return (slot, gen) if read(buffer, entry)[0] == before else None
+            at = (at + 1) & mask
+        return None
