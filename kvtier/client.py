@@ -9,14 +9,39 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
+from kvtier.journal import ChunkEvents
 from kvtier.keys import ChunkKey, NamespaceSpec
 from kvtier.manager import DraftState, LookupResult, ManagerStats, TierManager
 from kvtier.tiers.arena import ArenaMemory
 from kvtier.tiers.cpu import SlotRef
 
-__all__ = ["ArenaMemory", "InProcessClient", "SlotRef", "TierClient"]
+__all__ = ["Answer", "ArenaMemory", "ChunkEvents", "InProcessClient", "SlotRef", "TierClient"]
+
+T_co = TypeVar("T_co", covariant=True)
+T = TypeVar("T")
+
+
+class Answer(Protocol[T_co]):
+    """A call's answer, which may still be on its way."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> T_co: ...
+
+
+class Ready(Generic[T]):
+    """An answer there already (in-process calls)."""
+
+    def __init__(self, value: T) -> None:
+        self._value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> T:
+        return self._value
 
 
 @runtime_checkable
@@ -59,6 +84,11 @@ class TierClient(Protocol):
 
     def draft_states(self, refresh: bool = False) -> dict[bytes, DraftState]:
         """Each draft pool's revision and swap state, by lineage; cheap unless ``refresh``."""
+        ...
+
+    def chunk_events(self, cursor: int) -> Answer[ChunkEvents]:
+        """Chunks of this client's pools that entered or left the arena and lmdb since
+        ``cursor`` (negative: from now), without waiting for the answer."""
         ...
 
     def close(self) -> None: ...
@@ -118,6 +148,9 @@ class InProcessClient:
 
     def draft_states(self, refresh: bool = False) -> dict[bytes, DraftState]:
         return self.manager.draft_states()
+
+    def chunk_events(self, cursor: int) -> Answer[ChunkEvents]:
+        return Ready(self.manager.chunk_events(cursor))
 
     def stats(self) -> ManagerStats:
         return self.manager.stats()

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from kvtier.config import Admission, DemoteMode, KVTierConfig
 from kvtier.counters import Counters
 from kvtier.errors import ConfigError, InvalidRequestError, KVTierError, UnknownPoolError
+from kvtier.journal import ChunkEvents, Journal
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey, NamespaceSpec, Pool
 from kvtier.pools import PoolRegistry
 from kvtier.tiers.base import Tier, TierStats
@@ -158,6 +159,10 @@ class TierManager:
         self._fetching: set[str] = set()
         self._hit_counts: Counter[ChunkKey] = Counter()
         self._object_lock = threading.Lock()
+        self.journal = Journal()
+        for local in (self.cpu, self.lmdb):
+            if local is not None:
+                local.journal = self.journal
         self.cpu.track_dirty(self.lmdb is not None)
         self._write_through = config.manager.demote_mode is DemoteMode.WRITE_THROUGH
         self.cpu.set_clean_reserve(1.0 if self._write_through else config.manager.clean_reserve)
@@ -607,6 +612,10 @@ class TierManager:
 
     def release(self, refs: Sequence[SlotRef]) -> None:
         self.cpu.release(refs)
+
+    def chunk_events(self, cursor: int, limit: int = 4096) -> ChunkEvents:
+        """Chunks that entered or left the arena and lmdb since ``cursor`` (-1: from now)."""
+        return self.journal.since(cursor, limit)
 
     # -- write-back -----------------------------------------------------------------------
 

@@ -20,10 +20,11 @@ from kvtier.errors import (
     SessionNotFoundError,
     TierUnavailableError,
 )
+from kvtier.journal import ChunkEvents
 from kvtier.keys import ChunkKey, NamespaceSpec
 from kvtier.manager import TIER_CODES, DraftState, LookupResult
 from kvtier.memory import keep_freed_pages
-from kvtier.server.convert import drafts_from, grants_from, ref_to, spec_to
+from kvtier.server.convert import chunk_events_from, drafts_from, grants_from, ref_to, spec_to
 from kvtier.status import error_from
 from kvtier.tiers.arena import ArenaAtPath
 from kvtier.tiers.arena_index import readable_here
@@ -154,14 +155,17 @@ class GrpcTierClient:
         convert: Callable[[Any], R],
         flag: int = 0,
     ) -> Pending[R]:
+        return self._behind(method, self._encode(keys, refs, flag), convert)
+
+    def _behind(
+        self, method: Callable[..., Any], request: Any, convert: Callable[[Any], R]
+    ) -> Pending[R]:
         """The call made on this client's own thread: grpc's ``future()`` starts a thread per
         call when none is spinning, which took longer here (0.9 ms) than the call itself."""
-        request = self._encode(keys, refs, flag)
         if self._caller is None:
             self._caller = ThreadPoolExecutor(1, thread_name_prefix="kvtier-call")
-        return Pending(
-            self._caller.submit(method, request, timeout=self._timeout), convert, self.target
-        )
+        future = self._caller.submit(method, request, timeout=self._timeout)
+        return Pending(future, convert, self.target)
 
     @property
     def arena_path(self) -> Path:
@@ -365,6 +369,10 @@ class GrpcTierClient:
 
     def promote(self, keys: Sequence[ChunkKey]) -> int:
         return int(self._keys_call(self._promote, keys).queued)
+
+    def chunk_events(self, cursor: int) -> Pending[ChunkEvents]:
+        request = tier_pb2.ChunkEventsRequest(session_id=self.session_id, cursor=cursor)
+        return self._behind(self._stub.ChunkEvents, request, chunk_events_from)
 
     def release(self, refs: Sequence[SlotRef]) -> None:
         request = tier_pb2.ReleaseRequest(

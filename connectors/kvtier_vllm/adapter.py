@@ -18,6 +18,7 @@ __all__ = [
     "KVConnectorRole",
     "KVConnectorWorkerMetadata",
     "SupportsHMA",
+    "block_removed_event",
     "block_stored_event",
     "cache_hit_source",
     "replica_of",
@@ -45,9 +46,10 @@ def cache_hit_source(name: str) -> object:
 
 
 def block_stored_event(
-    hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int
+    hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int, medium: str
 ) -> object:
-    """A KV event telling routers these blocks are now held in host memory (the arena)."""
+    """A KV event telling routers these blocks are now held in ``medium``: "CPU" (the arena)
+    or "STORAGE" (lmdb)."""
     from vllm.distributed.kv_events import BlockStored
     from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
@@ -57,8 +59,18 @@ def block_stored_event(
         token_ids=token_ids,
         block_size=block_size,
         lora_id=None,
-        medium="CPU",
+        medium=medium,
         lora_name=None,
+    )
+
+
+def block_removed_event(hashes: list[bytes], medium: str) -> object:
+    """A KV event telling routers ``medium`` no longer holds these blocks."""
+    from vllm.distributed.kv_events import BlockRemoved
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+    return BlockRemoved(
+        block_hashes=[maybe_convert_block_hash(BlockHash(h)) for h in hashes], medium=medium
     )
 
 

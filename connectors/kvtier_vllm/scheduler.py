@@ -25,9 +25,10 @@ from kvtier.errors import KVTierError, PoolLayoutError
 from kvtier.keys import ChunkKey, NamespaceSpec, Pool, make_key
 from kvtier.manager import TIER_CODES, TierManager
 from kvtier.rpc import GrpcTierClient
-from kvtier_vllm.adapter import block_stored_event, replica_of
+from kvtier_vllm.adapter import replica_of
 from kvtier_vllm.config import ConnectorConfig, Mode
 from kvtier_vllm.draft import AcceptanceMeter, DraftTracker, Fill, lease_draft
+from kvtier_vllm.events import KVEventFeed
 from kvtier_vllm.layout import (
     PoolPlan,
     UnsupportedGroupError,
@@ -218,6 +219,7 @@ class KVTierScheduler:
         """Per plan key; a pool without one is not stored (a draft mid-swap)."""
         self.arena_path = ""
         self._next_connect = 0.0
+        self.events = KVEventFeed(self.block_size)
         self._connect()
         self._requests: dict[str, _RequestState] = {}
         self._ready_loads: dict[str, _LoadPlan] = {}
@@ -227,8 +229,6 @@ class KVTierScheduler:
         self._lease_gc: deque[list[SlotRef]] = deque([[] for _ in range(_LEASE_STEPS)])
         self._stores: dict[tuple[int, int], tuple[SlotRef, int]] = {}  # -> (ref, step)
         self._step = 0
-        self._pending_events: dict[tuple[int, int], object] = {}
-        self._events: list[object] = []
         self._failing = False
         self._failed_loads: set[str] = set()
         """Requests whose asynchronous load failed: vLLM recomputes them, without kvtier."""
@@ -264,6 +264,7 @@ class KVTierScheduler:
                     # without a draft pool, draft pages of hits are filled instead of loaded
                     log.error("kvtier: no %s pool: %s", plan.pool, exc)
             self.arena_path = str(client.arena_path)
+            self.events.follow(client)
         except KVTierError as exc:  # never take the engine down
             if client is not None:
                 client.close()
@@ -785,28 +786,33 @@ class KVTierScheduler:
                 if ref is None:
                     continue  # present already, or no room right now
                 if plan is self.anchor:
-                    self._pending_events[(ref.slot, ref.generation)] = self._event(request, chunk)
+                    self._announce((ref.slot, ref.generation), ref.key, request, chunk)
                 meta.stores.append(
                     ChunkCopy(plan.key, ref.slot, ref.offset, ref.generation, span_blocks[chunk])
                 )
                 self._stores[(ref.slot, ref.generation)] = (ref, self._step)
 
-    def _event(self, request: Any, chunk: int) -> object:
+    def _announce(self, handle: tuple[int, int], key: ChunkKey, request: Any, chunk: int) -> None:
+        """The anchor plan's chunks stand for their blocks in KV events, once stored."""
         bpc = self.cfg.blocks_per_chunk
         hashes = request.block_hashes[chunk * bpc : (chunk + 1) * bpc]
         parent = request.block_hashes[chunk * bpc - 1] if chunk else None
         tokens = request.all_token_ids[chunk * self.chunk_tokens : (chunk + 1) * self.chunk_tokens]
-        return block_stored_event(list(hashes), parent, list(tokens), self.block_size)
+        self.events.store_planned(handle, key, list(hashes), parent, list(tokens))
 
     def take_events(self) -> list[object]:
-        events, self._events = self._events, []
-        return events
+        if self.client is not None:
+            try:
+                self.events.poll(self.client)
+            except KVTierError as exc:
+                self._guard("chunk_events", exc)
+        return self.events.take()
 
     def _expire_stores(self) -> None:
         stale = [h for h, (_, step) in self._stores.items() if self._step - step > _STORE_STEPS]
         if stale:
             for handle in stale:
-                self._pending_events.pop(handle, None)
+                self.events.store_dropped(handle)
             self._abort([self._stores.pop(h)[0] for h in stale])
 
     def _abort(self, refs: list[SlotRef]) -> None:
@@ -829,11 +835,9 @@ class KVTierScheduler:
             self._sync_draft(follow=False)
         done = [self._stores.pop(h)[0] for h in worker_meta.stored if h in self._stores]
         for handle in worker_meta.stored:
-            event = self._pending_events.pop(handle, None)
-            if event is not None:
-                self._events.append(event)
+            self.events.store_done(handle)
         for handle in worker_meta.failed:
-            self._pending_events.pop(handle, None)
+            self.events.store_dropped(handle)
         failed = [self._stores.pop(h)[0] for h in worker_meta.failed if h in self._stores]
         try:
             if done:

@@ -9,6 +9,7 @@ import numpy as np
 
 from kvtier.api.v1 import admin_pb2, tier_pb2
 from kvtier.errors import InvalidRequestError
+from kvtier.journal import ChunkEvent, ChunkEvents
 from kvtier.keys import (
     MAX_CHUNK_HASH_BYTES,
     NAMESPACE_BYTES,
@@ -17,7 +18,7 @@ from kvtier.keys import (
     PageLayout,
     Pool,
 )
-from kvtier.manager import DraftRevision, DraftState
+from kvtier.manager import TIER_CODES, TIER_NAMES, DraftRevision, DraftState
 from kvtier.tiers.base import TierStats, UsageStats
 from kvtier.tiers.cpu import SlotRef
 
@@ -144,6 +145,26 @@ def grants_from(grants: Iterable[tier_pb2.SlotGrant]) -> list[SlotRef | None]:
         else None
         for g in grants
     ]
+
+
+def chunk_events_to(found: ChunkEvents, namespaces: set[bytes]) -> tier_pb2.ChunkEventsResponse:
+    """The events of chunks in ``namespaces`` (a session's pools)."""
+    return tier_pb2.ChunkEventsResponse(
+        events=[
+            tier_pb2.ChunkEvent(
+                stored=e.stored, tier=tier_pb2.Tier.ValueType(TIER_CODES[e.tier]), key=e.key
+            )
+            for e in found.events
+            if e.key[:NAMESPACE_BYTES] in namespaces
+        ],
+        cursor=found.cursor,
+        lost=found.lost,
+    )
+
+
+def chunk_events_from(pb: tier_pb2.ChunkEventsResponse) -> ChunkEvents:
+    events = [ChunkEvent(e.stored, TIER_NAMES[e.tier], ChunkKey(e.key)) for e in pb.events]
+    return ChunkEvents(events, pb.cursor, pb.lost)
 
 
 def _usage(u: UsageStats) -> admin_pb2.Usage:

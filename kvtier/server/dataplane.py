@@ -18,6 +18,7 @@ from kvtier.manager import TierManager, arena_hit
 from kvtier.metrics import telemetry_of
 from kvtier.server.convert import (
     check_batch,
+    chunk_events_to,
     drafts_to,
     grants_to,
     ref_from,
@@ -192,6 +193,15 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         session = self._session(request.session_id)
         keys = self._known_keys(request.keys)
         return tier_pb2.PromoteResponse(queued=self.manager.promote(keys, session.replica))
+
+    @_timed("chunk_events")
+    def ChunkEvents(
+        self, request: tier_pb2.ChunkEventsRequest, context: grpc.ServicerContext
+    ) -> tier_pb2.ChunkEventsResponse:
+        session = self._session(request.session_id)
+        limit = min(request.limit or self.config.max_batch_keys, self.config.max_batch_keys)
+        found = self.manager.chunk_events(request.cursor, limit)
+        return chunk_events_to(found, session.namespaces)
 
     def Heartbeat(
         self, request: tier_pb2.HeartbeatRequest, context: grpc.ServicerContext

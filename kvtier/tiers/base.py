@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.errors import PayloadSizeError
+from kvtier.journal import Journal
 from kvtier.keys import ChunkKey
 from kvtier.pools import PoolRegistry, Registration
 
@@ -51,6 +52,12 @@ class Tier(ABC):
 
     def __init__(self, registry: PoolRegistry) -> None:
         self.registry = registry
+        self.journal: Journal | None = None
+        """Where chunks entering and leaving this tier are told, when someone listens."""
+
+    def _tell(self, stored: bool, keys: Sequence[ChunkKey]) -> None:
+        if self.journal is not None and keys:
+            self.journal.record(stored, self.name, keys)
 
     def _check_payload(self, key: ChunkKey, nbytes: int) -> Registration:
         reg = self.registry.resolve(key)

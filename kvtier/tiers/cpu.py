@@ -310,6 +310,7 @@ class CpuTier(Tier):
             assert key is not None
             del self._index[key]
             self.memory.index.remove(key)  # before the generation moves: see arena_index.py
+            self._tell(False, [key])
             cls.policy.remove(slot)
             cls.retired.discard(slot)
             cls.ready -= 1
@@ -399,6 +400,7 @@ class CpuTier(Tier):
                     self._slots.add_ref(slot, 1)
                 self._counters.add("stores", 1)
                 done += 1
+                self._tell(True, [ref.key])
         return done
 
     def abort(self, refs: Sequence[SlotRef]) -> None:

@@ -240,6 +240,8 @@ class LmdbTier(Tier):
             for key in evicted:
                 self._used -= self._index.pop(key).nbytes
             self._apply(added)
+            self._tell(False, list(evicted))
+            self._tell(True, list(added))
             self._counters.add("evictions_capacity", len(evicted))
             if self._retired:
                 retired = sum(k[:NAMESPACE_BYTES] in self._retired for k in evicted)
@@ -439,6 +441,7 @@ class LmdbTier(Tier):
                     dropped.append(key)
         for key in dropped:
             self._used -= self._index.pop(key).nbytes
+        self._tell(False, dropped)
         return len(dropped)
 
     def _set_pinned(self, keys: Sequence[ChunkKey], pinned: bool) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,6 +58,23 @@ def engine_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
     yield tmp_path
     monkeypatch.undo()
     reset_env_caches()
+
+
+@pytest.fixture
+def kv_events(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every KV event the connector hands vLLM during the test (in-process engines)."""
+    from kvtier_vllm.scheduler import KVTierScheduler
+
+    events: list[Any] = []
+    take_events = KVTierScheduler.take_events
+
+    def recording(self: KVTierScheduler) -> list[object]:
+        taken = take_events(self)
+        events.extend(taken)
+        return taken
+
+    monkeypatch.setattr(KVTierScheduler, "take_events", recording)
+    return events
 
 
 @pytest.fixture(scope="session")

@@ -67,19 +67,8 @@ def test_embedded_outputs_match_and_a_fresh_engine_hits_what_another_stored(
     baseline: list[list[int]],
     tmp_path: Path,
     shm_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    kv_events: list[Any],
 ) -> None:
-    from kvtier_vllm.scheduler import KVTierScheduler
-
-    events: list[Any] = []
-    take_events = KVTierScheduler.take_events
-
-    def recording(self: KVTierScheduler) -> list[object]:
-        taken = take_events(self)
-        events.extend(taken)
-        return taken
-
-    monkeypatch.setattr(KVTierScheduler, "take_events", recording)
     connector = kvtier_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path))})
     with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
         first, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
@@ -88,9 +77,9 @@ def test_embedded_outputs_match_and_a_fresh_engine_hits_what_another_stored(
     assert first == baseline[: len(prompts)]
     assert cached == [0] * len(prompts)
     # routers hear of every chunk offloaded to host memory, with the engine's own hashes
-    assert events
-    assert {e.medium for e in events} == {"CPU"}
-    assert sum(len(e.block_hashes) for e in events) >= len(prompts) * 640 // 32
+    assert kv_events
+    assert {e.medium for e in kv_events} == {"CPU"}
+    assert sum(len(e.block_hashes) for e in kv_events) >= len(prompts) * 640 // 32
     # the first engine closed its tiers: the arena is gone, lmdb holds the chunks
     with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
         second, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)

@@ -632,6 +632,34 @@ def test_a_lease_taken_behind_for_a_chunk_that_moved_is_given_back_with_the_next
         client.close()
 
 
+def test_chunk_events_tell_a_session_what_entered_and_left_the_tiers_of_its_pools(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    daemon = procs.start_daemon(files)
+    client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
+    other = GrpcTierClient(files.socket, "dp1", timeout_s=10.0)
+    try:
+        keys = keys_for(client.register_pool(target_spec(), CHUNK), 2)
+        theirs = keys_for(other.register_pool(target_spec(model="other"), CHUNK), 1)
+        start = client.chunk_events(-1).result()
+        for owner, owned in ((client, keys), (other, theirs)):
+            assert owner.commit([r for r in owner.reserve(owned) if r is not None]) == len(owned)
+        daemon.admin().evict(tier="cpu")  # written to lmdb first, then out of the arena
+        found = client.chunk_events(start.cursor).result()
+        events = {(e.stored, e.tier, e.key) for e in found.events}
+        expected = {(stored, tier, k) for k in keys for stored, tier in _ENTERED_AND_LEFT}
+        assert events == expected  # only this session's pools
+        assert len(found.events) == len(expected)
+        assert found.lost == 0
+        assert client.chunk_events(found.cursor).result().events == []
+    finally:
+        client.close()
+        other.close()
+
+
+_ENTERED_AND_LEFT = ((True, "cpu"), (True, "lmdb"), (False, "cpu"))
+
+
 def test_client_carries_on_in_a_new_session_after_the_daemon_restarts(
     procs: Processes, files: DaemonFiles
 ) -> None:

@@ -746,3 +746,83 @@ class HeartbeatResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
+
+@_typing.final
+class ChunkEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    cursor: _builtins.int
+    """Where the last answer said to ask from; negative: from now."""
+    limit: _builtins.int
+    """At most this many events (the daemon's batch limit when 0 or larger)."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        cursor: _builtins.int = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "limit", b"limit", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChunkEventsRequest: _TypeAlias = ChunkEventsRequest  # noqa: Y015
+
+@_typing.final
+class ChunkEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORED_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    stored: _builtins.bool
+    """True: the tier holds the chunk now; false: it let go of it."""
+    tier: Global___Tier.ValueType
+    key: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        stored: _builtins.bool = ...,
+        tier: Global___Tier.ValueType = ...,
+        key: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "stored", b"stored", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChunkEvent: _TypeAlias = ChunkEvent  # noqa: Y015
+
+@_typing.final
+class ChunkEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
+    cursor: _builtins.int
+    lost: _builtins.int
+    """Events that left the daemon's window before they were asked for."""
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChunkEvent]: ...
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___ChunkEvent] | None = ...,
+        cursor: _builtins.int = ...,
+        lost: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "events", b"events", "lost", b"lost"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChunkEventsResponse: _TypeAlias = ChunkEventsResponse  # noqa: Y015

@@ -79,6 +79,11 @@ class TierServiceStub:
                 request_serializer=kvtier_dot_v1_dot_tier__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_tier__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.ChunkEvents = channel.unary_unary(
+                '/kvtier.v1.TierService/ChunkEvents',
+                request_serializer=kvtier_dot_v1_dot_tier__pb2.ChunkEventsRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_tier__pb2.ChunkEventsResponse.FromString,
+                _registered_method=True)
 
 
 class TierServiceServicer:
@@ -150,6 +155,14 @@ class TierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ChunkEvents(self, request, context):
+        """Chunks of the session's pools that entered or left the arena and lmdb since a cursor:
+        what an engine's KV events tell routers about the tiers below its GPU.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -197,6 +210,11 @@ def add_TierServiceServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kvtier_dot_v1_dot_tier__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_tier__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'ChunkEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChunkEvents,
+                    request_deserializer=kvtier_dot_v1_dot_tier__pb2.ChunkEventsRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_tier__pb2.ChunkEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -442,6 +460,33 @@ class TierService:
             '/kvtier.v1.TierService/Heartbeat',
             kvtier_dot_v1_dot_tier__pb2.HeartbeatRequest.SerializeToString,
             kvtier_dot_v1_dot_tier__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChunkEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.TierService/ChunkEvents',
+            kvtier_dot_v1_dot_tier__pb2.ChunkEventsRequest.SerializeToString,
+            kvtier_dot_v1_dot_tier__pb2.ChunkEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

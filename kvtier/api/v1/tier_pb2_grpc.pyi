@@ -58,6 +58,10 @@ class TierServiceStub:
     """Keeps the session alive; a session whose heartbeat lapses loses its leases and
     reservations.
     """
+    ChunkEvents: _grpc.UnaryUnaryMultiCallable[_tier_pb2.ChunkEventsRequest, _tier_pb2.ChunkEventsResponse]
+    """Chunks of the session's pools that entered or left the arena and lmdb since a cursor:
+    what an engine's KV events tell routers about the tiers below its GPU.
+    """
 
 @_typing.type_check_only
 class TierServiceAsyncStub(TierServiceStub):
@@ -85,6 +89,10 @@ class TierServiceAsyncStub(TierServiceStub):
     Heartbeat: _aio.UnaryUnaryMultiCallable[_tier_pb2.HeartbeatRequest, _tier_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Keeps the session alive; a session whose heartbeat lapses loses its leases and
     reservations.
+    """
+    ChunkEvents: _aio.UnaryUnaryMultiCallable[_tier_pb2.ChunkEventsRequest, _tier_pb2.ChunkEventsResponse]  # type: ignore[assignment]
+    """Chunks of the session's pools that entered or left the arena and lmdb since a cursor:
+    what an engine's KV events tell routers about the tiers below its GPU.
     """
 
 class TierServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -164,6 +172,16 @@ class TierServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_tier_pb2.HeartbeatResponse, _abc.Awaitable[_tier_pb2.HeartbeatResponse]]:
         """Keeps the session alive; a session whose heartbeat lapses loses its leases and
         reservations.
+        """
+
+    @_abc_1.abstractmethod
+    def ChunkEvents(
+        self,
+        request: _tier_pb2.ChunkEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_tier_pb2.ChunkEventsResponse, _abc.Awaitable[_tier_pb2.ChunkEventsResponse]]:
+        """Chunks of the session's pools that entered or left the arena and lmdb since a cursor:
+        what an engine's KV events tell routers about the tiers below its GPU.
         """
 
 def add_TierServiceServicer_to_server(servicer: TierServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
