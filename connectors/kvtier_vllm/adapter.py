@@ -21,6 +21,7 @@ __all__ = [
     "block_removed_event",
     "block_stored_event",
     "cache_hit_source",
+    "eagle_block_drop",
     "replica_of",
     "transfer_results",
 ]
@@ -34,6 +35,18 @@ def replica_of(vllm_config: object) -> str:
     if index is None:
         index = getattr(parallel, "data_parallel_rank", 0)
     return f"dp{index}"
+
+
+def eagle_block_drop(vllm_config: object) -> bool:
+    """Whether vLLM drops the last block of a prefix-cache hit: its drafter (EAGLE, MTP,
+    DFlash) wrote that block's last draft KV from the token after it, which another request
+    need not share. 0.32 and 0.33 name it ``use_eagle_block_drop``; older builds only
+    ``use_eagle``."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return False
+    check = getattr(spec, "use_eagle_block_drop", None) or spec.use_eagle
+    return bool(check())
 
 
 def cache_hit_source(name: str) -> object:

@@ -25,7 +25,7 @@ from kvtier.errors import KVTierError, PoolLayoutError
 from kvtier.keys import ChunkKey, NamespaceSpec, Pool, make_key
 from kvtier.manager import TIER_CODES, TierManager
 from kvtier.rpc import GrpcTierClient
-from kvtier_vllm.adapter import replica_of
+from kvtier_vllm.adapter import eagle_block_drop, replica_of
 from kvtier_vllm.config import ConnectorConfig, Mode
 from kvtier_vllm.draft import AcceptanceMeter, DraftTracker, Fill, lease_draft
 from kvtier_vllm.events import KVEventFeed
@@ -198,6 +198,10 @@ class KVTierScheduler:
             (p for p in self.plans if p.pool is Pool.TARGET), key=lambda p: bool(p.window)
         )
         self.anchor = self.targets[0] if self.targets else None
+        self.drop_last = eagle_block_drop(vllm_config) and len(self.targets) == 1
+        """As vLLM's own prefix cache: a hit's last chunk is recomputed, so the drafter's KV of
+        its last position is written from this request's next token. (With several groups the
+        sliding windows would no longer be the stored ones: there the chunk is kept.)"""
         """The plan whose chunks stand for a hit: in KV events and hit sources."""
         self.draft_plan = next((p for p in self.plans if p.pool is Pool.DRAFT), None)
         self.async_loads = len(groups) > 1
@@ -434,11 +438,12 @@ class KVTierScheduler:
         return tokens, self.async_loads
 
     def _hit_limit(self, request: Any) -> int:
-        """The most chunks a hit may cover: at least one prompt token is always computed, to
-        produce the first output."""
+        """The most chunks a lookup may find: at least one prompt token is always computed, to
+        produce the first output (with ``drop_last``, the chunk dropped from the hit ensures it)."""
         prompt = len(request.prompt_token_ids or ())
         hashed = len(request.block_hashes) // self.cfg.blocks_per_chunk
-        return int(min((prompt - 1) // self.chunk_tokens, hashed))
+        readable = prompt if self.drop_last else prompt - 1
+        return int(min(readable // self.chunk_tokens, hashed))
 
     def _find(self, hashes: Any, first: int, limit: int) -> _Found:
         """The longest hit every target plan holds, in chunks: per plan, the first chunk it
@@ -497,6 +502,8 @@ class KVTierScheduler:
         hashes = request.block_hashes
         found = self._find(hashes, first, limit)
         chunks = found.chunks
+        if self.drop_last and chunks > first:
+            chunks -= 1
         assert self.anchor is not None
         anchor_start, anchor_codes = found.tiers[self.anchor.key]
         for chunk, code in enumerate(anchor_codes, anchor_start):
@@ -556,12 +563,12 @@ class KVTierScheduler:
         early: dict[str, tuple[int, list[SlotRef | None]]] | None,
     ) -> _LoadPlan | None:
         """Lease every plan's chunks of the hit (``early``: those the lookup leased, when they
-        are the hit's); the hit shrinks to what all of them got."""
+        cover the hit; the ones past it go back); the hit shrinks to what all of them got."""
         client = self.client
         assert client is not None
         spans = [(plan, self._needed(plan, first, chunks)) for plan in self.targets]
         if early is None or any(
-            early[plan.key][0] != span.start or len(early[plan.key][1]) != len(span)
+            early[plan.key][0] != span.start or len(early[plan.key][1]) < len(span)
             for plan, span in spans
         ):
             self._give_back(early)
@@ -757,7 +764,7 @@ class KVTierScheduler:
         client = self.client
         assert client is not None
         # a sliding window is stored where the prompt's own hit would read it, and past it
-        end = self._hit_limit(request)
+        end = self._hit_limit(request) - int(self.drop_last)
         for plan in self.plans:
             if plan.key not in self.namespaces:
                 continue

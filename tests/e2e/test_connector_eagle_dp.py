@@ -128,6 +128,37 @@ def test_eagle_head_gets_its_own_pool_and_a_fresh_engine_accepts_as_on_local_hit
     assert accepted == accepted_on_prefix_hits
 
 
+def test_an_eagle_engine_recomputes_the_last_block_of_a_hit_as_vllm_does(
+    eagle_models: EagleModels, tmp_path: Path, shm_path: Path
+) -> None:
+    """The head's KV of a block's last position was written from the token after the block: a
+    request that shares only the prefix must recompute that block, or its drafts degrade."""
+    target = eagle_models.target
+    # prompts 2 and 3 share only their 640-token prefix (20 blocks) with prompts 0 and 1
+    prompts = shared_prefix_prompts(
+        4, vocab_size=vocab_size_of(target), prefix_len=640, suffix_len=48, num_prefixes=2
+    )
+    stored, siblings = prompts[:2], prompts[2:]
+    spec = {"method": "eagle", "model": str(eagle_models.head), "num_speculative_tokens": 3}
+    with running_llm(target, speculative_config=spec) as llm:
+        generate_tokens(llm, stored, max_tokens=MAX_TOKENS)
+        accepted = counter_value(llm, ACCEPTED)
+        reference, local = generate_tokens(llm, siblings, max_tokens=MAX_TOKENS)
+        accepted_on_prefix_hits = counter_value(llm, ACCEPTED) - accepted
+    assert local == [640 - 32] * 2  # vLLM's own hit drops the matched prefix's last block
+
+    connector = kvtier_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path))})
+    with running_llm(target, kv_transfer_config=connector, speculative_config=spec) as llm:
+        generate_tokens(llm, stored, max_tokens=MAX_TOKENS)
+    with running_llm(target, kv_transfer_config=connector, speculative_config=spec) as llm:
+        tokens, cached = generate_tokens(llm, siblings, max_tokens=MAX_TOKENS)
+        assert counter_value(llm, EXTERNAL_HITS) == sum(cached)
+        accepted = counter_value(llm, ACCEPTED)
+    assert tokens == reference
+    assert cached == local  # the same block dropped, from kvtier's hit
+    assert accepted == accepted_on_prefix_hits
+
+
 # -- data-parallel replicas ----------------------------------------------------------------------
 
 SLOT = 32 << 10  # one chunk of the 2-layer target: 32 tokens x 2 heads x 2 x 32 x fp32, 2 layers

@@ -21,7 +21,7 @@ VERSION = "0.33.0"
 
 
 @pytest.fixture(scope="module")
-def base_source(tmp_path_factory: pytest.TempPathFactory) -> str:
+def wheel() -> Path:
     cache = Path.home() / ".cache" / "kvtier-tests" / f"vllm-{VERSION}"
     wheels = sorted(cache.glob("vllm-*.whl"))
     if not wheels:
@@ -46,8 +46,17 @@ def base_source(tmp_path_factory: pytest.TempPathFactory) -> str:
         wheels = sorted(cache.glob("vllm-*.whl"))
         if fetched.returncode != 0 or not wheels:
             pytest.skip(f"the vllm {VERSION} wheel cannot be fetched here: {fetched.stderr[-300:]}")
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        return wheel.read(BASE).decode()
+    return wheels[0]
+
+
+def _read(wheel: Path, name: str) -> str:
+    with zipfile.ZipFile(wheel) as archive:
+        return archive.read(name).decode()
+
+
+@pytest.fixture(scope="module")
+def base_source(wheel: Path) -> str:
+    return _read(wheel, BASE)
 
 
 def _methods(source: str, name: str = "KVConnectorBase_V1") -> dict[str, tuple[bool, list[str]]]:
@@ -93,3 +102,14 @@ def test_connector_implements_the_033_interface(base_source: str) -> None:
         assert not unknown, f"{name}: vllm {VERSION} passes {unknown}, which we do not take"
     init = inspect.signature(KVTierConnector.__init__).parameters
     assert "kv_cache_config" in init  # the factory refuses classes without it
+
+
+def test_the_eagle_block_drop_is_asked_as_033_names_it(wheel: Path) -> None:
+    """The connector drops a hit's last block exactly when vLLM's own prefix cache does."""
+    source = _read(wheel, "vllm/config/speculative.py")
+    (spec,) = [
+        n
+        for n in ast.parse(source).body
+        if isinstance(n, ast.ClassDef) and n.name == "SpeculativeConfig"
+    ]
+    assert "use_eagle_block_drop" in {n.name for n in spec.body if isinstance(n, ast.FunctionDef)}
