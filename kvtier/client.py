@@ -86,6 +86,11 @@ class TierClient(Protocol):
         """Each draft pool's revision and swap state, by lineage; cheap unless ``refresh``."""
         ...
 
+    def report_hits(self, every_s: float = 0.0) -> None:
+        """Tell the tiers of hits answered without a call, at most every ``every_s``, without
+        waiting (a client whose answers all come from a call has none)."""
+        ...
+
     def chunk_events(self, cursor: int) -> Answer[ChunkEvents]:
         """Chunks of this client's pools that entered or left the arena and lmdb since
         ``cursor`` (negative: from now), without waiting for the answer."""
@@ -148,6 +153,9 @@ class InProcessClient:
 
     def draft_states(self, refresh: bool = False) -> dict[bytes, DraftState]:
         return self.manager.draft_states()
+
+    def report_hits(self, every_s: float = 0.0) -> None:
+        pass  # every lookup here is a call
 
     def chunk_events(self, cursor: int) -> Answer[ChunkEvents]:
         return Ready(self.manager.chunk_events(cursor))

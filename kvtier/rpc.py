@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +30,7 @@ from kvtier.server.convert import chunk_events_from, drafts_from, grants_from, r
 from kvtier.status import error_from
 from kvtier.tiers.arena import ArenaAtPath
 from kvtier.tiers.arena_index import readable_here
-from kvtier.tiers.cpu import SlotRef
+from kvtier.tiers.cpu import IndexedRef, SlotRef
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ _OPTIONS = [
 R = TypeVar("R")
 _LOOKUP_LEASE = tier_pb2.LookupRequest.LEASE_FIELD_NUMBER
 _IN_ARENA = TIER_CODES["cpu"]
+_MAX_REPORT = 4096  # keys per report, under the daemon's batch limit
 _TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
 
 
@@ -117,10 +120,12 @@ class GrpcTierClient:
         self._caller: ThreadPoolExecutor | None = None
         self._arena: ArenaAtPath | None = None
         """The arena, mapped to read its key index (where `readable_here`)."""
-        self._confirming: list[tuple[Pending[list[SlotRef | None]], list[SlotRef]]] = []
-        """Lease calls sent without waiting, with the refs the index gave for them."""
-        self._owed: list[SlotRef] = []
-        """Leases those calls took that nobody was handed: they go back with the next release."""
+        self._hits: list[ChunkKey] = []
+        """Keys the index answered since the last `report_hits`."""
+        self._due: list[SlotRef] = []
+        """Leases to end with the next report."""
+        self._report: Pending[None] | None = None
+        self._next_report = 0.0
 
     def _rpc(self, method: Callable[..., R], request: Any) -> R:
         return _call(self.target, method, request, timeout=self._timeout)
@@ -158,7 +163,10 @@ class GrpcTierClient:
         return self._behind(method, self._encode(keys, refs, flag), convert)
 
     def _behind(
-        self, method: Callable[..., Any], request: Any, convert: Callable[[Any], R]
+        self,
+        method: Callable[..., Any],
+        request: Any,
+        convert: Callable[[Any], R] = lambda response: response,
     ) -> Pending[R]:
         """The call made on this client's own thread: grpc's ``future()`` starts a thread per
         call when none is spinning, which took longer here (0.9 ms) than the call itself."""
@@ -252,22 +260,21 @@ class GrpcTierClient:
     def release_then_lookup_and_load(
         self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
     ) -> tuple[LookupResult, list[SlotRef | None]]:
-        """A hit the arena holds whole is answered from its key index, and the call that leases
-        it goes out without waiting: the lease then only keeps the slots from being evicted (and
-        counts the hit), since whoever copies a slot checks its generation afterwards anyway."""
-        refs = self._settle(refs)
+        """A hit the arena holds whole is answered from its key index, with no call and no
+        lease: whoever copies a slot checks its generation afterwards anyway, and a call made
+        now would compete with that copy for the CPU (it cost more than the call itself).
+        `report_hits` tells kvtierd of such hits later."""
         found = self._in_arena(keys)
         if found is None:
-            response = self._keys_call(self._lookup, keys, refs, flag=_LOOKUP_LEASE)
+            release, self._due = [*self._due, *self._leased(refs)], []
+            response = self._keys_call(self._lookup, keys, release, flag=_LOOKUP_LEASE)
             result = LookupResult(response.hits, response.tiers, response.pending)
             return result, grants_from(response.leases)
-        pending = self._keys_call_async(
-            self._lookup, keys, refs, lambda r: grants_from(r.leases), flag=_LOOKUP_LEASE
-        )
-        self._confirming.append((pending, found))
+        self._due += self._leased(refs)  # with the next report: no call now
+        self._hits += keys
         return LookupResult(len(found), bytes([_IN_ARENA]) * len(found)), list(found)
 
-    def _in_arena(self, keys: Sequence[ChunkKey]) -> list[SlotRef] | None:
+    def _in_arena(self, keys: Sequence[ChunkKey]) -> list[IndexedRef] | None:
         """Each key's slot, from the arena's key index; None unless the arena holds them all."""
         if self._arena is None or not keys:
             return None
@@ -282,36 +289,40 @@ class GrpcTierClient:
                 return None
             slot, generation = found
             offset, nbytes = memory.slot_offset(slot), memory.slot_bytes(slot)
-            refs.append(SlotRef(key, slot, offset, nbytes, generation))
+            refs.append(IndexedRef(key, slot, offset, nbytes, generation))
         return refs
 
-    def _settle(self, releasing: Sequence[SlotRef]) -> list[SlotRef]:
-        """Collect the lease calls that went out without waiting. Returns ``releasing`` with the
-        leases owed back: those the calls took that differ from the refs handed out (the chunk
-        moved in between). A call is waited for only when refs it leases are being released
-        now, so that its lease is never taken after its release."""
-        wanted = set(releasing)
-        waiting: list[tuple[Pending[list[SlotRef | None]], list[SlotRef]]] = []
-        failure: KVTierError | None = None
-        for pending, handed in self._confirming:
-            if not pending.done() and wanted.isdisjoint(handed):
-                waiting.append((pending, handed))
-                continue
-            try:
-                grants = pending.result()
-            except SessionNotFoundError:
-                continue  # its leases went with the session; the next call opens a new one
-            except KVTierError as exc:
-                failure = failure or exc
-                continue
-            moved = zip(grants, handed, strict=True)
-            self._owed += [got for got, gave in moved if got is not None and got != gave]
-        self._confirming = waiting
-        owed, self._owed = [*releasing, *self._owed], []
-        if failure is not None:
-            self._owed = owed  # for the next call that gets through
-            raise failure
-        return owed
+    @staticmethod
+    def _leased(refs: Sequence[SlotRef]) -> list[SlotRef]:
+        """The refs that stand for leases: never one the index answered, which could end
+        another holder's lease on the same slot."""
+        return [r for r in refs if not isinstance(r, IndexedRef)]
+
+    def report_hits(self, every_s: float = 0.0) -> None:
+        """Tell kvtierd of the hits the index answered since the last report, at most every
+        ``every_s``, without waiting: it counts them, and leasing them and ending the leases
+        at once refreshes their recency. Leases handed back meanwhile end with it. Raises
+        what the previous report met."""
+        now = time.monotonic()
+        if now < self._next_report or (self._report is not None and not self._report.done()):
+            return
+        if self._report is not None:
+            report, self._report = self._report, None
+            with contextlib.suppress(SessionNotFoundError):  # the next call opens a new one
+                report.result()
+        keys, self._hits = self._hits[:_MAX_REPORT], self._hits[_MAX_REPORT:]
+        release, self._due = self._due, []
+        if not keys and not release:
+            return
+        self._next_report = now + every_s
+        self._report = self._behind(self._touch, self._encode(keys, release, _LOOKUP_LEASE))
+
+    def _touch(self, request: bytes, timeout: float) -> None:
+        response = self._lookup(request, timeout=timeout)
+        leased = [r for r in grants_from(response.leases) if r is not None]
+        if leased:
+            ended = tier_pb2.ReleaseRequest(session_id=self.session_id, refs=map(ref_to, leased))
+            self._stub.Release(ended, timeout=timeout)
 
     def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
         response = self._keys_call(self._reserve, keys)
@@ -328,7 +339,7 @@ class GrpcTierClient:
         self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
     ) -> list[SlotRef | None]:
         """End leases and lease the next batch in one call."""
-        return grants_from(self._keys_call(self._prefetch, keys, self._settle(refs)).leases)
+        return grants_from(self._keys_call(self._prefetch, keys, self._leased(refs)).leases)
 
     def commit_then_reserve_async(
         self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
@@ -343,7 +354,7 @@ class GrpcTierClient:
     ) -> Pending[list[SlotRef | None]]:
         """`release_then_load` without waiting, so the call overlaps copying a batch."""
         return self._keys_call_async(
-            self._prefetch, keys, self._settle(refs), lambda r: grants_from(r.leases)
+            self._prefetch, keys, self._leased(refs), lambda r: grants_from(r.leases)
         )
 
     def _old_refs_call(self, call: Callable[[], R]) -> R | None:
@@ -376,7 +387,7 @@ class GrpcTierClient:
 
     def release(self, refs: Sequence[SlotRef]) -> None:
         request = tier_pb2.ReleaseRequest(
-            session_id=self.session_id, refs=[ref_to(r) for r in self._settle(refs)]
+            session_id=self.session_id, refs=[ref_to(r) for r in self._leased(refs)]
         )
         self._old_refs_call(lambda: self._rpc(self._stub.Release, request))
 

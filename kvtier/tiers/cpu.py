@@ -47,6 +47,12 @@ class SlotRef:
     generation: int
 
 
+@dataclass(frozen=True, slots=True)
+class IndexedRef(SlotRef):
+    """A ref read from the arena's key index: no lease stands behind it, so it is never
+    released (and never equals the lease of another holder on the same slot)."""
+
+
 _FREE, _WRITING, _READY = int(SlotState.FREE), int(SlotState.WRITING), int(SlotState.READY)
 
 

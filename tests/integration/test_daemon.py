@@ -3,7 +3,6 @@ validation, authentication, health, reflection, metrics and configuration errors
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import signal
@@ -561,7 +560,7 @@ def test_a_leasing_lookup_leases_the_arena_prefix_and_releases_in_one_call(
         assert daemon.stats().leases == 0
         # an unregistered namespace is refused before anything is released or leased
         foreign = keys_for(target_spec(model="unregistered").digest(), 1)
-        _, (lease,) = client.release_then_lookup_and_load([], keys[:1])
+        (lease,) = client.load(keys[:1])
         with pytest.raises(KVTierError):
             client.release_then_lookup_and_load([lease] if lease else [], foreign)
         assert daemon.stats().leases == 1
@@ -569,7 +568,7 @@ def test_a_leasing_lookup_leases_the_arena_prefix_and_releases_in_one_call(
         client.close()
 
 
-def test_a_hit_the_arena_holds_whole_is_found_in_its_index_and_leased_without_waiting(
+def test_a_hit_the_arena_holds_whole_is_found_in_its_index_and_reported_later(
     procs: Processes, files: DaemonFiles
 ) -> None:
     daemon = procs.start_daemon(files)
@@ -584,19 +583,25 @@ def test_a_hit_the_arena_holds_whole_is_found_in_its_index_and_leased_without_wa
         os.kill(daemon.proc.pid, signal.SIGSTOP)
         try:
             started = time.monotonic()
-            result, leases = client.release_then_lookup_and_load([], keys)
+            result, found = client.release_then_lookup_and_load([], keys)
             answered_s = time.monotonic() - started
         finally:
             os.kill(daemon.proc.pid, signal.SIGCONT)
         assert answered_s < 5.0  # a call would have waited for its 10 s timeout
         assert (result.hits, result.tiers, result.pending) == (3, ["cpu"] * 3, False)
-        # the refs the index gave are the committed slots, at their current generation
-        assert leases == refs
-        # the call that leases them (and counts the lookup) went out behind the answer
-        _wait_for(lambda: daemon.stats().leases == 3, 10.0, "the leases taken behind")
-        assert daemon.stats().counters["lookups"] == lookups + 1
-        client.release([lease for lease in leases if lease is not None])
-        assert daemon.stats().leases == 0
+        # the committed slots, at their current generation, with no lease behind them
+        slots = [(r.slot, r.generation) for r in refs]
+        assert [(r.slot, r.generation) for r in found if r is not None] == slots
+        assert (daemon.stats().leases, daemon.stats().counters["lookups"]) == (0, lookups)
+        client.release([r for r in found if r is not None])  # nothing to end: no call made
+        # the report counts the hits (and refreshes their recency) without keeping a lease
+        cpu_hits = _tier(daemon.stats(), "cpu").counters["hits"]
+        client.report_hits()
+        _wait_for(
+            lambda: daemon.stats().counters["lookups"] == lookups + 1, 10.0, "the hits reported"
+        )
+        _wait_for(lambda: _tier(daemon.stats(), "cpu").counters["hits"] == cpu_hits + 3, 10.0, "")
+        _wait_for(lambda: daemon.stats().leases == 0, 10.0, "the report's leases ended")
         # a chunk gone from the arena is not answered from the index
         daemon.admin().evict(tier="cpu")
         result, leases = client.release_then_lookup_and_load([], keys)
@@ -606,28 +611,26 @@ def test_a_hit_the_arena_holds_whole_is_found_in_its_index_and_leased_without_wa
         client.close()
 
 
-def test_a_lease_taken_behind_for_a_chunk_that_moved_is_given_back_with_the_next_release(
+def test_a_ref_answered_from_the_index_never_ends_a_lease_on_the_same_slot(
     procs: Processes, files: DaemonFiles
 ) -> None:
-    """The chunk was evicted and stored again between the index read and the lease: the lease
-    names another slot than the ref handed out, and must not leak."""
     daemon = procs.start_daemon(files)
     client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
     try:
-        ns = client.register_pool(target_spec(), CHUNK)
-        (key,) = keys_for(ns, 1)
+        (key,) = keys_for(client.register_pool(target_spec(), CHUNK), 1)
         (ref,) = client.reserve([key])
         assert ref is not None
         assert client.commit([ref]) == 1
-        _, (handed,) = client.release_then_lookup_and_load([], [key])
-        assert handed == ref
-        _wait_for(lambda: daemon.stats().leases == 1, 10.0, "the lease taken behind")
-        # what the lease call would have granted had the chunk moved: a lease on another slot
-        stale = dataclasses.replace(ref, generation=ref.generation + 1)
-        pending, _ = client._confirming[-1]
-        client._confirming[-1] = (pending, [stale])
-        client.release([stale])  # the holder ends what it was handed...
-        assert daemon.stats().leases == 0  # ...and the lease nobody was handed goes with it
+        (lease,) = client.load([key])
+        assert lease is not None
+        assert daemon.stats().leases == 1
+        _, (answered,) = client.release_then_lookup_and_load([], [key])
+        assert answered is not None
+        assert (answered.slot, answered.generation) == (lease.slot, lease.generation)
+        client.release([answered])
+        assert daemon.stats().leases == 1  # the lease still stands...
+        client.release([lease])
+        assert daemon.stats().leases == 0  # ...until its holder ends it
     finally:
         client.close()
 
