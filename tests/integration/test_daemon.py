@@ -20,8 +20,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
 from kvtier.errors import KVTierError, PermissionDeniedError, TierUnavailableError
+from kvtier.keys import ChunkKey
 from kvtier.rpc import GrpcTierClient
 from kvtier.server.convert import spec_to
+from kvtier.tiers.cpu import SlotRef
 from tests.integration.daemon_harness import (
     CHUNK,
     SESSION_TIMEOUT_S,
@@ -538,17 +540,24 @@ def test_a_rejected_prefetch_releases_nothing(procs: Processes, files: DaemonFil
         assert daemon.stats().leases == 1, "the release carried by a rejected Prefetch took effect"
 
 
+def _committed(
+    client: GrpcTierClient, count: int, more: int = 0
+) -> tuple[list[ChunkKey], list[SlotRef]]:
+    """Keys of a new target pool, the first ``count`` stored in the arena (``more`` not), and
+    the refs they were stored through."""
+    keys = keys_for(client.register_pool(target_spec(), CHUNK), count + more)
+    refs = [r for r in client.reserve(keys[:count]) if r is not None]
+    assert client.commit(refs) == count
+    return keys, refs
+
+
 def test_a_leasing_lookup_leases_the_arena_prefix_and_releases_in_one_call(
     procs: Processes, files: DaemonFiles
 ) -> None:
     daemon = procs.start_daemon(files)
     client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
     try:
-        ns = client.register_pool(target_spec(), CHUNK)
-        keys = keys_for(ns, 4)
-        refs = client.reserve(keys[:3])
-        assert all(refs)
-        assert client.commit([r for r in refs if r is not None]) == 3
+        keys, _ = _committed(client, 3, more=1)
         result, leases = client.release_then_lookup_and_load([], keys)
         assert (result.hits, result.tiers) == (3, ["cpu"] * 3)
         assert [lease.key if lease else None for lease in leases] == keys[:3]
@@ -574,10 +583,7 @@ def test_a_hit_the_arena_holds_whole_is_found_in_its_index_and_reported_later(
     daemon = procs.start_daemon(files)
     client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
     try:
-        ns = client.register_pool(target_spec(), CHUNK)
-        keys = keys_for(ns, 3)
-        refs = [r for r in client.reserve(keys) if r is not None]
-        assert client.commit(refs) == 3
+        keys, refs = _committed(client, 3)
         lookups = daemon.stats().counters["lookups"]
         # the daemon stopped: the answer cannot come from it
         os.kill(daemon.proc.pid, signal.SIGSTOP)
@@ -617,10 +623,7 @@ def test_a_ref_answered_from_the_index_never_ends_a_lease_on_the_same_slot(
     daemon = procs.start_daemon(files)
     client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
     try:
-        (key,) = keys_for(client.register_pool(target_spec(), CHUNK), 1)
-        (ref,) = client.reserve([key])
-        assert ref is not None
-        assert client.commit([ref]) == 1
+        (key,), _ = _committed(client, 1)
         (lease,) = client.load([key])
         assert lease is not None
         assert daemon.stats().leases == 1
