@@ -45,8 +45,6 @@ class KVEventFeed:
         self._cursor = -1
         self._answer: Answer[ChunkEvents] | None = None
         self._next_poll = 0.0
-        self.lost = 0
-        """Journal events missed (the feed fell too far behind): routers may hold stale blocks."""
 
     # -- this engine's stores -------------------------------------------------------------
 
@@ -96,8 +94,7 @@ class KVEventFeed:
             except KVTierError as exc:
                 log.debug("kvtier: chunk events unavailable: %s", exc)
                 return
-            if found.lost:
-                self.lost += found.lost
+            if found.lost:  # the feed fell behind the journal's window
                 log.warning(
                     "kvtier: %d chunk events lost; routers may list stale blocks", found.lost
                 )

@@ -452,13 +452,13 @@ class KVTierScheduler:
 
         Full-attention plans need every chunk of the hit. A sliding-window plan needs only the
         window before the hit's end, which moves when the hit gets shorter: its check repeats,
-        a few times at most. The first call also leases what the arena holds, so that a whole
-        hit from the arena takes one call."""
+        a few times at most. The first lookup also leases what the arena holds (or reads it from
+        the arena's index, with no call), so that a whole hit from the arena takes one step."""
         client = self.client
         assert client is not None
         spans = [(plan, self._needed(plan, first, limit)) for plan in self.targets]
         keys = [k for plan, span in spans for k in self._keys(plan, hashes, span)]
-        # leases this step's build_connector_meta would release go back in the same call
+        # leases this step's build_connector_meta would release go back with this lookup
         due, self._lease_gc[0] = self._lease_gc[0], []
         result, leased = client.release_then_lookup_and_load(due, keys)
         found = {

@@ -376,6 +376,7 @@ class CpuTier(Tier):
         """Publish written slots; ``clean`` marks them as already held by the next tier, and
         ``lease`` takes a read lease on each in the same step (release it with `release`)."""
         done = 0
+        committed: list[ChunkKey] = []
         with self._lock:
             for ref in refs:
                 if not self._current(ref, _WRITING):
@@ -406,7 +407,8 @@ class CpuTier(Tier):
                     self._slots.add_ref(slot, 1)
                 self._counters.add("stores", 1)
                 done += 1
-                self._tell(True, [ref.key])
+                committed.append(ref.key)
+            self._tell(True, committed)
         return done
 
     def abort(self, refs: Sequence[SlotRef]) -> None:
