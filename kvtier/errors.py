@@ -78,6 +78,12 @@ class PermissionDeniedError(KVTierError):
     """The caller's credentials do not allow this call."""
 
 
+class NamespaceAccessError(KVTierError):
+    """A data-plane session named a key or slot of a namespace it did not register.
+
+    Clients see it as `PermissionDeniedError`, the client form of its status code."""
+
+
 class UnsupportedError(KVTierError):
     """The call is defined but this build does not serve it yet."""
 

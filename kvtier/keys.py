@@ -13,12 +13,61 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import NewType
 
 NAMESPACE_BYTES = 16
 MAX_CHUNK_HASH_BYTES = 32
 _ENCODING_TAG = "kvtier.namespace.v1"
+
+# The tenant names a folder of object-store names (prefix/tenant/namespace/...): no '/', and
+# never '.' or '..'.
+MAX_TENANT_CHARS = 64
+TENANT_PATTERN = rf"[A-Za-z0-9_-][A-Za-z0-9._-]{{0,{MAX_TENANT_CHARS - 1}}}"
+MAX_REVISION_CHARS = 128
+REVISION_PATTERN = rf"[A-Za-z0-9._:+/-]{{0,{MAX_REVISION_CHARS}}}"
+MAX_MODEL_CHARS = 512
+"""Models are often paths or repository ids, so any printable text is allowed."""
+MAX_LAYER_NAME_CHARS = 256
+_TENANT = re.compile(TENANT_PATTERN)
+_REVISION = re.compile(REVISION_PATTERN)
+
+
+def _shown(value: str) -> str:
+    return repr(value if len(value) <= 80 else value[:80] + "...")
+
+
+def check_tenant(field: str, value: str) -> None:
+    if not _TENANT.fullmatch(value):
+        raise ValueError(
+            f"{field} must be 1..{MAX_TENANT_CHARS} characters of [A-Za-z0-9._-], not starting "
+            f"with '.', got {_shown(value)}"
+        )
+
+
+def check_revision(field: str, value: str) -> None:
+    if not _REVISION.fullmatch(value):
+        raise ValueError(
+            f"{field} must be at most {MAX_REVISION_CHARS} characters of [A-Za-z0-9._:+/-], "
+            f"got {_shown(value)}"
+        )
+
+
+def check_text(field: str, value: str, limit: int) -> None:
+    """Printable text of 1..limit characters: no control characters, NUL included."""
+    if not 0 < len(value) <= limit or not value.isprintable():
+        raise ValueError(
+            f"{field} must be 1..{limit} printable characters (no control characters), "
+            f"got {_shown(value)}"
+        )
+
+
+def check_layer_names(field: str, names: Iterable[str]) -> None:
+    for i, name in enumerate(names):
+        check_text(f"{field}[{i}]", name, MAX_LAYER_NAME_CHARS)
+
 
 ChunkKey = NewType("ChunkKey", bytes)
 """``namespace || chunk_hash``; plain bytes so that hot-path lookups cost a dict probe."""
@@ -51,6 +100,7 @@ class PageLayout:
             raise ValueError("PageLayout.head_sizes must be non-empty and positive")
         if not self.layer_names:
             raise ValueError("PageLayout.layer_names must not be empty")
+        check_layer_names("layout.layer_names", self.layer_names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +139,13 @@ class NamespaceSpec:
             raise ValueError("shard rank out of range")
         if not self.model or not self.kv_dtype or not self.hash_algo:
             raise ValueError("model, kv_dtype and hash_algo must be set")
+        check_tenant("tenant", self.tenant)
+        check_text("model", self.model, MAX_MODEL_CHARS)
+        check_revision("model_revision", self.model_revision)
+        if self.draft_model is not None:
+            check_text("draft_model", self.draft_model, MAX_MODEL_CHARS)
+        if self.draft_revision is not None:
+            check_revision("draft_revision", self.draft_revision)
 
     def canonical(self) -> bytes:
         """A stable byte encoding: sorted-key JSON tagged with its own version."""

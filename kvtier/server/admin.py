@@ -12,7 +12,7 @@ from kvtier.errors import (
     TierNotConfiguredError,
     UnknownPoolError,
 )
-from kvtier.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.keys import NAMESPACE_BYTES, ChunkKey, check_revision
 from kvtier.manager import TierManager
 from kvtier.server.convert import (
     check_batch,
@@ -194,6 +194,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def DraftSwapBegin(
         self, request: admin_pb2.DraftSwapBeginRequest, context: grpc.ServicerContext
     ) -> admin_pb2.DraftSwapBeginResponse:
+        # refused here, not at the commit, which would fail with the swap half made
+        check_revision("revision", request.revision)
         swap_id, previous = self.manager.begin_draft_swap(request.revision, request.draft_model)
         return admin_pb2.DraftSwapBeginResponse(swap_id=swap_id, previous_revision=previous)
 

@@ -55,6 +55,20 @@ def unpack_keys(batch: tier_pb2.KeyBatch, limit: int) -> list[ChunkKey]:
     return cast(list[ChunkKey], np.frombuffer(batch.packed, dtype=f"V{size}").tolist())
 
 
+def batch_namespaces(batch: tier_pb2.KeyBatch) -> set[bytes]:
+    """The namespaces of a batch `unpack_keys` accepted, without a Python step per key."""
+    packed, size = batch.packed, batch.key_bytes
+    if not packed:
+        return set()
+    if size % 8 == 0:  # the usual batch, one pool: two word compares per key (10 us for 8192)
+        words = np.frombuffer(packed, dtype=np.uint64).reshape(-1, size // 8)
+        if (words[:, 0] == words[0, 0]).all() and (words[:, 1] == words[0, 1]).all():
+            return {packed[:NAMESPACE_BYTES]}
+    fields = [("namespace", f"V{NAMESPACE_BYTES}"), ("hash", f"V{size - NAMESPACE_BYTES}")]
+    heads = np.frombuffer(packed, dtype=np.dtype(fields))["namespace"]
+    return set(cast(list[bytes], heads.tolist()))
+
+
 def namespace_from(raw: bytes) -> bytes | None:
     if not raw:
         return None

@@ -5,18 +5,19 @@ from __future__ import annotations
 import functools
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 import grpc
 
 from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
 from kvtier.config import ServerConfig
-from kvtier.errors import InvalidRequestError
+from kvtier.errors import InvalidRequestError, NamespaceAccessError
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.manager import TierManager, arena_hit
 from kvtier.metrics import telemetry_of
 from kvtier.server.convert import (
+    batch_namespaces,
     check_batch,
     chunk_events_to,
     drafts_to,
@@ -66,19 +67,31 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         check_batch(items, self.config.max_batch_keys)
         return items
 
-    def _known_keys(self, batch: tier_pb2.KeyBatch) -> list[ChunkKey]:
+    def _own(self, session: Session, namespaces: Iterable[bytes]) -> None:
+        """Refuse a namespace the session did not register: one set probe per namespace."""
+        for namespace in namespaces:
+            if namespace not in session.namespaces:
+                self.manager.registry.resolve(namespace)  # nobody's pool: register it first
+                raise NamespaceAccessError(
+                    f"namespace {namespace.hex()} is not one of this session's pools; "
+                    "register the pool in this session to use it"
+                )
+
+    def _own_keys(self, session: Session, batch: tier_pb2.KeyBatch) -> list[ChunkKey]:
         keys = unpack_keys(batch, self.config.max_batch_keys)
-        for namespace in {key[:NAMESPACE_BYTES] for key in keys}:
-            self.manager.registry.resolve(namespace)
+        self._own(session, batch_namespaces(batch))
         return keys
 
-    def _refs(self, refs: Sequence[tier_pb2.SlotRef]) -> list[SlotRef]:
-        return [ref_from(r) for r in self._batch(refs)]
+    def _refs(self, session: Session, refs: Sequence[tier_pb2.SlotRef]) -> list[SlotRef]:
+        found = [ref_from(r) for r in self._batch(refs)]
+        self._own(session, {ref.key[:NAMESPACE_BYTES] for ref in found})
+        return found
 
     def RegisterSession(
         self, request: tier_pb2.RegisterSessionRequest, context: grpc.ServicerContext
     ) -> tier_pb2.RegisterSessionResponse:
         check_batch(request.pools, _MAX_POOLS, "pools")
+        specs = [spec_from(p.spec) for p in request.pools]  # a refused spec opens no session
         if request.session_id:
             session = self._session(request.session_id)
         else:
@@ -88,7 +101,6 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
             session = self.sessions.open(
                 replica, request.engine_id, request.tp_rank, request.pp_rank
             )
-        specs = [spec_from(p.spec) for p in request.pools]
         namespaces = [
             self.manager.register_pool(spec, p.chunk_bytes)
             for spec, p in zip(specs, request.pools, strict=True)
@@ -110,13 +122,9 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self, request: tier_pb2.LookupRequest, context: grpc.ServicerContext
     ) -> tier_pb2.LookupResponse:
         session = self._session(request.session_id)
-        # leasing touches the pools: check every namespace first, as Prefetch does
-        keys = (
-            self._known_keys(request.keys)
-            if request.lease
-            else unpack_keys(request.keys, self.config.max_batch_keys)
-        )
-        release = self._refs(request.release)
+        # check everything first: a bad call changes nothing
+        keys = self._own_keys(session, request.keys)
+        release = self._refs(session, request.release)
         if release:
             self.sessions.release(session, release)
         result = self.manager.lookup(keys)
@@ -135,8 +143,9 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self, request: tier_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> tier_pb2.ReserveResponse:
         session = self._session(request.session_id)
-        keys = self._known_keys(request.keys)  # check everything first: a bad call changes nothing
-        refs = self._refs(request.commit)
+        # check everything first: a bad call changes nothing
+        keys = self._own_keys(session, request.keys)
+        refs = self._refs(session, request.commit)
         started = time.perf_counter()
         committed = self.sessions.commit(session, refs)
         self.telemetry.moved("store", refs, committed, time.perf_counter() - started)
@@ -148,7 +157,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self, request: tier_pb2.CommitRequest, context: grpc.ServicerContext
     ) -> tier_pb2.CommitResponse:
         session = self._session(request.session_id)
-        refs = self._refs(request.refs)
+        refs = self._refs(session, request.refs)
         started = time.perf_counter()
         committed = self.sessions.commit(session, refs)
         self.telemetry.moved("store", refs, committed, time.perf_counter() - started)
@@ -159,7 +168,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self, request: tier_pb2.AbortRequest, context: grpc.ServicerContext
     ) -> tier_pb2.AbortResponse:
         session = self._session(request.session_id)
-        self.sessions.abort(session, self._refs(request.refs))
+        self.sessions.abort(session, self._refs(session, request.refs))
         return tier_pb2.AbortResponse()
 
     @_timed("prefetch")
@@ -167,8 +176,9 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self, request: tier_pb2.PrefetchRequest, context: grpc.ServicerContext
     ) -> tier_pb2.PrefetchResponse:
         session = self._session(request.session_id)
-        keys = self._known_keys(request.keys)  # check everything first: a bad call changes nothing
-        self.sessions.release(session, self._refs(request.release))
+        # check everything first: a bad call changes nothing
+        keys = self._own_keys(session, request.keys)
+        self.sessions.release(session, self._refs(session, request.release))
         return tier_pb2.PrefetchResponse(leases=grants_to(self._lease(session, keys)))
 
     def _lease(self, session: Session, keys: list[ChunkKey]) -> list[SlotRef | None]:
@@ -183,7 +193,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self, request: tier_pb2.ReleaseRequest, context: grpc.ServicerContext
     ) -> tier_pb2.ReleaseResponse:
         session = self._session(request.session_id)
-        self.sessions.release(session, self._refs(request.refs))
+        self.sessions.release(session, self._refs(session, request.refs))
         return tier_pb2.ReleaseResponse()
 
     @_timed("promote")
@@ -191,7 +201,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self, request: tier_pb2.PromoteRequest, context: grpc.ServicerContext
     ) -> tier_pb2.PromoteResponse:
         session = self._session(request.session_id)
-        keys = self._known_keys(request.keys)
+        keys = self._own_keys(session, request.keys)
         return tier_pb2.PromoteResponse(queued=self.manager.promote(keys, session.replica))
 
     @_timed("chunk_events")

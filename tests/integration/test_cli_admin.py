@@ -133,6 +133,7 @@ def test_draft_swap_switches_revision_keeps_target_and_stats_show_each_revision(
         # the new revision's namespace is the one an engine computes for itself
         assert client.register_pool(draft_spec(draft_revision="d2"), DRAFT_CHUNK) != draft
 
+        client.register_pool(target_spec(), CHUNK)  # a session looks up only its own pools
         assert client.lookup(stored).hits == len(stored)  # target chunks untouched
         rc, out, _ = run(capsys, daemon, "stats", "--json")
         revisions = {

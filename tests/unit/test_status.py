@@ -14,6 +14,7 @@ from kvtier.status import STATUS_OF, error_from, status_of
         (errors.PayloadSizeError("x"), grpc.StatusCode.INVALID_ARGUMENT),
         (errors.UnknownPoolError("x"), grpc.StatusCode.FAILED_PRECONDITION),
         (errors.SessionNotFoundError("x"), grpc.StatusCode.NOT_FOUND),
+        (errors.NamespaceAccessError("x"), grpc.StatusCode.PERMISSION_DENIED),
         (errors.CapacityError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (errors.CorruptChunkError("x"), grpc.StatusCode.DATA_LOSS),
         (errors.UnsupportedError("x"), grpc.StatusCode.UNIMPLEMENTED),
@@ -45,6 +46,8 @@ def test_clients_get_the_domain_error_back() -> None:
     assert isinstance(
         error_from(grpc.StatusCode.UNAUTHENTICATED, "no"), errors.PermissionDeniedError
     )
+    # a session's namespace refusal and a token's share one client form
+    assert type(error_from(grpc.StatusCode.PERMISSION_DENIED, "no")) is errors.PermissionDeniedError
 
 
 def _instance(cls: type[errors.KVTierError]) -> errors.KVTierError:
