@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvtier.errors import ConfigError
+from kvtier.keys import REVISION_PATTERN, TENANT_PATTERN
 from kvtier_vllm.draft import FillPolicy
 
 
@@ -53,9 +54,17 @@ class ConnectorConfig(BaseModel):
     )
     blocks_per_chunk: int = Field(1, ge=1, description="vLLM blocks per stored chunk.")
     model_revision: str = Field(
-        "", description="Weights revision in the namespace (default: vLLM's model revision)."
+        "",
+        pattern=f"^{REVISION_PATTERN}$",
+        description="Names the weights (target and draft) in the namespace; change it whenever "
+        "they change. Unset: a fingerprint of the checkpoints vLLM loaded.",
     )
-    tenant: str = Field("default", description="Tenant in the namespace.")
+    tenant: str = Field(
+        "default",
+        pattern=f"^{TENANT_PATTERN}$",
+        description="Tenant in the namespace (and a folder of object-store names): 1-64 of "
+        "[A-Za-z0-9._-], not starting with '.'.",
+    )
     replica_id: str = Field(
         "", description="Replica id (default: dp<data_parallel_index>), for budgets and metrics."
     )

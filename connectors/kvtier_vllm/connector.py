@@ -13,6 +13,7 @@ from kvtier_vllm.adapter import (
     transfer_results,
 )
 from kvtier_vllm.config import parse
+from kvtier_vllm.guard import contained
 from kvtier_vllm.metadata import KVTierMetadata
 from kvtier_vllm.stats import KVTierPromMetrics, KVTierStats
 
@@ -47,66 +48,111 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        scheduler = self._scheduler
+        assert scheduler is not None
+        return contained(
+            "lookup",
+            lambda: scheduler.get_num_new_matched_tokens(request, num_computed_tokens),
+            lambda: (0, False),
+        )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        scheduler = self._scheduler
+        assert scheduler is not None
+        contained(
+            "update_state_after_alloc",
+            lambda: scheduler.update_state_after_alloc(request, blocks, num_external_tokens),
+            lambda: contained(
+                "abandoning a load",
+                lambda: scheduler.abandon_load(request, blocks, num_external_tokens),
+                lambda: None,
+            ),
+        )
 
     def get_external_cache_hit_sources(
         self, request: Any, num_external_tokens: int
     ) -> dict[Any, int]:
-        assert self._scheduler is not None
-        sources = self._scheduler.hit_sources(request, num_external_tokens)
+        scheduler = self._scheduler
+        assert scheduler is not None
+        none: dict[str, int] = {}
+        sources = contained(
+            "hit sources", lambda: scheduler.hit_sources(request, num_external_tokens), none.copy
+        )
         if not sources:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         return {cache_hit_source(name): tokens for name, tokens in sources.items()}
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        scheduler = self._scheduler
+        assert scheduler is not None
+        return contained(
+            "build_connector_meta",
+            lambda: scheduler.build_connector_meta(scheduler_output),
+            lambda: contained(
+                "abandoning a step",
+                lambda: scheduler.abandon_step(scheduler_output),
+                KVTierMetadata,
+            ),
+        )
 
     def update_connector_output(self, connector_output: Any) -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_connector_output(
-            connector_output.kv_connector_worker_meta,
-            getattr(connector_output, "failed_recving", None) or (),
+        scheduler = self._scheduler
+        assert scheduler is not None
+        contained(
+            "update_connector_output",
+            lambda: scheduler.update_connector_output(
+                connector_output.kv_connector_worker_meta,
+                getattr(connector_output, "failed_recving", None) or (),
+            ),
+            lambda: None,
         )
 
     def reset_cache(self) -> bool | None:
-        if self._scheduler is not None:
-            self._scheduler.reset_cache()
+        scheduler = self._scheduler
+        if scheduler is not None:
+            contained("reset_cache", scheduler.reset_cache, lambda: None)
         return True
 
     def take_events(self) -> Any:
-        return self._scheduler.take_events() if self._scheduler is not None else ()
+        scheduler = self._scheduler
+        return contained("take_events", scheduler.take_events, list) if scheduler else ()
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        self._scheduler.request_finished(request)
+        self._finished(request)
         return False, None  # stores copy in the step that computed them: blocks may go
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        self._scheduler.request_finished(request)
+        self._finished(request)
         return False, None
+
+    def _finished(self, request: Any) -> None:
+        scheduler = self._scheduler
+        assert scheduler is not None
+        contained("request_finished", lambda: scheduler.request_finished(request), lambda: None)
 
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        worker = self._worker
+        assert worker is not None
+        contained(
+            "register_kv_caches", lambda: worker.register_kv_caches(kv_caches), worker.plans.clear
+        )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self._worker is not None
+        worker = self._worker
+        assert worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
-        self._worker.start_load_kv(meta)
+        contained(
+            "start_load_kv",
+            lambda: worker.start_load_kv(meta),
+            lambda: worker.fail_step(meta, True),
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete in start_load_kv
@@ -117,27 +163,37 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # stores run once per step, after the draft's forward too
 
     def wait_for_save(self) -> None:
-        assert self._worker is not None
+        worker = self._worker
+        assert worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
-        self._worker.wait_for_save(meta)
+        contained(
+            "wait_for_save",
+            lambda: worker.wait_for_save(meta),
+            lambda: worker.fail_step(meta, False),
+        )
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """Asynchronous loads (several KV-cache groups) done, and those that failed."""
-        if self._worker is None:
+        worker = self._worker
+        if worker is None:
             return transfer_results(set(), set())
-        return transfer_results(*self._worker.finished_loads())
+        done = contained("finished loads", worker.finished_loads, worker.fail_receiving)
+        return transfer_results(*done)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.block_ids_with_load_errors() if self._worker is not None else set()
+        worker = self._worker
+        if worker is None:
+            return set()
+        return contained("load errors", worker.block_ids_with_load_errors, worker.unchecked_errors)
 
     def build_connector_worker_meta(self) -> Any:
-        return self._worker.worker_meta() if self._worker is not None else None
+        worker = self._worker
+        return contained("worker metadata", worker.worker_meta, lambda: None) if worker else None
 
     def get_kv_connector_stats(self) -> Any:
-        if self._scheduler is not None:
-            return self._scheduler.take_stats()
-        return self._worker.take_stats() if self._worker is not None else None
+        role = self._scheduler or self._worker
+        return contained("stats", role.take_stats, lambda: None) if role is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
@@ -154,7 +210,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
-        if self._scheduler is not None:
-            self._scheduler.shutdown()
+        for role in (self._worker, self._scheduler):
+            if role is not None:
+                contained("shutdown", role.shutdown, lambda: None)

@@ -4,14 +4,21 @@ On the CPU a copy is a plain ``copy_``, done when it returns. On a GPU the arena
 with CUDA (``cudaHostRegister``) so copies are DMA from pinned memory; they run on a dedicated
 stream, and events say when they are done:
 
-- loads: the forward stream waits on the load event (on the device; the host never blocks);
+- loads: the forward stream waits on the load event, on the device. A slot's generation is
+  checked only once the event completed (a slot rewritten before its bytes were read passes a
+  check made when the copy was queued): for synchronous loads the host waits for the event
+  after the forward was launched, asynchronous ones are checked when a query finds it done;
 - stores: a store is reported to the scheduler only once its event completed, so a slot is
   committed only after its bytes arrived.
+
+`DeferredCopies` runs on the CPU with a device's timing, so that tests catch code that trusts a
+copy before its fence passed.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -19,12 +26,35 @@ import torch
 
 log = logging.getLogger(__name__)
 
-Done = Callable[[], bool]
-"""Whether the copies issued before it was taken are complete."""
 
-
-def _done() -> bool:
+def _landed() -> bool:
     return True
+
+
+def _nothing() -> None:
+    """Nothing left to wait for."""
+
+
+class Fence:
+    """The copies issued before it was taken: calling it says whether they landed, without
+    blocking; `wait` blocks until they did."""
+
+    __slots__ = ("_query", "_wait")
+
+    def __init__(
+        self, query: Callable[[], bool] = _landed, wait: Callable[[], None] = _nothing
+    ) -> None:
+        self._query = query
+        self._wait = wait
+
+    def __call__(self) -> bool:
+        return self._query()
+
+    def wait(self) -> None:
+        self._wait()
+
+
+_PASSED = Fence()
 
 
 class CpuCopies:
@@ -51,13 +81,13 @@ class CpuCopies:
     def end_loads(self) -> None:
         """Make the forward see every load issued since `begin_loads`."""
 
-    def end_stores(self) -> Done:
-        """A check that turns true once every store issued since `begin_stores` landed."""
+    def end_stores(self) -> Fence:
+        """Passed once every store issued since `begin_stores` landed."""
         return self.fence()
 
-    def fence(self) -> Done:
-        """A check that turns true once every copy issued so far landed."""
-        return _done
+    def fence(self) -> Fence:
+        """Passed once every copy issued so far landed."""
+        return _PASSED
 
 
 class CudaCopies(CpuCopies):
@@ -104,10 +134,92 @@ class CudaCopies(CpuCopies):
         event.record(self.stream)
         torch.cuda.current_stream(self.device).wait_event(event)
 
-    def fence(self) -> Done:
+    def fence(self) -> Fence:
         event = torch.cuda.Event()
         event.record(self.stream)
-        return event.query
+        return Fence(event.query, event.synchronize)
+
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+"""(destination, source) of one copy."""
+
+
+class DeferredCopies(CpuCopies):
+    """CPU copies with a device's timing: `copy` only queues, and the bytes move, in issue
+    order, at the latest point a device could still be moving them: when a fence is asked or
+    waited on, at `end_loads` (the forward that reads them runs next, on the host), and before
+    the arena is mapped again or unmapped. A slot looked at while its copy is queued is seen as
+    it was then, not as it is when the bytes are read.
+
+    ``before_landing(copies, pairs)`` runs whenever queued copies are about to land, with those
+    copies: what it changes meanwhile (a slot evicted and rewritten) is what they read.
+    ``busy_queries``: how many times each fence answers "not yet" before its copies land.
+    """
+
+    def __init__(
+        self,
+        before_landing: Callable[[DeferredCopies, list[Pair]], None] | None = None,
+        busy_queries: int = 0,
+    ) -> None:
+        super().__init__()
+        self.before_landing = before_landing
+        self.busy_queries = busy_queries
+        self._queue: deque[Pair] = deque()
+        self._issued = 0
+        self._landed = 0
+        self._arena: torch.Tensor | None = None
+
+    def attach(self, arena: torch.Tensor) -> None:
+        self._land(self._issued)
+        self._arena = arena
+
+    def detach(self) -> None:
+        self._land(self._issued)
+        self._arena = None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._queue.append((dst, src))
+        self._issued += 1
+
+    def end_loads(self) -> None:
+        self._land(self._issued)
+
+    def fence(self) -> Fence:
+        upto = self._issued
+        busy = self.busy_queries
+
+        def query() -> bool:
+            nonlocal busy
+            if upto > self._landed and busy > 0:
+                busy -= 1
+                return False
+            self._land(upto)
+            return True
+
+        return Fence(query, lambda: self._land(upto))
+
+    @property
+    def pending(self) -> int:
+        """Copies queued that have not landed."""
+        return self._issued - self._landed
+
+    def arena_offset(self, tensor: torch.Tensor) -> int | None:
+        """Where ``tensor`` starts in the attached arena; None if it lies outside it."""
+        arena = self._arena
+        if arena is None:
+            return None
+        offset = tensor.data_ptr() - arena.data_ptr()
+        return offset if 0 <= offset < arena.numel() else None
+
+    def _land(self, upto: int) -> None:
+        if upto <= self._landed:
+            return
+        pairs = [self._queue.popleft() for _ in range(upto - self._landed)]
+        self._landed = upto  # before the hook, which may ask a fence again
+        if self.before_landing is not None:
+            self.before_landing(self, pairs)
+        for dst, src in pairs:
+            dst.copy_(src)
 
 
 def copies_for(device: torch.device) -> CpuCopies:

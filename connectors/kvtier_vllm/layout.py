@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtier.keys import NamespaceSpec, PageLayout, Pool
+from kvtier_vllm import weights
 from kvtier_vllm.config import ConnectorConfig
+from kvtier_vllm.shapes import HEADS_FIRST, Shard, layout_name, page_order, tp_shard
 
 DRAFT_PREFIX = "draft_model."
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
@@ -43,7 +45,7 @@ class PoolPlan:
     pool: Pool
     layer_names: tuple[str, ...]
     page_bytes: int
-    """Bytes of one block of one layer."""
+    """Bytes of one block of one layer, as this worker holds it (its KV heads)."""
     spec: NamespaceSpec
     blocks_per_chunk: int
     key: str = ""
@@ -52,6 +54,10 @@ class PoolPlan:
     group: int = 0
     window: int = 0
     """See `KVGroup.window`."""
+    shard: Shard = field(default_factory=Shard)
+    """This worker's KV heads among a chunk's."""
+    order: str = HEADS_FIRST
+    """Element order inside a page (`shapes.HEADS_FIRST` or `shapes.TOKENS_FIRST`)."""
 
     def first_needed(self, chunks: int, chunk_tokens: int) -> int:
         """The first chunk a hit of ``chunks`` chunks needs from this plan: 0 for full
@@ -71,12 +77,17 @@ class PoolPlan:
         return checkpoint <= end and chunk >= self.first_needed(checkpoint, chunk_tokens)
 
     @property
+    def chunk_page_bytes(self) -> int:
+        """Bytes of one block of one layer in a chunk: every KV head's."""
+        return self.page_bytes // self.shard.count * self.shard.heads
+
+    @property
     def chunk_bytes(self) -> int:
-        return self.page_bytes * len(self.layer_names) * self.blocks_per_chunk
+        return self.chunk_page_bytes * len(self.layer_names) * self.blocks_per_chunk
 
     def layer_offset(self, layer: int, block: int) -> int:
         """Where a page sits in the chunk payload: layer after layer, block after block."""
-        return (layer * self.blocks_per_chunk + block) * self.page_bytes
+        return (layer * self.blocks_per_chunk + block) * self.chunk_page_bytes
 
 
 def _layer_index(name: str) -> int:
@@ -97,13 +108,25 @@ def split_layers(names: Iterable[str], target_layers: int) -> dict[Pool, tuple[s
     return {pool: layers for pool, layers in ((Pool.TARGET, target), (Pool.DRAFT, draft)) if layers}
 
 
-def _page_bytes(model_config: Any, parallel_config: Any, cache_dtype: str, block_size: int) -> int:
+def _page_bytes(model_config: Any, heads: int, cache_dtype: str, block_size: int) -> int:
     from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
     dtype = kv_cache_dtype_str_to_dtype(cache_dtype, model_config)
-    heads = model_config.get_num_kv_heads(parallel_config)
-    head_size = model_config.get_head_size()
-    return int(block_size * heads * 2 * head_size * dtype.itemsize)
+    # MLA keeps one latent vector per token; other attention keeps K and V side by side
+    per_token = 1 if getattr(model_config, "use_mla", False) else 2
+    return int(block_size * heads * per_token * model_config.get_head_size() * dtype.itemsize)
+
+
+def _shard(model_config: Any, parallel_config: Any) -> Shard:
+    tp = parallel_config.tensor_parallel_size
+    mla = bool(getattr(model_config, "use_mla", False))
+    shard = tp_shard(model_config.get_total_num_kv_heads(), tp, parallel_config.rank % tp, mla)
+    held = model_config.get_num_kv_heads(parallel_config)
+    if held != shard.count:  # a split other than the one tp_shard knows
+        raise UnsupportedGroupError(
+            f"each TP rank holds {held} KV heads, not the {shard.count} kvtier expects"
+        )
+    return shard
 
 
 def _group_kind(spec: Any) -> tuple[int, int]:
@@ -186,7 +209,8 @@ def _plan_group(
     spec_cfg = vllm_config.speculative_config
     block_size = cache.block_size
     target_layers = model.get_num_layers(parallel)
-    revision = cfg.model_revision or model.revision or "none"
+    revision = weights.target_revision(vllm_config, cfg.model_revision)
+    order = page_order(layout_name(cache))
     plans = []
     for pool, layers in split_layers(layer_names, target_layers).items():
         if pool is Pool.DRAFT:
@@ -194,13 +218,16 @@ def _plan_group(
             owner = draft_model or model
             cache_dtype = getattr(spec_cfg, "kv_cache_dtype", None) or cache.cache_dtype
             draft_name: str | None = str(owner.model)
-            draft_revision: str | None = owner.revision or "none"
+            draft_revision: str | None = weights.draft_revision(
+                vllm_config, owner, cfg.model_revision
+            )
         else:
             owner, cache_dtype = model, cache.cache_dtype
             draft_name = draft_revision = None
-        page = _page_bytes(owner, parallel, cache_dtype, block_size)
-        heads = owner.get_num_kv_heads(parallel)
+        shard = _shard(owner, parallel)
+        page = _page_bytes(owner, shard.count, cache_dtype, block_size)
         head = owner.get_head_size()
+        head_sizes = (head,) if getattr(owner, "use_mla", False) else (head, head)
         spec = NamespaceSpec(
             model=str(model.model),
             model_revision=revision,
@@ -209,17 +236,21 @@ def _plan_group(
             layout=PageLayout(
                 tokens_per_block=block_size,
                 blocks_per_chunk=cfg.blocks_per_chunk,
-                num_kv_heads=heads,
-                head_sizes=(head, head),
+                num_kv_heads=shard.heads,
+                head_sizes=head_sizes,
                 layer_names=layers,
+                kv_order=order,
             ),
-            tp_rank=parallel.rank % parallel.tensor_parallel_size,
-            tp_size=parallel.tensor_parallel_size,
+            tp_size=shard.tp_size,  # 1: every TP degree reads the chunk
             pp_size=parallel.pipeline_parallel_size,
             hash_algo=cache.prefix_caching_hash_algo,
             tenant=cfg.tenant,
             draft_model=draft_name,
             draft_revision=draft_revision,
         )
-        plans.append(PoolPlan(pool, layers, page, spec, cfg.blocks_per_chunk, str(pool)))
+        plans.append(
+            PoolPlan(
+                pool, layers, page, spec, cfg.blocks_per_chunk, str(pool), shard=shard, order=order
+            )
+        )
     return plans

@@ -43,6 +43,10 @@ class KVTierMetadata(KVConnectorMetadata):
     """Fingerprint the draft weights this step."""
     draft_fingerprints: dict[int, str] = field(default_factory=dict)
     """Per worker rank, the fingerprint of the draft weights the plan is for; none: unbound."""
+    invalid_blocks: list[int] = field(default_factory=list)
+    """Blocks of loads vLLM was promised and that will not come: reported as load errors."""
+    failed_requests: list[str] = field(default_factory=list)
+    """Asynchronous loads that will not come: reported finished and failed."""
 
 
 @dataclass

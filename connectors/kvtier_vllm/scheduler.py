@@ -37,7 +37,9 @@ from kvtier_vllm.layout import (
     plan_pools,
 )
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
+from kvtier_vllm.shapes import refusal
 from kvtier_vllm.stats import KVTierStats
+from kvtier_vllm.weights import adapter_uncached
 
 log = logging.getLogger(__name__)
 Items = TypeVar("Items", bytes, list[Any])
@@ -153,6 +155,15 @@ class _Found:
 
 
 @dataclass
+class _PendingStore:
+    """A reserved slot the workers are writing: committed once ``waiting`` parts arrived."""
+
+    ref: SlotRef
+    step: int
+    waiting: int
+
+
+@dataclass
 class _RequestState:
     request: Any
     block_ids: list[list[int]] = field(default_factory=list)
@@ -184,15 +195,18 @@ class KVTierScheduler:
         self.replica = cfg.replica_id or replica_of(vllm_config)
         self.refusal = ""
         """Why this engine's KV is never cached (set at start, for good)."""
+        cfg = self._stable(cfg, vllm_config)
+        self.plans: list[PoolPlan] = []
         try:
             groups = kv_groups(kv_cache_config)
+            self.refusal = refusal(vllm_config) or misplaced_draft(vllm_config, groups)
+            if not self.refusal:
+                self.plans = plan_pools(vllm_config, groups, cfg)
         except UnsupportedGroupError as exc:
             groups, self.refusal = [], str(exc)
-        self.refusal = self.refusal or misplaced_draft(vllm_config, groups)
         if self.refusal:
             log.error("kvtier is off for this engine: %s", self.refusal)
             groups = []
-        self.plans = plan_pools(vllm_config, groups, self._stable(cfg, vllm_config))
         self.by_key = {plan.key: plan for plan in self.plans}
         # full-attention plans first: a shorter hit they find never moves their own start
         self.targets = sorted(
@@ -232,7 +246,7 @@ class KVTierScheduler:
         """Asynchronous loads planned since the last step, for the next step's metadata."""
         self._queued_leases: list[SlotRef] = []
         self._lease_gc: deque[list[SlotRef]] = deque([[] for _ in range(_LEASE_STEPS)])
-        self._stores: dict[tuple[int, int], tuple[SlotRef, int]] = {}  # -> (ref, step)
+        self._stores: dict[tuple[int, int], _PendingStore] = {}
         self._step = 0
         self._failing = False
         self._failed_loads: set[str] = set()
@@ -312,7 +326,9 @@ class KVTierScheduler:
                 "engine's chunks to itself. Set PYTHONHASHSEED or use sha256 to share them.",
                 algo,
             )
-            return cfg.model_copy(update={"tenant": f"{cfg.tenant}/process-{uuid.uuid4().hex}"})
+            return cfg.model_copy(
+                update={"tenant": f"{cfg.tenant[:39]}-process-{uuid.uuid4().hex[:16]}"}
+            )
         return cfg
 
     # -- the draft pool through swaps -----------------------------------------------------
@@ -410,6 +426,8 @@ class KVTierScheduler:
     ) -> tuple[int | None, bool]:
         if request.request_id in self._failed_loads or not self._connect():
             return 0, False  # a load that failed once is recomputed, not tried again
+        if adapter_uncached(request):
+            return 0, False
         state = self.state(request)
         state.local_hit = num_computed_tokens
         if self._followed != self._step:
@@ -643,6 +661,8 @@ class KVTierScheduler:
             self._guard("release", exc)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if adapter_uncached(request):
+            return  # no state: nothing of it is stored
         state = self.state(request)
         if num_external_tokens == 0 or state.plan is None:
             self._drop_plan(state)
@@ -657,6 +677,45 @@ class KVTierScheduler:
         state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         self._queued_leases.extend(self._add_load(self._queued, state, plan))
         self._queued.receiving.append(request.request_id)
+
+    def abandon_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Planning a granted load failed: the blocks vLLM allocated for it are reported as
+        load errors (a request waiting for an asynchronous load: failed), never left as if
+        they held the prefix."""
+        req_id = request.request_id
+        self._ready_loads.pop(req_id, None)
+        state = self._requests.get(req_id)
+        local = state.local_hit if state is not None else 0
+        first = local // self.block_size
+        end = (local + num_external_tokens + self.block_size - 1) // self.block_size
+        if self.async_loads:
+            self._queued.failed_requests.append(req_id)
+            return
+        for ids in blocks.get_block_ids():
+            self._queued.invalid_blocks.extend(b for b in ids[first:end] if b)
+
+    def abandon_step(self, scheduler_output: Any) -> KVTierMetadata:
+        """The metadata of a step whose planning failed: every load granted for it is
+        reported failed, and nothing is stored."""
+        meta, self._queued = self._queued, KVTierMetadata()
+        failed = KVTierMetadata(
+            arena_path=self.arena_path,
+            invalid_blocks=meta.invalid_blocks,
+            failed_requests=meta.failed_requests + meta.receiving,
+        )
+        self._release(self._queued_leases)
+        self._queued_leases = []
+        for new in scheduler_output.scheduled_new_reqs:
+            plan = self._ready_loads.pop(new.req_id, None)
+            state = self._requests.get(new.req_id)
+            if plan is None or state is None:
+                continue
+            first = state.local_tokens // self.block_size
+            end = (plan.first_chunk + plan.chunks) * self.cfg.blocks_per_chunk
+            for ids in new.block_ids:
+                failed.invalid_blocks.extend(b for b in ids[first:end] if b)
+            self._release(plan.refs())
+        return failed
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """External tokens by the tier that held them: "host" (arena), "disk" (lmdb) or
@@ -798,7 +857,8 @@ class KVTierScheduler:
                 meta.stores.append(
                     ChunkCopy(plan.key, ref.slot, ref.offset, ref.generation, span_blocks[chunk])
                 )
-                self._stores[(ref.slot, ref.generation)] = (ref, self._step)
+                handle = (ref.slot, ref.generation)
+                self._stores[handle] = _PendingStore(ref, self._step, plan.shard.writers)
 
     def _announce(self, handle: tuple[int, int], key: ChunkKey, request: Any, chunk: int) -> None:
         """The anchor plan's chunks stand for their blocks in KV events, once stored."""
@@ -819,11 +879,11 @@ class KVTierScheduler:
         return self.events.take()
 
     def _expire_stores(self) -> None:
-        stale = [h for h, (_, step) in self._stores.items() if self._step - step > _STORE_STEPS]
+        stale = [h for h, s in self._stores.items() if self._step - s.step > _STORE_STEPS]
         if stale:
             for handle in stale:
                 self.events.store_dropped(handle)
-            self._abort([self._stores.pop(h)[0] for h in stale])
+            self._abort([self._stores.pop(h).ref for h in stale])
 
     def _abort(self, refs: list[SlotRef]) -> None:
         if not refs or self.client is None:
@@ -843,12 +903,19 @@ class KVTierScheduler:
         if self.draft is not None and worker_meta.draft_fingerprints:
             self.draft.reported(worker_meta.draft_fingerprints)
             self._sync_draft(follow=False)
-        done = [self._stores.pop(h)[0] for h in worker_meta.stored if h in self._stores]
-        for handle in worker_meta.stored:
-            self.events.store_done(handle)
+        # a part any rank failed to write spoils the chunk, whatever the others wrote
+        failed = [self._stores.pop(h).ref for h in worker_meta.failed if h in self._stores]
         for handle in worker_meta.failed:
             self.events.store_dropped(handle)
-        failed = [self._stores.pop(h)[0] for h in worker_meta.failed if h in self._stores]
+        done = []
+        for handle in worker_meta.stored:
+            pending = self._stores.get(handle)
+            if pending is None:
+                continue
+            pending.waiting -= 1
+            if pending.waiting <= 0:  # every rank that writes a part has written it
+                done.append(self._stores.pop(handle).ref)
+                self.events.store_done(handle)
         try:
             if done:
                 self.client.commit(done)
@@ -881,6 +948,6 @@ class KVTierScheduler:
             return
         for refs in self._lease_gc:
             self._release(refs)
-        self._abort([ref for ref, _ in self._stores.values()])
+        self._abort([pending.ref for pending in self._stores.values()])
         client, self.client = self.client, None
         client.close()  # embedded: writes what the arena holds to lmdb

@@ -4,7 +4,9 @@ The worker maps the arena by path. Loads run in ``start_load_kv`` before the for
 in ``wait_for_save``, after the forward (and the draft's) wrote the blocks. A load copied from a
 slot that was reused meanwhile (its generation moved) is reported as a load error, so vLLM
 recomputes those blocks instead of using them: per block with one KV-cache group, per request
-(an asynchronous load) with several.
+(an asynchronous load) with several. The generation is checked once the copy landed, never when
+it is queued: on a device the bytes are read later, and an arena-index hit holds no lease, so
+its slot may be evicted and rewritten in between.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +24,37 @@ from kvtier.client import ArenaMemory
 from kvtier.errors import KVTierError
 from kvtier.keys import Pool
 from kvtier_vllm.config import ConnectorConfig
-from kvtier_vllm.copies import CpuCopies, Done, copies_for
+from kvtier_vllm.copies import CpuCopies, Fence, copies_for
 from kvtier_vllm.draft import DraftWatch, Fill, find_draft_model_source
 from kvtier_vllm.layout import KVGroup, PoolPlan, UnsupportedGroupError, kv_groups, plan_pools
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
+from kvtier_vllm.shapes import HEADS_FIRST, TOKENS_FIRST, refusal
 from kvtier_vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)
 
 
-def _pages(tensor: torch.Tensor) -> torch.Tensor:
-    """A layer's cache as [blocks, page bytes]; blocks are dim 0 in every layout vLLM hands out
-    to connectors on the CPU, and each block's page is contiguous there."""
-    return tensor.view(tensor.shape[0], -1).view(torch.uint8)
+def _pages(tensor: torch.Tensor) -> tuple[torch.Tensor, str] | None:
+    """A layer's cache as [blocks, page bytes] in physical order, and the order of a page's
+    elements (`shapes.HEADS_FIRST`, `shapes.TOKENS_FIRST`, "" for either); None for a layout
+    whose pages are not contiguous per block. vLLM hands a layer over as [blocks, heads,
+    tokens, K‖V] (MLA: [blocks, tokens, latent]), in whatever physical order its backend
+    keeps."""
+    if tensor.dim() == 3:
+        tensor = tensor.unsqueeze(1)
+    if tensor.dim() != 4:
+        return None
+    heads_first = tensor.stride(1) >= tensor.stride(2) or tensor.shape[1] == 1
+    page = tensor if heads_first else tensor.permute(0, 2, 1, 3)
+    if not page.shape[0] or not page[0].is_contiguous():
+        return None
+    try:
+        flat = page.view(torch.uint8).view(page.shape[0], -1)
+    except RuntimeError:
+        return None
+    if tensor.shape[1] == 1:
+        return flat, ""  # one head: the same bytes in either order
+    return flat, HEADS_FIRST if heads_first else TOKENS_FIRST
 
 
 def _stacked(pages: list[torch.Tensor]) -> torch.Tensor | None:
@@ -73,6 +93,18 @@ def _runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _page_dims(plan: PoolPlan) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """A page's shape as this rank holds it and as a chunk holds it, in bytes, and the axis of
+    the KV heads in both."""
+    count, heads = plan.shard.count, plan.shard.heads
+    if plan.order == TOKENS_FIRST:
+        tokens = plan.spec.layout.tokens_per_block
+        rest = plan.page_bytes // (tokens * count)
+        return (tokens, count, rest), (tokens, heads, rest), 1
+    rest = plan.page_bytes // count
+    return (count, rest), (heads, rest), 0
+
+
 def own_caches(groups: list[KVGroup], kv_caches: dict[str, torch.Tensor]) -> list[KVGroup]:
     """Each group's layers less those reading another layer's cache: with cross-layer KV
     sharing, vLLM adds such layers to their target's group on the worker side only. Their KV
@@ -91,6 +123,17 @@ def own_caches(groups: list[KVGroup], kv_caches: dict[str, torch.Tensor]) -> lis
     return out
 
 
+@dataclass(slots=True)
+class _Issued:
+    """Loads queued out of the arena, checked once their fence passed."""
+
+    fence: Fence
+    arena: ArenaMemory | None
+    """The mapping they were read from; a remapped arena fails them."""
+    copies: list[tuple[ChunkCopy, float]]
+    """Each load, with the seconds its copy took to issue."""
+
+
 class KVTierWorker:
     def __init__(self, vllm_config: Any, cfg: ConnectorConfig, kv_cache_config: Any = None) -> None:
         self.vllm_config = vllm_config
@@ -104,13 +147,15 @@ class KVTierWorker:
         self._arena_inode = 0
         self._announced = ""
         self._stored: list[tuple[int, int]] = []
-        self._landing: list[tuple[Done, list[tuple[int, int]]]] = []
+        self._landing: list[tuple[Fence, list[tuple[int, int]]]] = []
         """Stores issued on a device stream, reported once their event completed."""
-        self.copies: CpuCopies = CpuCopies()
+        self.copies: CpuCopies = copies_for(torch.device("cpu"))
         self._failed: list[tuple[int, int]] = []
         self._load_errors: set[int] = set()
-        self._receiving: list[tuple[Done, set[str], set[str]]] = []
-        """Asynchronous loads issued: (landed, requests, failed requests)."""
+        self._loads: list[_Issued] = []
+        """Synchronous loads issued, checked when vLLM asks for load errors."""
+        self._receiving: list[tuple[_Issued, set[str], set[str]]] = []
+        """Asynchronous loads issued: (loads, requests, failed requests)."""
         self.stats = KVTierStats()
         self._draft_watch: DraftWatch | None = None
         self._draft_ok = True
@@ -119,17 +164,25 @@ class KVTierWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
             groups = own_caches(kv_groups(self.kv_cache_config, kv_caches), kv_caches)
+            plans = (
+                [] if refusal(self.vllm_config) else plan_pools(self.vllm_config, groups, self.cfg)
+            )
         except UnsupportedGroupError:
             return  # the scheduler side says why, and plans nothing
-        for plan in plan_pools(self.vllm_config, groups, self.cfg):
-            pages = [_pages(kv_caches[name]) for name in plan.layer_names]
+        for plan in plans:
+            held = [_pages(kv_caches[name]) for name in plan.layer_names]
+            pages = [p for p, _ in filter(None, held)]
+            orders = {order for _, order in filter(None, held)} - {""}
             actual = {p.shape[1] for p in pages}
-            if actual != {plan.page_bytes}:
+            if len(pages) < len(held) or orders - {plan.order} or actual != {plan.page_bytes}:
                 log.error(
-                    "kvtier: %s pool pages are %s bytes, expected %d; not offloading this pool",
+                    "kvtier: %s pool pages are %s bytes in order %s, expected %d in %s; not "
+                    "offloading this pool",
                     plan.key,
                     sorted(actual),
+                    sorted(orders) if len(pages) == len(held) else "not contiguous per block",
                     plan.page_bytes,
+                    plan.order,
                 )
                 continue
             self.plans[plan.key] = plan
@@ -170,20 +223,25 @@ class KVTierWorker:
 
     def _copy(self, job: ChunkCopy, slots: torch.Tensor, into_arena: bool) -> bool:
         plan = self.plans.get(job.plan)
-        if plan is None:
-            return False
-        # the slot as [layers, blocks of the chunk, page bytes], as `PoolPlan.layer_offset` lays
-        # the payload out
-        chunk = slots[job.offset : job.offset + plan.chunk_bytes].view(
-            len(plan.layer_names), plan.blocks_per_chunk, plan.page_bytes
-        )
+        if plan is None or not 0 <= job.offset <= slots.numel() - plan.chunk_bytes:
+            return False  # a slot outside the mapping: an arena other than the one planned for
+        layers, bpc = len(plan.layer_names), plan.blocks_per_chunk
+        # the slot as [layers, blocks of the chunk, page], as `PoolPlan.layer_offset` lays the
+        # payload out; this rank's part of a page is its heads
+        chunk = slots[job.offset : job.offset + plan.chunk_bytes]
+        ours, whole, heads = _page_dims(plan)
+        chunk = chunk.view(layers, bpc, *whole)
         stack = self.stacks.get(job.plan)
         for index, block, n in _runs(job.block_ids):
             part = chunk[:, job.first_block + index : job.first_block + index + n]
+            part = part.narrow(2 + heads, plan.shard.first, plan.shard.count)
             pairs = (
-                [(part, stack[:, block : block + n])]
+                [(part, stack[:, block : block + n].view(layers, n, *ours))]
                 if stack is not None
-                else [(part[i], p[block : block + n]) for i, p in enumerate(self.pages[job.plan])]
+                else [
+                    (part[i], p[block : block + n].view(n, *ours))
+                    for i, p in enumerate(self.pages[job.plan])
+                ]
             )
             for arena, pages in pairs:
                 if into_arena:
@@ -226,10 +284,15 @@ class KVTierWorker:
             # takes a while, and would otherwise delay the first copy
             self._announced = meta.arena_path
             self._slots(meta.arena_path)
+        self._load_errors.update(meta.invalid_blocks)
+        if meta.failed_requests:
+            failed_now = set(meta.failed_requests)
+            self._receiving.append((_Issued(Fence(), None, []), failed_now, failed_now))
         checked = self._check_draft(meta)
         if not meta.loads and not meta.zero and not meta.receiving:
             return
         failed: set[str] = set()
+        issued: list[tuple[ChunkCopy, float]] = []
         slots = self._slots(meta.arena_path)
         if slots is None or self._arena is None:
             self._fail_loads(meta.loads, failed)
@@ -244,16 +307,67 @@ class KVTierWorker:
                     if not checked and self._draft_watch is not None:
                         self._draft_watch.unverified += 1
                 started = time.perf_counter()
-                copied = self._copy(job, slots, into_arena=False)
-                ok = copied and self._arena.is_current(job.slot, job.generation)
-                if not ok:
+                if self._copy(job, slots, into_arena=False):
+                    issued.append((job, time.perf_counter() - started))
+                else:
                     self._fail_loads([job], failed)
-                self._record("load", job, started, ok)
+                    self._record("load", job, started, False)
             self.copies.end_loads()
         for key, blocks in meta.zero.items():
             self._zero(key, blocks)
+        # only queued so far: each slot's generation is checked once its bytes landed
+        if not issued and not meta.receiving:
+            return
+        fence = self.copies.fence()
+        sync = [c for c in issued if not c[0].request]
+        if sync:
+            self._loads.append(_Issued(fence, self._arena, sync))
         if meta.receiving:
-            self._receiving.append((self.copies.fence(), set(meta.receiving), failed))
+            asynchronous = [c for c in issued if c[0].request]
+            loads = _Issued(fence, self._arena, asynchronous)
+            self._receiving.append((loads, set(meta.receiving), failed))
+
+    def _check_landed(self, loads: _Issued, failed: set[str]) -> None:
+        """Loads whose fence passed: a slot still at the generation the scheduler looked up
+        held that chunk's bytes while they were read (its generation moves before it is
+        rewritten); any other slot is a load error."""
+        arena = loads.arena
+        for job, seconds in loads.copies:
+            ok = (
+                arena is not None
+                and arena is self._arena
+                and arena.is_current(job.slot, job.generation)
+            )
+            if not ok:
+                self._fail_loads([job], failed)
+            self._count("load", job, seconds, ok)
+
+    def fail_step(self, meta: KVTierMetadata, loads: bool) -> None:
+        """A hook failed part way: this step's loads (``loads``) or stores are failures, so
+        vLLM recomputes those blocks and no slot is committed from half a copy."""
+        if not loads:
+            self._failed.extend((job.slot, job.generation) for job in meta.stores)
+            return
+        self._load_errors.update(meta.invalid_blocks)
+        failed = set(meta.receiving) | set(meta.failed_requests)
+        self._fail_loads(meta.loads, failed)
+        if failed:
+            self._receiving.append((_Issued(Fence(), None, []), failed, failed))
+
+    def unchecked_errors(self) -> set[int]:
+        """Every block loaded since vLLM last asked: what it must recompute when the check
+        itself failed."""
+        errors = self._load_errors | {
+            b for i in self._loads for j, _ in i.copies for b in j.block_ids
+        }
+        self._loads, self._load_errors = [], set()
+        return errors - {0}
+
+    def fail_receiving(self) -> tuple[set[str], set[str]]:
+        """Every asynchronous load in flight, failed: when checking them failed."""
+        requests = {r for _, reqs, _ in self._receiving for r in reqs}
+        self._receiving = []
+        return set(), requests
 
     def _fail_loads(self, jobs: list[ChunkCopy], failed: set[str]) -> None:
         """Blocks vLLM must recompute: per request for asynchronous loads, else per block."""
@@ -268,12 +382,13 @@ class KVTierWorker:
         done: set[str] = set()
         failed: set[str] = set()
         waiting = []
-        for landed, requests, bad in self._receiving:
-            if landed():
+        for loads, requests, bad in self._receiving:
+            if loads.fence():
+                self._check_landed(loads, bad)
                 done |= requests - bad
                 failed |= bad
             else:
-                waiting.append((landed, requests, bad))
+                waiting.append((loads, requests, bad))
         self._receiving = waiting
         return done, failed
 
@@ -287,6 +402,9 @@ class KVTierWorker:
         self.copies.begin_stores()
         issued: list[tuple[int, int]] = []
         for job in meta.stores:
+            plan = self.plans.get(job.plan)
+            if plan is not None and not plan.shard.writes:
+                continue  # another rank holding the same heads writes them
             if self._is_draft(job) and not self._draft_ok:
                 self._failed.append((job.slot, job.generation))  # other weights' KV: not stored
                 continue
@@ -297,12 +415,15 @@ class KVTierWorker:
         self._landing.append((self.copies.end_stores(), issued))
 
     def _record(self, direction: str, job: ChunkCopy, started: float, ok: bool) -> None:
+        self._count(direction, job, time.perf_counter() - started, ok)
+
+    def _count(self, direction: str, job: ChunkCopy, seconds: float, ok: bool) -> None:
         plan = self.plans.get(job.plan)
         if plan is None:
             return
         blocks = sum(1 for b in job.block_ids if b)
-        nbytes = plan.page_bytes * len(plan.layer_names) * blocks
-        self.stats.record(direction, str(plan.pool), nbytes, time.perf_counter() - started, ok)
+        nbytes = plan.page_bytes * len(plan.layer_names) * blocks  # this rank's part
+        self.stats.record(direction, str(plan.pool), nbytes, seconds, ok)
 
     def take_stats(self) -> KVTierStats | None:
         if self.stats.is_empty():
@@ -311,6 +432,12 @@ class KVTierWorker:
         return stats
 
     def block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of synchronous loads that vLLM must recompute. It asks after the forward, which
+        on a device already waits on the loads' fence: the host waits for it too, then checks."""
+        for loads in self._loads:
+            loads.fence.wait()
+            self._check_landed(loads, set())
+        self._loads = []
         errors, self._load_errors = self._load_errors, set()
         return errors
 

@@ -26,6 +26,7 @@ from tests.e2e.models import (
     shared_prefix_prompts,
     vocab_size_of,
 )
+from tests.integration.daemon_harness import DaemonFiles, write_config
 
 MAX_TOKENS = 12
 
@@ -58,6 +59,14 @@ def engine_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
     yield tmp_path
     monkeypatch.undo()
     reset_env_caches()
+
+
+@pytest.fixture
+def daemon_files(tmp_path: Path, shm_path: Path) -> DaemonFiles:
+    """A kvtierd configuration with a 64 MiB arena, for `procs.start_daemon`."""
+    return write_config(
+        tmp_path, shm_path, {"arena": {"size_bytes": 64 << 20, "min_slot_bytes": 16 << 10}}
+    )
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from tests.e2e.models import (
     generate_tokens,
     running_llm,
 )
-from tests.integration.daemon_harness import DaemonFiles, Processes, write_config
+from tests.integration.daemon_harness import DaemonFiles, Processes
 
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
 TRANSFER_BYTES = "vllm:kvtier_transfer_bytes"  # the reader drops "_total"
@@ -113,13 +113,6 @@ def test_multiprocess_engine_stores_and_loads_across_processes(
         assert tokens == baseline[: len(prompts)]
         if run == 1:
             assert all(c >= 600 for c in cached), cached
-
-
-@pytest.fixture
-def daemon_files(tmp_path: Path, shm_path: Path) -> DaemonFiles:
-    return write_config(
-        tmp_path, shm_path, {"arena": {"size_bytes": 64 << 20, "min_slot_bytes": 16 << 10}}
-    )
 
 
 def test_sidecar_hits_from_the_daemons_arena_and_survives_its_death(

@@ -28,7 +28,7 @@ from tests.e2e.models import (
     vocab_size_of,
 )
 from tests.e2e.test_connector import counter, embedded_yaml, kvtier_config
-from tests.integration.daemon_harness import DaemonFiles, Processes, write_config
+from tests.integration.daemon_harness import DaemonFiles, Processes
 
 pytestmark = pytest.mark.slow
 
@@ -95,13 +95,6 @@ def connector_acceptance(llm: Any, revision: str) -> tuple[float, float]:
     )
 
 
-@pytest.fixture
-def daemon_files(tmp_path: Path, shm_path: Path) -> DaemonFiles:
-    return write_config(
-        tmp_path, shm_path, {"arena": {"size_bytes": 64 << 20, "min_slot_bytes": 16 << 10}}
-    )
-
-
 def test_an_admin_swap_keeps_the_target_pool_and_a_swap_back_restores_acceptance(
     tiny_models: ModelSet,
     prompts: list[list[int]],
@@ -116,11 +109,13 @@ def test_an_admin_swap_keeps_the_target_pool_and_a_swap_back_restores_acceptance
     connector = kvtier_config({"mode": "sidecar", "socket_path": str(daemon_files.socket)})
     spec = spec_config(tiny_models)
     heartbeat = 0.3  # daemon_harness's heartbeat_interval_s: engines hear of a commit by then
-    # one engine stores both pools of every prefix (draft revision "none")
+    # one engine stores both pools of every prefix (the draft checkpoint's fingerprint)
     with running_llm(
         tiny_models.target, kv_transfer_config=connector, speculative_config=spec
     ) as seeding:
         assert Round(seeding, prompts).tokens == baseline[: len(prompts)]
+        (original,) = list(revision_info(seeding))
+    assert original.startswith("fp-")
     kvtier(capsys, daemon.admin_address, "drain")
 
     with running_llm(
@@ -132,7 +127,7 @@ def test_an_admin_swap_keeps_the_target_pool_and_a_swap_back_restores_acceptance
         assert before.acceptance == 1.0
 
         begun = kvtier(capsys, daemon.admin_address, "draft-swap", "--revision", "d2", "--begin")
-        assert begun["previousRevision"] == "none"
+        assert begun["previousRevision"] == original
         assert llm.reset_prefix_cache(reset_connector=True)
         swap_draft_weights(llm, weights["noisy"])
         done = kvtier(capsys, daemon.admin_address, "draft-swap", "--commit", begun["swapId"])
@@ -144,7 +139,7 @@ def test_an_admin_swap_keeps_the_target_pool_and_a_swap_back_restores_acceptance
         assert sum(after.cached) >= 0.95 * sum(before.cached), (after.cached, before.cached)
         assert after.acceptance < 0.5  # the new draft is another model
         assert counter(llm, FILLS, policy="previous") > 0  # d2 had no draft chunk yet
-        assert revision_info(llm) == {"none": 0, "d2": 1}
+        assert revision_info(llm) == {original: 0, "d2": 1}
         assert counter(llm, SWAPS, source="admin") == 1
         # new prefixes store draft chunks of the new revision
         assert Round(llm, fresh_prompts).tokens == baseline[len(prompts) :]
@@ -152,12 +147,14 @@ def test_an_admin_swap_keeps_the_target_pool_and_a_swap_back_restores_acceptance
         stats = kvtier(capsys, daemon.admin_address, "stats")
         revisions = {d["revision"]: d for d in stats["draftRevisions"]}
         assert revisions["d2"]["current"]
-        assert not revisions["none"].get("current", False)
+        assert not revisions[original].get("current", False)
         assert int(revisions["d2"]["chunks"]["cpu"]) > 0
-        assert int(revisions["none"]["chunks"]["cpu"]) > 0  # kept, evicted first
+        assert int(revisions[original]["chunks"]["cpu"]) > 0  # kept, evicted first
 
         # swap back to the original weights and revision: its draft chunks load again
-        begun = kvtier(capsys, daemon.admin_address, "draft-swap", "--revision", "none", "--begin")
+        begun = kvtier(
+            capsys, daemon.admin_address, "draft-swap", "--revision", original, "--begin"
+        )
         assert llm.reset_prefix_cache(reset_connector=True)
         swap_draft_weights(llm, weights["original"])
         kvtier(capsys, daemon.admin_address, "draft-swap", "--commit", begun["swapId"])
@@ -171,8 +168,8 @@ def test_an_admin_swap_keeps_the_target_pool_and_a_swap_back_restores_acceptance
         assert STALE in {m.name for m in llm.get_metrics()}
         assert counter(llm, STALE) == 0
         # acceptance per revision, recorded by the connector, adds up to vLLM's own counters
-        drafted = sum(connector_acceptance(llm, r)[0] for r in ("none", "d2"))
-        accepted = sum(connector_acceptance(llm, r)[1] for r in ("none", "d2"))
+        drafted = sum(connector_acceptance(llm, r)[0] for r in (original, "d2"))
+        accepted = sum(connector_acceptance(llm, r)[1] for r in (original, "d2"))
         assert (drafted, accepted) == (counter_value(llm, DRAFTED), counter_value(llm, ACCEPTED))
         assert connector_acceptance(llm, "d2")[1] < connector_acceptance(llm, "d2")[0]
 
@@ -217,8 +214,9 @@ def test_fill_policies_write_defined_draft_pages_and_swaps_are_found_without_kvt
         kv_transfer_config=kvtier_config(extra),
         speculative_config=spec_config(tiny_models),
     ) as llm:
-        first = Round(llm, prompts)  # stores both pools of revision "none"
+        first = Round(llm, prompts)  # stores both pools of the checkpoint's revision
         assert first.tokens == baseline[: len(prompts)]
+        (original,) = list(revision_info(llm))
         # a swap with no admin call, as vLLM's weight update does it
         assert llm.reset_prefix_cache(reset_connector=True)
         swap_draft_weights(llm, weights["noisy"])
@@ -227,7 +225,7 @@ def test_fill_policies_write_defined_draft_pages_and_swaps_are_found_without_kvt
         assert min(after.cached) >= 600, after.cached  # target chunks hit
         assert counter(llm, SWAPS, source="fingerprint") == 1
         (current,) = [r for r, v in revision_info(llm).items() if v == 1]
-        assert current.startswith("none+fp-")
+        assert current.startswith(f"{original}+fp-")
         fills = counter(llm, FILLS, policy=policy)
         assert fills > 0
         assert counter(llm, FILLS) == fills  # previous chunks exist for every hit
@@ -244,7 +242,7 @@ def test_fill_policies_write_defined_draft_pages_and_swaps_are_found_without_kvt
         swap_draft_weights(llm, weights["original"])
         assert Round(llm, fresh_prompts).tokens == baseline[len(prompts) :]
         assert counter(llm, SWAPS, source="fingerprint") == 2
-        assert revision_info(llm)["none"] == 1
+        assert revision_info(llm)[original] == 1
         assert counter(llm, STALE) == 0
 
 

@@ -1,5 +1,6 @@
 """The worker's GPU copy path: a cudaHostRegister'ed kvtier arena, copies on a side stream,
-completion by events. Runs where CUDA is present (a device machine); CI has none."""
+completion by events, and loads checked only once their event completed. Runs where CUDA is
+present (a device machine); CI has none."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from kvtier_vllm.copies import CpuCopies, CudaCopies, copies_for
 from kvtier.client import ArenaMemory
 from kvtier.pools import PoolRegistry
 from kvtier.tiers.cpu import CpuTier
+from tests.bare_worker import bare_worker
 from tests.support import arena_config, keys_for, target_spec
 
 CHUNK = 1 << 20
@@ -64,3 +66,24 @@ def test_arena_round_trip_through_the_gpu_on_a_side_stream(shm_path: Path) -> No
         memory.close()
     finally:
         tier.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_slot_rewritten_while_its_load_waits_on_the_side_stream_is_a_load_error(
+    shm_path: Path,
+) -> None:
+    bare = bare_worker(shm_path, torch.device("cuda"))
+    try:
+        worker = bare.worker
+        worker.copies = copies_for(torch.device("cuda"))
+        worker.start_load_kv(bare.meta([]))  # maps and pins the arena, which may synchronize
+        moved, kept = bare.store(), bare.store()
+        # the side stream waits for the current one: the copies queue up behind this
+        torch.cuda._sleep(1 << 28)  # type: ignore[no-untyped-call]
+        worker.start_load_kv(bare.meta([bare.load(moved, (3, 4)), bare.load(kept, (7, 8))]))
+        bare.rewrite(moved)  # on the host, before the device read the slot
+        assert worker.block_ids_with_load_errors() == {3, 4}
+        assert torch.equal(bare.blocks("target", (7, 8)), bare.slot(kept))
+    finally:
+        bare.close()

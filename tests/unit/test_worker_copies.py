@@ -1,12 +1,23 @@
 """The worker's copy plan: one stacked view per pool and one copy per run of blocks must move the
-same bytes as page-by-page copies, for any block ids (CPU tensors, no engine)."""
+same bytes as page-by-page copies, for any block ids (CPU tensors, no engine). And loads are
+trusted only once their copies landed: with copies that land as late as a device's, a slot
+rewritten in between is a load error."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import pytest
 import torch
+from kvtier_vllm.copies import DeferredCopies, Pair
+from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.worker import _pages, _runs, _stacked
+
+from kvtier.tiers.cpu import SlotRef
+from tests.bare_worker import BareWorker, bare_worker
+from tests.support import keys_for
 
 LAYERS, BLOCKS, PAGE = 3, 40, 64
 
@@ -14,7 +25,13 @@ LAYERS, BLOCKS, PAGE = 3, 40, 64
 def cache() -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Layers as vLLM hands them out: views of one buffer at one stride."""
     buffer = torch.randint(0, 255, (LAYERS, BLOCKS, 2, PAGE // 4), dtype=torch.int16)
-    return buffer, [_pages(buffer[i]) for i in range(LAYERS)]
+    return buffer, [page_bytes(buffer[i]) for i in range(LAYERS)]
+
+
+def page_bytes(layer: torch.Tensor) -> torch.Tensor:
+    held = _pages(layer)
+    assert held is not None
+    return held[0]
 
 
 def test_runs_cover_every_block_once_in_order() -> None:
@@ -70,3 +87,117 @@ def test_a_layer_reading_another_layers_cache_is_not_stored_twice() -> None:
     hybrid = [KVGroup(0, (names[0],), window=199), KVGroup(1, (names[3],))]
     caches[names[3]] = buffer[0]
     assert own_caches(hybrid, caches) == hybrid
+
+
+# -- loads are checked once their copies landed ---------------------------------------------
+
+
+@pytest.fixture
+def bare(shm_path: Path) -> Iterator[BareWorker]:
+    bare = bare_worker(shm_path, torch.device("cpu"))
+    yield bare
+    bare.close()
+
+
+def deferred(
+    bare: BareWorker, before_landing: Callable[[DeferredCopies, list[Pair]], None] | None = None
+) -> DeferredCopies:
+    copies = DeferredCopies(before_landing)
+    bare.worker.copies = copies
+    return copies
+
+
+def rewriting(bare: BareWorker, ref: SlotRef) -> tuple[Callable[..., None], list[SlotRef]]:
+    """A hook that evicts ``ref``'s chunk and stores another in its slot, the first time
+    copies are about to land; and the chunk stored there."""
+    rewritten: list[SlotRef] = []
+
+    def hook(copies: DeferredCopies, pairs: list[Pair]) -> None:
+        if not rewritten:
+            rewritten.append(bare.rewrite(ref))
+
+    return hook, rewritten
+
+
+def test_deferred_copies_land_in_issue_order_when_their_fence_is_asked() -> None:
+    def full(value: int) -> torch.Tensor:
+        return torch.full((4,), value, dtype=torch.uint8)
+
+    copies = DeferredCopies(busy_queries=1)
+    a, b = torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)
+    copies.copy(a, full(1))
+    first = copies.fence()
+    copies.copy(b, full(2))
+    copies.copy(a, full(3))
+    assert copies.pending == 3
+    assert not a.any()
+    assert not first()  # a device still busy
+    assert first()
+    assert torch.equal(a, full(1))
+    assert not b.any()
+    copies.fence().wait()
+    assert torch.equal(a, full(3))
+    assert torch.equal(b, full(2))
+    copies.copy(b, full(4))
+    copies.end_loads()  # the forward that reads them runs next, on the host
+    assert copies.pending == 0
+    assert torch.equal(b, full(4))
+
+
+@pytest.mark.parametrize("plan", ["target", "draft"])
+def test_a_slot_rewritten_between_queueing_and_landing_is_a_block_load_error(
+    bare: BareWorker, plan: str
+) -> None:
+    moved, kept = bare.store(plan), bare.store(plan)
+    hook, rewritten = rewriting(bare, moved)
+    deferred(bare, hook)
+    bare.worker.start_load_kv(bare.meta([bare.load(moved, (3, 4)), bare.load(kept, (7, 8))]))
+    # the forward read another chunk's bytes: only the generation check can tell
+    assert torch.equal(bare.blocks(plan, (3, 4)), bare.slot(rewritten[0]))
+    assert bare.worker.block_ids_with_load_errors() == {3, 4}
+    assert torch.equal(bare.blocks(plan, (7, 8)), bare.slot(kept))
+    assert bare.worker.block_ids_with_load_errors() == set()  # reported once
+    stats = bare.worker.take_stats()
+    assert stats is not None
+    assert stats.data[f"load.{plan}.chunks"] == 2
+    assert stats.data[f"load.{plan}.errors"] == 1
+
+
+def test_a_slot_unchanged_until_its_copy_landed_loads_cleanly(bare: BareWorker) -> None:
+    ref, draft = bare.store("target"), bare.store("draft")
+    landed: list[int] = []
+    copies = deferred(bare, lambda copies, pairs: landed.append(len(pairs)))
+    bare.worker.start_load_kv(bare.meta([bare.load(ref, (1, 2)), bare.load(draft, (5, 9))]))
+    assert landed
+    assert copies.pending == 0
+    assert bare.worker.block_ids_with_load_errors() == set()
+    assert torch.equal(bare.blocks("target", (1, 2)), bare.slot(ref))
+    assert torch.equal(bare.blocks("draft", (5, 9)), bare.slot(draft))
+
+
+def test_an_asynchronous_load_whose_slot_moved_before_landing_fails_its_request(
+    bare: BareWorker,
+) -> None:
+    moved, kept = bare.store(), bare.store()
+    hook, _ = rewriting(bare, moved)
+    deferred(bare, hook)
+    loads = [bare.load(moved, (3, 4), "r1"), bare.load(kept, (7, 8), "r2")]
+    bare.worker.start_load_kv(bare.meta(loads, receiving=["r1", "r2"]))
+    assert bare.worker.finished_loads() == ({"r2"}, {"r1"})
+    assert bare.worker.block_ids_with_load_errors() == set()  # per request, never per block
+    assert torch.equal(bare.blocks("target", (7, 8)), bare.slot(kept))
+
+
+def test_a_store_is_reported_only_once_its_copies_landed(bare: BareWorker) -> None:
+    (ref,) = bare.tier.reserve(keys_for(bare.namespaces["target"], 1, start=1000))
+    assert ref is not None
+    bare.pages["target"][:, [5, 6]] = torch.randint(0, 256, (2, 2, 4096), dtype=torch.uint8)
+    bare.worker.copies = DeferredCopies(busy_queries=1)
+    store = ChunkCopy("target", ref.slot, ref.offset, ref.generation, (5, 6))
+    bare.worker.wait_for_save(KVTierMetadata(str(bare.arena_path), stores=[store]))
+    assert bare.worker.worker_meta() is None  # still copying: not to be committed yet
+    assert not torch.equal(bare.slot(ref), bare.blocks("target", (5, 6)))
+    reported = bare.worker.worker_meta()
+    assert reported is not None
+    assert reported.stored == [(ref.slot, ref.generation)]
+    assert torch.equal(bare.slot(ref), bare.blocks("target", (5, 6)))

@@ -1,0 +1,140 @@
+"""A slot rewritten while its load is still on its way must cost a recompute, never wrong KV.
+
+On a GPU, loads are queued on a side stream and the bytes are read later; an arena-index hit
+holds no lease, so kvtierd may evict its slot and store another chunk there in between. Here
+the worker runs on `DeferredCopies`, which lands copies as late as a device could, and kvtierd
+rewrites every slot a load reads between the queueing and the landing: vLLM must be told of
+every such load, recompute it, and give the outputs it gives without a connector.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvtier_vllm import worker as worker_module
+from kvtier_vllm.connector import KVTierConnector
+from kvtier_vllm.copies import DeferredCopies, Pair
+from kvtier_vllm.metadata import KVTierMetadata
+from kvtier_vllm.worker import KVTierWorker
+
+from kvtier.rpc import GrpcTierClient
+from kvtier.tiers.arena import ArenaMemory
+from tests.e2e.conftest import MAX_TOKENS
+from tests.e2e.models import ModelSet, counter, counter_value, generate_tokens, running_llm
+from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon
+from tests.support import keys_for, target_spec
+
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
+
+
+class Rewriter:
+    """Runs as copies out of the arena are about to land: evicts every chunk the arena holds,
+    then stores chunks of another model in the slots they left, each with the bytes of another
+    evicted chunk. The queued loads then read real KV of the wrong chunk, from slots whose
+    generation moved."""
+
+    def __init__(self, daemon: RunningDaemon, socket: Path, chunk_bytes: int) -> None:
+        self.admin = daemon.admin()
+        self.client = GrpcTierClient(socket, "rewriter")
+        self.namespace = self.client.register_pool(target_spec(model="another"), chunk_bytes)
+        self.arena = ArenaMemory.attach(self.client.arena_path)
+        self.reads = 0
+        """Copies out of the arena that landed."""
+        self.rewritten = 0
+        """Of those, the ones whose slot was rewritten after they were queued."""
+        self.leases: list[int] = []
+        """Leases kvtierd held each time, before evicting."""
+        self._stored = 0
+
+    def __call__(self, copies: DeferredCopies, pairs: list[Pair]) -> None:
+        reads = [at for _, src in pairs if (at := copies.arena_offset(src)) is not None]
+        if not reads:
+            return  # stores
+        self.leases.append(self.admin.stats().leases)
+        evicted = sum(self.admin.evict(tier="cpu").values())
+        keys = keys_for(self.namespace, evicted, start=self._stored)
+        self._stored += evicted
+        # freed slots are handed out again last-freed first: these are the ones just evicted
+        refs = [r for r in self.client.reserve(keys) if r is not None]
+        old = [bytes(self.arena.view(r.offset, r.nbytes)) for r in refs]
+        for i, ref in enumerate(refs):
+            self.arena.view(ref.offset, ref.nbytes)[:] = old[(i + 1) % len(old)]
+        assert self.client.commit(refs) == len(refs)
+        spans = [(r.offset, r.offset + r.nbytes) for r in refs]
+        self.reads += len(reads)
+        self.rewritten += sum(any(a <= at < b for a, b in spans) for at in reads)
+
+    def close(self) -> None:
+        self.client.close()
+        self.arena.close()
+        self.admin.close()
+
+
+def sidecar(socket: Path) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier_vllm.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"mode": "sidecar", "socket_path": str(socket)},
+    }
+
+
+def test_a_slot_rewritten_before_its_load_landed_is_recomputed(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    procs: Processes,
+    daemon_files: DaemonFiles,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    daemon = procs.start_daemon(daemon_files)
+    connector = sidecar(daemon_files.socket)
+    expected = baseline[: len(prompts)]
+    with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+        assert generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)[0] == expected
+    cpu = next(t for t in daemon.stats().tiers if t.tier == "cpu")
+    stored = next(p.usage for p in cpu.pools if p.pool == "target")
+    assert stored.chunks > 0
+
+    rewriter = Rewriter(daemon, daemon_files.socket, stored.used_bytes // stored.chunks)
+    monkeypatch.setattr(worker_module, "copies_for", lambda device: DeferredCopies(rewriter))
+    loaded: set[int] = set()
+    reported: set[int] = set()
+    start_load_kv = KVTierWorker.start_load_kv
+    load_errors = KVTierConnector.get_block_ids_with_load_errors
+
+    def loading(self: KVTierWorker, meta: KVTierMetadata) -> None:
+        loaded.update(b for job in meta.loads for b in job.block_ids if b)
+        start_load_kv(self, meta)
+
+    def reporting(self: KVTierConnector) -> set[int]:
+        errors = load_errors(self)
+        reported.update(errors)
+        return errors
+
+    monkeypatch.setattr(KVTierWorker, "start_load_kv", loading)
+    monkeypatch.setattr(KVTierConnector, "get_block_ids_with_load_errors", reporting)
+    try:
+        with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+            tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+            hits = counter_value(llm, EXTERNAL_HITS)
+            chunks = counter(llm, "vllm:kvtier_transfer_chunks", direction="load")
+            errors = counter(llm, "vllm:kvtier_transfer_errors", direction="load")
+    finally:
+        rewriter.close()
+    # the fresh engine found the first one's chunks in kvtierd's arena, from its key index:
+    # no lease stood behind them
+    assert hits > 0
+    assert rewriter.leases
+    assert rewriter.leases[0] == 0
+    # every load read a slot rewritten after it was queued, and vLLM heard of every block
+    assert rewriter.reads > 0
+    assert rewriter.rewritten == rewriter.reads
+    assert loaded
+    assert reported == loaded
+    assert errors == chunks > 0
+    # and recomputed them: the outputs of an engine without kvtier
+    assert tokens == expected
