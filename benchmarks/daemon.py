@@ -21,7 +21,14 @@ the headline ratio is the geometric mean over chunk sizes.
   over rounds, one round per repetition. ``lookup_1_key_p50_us`` is the same call with one key:
   the cost of a call as such.
 - ``store_commit_chunks_per_s``: Reserve then Commit, 64 keys per call, 64 KiB chunks, no payload
-  written: the rate of the store path's control calls alone.
+  written: the rate of the store path's control calls alone, with the daemon checksumming each
+  chunk's slot as it commits it (``arena.commit_checksum``, on by default).
+  ``store_commit_chunks_per_s_no_checksum`` is the same against a second kvtierd, configured alike
+  but with ``arena.commit_checksum: false`` and running beside the first; the two take each batch
+  in turn (which goes first alternates), so both are timed under the same load.
+  ``commit_checksum_store_ratio`` is the median of per-repetition ratios, with over without. This
+  phase has 15 repetitions (31 in full mode, ``store_commit_repetitions``): one takes only tens of
+  milliseconds.
 - ``memcpy_gbps``: in client A, copy the working set chunk by chunk between two numpy buffers.
 - ``arena_store_gbps``: client A streams the working set into the arena, 64 chunks per call: one
   ``commit_then_reserve`` call per batch, in flight while the batch before it is copied in with
@@ -32,6 +39,11 @@ the headline ratio is the geometric mean over chunk sizes.
   store and load overlap (a pipeline runs at its slowest stage). ``arena_transfer_serial_gbps``
   is the working set over the time of both phases run one after the other, for reference.
 - ``cross_process_arena_vs_memcpy``: per repetition, the lower of store/memcpy and load/memcpy.
+- ``arena_store_no_checksum_gbps``: client A's arena store into the second kvtierd (no commit
+  checksums, above), once per repetition, before or after the rest in turn (its pairing is not
+  the before-and-right-after of the memcpy ratios); ``commit_checksum_arena_store_ratio`` is the
+  median of per-repetition ratios of ``arena_store_gbps`` over it: what checksumming every
+  committed byte costs the store stream.
 - ``rpc_per_chunk_store``, ``rpc_per_chunk_load``: data-plane calls client A made while storing
   over chunks stored, and calls client B made while loading over chunks loaded, counted where each
   client issues its calls (heartbeats, which depend on time and not on traffic, left out);
@@ -41,7 +53,8 @@ Write-back to LMDB is held off (``manager.clean_reserve: 0``) so that no LMDB wr
 the timed phases, as tiers.py keeps fsyncs out of its timed writes. Chunks are dropped through
 the admin API between repetitions, so the daemon has nothing to write back on SIGTERM; ``daemon``
 reports its start time (arena pre-fault included), its exit status after SIGTERM and how long it
-took to exit.
+took to exit (``no_checksum_exit_code``: the second daemon's, which serves only the two store
+comparisons).
 """
 
 from __future__ import annotations
@@ -116,10 +129,11 @@ class Mode:
     reps: int
     lookup_runs: int
     store_chunks: int
+    store_reps: int
 
 
-QUICK = Mode("quick", 128 * MiB, 5, 50, 1024)
-FULL = Mode("full", 256 * MiB, 11, 200, 2048)
+QUICK = Mode("quick", 128 * MiB, 5, 50, 1024, 15)
+FULL = Mode("full", 256 * MiB, 11, 200, 2048, 31)
 
 
 @dataclass
@@ -269,7 +283,10 @@ def client_b(conn: Connection, socket_path: str, total: int) -> None:
 class DaemonProcess:
     """kvtierd started with ``kvtier serve`` and stopped with SIGTERM."""
 
-    def __init__(self, root: Path, shm: Path, arena_bytes: int) -> None:
+    def __init__(
+        self, root: Path, shm: Path, arena_bytes: int, commit_checksum: bool = True
+    ) -> None:
+        root.mkdir(parents=True, exist_ok=True)
         self.root = root
         self.shm = shm
         self.socket_path = root / "kvtierd.sock"
@@ -281,6 +298,7 @@ class DaemonProcess:
                 "size_bytes": arena_bytes,
                 "extent_bytes": EXTENT,
                 "min_slot_bytes": LOOKUP_CHUNK,
+                "commit_checksum": commit_checksum,
             },
             "lmdb": {
                 "path": str(root / "lmdb"),
@@ -384,8 +402,19 @@ class Bench:
             + 3 * EXTENT
         )
         self.daemon = DaemonProcess(self.root, self.shm, arena_bytes)
+        # the store path again, without commit checksums; the same arena, as its size was seen
+        # to move this rate by itself
+        self.plain = DaemonProcess(
+            self.root / "no-checksum",
+            Path(f"{self.shm}-no-checksum"),
+            arena_bytes,
+            commit_checksum=False,
+        )
         self.client: CountingClient | None = None
         self.admin: AdminClient | None = None
+        self.plain_client: CountingClient | None = None
+        self.plain_admin: AdminClient | None = None
+        self.plain_arena: ArenaMemory | None = None
         self.arena: ArenaMemory | None = None
         self.b_proc: multiprocessing.process.BaseProcess | None = None
         self.b_conn: Connection | None = None
@@ -404,6 +433,9 @@ class Bench:
         self.daemon.start()
         self.client = CountingClient(self.daemon.socket_path, "bench-a")
         self.admin = AdminClient(f"127.0.0.1:{self.daemon.admin_port}")
+        self.plain.start()
+        self.plain_client = CountingClient(self.plain.socket_path, "bench-a")
+        self.plain_admin = AdminClient(f"127.0.0.1:{self.plain.admin_port}")
         ctx = multiprocessing.get_context("spawn")
         self.b_conn, child = ctx.Pipe()
         self.b_proc = ctx.Process(
@@ -433,10 +465,11 @@ class Bench:
             raise RuntimeError(f"client B failed:\n{reply[1]}")
         return tuple(reply[1:])
 
-    def drop(self, namespace: bytes, n: int) -> None:
+    def drop(self, namespace: bytes, n: int, admin: AdminClient | None = None) -> None:
         """Drop a pool's chunks from the arena (untimed), so the next repetition stores anew."""
-        assert self.admin is not None
-        dropped = self.admin.evict(namespace=namespace).get("cpu", 0)
+        admin = admin or self.admin
+        assert admin is not None
+        dropped = admin.evict(namespace=namespace).get("cpu", 0)
         if dropped != n:
             raise RuntimeError(f"evicted {dropped} of {n} chunks; some are still leased")
 
@@ -487,26 +520,47 @@ class Bench:
     # -- store control path ---------------------------------------------------------------
 
     def run_store_commit(self) -> None:
-        client = self.client
+        client, plain = self.client, self.plain_client
         assert client is not None
-        namespace = client.register_pool(small_spec("bench-store", STORE_CHUNK), STORE_CHUNK)
+        assert plain is not None
+        spec = small_spec("bench-store", STORE_CHUNK)
+        namespace = client.register_pool(spec, STORE_CHUNK)
+        if plain.register_pool(spec, STORE_CHUNK) != namespace:
+            raise RuntimeError("the two daemons gave one pool different namespaces")
         n = self.mode.store_chunks
         keys = keys_for(namespace, n)
 
-        def run() -> None:
-            for first in range(0, n, STORE_BATCH):
-                refs = granted(client.reserve(keys[first : first + STORE_BATCH]), "store")
-                if client.commit(refs) != len(refs):
-                    raise RuntimeError("the daemon did not commit every reserved slot")
+        def run() -> tuple[float, float]:
+            # batch by batch in turn, first one daemon then the other, so that both see the
+            # same moments of a machine whose other load comes and goes
+            spent = [0.0, 0.0]
+            pair = (client, plain)
+            with no_gc():
+                for call, first in enumerate(range(0, n, STORE_BATCH)):
+                    batch = keys[first : first + STORE_BATCH]
+                    for side in (0, 1) if call % 2 else (1, 0):
+                        start = time.perf_counter()
+                        refs = granted(pair[side].reserve(batch), "store")
+                        if pair[side].commit(refs) != len(refs):
+                            raise RuntimeError("the daemon did not commit every reserved slot")
+                        spent[side] += time.perf_counter() - start
+            return spent[0], spent[1]
 
-        rates = []
-        for rep in range(self.mode.reps + 1):
-            elapsed = timed(run)
+        rates: list[float] = []
+        plain_rates: list[float] = []
+        ratios: list[float] = []
+        for rep in range(self.mode.store_reps + 1):
+            with_sum, without = run()
             self.committed += n
             self.drop(namespace, n)
+            self.drop(namespace, n, self.plain_admin)
             if rep:
-                rates.append(n / elapsed)
+                rates.append(n / with_sum)
+                plain_rates.append(n / without)
+                ratios.append(without / with_sum)
         self.figures["store_commit_chunks_per_s"] = statistics.median(rates)
+        self.figures["store_commit_chunks_per_s_no_checksum"] = statistics.median(plain_rates)
+        self.figures["commit_checksum_store_ratio"] = statistics.median(ratios)
 
     # -- bytes through the arena, client A to client B ------------------------------------
 
@@ -519,8 +573,13 @@ class Bench:
 
         return total / timed(run) / 1e9
 
-    def store_all(self, keys: list[ChunkKey], chunk: int) -> float:
-        client, arena = self.client, self.arena
+    def store_all(
+        self,
+        keys: list[ChunkKey],
+        chunk: int,
+        to: tuple[CountingClient | None, ArenaMemory | None] | None = None,
+    ) -> float:
+        client, arena = to or (self.client, self.arena)
         assert client is not None
         assert arena is not None
         src = self.src
@@ -556,10 +615,24 @@ class Bench:
         (b_namespace,) = self.ask_b("register", chunk)
         if b_namespace != namespace:
             raise RuntimeError("clients A and B registered different namespaces")
+        plain = self.plain_client
+        assert plain is not None
+        if plain.register_pool(transfer_spec(chunk), chunk) != namespace:
+            raise RuntimeError("the two daemons gave one pool different namespaces")
+        if self.plain_arena is None:
+            self.plain_arena = ArenaMemory.attach(plain.arena_path)
         n = self.total // chunk
         keys = keys_for(namespace, n)
         s = self.samples[chunk]
+
+        def store_unchecked() -> float:
+            elapsed = self.store_all(keys, chunk, (plain, self.plain_arena))
+            self.drop(namespace, n, self.plain_admin)
+            return elapsed
+
         for rep in range(self.mode.reps + 1):
+            # the daemon without commit checksums, before or after the rest in turn
+            plain_s = store_unchecked() if rep % 2 else math.nan
             base = self.memcpy(chunk)
             before = client.calls.copy()
             store_s = self.store_all(keys, chunk)
@@ -568,6 +641,8 @@ class Bench:
             base_load = self.memcpy(chunk)
             load_s, load_calls = self.ask_b("load", chunk, keys, rep == 0)
             self.drop(namespace, n)
+            if not rep % 2:
+                plain_s = store_unchecked()
             if rep == 0:
                 continue  # warm-up: extents assigned, arena pages mapped in both clients
             store, load = self.total / store_s / 1e9, self.total / load_s / 1e9
@@ -580,13 +655,15 @@ class Bench:
             s.pair("arena_store_vs_memcpy", store / base)
             s.pair("arena_load_vs_memcpy", load / base_load)
             s.pair("cross_process_arena_vs_memcpy", min(store / base, load / base_load))
+            s.add("arena_store_no_checksum_gbps", self.total / plain_s / 1e9)
+            s.pair("commit_checksum_arena_store_ratio", plain_s / store_s)
             self.rpc.update(store_calls=store_calls, load_calls=load_calls, chunks=n)
 
     # -- all ------------------------------------------------------------------------------
 
     def run(self) -> None:
         started = time.perf_counter()
-        log.info("starting kvtierd and client B")
+        log.info("starting kvtierd, a second one without commit checksums, and client B")
         self.start()
         self.phases["start_s"] = time.perf_counter() - started
         log.info("lookup, %d keys", LOOKUP_KEYS)
@@ -624,14 +701,23 @@ class Bench:
             self.client.close()
         if self.admin is not None:
             self.admin.close()
+        if self.plain_arena is not None:
+            self.plain_arena.close()
+        if self.plain_client is not None:
+            self.plain_client.close()
+        if self.plain_admin is not None:
+            self.plain_admin.close()
         self.daemon.stop()
+        self.plain.stop()
         self.daemon_figures.update(
             start_s=self.daemon.start_s,
             exit_code=self.daemon.exit_code,
             shutdown_s=self.daemon.stop_s,
+            no_checksum_exit_code=self.plain.exit_code,
         )
         self.phases["stop_s"] = time.perf_counter() - started
         self.shm.unlink(missing_ok=True)  # gone already unless the daemon was killed
+        self.plain.shm.unlink(missing_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def report(self) -> dict[str, Any]:
@@ -650,6 +736,7 @@ class Bench:
             "lookup_runs_per_round": self.mode.lookup_runs,
             "store_commit_keys_per_call": STORE_BATCH,
             "store_commit_chunk_bytes": STORE_CHUNK,
+            "store_commit_repetitions": self.mode.store_reps,
         }
         for name in names:
             out[name] = geomean([row[name] for row in per_size.values()])
@@ -678,6 +765,8 @@ SIZE_ROWS = (
     ("arena_store_vs_memcpy", "arena store / memcpy", "x"),
     ("arena_load_vs_memcpy", "arena load / memcpy", "x"),
     ("cross_process_arena_vs_memcpy", "A -> B / memcpy", "x"),
+    ("arena_store_no_checksum_gbps", "arena store, no checksum", "GB/s"),
+    ("commit_checksum_arena_store_ratio", "store, checksum / none", "x"),
 )
 ROWS = (
     ("lookup_8192_keys_p50_us", "lookup 8192 keys, p50", "us", ".0f"),
@@ -685,6 +774,8 @@ ROWS = (
     ("lookup_8192_keys_mean_us", "lookup 8192 keys, mean", "us", ".0f"),
     ("lookup_1_key_p50_us", "lookup 1 key, p50", "us", ".0f"),
     ("store_commit_chunks_per_s", "reserve + commit", "chunks/s", ".0f"),
+    ("store_commit_chunks_per_s_no_checksum", "same, no checksum", "chunks/s", ".0f"),
+    ("commit_checksum_store_ratio", "same, checksum / none", "x", ".3f"),
     ("rpc_per_chunk_store", "calls per chunk, store", "", ".4f"),
     ("rpc_per_chunk_load", "calls per chunk, load", "", ".4f"),
     ("rpc_per_chunk", "calls per chunk", "", ".4f"),
@@ -747,7 +838,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write("\n")
     else:
         print(table(result))
-    return 0 if result["daemon"]["exit_code"] == 0 else 1
+    daemon = result["daemon"]
+    return 0 if daemon["exit_code"] == 0 and daemon["no_checksum_exit_code"] == 0 else 1
 
 
 if __name__ == "__main__":

@@ -130,11 +130,15 @@ def encode_into(
     key: ChunkKey,
     descriptor: ChunkDescriptor,
     payload: bytes | bytearray | memoryview,
+    *,
+    expect_checksum: bytes | None = None,
 ) -> int:
     """Write the encoded chunk into ``out`` (a reusable buffer); returns the encoded length.
 
     The payload is copied in pieces and each copy hashed while it is in cache, so the payload is
-    read from memory once.
+    read from memory once. With ``expect_checksum`` (the payload's checksum taken earlier), bytes
+    that changed since raise `CorruptChunkError` and no header is written: the checksum is of
+    the copy, so what would be stored is exactly what was checked.
     """
     view = memoryview(out)
     src = memoryview(payload)
@@ -144,7 +148,10 @@ def encode_into(
         piece = view[HEADER_SIZE + start : HEADER_SIZE + min(start + _PIECE, len(src))]
         piece[:] = src[start : start + _PIECE]
         digest.update(piece)
-    view[:HEADER_SIZE] = _pack_header(key, descriptor, len(src), digest.digest())
+    checksum = digest.digest()
+    if expect_checksum is not None and checksum != expect_checksum:
+        raise CorruptChunkError("payload checksum differs from the one expected")
+    view[:HEADER_SIZE] = _pack_header(key, descriptor, len(src), checksum)
     return total
 
 

@@ -66,6 +66,13 @@ class ArenaConfig(_Section):
         ByteSize(64 << 10), description="Smallest chunk a pool may register; sizes the slot table."
     )
     prefault: bool = Field(True, description="Touch every page at start so stores never fault.")
+    commit_checksum: bool = Field(
+        True,
+        description="Checksum each chunk's bytes (xxh3-128) once it is committed, on a thread "
+        "of the process that owns the tiers, and check it before the chunk is written to lmdb: "
+        "a chunk changed in the arena after its commit is dropped and counted, never written "
+        "back.",
+    )
     eviction_policy: str = Field("lru", description="Eviction policy by name (lru, fifo).")
     pools: dict[str, PoolConfig] = Field(
         default_factory=_default_pools, description="Per-pool budgets, by pool name."

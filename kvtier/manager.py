@@ -639,19 +639,24 @@ class TierManager:
         if not refs:
             return 0
         ok = False
+        changed: set[ChunkKey] = set()
         try:
             by_owner: dict[str, list[SlotRef]] = {}
             for ref in refs:
                 by_owner.setdefault(self.cpu.owner_of(ref), []).append(ref)
             for owner, group in by_owner.items():
-                stored = self.lmdb.put_many([(r.key, self.cpu.view(r)) for r in group], owner)
+                # the encoder's checksum of what it stores is compared with the commit's
+                stored, differ = self.lmdb.put_many_checked(
+                    [(r.key, self.cpu.view(r), self.cpu.commit_checksum(r)) for r in group], owner
+                )
+                changed.update(differ)
                 if self.uploader is not None and self.config.object.admission is Admission.ALL:
                     self.uploader.offer(
                         [r.key for r, done in zip(group, stored, strict=True) if done], owner
                     )
             ok = True
         finally:
-            self.cpu.writeback_done(refs, ok)
+            self.cpu.writeback_done(refs, ok, changed)
         return len(refs)
 
     def flush(self, timeout: float = 30.0) -> bool:

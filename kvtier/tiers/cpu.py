@@ -8,20 +8,27 @@ each time it is freed, so a stale reservation or lease is recognised instead of 
 Eviction takes the best victim of a replica over its quota first, else the best victim of any
 replica, by the configured policy. Slots that are leased, pinned or not yet written to the next
 tier (dirty) are never evicted.
+
+A dirty chunk's payload checksum (xxh3-128) is taken as it is committed, here, in the process that
+owns the tiers, and kept with the slot: the arena is shared memory that clients can still write
+after a commit, so write-back checks it and a chunk whose bytes changed is dropped, not demoted.
+A thread of its own hashes committed slots, so a commit (on the engine's step) never waits for it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import threading
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
+from kvtier import blockfmt
 from kvtier.config import ArenaConfig
 from kvtier.counters import Counters
 from kvtier.errors import CapacityError, PoolLayoutError
@@ -142,6 +149,10 @@ class CpuTier(Tier):
         self._dirty = [False] * n
         self._pinned = [False] * n
         self._pinned_keys: set[ChunkKey] = set()
+        self._checksum: list[bytes | None] = [None] * n  # of dirty chunks, taken at commit
+        self._hidden = [False] * n  # dropped while leased: out of the index, freed on release
+        self._to_hash: queue.SimpleQueue[SlotRef | None] = queue.SimpleQueue()
+        self._hasher: threading.Thread | None = None
         self._replicas: dict[str, int] = {}
         self._replica_names: list[str] = []
         self._used: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> bytes
@@ -314,9 +325,10 @@ class CpuTier(Tier):
         key = self._key[slot]
         if self._slots.state[slot] == _READY:
             assert key is not None
-            del self._index[key]
-            self.memory.index.remove(key)  # before the generation moves: see arena_index.py
-            self._tell(False, [key])
+            if self._hidden[slot]:
+                self._hidden[slot] = False
+            else:
+                self._unpublish(key)
             cls.policy.remove(slot)
             cls.retired.discard(slot)
             cls.ready -= 1
@@ -329,9 +341,15 @@ class CpuTier(Tier):
             self._inflight[(self._owner[slot], cls.pool)] -= cls.slot_bytes
         self._key[slot] = None
         self._pinned[slot] = False
+        self._checksum[slot] = None
         self._slots.bump_generation(slot)
         self._slots.set_state(slot, _FREE)
         cls.free.append(slot)
+
+    def _unpublish(self, key: ChunkKey) -> None:
+        del self._index[key]
+        self.memory.index.remove(key)  # before the generation moves: see arena_index.py
+        self._tell(False, [key])
 
     def _ref(self, key: ChunkKey, slot: int, nbytes: int) -> SlotRef:
         mem = self.memory
@@ -372,11 +390,20 @@ class CpuTier(Tier):
                 out.append(self._ref(key, slot, reg.chunk_bytes))
         return out
 
+    def _payload_checksum(self, ref: SlotRef) -> bytes:
+        """The slot's bytes hashed in place in the mapping (the hash drops the GIL), over the
+        length write-back copies."""
+        nbytes = self._class_of(ref.slot).slot_bytes
+        return blockfmt.payload_checksum(
+            self.memory.view(self.memory.slot_offset(ref.slot), nbytes)
+        )
+
     def commit(self, refs: Sequence[SlotRef], *, clean: bool = False, lease: bool = False) -> int:
         """Publish written slots; ``clean`` marks them as already held by the next tier, and
         ``lease`` takes a read lease on each in the same step (release it with `release`)."""
         done = 0
         committed: list[ChunkKey] = []
+        hashing = self._track_dirty and not clean and self.config.commit_checksum
         with self._lock:
             for ref in refs:
                 if not self._current(ref, _WRITING):
@@ -403,6 +430,8 @@ class CpuTier(Tier):
                     self._dirty[slot] = True
                     cls.dirty_count += 1
                     cls.dirty.append((slot, ref.generation))
+                    if hashing:
+                        self._hash_later(ref)
                 if lease:
                     self._slots.add_ref(slot, 1)
                 self._counters.add("stores", 1)
@@ -444,6 +473,8 @@ class CpuTier(Tier):
             for ref in refs:
                 if self._current(ref, _READY) and self._slots.refcount[ref.slot] > 0:
                     self._slots.add_ref(ref.slot, -1)
+                    if self._hidden[ref.slot] and self._slots.refcount[ref.slot] == 0:
+                        self._release_slot(ref.slot)
                 else:
                     self._counters.add("release_stale", 1)
 
@@ -483,8 +514,46 @@ class CpuTier(Tier):
         with self._lock:
             return sum(c.dirty_count for c in self._classes.values())
 
-    def writeback_done(self, refs: Sequence[SlotRef], ok: bool) -> None:
-        """End write-back leases; a failed write leaves the chunk clean-but-arena-only."""
+    def _hash_later(self, ref: SlotRef) -> None:
+        """Queue a committed slot for the hashing thread (started with the first)."""
+        if self._hasher is None:
+            self._hasher = threading.Thread(target=self._hash_loop, name="kvtier-commit-hash")
+            self._hasher.daemon = True
+            self._hasher.start()
+        self._to_hash.put(ref)
+
+    def _hash_loop(self) -> None:
+        while (ref := self._to_hash.get()) is not None:
+            with self._lock:
+                if self._closed or not self._current(ref, _READY):
+                    self._counters.add("commit_checksums", 1)
+                    continue  # freed or reused meanwhile: nothing to keep
+            digest = self._payload_checksum(ref)  # outside the lock: the hash drops the GIL
+            with self._lock:
+                # a generation that moved while hashing means the slot was freed: drop the hash
+                if self._current(ref, _READY) and self._checksum[ref.slot] is None:
+                    self._checksum[ref.slot] = digest
+                self._counters.add("commit_checksums", 1)
+
+    def commit_checksum(self, ref: SlotRef) -> bytes | None:
+        """The payload checksum taken when the chunk of a write-back lease was committed; None
+        when none is taken (`ArenaConfig.commit_checksum` off). A chunk written back before the
+        hashing thread reached it is hashed now."""
+        if not self._current(ref, _READY):
+            return None
+        digest = self._checksum[ref.slot]
+        if digest is None and self._track_dirty and self.config.commit_checksum:
+            digest = self._payload_checksum(ref)
+            with self._lock:
+                if self._current(ref, _READY):
+                    self._checksum[ref.slot] = digest
+        return digest
+
+    def writeback_done(
+        self, refs: Sequence[SlotRef], ok: bool, changed: Collection[ChunkKey] = ()
+    ) -> None:
+        """End write-back leases; a failed write leaves the chunk clean-but-arena-only. Chunks
+        in ``changed`` no longer matched their commit checksum: they are dropped."""
         with self._lock:
             for ref in refs:
                 if not self._current(ref, _READY):
@@ -496,7 +565,32 @@ class CpuTier(Tier):
                     cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
                     assert cls is not None
                     cls.dirty_count -= 1
+                if ref.key in changed:
+                    self._drop_changed(ref)
+                    continue
                 self._counters.add("writeback_ok" if ok else "writeback_failed", 1)
+
+    def _drop_changed(self, ref: SlotRef) -> None:
+        """Drop a chunk whose bytes changed after its commit: lookups miss it from now on; a
+        leased slot leaves the index now and is freed when its last lease ends."""
+        slot = ref.slot
+        cls = self._class_of(slot)
+        log.error(
+            "arena: chunk %s (pool %s, replica %s) changed after it was committed: its "
+            "checksum no longer matches; dropped, not written back",
+            ref.key.hex(),
+            cls.pool,
+            self._replica_names[self._owner[slot]],
+        )
+        self._counters.add("corrupt", 1)
+        self._checksum[slot] = None
+        if self._slots.refcount[slot] == 0:
+            self._release_slot(slot)
+            return
+        self._unpublish(ref.key)
+        self._hidden[slot] = True
+        cls.policy.remove(slot)
+        cls.retired.discard(slot)
 
     # -- the Tier contract ----------------------------------------------------------------
 
@@ -626,6 +720,10 @@ class CpuTier(Tier):
             )
 
     def close(self) -> None:
+        if self._hasher is not None:
+            self._to_hash.put(None)
+            self._hasher.join()
+            self._hasher = None
         with self._lock:
             if not self._closed:
                 self._closed = True

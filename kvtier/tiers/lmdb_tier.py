@@ -32,7 +32,7 @@ import lmdb
 from kvtier import blockfmt
 from kvtier.config import LMDBConfig
 from kvtier.counters import Counters
-from kvtier.errors import ChunkFormatError, ConfigError
+from kvtier.errors import ChunkFormatError, ConfigError, CorruptChunkError
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.memory import keep_freed_pages
 from kvtier.pools import PoolRegistry, Registration
@@ -68,7 +68,7 @@ class _Entry:
         return cls(tick, nbytes, pinned, pool, replica)
 
 
-_Pending = tuple[ChunkKey, memoryview | bytes, Registration]
+_Pending = tuple[ChunkKey, memoryview | bytes, Registration, bytes | None]
 
 
 def _lru_key(tick: int, key: bytes) -> bytes:
@@ -193,8 +193,18 @@ class LmdbTier(Tier):
         self, items: Sequence[tuple[ChunkKey, memoryview | bytes]], replica: str = "default"
     ) -> list[bool]:
         """Store chunks in one transaction; False for those that found no room."""
-        regs = [self._check_payload(key, len(payload)) for key, payload in items]
-        values = [(key, payload, reg) for (key, payload), reg in zip(items, regs, strict=True)]
+        return self.put_many_checked([(k, p, None) for k, p in items], replica)[0]
+
+    def put_many_checked(
+        self,
+        items: Sequence[tuple[ChunkKey, memoryview | bytes, bytes | None]],
+        replica: str = "default",
+    ) -> tuple[list[bool], list[ChunkKey]]:
+        """`put_many`, where each payload may come with the checksum it must still have (taken
+        when it was committed to the arena). A payload that no longer matches is not stored.
+        Returns whether each chunk is stored, and the keys that did not match."""
+        regs = [self._check_payload(key, len(payload)) for key, payload, _ in items]
+        values = [(k, p, reg, c) for (k, p, c), reg in zip(items, regs, strict=True)]
         for attempt in range(_PUT_RETRIES):
             try:
                 return self._put_txn(values, replica, extra_room=attempt * (self.budget // 20))
@@ -205,20 +215,25 @@ class LmdbTier(Tier):
             except lmdb.Error as exc:  # a full or failing disk: the chunks are just not stored
                 log.error("lmdb: write failed, %d chunks not stored: %s", len(items), exc)
                 self._counters.add("store_failed", len(items))
-                return [False] * len(items)
+                return [False] * len(items), []
         self._counters.add("store_rejected", len(items))
-        return [False] * len(items)
+        return [False] * len(items), []
 
-    def _put_txn(self, values: list[_Pending], replica: str, extra_room: int) -> list[bool]:
+    def _put_txn(
+        self, values: list[_Pending], replica: str, extra_room: int
+    ) -> tuple[list[bool], list[ChunkKey]]:
+        changed: list[ChunkKey] = []
         with self._lock:
-            new = {k: blockfmt.encoded_size(len(p)) for k, p, _ in values if k not in self._index}
+            new = {
+                k: blockfmt.encoded_size(len(p)) for k, p, _, _ in values if k not in self._index
+            }
             added: dict[ChunkKey, _Entry] = {}
             with self.env.begin(write=True) as txn:
                 touched = self._flush_touches(txn)  # recency first, so eviction sees it
                 evicted = set(self._evict_for(txn, sum(new.values()) + extra_room))
                 results = []
                 used = self._used - sum(self._index[k].nbytes for k in evicted)
-                for key, payload, reg in values:
+                for key, payload, reg, expect in values:
                     if (key in self._index and key not in evicted) or key in added:
                         results.append(True)
                         continue
@@ -226,8 +241,14 @@ class LmdbTier(Tier):
                     if used + size > self.budget:
                         results.append(False)
                         continue
+                    try:
+                        value = self._encode(key, payload, reg, expect)
+                    except CorruptChunkError:
+                        changed.append(key)
+                        results.append(False)
+                        continue
                     used += size
-                    txn.put(key, self._encode(key, payload, reg), db=self._chunks)
+                    txn.put(key, value, db=self._chunks)
                     pinned = key in self._pinned_keys
                     entry = _Entry(self._tick(), size, pinned, reg.pool, replica)
                     txn.put(key, entry.pack(), db=self._meta)
@@ -247,10 +268,10 @@ class LmdbTier(Tier):
                 retired = sum(k[:NAMESPACE_BYTES] in self._retired for k in evicted)
                 self._counters.add("retired_evicted", retired)
             self._counters.add("stores", len(added))
-            self._counters.add("store_rejected", results.count(False))
+            self._counters.add("store_rejected", results.count(False) - len(changed))
         if self.config.sync_interval_s == 0:
             self.env.sync(True)
-        return results
+        return results, changed
 
     def _apply(self, entries: dict[ChunkKey, _Entry]) -> None:
         """Adopt entries written by a committed transaction."""
@@ -259,12 +280,15 @@ class LmdbTier(Tier):
             self._used += entry.nbytes - (old.nbytes if old is not None else 0)
             self._index[key] = entry
 
-    def _encode(self, key: ChunkKey, payload: memoryview | bytes, reg: Registration) -> memoryview:
-        """The encoded chunk in one reused buffer (LMDB takes a single value)."""
+    def _encode(
+        self, key: ChunkKey, payload: memoryview | bytes, reg: Registration, expect: bytes | None
+    ) -> memoryview:
+        """The encoded chunk in one reused buffer (LMDB takes a single value); raises
+        `CorruptChunkError` when ``expect`` is given and the payload's checksum differs."""
         total = blockfmt.encoded_size(len(payload))
         if len(self._scratch) < total:
             self._scratch = bytearray(total)
-        blockfmt.encode_into(self._scratch, key, reg.descriptor, payload)
+        blockfmt.encode_into(self._scratch, key, reg.descriptor, payload, expect_checksum=expect)
         return memoryview(self._scratch)[:total]
 
     def _evict_for(self, txn: lmdb.Transaction, incoming: int) -> list[ChunkKey]:

@@ -121,3 +121,20 @@ def test_specific_errors() -> None:
         blockfmt.decode_into(value, key, memoryview(bytearray(99)))
     with pytest.raises(ValueError, match="too long"):
         blockfmt.encode(key, ChunkDescriptor(Pool.TARGET, "x" * 17, 16, 4, 2, 2, 32), b"")
+
+
+@given(keys, descriptors, payloads.filter(len), st.data())
+def test_encode_into_refuses_a_payload_that_changed_since_its_checksum(
+    key: ChunkKey, desc: ChunkDescriptor, payload: bytes, data: st.DataObject
+) -> None:
+    taken = blockfmt.payload_checksum(payload)
+    out = bytearray(blockfmt.encoded_size(len(payload)))
+    assert blockfmt.encode_into(out, key, desc, payload, expect_checksum=taken) == len(out)
+    assert bytes(out) == blockfmt.encode(key, desc, payload)
+    at = data.draw(st.integers(0, len(payload) - 1))
+    changed = bytearray(payload)
+    changed[at] ^= 1
+    fresh = bytearray(len(out))
+    with pytest.raises(CorruptChunkError, match="differs"):
+        blockfmt.encode_into(fresh, key, desc, changed, expect_checksum=taken)
+    assert not any(fresh[:HEADER_SIZE])  # no header vouches for the changed bytes
