@@ -7,7 +7,10 @@ that depend on the model alone, so engines of any TP degree read the same chunks
 committed once every worker that writes a part has written it.
 
 Anything else vLLM can run that kvtier has not proven is refused at start (`refusal`): the
-engine then serves without kvtier, and the reason is logged once.
+engine then serves without kvtier, and the reason is logged once. Pipeline parallelism is among
+them: a stage's chunk part would be its layers at their offset in the model, committed once every
+rank of every stage reported, but vLLM hands the scheduler the first stage's layer names only
+(`generate_scheduler_kv_cache_config`), so the scheduler cannot name the whole model's layers.
 """
 
 from __future__ import annotations
