@@ -22,6 +22,7 @@ __all__ = [
     "block_stored_event",
     "cache_hit_source",
     "eagle_block_drop",
+    "failure_policy_warning",
     "replica_of",
     "transfer_results",
 ]
@@ -47,6 +48,21 @@ def eagle_block_drop(vllm_config: object) -> bool:
         return False
     check = getattr(spec, "use_eagle_block_drop", None) or spec.use_eagle
     return bool(check())
+
+
+def failure_policy_warning(vllm_config: object) -> str:
+    """What to tell an operator whose engine ends a request when a load fails; "" when vLLM
+    recomputes it. kvtier reports a load it cannot complete (an evicted slot, a dead daemon)
+    as failed, which is only harmless with ``kv_load_failure_policy: recompute``."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    policy = getattr(transfer, "kv_load_failure_policy", "recompute")
+    if policy == "recompute":
+        return ""
+    return (
+        f"kv_load_failure_policy={policy}: a request whose kvtier load fails (an evicted slot, "
+        'a daemon gone) ends with an error; set "kv_load_failure_policy": "recompute" in '
+        "--kv-transfer-config to have vLLM compute it instead"
+    )
 
 
 def cache_hit_source(name: str) -> object:

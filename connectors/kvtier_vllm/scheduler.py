@@ -25,7 +25,7 @@ from kvtier.errors import KVTierError, PoolLayoutError
 from kvtier.keys import ChunkKey, NamespaceSpec, Pool, make_key
 from kvtier.manager import TIER_CODES, TierManager
 from kvtier.rpc import GrpcTierClient
-from kvtier_vllm.adapter import eagle_block_drop, replica_of
+from kvtier_vllm.adapter import eagle_block_drop, failure_policy_warning, replica_of
 from kvtier_vllm.config import ConnectorConfig, Mode
 from kvtier_vllm.draft import AcceptanceMeter, DraftTracker, Fill, lease_draft
 from kvtier_vllm.events import KVEventFeed
@@ -251,6 +251,8 @@ class KVTierScheduler:
         self._failing = False
         self._failed_loads: set[str] = set()
         """Requests whose asynchronous load failed: vLLM recomputes them, without kvtier."""
+        if self.plans and (warning := failure_policy_warning(vllm_config)):
+            log.warning("kvtier: %s", warning)
         log.info(
             "kvtier connector: %s mode, replica %s, pools %s, arena %s",
             cfg.mode,

@@ -59,3 +59,12 @@ def test_keys_stay_process_local_when_hashes_are_seeded_per_process(
     assert (stable.tenant == cfg.tenant) is shared
     if not shared:
         assert stable.tenant != KVTierScheduler._stable(cfg, vllm_config).tenant
+
+
+@pytest.mark.parametrize(("policy", "warned"), [("fail", True), ("recompute", False)])
+def test_an_engine_that_fails_requests_on_load_errors_is_warned(policy: str, warned: bool) -> None:
+    from kvtier_vllm.adapter import failure_policy_warning
+
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy))
+    assert bool(failure_policy_warning(config)) is warned
+    assert ("recompute" in failure_policy_warning(config)) is warned
