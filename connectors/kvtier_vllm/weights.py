@@ -1,6 +1,6 @@
 """Which weights computed a chunk: a fingerprint of the checkpoint the engine loaded.
 
-A chunk's namespace names the weights behind it (DESIGN.md, "Weights, not names"). vLLM's
+A chunk's namespace names the weights behind it, not the model's name. vLLM's
 ``--revision`` is only a name, often a branch, and a local path says nothing about what was
 written there last, so without an explicit ``model_revision`` the connector reads the checkpoint
 itself. It takes, per file, the name, the size and a fixed sample of the bytes; reads are bounded
