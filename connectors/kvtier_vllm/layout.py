@@ -188,10 +188,14 @@ def misplaced_draft(vllm_config: Any, groups: list[KVGroup]) -> str:
     return ""
 
 
-def plan_pools(vllm_config: Any, groups: list[KVGroup], cfg: ConnectorConfig) -> list[PoolPlan]:
+def plan_pools(
+    vllm_config: Any, groups: list[KVGroup], cfg: ConnectorConfig, *, named: bool = True
+) -> list[PoolPlan]:
+    """Each (group, pool) pair's plan. ``named``: its namespace names the weights (read from
+    the checkpoint); the worker, which never makes a key, plans without reading them."""
     plans = []
     for group in groups:
-        for plan in _plan_group(vllm_config, group.layer_names, cfg):
+        for plan in _plan_group(vllm_config, group.layer_names, cfg, named):
             key = str(plan.pool) if len(groups) == 1 else f"{plan.pool}.{group.index}"
             spec = plan.spec
             if group.sliding_window:
@@ -201,7 +205,7 @@ def plan_pools(vllm_config: Any, groups: list[KVGroup], cfg: ConnectorConfig) ->
 
 
 def _plan_group(
-    vllm_config: Any, layer_names: Iterable[str], cfg: ConnectorConfig
+    vllm_config: Any, layer_names: Iterable[str], cfg: ConnectorConfig, named: bool
 ) -> list[PoolPlan]:
     model = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -209,7 +213,7 @@ def _plan_group(
     spec_cfg = vllm_config.speculative_config
     block_size = cache.block_size
     target_layers = model.get_num_layers(parallel)
-    revision = weights.target_revision(vllm_config, cfg.model_revision)
+    revision = weights.target_revision(vllm_config, cfg.model_revision) if named else ""
     order = page_order(layout_name(cache))
     plans = []
     for pool, layers in split_layers(layer_names, target_layers).items():
@@ -218,8 +222,8 @@ def _plan_group(
             owner = draft_model or model
             cache_dtype = getattr(spec_cfg, "kv_cache_dtype", None) or cache.cache_dtype
             draft_name: str | None = str(owner.model)
-            draft_revision: str | None = weights.draft_revision(
-                vllm_config, owner, cfg.model_revision
+            draft_revision: str | None = (
+                weights.draft_revision(vllm_config, owner, cfg.model_revision) if named else ""
             )
         else:
             owner, cache_dtype = model, cache.cache_dtype

@@ -164,8 +164,11 @@ class KVTierWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
             groups = own_caches(kv_groups(self.kv_cache_config, kv_caches), kv_caches)
+            # the scheduler names the chunks: a worker reads no weights to name them again
             plans = (
-                [] if refusal(self.vllm_config) else plan_pools(self.vllm_config, groups, self.cfg)
+                []
+                if refusal(self.vllm_config)
+                else plan_pools(self.vllm_config, groups, self.cfg, named=False)
             )
         except UnsupportedGroupError:
             return  # the scheduler side says why, and plans nothing
@@ -285,9 +288,7 @@ class KVTierWorker:
             self._announced = meta.arena_path
             self._slots(meta.arena_path)
         self._load_errors.update(meta.invalid_blocks)
-        if meta.failed_requests:
-            failed_now = set(meta.failed_requests)
-            self._receiving.append((_Issued(Fence(), None, []), failed_now, failed_now))
+        self._fail_requests(set(meta.failed_requests))
         checked = self._check_draft(meta)
         if not meta.loads and not meta.zero and not meta.receiving:
             return
@@ -351,8 +352,12 @@ class KVTierWorker:
         self._load_errors.update(meta.invalid_blocks)
         failed = set(meta.receiving) | set(meta.failed_requests)
         self._fail_loads(meta.loads, failed)
-        if failed:
-            self._receiving.append((_Issued(Fence(), None, []), failed, failed))
+        self._fail_requests(failed)
+
+    def _fail_requests(self, requests: set[str]) -> None:
+        """Asynchronous loads that will not come: reported finished and failed at once."""
+        if requests:
+            self._receiving.append((_Issued(Fence(), None, []), requests, requests))
 
     def unchecked_errors(self) -> set[int]:
         """Every block loaded since vLLM last asked: what it must recompute when the check
