@@ -705,8 +705,8 @@ class CpuTier(Tier):
                     chunks=self._chunks[(q, pool)],
                     capacity_bytes=self.quota_bytes(self._replica_names[q], pool),
                 )
+                # a replica that has emptied stays, at zero, so its quota stays in view
                 for (q, pool), used in self._used.items()
-                if self._chunks[(q, pool)]  # replicas that hold nothing here any more drop out
             }
             used = sum(u.used_bytes for u in pools.values())
             return TierStats(
