@@ -1,0 +1,15 @@
+"""The fault suite: real kvtierd processes, real engines, real signals and real stores.
+
+It shares the engine fixtures of `tests/e2e`: the same tiny models, offline environment and
+baselines.
+"""
+
+from tests.e2e.conftest import (  # noqa: F401  (fixtures, found by name)
+    baseline,
+    daemon_files,
+    engine_environment,
+    fresh_prompts,
+    models_dir,
+    prompts,
+    tiny_models,
+)
