@@ -567,6 +567,7 @@ class Bench:
     def open_tier(self) -> ObjectTier:
         self.raw.create_bucket(Bucket=BUCKET)
         self.tier = ObjectTier(self.config, self.registry)
+        self.tier.principal_resolved.wait(30)  # resolved in the background
         if not self.tier.principal.startswith("arn:aws:sts::"):
             raise RuntimeError(f"the tier is not using web identity: {self.tier.principal}")
         return self.tier
@@ -617,6 +618,8 @@ class Bench:
     @staticmethod
     def uploader_put(uploader: Uploader, packs: list[Pack], wave: range) -> None:
         keys = [key for i in wave for key, _ in packs[i]]
+        for i in wave:  # each pack is one prefix's consecutive chunks, as a reserve tells it
+            uploader.follows([key for key, _ in packs[i]])
         if uploader.offer(keys, "default") != len(keys):
             raise RuntimeError("the upload queue refused chunks; raise its bound")
         if not uploader.wait_idle(120.0):

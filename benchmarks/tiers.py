@@ -1,6 +1,6 @@
 """Throughput of the arena and LMDB tiers, against this machine's own limits measured in the run.
 
-Usage: ``python benchmarks/tiers.py [--quick] [--json]``
+Usage: ``python benchmarks/tiers.py [--quick] [--json] [--durability]``
 
 GB/s is 1e9 payload bytes per second. Chunks are 1, 2 and 4 MiB over a working set (256 MiB,
 128 MiB with ``--quick``) well above the last-level cache. Every figure is the median of several
@@ -25,6 +25,11 @@ geometric mean over chunk sizes.
 - ``verify_gbps``: kvtier.blockfmt.decode (header and payload checksum) over encoded chunks.
 - ``lookup_8192_keys_us``: TierManager.lookup (arena and LMDB enabled) of 8192 keys all in the
   arena; ``lookup_8192_keys_arena_only_us`` is the same with LMDB disabled.
+
+``--durability`` measures only what each ``lmdb.durability`` costs on fresh-environment writes:
+``lmdb_write_<setting>_gbps`` for fast, consistent and full, against ``disk_write_gbps`` and
+``disk_write_synced_gbps`` (the same writes with an fdatasync after every 8 chunks, what a synced
+commit costs the raw disk), each ratio paired with the baseline timed right before it.
 
 LMDB's background sync interval is set long enough that no fsync falls inside a timed write,
 as in the disk baseline. On a fresh VM the first touch of memory can run at a fraction of its
@@ -51,7 +56,7 @@ import numpy as np
 from common import filled, geomean, keys_for, no_gc, touched
 
 from kvtier import blockfmt
-from kvtier.config import ArenaConfig, LMDBConfig, from_mapping
+from kvtier.config import ArenaConfig, Durability, LMDBConfig, from_mapping
 from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
 from kvtier.manager import TierManager
 from kvtier.pools import PoolRegistry, Registration
@@ -177,13 +182,16 @@ class Bench:
 
         return gbps(total, run)
 
-    def disk_write(self, path: Path, chunk: int, overwrite: bool) -> float:
+    def disk_write(self, path: Path, chunk: int, overwrite: bool, synced: bool = False) -> float:
         src, total = self.src_mv, self.total
+        every = BATCH * chunk
 
         def run() -> None:
             with open(path, "r+b" if overwrite else "xb", buffering=0) as f:
                 for off in range(0, total, chunk):
                     f.write(src[off : off + chunk])
+                    if synced and (off + chunk) % every == 0:
+                        os.fdatasync(f.fileno())
 
         return gbps(total, run)
 
@@ -253,11 +261,12 @@ class Bench:
 
     # -- lmdb -----------------------------------------------------------------------------
 
-    def open_lmdb(self, path: Path) -> LmdbTier:
+    def open_lmdb(self, path: Path, durability: Durability = Durability.FAST) -> LmdbTier:
         config = LMDBConfig(
             path=path,
             budget_bytes=2 * self.total + 64 * MiB,
             sync_interval_s=SYNC_INTERVAL_S,
+            durability=durability,
         )
         return LmdbTier(config, self.registry)
 
@@ -328,6 +337,53 @@ class Bench:
             s.pair("lmdb_write_vs_disk", fresh, disk)
             s.pair("lmdb_write_steady_vs_disk_overwrite", steady, disk_over)
             s.pair("lmdb_hot_read_vs_memcpy", read, base)
+
+    def run_durability(self, chunk: int) -> None:
+        keys = keys_for(self.regs[chunk].namespace, self.total // chunk)
+        s = self.samples[chunk]
+        for rep in range(self.mode.reps + 1):
+            for setting in Durability:
+                file = self.root / f"disk-{chunk}-{rep}-{setting}"
+                env = self.root / f"env-{chunk}-{rep}-{setting}"
+                synced = setting is not Durability.FAST
+                tier = self.open_lmdb(env, setting)
+                try:
+                    disk = self.disk_write(file, chunk, overwrite=False, synced=synced)
+                    file.unlink()
+                    rate = self.lmdb_write(tier, keys, chunk)
+                finally:
+                    tier.close()
+                    shutil.rmtree(env, ignore_errors=True)
+                if rep == 0:
+                    continue
+                baseline = "disk_write_synced_gbps" if synced else "disk_write_gbps"
+                s.add(baseline, disk)
+                s.add(f"lmdb_write_{setting}_gbps", rate)
+                s.pair(f"lmdb_write_{setting}_vs_{baseline.removesuffix('_gbps')}", rate, disk)
+
+    def run_durability_only(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        for chunk in CHUNK_SIZES:
+            log.info("lmdb durability, %d MiB chunks", chunk // MiB)
+            self.run_durability(chunk)
+        per_size: dict[str, dict[str, float]] = {}
+        for chunk, s in self.samples.items():
+            row = {name: statistics.median(v) for name, v in s.gbps.items()}
+            row.update({name: statistics.median(v) for name, v in s.ratios.items()})
+            row.update({f"{name}_min": min(v) for name, v in s.gbps.items()})
+            row.update({f"{name}_max": max(v) for name, v in s.gbps.items()})
+            per_size[f"{chunk // MiB}MiB"] = row
+        out: dict[str, Any] = {
+            "mode": self.mode.name,
+            "working_set_bytes": self.total,
+            "repetitions": self.mode.reps,
+            "chunks_per_txn": BATCH,
+            "per_chunk_size": per_size,
+        }
+        for name in next(iter(per_size.values())):
+            out[name] = geomean([row[name] for row in per_size.values()])
+        out["elapsed_s"] = {"total_s": time.perf_counter() - started}
+        return out
 
     # -- verification ---------------------------------------------------------------------
 
@@ -511,10 +567,46 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+DURABILITY_ROWS = (
+    ("disk_write_gbps", "disk write, new file"),
+    ("lmdb_write_fast_gbps", "lmdb durability: fast"),
+    ("disk_write_synced_gbps", "disk write, fdatasync / 8 chunks"),
+    ("lmdb_write_consistent_gbps", "lmdb durability: consistent"),
+    ("lmdb_write_full_gbps", "lmdb durability: full"),
+)
+
+
+def durability_table(result: dict[str, Any]) -> str:
+    sizes = list(result["per_chunk_size"])
+    head = f"{'':36}" + "".join(f"{s:>20}" for s in sizes)
+    lines = [
+        f"lmdb durability, {result['mode']} mode: {result['working_set_bytes'] // MiB} MiB "
+        f"working set, {result['repetitions']} repetitions, GB/s median [min-max], "
+        "x: median ratio to the disk baseline timed right before",
+        head,
+        "-" * len(head),
+    ]
+    for key, label in DURABILITY_ROWS:
+        cells = ""
+        for size in sizes:
+            row = result["per_chunk_size"][size]
+            cells += f"{row[key]:7.2f} [{row[key + '_min']:.2f}-{row[key + '_max']:.2f}]".rjust(20)
+        lines.append(f"{label:36}{cells}")
+    for name in ("fast", "consistent", "full"):
+        ratio = next(k for k in result if k.startswith(f"lmdb_write_{name}_vs_"))
+        cells = "".join(f"{result['per_chunk_size'][s][ratio]:19.2f}x" for s in sizes)
+        lines.append(f"{ratio.removeprefix('lmdb_write_'):36}{cells}")
+    lines.append(f"elapsed: {result['elapsed_s']['total_s']:.1f} s")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller working set, fewer reps")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument(
+        "--durability", action="store_true", help="only lmdb writes under each lmdb.durability"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
@@ -523,14 +615,14 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO)
     bench = Bench(QUICK if args.quick else FULL)
     try:
-        result = bench.run()
+        result = bench.run_durability_only() if args.durability else bench.run()
     finally:
         bench.close()
     if args.json:
         json.dump(result, sys.stdout, indent=2, sort_keys=False)
         sys.stdout.write("\n")
     else:
-        print(table(result))
+        print(durability_table(result) if args.durability else table(result))
     return 0
 
 

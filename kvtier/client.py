@@ -49,6 +49,12 @@ class TierClient(Protocol):
     @property
     def arena_path(self) -> Path: ...
 
+    @property
+    def serving(self) -> bool:
+        """False while the tiers do not answer in time: every call would fail at once, so a
+        caller that must not wait serves without them."""
+        ...
+
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes: ...
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult: ...
@@ -109,6 +115,10 @@ class InProcessClient:
     @property
     def arena_path(self) -> Path:
         return self.manager.cpu.memory.path
+
+    @property
+    def serving(self) -> bool:
+        return True  # every call is a function call here
 
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes:
         return self.manager.register_pool(spec, chunk_bytes)

@@ -66,6 +66,16 @@ class ArenaConfig(_Section):
         ByteSize(64 << 10), description="Smallest chunk a pool may register; sizes the slot table."
     )
     prefault: bool = Field(True, description="Touch every page at start so stores never fault.")
+    file_mode: int = Field(
+        0o660,
+        description="Mode of the arena file (octal): 0660, like the socket, lets the socket's "
+        "group (server.group) map it; 0600 only kvtierd's own user. Never open to others.",
+    )
+    group: str | int | None = Field(
+        None,
+        description="Group (name or gid) given the arena file. Unset: server.group under "
+        "kvtierd, else the creating process's group.",
+    )
     commit_checksum: bool = Field(
         True,
         description="Checksum each chunk's bytes (xxh3-128) once it is committed, on a thread "
@@ -74,6 +84,12 @@ class ArenaConfig(_Section):
         "back.",
     )
     eviction_policy: str = Field("lru", description="Eviction policy by name (lru, fifo).")
+    max_slot_classes: int = Field(
+        64,
+        ge=1,
+        description="Most slot size classes (distinct pool and chunk size pairs); a registration "
+        "past it is RESOURCE_EXHAUSTED.",
+    )
     pools: dict[str, PoolConfig] = Field(
         default_factory=_default_pools, description="Per-pool budgets, by pool name."
     )
@@ -84,7 +100,18 @@ class ArenaConfig(_Section):
             raise ValueError("extent_bytes must be at least min_slot_bytes")
         if self.size_bytes is not None and self.size_bytes < self.extent_bytes:
             raise ValueError("size_bytes must hold at least one extent")
+        if self.file_mode & ~0o660:
+            raise ValueError(
+                f"file_mode {self.file_mode:#o} opens the arena to others or makes it "
+                "executable; use 0660 (the socket's group) or 0600"
+            )
         return self
+
+
+class Durability(StrEnum):
+    FAST = "fast"
+    CONSISTENT = "consistent"
+    FULL = "full"
 
 
 class LMDBConfig(_Section):
@@ -106,6 +133,13 @@ class LMDBConfig(_Section):
     )
     sync_interval_s: float = Field(
         1.0, ge=0.0, description="Seconds between background syncs; 0 syncs every commit."
+    )
+    durability: Durability = Field(
+        Durability.FAST,
+        description="fast: commits are not flushed (synced every sync_interval_s); an OS crash "
+        "can corrupt the environment, which is then moved aside at start and lmdb starts empty. "
+        "consistent: each commit flushes its data, not the metadata; an OS crash can undo the "
+        "last commits, never corrupt. full: each commit is on disk when it returns.",
     )
     max_readers: int = Field(126, ge=1, description="Concurrent LMDB read transactions.")
     eviction_policy: str = Field("lru", description="Eviction policy by name (lru, fifo).")
@@ -166,8 +200,19 @@ class Admission(StrEnum):
     HITS = "hits"
 
 
-# Config keys that would hold a static secret; refused with a pointer to workload identity.
-_STATIC_CREDENTIAL_HINTS = ("access_key", "secret", "session_token", "key_file", "credentials")
+# Words in a config key that would hold a static secret; such a key (not one of the section's
+# own) is refused with a pointer to workload identity.
+_STATIC_CREDENTIAL_HINTS = (
+    "key",
+    "secret",
+    "token",
+    "credential",
+    "password",
+    "passwd",
+    "private",
+    "auth",
+    "signature",
+)
 
 
 class ObjectStoreConfig(_Section):
@@ -197,6 +242,15 @@ class ObjectStoreConfig(_Section):
         1024, ge=1, description="Bound on chunks waiting for upload; beyond it work is dropped."
     )
     upload_concurrency: int = Field(8, ge=1, le=256, description="Uploads in flight at once.")
+    reupload_max_chunks: int = Field(
+        100_000,
+        ge=0,
+        description="Chunks lmdb held at start and the index lacks (uploads queued or failed "
+        "when the daemon stopped) offered for upload again, at most; 0: none.",
+    )
+    reupload_chunks_per_s: float = Field(
+        200.0, gt=0, description="Rate at which those chunks are offered again."
+    )
     download_concurrency: int = Field(
         8, ge=1, le=256, description="Downloads (promotions and probes) in flight at once."
     )
@@ -234,12 +288,20 @@ class ObjectStoreConfig(_Section):
     retention_s: float = Field(
         7 * 86400.0, gt=0, description="`kvtier gc` deletes objects older than this."
     )
+    allow_static_keys: bool = Field(
+        False,
+        description="Let the SDK's default chain use long-lived keys (a service-account key "
+        "file, AWS_ACCESS_KEY_ID, a shared credentials file): logged as a warning. Off: "
+        "kvtierd refuses to start with them.",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_static_credentials(cls, data: Any) -> Any:
         if isinstance(data, Mapping):
             for key in data:
+                if key in cls.model_fields:
+                    continue
                 if any(hint in str(key).lower() for hint in _STATIC_CREDENTIAL_HINTS):
                     raise ValueError(
                         f"static credentials ({key}) are refused: kvtier reaches the object "
@@ -256,10 +318,15 @@ class ServerConfig(_Section):
         default_factory=lambda: default_state_dir() / "kvtierd.sock",
         description="Unix socket of the data plane (mode 0660); engines on this node connect here.",
     )
+    group: str | int | None = Field(
+        None,
+        description="Group (name or gid) given the socket and the arena: the engines' group, "
+        "whose members may call kvtierd and map the arena. Unset: kvtierd's own group.",
+    )
     admin_address: str = Field(
         "127.0.0.1:7461",
-        description="host:port of the admin API. A non-loopback address needs an admin token or "
-        "mTLS.",
+        description="host:port of the admin API. A non-loopback address needs mTLS, or an "
+        "admin token over TLS.",
     )
     metrics_address: str = Field(
         "127.0.0.1:7462", description="host:port of the Prometheus /metrics endpoint; '' disables."
@@ -275,6 +342,12 @@ class ServerConfig(_Section):
     tls_client_ca_file: Path | None = Field(
         None, description="CA that signs admin clients; set with the cert and key for mTLS."
     )
+    allow_insecure_token: bool = Field(
+        False,
+        description="Serve a bearer token on a non-loopback admin address without TLS (the "
+        "token crosses the network in clear): logged as a warning. Off: kvtierd refuses to "
+        "start so.",
+    )
     session_timeout_s: float = Field(
         10.0, gt=0, description="A session whose heartbeat lapses this long loses its leases."
     )
@@ -285,6 +358,30 @@ class ServerConfig(_Section):
         65536, ge=1, description="Most keys or refs one call may carry; more is INVALID_ARGUMENT."
     )
     workers: int = Field(8, ge=1, description="Threads serving gRPC calls, per server.")
+    max_sessions: int = Field(
+        1024, ge=1, description="Most open data-plane sessions; more is RESOURCE_EXHAUSTED."
+    )
+    max_namespaces: int = Field(
+        4096, ge=1, description="Most registered namespaces (pools); more is RESOURCE_EXHAUSTED."
+    )
+    reservation_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="A reservation neither committed nor aborted this long is aborted by the "
+        "daemon, so a lost commit never leaves its key unstorable.",
+    )
+    lease_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A lease held this long is released by the daemon, so a lost release (or a "
+        "lost answer that granted it) never pins its chunk for good.",
+    )
+    max_session_leases: int = Field(
+        1 << 18,
+        ge=1,
+        description="Most leases one session may hold at once; a call that would take more is "
+        "RESOURCE_EXHAUSTED.",
+    )
     drain_timeout_s: float = Field(
         60.0, ge=0, description="On SIGTERM, how long writing the arena back to lmdb may take."
     )

@@ -153,6 +153,13 @@ class TierManager:
             self.uploader = Uploader(
                 self.object, self.lmdb.copy_encoded, config.object, self.object.counters
             )
+            if config.object.admission is Admission.ALL:
+                lmdb_tier, registry = self.lmdb, self.registry
+                # uploads queued or failed when the process last stopped
+                self.uploader.resume(
+                    lambda limit: lmdb_tier.newest_chunks(limit, REMOTE_REPLICA),
+                    lambda: [reg.namespace for reg in registry.registrations()],
+                )
         self._downloads = ThreadPoolExecutor(config.object.download_concurrency, "kvtier-download")
         self._probes: dict[ChunkKey, Future[bool]] = {}
         self._probe_misses: dict[ChunkKey, float] = {}
@@ -357,6 +364,9 @@ class TierManager:
             self._extend_codes(keys, in_cpu, codes)
             if self.object is not None and len(codes) < len(keys):
                 pending = self._probe_past(keys, in_cpu, codes)
+                if self.uploader is not None:  # what misses is stored next: its order packs it
+                    first = max(0, len(codes) - 1)
+                    self.uploader.follows(keys[first : first + 8192])
         counters = self._counters
         counters.add("lookups", 1)
         counters.add("lookup_chunks", len(keys))
@@ -399,6 +409,8 @@ class TierManager:
         nowhere, within the lookup budget. Found chunks land in lmdb and extend ``codes``.
         Returns True when a probe is still running at the deadline."""
         assert self.object is not None
+        if not self.object.principal_resolved.is_set():
+            return True  # the identity is still being resolved at start: ask again, not a miss
         cfg = self.config.object
         deadline = time.monotonic() + cfg.lookup_budget_ms / 1000.0
         for _ in range(cfg.probe_chunks):
@@ -511,7 +523,11 @@ class TierManager:
     # -- store ----------------------------------------------------------------------------
 
     def reserve(self, keys: Sequence[ChunkKey], replica: str = "default") -> list[SlotRef | None]:
-        """Arena slots to write; None where the chunk exists, is in flight, or has no room."""
+        """Arena slots to write; None where the chunk exists, is in flight, or has no room.
+        The keys of one call are taken as consecutive chunks of one prefix, in order: only such
+        runs share an object in the store."""
+        if self.uploader is not None:
+            self.uploader.follows(keys)
         if self.lmdb is not None:
             present = self.lmdb.contains(keys)
             if any(present):  # already kept on disk: do not copy it again

@@ -173,7 +173,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "object_store_healthy",
         "",
-        "1 while the object store answers and the identity works; 0: lookups miss it.",
+        "1 once the identity is resolved and the store's last request succeeded; 0 (lookups "
+        "miss it) from a failed request until a trial succeeds.",
     ),
     _spec(
         "gauge",
@@ -194,7 +195,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "object_store_request_errors",
         "result",
         "Failed requests: error (failed attempt), credential (identity refused), rejected "
-        "(not sent, breaker open).",
+        "(not sent, breaker open), invalid (refused for the request's own name or size; not "
+        "held against the store).",
+    ),
+    _spec(
+        "counter",
+        "object_store_unknown_format",
+        "",
+        "Objects in a chunk format this build does not read (a newer node's): misses, left "
+        "in the store.",
     ),
     _spec("counter", "object_store_retries", "", "Requests retried after a failure."),
     _spec("counter", "object_store_upload_seconds", "", "Time spent in successful uploads."),
@@ -537,6 +546,7 @@ class TierCollector(Collector):
             "object_store_probes": counts["probes"],
             "object_store_probe_timeouts": stats.counters["probes_over_budget"],
             "object_store_retries": counts["retries"],
+            "object_store_unknown_format": counts["unknown_format"],
             "object_store_upload_seconds": counts["upload_seconds_us"] / 1e6,
         }
         for name, value in plain.items():
@@ -548,6 +558,7 @@ class TierCollector(Collector):
             ("error", "request_errors"),
             ("credential", "credential_errors"),
             ("rejected", "breaker_rejected"),
+            ("invalid", "requests_rejected"),
         ):
             errors.add_metric([result], counts[counter])
         yield errors

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.blockfmt import ChunkDescriptor
-from kvtier.errors import PoolLayoutError, UnknownPoolError
+from kvtier.errors import CapacityError, PoolLayoutError, UnknownPoolError
 from kvtier.keys import NAMESPACE_BYTES, NamespaceSpec
 
 
@@ -22,13 +23,25 @@ class Registration:
 class PoolRegistry:
     """Maps a namespace (the first 16 bytes of every key) to its pool and chunk size.
 
-    Thread-safe; shared by every tier of one TierManager.
+    Thread-safe; shared by every tier of one TierManager. A registration is all or nothing:
+    every check (each tier's, added by `admit_with`, and the namespace bound) passes before
+    anything is recorded.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_namespaces: int | None = None) -> None:
         self._by_namespace: dict[bytes, Registration] = {}
         self._specs: dict[bytes, NamespaceSpec] = {}
+        self._checks: list[Callable[[Registration], None]] = []
+        self._max_namespaces = max_namespaces
         self._lock = threading.Lock()
+
+    def admit_with(self, check: Callable[[Registration], None]) -> None:
+        """Run ``check`` on every new registration before it is recorded; it raises to refuse."""
+        self._checks.append(check)
+
+    def limit_namespaces(self, limit: int | None) -> None:
+        """Refuse new namespaces past ``limit`` (`server.max_namespaces`)."""
+        self._max_namespaces = limit
 
     def register(self, spec: NamespaceSpec, chunk_bytes: int) -> Registration:
         if chunk_bytes <= 0:
@@ -39,11 +52,21 @@ class PoolRegistry:
         )
         with self._lock:
             known = self._by_namespace.get(namespace)
-            if known is not None and known != reg:
-                raise PoolLayoutError(
-                    f"namespace {namespace.hex()} already registered with "
-                    f"{known.chunk_bytes} bytes per chunk, not {chunk_bytes}"
+            if known is not None:
+                if known != reg:
+                    raise PoolLayoutError(
+                        f"namespace {namespace.hex()} already registered with "
+                        f"{known.chunk_bytes} bytes per chunk, not {chunk_bytes}"
+                    )
+                return known
+            limit = self._max_namespaces
+            if limit is not None and len(self._by_namespace) >= limit:
+                raise CapacityError(
+                    f"{len(self._by_namespace)} namespaces are registered, the most "
+                    f"server.max_namespaces allows ({limit}); raise it to register more"
                 )
+            for check in self._checks:
+                check(reg)
             self._by_namespace[namespace] = reg
             self._specs[namespace] = spec
         return reg

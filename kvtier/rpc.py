@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -48,10 +48,76 @@ _MAX_REPORT = 4096  # keys per report, under the daemon's batch limit
 _TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
 
 
+_STALLED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long each kind of call may wait, for a caller that must never stall (an engine's
+    scheduler). A client given deadlines also has a breaker: once a call misses its deadline,
+    finds the daemon unreachable or its session gone, every call fails at once
+    (`DaemonStalledError`) until a heartbeat on the client's own thread, every
+    ``probe_every_s``, is answered (in a new session if need be)."""
+
+    lookup_s: float = 0.05
+    """Lookup, Prefetch (leases) and Promote: the calls that answer a lookup."""
+    store_s: float = 0.1
+    """Reserve, Commit, Abort, Release, ChunkEvents, hit reports and asked-for heartbeats."""
+    register_s: float = 2.0
+    """RegisterSession: only at start and on the client's own thread, never in a step."""
+    probe_s: float = 0.1
+    probe_every_s: float = 0.5
+
+
+class DaemonStalledError(TierUnavailableError):
+    """kvtierd missed a deadline or cannot be reached: no call is made until it answers."""
+
+
+class _Breaker:
+    """Open while kvtierd does not answer in time; logs once on each change."""
+
+    def __init__(self, target: str) -> None:
+        self._target = target
+        self._lock = threading.Lock()
+        self.why = ""
+        """Why it is open; empty while closed."""
+        self.opened = 0
+        """Times it opened."""
+
+    def check(self) -> None:
+        why = self.why
+        if why:
+            raise DaemonStalledError(f"kvtierd at {self._target} is not answering ({why})")
+
+    def trip(self, why: str) -> None:
+        with self._lock:
+            if self.why:
+                return
+            self.why = why
+            self.opened += 1
+        log.warning(
+            "kvtierd at %s is not answering (%s): serving without it until it does",
+            self._target,
+            why,
+        )
+
+    def reset(self) -> None:
+        with self._lock:
+            if not self.why:
+                return
+            self.why = ""
+        log.warning("kvtierd at %s answers again: serving with it", self._target)
+
+
 def _translate(target: str, exc: grpc.RpcError) -> KVTierError:
     """A failed call as a kvtier error that says what to do."""
     code, details = exc.code(), exc.details() or ""
     if code is grpc.StatusCode.UNAVAILABLE:
+        if "Permission denied" in details:  # the daemon runs; this user may not call it
+            return TierUnavailableError(
+                f"no access to the socket {target} ({details}): run the engine as a member of"
+                " the daemon's group (`server.group`), the socket is mode 0660"
+            )
         return TierUnavailableError(
             f"daemon not running at {target}: start it with `kvtier serve` ({details})"
         )
@@ -96,7 +162,9 @@ class GrpcTierClient:
         pp_rank: int = 0,
         timeout_s: float = 10.0,
         tune_memory: bool = True,
+        deadlines: Deadlines | None = None,
     ) -> None:
+        """``timeout_s`` bounds every call, unless ``deadlines`` are given (see there)."""
         if tune_memory:
             keep_freed_pages()  # see kvtier.memory: halves the cost of large batches here
         self.target = f"unix:{socket_path}"
@@ -125,10 +193,34 @@ class GrpcTierClient:
         self._due: list[SlotRef] = []
         """Leases to end with the next report."""
         self._report: Pending[None] | None = None
+        self._reported: list[SlotRef] = []
+        """The leases the report in flight ends."""
         self._next_report = 0.0
+        self._deadlines = deadlines
+        self.breaker = _Breaker(self.target) if deadlines is not None else None
+        d = deadlines
+        self._lookup_s = d.lookup_s if d is not None else timeout_s
+        self._store_s = d.store_s if d is not None else timeout_s
+        self._register_s = d.register_s if d is not None else timeout_s
 
-    def _rpc(self, method: Callable[..., R], request: Any) -> R:
-        return _call(self.target, method, request, timeout=self._timeout)
+    @property
+    def serving(self) -> bool:
+        """False while the breaker is open: every call would fail at once."""
+        return self.breaker is None or not self.breaker.why
+
+    def _rpc(self, method: Callable[..., R], request: Any, timeout: float | None = None) -> R:
+        breaker = self.breaker
+        if breaker is None:
+            return _call(self.target, method, request, timeout=timeout or self._timeout)
+        breaker.check()
+        try:
+            return method(request, timeout=timeout or self._store_s)
+        except grpc.RpcError as exc:
+            if exc.code() not in _STALLED:
+                raise _translate(self.target, exc) from None
+            code = exc.code().name.lower()
+            breaker.trip(f"{code} after {timeout or self._store_s:.3f} s")
+            raise DaemonStalledError(f"{self.target}: {code} ({exc.details()})") from None
 
     def _raw(self, name: str, response: type[Message]) -> grpc.UnaryUnaryMultiCallable[bytes, Any]:
         return self._channel.unary_unary(
@@ -149,8 +241,11 @@ class GrpcTierClient:
         keys: Sequence[ChunkKey],
         refs: Sequence[SlotRef] = (),
         flag: int = 0,
+        timeout: float | None = None,
     ) -> Any:
-        return self._in_session(lambda: self._rpc(method, self._encode(keys, refs, flag)))
+        deadline = timeout or self._lookup_s
+        # encoded on each try: a new session has another id
+        return self._in_session(lambda: self._rpc(method, self._encode(keys, refs, flag), deadline))
 
     def _keys_call_async(
         self,
@@ -172,7 +267,11 @@ class GrpcTierClient:
         call when none is spinning, which took longer here (0.9 ms) than the call itself."""
         if self._caller is None:
             self._caller = ThreadPoolExecutor(1, thread_name_prefix="kvtier-call")
-        future = self._caller.submit(method, request, timeout=self._timeout)
+        if self.breaker is None:
+            future = self._caller.submit(method, request, timeout=self._timeout)
+        else:
+            self.breaker.check()  # nothing queues behind a daemon that does not answer
+            future = self._caller.submit(self._rpc, method, request, self._store_s)
         return Pending(future, convert, self.target)
 
     @property
@@ -184,6 +283,8 @@ class GrpcTierClient:
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes:
         """Add a pool to this client's session (opening one if needed); returns its namespace."""
         registration = tier_pb2.PoolRegistration(spec=spec_to(spec), chunk_bytes=chunk_bytes)
+        if self.breaker is not None:
+            self.breaker.check()  # a draft revision registered mid-run waits for kvtierd too
         try:
             response = self._register([registration], self.session_id)
         except SessionNotFoundError:
@@ -204,7 +305,13 @@ class GrpcTierClient:
             pools=pools,
             session_id=session_id,
         )
-        response = self._rpc(self._stub.RegisterSession, request)
+        if self.breaker is None:
+            response = self._rpc(self._stub.RegisterSession, request, self._register_s)
+        else:  # the breaker does not stop a registration: the probe's own is one
+            try:
+                response = self._stub.RegisterSession(request, timeout=self._register_s)
+            except grpc.RpcError as exc:
+                raise _translate(self.target, exc) from None
         self.session_id = response.session_id
         self._arena_path = Path(response.arena_path)
         if readable_here() and (self._arena is None or self._arena.path != self._arena_path):
@@ -212,6 +319,8 @@ class GrpcTierClient:
         self._drafts = drafts_from(response.drafts)
         if self._heartbeat is None:
             interval = response.heartbeat_interval_ms / 1000
+            if self._deadlines is not None:
+                interval = min(interval, self._deadlines.probe_every_s)
             self._heartbeat = threading.Thread(
                 target=self._beat, args=(interval,), name="kvtier-heartbeat", daemon=True
             )
@@ -229,22 +338,52 @@ class GrpcTierClient:
         try:
             return call()
         except SessionNotFoundError:
-            self._reopen()
+            self._session_lost()
             return call()
 
-    def _beat(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            try:
-                self._heartbeat_once()
-            except KVTierError as exc:
-                log.warning("heartbeat to %s failed: %s", self.target, exc)
+    def _session_lost(self) -> None:
+        """Open a new session now, or (with a breaker) leave that to the probe: registering
+        takes longer than any call may wait."""
+        if self.breaker is None:
+            self._reopen()
+            return
+        self.breaker.trip("its session is gone")
+        self.breaker.check()
 
-    def _heartbeat_once(self) -> None:
-        response = self._rpc(
-            self._stub.Heartbeat, tier_pb2.HeartbeatRequest(session_id=self.session_id)
-        )
+    def _beat(self, interval: float) -> None:
+        """Heartbeats; with a breaker, also its probe: a heartbeat that fails opens it, one
+        answered while it is open closes it."""
+        while not self._stop.wait(interval):
+            breaker = self.breaker
+            if breaker is None:
+                try:
+                    self._heartbeat_once()
+                except KVTierError as exc:
+                    log.warning("heartbeat to %s failed: %s", self.target, exc)
+                continue
+            probing = bool(breaker.why)
+            assert self._deadlines is not None
+            timeout = self._deadlines.probe_s if probing else self._register_s
+            try:
+                self._heartbeat_once(timeout, in_step=False)
+            except KVTierError as exc:
+                breaker.trip(f"missed a heartbeat ({exc})")
+            else:
+                breaker.reset()
+
+    def _heartbeat_once(self, timeout: float | None = None, in_step: bool = True) -> None:
+        request = tier_pb2.HeartbeatRequest(session_id=self.session_id)
+        if in_step:
+            response = self._rpc(self._stub.Heartbeat, request, timeout)
+        else:  # past the breaker: this call is the one that may close it
+            try:
+                response = self._stub.Heartbeat(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                raise _translate(self.target, exc) from None
         self._drafts = drafts_from(response.drafts)
         if not response.alive:  # expired, or the daemon restarted: carry on in a new session
+            if in_step and self.breaker is not None:
+                self._session_lost()
             self._reopen()
 
     def draft_states(self, refresh: bool = False) -> dict[bytes, DraftState]:
@@ -264,10 +403,17 @@ class GrpcTierClient:
         lease: whoever copies a slot checks its generation afterwards anyway, and a call made
         now would compete with that copy for the CPU (it cost more than the call itself).
         `report_hits` tells kvtierd of such hits later."""
+        if self.breaker is not None:
+            self.breaker.check()  # no hit, at once; ``refs`` stay the caller's
         found = self._in_arena(keys)
         if found is None:
-            release, self._due = [*self._due, *self._leased(refs)], []
-            response = self._keys_call(self._lookup, keys, release, flag=_LOOKUP_LEASE)
+            owned, self._due = self._due, []
+            release = [*owned, *self._leased(refs)]
+            try:
+                response = self._keys_call(self._lookup, keys, release, flag=_LOOKUP_LEASE)
+            except KVTierError:
+                self._due = owned + self._due  # these end with the next call; ``refs`` stay
+                raise  # the caller's
             result = LookupResult(response.hits, response.tiers, response.pending)
             return result, grants_from(response.leases)
         self._due += self._leased(refs)  # with the next report: no call now
@@ -308,14 +454,24 @@ class GrpcTierClient:
             return
         if self._report is not None:
             report, self._report = self._report, None
-            with contextlib.suppress(SessionNotFoundError):  # the next call opens a new one
+            try:
                 report.result()
+            except SessionNotFoundError:  # the next call opens a new one; its leases are gone
+                pass
+            except KVTierError:
+                self._due = self._reported + self._due  # they end with the next report
+                raise
         keys, self._hits = self._hits[:_MAX_REPORT], self._hits[_MAX_REPORT:]
         release, self._due = self._due, []
         if not keys and not release:
             return
         self._next_report = now + every_s
-        self._report = self._behind(self._touch, self._encode(keys, release, _LOOKUP_LEASE))
+        try:
+            self._report = self._behind(self._touch, self._encode(keys, release, _LOOKUP_LEASE))
+        except KVTierError:
+            self._due = release + self._due
+            raise
+        self._reported = release
 
     def _touch(self, request: bytes, timeout: float) -> None:
         response = self._lookup(request, timeout=timeout)
@@ -325,14 +481,14 @@ class GrpcTierClient:
             self._stub.Release(ended, timeout=timeout)
 
     def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
-        response = self._keys_call(self._reserve, keys)
+        response = self._keys_call(self._reserve, keys, timeout=self._store_s)
         return grants_from(response.grants)
 
     def commit_then_reserve(
         self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
     ) -> tuple[int, list[SlotRef | None]]:
         """Commit written slots and reserve the next batch in one call."""
-        response = self._keys_call(self._reserve, keys, refs)
+        response = self._keys_call(self._reserve, keys, refs, timeout=self._store_s)
         return response.committed, grants_from(response.grants)
 
     def release_then_load(
@@ -362,7 +518,10 @@ class GrpcTierClient:
         try:
             return call()
         except SessionNotFoundError:
-            self._reopen()
+            if self.breaker is None:
+                self._reopen()
+            else:  # the probe opens the new one
+                self.breaker.trip("its session is gone")
             return None
 
     def commit(self, refs: Sequence[SlotRef]) -> int:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvtier.errors import ConfigError
 from kvtier.keys import REVISION_PATTERN, TENANT_PATTERN
+from kvtier.rpc import Deadlines
 from kvtier_vllm.draft import FillPolicy
 
 
@@ -100,6 +101,46 @@ class ConnectorConfig(BaseModel):
         description="How long a request may wait (asked again each step, never blocking) for "
         "its chunks to be promoted into the arena before it loads only what the arena holds.",
     )
+
+    lookup_deadline_ms: float = Field(
+        50,
+        gt=0,
+        description="Sidecar mode: the longest a lookup's calls to kvtierd (lookup, leases, "
+        "promotion) may take. One that takes longer, or a daemon gone, opens a breaker: the "
+        "engine serves without kvtier (lookups miss at once, stores are skipped) until a "
+        "heartbeat every probe_interval_ms is answered again.",
+    )
+    store_deadline_ms: float = Field(
+        100,
+        gt=0,
+        description="Sidecar mode: the longest a reservation, commit, abort, release or "
+        "chunk-events call may take (as lookup_deadline_ms).",
+    )
+    register_deadline_ms: float = Field(
+        2000,
+        gt=0,
+        description="Sidecar mode: the longest registering with kvtierd may take: at start, "
+        "then only off the engine's steps (a new session after a restart, a reconnect).",
+    )
+    probe_deadline_ms: float = Field(
+        100, gt=0, description="Sidecar mode: the heartbeat that closes an open breaker."
+    )
+    probe_interval_ms: float = Field(
+        500,
+        gt=0,
+        description="Sidecar mode: how often kvtierd is heartbeated (at most), and probed while "
+        "the breaker is open.",
+    )
+
+    def deadlines(self) -> Deadlines:
+        """The sidecar client's deadlines, in seconds."""
+        return Deadlines(
+            lookup_s=self.lookup_deadline_ms / 1000,
+            store_s=self.store_deadline_ms / 1000,
+            register_s=self.register_deadline_ms / 1000,
+            probe_s=self.probe_deadline_ms / 1000,
+            probe_every_s=self.probe_interval_ms / 1000,
+        )
 
 
 def parse(extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -24,7 +24,7 @@ from kvtier.config import DemoteMode, load_config
 from kvtier.errors import KVTierError, PoolLayoutError
 from kvtier.keys import ChunkKey, NamespaceSpec, Pool, make_key
 from kvtier.manager import TIER_CODES, TierManager
-from kvtier.rpc import GrpcTierClient
+from kvtier.rpc import DaemonStalledError, GrpcTierClient
 from kvtier_vllm.adapter import eagle_block_drop, failure_policy_warning, replica_of
 from kvtier_vllm.config import ConnectorConfig, Mode
 from kvtier_vllm.draft import AcceptanceMeter, DraftTracker, Fill, lease_draft
@@ -39,6 +39,7 @@ from kvtier_vllm.layout import (
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.shapes import refusal
 from kvtier_vllm.stats import KVTierStats
+from kvtier_vllm.unreturned import Return, Unreturned
 from kvtier_vllm.weights import adapter_uncached
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ _WINDOW_TRIES = 4  # sliding-window checks of one lookup, each with a shorter hi
 def open_client(cfg: ConnectorConfig, replica: str, chunk_bytes: int = 0) -> TierClient:
     if cfg.mode is Mode.SIDECAR:
         socket = cfg.socket_path or load_config(cfg.kvtier_config).server.socket_path
-        return GrpcTierClient(socket, replica)
+        return GrpcTierClient(socket, replica, deadlines=cfg.deadlines())
     config = load_config(cfg.kvtier_config)
     update: dict[str, Any] = {}
     if cfg.write_through:
@@ -238,8 +239,10 @@ class KVTierScheduler:
         """Per plan key; a pool without one is not stored (a draft mid-swap)."""
         self.arena_path = ""
         self._next_connect = 0.0
+        self._opening: threading.Thread | None = None
+        self._opened: tuple[TierClient, dict[str, bytes], int] | None = None
         self.events = KVEventFeed(self.block_size)
-        self._connect()
+        self._connect(wait=True)
         self._requests: dict[str, _RequestState] = {}
         self._ready_loads: dict[str, _LoadPlan] = {}
         self._queued = KVTierMetadata()
@@ -251,6 +254,8 @@ class KVTierScheduler:
         self._failing = False
         self._failed_loads: set[str] = set()
         """Requests whose asynchronous load failed: vLLM recomputes them, without kvtier."""
+        self.unreturned = Unreturned()
+        """Refs a failed call did not hand back: handed back on later steps."""
         if self.plans and (warning := failure_policy_warning(vllm_config)):
             log.warning("kvtier: %s", warning)
         log.info(
@@ -261,15 +266,37 @@ class KVTierScheduler:
             self.arena_path,
         )
 
-    def _connect(self) -> bool:
-        """Open the tiers; on failure serve as if unconnected and try again later."""
+    def _connect(self, wait: bool = False) -> bool:
+        """Open the tiers; on failure serve as if unconnected and try again later. Only the
+        first try (``wait``, at start) is made here: later ones run on a thread of their own,
+        taken up by the call after they succeed, since registering may take longer than a
+        step may wait."""
         if self.client is not None:
+            return True
+        if self._opening is not None:
+            if self._opening.is_alive():
+                return False
+            self._opening = None
+        if self._opened is not None:
+            client, namespaces, chunk_bytes = self._opened
+            self._opened = None
+            self._adopt(client, namespaces, chunk_bytes)
             return True
         now = time.monotonic()
         if now < self._next_connect or not self.plans:
             return False
         self._next_connect = now + _RECONNECT_S
+        if not wait:
+            self._opening = threading.Thread(target=self._open, name="kvtier-connect", daemon=True)
+            self._opening.start()
+            return False
+        self._open()
+        return self._connect()
+
+    def _open(self) -> None:
+        """Open a client and register every pool; the result waits in ``_opened``."""
         client: TierClient | None = None
+        namespaces: dict[str, bytes] = {}
         try:
             chunk_bytes = max(plan.chunk_bytes for plan in self.plans)
             client = open_client(self.cfg, self.replica, chunk_bytes)
@@ -278,13 +305,12 @@ class KVTierScheduler:
                     spec = plan.spec
                     if plan.pool is Pool.DRAFT and self.draft is not None:
                         spec = self.draft.current_spec()  # the revision swapped to, if any
-                    self.namespaces[plan.key] = client.register_pool(spec, plan.chunk_bytes)
+                    namespaces[plan.key] = client.register_pool(spec, plan.chunk_bytes)
                 except PoolLayoutError as exc:
                     if plan.pool is Pool.TARGET:
                         raise
                     # without a draft pool, draft pages of hits are filled instead of loaded
                     log.error("kvtier: no %s pool: %s", plan.pool, exc)
-            self.arena_path = str(client.arena_path)
             self.events.follow(client)
         except KVTierError as exc:  # never take the engine down
             if client is not None:
@@ -292,13 +318,17 @@ class KVTierScheduler:
             log.error(
                 "kvtier unavailable, serving without it (retry in %d s): %s", _RECONNECT_S, exc
             )
-            return False
+            return
+        self._opened = (client, namespaces, chunk_bytes)
+
+    def _adopt(self, client: TierClient, namespaces: dict[str, bytes], chunk_bytes: int) -> None:
+        self.namespaces.update(namespaces)
+        self.arena_path = str(client.arena_path)
         self.client = client
         if self.draft is not None and self.draft_plan is not None:
             self.draft.namespace = self.namespaces.get(self.draft_plan.key)
         if isinstance(client, InProcessClient):
             self._keep_on_exit(client, chunk_bytes)
-        return True
 
     def _keep_on_exit(self, client: InProcessClient, chunk_bytes: int) -> None:
         """The arena ends with this process: write it to lmdb when idle, and at exit if nobody
@@ -404,7 +434,7 @@ class KVTierScheduler:
     # -- guarded calls into kvtier --------------------------------------------------------
 
     def _guard(self, what: str, error: KVTierError) -> None:
-        if not self._failing:
+        if not self._failing and not isinstance(error, DaemonStalledError):  # the client said
             log.error("kvtier %s failed; serving without it until it is back: %s", what, error)
         self._failing = True
 
@@ -428,6 +458,8 @@ class KVTierScheduler:
     ) -> tuple[int | None, bool]:
         if request.request_id in self._failed_loads or not self._connect():
             return 0, False  # a load that failed once is recomputed, not tried again
+        if self.client is not None and not self.client.serving:
+            return 0, False  # kvtierd does not answer in time: no call, no wait
         if adapter_uncached(request):
             return 0, False
         state = self.state(request)
@@ -480,7 +512,11 @@ class KVTierScheduler:
         keys = [k for plan, span in spans for k in self._keys(plan, hashes, span)]
         # leases this step's build_connector_meta would release go back with this lookup
         due, self._lease_gc[0] = self._lease_gc[0], []
-        result, leased = client.release_then_lookup_and_load(due, keys)
+        try:
+            result, leased = client.release_then_lookup_and_load(due, keys)
+        except KVTierError:
+            self.unreturned.keep(Return.RELEASE, due)
+            raise
         found = {
             plan.key: (span.start, codes)
             for (plan, span), codes in zip(spans, _split(result.tier_codes, spans), strict=True)
@@ -595,7 +631,11 @@ class KVTierScheduler:
             self._give_back(early)
             keys = [k for plan, span in spans for k in self._keys(plan, hashes, span)]
             due, self._lease_gc[0] = self._lease_gc[0], []
-            leased = client.release_then_load(due, keys)  # every plan's chunks in one call
+            try:
+                leased = client.release_then_load(due, keys)  # every plan's chunks in one call
+            except KVTierError:
+                self.unreturned.keep(Return.RELEASE, due)
+                raise
             early = {
                 plan.key: (span.start, refs)
                 for (plan, span), refs in zip(spans, _split(leased, spans), strict=True)
@@ -660,6 +700,7 @@ class KVTierScheduler:
         try:
             self.client.release(refs)
         except KVTierError as exc:
+            self.unreturned.keep(Return.RELEASE, refs)
             self._guard("release", exc)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -741,9 +782,12 @@ class KVTierScheduler:
         if self._writer is not None:
             self._writer.touch(bool(self._requests))
         meta, self._queued = self._queued, KVTierMetadata()
+        if self.client is not None:  # a restarted daemon may have put its arena elsewhere
+            self.arena_path = str(self.client.arena_path)
         meta.arena_path = self.arena_path
         if self.client is None:
             return meta
+        self.unreturned.retry(self.client)
         self._sync_draft(follow=True)
         self._followed = -1  # the next step's first lookup follows kvtier again
         if self.draft is not None:
@@ -893,6 +937,7 @@ class KVTierScheduler:
         try:
             self.client.abort(refs)
         except KVTierError as exc:
+            self.unreturned.keep(Return.ABORT, refs)
             self._guard("abort", exc)
 
     def update_connector_output(self, worker_meta: Any, failed_loads: Iterable[str] = ()) -> None:
@@ -922,6 +967,7 @@ class KVTierScheduler:
             if done:
                 self.client.commit(done)
         except KVTierError as exc:
+            self.unreturned.keep(Return.COMMIT, done)
             self._guard("commit", exc)
         self._abort(failed) if failed else None
 
@@ -946,10 +992,14 @@ class KVTierScheduler:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._opened is not None:  # opened after the last step: never used
+            self._opened[0].close()
+            self._opened = None
         if self.client is None:
             return
         for refs in self._lease_gc:
             self._release(refs)
         self._abort([pending.ref for pending in self._stores.values()])
+        self.unreturned.retry(self.client, force=True)
         client, self.client = self.client, None
         client.close()  # embedded: writes what the arena holds to lmdb

@@ -228,6 +228,15 @@ class KVTierWorker:
         plan = self.plans.get(job.plan)
         if plan is None or not 0 <= job.offset <= slots.numel() - plan.chunk_bytes:
             return False  # a slot outside the mapping: an arena other than the one planned for
+        mapped = self._arena
+        if (
+            mapped is None
+            or not 0 <= job.slot < len(mapped.generation)
+            or not mapped.is_current(job.slot, job.generation)
+        ):
+            # planned in another arena (a restarted daemon's, whose epoch differs) or reused
+            # since: writing it would overwrite a chunk someone else holds
+            return False
         layers, bpc = len(plan.layer_names), plan.blocks_per_chunk
         # the slot as [layers, blocks of the chunk, page], as `PoolPlan.layer_offset` lays the
         # payload out; this rank's part of a page is its heads

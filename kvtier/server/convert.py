@@ -136,13 +136,18 @@ def spec_to(spec: NamespaceSpec) -> tier_pb2.NamespaceSpec:
 
 def ref_to(ref: SlotRef) -> tier_pb2.SlotRef:
     return tier_pb2.SlotRef(
-        key=ref.key, slot=ref.slot, offset=ref.offset, nbytes=ref.nbytes, generation=ref.generation
+        key=ref.key,
+        slot=ref.slot,
+        offset=ref.offset,
+        nbytes=ref.nbytes,
+        generation=ref.generation,
+        lease=ref.lease,
     )
 
 
 def ref_from(pb: tier_pb2.SlotRef) -> SlotRef:
     (key,) = keys_from([pb.key])
-    return SlotRef(key, pb.slot, pb.offset, pb.nbytes, pb.generation)
+    return SlotRef(key, pb.slot, pb.offset, pb.nbytes, pb.generation, pb.lease)
 
 
 def grants_to(refs: Sequence[SlotRef | None]) -> list[tier_pb2.SlotGrant]:
@@ -154,7 +159,14 @@ def grants_to(refs: Sequence[SlotRef | None]) -> list[tier_pb2.SlotGrant]:
 
 def grants_from(grants: Iterable[tier_pb2.SlotGrant]) -> list[SlotRef | None]:
     return [
-        SlotRef(ChunkKey(g.ref.key), g.ref.slot, g.ref.offset, g.ref.nbytes, g.ref.generation)
+        SlotRef(
+            ChunkKey(g.ref.key),
+            g.ref.slot,
+            g.ref.offset,
+            g.ref.nbytes,
+            g.ref.generation,
+            g.ref.lease,
+        )
         if g.granted
         else None
         for g in grants

@@ -30,6 +30,7 @@ from kvtier.server.admin import READ_ONLY_METHODS, AdminServicer
 from kvtier.server.dataplane import TierServicer
 from kvtier.server.interceptors import ErrorInterceptor, TokenAuthInterceptor
 from kvtier.server.sessions import SessionRegistry
+from kvtier.tiers.arena import resolve_group
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,21 @@ def is_loopback(host: str) -> bool:
 
 
 def _read_token(path: Path | None, key: str) -> str | None:
+    """The token in ``path``; refuses a file that its group or others may open."""
     if path is None:
         return None
     try:
-        token = path.read_text().strip()
+        with path.open() as f:
+            mode = os.fstat(f.fileno()).st_mode  # of the file read, through any symlink
+            token = f.read().strip()
     except OSError as exc:
         raise ConfigError(key, f"cannot read {path}: {exc.strerror}") from exc
+    if mode & 0o077:
+        raise ConfigError(
+            key,
+            f"{path} is open to its group or others (mode {mode & 0o777:04o}) and holds a "
+            f"secret: chmod 600 {path}",
+        )
     if not token:
         raise ConfigError(key, f"{path} is empty")
     return token
@@ -87,7 +97,28 @@ def admin_credentials(cfg: ServerConfig) -> tuple[str | None, str | None]:
         )
     if read is not None and admin is None:
         raise ConfigError("server.read_token_file", "needs server.admin_token_file as well")
+    if admin is not None and not is_loopback(host) and cfg.tls_cert_file is None:
+        clear = f"a token on non-loopback {host!r} would cross the network in clear"
+        if not cfg.allow_insecure_token:
+            raise ConfigError(
+                "server.admin_token_file",
+                f"refusing to start: {clear}; configure TLS (server.tls_cert_file and "
+                "server.tls_key_file, with server.tls_client_ca_file for mTLS), or bind "
+                "server.admin_address to 127.0.0.1, or set server.allow_insecure_token: true",
+            )
+        log.warning("%s (server.allow_insecure_token is set); configure TLS to protect it", clear)
     return admin, read
+
+
+def _give_group(path: Path, gid: int) -> None:
+    try:
+        os.chown(path, -1, gid)
+    except OSError as exc:
+        raise ConfigError(
+            "server.group",
+            f"cannot give {path} group {gid}: {exc.strerror} (a non-root kvtierd must be a "
+            "member of the group)",
+        ) from exc
 
 
 def _take_socket_path(path: Path) -> None:
@@ -126,12 +157,18 @@ class Daemon:
         self._servers: list[tuple[grpc.Server, health.HealthServicer, str]] = []
         self._metrics: object | None = None
         self._owns_socket = False  # never remove the socket of another live daemon
+        self._socket_gid: int | None = None
 
     def start(self) -> None:
         cfg = self.config.server
         keep_freed_pages()  # see kvtier.memory: requests of thousands of keys
         admin_token, read_token = admin_credentials(cfg)  # before anything is created
         admin_host, admin_port = split_address(cfg.admin_address, "server.admin_address")
+        self._socket_gid = resolve_group(cfg.group, "server.group")
+        if cfg.group is not None and self.config.arena.group is None:
+            # the arena goes to the socket's group: whoever may call may map it
+            arena = self.config.arena.model_copy(update={"group": cfg.group})
+            self.config = self.config.model_copy(update={"arena": arena})
         self.manager = TierManager(self.config)
         try:
             self.sessions = SessionRegistry(self.manager, cfg.session_timeout_s)
@@ -173,6 +210,8 @@ class Daemon:
         old_umask = os.umask(0o117)  # the socket is born 0660: no window with wider access
         try:
             server.add_insecure_port(f"unix:{cfg.socket_path}")
+            if self._socket_gid is not None:
+                _give_group(cfg.socket_path, self._socket_gid)  # bound, not yet listening
             server.start()
         finally:
             os.umask(old_umask)
@@ -225,13 +264,14 @@ class Daemon:
 
     def _report_object_health(self) -> None:
         """The object store's health under its own service name; the daemon itself stays
-        SERVING, since without the store it still serves the arena and lmdb."""
+        SERVING, since without the store it still serves the arena and lmdb. Reads what the
+        tier's own check thread found: no request here, so reaping never waits on the store."""
         tier = self.manager.object
         if tier is None:
             return
         status = (
             health_pb2.HealthCheckResponse.SERVING
-            if tier.check()
+            if tier.healthy
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for _server, health_servicer, _service in self._servers:

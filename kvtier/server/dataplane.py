@@ -57,11 +57,10 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self.sessions = sessions
         self.config = config
         self.telemetry = telemetry_of(manager)
+        manager.registry.limit_namespaces(config.max_namespaces)
 
     def _session(self, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
-        self.sessions.heartbeat(session_id)  # any call proves the client alive
-        return session
+        return self.sessions.live(session_id)  # any call proves the client alive
 
     def _batch(self, items: Sequence[T]) -> Sequence[T]:
         check_batch(items, self.config.max_batch_keys)
@@ -92,7 +91,8 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     ) -> tier_pb2.RegisterSessionResponse:
         check_batch(request.pools, _MAX_POOLS, "pools")
         specs = [spec_from(p.spec) for p in request.pools]  # a refused spec opens no session
-        if request.session_id:
+        opened = not request.session_id
+        if not opened:
             session = self._session(request.session_id)
         else:
             replica = request.replica_id or "default"
@@ -101,10 +101,15 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
             session = self.sessions.open(
                 replica, request.engine_id, request.tp_rank, request.pp_rank
             )
-        namespaces = [
-            self.manager.register_pool(spec, p.chunk_bytes)
-            for spec, p in zip(specs, request.pools, strict=True)
-        ]
+        try:
+            namespaces = [
+                self.manager.register_pool(spec, p.chunk_bytes)
+                for spec, p in zip(specs, request.pools, strict=True)
+            ]
+        except BaseException:
+            if opened:  # a refused registration leaves no session behind either
+                self.sessions.discard(session)
+            raise
         for spec in specs:
             self.telemetry.registered(spec)
         session.namespaces.update(namespaces)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import fcntl
+import grp
 import mmap
 import os
 import secrets
@@ -109,9 +110,17 @@ class ArenaMemory:
 
     @classmethod
     def create(
-        cls, path: Path, size: int, extent_bytes: int, min_slot_bytes: int, prefault: bool = True
+        cls,
+        path: Path,
+        size: int,
+        extent_bytes: int,
+        min_slot_bytes: int,
+        prefault: bool = True,
+        mode: int = 0o600,
+        gid: int | None = None,
     ) -> ArenaMemory:
-        """Create (or take over) the arena file, reserve its memory and map it."""
+        """Create (or take over) the arena file, reserve its memory and map it; the file gets
+        ``mode`` and, when given, group ``gid`` (the socket's: its clients map the arena)."""
         max_slots = extent_bytes // min_slot_bytes
         extents, table_off, index_off, data_off = _plan(size, extent_bytes, max_slots)
         try:
@@ -121,6 +130,19 @@ class ArenaMemory:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             raise ConfigError("arena.path", f"cannot create {path}: {exc.strerror}") from exc
+        try:
+            # the group first, then the mode: group access is never given to the wrong group
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+            os.fchmod(fd, mode)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise ConfigError(
+                "arena.group",
+                f"cannot give {path} group {gid} and mode {mode:04o}: {exc.strerror} "
+                "(a non-root kvtierd must be a member of the group)",
+            ) from exc
         try:
             os.posix_fallocate(fd, 0, size)  # fail now, not with SIGBUS on a later store
         except OSError as exc:
@@ -165,6 +187,8 @@ class ArenaMemory:
         """
         try:
             fd = os.open(path, os.O_RDWR)
+        except PermissionError as exc:
+            raise TierUnavailableError(_denied(path)) from exc
         except OSError as exc:
             raise TierUnavailableError(f"cannot open arena {path}: {exc.strerror}") from exc
         size = os.fstat(fd).st_size
@@ -209,6 +233,33 @@ class ArenaMemory:
         with contextlib.suppress(BufferError):
             self._mm.close()
         os.close(self._fd)
+
+
+def resolve_group(group: str | int | None, key: str) -> int | None:
+    """The gid of a configured group (a name or a number); None when unset."""
+    if group is None:
+        return None
+    if isinstance(group, int) or group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(key, f"no group named {group!r} on this machine") from None
+
+
+def _denied(path: Path) -> str:
+    """Why this process may not map the arena, and what to change."""
+    try:
+        st = os.stat(path)
+        owner = f"mode {st.st_mode & 0o777:04o}, owner {st.st_uid}, group {st.st_gid}"
+    except OSError:
+        owner = "its directory is closed to this process"
+    groups = sorted({os.getegid(), *os.getgroups()})
+    return (
+        f"cannot map the arena {path}: permission denied ({owner}; this process runs as uid "
+        f"{os.geteuid()} in groups {groups}); run it in the arena's group (kvtierd's "
+        "server.group), with arena.file_mode 0660"
+    )
 
 
 def _take_over_stale(path: Path) -> None:

@@ -25,14 +25,13 @@ import struct
 
 import numpy as np
 import numpy.typing as npt
+from xxhash import xxh3_64_intdigest
 
 from kvtier.keys import MAX_CHUNK_HASH_BYTES, NAMESPACE_BYTES
 
 ENTRY_BYTES = 64
 KEY_BYTES = NAMESPACE_BYTES + MAX_CHUNK_HASH_BYTES
 _KEY_AT = 16
-_U64 = (1 << 64) - 1
-_MIX = 0x9E3779B97F4A7C15
 _READY = 2  # SlotState.READY; arena.py imports this module
 _HEAD = struct.Struct("<QQ")  # seq, meta
 
@@ -49,8 +48,9 @@ def capacity_for(slots: int) -> int:
 
 
 def _home(key: bytes, mask: int) -> int:
-    mixed = int.from_bytes(key[:8], "little") ^ int.from_bytes(key[-8:], "little")
-    return ((mixed * _MIX) & _U64) >> 32 & mask
+    # every byte of the key counts: chunk hashes that differ in a few bytes (counters, short
+    # hashes padded) still spread, where clusters would make each insert and removal O(n)
+    return xxh3_64_intdigest(key) & mask
 
 
 class ArenaIndex:

@@ -23,7 +23,7 @@ import queue
 import threading
 from collections import Counter, deque
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -34,7 +34,7 @@ from kvtier.counters import Counters
 from kvtier.errors import CapacityError, PoolLayoutError
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.pools import PoolRegistry, Registration
-from kvtier.tiers.arena import ArenaMemory, SlotState
+from kvtier.tiers.arena import ArenaMemory, SlotState, resolve_group
 from kvtier.tiers.base import Tier, TierStats, UsageStats
 from kvtier.tiers.eviction import EvictionPolicy, make_policy
 
@@ -52,6 +52,9 @@ class SlotRef:
     offset: int
     nbytes: int
     generation: int
+    lease: int = field(default=0, compare=False)
+    """The daemon's id of this lease within its session (0: none), so a retried release ends
+    this lease and never another one on the same slot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +136,13 @@ class CpuTier(Tier):
             size = int(config.size_bytes)
         self._check_memory(size)
         self.memory = ArenaMemory.create(
-            config.path, size, config.extent_bytes, config.min_slot_bytes, config.prefault
+            config.path,
+            size,
+            config.extent_bytes,
+            config.min_slot_bytes,
+            config.prefault,
+            mode=config.file_mode,
+            gid=resolve_group(config.group, "arena.group"),
         )
         mem = self.memory
         n = mem.num_extents * mem.max_slots_per_extent
@@ -142,6 +151,7 @@ class CpuTier(Tier):
         self._free_extents = list(range(mem.num_extents - 1, -1, -1))
         self._classes: dict[tuple[str, int], _SlotClass] = {}
         self._class_of_extent: list[_SlotClass | None] = [None] * mem.num_extents
+        self._policy_node = [0] * n  # slot -> its node in its class's eviction policy
         self._index: dict[ChunkKey, int] = {}  # committed chunks
         self._writing: dict[ChunkKey, int] = {}  # reserved, not yet committed
         self._key: list[ChunkKey | None] = [None] * n
@@ -164,6 +174,7 @@ class CpuTier(Tier):
         self._track_dirty = False
         self._clean_reserve = 0.2
         self._closed = False
+        registry.admit_with(self.accept)  # a pool the arena refuses is never registered
         log.info(
             "arena %s: %.2f GiB, %d extents of %d MiB",
             config.path,
@@ -212,7 +223,13 @@ class CpuTier(Tier):
                 raise PoolLayoutError(
                     f"chunks of {reg.chunk_bytes} bytes are below arena.min_slot_bytes"
                 )
-            policy = make_policy(self.config.eviction_policy, len(self._key))
+            if len(self._classes) >= self.config.max_slot_classes:
+                raise CapacityError(
+                    f"the arena has {len(self._classes)} slot classes, the most "
+                    f"arena.max_slot_classes allows; a pool of {reg.chunk_bytes}-byte chunks "
+                    "needs one more: raise arena.max_slot_classes"
+                )
+            policy = make_policy(self.config.eviction_policy, self._policy_node)
             per_extent = self.memory.extent_bytes // reg.chunk_bytes
             cls = self._classes[(reg.pool, reg.chunk_bytes)] = _SlotClass(
                 reg.pool, reg.chunk_bytes, policy, per_extent
@@ -249,6 +266,7 @@ class CpuTier(Tier):
         cls.extents += 1
         first = self.memory.slot_id(extent, 0)
         cls.free.extend(range(first + cls.per_extent - 1, first - 1, -1))
+        cls.policy.add_slots(range(first, first + cls.per_extent))
         return True
 
     def _evictable(self, slot: int) -> bool:
@@ -440,12 +458,17 @@ class CpuTier(Tier):
             self._tell(True, committed)
         return done
 
-    def abort(self, refs: Sequence[SlotRef]) -> None:
+    def abort(self, refs: Sequence[SlotRef], counter: str = "store_aborted") -> int:
+        """Free reserved slots; returns how many were still reserved. ``counter`` names the
+        event counted for each."""
+        done = 0
         with self._lock:
             for ref in refs:
                 if self._current(ref, _WRITING):
                     self._release_slot(ref.slot)
-                    self._counters.add("store_aborted", 1)
+                    self._counters.add(counter, 1)
+                    done += 1
+        return done
 
     # -- the load path: lease -> read -> release ------------------------------------------
 
@@ -468,10 +491,13 @@ class CpuTier(Tier):
                 out.append(self._ref(key, slot, cls.slot_bytes))
         return out
 
-    def release(self, refs: Sequence[SlotRef]) -> None:
+    def release(self, refs: Sequence[SlotRef], counter: str = "") -> None:
+        """End leases; ``counter`` names an event counted for each (none when empty)."""
         with self._lock:
             for ref in refs:
                 if self._current(ref, _READY) and self._slots.refcount[ref.slot] > 0:
+                    if counter:
+                        self._counters.add(counter, 1)
                     self._slots.add_ref(ref.slot, -1)
                     if self._hidden[ref.slot] and self._slots.refcount[ref.slot] == 0:
                         self._release_slot(ref.slot)

@@ -10,18 +10,32 @@ Databases in the environment:
 The in-memory index follows LMDB only after a transaction commits, so an aborted write (map
 full, disk full) leaves the two in agreement.
 
-Commits are not synced one by one (sync off, metasync off); a background thread syncs every
-``sync_interval_s``. A killed process leaves LMDB at its last commit, and every read is verified,
-so a chunk is either whole and correct or absent. An OS crash or power loss can lose up to
-``sync_interval_s`` of commits; set it to 0 to sync every commit at about 1 ms each.
+``durability`` decides what a commit waits for, and a background thread syncs every
+``sync_interval_s`` whatever it is. A killed process leaves LMDB at its last commit, and every read
+is verified, so a chunk is either whole and correct or absent. An OS crash or power loss is
+another matter:
+
+- ``fast`` (sync and metasync off): commits are not flushed. LMDB then promises nothing: the
+  environment can be corrupt, not only short of its last commits.
+- ``consistent`` (metasync off): each commit flushes its data pages but not the meta page; the
+  crash can undo the last commits and leaves the environment readable.
+- ``full``: each commit flushes both before it returns.
+
+At open, an environment that LMDB refuses, whose file is shorter than its pages, or whose trees
+cannot be walked is moved aside (renamed, timestamped) and the tier starts empty: a cache that
+lost its contents still serves, where one that cannot open stops the process.
 """
 
 from __future__ import annotations
 
+import errno
+import heapq
 import logging
+import os
 import shutil
 import struct
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -30,7 +44,7 @@ from pathlib import Path
 import lmdb
 
 from kvtier import blockfmt
-from kvtier.config import LMDBConfig
+from kvtier.config import Durability, LMDBConfig
 from kvtier.counters import Counters
 from kvtier.errors import ChunkFormatError, ConfigError, CorruptChunkError
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
@@ -45,6 +59,23 @@ _TICK = struct.Struct(">Q")
 _MAX_PENDING_TOUCHES = 1 << 16
 _PUT_RETRIES = 4
 _MAP_HEADROOM = 64 << 20
+_DATA_FILE = "data.mdb"
+_LOCK_FILE = "lock.mdb"
+_DATABASES = (b"chunks", b"lru", b"meta", b"pins")
+# what LMDB raises on pages or headers it cannot make sense of (an environment to move aside)
+UNREADABLE_ERRORS = (
+    lmdb.InvalidError,
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.VersionMismatchError,
+    lmdb.IncompatibleError,
+    lmdb.BadValsizeError,
+    lmdb.PanicError,
+)
+
+
+class _Unreadable(Exception):
+    """The environment on disk cannot be opened or walked."""
 
 
 @dataclass(slots=True)
@@ -85,6 +116,38 @@ def _prepare_dir(path: Path) -> None:
         raise ConfigError("lmdb.path", f"{path} is not writable: {exc.strerror}") from exc
 
 
+def _free_name(base: Path) -> Path:
+    name = base
+    n = 1
+    while name.exists():
+        n += 1
+        name = base.with_name(f"{base.name}-{n}")
+    return name
+
+
+def move_aside(path: Path, reason: str) -> Path:
+    """Rename an unreadable environment to a timestamped sibling, kept for inspection; the
+    files alone when the directory cannot move (a mount point). Returns where it went."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = _free_name(path.with_name(f"{path.name}.unreadable-{stamp}"))
+    try:
+        path.rename(target)
+    except OSError as exc:
+        if exc.errno not in (errno.EBUSY, errno.EXDEV, errno.EACCES, errno.EPERM):
+            raise
+        target = _free_name(path / f"{_DATA_FILE}.unreadable-{stamp}")
+        (path / _DATA_FILE).rename(target)
+        (path / _LOCK_FILE).unlink(missing_ok=True)
+    path.mkdir(exist_ok=True)
+    log.warning(
+        "lmdb environment %s is unreadable (%s): moved aside to %s; lmdb starts empty",
+        path,
+        reason,
+        target,
+    )
+    return target
+
+
 def _budget(config: LMDBConfig) -> int:
     usage = shutil.disk_usage(config.path)
     data = config.path / "data.mdb"
@@ -122,27 +185,9 @@ class LmdbTier(Tier):
         self.budget = _budget(config)
         self._high = int(self.budget * config.high_water)
         self._low = int(self.budget * config.low_water)
-        map_size = self.budget + self.budget // 4 + _MAP_HEADROOM
-        try:
-            self.env = lmdb.open(
-                str(config.path),
-                map_size=map_size,
-                max_dbs=8,
-                max_readers=config.max_readers,
-                writemap=False,
-                sync=False,
-                metasync=False,
-                readahead=True,
-            )
-        except lmdb.Error as exc:
-            raise ConfigError("lmdb.path", f"cannot open LMDB at {config.path}: {exc}") from exc
-        stale = self.env.reader_check()
-        if stale:
-            log.info("lmdb: cleared %d stale reader slots", stale)
-        self._chunks = self.env.open_db(b"chunks")
-        self._lru = self.env.open_db(b"lru")
-        self._meta = self.env.open_db(b"meta")
-        self._pins = self.env.open_db(b"pins")
+        self._map_size = self.budget + self.budget // 4 + _MAP_HEADROOM
+        self.set_aside: Path | None = None
+        """Where an unreadable environment found at open was moved to."""
         self._lock = threading.Lock()
         self._index: dict[ChunkKey, _Entry] = {}
         self._pinned_keys: set[ChunkKey] = set()
@@ -151,7 +196,17 @@ class LmdbTier(Tier):
         self._scratch = bytearray()
         self._counters = Counters()
         self._clock = 0
-        self._load_index()
+        try:
+            self._open()
+        except _Unreadable as exc:
+            self.set_aside = move_aside(config.path, str(exc))
+            self._counters.add("environments_set_aside", 1)
+            try:
+                self._open()
+            except _Unreadable as again:
+                raise ConfigError(
+                    "lmdb.path", f"cannot open LMDB at {config.path}: {again}"
+                ) from again
         self._track_access = config.eviction_policy == "lru"
         if config.eviction_policy not in ("lru", "fifo"):
             raise ConfigError("lmdb.eviction_policy", f"unknown policy {config.eviction_policy!r}")
@@ -163,7 +218,64 @@ class LmdbTier(Tier):
             )
             self._syncer.start()
 
+    def _open(self) -> None:
+        """Open the environment, check that it can be read through and load the index;
+        raises `_Unreadable` (with nothing left open) when it cannot."""
+        durability = self.config.durability
+        try:
+            self.env = lmdb.open(
+                str(self.config.path),
+                map_size=self._map_size,
+                max_dbs=8,
+                max_readers=self.config.max_readers,
+                writemap=False,
+                sync=durability is not Durability.FAST,
+                metasync=durability is Durability.FULL,
+                readahead=True,
+            )
+        except UNREADABLE_ERRORS as exc:
+            raise _Unreadable(f"{type(exc).__name__}: {exc}") from exc
+        except lmdb.Error as exc:
+            raise ConfigError(
+                "lmdb.path", f"cannot open LMDB at {self.config.path}: {exc}"
+            ) from exc
+        try:
+            self._check_size()
+            stale = self.env.reader_check()
+            if stale:
+                log.info("lmdb: cleared %d stale reader slots", stale)
+            self._chunks, self._lru, self._meta, self._pins = (
+                self.env.open_db(name) for name in _DATABASES
+            )
+            self._walk()
+            self._load_index()
+        except (*UNREADABLE_ERRORS, struct.error, UnicodeDecodeError) as exc:  # pages or entries
+            self.env.close()
+            raise _Unreadable(f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            self.env.close()
+            raise
+
+    def _check_size(self) -> None:
+        """Pages past the end of the file would fault the process (SIGBUS) when read: refuse
+        a file shorter than the pages its meta page counts (an OS crash lost its tail)."""
+        need = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        size = os.stat(self.config.path / _DATA_FILE).st_size
+        if size < need:
+            raise _Unreadable(f"{_DATA_FILE} holds {size} bytes, its pages need {need}")
+
+    def _walk(self) -> None:
+        """Read every branch and leaf page of the chunk and LRU trees (the rest are read by
+        `_load_index`); values of chunks are verified when read."""
+        with self.env.begin() as txn:
+            for db in (self._chunks, self._lru):
+                for _ in txn.cursor(db=db).iternext(keys=True, values=False):
+                    pass
+
     def _load_index(self) -> None:
+        self._index.clear()
+        self._pinned_keys.clear()
+        self._clock = 0
         with self.env.begin(db=self._meta) as txn:
             for key, raw in txn.cursor():
                 entry = _Entry.unpack(raw)
@@ -269,7 +381,7 @@ class LmdbTier(Tier):
                 self._counters.add("retired_evicted", retired)
             self._counters.add("stores", len(added))
             self._counters.add("store_rejected", results.count(False) - len(changed))
-        if self.config.sync_interval_s == 0:
+        if self.config.sync_interval_s == 0 and self.config.durability is not Durability.FULL:
             self.env.sync(True)
         return results, changed
 
@@ -524,6 +636,19 @@ class LmdbTier(Tier):
 
     def keys(self) -> Iterator[ChunkKey]:
         return iter(list(self._index))
+
+    def newest_chunks(self, limit: int, exclude_replica: str) -> list[tuple[ChunkKey, str]]:
+        """Up to ``limit`` chunks with the replica that stored each, newest first, leaving out
+        those stored by ``exclude_replica``."""
+        found = heapq.nlargest(
+            limit,
+            (
+                (entry.tick, key, entry.replica)
+                for key, entry in list(self._index.items())  # one C-level copy: no lock held
+                if entry.replica != exclude_replica
+            ),
+        )
+        return [(key, replica) for _, key, replica in found]
 
     def evict(
         self, *, pool: str | None = None, namespace: bytes | None = None, replica: str | None = None

@@ -700,6 +700,7 @@ def _refusals(tmp_path: Path) -> dict[str, tuple[dict[str, Any], str]]:
     empty.write_text("\n")
     token = tmp_path / "read.token"
     token.write_text("read-only-token\n")
+    token.chmod(0o600)
     return {
         "any-v4": ({"admin_address": "0.0.0.0:0"}, "server.admin_address"),
         "any-v6": ({"admin_address": "[::]:0"}, "server.admin_address"),
@@ -731,6 +732,8 @@ def test_admin_api_needs_the_right_token_and_read_token_only_reads(
     admin_token, read_token = tmp_path / "admin.token", tmp_path / "read.token"
     admin_token.write_text("admin-secret-1\n")
     read_token.write_text("read-secret-2\n")
+    admin_token.chmod(0o600)
+    read_token.chmod(0o600)
     files = write_config(
         tmp_path,
         shm_path,

@@ -241,6 +241,8 @@ def test_gc_needs_the_admin_token(fleet: Fleet, tmp_path: Path) -> None:
     admin_token, read_token = tmp_path / "admin.token", tmp_path / "read.token"
     admin_token.write_text("admin-secret\n")
     read_token.write_text("read-secret\n")
+    admin_token.chmod(0o600)
+    read_token.chmod(0o600)
     server = {"admin_token_file": str(admin_token), "read_token_file": str(read_token)}
     a = fleet.start("a", server=server)
 

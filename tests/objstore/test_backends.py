@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvtier.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
-from kvtier.tiers.objstore.backend import ObjectBackend, open_backend
+from kvtier.tiers.objstore.backend import ObjectBackend, StoreUnreachableError, open_backend
 from tests.objstore.fixtures import (
     AWS_ACCOUNT,
     AWS_ROLE_NAME,
@@ -153,7 +153,7 @@ def test_principal_names_someone(store_url: str, opened: OpenBackend) -> None:
 
 
 def _sts_exchanges(proxy: FaultProxy) -> list[bytes]:
-    return [r.body for r in proxy.requests if b"Action=AssumeRoleWithWebIdentity" in r.body]
+    return [bytes(r.body) for r in proxy.requests if b"Action=AssumeRoleWithWebIdentity" in r.body]
 
 
 def test_s3_irsa_gives_temporary_keys_for_the_role(
@@ -208,7 +208,7 @@ def test_s3_refresh_rereads_the_token_file(
     # Move botocore's clock to 5 minutes before expiry, inside the mandatory refresh window.
     # Both clocks: the credentials' own and the one the fetcher's cache checks. moto's clock
     # does not move, so new keys look near expiry too while the shift lasts: undo it after.
-    real_now = botocore.credentials._local_now
+    real_now = botocore.credentials._local_now  # type: ignore[attr-defined]
     shift = [credentials._expiry_time - real_now() - datetime.timedelta(minutes=5)]
 
     def shifted() -> Any:
@@ -518,10 +518,13 @@ def test_dropped_connections_are_store_errors(
 ) -> None:
     backend, proxy = _proxied(scheme, request, fault_proxy, store_factory, opened, 2.0)
     proxy.set_mode(mode)
+    # a connection reset as it is accepted may count as never made; one closed after the
+    # request was read was made
+    allowed = {ObjectStoreError} | ({StoreUnreachableError} if mode is FaultMode.RESET else set())
     for what, operation in _operations(backend).items():
         with pytest.raises(ObjectStoreError) as caught:
             operation()
-        assert type(caught.value) is ObjectStoreError, what
+        assert type(caught.value) in allowed, what
     proxy.set_mode(FaultMode.PASS)
     assert backend.get("x") == b"hello"
 
@@ -542,5 +545,5 @@ def test_killed_server_is_a_store_error(
         started = time.monotonic()
         with pytest.raises(ObjectStoreError) as caught:
             operation()
-        assert type(caught.value) is ObjectStoreError, what
+        assert type(caught.value) is StoreUnreachableError, what  # connection refused
         assert time.monotonic() - started < 2.0, what

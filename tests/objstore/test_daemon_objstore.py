@@ -51,6 +51,13 @@ def metric(daemon: RunningDaemon, name: str) -> list[tuple[dict[str, str], float
     return [(labels, value) for n, labels, value in daemon.metrics() if n == name]
 
 
+def wait_serving(daemon: RunningDaemon, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while object_health(daemon) != SERVING:
+        assert time.monotonic() < deadline, daemon.log_text()
+        time.sleep(0.05)
+
+
 def test_a_second_node_finds_what_the_first_uploaded(
     procs: Processes, tmp_path: Path, s3_store: str, aws_irsa: AwsIrsa
 ) -> None:
@@ -66,7 +73,7 @@ def test_a_second_node_finds_what_the_first_uploaded(
     files_b = node(tmp_path, s3_store, "b")
     b = procs.start_daemon(files_b)
     try:
-        assert object_health(b) == SERVING
+        wait_serving(b)  # the identity is resolved in the background
         [(info, _)] = metric(b, "kvtier_object_store_info")
         assert info["url"] == s3_store
         assert info["principal"].startswith("arn:aws:sts::")

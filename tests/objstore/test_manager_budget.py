@@ -74,6 +74,8 @@ def test_a_slow_store_costs_a_lookup_at_most_its_budget_and_asking_again_finds_t
 
     reader = managers(url, "reader")
     reader.register_pool(target_spec(), CHUNK)
+    assert reader.object is not None
+    assert reader.object.principal_resolved.wait(10)  # until then lookups do not probe
     proxy.set_mode(FaultMode.DELAY, delay_ms=400)
     waits = []
     result = None

@@ -44,6 +44,7 @@ def make_tier(tmp_path: Path) -> Iterator[Tier]:
         registry.register(target_spec(), CHUNK)
         tier = ObjectTier(object_config(url, tmp_path / f"idx{len(made)}", **overrides), registry)
         made.append(tier)
+        assert tier.principal_resolved.wait(10), "the identity is resolved in the background"
         return tier
 
     yield make
@@ -67,6 +68,13 @@ def proxied_s3(
 ) -> tuple[str, FaultProxy]:
     proxy = fault_proxy(moto_server.url)
     return store_factory("s3", endpoint=proxy.url), proxy
+
+
+def wait_healthy(tier: ObjectTier, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not tier.healthy:
+        assert time.monotonic() < deadline, f"not healthy: {tier.breaker.last_error}"
+        time.sleep(0.05)
 
 
 FAST_FAIL = {"request_timeout_s": 0.5, "retries": 2, "backoff_s": 0.01, "breaker_reset_s": 0.5}
@@ -138,9 +146,9 @@ def test_500s_fail_fast_open_the_breaker_and_the_tier_recovers(
     assert len(proxy.requests) == requests
     assert tier.stats().counters["misses_unhealthy"] >= 1
     proxy.set_mode(FaultMode.PASS)
-    time.sleep(0.6)  # breaker_reset_s: one trial goes through
+    wait_healthy(tier)  # past breaker_reset_s, the tier's own trial goes through
     assert read(tier, stored) == payload_for(stored, CHUNK)
-    assert tier.healthy
+    assert tier.stats().counters["healthy"] == 1
     assert tier.put(later, payload_for(later, CHUNK))
 
 
@@ -212,6 +220,6 @@ def test_a_missing_token_file_makes_the_tier_unhealthy_not_the_process(
     with pytest.raises(CredentialError):
         tier.backend.principal()
     aws_irsa.write_token()  # the kubelet projects it again
-    time.sleep(0.6)
+    wait_healthy(tier)
     assert tier.put(key, payload_for(key, CHUNK))
     assert tier.healthy

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from kvtier.config import load_config
+from kvtier.server.daemon import admin_credentials
 from tests.operability.kustomize import Doc, build, normalise
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
@@ -116,8 +117,20 @@ def test_workloads_hang_together(overlay: str, tmp_path: Path) -> None:
         mounts = {m["mountPath"]: m for m in daemon["volumeMounts"]}
         assert mounts["/etc/kvtier/kvtier.yaml"]["subPath"] == "kvtier.yaml"
         assert daemon["args"] == ["serve", "--config", "/etc/kvtier/kvtier.yaml"]
+        # the token is a copy only kvtierd's user may read, made from the Secret before it starts
         token = config.server.admin_token_file
-        assert volumes[_mount_dir(daemon, token)]["secret"]["secretName"] == "kvtier-admin-token"
+        copy = _mount_dir(daemon, token)
+        assert copy is not None
+        assert volumes[copy]["emptyDir"]["medium"] == "Memory"
+        inits = pod.get("initContainers", [])
+        fillers = [c for c in inits if c is not daemon and _mount_dir(c, token) == copy]
+        assert len(fillers) == 1, fillers
+        assert "restartPolicy" not in fillers[0]
+        assert fillers[0]["command"][:3] == ["install", "-m", "0600"]
+        if daemon in inits:
+            assert inits.index(fillers[0]) < inits.index(daemon)
+        secrets = [volumes[m["name"]].get("secret", {}) for m in fillers[0]["volumeMounts"]]
+        assert {"secretName": "kvtier-admin-token", "defaultMode": 0o440} in secrets
         arena = volumes[_mount_dir(daemon, config.arena.path)]
         memory_backed = arena.get("emptyDir", {}).get("medium") == "Memory" or arena.get(
             "hostPath", {}
@@ -142,6 +155,43 @@ def test_workloads_hang_together(overlay: str, tmp_path: Path) -> None:
                 extra = transfer["kv_connector_extra_config"]
                 assert extra["socket_path"] == str(config.server.socket_path)
     assert len(kvtier_pods) == 1
+
+
+def _ids(pod: dict[str, Any], container: dict[str, Any]) -> tuple[int, set[int]]:
+    """The uid and the groups a container runs with."""
+    ctx = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+    return ctx["runAsUser"], {ctx["runAsGroup"], *ctx.get("supplementalGroups", [])}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_engines_may_call_kvtierd_and_map_its_arena(overlay: str, tmp_path: Path) -> None:
+    docs = _render(overlay)
+    config = _config(docs, tmp_path)
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in WORKLOADS]
+    daemons = [(p, c) for p in pods for c in _containers(p).values() if c["name"] == "kvtier"]
+    engines = [(p, c) for p in pods for c in _containers(p).values() if c["name"] == "vllm"]
+    assert len(daemons) == 1
+    assert engines
+    daemon_uid, daemon_groups = _ids(*daemons[0])
+    group = config.server.group if config.server.group is not None else min(daemon_groups)
+    assert group in daemon_groups  # kvtierd may give the socket and the arena its group
+    for engine in engines:
+        uid, groups = _ids(*engine)
+        if uid == daemon_uid:
+            continue  # the owner: the 0600 bits suffice
+        # the socket is 0660; the arena as configured
+        assert group in groups, (overlay, uid, groups, group)
+        assert config.arena.file_mode & 0o060 == 0o060, oct(config.arena.file_mode)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_shipped_admin_setup_passes_the_start_checks(overlay: str, tmp_path: Path) -> None:
+    server = _config(_render(overlay), tmp_path).server
+    token = tmp_path / "token"  # as the admin-token init container leaves it
+    token.write_text("secret\n")
+    token.chmod(0o600)
+    admin, _read = admin_credentials(server.model_copy(update={"admin_token_file": token}))
+    assert admin == "secret"
 
 
 @pytest.mark.parametrize(

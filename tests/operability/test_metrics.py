@@ -21,7 +21,7 @@ LABELS = {
     "tier": {"cpu", "lmdb", "object"},
     "pool": {"target", "draft"},
     "op": {"lookup", "reserve", "commit", "abort", "prefetch", "release", "promote"},
-    "result": {"ok", "error", "credential", "rejected"},
+    "result": {"ok", "error", "credential", "rejected", "invalid"},
     "direction": {"store", "load", "demote", "promote", "upload", "download"},
     "reason": {"capacity", "quota", "admin"},
     "queue": {"writeback", "promote", "upload"},

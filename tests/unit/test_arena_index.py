@@ -13,7 +13,7 @@ import pytest
 
 from kvtier.pools import PoolRegistry
 from kvtier.tiers.arena import ArenaMemory
-from kvtier.tiers.arena_index import ENTRY_BYTES, ArenaIndex, capacity_for
+from kvtier.tiers.arena_index import ENTRY_BYTES, ArenaIndex, _home, capacity_for
 from kvtier.tiers.cpu import CpuTier
 from tests.support import MiB, arena_config, keys_for, payload_for, target_spec
 
@@ -30,8 +30,12 @@ def _table(capacity: int) -> tuple[ArenaIndex, memoryview, memoryview]:
 def test_the_index_tracks_inserts_and_removals_through_collisions() -> None:
     index, state, generation = _table(1024)
     rng = random.Random(7)
-    # keys sharing their first and last 8 bytes collide on their home entry
-    colliding = [b"n" * 8 + bytes([i]) * 8 + b"h" * 8 for i in range(40)]
+    # keys that share their home entry
+    colliding = []
+    while len(colliding) < 40:
+        key = rng.randbytes(48)
+        if _home(key, 1023) == 3:
+            colliding.append(key)
     spread = [rng.randbytes(48) for _ in range(200)]
     live: dict[bytes, int] = {}
     for i, key in enumerate(colliding + spread):
@@ -50,6 +54,19 @@ def test_the_index_tracks_inserts_and_removals_through_collisions() -> None:
             assert found is None
     index.insert(colliding[0], 5)  # again, and moved: the new slot wins
     assert index.find(colliding[0], state, generation) == (5, 5)
+
+
+def test_keys_that_differ_in_a_few_bytes_spread_over_the_table() -> None:
+    # sequential chunk hashes: a home taken from a few key bytes put them all in one cluster
+    slots = 4096
+    capacity = capacity_for(slots)
+    index, _, _ = _table(capacity)
+    keys = keys_for(target_spec().digest(), slots)
+    for i, key in enumerate(keys):
+        index.insert(key, i % 64)
+    mask = capacity - 1
+    probes = [(index._where[key] - _home(key, mask)) & mask for key in keys]
+    assert max(probes) < 64, max(probes)
 
 
 def test_a_slot_not_ready_is_not_found() -> None:

@@ -167,9 +167,11 @@ def test_pool_share_caps_a_pool(shm_path: Path, registry: PoolRegistry) -> None:
 
 
 def test_chunks_larger_than_an_extent_are_refused(tier: CpuTier, registry: PoolRegistry) -> None:
-    big = registry.register(target_spec(model="big"), 4 * MiB).namespace
+    spec = target_spec(model="big")
     with pytest.raises(PoolLayoutError, match="extent_bytes"):
-        tier.reserve(keys_for(big, 1))
+        registry.register(spec, 4 * MiB)
+    assert registry.get(spec.digest()) is None  # refused: nothing recorded
+    assert registry.register(spec, CHUNK).chunk_bytes == CHUNK
 
 
 def test_another_process_maps_the_arena_by_path(tier: CpuTier, ns: bytes) -> None:

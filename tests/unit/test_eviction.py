@@ -17,21 +17,23 @@ class PolicyModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.policy = make_policy(self.policy_name, SLOTS)
+        # the slots are spread over a larger arena: nodes exist for the added ones only
+        self.policy = make_policy(self.policy_name, [0] * (3 * SLOTS))
+        self.policy.add_slots(range(SLOTS, 2 * SLOTS))
         self.model: dict[int, list[int]] = {q: [] for q in range(QUEUES)}
         self.order: list[int] = []  # every present slot, next victim first, across queues
 
     def _queue_of(self, slot: int) -> int | None:
         return next((q for q, slots in self.model.items() if slot in slots), None)
 
-    @rule(slot=st.integers(0, SLOTS - 1), queue=st.integers(0, QUEUES - 1))
+    @rule(slot=st.integers(SLOTS, 2 * SLOTS - 1), queue=st.integers(0, QUEUES - 1))
     def insert(self, slot: int, queue: int) -> None:
         if self._queue_of(slot) is None:
             self.policy.insert(slot, queue)
             self.model[queue].append(slot)
             self.order.append(slot)
 
-    @rule(slot=st.integers(0, SLOTS - 1))
+    @rule(slot=st.integers(SLOTS, 2 * SLOTS - 1))
     def access(self, slot: int) -> None:
         self.policy.access(slot)
         q = self._queue_of(slot)
@@ -41,7 +43,7 @@ class PolicyModel(RuleBasedStateMachine):
             self.order.remove(slot)
             self.order.append(slot)
 
-    @rule(slot=st.integers(0, SLOTS - 1))
+    @rule(slot=st.integers(SLOTS, 2 * SLOTS - 1))
     def remove(self, slot: int) -> None:
         self.policy.remove(slot)
         q = self._queue_of(slot)
@@ -71,5 +73,5 @@ TestFIFO = FIFOModel.TestCase
 
 def test_unknown_policy_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown eviction policy 'arc'.*fifo.*lru"):
-        make_policy("arc", 4)
+        make_policy("arc", [0] * 4)
     assert set(POLICIES) == {"lru", "fifo"}

@@ -3,6 +3,8 @@ copies of each rank's part through the worker's own views (CPU tensors, no engin
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,6 +14,8 @@ from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.metadata import ChunkCopy
 from kvtier_vllm.shapes import HEADS_FIRST, TOKENS_FIRST, Shard, page_order, refusal, tp_shard
 from kvtier_vllm.worker import KVTierWorker
+
+from kvtier.tiers.arena import ArenaMemory
 
 BLOCK, HEAD, LAYERS, BLOCKS = 32, 32, 2, 6
 
@@ -124,6 +128,19 @@ def _heads(layer: torch.Tensor, first: int, count: int, tokens_first: bool) -> t
     return layer[:, first : first + count].clone()
 
 
+@pytest.fixture
+def arena(shm_path: Path) -> Iterator[ArenaMemory]:
+    """A real arena: a worker copies only for a slot whose generation its mapping confirms."""
+    memory = ArenaMemory.create(shm_path, 4 << 20, 1 << 20, 16 << 10, prefault=False)
+    yield memory
+    memory.close()
+
+
+def _mapped(worker: Any, arena: ArenaMemory) -> Any:
+    worker._arena = arena  # as `_slots` maps it from the metadata's arena path
+    return worker
+
+
 def _worker(tp: int, rank: int, caches: dict[str, torch.Tensor], order: str, kv: int) -> Any:
     layout = "LBNHC" if order == TOKENS_FIRST else "LBHNC"
     worker = KVTierWorker(
@@ -141,28 +158,38 @@ def _layers(per_layer: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("tokens_first", [False, True])
 @pytest.mark.parametrize(("kv_heads", "tp"), [(4, 2), (4, 4), (1, 2)])
 def test_each_rank_writes_its_heads_and_a_tp1_worker_reads_the_whole_chunk(
-    tokens_first: bool, kv_heads: int, tp: int
+    tokens_first: bool, kv_heads: int, tp: int, arena: ArenaMemory
 ) -> None:
     order = TOKENS_FIRST if tokens_first else HEADS_FIRST
     full = [_kv(kv_heads, tokens_first, seed=i) for i in range(LAYERS)]
     per_rank = max(1, kv_heads // tp)
     writers = [
-        _worker(
-            tp, r, _layers([_heads(t, s, per_rank, tokens_first) for t in full]), order, kv_heads
+        _mapped(
+            _worker(
+                tp,
+                r,
+                _layers([_heads(t, s, per_rank, tokens_first) for t in full]),
+                order,
+                kv_heads,
+            ),
+            arena,
         )
         for r in range(tp)
         for s in [tp_shard(kv_heads, tp, r).first]
     ]
     plan = writers[0].plans["target"]
     slots = torch.zeros(plan.chunk_bytes * 2, dtype=torch.uint8)
-    store = ChunkCopy("target", slot=1, offset=plan.chunk_bytes, generation=0, block_ids=(3,))
+    generation = int(arena.generation[1])
+    store = ChunkCopy("target", 1, plan.chunk_bytes, generation, block_ids=(3,))
     for w in writers:
         if w.plans["target"].shard.writes:
             assert w._copy(store, slots, into_arena=True)
     assert torch.count_nonzero(slots[: plan.chunk_bytes]) == 0  # nothing outside the slot
-    reader = _worker(1, 0, _layers([torch.zeros_like(t) for t in full]), order, kv_heads)
+    reader = _mapped(
+        _worker(1, 0, _layers([torch.zeros_like(t) for t in full]), order, kv_heads), arena
+    )
     assert reader.plans["target"].chunk_bytes == plan.chunk_bytes
-    load = ChunkCopy("target", slot=1, offset=plan.chunk_bytes, generation=0, block_ids=(5,))
+    load = ChunkCopy("target", 1, plan.chunk_bytes, generation, block_ids=(5,))
     assert reader._copy(load, slots, into_arena=False)
     for i, layer in enumerate(full):
         loaded = reader.pages["target"][i][5].view(torch.float32)
@@ -181,9 +208,15 @@ def test_each_rank_writes_its_heads_and_a_tp1_worker_reads_the_whole_chunk(
             assert torch.equal(mine[i][5].view(torch.float32), expected.contiguous().flatten())
 
 
-def test_a_slot_outside_the_mapped_arena_is_a_failed_copy_not_a_crash() -> None:
+def test_a_slot_outside_the_mapped_arena_is_a_failed_copy_not_a_crash(arena: ArenaMemory) -> None:
     worker = _worker(1, 0, _layers([_kv(4, False) for _ in range(LAYERS)]), HEADS_FIRST, 4)
+    _mapped(worker, arena)
     plan = worker.plans["target"]
     slots = torch.zeros(plan.chunk_bytes, dtype=torch.uint8)
-    job = ChunkCopy("target", slot=1, offset=plan.chunk_bytes // 2, generation=0, block_ids=(1,))
+    generation = int(arena.generation[1])
+    job = ChunkCopy("target", 1, plan.chunk_bytes // 2, generation, block_ids=(1,))
     assert not worker._copy(job, slots, into_arena=False)
+    inside = ChunkCopy("target", 1, 0, generation, block_ids=(1,))
+    assert worker._copy(inside, slots, into_arena=False)  # the same slot, inside: copied
+    stale = ChunkCopy("target", 1, 0, generation + 1, block_ids=(1,))
+    assert not worker._copy(stale, slots, into_arena=False)  # planned in another arena

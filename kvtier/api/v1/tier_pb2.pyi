@@ -394,11 +394,17 @@ class SlotRef(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     NBYTES_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     key: _builtins.bytes
     slot: _builtins.int
     offset: _builtins.int
     nbytes: _builtins.int
     generation: _builtins.int
+    lease: _builtins.int
+    """A lease's id within its session, set by the daemon; a release naming it ends that lease
+    only, so a retried release never ends another lease on the same slot. 0: not a lease, or
+    an older client (then a release ends one of the session's leases on the slot).
+    """
     def __init__(
         self,
         *,
@@ -407,10 +413,11 @@ class SlotRef(_message.Message):
         offset: _builtins.int = ...,
         nbytes: _builtins.int = ...,
         generation: _builtins.int = ...,
+        lease: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "key", b"key", "nbytes", b"nbytes", "offset", b"offset", "slot", b"slot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "key", b"key", "lease", b"lease", "nbytes", b"nbytes", "offset", b"offset", "slot", b"slot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

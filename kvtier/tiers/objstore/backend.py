@@ -13,7 +13,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, ObjectStoreError
+
+PING_NAME = ".kvtier-ping"
+"""Never written; `ObjectBackend.ping` asks for it and expects "not found"."""
 
 # scheme -> "module:class"; imported on use so boto3 and google-cloud-storage stay optional
 BACKENDS = {
@@ -21,6 +24,20 @@ BACKENDS = {
     "gs": "kvtier.tiers.objstore.gcs:GcsBackend",
     "file": "kvtier.tiers.objstore.localfs:LocalFsBackend",
 }
+
+
+MAX_NAME_BYTES = 1024
+"""The longest object name S3 and GCS accept (UTF-8 bytes, prefix included)."""
+
+
+class StoreUnreachableError(ObjectStoreError):
+    """No connection to the store (refused, reset before an answer, DNS failure, connect
+    timeout): the store, not the request, is at fault, and retrying at once cannot help."""
+
+
+class RequestRejectedError(ObjectStoreError):
+    """The store refused this request for something in it (its name, its size, a header), not
+    for its own state: it says nothing about the store's health."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +125,24 @@ class ObjectBackend(ABC):
     def principal(self) -> str:
         """Who the store sees us as (role ARN, service account, uid); resolves credentials, so
         it raises `CredentialError` when the identity chain is broken."""
+
+    def ping(self) -> None:
+        """One cheap request that the store answers when it and the identity work (a HEAD of
+        a name kvtier never writes); raises like any other call."""
+        self.head(PING_NAME)
+
+    def static_credentials(self) -> str | None:
+        """Where the SDK's default chain would find long-lived keys (a key file, key
+        variables), or None when it would use a workload identity; reads only local files."""
+        return None
+
+    def check_name(self, name: str) -> None:
+        """Refuse a name the store would refuse, before sending anything."""
+        full = self.location.join(name)
+        if len(full.encode()) > MAX_NAME_BYTES:
+            raise RequestRejectedError(
+                f"object name of {len(full.encode())} bytes, the store takes {MAX_NAME_BYTES}"
+            )
 
     def close(self) -> None:  # noqa: B027  (most backends hold nothing to close)
         """Release connections."""

@@ -22,6 +22,7 @@ from kvtier.errors import (
     CorruptChunkError,
     ObjectNotFoundError,
     ObjectStoreError,
+    UnknownVersionError,
 )
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.tiers.objstore.backend import ObjectInfo
@@ -42,6 +43,7 @@ R = TypeVar("R")
 class Outcome(Enum):
     DONE = "done"
     CORRUPT = "corrupt"
+    UNKNOWN_FORMAT = "unknown_format"
     FAILED = "failed"
     GONE = "gone"
     SKIPPED = "skipped"
@@ -58,6 +60,8 @@ class WarmupCounts:
     indexed: int = 0
     chunks_indexed: int = 0
     corrupt: int = 0
+    unknown_format: int = 0
+    """Objects in a chunk format this build does not read: left alone."""
     failed: int = 0
     fetched: int = 0
     chunks_fetched: int = 0
@@ -135,6 +139,8 @@ class Catalog:
                 counts.chunks_indexed += chunks
             elif outcome is Outcome.CORRUPT:
                 counts.corrupt += 1
+            elif outcome is Outcome.UNKNOWN_FORMAT:
+                counts.unknown_format += 1
             elif outcome is Outcome.FAILED:
                 counts.failed += 1
                 log.warning("could not index %s now; a later warmup retries it", info.name)
@@ -190,6 +196,10 @@ class Catalog:
         except ObjectStoreError as exc:
             log.debug("reading headers of %s failed: %s", name, exc)
             return Outcome.FAILED, 0
+        except UnknownVersionError as exc:  # a newer node's: not ours to judge
+            log.info("object %s: %s; left in the store", name, exc)
+            self.tier.counters.add("unknown_format", 1)
+            return Outcome.UNKNOWN_FORMAT, 0
         except ChunkFormatError as exc:
             return self._corrupt(info, exc), 0
         self.tier.index.add(name, size, locations)
@@ -265,7 +275,8 @@ class Catalog:
         self, retention_s: float, dry_run: bool = False, now: float | None = None
     ) -> Iterator[GcCounts]:
         """Delete objects last written more than ``retention_s`` ago, except those holding
-        pinned chunks, and forget them in the index."""
+        chunks pinned by any node (each node publishes its pins in the store), and forget them
+        in the index. Pins that cannot all be read stop gc before it deletes anything."""
         counts = GcCounts(retention_s, dry_run)
         cutoff = (time.time() if now is None else now) - retention_s
         objects: list[ObjectInfo] = []
@@ -273,12 +284,18 @@ class Catalog:
             yield counts
         counts.total = len(objects)
         yield counts
+        pinned_names, pinned_keys = self.tier.fleet_pins()
         batch: list[ObjectInfo] = []
         for info in objects:
             counts.checked += 1
             if info.modified >= cutoff:
                 continue
-            if self.tier.index.pinned(info.name):
+            entry = self.tier.index.objects.get(info.name)
+            if (
+                info.name in pinned_names
+                or ObjectTier.key_of(info.name) in pinned_keys
+                or (entry is not None and not pinned_keys.isdisjoint(entry.keys))
+            ):
                 counts.pinned += 1
                 continue
             batch.append(info)

@@ -14,6 +14,7 @@ again.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -25,12 +26,19 @@ import google.auth.exceptions
 import google.auth.transport.requests
 import requests
 import requests.adapters
+import urllib3.exceptions
 from google.api_core import exceptions as api_exceptions
 from google.cloud import storage
 from google.cloud.storage import exceptions as storage_exceptions
 
 from kvtier.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
-from kvtier.tiers.objstore.backend import ObjectBackend, ObjectInfo, StoreLocation
+from kvtier.tiers.objstore.backend import (
+    ObjectBackend,
+    ObjectInfo,
+    RequestRejectedError,
+    StoreLocation,
+    StoreUnreachableError,
+)
 
 ENDPOINT_ENV = "GCS_ENDPOINT_URL"
 _SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
@@ -54,12 +62,51 @@ _STORE_ERRORS: tuple[type[Exception], ...] = (
 _CALL_ERRORS = (*_CREDENTIAL_ERRORS, *_STORE_ERRORS)
 
 
+# HTTP statuses GCS gives a request for what it carries (name, size): the store is fine.
+_REQUEST_STATUSES = frozenset({400, 411, 413, 414})
+CREDENTIALS_ENV = "GOOGLE_APPLICATION_CREDENTIALS"
+
+
+def _unreachable(exc: Exception) -> bool:
+    """No connection was made: refused, DNS failure, connect timeout."""
+    if isinstance(exc, requests.ConnectTimeout):
+        return True
+    if isinstance(exc, requests.ConnectionError) and exc.args:
+        reason = getattr(exc.args[0], "reason", exc.args[0])
+        return isinstance(reason, urllib3.exceptions.NewConnectionError)
+    return False
+
+
 def _raise_mapped(exc: Exception, what: str) -> NoReturn:
     if isinstance(exc, api_exceptions.NotFound):
         raise ObjectNotFoundError(what) from exc
     if isinstance(exc, _CREDENTIAL_ERRORS):
         raise CredentialError(f"{what}: {exc}") from exc
+    if isinstance(exc, api_exceptions.ClientError) and exc.code in _REQUEST_STATUSES:
+        raise RequestRejectedError(f"{what}: {exc}") from exc
+    if _unreachable(exc):
+        raise StoreUnreachableError(f"{what}: {exc}") from exc
     raise ObjectStoreError(f"{what}: {exc}") from exc
+
+
+def _key_file_kind(path: str) -> str | None:
+    """What long-lived secret a credentials file holds, if any."""
+    try:
+        with open(path, "rb") as f:
+            info = json.loads(f.read())
+    except (OSError, ValueError):
+        return None  # google.auth reports an unreadable file when it is used
+    if not isinstance(info, dict):
+        return None
+    kind = info.get("type")
+    if kind == "impersonated_service_account":
+        source = info.get("source_credentials")
+        kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "service_account":
+        return "a service-account key file"
+    if kind == "authorized_user":
+        return "a user's refresh token"
+    return None
 
 
 class _TimedRequest(google.auth.transport.requests.Request):
@@ -156,7 +203,20 @@ class GcsBackend(ObjectBackend):
     def _key(self, name: str) -> str:
         return self._prefix + name
 
+    def static_credentials(self) -> str | None:
+        """The files google.auth's default chain reads before the metadata server."""
+        path = os.environ.get(CREDENTIALS_ENV)
+        if path:
+            kind = _key_file_kind(path)
+            return f"{CREDENTIALS_ENV}={path} is {kind}" if kind else None
+        from google.auth import _cloud_sdk
+
+        adc = _cloud_sdk.get_application_default_credentials_path()
+        kind = _key_file_kind(adc) if os.path.exists(adc) else None
+        return f"gcloud's application default credentials ({adc}) are {kind}" if kind else None
+
     def put(self, name: str, body: bytes | memoryview, metadata: Mapping[str, str]) -> None:
+        self.check_name(name)
         data = body if isinstance(body, bytes) else bytes(body)
         try:
             blob = self._bucket().blob(self._key(name))
@@ -171,6 +231,7 @@ class GcsBackend(ObjectBackend):
             _raise_mapped(exc, f"put {self._key(name)}")
 
     def get(self, name: str, start: int = 0, length: int | None = None) -> bytes:
+        self.check_name(name)
         key = self._key(name)
         if length == 0:
             if self.head(name) is None:
@@ -190,6 +251,7 @@ class GcsBackend(ObjectBackend):
             _raise_mapped(exc, f"get {key}")
 
     def head(self, name: str) -> ObjectInfo | None:
+        self.check_name(name)
         key = self._key(name)
         try:
             blob = self._bucket().get_blob(key, timeout=self.timeout_s, retry=None)

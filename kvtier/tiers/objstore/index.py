@@ -1,7 +1,9 @@
 """What this node knows to be in the object store: chunk -> (object, offset, length), kept in a
 small LMDB environment so a restart does not upload or probe everything again.
 
-Databases: ``chunks`` (key -> location), ``objects`` (name -> size, tick), ``pins`` (keys).
+Databases: ``chunks`` (key -> location), ``objects`` (name -> size, tick), ``pins`` (keys),
+``meta`` (this node's id). Pins are this node's; they reach the other nodes' gc through an
+object in the store (see the tier).
 An in-memory mirror answers lookups; LMDB is written only after the store acknowledged an upload,
 so the index may lack an object but never claims one that was not written. Objects deleted
 behind our back (another node's gc) are found on read and dropped then.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +60,7 @@ class ObjectIndex:
         self._chunks = self.env.open_db(b"chunks")
         self._objects = self.env.open_db(b"objects")
         self._pins = self.env.open_db(b"pins")
+        self._meta = self.env.open_db(b"meta")
         self._lock = threading.Lock()
         self.chunks: dict[ChunkKey, ChunkLocation] = {}
         self.objects: dict[str, ObjectEntry] = {}
@@ -76,6 +79,15 @@ class ObjectIndex:
                     self.chunks[ChunkKey(bytes(key))] = loc
                     entry.keys.add(ChunkKey(bytes(key)))
             self.pins = {ChunkKey(bytes(k)) for k, _ in txn.cursor(db=self._pins)}
+
+    def node_id(self, new: Callable[[], str]) -> str:
+        """This node's name in the store, made by ``new`` once and kept with the index."""
+        with self._lock, self.env.begin(write=True) as txn:
+            raw = txn.get(b"node_id", db=self._meta)
+            if raw is None:
+                raw = new().encode()
+                txn.put(b"node_id", raw, db=self._meta)
+            return bytes(raw).decode()
 
     def __contains__(self, key: object) -> bool:
         return key in self.chunks

@@ -5,6 +5,7 @@ Metadata lives in a ``.meta`` JSON file next to each object."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -12,10 +13,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from kvtier.errors import ObjectNotFoundError, ObjectStoreError
-from kvtier.tiers.objstore.backend import ObjectBackend, ObjectInfo, StoreLocation
+from kvtier.tiers.objstore.backend import (
+    ObjectBackend,
+    ObjectInfo,
+    RequestRejectedError,
+    StoreLocation,
+)
 
 _META_SUFFIX = ".meta"
 _TMP_PREFIX = ".tmp-"
+
+
+def _failed(what: str, exc: OSError) -> ObjectStoreError:
+    if exc.errno == errno.ENAMETOOLONG:  # the name's fault, not the filesystem's
+        return RequestRejectedError(f"{what}: {exc.strerror}")
+    return ObjectStoreError(f"{what}: {exc.strerror}")
 
 
 class LocalFsBackend(ObjectBackend):
@@ -26,6 +38,9 @@ class LocalFsBackend(ObjectBackend):
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ObjectStoreError(f"cannot create {self.root}: {exc.strerror}") from exc
+
+    def check_name(self, name: str) -> None:
+        """The filesystem judges names (ENAMETOOLONG)."""
 
     def _path(self, name: str) -> Path:
         path = (self.root / name).resolve()
@@ -53,7 +68,7 @@ class LocalFsBackend(ObjectBackend):
             )
             self._write_atomic(path, body)
         except OSError as exc:
-            raise ObjectStoreError(f"writing {path}: {exc.strerror}") from exc
+            raise _failed(f"writing {path}", exc) from exc
 
     def get(self, name: str, start: int = 0, length: int | None = None) -> bytes:
         path = self._path(name)
@@ -64,7 +79,7 @@ class LocalFsBackend(ObjectBackend):
         except FileNotFoundError as exc:
             raise ObjectNotFoundError(name) from exc
         except OSError as exc:
-            raise ObjectStoreError(f"reading {path}: {exc.strerror}") from exc
+            raise _failed(f"reading {path}", exc) from exc
 
     def head(self, name: str) -> ObjectInfo | None:
         path = self._path(name)
@@ -73,7 +88,7 @@ class LocalFsBackend(ObjectBackend):
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise ObjectStoreError(f"stat {path}: {exc.strerror}") from exc
+            raise _failed(f"stat {path}", exc) from exc
         try:
             metadata = json.loads(path.with_name(path.name + _META_SUFFIX).read_bytes())
         except (OSError, ValueError):

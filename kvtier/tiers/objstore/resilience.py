@@ -14,6 +14,7 @@ from typing import TypeVar
 
 from kvtier.counters import Counters
 from kvtier.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
+from kvtier.tiers.objstore.backend import RequestRejectedError, StoreUnreachableError
 
 T = TypeVar("T")
 
@@ -57,6 +58,18 @@ class CircuitBreaker:
         """Whether `admit` would let a request through, without taking the trial."""
         return self.state != self.OPEN
 
+    @property
+    def sound(self) -> bool:
+        """Closed, and the last request that reached a verdict succeeded: a store whose last
+        request failed (or whose half-open trial is still out) is not counted on."""
+        with self._lock:
+            return self._failures == 0
+
+    def release(self) -> None:
+        """A request ended without a verdict on the store (it was refused for itself)."""
+        with self._lock:
+            self._trial = False
+
     def success(self) -> None:
         with self._lock:
             self._failures = 0
@@ -96,9 +109,18 @@ class RequestGuard:
             except ObjectNotFoundError:
                 self.breaker.success()  # the store answered
                 raise
+            except RequestRejectedError:
+                self.counters.add("requests_rejected", 1)
+                self.breaker.release()  # this request's own fault: not the store's
+                raise
             except CredentialError as exc:
                 self.counters.add("credential_errors", 1)
                 self.breaker.failure(exc, trip=True)  # retrying cannot help
+                raise
+            except StoreUnreachableError as exc:
+                self.counters.add("request_errors", 1)
+                self.counters.add("unreachable", 1)
+                self.breaker.failure(exc, trip=True)  # nothing listens: fail the rest fast
                 raise
             except ObjectStoreError as exc:
                 self.counters.add("request_errors", 1)

@@ -19,11 +19,18 @@ from typing import Any, NoReturn
 
 import boto3.session
 import botocore.config
+import botocore.configloader
 import botocore.exceptions
 import botocore.session
 
 from kvtier.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
-from kvtier.tiers.objstore.backend import ObjectBackend, ObjectInfo, StoreLocation
+from kvtier.tiers.objstore.backend import (
+    ObjectBackend,
+    ObjectInfo,
+    RequestRejectedError,
+    StoreLocation,
+    StoreUnreachableError,
+)
 
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects call accepts
 _NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
@@ -44,6 +51,34 @@ _CREDENTIAL_CODES = frozenset(
         "UnrecognizedClientException",
     }
 )
+# Error codes S3 gives a request for what it carries (name, size, headers): the store is fine.
+_REQUEST_CODES = frozenset(
+    {
+        "KeyTooLongError",
+        "InvalidObjectName",
+        "InvalidArgument",
+        "InvalidRequest",
+        "InvalidURI",
+        "EntityTooLarge",
+        "EntityTooSmall",
+        "MetadataTooLarge",
+        "InvalidDigest",
+        "BadDigest",
+        "MaxMessageLengthExceeded",
+        "414",
+    }
+)
+# Providers of botocore's default chain that hand out long-lived keys.
+_STATIC_METHODS = {
+    "env": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment",
+    "shared-credentials-file": "aws_access_key_id in the shared credentials file",
+    "config-file": "aws_access_key_id in the AWS config file",
+    "ec2-credentials-file": "keys in /etc/boto.cfg-style EC2 credentials file",
+    "boto-config": "keys in a boto config file",
+}
+# Providers that need the network (container or instance metadata): workload identities, taken
+# without resolving them at start.
+_NETWORK_METHODS = frozenset({"container-role", "iam-role"})
 # Operations botocore's credential providers call; any failure there is an identity failure.
 _CREDENTIAL_OPERATIONS = frozenset(
     {"AssumeRoleWithWebIdentity", "AssumeRole", "GetRoleCredentials"}
@@ -77,6 +112,12 @@ def _raise_mapped(exc: Exception, what: str) -> NoReturn:
             raise ObjectNotFoundError(what) from exc
         if code in _CREDENTIAL_CODES or exc.operation_name in _CREDENTIAL_OPERATIONS:
             raise CredentialError(f"{what}: {_describe(exc)}") from exc
+        if code in _REQUEST_CODES:
+            raise RequestRejectedError(f"{what}: {_describe(exc)}") from exc
+    elif isinstance(
+        exc, (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectTimeoutError)
+    ):
+        raise StoreUnreachableError(f"{what}: {_describe(exc)}") from exc
     elif isinstance(exc, _CREDENTIAL_EXCEPTIONS) or (
         # botocore reads the web identity token file with a plain open(): a missing or
         # unreadable file escapes as an OSError that names it
@@ -84,6 +125,30 @@ def _raise_mapped(exc: Exception, what: str) -> NoReturn:
     ):
         raise CredentialError(f"{what}: {_describe(exc)}") from exc
     raise ObjectStoreError(f"{what}: {_describe(exc)}") from exc
+
+
+def _assume_role_source(core: botocore.session.Session) -> str | None:
+    """A profile's role_arn is assumed with other credentials: static when they are keys."""
+    profiles = core.full_config.get("profiles", {})
+    try:
+        path = os.path.expanduser(str(core.get_config_variable("credentials_file")))
+        keyed = botocore.configloader.raw_config_parse(path)
+    except (botocore.exceptions.ConfigNotFound, botocore.exceptions.ConfigParseError):
+        keyed = {}
+    name = core.get_config_variable("profile") or "default"
+    seen: set[str] = set()
+    while name not in seen:
+        seen.add(name)
+        profile = profiles.get(name, {})
+        if profile.get("credential_source") == "Environment":
+            return f"profile {name}: role_arn assumed with AWS_ACCESS_KEY_ID from the environment"
+        if "aws_access_key_id" in profile or "aws_access_key_id" in keyed.get(name, {}):
+            return f"profile {name}: role_arn assumed with long-lived keys"
+        source = profile.get("source_profile")
+        if source is None:
+            return None
+        name = source
+    return None
 
 
 def _is_not_found(exc: Exception) -> bool:
@@ -153,6 +218,7 @@ class S3Backend(ObjectBackend):
         return credentials
 
     def put(self, name: str, body: bytes | memoryview, metadata: Mapping[str, str]) -> None:
+        self.check_name(name)
         data = body if isinstance(body, bytes) else bytes(body)
         self._resolve_credentials()
         try:
@@ -163,6 +229,7 @@ class S3Backend(ObjectBackend):
             _raise_mapped(exc, f"put {self._key(name)}")
 
     def get(self, name: str, start: int = 0, length: int | None = None) -> bytes:
+        self.check_name(name)
         key = self._key(name)
         if length == 0:
             if self.head(name) is None:
@@ -191,6 +258,7 @@ class S3Backend(ObjectBackend):
             _raise_mapped(exc, f"get {key}")
 
     def head(self, name: str) -> ObjectInfo | None:
+        self.check_name(name)
         self._resolve_credentials()
         try:
             response = self._s3.head_object(Bucket=self.location.bucket, Key=self._key(name))
@@ -239,6 +307,36 @@ class S3Backend(ObjectBackend):
                     )
         except _CALL_ERRORS as exc:
             _raise_mapped(exc, f"list {self._key(prefix)}*")
+
+    def static_credentials(self) -> str | None:
+        """Walks botocore's chain in its order up to the first provider that has keys, without
+        the providers that need the network."""
+        core = self._session._session
+        resolver: Any = core.get_component("credential_provider")
+        profiles = core.full_config.get("profiles", {})
+        profile = profiles.get(core.get_config_variable("profile") or "default", {})
+        for provider in resolver.providers:
+            method = getattr(provider, "METHOD", "")
+            if method in _NETWORK_METHODS:
+                return None
+            if method == "custom-process":  # a program of the operator's; not run here
+                if "credential_process" in profile:
+                    return None
+                continue
+            if method == "assume-role":  # judged from the config: loading it may fail here
+                if "role_arn" in profile and (
+                    "source_profile" in profile or "credential_source" in profile
+                ):
+                    return _assume_role_source(core)
+                continue
+            try:
+                found = provider.load()
+            except _CALL_ERRORS:
+                continue  # botocore would fail here too; principal() reports it
+            if found is None:
+                continue
+            return _STATIC_METHODS.get(method)
+        return None
 
     def principal(self) -> str:
         credentials = self._resolve_credentials()

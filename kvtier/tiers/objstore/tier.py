@@ -12,8 +12,13 @@ breaker makes the tier unhealthy: it answers misses until a trial request succee
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import socket
+import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +27,13 @@ import xxhash
 from kvtier import blockfmt
 from kvtier.config import ObjectStoreConfig
 from kvtier.counters import Counters
-from kvtier.errors import ChunkFormatError, ObjectNotFoundError, ObjectStoreError
+from kvtier.errors import (
+    ChunkFormatError,
+    ConfigError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    UnknownVersionError,
+)
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.pools import PoolRegistry
 from kvtier.tiers.base import Tier, TierStats, UsageStats
@@ -37,6 +48,21 @@ META_CHUNKS = "kvtier-chunks"
 META_CHECKSUM = "kvtier-xxh3-128"
 REMOTE_REPLICA = "remote"
 """Owner recorded for chunks found in the store rather than uploaded from here."""
+PINS_DIR = ".kvtier-pins"
+"""Under the prefix: one object per node naming what it pinned, read by every node's gc."""
+PINS_FORMAT = 1
+UNKNOWN_PRINCIPAL = "unknown"
+"""The principal until the identity has been resolved (in the background)."""
+_IDENTITY_FIX = {
+    "s3": "use IRSA (AWS_ROLE_ARN and AWS_WEB_IDENTITY_TOKEN_FILE), EKS Pod Identity or the "
+    "instance role, and remove the keys",
+    "gs": "use GKE Workload Identity (unset GOOGLE_APPLICATION_CREDENTIALS), or workload "
+    "identity federation (an external_account file in GOOGLE_APPLICATION_CREDENTIALS)",
+}
+
+
+def _new_node_id() -> str:
+    return f"{socket.gethostname()}-{uuid.uuid4().hex[:12]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +92,62 @@ class ObjectTier(Tier):
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_s)
         self.guard = RequestGuard(self.breaker, config.retries, config.backoff_s, self.counters)
         self.budget = int(config.budget_bytes) if config.budget_bytes is not None else None
-        self.principal = self._resolve_principal()
+        try:
+            self._refuse_static_keys()
+            self.node_id = self.index.node_id(_new_node_id)
+        except BaseException:
+            self.close_index_and_backend()
+            raise
+        self.principal = UNKNOWN_PRINCIPAL
+        self.principal_resolved = threading.Event()
+        """Set once the first attempt to resolve the identity has ended, either way."""
+        self._identity_known = False
+        self._pins_dirty = threading.Event()
+        self._closing = threading.Event()
+        self._checker = threading.Thread(
+            target=self._check_loop, name="kvtier-object-check", daemon=True
+        )
+        self._checker.start()
 
-    def _resolve_principal(self) -> str:
+    def _refuse_static_keys(self) -> None:
+        source = self.backend.static_credentials()
+        if source is None:
+            return
+        scheme = self.backend.location.scheme
+        if self.config.allow_static_keys:
+            log.warning(
+                "object store %s: STATIC CREDENTIALS IN USE: %s; long-lived keys leak and do "
+                "not rotate: %s",
+                self.backend.url,
+                source,
+                _IDENTITY_FIX.get(scheme, "use a workload identity"),
+            )
+            return
+        raise ConfigError(
+            "object.url",
+            f"static credentials are refused: {source}; "
+            f"{_IDENTITY_FIX.get(scheme, 'use a workload identity')}. "
+            "To run with them anyway, set object.allow_static_keys: true",
+        )
+
+    # -- health ---------------------------------------------------------------------------
+
+    def _check_loop(self) -> None:
+        """Resolves the identity, then sends trials while the store is not sound; on its own
+        thread, so a slow identity or store never holds up a caller."""
+        self._resolve_principal()
+        interval = max(0.05, min(1.0, self.config.breaker_reset_s / 4))
+        while not self._closing.wait(interval):
+            try:
+                self.check()
+                if self._pins_dirty.is_set():
+                    self.publish_pins()
+            except Exception:  # never let the checker die silently
+                if self._closing.is_set():
+                    return  # the backend was closed under a trial
+                log.exception("object store check failed")
+
+    def _resolve_principal(self) -> None:
         try:
             principal = self.backend.principal()
         except ObjectStoreError as exc:
@@ -79,27 +158,36 @@ class ObjectTier(Tier):
                 self.backend.url,
                 exc,
             )
-            return "unknown"
+            return
+        finally:
+            self.principal_resolved.set()
+        self._known_as(principal)
+
+    def _known_as(self, principal: str) -> None:
+        self.principal = principal
+        self._identity_known = True
         log.info("object store %s: running as %s", self.backend.url, principal)
-        return principal
 
     @property
     def healthy(self) -> bool:
-        """Whether requests may go out: the breaker is closed, or lets a trial through."""
-        return self.breaker.state != CircuitBreaker.OPEN
+        """Whether the store is counted on: the identity has been resolved, the breaker is
+        closed and the last request that reached a verdict succeeded. A half-open breaker,
+        trial in flight or not, is not healthy; only a request that succeeds makes it so."""
+        return self._identity_known and self.breaker.sound
 
     def check(self) -> bool:
-        """Send a trial request when the breaker is not closed (a health loop calls this, so
-        a store that recovered is noticed without traffic); True when the store is sound."""
-        if self.breaker.state == CircuitBreaker.HALF_OPEN:
+        """Send a trial request unless the store is sound (the tier's own thread calls this,
+        so a store that recovered is noticed without traffic); True when the store is sound.
+        Blocks for as long as the request takes."""
+        if not self.healthy and self.breaker.admit_peek():
             try:
-                principal = self.guard.call(self.backend.principal)
+                if not self._identity_known:
+                    self._known_as(self.guard.call(self.backend.principal))
+                else:
+                    self.guard.call(self.backend.ping)
             except ObjectStoreError:
                 return False
-            if self.principal == "unknown":
-                self.principal = principal
-                log.info("object store %s: running as %s", self.backend.url, principal)
-        return self.breaker.state == CircuitBreaker.CLOSED
+        return self.healthy
 
     # -- naming ---------------------------------------------------------------------------
 
@@ -182,6 +270,8 @@ class ObjectTier(Tier):
         self.counters.add("objects_uploaded", 1)
         self.index.add(name, len(body), locations)
         self.counters.add("stores", len(keys))
+        if not self.index.pins.isdisjoint(keys):
+            self._pins_dirty.set()  # the check loop names the new object in this node's pins
         return len(keys)
 
     def _make_room(self, incoming: int) -> bool:
@@ -223,7 +313,7 @@ class ObjectTier(Tier):
         if loc is None:
             self.counters.add("misses", 1)
             return False
-        if not self.healthy:  # fail fast while the breaker is open
+        if not self.breaker.admit_peek():  # fail fast while the breaker is open
             self.counters.add("misses", 1)
             self.counters.add("misses_unhealthy", 1)
             return False
@@ -239,6 +329,9 @@ class ObjectTier(Tier):
             return False
         except ObjectStoreError:
             self.counters.add("misses", 1)
+            return False
+        except UnknownVersionError as exc:
+            self.unknown_format(loc.obj, exc)
             return False
         except ChunkFormatError as exc:
             self.quarantine(loc.obj, exc)
@@ -262,6 +355,9 @@ class ObjectTier(Tier):
             if not chunks or self.object_name(chunks[0][0]) != name:
                 raise ChunkFormatError(f"object {name} does not start with the chunk it names")
             regs = [self._check_payload(key, len(payload)) for key, payload in chunks]
+        except UnknownVersionError as exc:
+            self.unknown_format(name, exc)
+            return None
         except (ChunkFormatError, ValueError, KeyError) as exc:  # incl. a foreign namespace
             self.quarantine(name, exc)
             return None
@@ -284,6 +380,14 @@ class ObjectTier(Tier):
         """Look for an object another node uploaded that starts with ``key``."""
         self.counters.add("probes", 1)
         return self.fetch(self.object_name(key))
+
+    def unknown_format(self, name: str, reason: Exception) -> None:
+        """An object in a chunk format this build does not read (a newer node wrote it, in a
+        rolling upgrade): a miss, counted, and left in the store for the nodes that read it."""
+        log.info("object %s: %s; a miss here, left in the store", name, reason)
+        self.counters.add("misses", 1)
+        self.counters.add("unknown_format", 1)
+        self.index.drop_object(name)
 
     def quarantine(self, name: str, reason: Exception) -> None:
         log.error("object %s failed verification (%s); deleting it", name, reason)
@@ -308,9 +412,67 @@ class ObjectTier(Tier):
 
     def pin(self, keys: Sequence[ChunkKey]) -> None:
         self.index.set_pinned(keys, True)
+        self.publish_pins()
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         self.index.set_pinned(keys, False)
+        self.publish_pins()
+
+    # -- pins the whole fleet sees ----------------------------------------------------------
+
+    @property
+    def pins_name(self) -> str:
+        return f"{PINS_DIR}/{self.node_id}"
+
+    def publish_pins(self) -> bool:
+        """Write this node's pins (chunk keys, and the objects known to hold them) where every
+        node's gc reads them; retried by the check loop until it succeeds."""
+        index = self.index
+        keys = sorted(index.pins)
+        objects = sorted({loc.obj for key in keys if (loc := index.get(key)) is not None})
+        doc = {
+            "format": PINS_FORMAT,
+            "node": self.node_id,
+            "chunks": [key.hex() for key in keys],
+            "objects": objects,
+        }
+        body = json.dumps(doc).encode()
+        self._pins_dirty.set()
+        try:
+            if keys:
+                self.guard.call(lambda: self.backend.put(self.pins_name, body, {}))
+            else:
+                self.guard.call(lambda: self.backend.delete([self.pins_name]))
+        except ObjectStoreError as exc:
+            log.warning("publishing this node's pins failed (retried): %s", exc)
+            return False
+        self._pins_dirty.clear()
+        return True
+
+    def fleet_pins(self) -> tuple[set[str], set[ChunkKey]]:
+        """Objects and chunks pinned by any node, this one included. Raises `ObjectStoreError`
+        when a node's pins cannot be read or are in a format this build does not know: gc
+        must then delete nothing."""
+        names: set[str] = set()
+        keys: set[ChunkKey] = set(self.index.pins)
+        for key in keys:
+            loc = self.index.get(key)
+            if loc is not None:
+                names.add(loc.obj)
+        for info in self.guard.call(lambda: list(self.backend.list(PINS_DIR + "/"))):
+            try:
+                raw = self.guard.call(functools.partial(self.backend.get, info.name))
+            except ObjectNotFoundError:
+                continue  # unpinned since the listing
+            try:
+                doc = json.loads(raw)
+                if doc.get("format") != PINS_FORMAT:
+                    raise ValueError(f"format {doc.get('format')!r}")
+                names.update(str(n) for n in doc["objects"])
+                keys.update(ChunkKey(bytes.fromhex(k)) for k in doc["chunks"])
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise ObjectStoreError(f"pins {info.name} cannot be read: {exc}") from exc
+        return names, keys
 
     def evict(
         self, *, pool: str | None = None, namespace: bytes | None = None, replica: str | None = None
@@ -350,5 +512,12 @@ class ObjectTier(Tier):
         )
 
     def close(self) -> None:
+        closing = getattr(self, "_closing", None)
+        if closing is not None:
+            closing.set()
+            self._checker.join(1.0)  # a trial still out ends with the closed backend
+        self.close_index_and_backend()
+
+    def close_index_and_backend(self) -> None:
         self.index.close()
         self.backend.close()

@@ -1,20 +1,31 @@
 """Asynchronous uploads into the object tier.
 
 Callers `offer` keys and never wait: a full queue drops the work and counts it (the chunks stay
-in lmdb). A packer thread groups consecutive chunks of one namespace and owner into packs of about
-``pack_target_bytes`` (or sends a part-filled pack after ``pack_linger_ms``), and a pool of
-``upload_concurrency`` threads uploads them. Payloads are read from lmdb, verified, at upload time,
-so the queue holds keys only; they are copied from lmdb already encoded, verified on the way.
+in lmdb). A packer thread groups chunks into packs of about ``pack_target_bytes`` (or sends a
+part-filled pack after ``pack_linger_ms``), and a pool of ``upload_concurrency`` threads uploads
+them. Payloads are read from lmdb, verified, at upload time, so the queue holds keys only; they are
+copied from lmdb already encoded, verified on the way.
+
+A pack holds consecutive chunks of one prefix only: an object is named after its first chunk,
+and another node finds it by probing for the first chunk of a prompt it lacks, so every run of a
+prefix must start an object. Chunk keys do not say which chunk precedes them; callers do
+(`follows`): the keys of one reserve, and the part of a lookup found nowhere (what the engine
+computes and stores next), are consecutive chunks of one prompt. A chunk whose predecessor is not
+the last chunk of an open pack starts a pack of its own.
+
+After a restart, `resume` offers again, in the background and at a bounded rate, the chunks lmdb
+holds and the index lacks: uploads queued or failed when the process stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier import blockfmt
@@ -30,6 +41,23 @@ CopyEncoded = Callable[[ChunkKey, memoryview], bool]
 when it is gone."""
 
 _STOP = (ChunkKey(b""), "")
+_MAX_FOLLOWS = 1 << 16  # bound on remembered predecessors; past it packs are only smaller
+_MAX_OPEN_PACKS = 64
+_RESUME_POLL_S = 1.0
+
+Held = Callable[[int], list[tuple[ChunkKey, str]]]
+"""Up to so many chunks held locally, newest first, with the replica that stored each; chunks
+fetched from the store are left out."""
+
+
+class _Pack:
+    __slots__ = ("keys", "nbytes", "replica", "started")
+
+    def __init__(self, key: ChunkKey, nbytes: int, replica: str) -> None:
+        self.keys = [key]
+        self.nbytes = nbytes
+        self.replica = replica
+        self.started = time.monotonic()
 
 
 class Uploader:
@@ -47,8 +75,26 @@ class Uploader:
         self._in_flight = 0
         self._slots = threading.Semaphore(config.upload_concurrency)
         self._pool = ThreadPoolExecutor(config.upload_concurrency, "kvtier-upload")
+        self._follows: dict[ChunkKey, ChunkKey] = {}  # key -> the chunk before it in its prompt
+        self._stop = threading.Event()
+        self._closing = threading.Event()
+        self._resumer: threading.Thread | None = None
         self._packer = threading.Thread(target=self._pack_loop, name="kvtier-packer", daemon=True)
         self._packer.start()
+
+    def follows(self, keys: Sequence[ChunkKey]) -> None:
+        """Record that ``keys`` are consecutive chunks of one prefix, in order."""
+        if len(keys) < 2:
+            return
+        with self._lock:
+            chain = self._follows
+            if chain.get(keys[-1]) == keys[-2]:  # told already (a lookup asked again)
+                return
+            for before, key in itertools.pairwise(keys):
+                if before[:NAMESPACE_BYTES] == key[:NAMESPACE_BYTES]:
+                    chain[key] = before
+            while len(chain) > _MAX_FOLLOWS:  # oldest first: dicts keep insertion order
+                del chain[next(iter(chain))]
 
     def offer(self, keys: Sequence[ChunkKey], replica: str) -> int:
         """Queue chunks for upload without waiting; returns how many were queued."""
@@ -86,39 +132,58 @@ class Uploader:
     def _pack_loop(self) -> None:
         target = int(self.config.pack_target_bytes)
         linger = self.config.pack_linger_ms / 1000.0
-        pack: list[ChunkKey] = []
-        group: tuple[bytes, str] | None = None
-        pack_bytes = 0
-        started = 0.0
+        open_packs: dict[ChunkKey, _Pack] = {}  # by last key
         while True:
-            timeout = max(0.0, started + linger - time.monotonic()) if pack else None
+            first = min((pack.started for pack in open_packs.values()), default=None)
+            timeout = None if first is None else max(0.0, first + linger - time.monotonic())
             try:
                 item = self._queue.get(timeout=timeout)
             except queue.Empty:
                 item = None
             if item is _STOP:
-                if pack and group is not None:
-                    self._submit(pack, group[1])
+                for pack in open_packs.values():
+                    self._submit(pack.keys, pack.replica)
                 return
             if item is not None:
-                key, replica = item
-                item_group = (key[:NAMESPACE_BYTES], replica)
-                if pack and (item_group != group or pack_bytes >= target):
-                    assert group is not None
-                    self._submit(pack, group[1])
-                    pack, pack_bytes = [], 0
-                if not pack:
-                    group, started = item_group, time.monotonic()
-                pack.append(key)
-                pack_bytes += self.tier.registry.resolve(key).chunk_bytes
-                if pack_bytes < target:
-                    continue
-            if pack and group is not None:
-                self._submit(pack, group[1])
-                pack, pack_bytes = [], 0
+                try:
+                    self._place(item, open_packs, target)
+                except Exception:  # e.g. a namespace no longer registered: drop the chunk
+                    self.counters.add("uploads_failed", 1)
+                    log.exception("cannot pack chunk %s", item[0].hex())
+                    self._done([item[0]], slot=False)
+            now = time.monotonic()
+            crowded = len(open_packs) > _MAX_OPEN_PACKS
+            for tail, pack in list(open_packs.items()):
+                if crowded or pack.started + linger <= now:
+                    del open_packs[tail]
+                    self._submit(pack.keys, pack.replica)
+
+    def _place(
+        self, item: tuple[ChunkKey, str], open_packs: dict[ChunkKey, _Pack], target: int
+    ) -> None:
+        """Append a chunk to the open pack it continues, or open one; send a full pack."""
+        key, replica = item
+        nbytes = self.tier.registry.resolve(key).chunk_bytes
+        with self._lock:
+            before = self._follows.pop(key, None)
+        pack = open_packs.get(before) if before is not None else None
+        if pack is not None and pack.replica == replica:
+            del open_packs[pack.keys[-1]]
+            pack.keys.append(key)
+            pack.nbytes += nbytes
+        else:
+            pack = _Pack(key, nbytes, replica)
+        if pack.nbytes >= target:
+            self._submit(pack.keys, pack.replica)
+        else:
+            open_packs[key] = pack
 
     def _submit(self, keys: list[ChunkKey], replica: str) -> None:
-        self._slots.acquire()  # bounds memory: at most upload_concurrency packs in flight
+        # bounds memory: at most upload_concurrency packs in flight
+        while not self._slots.acquire(timeout=0.1):
+            if self._closing.is_set():  # past the close's deadline: the next start offers them
+                self._done(keys, slot=False)
+                return
         with self._lock:
             self._in_flight += 1
         future: Future[None] = self._pool.submit(self._upload, keys, replica)
@@ -144,17 +209,78 @@ class Uploader:
             self.counters.add("uploads_failed", len(keys))
             log.exception("upload of %d chunks failed", len(keys))
 
-    def _done(self, keys: list[ChunkKey]) -> None:
-        self._slots.release()
+    def _done(self, keys: list[ChunkKey], slot: bool = True) -> None:
+        if slot:
+            self._slots.release()
         with self._idle:
-            self._in_flight -= 1
+            if slot:
+                self._in_flight -= 1
             self._queued.difference_update(keys)
             self._idle.notify_all()
 
+    # -- after a restart ------------------------------------------------------------------
+
+    def resume(self, held: Held, namespaces: Callable[[], Iterable[bytes]]) -> None:
+        """Offer again, in the background, the chunks lmdb held at start and the index lacks: up
+        to ``reupload_max_chunks`` of them, ``reupload_chunks_per_s`` at most, each namespace's
+        once it is registered (a chunk cannot be named before). Only what was held at start:
+        a chunk stored since is offered as it is written, and one deleted from the store since
+        (`kvtier gc`) stays deleted."""
+        if self.config.reupload_max_chunks <= 0 or self._resumer is not None:
+            return
+        self._resumer = threading.Thread(
+            target=self._resume_loop, args=(held, namespaces), name="kvtier-reupload", daemon=True
+        )
+        self._resumer.start()
+
+    def _resume_loop(self, held: Held, namespaces: Callable[[], Iterable[bytes]]) -> None:
+        budget = self.config.reupload_max_chunks
+        interval = 1.0 / self.config.reupload_chunks_per_s
+        room = max(1, self.config.upload_queue_chunks // 2)  # leave new chunks the other half
+        try:
+            waiting: dict[bytes, list[tuple[ChunkKey, str]]] = {}
+            for key, replica in held(budget):
+                if key not in self.tier:
+                    waiting.setdefault(bytes(key[:NAMESPACE_BYTES]), []).append((key, replica))
+            while waiting and budget > 0 and not self._stop.is_set():
+                ready = [ns for ns in namespaces() if ns in waiting]
+                for ns in ready:
+                    for key, replica in waiting.pop(ns):
+                        if budget <= 0 or self._stop.is_set():
+                            break
+                        if key in self.tier:
+                            continue
+                        while self._queue.qsize() >= room:
+                            if self._stop.wait(0.05):
+                                return
+                        if self.offer([key], replica):
+                            budget -= 1
+                            self.counters.add("uploads_resumed", 1)
+                        if self._stop.wait(interval):
+                            return
+                if not ready:
+                    self._stop.wait(_RESUME_POLL_S)
+        except Exception:  # a background scan must not take the process down
+            log.exception("offering chunks not uploaded before the restart failed")
+        if budget <= 0:
+            log.warning(
+                "offered %d chunks not uploaded before the restart (object.reupload_max_chunks); "
+                "the rest stay in lmdb only",
+                self.config.reupload_max_chunks,
+            )
+
     def close(self, timeout: float) -> None:
         """Upload what is queued for up to ``timeout`` seconds, then stop."""
+        self._stop.set()
+        if self._resumer is not None:
+            self._resumer.join(timeout=5.0)
         if not self.wait_idle(timeout):
-            log.warning("stopping with %d chunks not uploaded (they stay in lmdb)", self.pending())
+            log.warning(
+                "stopping with %d chunks not uploaded (they stay in lmdb, offered again at the "
+                "next start)",
+                self.pending(),
+            )
+        self._closing.set()
         with contextlib.suppress(queue.Full):
             self._queue.put(_STOP, timeout=1.0)
         self._packer.join(timeout=5.0)

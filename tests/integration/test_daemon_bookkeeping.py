@@ -1,0 +1,246 @@
+"""kvtierd's bookkeeping against one client: refused registrations record nothing, sessions,
+namespaces and slot classes are bounded, a reservation or lease whose call was lost is reclaimed,
+and refs a failed call did not hand back are handed back later, once. Real daemons; a stall is a
+real SIGSTOP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from kvtier_vllm.unreturned import Return, Unreturned
+
+from kvtier.api.v1 import admin_pb2, tier_pb2, tier_pb2_grpc
+from kvtier.errors import KVTierError
+from kvtier.rpc import GrpcTierClient
+from kvtier.server.convert import spec_to
+from kvtier.server.sessions import EXPIRED_COUNTER
+from kvtier.tiers.arena import ArenaMemory
+from tests.integration.daemon_harness import (
+    CHUNK,
+    DaemonFiles,
+    Processes,
+    RunningDaemon,
+    expected,
+    key_of,
+    write_config,
+)
+from tests.support import target_spec
+
+STALL_S = 0.5  # well inside the session timeout (1.5 s)
+
+
+def _wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+
+
+def _cpu(stats: admin_pb2.StatsResponse) -> admin_pb2.TierStats:
+    (tier,) = [t for t in stats.tiers if t.tier == "cpu"]
+    return tier
+
+
+def _reservations(daemon: RunningDaemon) -> float:
+    (value,) = [v for n, _, v in daemon.metrics() if n == "kvtier_reservations"]
+    return value
+
+
+def _pool(model: str = "", chunk_bytes: int = CHUNK) -> tier_pb2.PoolRegistration:
+    spec = target_spec(model=model) if model else target_spec()
+    return tier_pb2.PoolRegistration(spec=spec_to(spec), chunk_bytes=chunk_bytes)
+
+
+def _register(
+    stub: tier_pb2_grpc.TierServiceStub, pool: tier_pb2.PoolRegistration, session_id: str = ""
+) -> str:
+    request = tier_pb2.RegisterSessionRequest(replica_id="r", pools=[pool], session_id=session_id)
+    return str(stub.RegisterSession(request, timeout=10).session_id)
+
+
+def _refused(call: Callable[[], Any]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
+
+
+@contextmanager
+def _stalled(daemon: RunningDaemon) -> Iterator[None]:
+    """The daemon stopped (SIGSTOP), as a machine too busy to schedule it would."""
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        time.sleep(STALL_S)
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+
+
+def _client(files: DaemonFiles, timeout_s: float = 10.0) -> GrpcTierClient:
+    client = GrpcTierClient(files.socket, "dp0", timeout_s=timeout_s, tune_memory=False)
+    client.register_pool(target_spec(), CHUNK)
+    return client
+
+
+@pytest.fixture
+def files(tmp_path: Path, shm_path: Path) -> DaemonFiles:
+    return write_config(tmp_path, shm_path)
+
+
+def test_a_refused_registration_records_nothing_and_leaves_no_session(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    daemon = procs.start_daemon(files)
+    with grpc.insecure_channel(f"unix:{files.socket}") as channel:
+        stub = tier_pb2_grpc.TierServiceStub(channel)
+        huge = _pool("m", 1 << 62)
+        refused = _refused(lambda: _register(stub, huge))
+        assert refused.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "extent_bytes" in (refused.details() or "")
+        assert daemon.stats().sessions == 0, "the refused registration kept a session"
+        # the same spec with a chunk size the arena takes: registered as if never refused
+        sid = _register(stub, _pool("m"))
+        again = _refused(lambda: _register(stub, huge, sid))
+        assert again.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "already registered" in (again.details() or "")
+        assert _register(stub, _pool("m"), sid) == sid
+        assert daemon.stats().sessions == 1
+
+
+def test_sessions_namespaces_and_slot_classes_are_bounded(
+    procs: Processes, tmp_path: Path, shm_path: Path
+) -> None:
+    files = write_config(
+        tmp_path,
+        shm_path,
+        {
+            "server": {"max_sessions": 2, "max_namespaces": 3, "max_session_leases": 1},
+            "arena": {"max_slot_classes": 2},
+        },
+    )
+    daemon = procs.start_daemon(files)
+    with grpc.insecure_channel(f"unix:{files.socket}") as channel:
+        stub = tier_pb2_grpc.TierServiceStub(channel)
+        first = _register(stub, _pool())
+        _register(stub, _pool())
+        refused = _refused(lambda: _register(stub, _pool()))
+        assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "server.max_sessions" in (refused.details() or "")
+
+        _register(stub, _pool("half", 2 * CHUNK), first)  # a second slot class
+        refused = _refused(lambda: _register(stub, _pool("quarter", 4 * CHUNK), first))
+        assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "arena.max_slot_classes" in (refused.details() or "")
+        _register(stub, _pool("quarter"), first)  # refused above: nothing of it was recorded
+
+        refused = _refused(lambda: _register(stub, _pool("fourth"), first))
+        assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "server.max_namespaces" in (refused.details() or "")
+        stats = daemon.stats()
+        assert stats.sessions == 2
+        keys = tier_pb2.KeyBatch(key_bytes=len(key_of(0)), packed=key_of(0))
+        (grant,) = stub.Reserve(tier_pb2.ReserveRequest(session_id=first, keys=keys)).grants
+        assert grant.granted, "the daemon stopped serving past its bounds"
+        commit = tier_pb2.CommitRequest(session_id=first, refs=[grant.ref])
+        assert stub.Commit(commit).committed == 1
+        prefetch = tier_pb2.PrefetchRequest(session_id=first, keys=keys)
+        (lease,) = stub.Prefetch(prefetch).leases
+        assert lease.granted
+        refused = _refused(lambda: stub.Prefetch(prefetch))
+        assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "server.max_session_leases" in (refused.details() or "")
+        assert daemon.stats().leases == 1
+
+
+def test_a_call_in_a_reaped_session_is_told_it_expired(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    daemon = procs.start_daemon(files)
+    with grpc.insecure_channel(f"unix:{files.socket}") as channel:
+        stub = tier_pb2_grpc.TierServiceStub(channel)
+        sid = _register(stub, _pool())
+        _wait_for(lambda: daemon.stats().sessions == 0, 5.0, "the silent session reaped")
+        keys = tier_pb2.KeyBatch(key_bytes=len(key_of(0)), packed=key_of(0))
+        late = _refused(lambda: stub.Reserve(tier_pb2.ReserveRequest(session_id=sid, keys=keys)))
+        assert late.code() is grpc.StatusCode.NOT_FOUND
+        assert "heartbeat lapsed" in (late.details() or "")
+        assert _reservations(daemon) == 0
+
+
+def test_a_reservation_whose_commit_never_came_is_aborted_and_its_key_stored_again(
+    procs: Processes, tmp_path: Path, shm_path: Path
+) -> None:
+    files = write_config(tmp_path, shm_path, {"server": {"reservation_timeout_s": 1.0}})
+    daemon = procs.start_daemon(files)
+    with closing(_client(files)) as client:
+        (ref,) = client.reserve([key_of(0)])
+        assert ref is not None
+        assert client.reserve([key_of(0)]) == [None]  # in flight: not storable
+        _wait_for(lambda: _reservations(daemon) == 0, 5.0, "the stuck reservation aborted")
+        stats = daemon.stats()
+        assert stats.sessions == 1, "the session itself was alive all along"
+        assert _cpu(stats).counters[EXPIRED_COUNTER] == 1
+        assert client.commit([ref]) == 0  # too late: the slot is no longer its reservation
+        (again,) = client.reserve([key_of(0)])
+        assert again is not None, "the key stayed unstorable"
+
+
+def test_a_release_whose_answer_was_lost_is_sent_again_and_ends_only_its_lease(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    daemon = procs.start_daemon(files)
+    assert procs.client(files.socket, "w", "--store", "0:1")["stored"] == [0]
+    _wait_for(lambda: daemon.stats().sessions == 0, 5.0, "the writer's session reaped")
+    with closing(_client(files, timeout_s=0.2)) as client:
+        lost, other = (client.load([key_of(0)])[0] for _ in range(2))  # two requests share it
+        assert lost is not None
+        assert other is not None
+        assert daemon.stats().leases == 2
+        unreturned = Unreturned(every_s=0.0)
+        with _stalled(daemon):
+            with pytest.raises(KVTierError):
+                client.release([lost])
+            unreturned.keep(Return.RELEASE, [lost])
+        # kvtierd may or may not have run the release the client gave up on; sent again, it
+        # ends that lease once either way
+        _wait_for(lambda: unreturned.retry(client) == 1 or not len(unreturned), 5.0, "retried")
+        assert len(unreturned) == 0
+        stats = daemon.stats()
+        assert (stats.sessions, stats.leases) == (1, 1), "the retry ended the other lease"
+        client.release([lost])  # once more, as if the retry's own answer had been lost
+        assert daemon.stats().leases == 1, "a repeated release ended the other lease"
+        with closing(daemon.admin()) as admin:
+            assert admin.evict(tier="cpu") == {"cpu": 0}  # `other` still holds it
+            client.release([other])
+            assert daemon.stats().leases == 0
+            assert admin.evict(tier="cpu") == {"cpu": 1}
+
+
+def test_a_commit_lost_to_a_stalled_daemon_is_sent_again_and_the_chunk_stored(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    daemon = procs.start_daemon(files)
+    arena = ArenaMemory.attach(daemon.arena)
+    with closing(_client(files, timeout_s=0.2)) as client:
+        (ref,) = client.reserve([key_of(0)])
+        assert ref is not None
+        arena.view(ref.offset, ref.nbytes)[:] = expected(key_of(0))
+        unreturned = Unreturned(every_s=0.0)
+        with _stalled(daemon):
+            with pytest.raises(KVTierError):
+                client.commit([ref])
+            unreturned.keep(Return.COMMIT, [ref])
+        _wait_for(lambda: unreturned.retry(client) == 1 or not len(unreturned), 5.0, "retried")
+        assert len(unreturned) == 0
+        assert client.lookup([key_of(0)]).hits == 1
+        assert _reservations(daemon) == 0
+        assert daemon.stats().sessions == 1
+    arena.close()
+    assert procs.check(files.socket, 1)["present"] == [0]

@@ -1,0 +1,95 @@
+"""How chunks are packed into objects: runs of one prompt only, whatever order they reach the
+packer in, on a file:// store."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import from_mapping
+from kvtier.manager import TierManager
+from kvtier.tiers.objstore.tier import ObjectTier
+from tests.support import MiB, keys_for, payload_for, target_spec
+
+CHUNK = 256 << 10
+
+
+@pytest.fixture
+def manager(tmp_path: Path) -> Iterator[TierManager]:
+    shm = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    config = from_mapping(
+        {
+            "arena": {"path": str(shm), "size_bytes": 16 * MiB, "extent_bytes": 2 * MiB},
+            "lmdb": {"path": str(tmp_path / "lmdb"), "budget_bytes": 64 * MiB},
+            "object": {
+                "url": f"file://{tmp_path}/bucket",
+                "index_path": str(tmp_path / "objindex"),
+                "index_map_bytes": 64 * MiB,
+                "pack_linger_ms": 2000,  # every chunk reaches the packer before a pack leaves
+            },
+        }
+    )
+    m = TierManager(config)
+    yield m
+    m.close()
+    shm.unlink(missing_ok=True)
+
+
+def objects(bucket: Path) -> dict[str, int]:
+    """Object name -> chunks it holds."""
+    return {
+        str(meta.relative_to(bucket)).removesuffix(".meta"): int(
+            json.loads(meta.read_text())["kvtier-chunks"]
+        )
+        for meta in bucket.rglob("*.meta")
+    }
+
+
+def test_interleaved_prompts_are_packed_apart(manager: TierManager, tmp_path: Path) -> None:
+    ns = manager.register_pool(target_spec(), CHUNK)
+    first, second = keys_for(ns, 6), keys_for(ns, 6, start=100)
+    refs_a = manager.reserve(first, "r0")
+    refs_b = manager.reserve(second, "r0")
+    interleaved = [r for pair in zip(refs_a, refs_b, strict=True) for r in pair if r is not None]
+    assert len(interleaved) == 12
+    for ref in interleaved:
+        manager.cpu.view(ref)[:] = payload_for(ref.key, ref.nbytes)
+    assert manager.commit(interleaved) == 12  # written back, and offered, in this order
+    assert manager.flush()
+    assert manager.flush_uploads(20.0)
+    assert manager.object is not None
+    name_of = manager.object.object_name
+    assert objects(tmp_path / "bucket") == {name_of(first[0]): 6, name_of(second[0]): 6}
+    for keys in (first, second):
+        locations = [manager.object.index.get(k) for k in keys]
+        assert [loc.obj if loc else None for loc in locations] == [name_of(keys[0])] * 6
+        assert [loc.offset if loc else None for loc in locations] == sorted(
+            loc.offset for loc in locations if loc
+        ), "chunks in prompt order"
+    assert ObjectTier.key_of(name_of(second[0])) == second[0]
+
+
+def test_a_prompt_stored_over_several_steps_is_one_object(
+    manager: TierManager, tmp_path: Path
+) -> None:
+    ns = manager.register_pool(target_spec(), CHUNK)
+    prompt, other = keys_for(ns, 12), keys_for(ns, 6, start=100)
+    assert manager.lookup(prompt).hits == 0  # an engine asks before computing the prompt
+    refs = []
+    for step in range(0, 12, 4):  # chunked prefill: each step stores the chunks it computed
+        refs += [r for r in manager.reserve(prompt[step : step + 4], "r0") if r is not None]
+    refs += [r for r in manager.reserve(other, "r0") if r is not None]
+    assert len(refs) == 18
+    for ref in refs:
+        manager.cpu.view(ref)[:] = payload_for(ref.key, ref.nbytes)
+    assert manager.commit(refs) == 18
+    assert manager.flush()
+    assert manager.flush_uploads(20.0)
+    assert manager.object is not None
+    name_of = manager.object.object_name
+    assert objects(tmp_path / "bucket") == {name_of(prompt[0]): 12, name_of(other[0]): 6}

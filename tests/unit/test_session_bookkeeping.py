@@ -1,0 +1,272 @@
+"""Sessions against a real TierManager: calls racing the reaper, a reaper that meets an error,
+retried releases, and reservations and leases that outlive their timeouts. The interleavings
+are forced by the test (a hand-driven clock, a manager call that reaps midway)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.errors import CapacityError, SessionNotFoundError
+from kvtier.keys import ChunkKey
+from kvtier.manager import TierManager
+from kvtier.server.sessions import EXPIRED_COUNTER, EXPIRED_LEASES_COUNTER, SessionRegistry
+from tests.support import keys_for, manager_config, payload_for, target_spec
+
+CHUNK = 256 << 10
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def manager(shm_path: Path, tmp_path: Path) -> Iterator[TierManager]:
+    m = TierManager(manager_config(shm_path, tmp_path))
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def sessions(manager: TierManager, clock: FakeClock) -> SessionRegistry:
+    return SessionRegistry(
+        manager, timeout_s=5.0, clock=clock, reservation_timeout_s=30.0, lease_timeout_s=60.0
+    )
+
+
+@pytest.fixture
+def ns(manager: TierManager) -> bytes:
+    return manager.register_pool(target_spec(), CHUNK)
+
+
+def _store(manager: TierManager, key: ChunkKey) -> None:
+    (ref,) = manager.reserve([key])
+    assert ref is not None
+    manager.cpu.view(ref)[:] = payload_for(key, CHUNK)
+    assert manager.commit([ref]) == 1
+
+
+def _reaping_midway(
+    monkeypatch: pytest.MonkeyPatch,
+    manager: TierManager,
+    name: str,
+    clock: FakeClock,
+    sessions: SessionRegistry,
+) -> list[int]:
+    """``manager.name`` reaps every session right after it did its work, as if the reaper ran
+    between the call's work and its bookkeeping."""
+    real: Callable[..., Any] = getattr(manager, name)
+    reaped: list[int] = []
+
+    def racing(*args: Any) -> Any:
+        out = real(*args)
+        clock.now += 10
+        reaped.append(sessions.reap())
+        return out
+
+    monkeypatch.setattr(manager, name, racing)
+    return reaped
+
+
+def test_a_lease_granted_while_the_reaper_ends_the_session_is_given_back(
+    manager: TierManager,
+    sessions: SessionRegistry,
+    clock: FakeClock,
+    ns: bytes,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (key,) = keys_for(ns, 1)
+    _store(manager, key)
+    session = sessions.open("r0", "e0", 0, 0)
+    reaped = _reaping_midway(monkeypatch, manager, "load", clock, sessions)
+    with pytest.raises(SessionNotFoundError, match="expired"):
+        sessions.prefetch(session, [key])
+    assert reaped == [1]
+    assert sessions.counts() == (0, 0, 0)
+    slot = manager.cpu._index[key]
+    assert manager.cpu.memory.refcount[slot] == 0, "a lease was left in a reaped session"
+
+
+def test_a_reservation_made_while_the_reaper_ends_the_session_is_given_back(
+    manager: TierManager,
+    sessions: SessionRegistry,
+    clock: FakeClock,
+    ns: bytes,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (key,) = keys_for(ns, 1)
+    session = sessions.open("r0", "e0", 0, 0)
+    _reaping_midway(monkeypatch, manager, "reserve", clock, sessions)
+    with pytest.raises(SessionNotFoundError, match="expired"):
+        sessions.reserve(session, [key])
+    monkeypatch.undo()
+    assert sessions.counts() == (0, 0, 0)
+    assert manager.reserve([key])[0] is not None, "the key stayed reserved"
+
+
+def test_a_reaped_session_answers_expired_and_takes_no_more_calls(
+    sessions: SessionRegistry, clock: FakeClock, ns: bytes
+) -> None:
+    session = sessions.open("r0", "e0", 0, 0)
+    clock.now += 10
+    assert sessions.reap() == 1
+    with pytest.raises(SessionNotFoundError, match="expired"):
+        sessions.live(session.id)
+    with pytest.raises(SessionNotFoundError, match="unknown"):
+        sessions.live("never-opened")
+    with pytest.raises(SessionNotFoundError):
+        sessions.reserve(session, keys_for(ns, 1))
+    assert sessions.counts() == (0, 0, 0)
+
+
+def test_the_reaper_survives_an_error_and_reaps_on_the_next_round(
+    manager: TierManager,
+    sessions: SessionRegistry,
+    clock: FakeClock,
+    ns: bytes,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first, second = keys_for(ns, 2)
+    for key in (first, second):
+        _store(manager, key)
+    dying = sessions.open("r0", "e0", 0, 0)
+    (lease,) = sessions.prefetch(dying, [first])
+    assert lease is not None
+    real = manager.release
+    failures: list[int] = []
+
+    def failing_once(refs: Any) -> None:
+        if not failures:
+            failures.append(len(refs))
+            raise RuntimeError("broken by the test")
+        real(refs)
+
+    monkeypatch.setattr(manager, "release", failing_once)
+    clock.now += 10
+    assert sessions.reap() == 1  # logged, not raised
+    assert failures == [1]
+    later = sessions.open("r1", "e1", 0, 0)
+    (other,) = sessions.prefetch(later, [second])
+    assert other is not None
+    clock.now += 10
+    assert sessions.reap() == 1
+    assert sessions.counts() == (0, 0, 0)
+    assert manager.cpu.memory.refcount[other.slot] == 0
+
+
+def test_a_retried_release_ends_its_own_lease_and_no_other(
+    manager: TierManager, sessions: SessionRegistry, ns: bytes
+) -> None:
+    (key,) = keys_for(ns, 1)
+    _store(manager, key)
+    session = sessions.open("r0", "e0", 0, 0)
+    (a,) = sessions.prefetch(session, [key])
+    (b,) = sessions.prefetch(session, [key])  # two requests share the chunk
+    assert a is not None
+    assert b is not None
+    assert (a.slot, a.generation) == (b.slot, b.generation)
+    assert a.lease != b.lease
+    assert sessions.release(session, [a]) == 1
+    assert sessions.release(session, [a]) == 0  # its answer was lost: sent again
+    assert manager.cpu.memory.refcount[a.slot] == 1, "the retry ended the other lease"
+    assert sessions.release(session, [b]) == 1
+    assert manager.cpu.memory.refcount[a.slot] == 0
+    assert sessions.counts() == (1, 0, 0)
+
+
+def test_a_retried_commit_or_abort_changes_nothing(
+    manager: TierManager, sessions: SessionRegistry, ns: bytes
+) -> None:
+    kept, dropped = keys_for(ns, 2)
+    session = sessions.open("r0", "e0", 0, 0)
+    ref, gone = sessions.reserve(session, [kept, dropped])
+    assert ref is not None
+    assert gone is not None
+    manager.cpu.view(ref)[:] = payload_for(kept, CHUNK)
+    assert sessions.commit(session, [ref]) == 1
+    assert sessions.commit(session, [ref]) == 0
+    sessions.abort(session, [gone])
+    sessions.abort(session, [gone])
+    assert manager.lookup([kept]).hits == 1
+    assert sessions.counts() == (1, 0, 0)
+    assert manager.reserve([dropped])[0] is not None
+
+
+def test_a_reservation_never_committed_is_aborted_after_its_timeout(
+    manager: TierManager, sessions: SessionRegistry, clock: FakeClock, ns: bytes
+) -> None:
+    stuck, fresh = keys_for(ns, 2)
+    session = sessions.open("r0", "e0", 0, 0)
+    (ref,) = sessions.reserve(session, [stuck])
+    assert ref is not None
+    for _ in range(7):  # the engine stays alive: only the reservation is old
+        clock.now += 4
+        sessions.heartbeat(session.id)
+        sessions.reap()
+    (young,) = sessions.reserve(session, [fresh])
+    clock.now += 4
+    assert sessions.reap() == 0
+    assert sessions.counts() == (1, 0, 1)  # the fresh one is kept
+    assert manager.cpu.stats().counters[EXPIRED_COUNTER] == 1
+    assert sessions.commit(session, [ref]) == 0  # a commit that arrives late finds nothing
+    (again,) = sessions.reserve(session, [stuck])
+    assert again is not None, "the key stayed unstorable"
+    assert young is not None
+
+
+def test_a_lease_never_released_is_released_after_its_timeout(
+    manager: TierManager, sessions: SessionRegistry, clock: FakeClock, ns: bytes
+) -> None:
+    (key,) = keys_for(ns, 1)
+    _store(manager, key)
+    session = sessions.open("r0", "e0", 0, 0)
+    (lease,) = sessions.prefetch(session, [key])
+    assert lease is not None
+    for _ in range(16):
+        clock.now += 4
+        sessions.heartbeat(session.id)
+        sessions.reap()
+    assert sessions.counts() == (1, 0, 0)
+    assert manager.cpu.memory.refcount[lease.slot] == 0
+    assert manager.cpu.stats().counters[EXPIRED_LEASES_COUNTER] == 1
+    assert sessions.release(session, [lease]) == 0  # a release that arrives late ends nothing
+
+
+def test_sessions_past_the_bound_are_refused_until_one_ends(manager: TierManager) -> None:
+    sessions = SessionRegistry(manager, timeout_s=5.0, max_sessions=2)
+    a = sessions.open("r0", "e0", 0, 0)
+    sessions.open("r1", "e1", 0, 0)
+    with pytest.raises(CapacityError, match=r"server\.max_sessions"):
+        sessions.open("r2", "e2", 0, 0)
+    sessions.discard(a)
+    sessions.open("r2", "e2", 0, 0)
+    assert sessions.counts()[0] == 2
+
+
+def test_a_session_past_its_lease_bound_is_refused_until_it_releases(
+    manager: TierManager, ns: bytes
+) -> None:
+    sessions = SessionRegistry(manager, timeout_s=5.0, max_session_leases=2)
+    (key,) = keys_for(ns, 1)
+    _store(manager, key)
+    session = sessions.open("r0", "e0", 0, 0)
+    (a,) = sessions.prefetch(session, [key])
+    sessions.prefetch(session, [key])
+    with pytest.raises(CapacityError, match=r"server\.max_session_leases"):
+        sessions.prefetch(session, [key])
+    assert a is not None
+    assert manager.cpu.memory.refcount[a.slot] == 2  # the refused call took nothing
+    sessions.release(session, [a])
+    assert sessions.prefetch(session, [key])[0] is not None

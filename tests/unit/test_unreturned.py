@@ -1,0 +1,104 @@
+"""The connector's list of refs still to hand back: when it tries, how often, and when it gives
+up. The client here is a stand-in that fails on demand (the real daemon's side is in
+tests/integration/test_daemon_bookkeeping.py and tests/faults/test_leaks.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtier_vllm.unreturned import Return, Unreturned
+
+from kvtier.errors import TierUnavailableError
+from kvtier.keys import ChunkKey
+from kvtier.tiers.cpu import SlotRef
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Client:
+    """Records every call; fails while ``failing``."""
+
+    def __init__(self) -> None:
+        self.failing = False
+        self.serving = True
+        self.calls: list[tuple[str, list[int]]] = []
+
+    def _call(self, what: str, refs: Sequence[SlotRef]) -> None:
+        self.calls.append((what, [r.slot for r in refs]))
+        if self.failing:
+            raise TierUnavailableError("not answering")
+
+    def release(self, refs: Sequence[SlotRef]) -> None:
+        self._call("release", refs)
+
+    def commit(self, refs: Sequence[SlotRef]) -> int:
+        self._call("commit", refs)
+        return len(refs)
+
+    def abort(self, refs: Sequence[SlotRef]) -> None:
+        self._call("abort", refs)
+
+
+def _refs(*slots: int) -> list[SlotRef]:
+    return [SlotRef(ChunkKey(b"k" * 24), s, 0, 1, 1) for s in slots]
+
+
+def test_refs_go_back_on_a_later_try_in_the_order_they_failed() -> None:
+    clock, client = Clock(), Client()
+    owed = Unreturned(every_s=1.0, clock=clock)
+    owed.keep(Return.COMMIT, _refs(1, 2))
+    owed.keep(Return.RELEASE, _refs(3))
+    owed.keep(Return.ABORT, _refs(4))
+    assert owed.retry(client) == 0  # not in the step that just failed
+    clock.now = 1.0
+    assert owed.retry(client) == 4
+    assert client.calls == [("commit", [1, 2]), ("release", [3]), ("abort", [4])]
+    assert len(owed) == 0
+
+
+def test_a_failing_daemon_gets_one_call_per_try_and_a_bounded_number_of_tries() -> None:
+    clock, client = Clock(), Client()
+    owed = Unreturned(every_s=1.0, max_tries=3, clock=clock)
+    owed.keep(Return.RELEASE, _refs(1))
+    owed.keep(Return.RELEASE, _refs(2))
+    client.failing = True
+    for _ in range(10):
+        clock.now += 1.0
+        owed.retry(client)
+    assert client.calls == [("release", [1])] * 3 + [("release", [2])] * 3
+    assert len(owed) == 0
+    assert owed.given_up == 2
+
+
+def test_nothing_is_tried_while_the_client_says_the_daemon_is_not_serving() -> None:
+    clock, client = Clock(), Client()
+    owed = Unreturned(every_s=0.0, clock=clock)
+    owed.keep(Return.RELEASE, _refs(1))
+    client.serving = False
+    assert owed.retry(client) == 0
+    assert client.calls == []
+    assert owed.retry(client, force=True) == 1  # at shutdown: one last try regardless
+
+
+def test_at_shutdown_one_failure_gives_up_the_rest() -> None:
+    client = Client()
+    owed = Unreturned(every_s=60.0, clock=Clock())
+    owed.keep(Return.RELEASE, _refs(1))
+    owed.keep(Return.COMMIT, _refs(2))
+    client.failing = True
+    assert owed.retry(client, force=True) == 0
+    assert client.calls == [("release", [1])]
+    assert (len(owed), owed.given_up) == (0, 2)
+
+
+def test_the_oldest_refs_are_given_up_past_the_bound() -> None:
+    owed = Unreturned(max_refs=3, clock=Clock())
+    owed.keep(Return.RELEASE, _refs(1, 2))
+    owed.keep(Return.RELEASE, _refs(3, 4))
+    assert (len(owed), owed.given_up) == (2, 2)
