@@ -90,9 +90,9 @@ from common import die_with_parent, filled, geomean, keys_for, no_gc, small_spec
 
 from kvtier.config import ENV_PREFIX
 from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
+from kvtier.protocol import SlotRef
 from kvtier.rpc import AdminClient, GrpcTierClient, Pending
 from kvtier.tiers.arena import ArenaMemory
-from kvtier.tiers.cpu import SlotRef
 
 log = logging.getLogger("kvtier.bench")
 
@@ -189,9 +189,9 @@ class CountingClient(GrpcTierClient):
         super().__init__(socket_path, replica)
         self.calls: Counter[str] = Counter()
 
-    def _rpc(self, method: Callable[..., R], request: Any) -> R:
+    def _rpc(self, method: Callable[..., R], request: Any, timeout: float | None = None) -> R:
         self.calls[type(request).__name__] += 1
-        return super()._rpc(method, request)
+        return super()._rpc(method, request, timeout)
 
     def _keys_call_async(
         self, method: Any, keys: Sequence[ChunkKey], refs: Sequence[SlotRef], convert: Any

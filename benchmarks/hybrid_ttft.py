@@ -1,7 +1,7 @@
 """The hybrid case of ``ttft.py``: a model whose sliding-window and full-attention layers vLLM
 keeps in separate KV-cache groups (its hybrid allocator on, which kvtier keeps on).
 
-The model is a locally built Gemma3-text (tests/e2e/models.py, ``build_gemma3_hybrid``): 12
+The model is a locally built Gemma3-text (benchmarks/models.py, ``build_gemma3_hybrid``): 12
 layers alternating sliding (window ``WINDOW`` tokens, much shorter than the prompts) and full,
 hidden 768, head_dim 32, 2 KV heads, fp32, random weights. On the same prompts as the other
 cases:
@@ -18,10 +18,10 @@ cases:
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ttft import Bench
+import models
+from engine import Case, EngineBench, Kvtierd, extent_for, round_up
 
 WINDOW = 256
 LAYERS = ("S", "F") * 6
@@ -34,9 +34,7 @@ STORED = "vllm:kvtier_transfer_bytes"
 SKIPPED = "vllm:kvtier_window_skipped_bytes"
 
 
-def build_model(bench: Bench) -> Any:
-    from tests.e2e import models  # ttft.py puts the repository on the path
-
+def build_model(bench: EngineBench) -> Any:
     return models.build_gemma3_hybrid(
         bench.cache_dir,
         layer_types=LAYERS,
@@ -73,12 +71,8 @@ def table(hybrid: dict[str, Any]) -> list[str]:
     return lines
 
 
-def run(bench: Bench, bpc: int) -> dict[str, Any]:
+def run(bench: EngineBench, bpc: int) -> dict[str, Any]:
     """Every hybrid figure, with its own kvtierd; ``bpc``: blocks per chunk."""
-    from ttft import Case, Kvtierd, _extent_for, _round_up
-
-    from tests.e2e.models import counter
-
     model = build_model(bench)
     engine = {"model": model, "dtype": "float32"}
     cold = Case("hybrid_cold", 0)
@@ -93,16 +87,16 @@ def run(bench: Bench, bpc: int) -> dict[str, Any]:
     arena = Case("hybrid_arena_hit", bench.full_hit(chunk_tokens), connector=True)
     kv = (len(bench.prompts) + 1) * bench.full_hit(chunk_tokens) * kv_bytes_per_token(model)
     # each plan (sliding or full) holds half the layers
-    extent = _extent_for(kv_bytes_per_token(model) * chunk_tokens // 2)
+    extent = extent_for(kv_bytes_per_token(model) * chunk_tokens // 2)
     (bench.root / "hybrid").mkdir()
-    daemon = Kvtierd(bench.root / "hybrid", bench.shm("hybrid"), _round_up(2 * kv, extent), extent)
+    daemon = Kvtierd(bench.root / "hybrid", bench.shm("hybrid"), round_up(2 * kv, extent), extent)
     try:
         daemon.start()
         connector = bench.sidecar(daemon, bpc)
         with bench.engine(connector, **engine) as llm:
             bench.compute(llm, [bench.warmup, *bench.prompts])
-            stored = counter(llm, STORED, direction="store")
-            skipped = counter(llm, SKIPPED)
+            stored = models.counter(llm, STORED, direction="store")
+            skipped = models.counter(llm, SKIPPED)
         with bench.engine(connector, **engine) as llm:
             bench.first_token(llm, bench.warmup)
             for _ in bench.rounds(llm):

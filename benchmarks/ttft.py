@@ -6,7 +6,7 @@ Usage: ``python benchmarks/ttft.py [--quick] [--json] [--block-size N] [--blocks
 With ``--gpu`` it measures GPU<->arena copy bandwidth instead (needs a CUDA device):
 ``python benchmarks/ttft.py --gpu [--quick] [--json]``
 
-The model is built locally into ``--cache-dir`` (tests/e2e/models.py, ``build_benchmark_llama``:
+The model is built locally into ``--cache-dir`` (benchmarks/models.py, ``build_benchmark_llama``:
 12 layers, hidden 768, 8 heads, 4 KV heads, head_dim 64, bf16, random weights); nothing is
 downloaded. Every engine is an in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 eager, with the same KV size, block size and batch limit (a whole prompt in one step), and is
@@ -73,54 +73,56 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import gc
 import json
 import logging
 import os
-import select
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hybrid_ttft
+import models
 import yaml
-from common import die_with_parent, no_gc
+from common import no_gc
+from engine import (
+    LMDB_BUDGET,
+    PAGE,
+    Case,
+    CpuShare,
+    GiB,
+    KiB,
+    Kvtierd,
+    MiB,
+    Sample,
+    cold_read_ms,
+    delta,
+    drop_page_cache,
+    extent_for,
+    fs_type,
+    median,
+    resident,
+    round_up,
+)
 
-from kvtier.config import ENV_PREFIX, ArenaConfig
+from kvtier.config import ArenaConfig
 from kvtier.keys import NamespaceSpec, PageLayout, Pool, make_key
 from kvtier.pools import PoolRegistry
-from kvtier.rpc import AdminClient
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # the model builders live in the test tree, not installed
-
-from tests.e2e import models  # noqa: E402
 
 log = logging.getLogger("kvtier.bench")
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
 PROMPT_TOKENS = 3600
 MAX_MODEL_LEN = 4096
 KV_CACHE_BYTES = 512 * MiB
 MISS_PROMPTS = 8
 MISS_PROMPT_TOKENS = 512
 MISS_OUTPUT_TOKENS = 32
-LMDB_BUDGET = 3 * GiB
-READY = "kvtierd ready: "
-READY_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 120.0
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
 LOAD_COUNTERS = (
     "lookups",
@@ -133,7 +135,6 @@ LOAD_COUNTERS = (
     "cpu.misses",
     "cpu.writeback_ok",
 )
-MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes
 
 TARGETS: dict[str, tuple[str, float]] = {
     "arena_hit_vs_gpu_prefix_hit": ("<=", 1.2),
@@ -169,298 +170,11 @@ QUICK = Mode("quick", 3, 2, (128, 512), 2, ABBA, 512 * MiB, 5)
 FULL = Mode("full", 5, 3, (32, 128, 512), 3, ABBA + ABBA[::-1], 1 * GiB, 11)
 
 
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 def check(value: float, op: str, bound: float) -> bool:
     return bool(value >= bound if op == ">=" else value <= bound)
 
 
-# -- page cache -------------------------------------------------------------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_PROT_READ = 1
-_MAP_SHARED = 1
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def drop_page_cache(paths: Sequence[Path]) -> None:
-    """Write each file's dirty pages, then ask the kernel to drop its cached ones."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # dirty pages cannot be dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def resident_pages(path: Path) -> tuple[int, int]:
-    """(pages of the file in the page cache, pages of the file), by mincore on a fresh mapping;
-    mapping without touching faults nothing in."""
-    size = path.stat().st_size
-    pages = (size + PAGE - 1) // PAGE
-    if pages == 0:
-        return 0, 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
-        if addr in (None, _MAP_FAILED):
-            raise OSError(ctypes.get_errno(), f"mmap {path}")
-        try:
-            vec = (ctypes.c_ubyte * pages)()
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore {path}")
-            return sum(v & 1 for v in vec), pages
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-
-
-def resident(paths: Sequence[Path]) -> tuple[int, int]:
-    """(pages in the page cache, pages) over ``paths``."""
-    counts = [resident_pages(p) for p in paths]
-    return sum(r for r, _ in counts), sum(n for _, n in counts)
-
-
-def cold_read_ms(path: Path, nbytes: int, reps: int = 3) -> float:
-    """Median time to read ``nbytes`` from a new file on ``path``'s file system, dropped from the
-    page cache before each read: what any cold load of that much data pays at least."""
-    with open(path, "wb") as f:
-        f.write(os.urandom(nbytes))
-    buf = bytearray(MiB)
-    times = []
-    try:
-        for _ in range(reps):
-            drop_page_cache([path])
-            start = time.perf_counter()
-            with open(path, "rb", buffering=0) as f:
-                while f.readinto(buf):
-                    pass
-            times.append((time.perf_counter() - start) * 1e3)
-    finally:
-        path.unlink()
-    return median(times)
-
-
-class CpuShare:
-    """CPU time other processes used while a run went on, over the machine's capacity."""
-
-    def __init__(self) -> None:
-        self.start = self._sample()
-
-    @staticmethod
-    def _sample() -> tuple[float, float, float]:
-        with open("/proc/stat") as f:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = map(
-                int, f.readline().split()[1:9]
-            )
-        tick = os.sysconf("SC_CLK_TCK")
-        busy = (user + nice + system + irq + softirq + steal) / tick
-        own = os.times()
-        # kvtierd is a child: counted once it has been waited for
-        mine = own.user + own.system + own.children_user + own.children_system
-        return time.perf_counter(), busy, mine
-
-    def others(self) -> float:
-        wall, busy, mine = (b - a for a, b in zip(self.start, self._sample(), strict=True))
-        cpus = os.cpu_count() or 1
-        return max(0.0, busy - mine) / (wall * cpus)
-
-
-def fs_type(path: Path) -> str:
-    """The file system type of the mount holding ``path``."""
-    best, kind = "", "unknown"
-    target = str(path.resolve())
-    with open("/proc/self/mounts") as mounts:
-        for line in mounts:
-            fields = line.split()
-            if len(fields) < 3:
-                continue
-            point = fields[1]
-            inside = target == point or target.startswith(point.rstrip("/") + "/")
-            if inside and len(point) > len(best):
-                best, kind = point, fields[2]
-    return kind
-
-
-# -- kvtierd ----------------------------------------------------------------------------------
-
-
-class Kvtierd:
-    """``kvtier serve`` in a subprocess, stopped with SIGTERM."""
-
-    def __init__(self, root: Path, shm: Path, arena_bytes: int, extent_bytes: int) -> None:
-        self.root = root
-        self.shm = shm
-        self.socket_dir = root
-        if len(str(root / "kvtierd.sock")) > MAX_SOCKET_PATH:
-            self.socket_dir = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
-        self.socket_path = self.socket_dir / "kvtierd.sock"
-        self.lmdb_path = root / "lmdb"
-        self.config_path = root / "kvtierd.yaml"
-        self.log_path = root / "kvtierd.log"
-        config = {
-            "arena": {
-                "path": str(shm),
-                "size_bytes": arena_bytes,
-                "extent_bytes": extent_bytes,
-                "min_slot_bytes": 64 * KiB,
-            },
-            "lmdb": {"path": str(self.lmdb_path), "budget_bytes": LMDB_BUDGET},
-            "server": {
-                "socket_path": str(self.socket_path),
-                "admin_address": "127.0.0.1:0",
-                "metrics_address": "127.0.0.1:0",
-            },
-        }
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.proc: subprocess.Popen[str] | None = None
-        self.admin: AdminClient | None = None
-        self.start_s = float("nan")
-        self.exit_code: int | None = None
-
-    def start(self) -> None:
-        # only the file configures the daemon: KVTIER_ variables would override it
-        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-        argv = [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(self.config_path)]
-        started = time.perf_counter()
-        with open(self.log_path, "wb") as stderr:
-            self.proc = subprocess.Popen(
-                [*argv, "--log-level", "warning"],
-                cwd=ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                env=env,
-                text=True,
-                preexec_fn=die_with_parent,
-            )
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT_S)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line.startswith(READY):
-            raise RuntimeError(f"kvtierd did not start: {line!r}\n{self.log_tail()}")
-        fields = dict(part.split("=", 1) for part in line[len(READY) :].split())
-        self.start_s = time.perf_counter() - started
-        self.admin = AdminClient(f"127.0.0.1:{fields['admin_port']}", timeout_s=STOP_TIMEOUT_S)
-        self.metrics_port = int(fields["metrics_port"])
-        log.info("kvtierd pid %d ready in %.2f s", self.proc.pid, self.start_s)
-
-    def counters(self) -> dict[str, int]:
-        """The manager's counters, and each tier's as ``<tier>.<name>``."""
-        assert self.admin is not None
-        stats = self.admin.stats()
-        out = {k: int(v) for k, v in stats.counters.items()}
-        for tier in stats.tiers:
-            out.update({f"{tier.tier}.{k}": int(v) for k, v in tier.counters.items()})
-        return out
-
-    def log_tail(self, lines: int = 30) -> str:
-        if not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.admin is not None:
-            self.admin.close()
-            self.admin = None
-        proc = self.proc
-        if proc is None or self.exit_code is not None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            self.exit_code = proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            log.error("kvtierd ignored SIGTERM for %.0f s; killing it", STOP_TIMEOUT_S)
-            proc.kill()
-            self.exit_code = proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-        if self.exit_code != 0:
-            log.error("kvtierd exited %d:\n%s", self.exit_code, self.log_tail())
-        self.shm.unlink(missing_ok=True)
-        if self.socket_dir != self.root:
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
-
-
-def delta(after: dict[str, int], before: dict[str, int], name: str) -> int:
-    return after.get(name, 0) - before.get(name, 0)
-
-
 # -- engines and timing -----------------------------------------------------------------------
-
-
-@dataclass
-class Sample:
-    ms: float
-    cached: int
-    external: int
-    token: int
-
-
-@dataclass
-class Case:
-    name: str
-    expected: int
-    """num_cached_tokens a full hit gives (0 for a cold case)."""
-    connector: bool = False
-    """Whether the hit must come from a connector (vLLM counts it as external)."""
-    samples: list[Sample] = field(default_factory=list)
-    resident: list[float] = field(default_factory=list)
-    """Share of the backing files in the page cache right before each timed prompt."""
-    read_in: list[int] = field(default_factory=list)
-    """Bytes of the backing files the timed prompt brought into the page cache."""
-    counters: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ms(self) -> float:
-        return median([s.ms for s in self.samples])
-
-    @property
-    def hits_ok(self) -> bool:
-        if self.expected == 0:
-            return all(s.cached == 0 for s in self.samples)
-        external = self.expected if self.connector else 0
-        return all(
-            s.cached >= self.expected and (s.external >= external if external else not s.external)
-            for s in self.samples
-        )
-
-    def summary(self, cold_tokens: Sequence[int] | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "ttft_ms": self.ms,
-            "ttft_ms_each": [round(s.ms, 2) for s in self.samples],
-            "cached_tokens": [s.cached for s in self.samples],
-            "external_hit_tokens": [s.external for s in self.samples],
-            "expected_cached_tokens": self.expected,
-            "hits_ok": self.hits_ok,
-        }
-        if cold_tokens:
-            n = len(cold_tokens)
-            same = sum(s.token == cold_tokens[i % n] for i, s in enumerate(self.samples))
-            out["first_token_same_as_cold"] = f"{same}/{len(self.samples)}"
-        if self.resident:
-            out["resident_before_load"] = [round(r, 4) for r in self.resident]
-            out["read_in_bytes"] = self.read_in
-        if self.counters:
-            out["kvtierd_counters"] = self.counters
-        return out
 
 
 class Bench:
@@ -717,7 +431,7 @@ class Bench:
         lmdb_written: list[int] = []
         outputs: dict[bool, list[list[list[int]]]] = {False: [], True: []}
         cached = 0
-        arena_bytes = _round_up(
+        arena_bytes = round_up(
             (self.mode.miss_reps + 1) * MISS_PROMPTS * MISS_PROMPT_TOKENS * self.kv_per_token * 2,
             64 * MiB,
         )
@@ -774,7 +488,7 @@ class Bench:
             "arena": {
                 "path": str(self.shm(f"embedded-{n}")),
                 "size_bytes": arena_bytes,
-                "extent_bytes": _extent_for(self.chunk_bytes(bpc)),
+                "extent_bytes": extent_for(self.chunk_bytes(bpc)),
                 "min_slot_bytes": 64 * KiB,
             },
             "lmdb": {"path": str(self.root / f"embedded-{n}-lmdb"), "budget_bytes": LMDB_BUDGET},
@@ -811,11 +525,11 @@ class Bench:
             )
             # a daemon of its own per chunk size: pages an earlier case's daemon mapped from its
             # LMDB file stay cached, and a shared one slowed later cases' cold loads
-            extent = _extent_for(self.chunk_bytes(bpc))
+            extent = extent_for(self.chunk_bytes(bpc))
             tokens = self.block_size * bpc
             chunks = (len(self.prompts) + 1) * (self.full_hit(tokens) // tokens)
             per_extent = extent // self.chunk_bytes(bpc)
-            arena_bytes = _round_up(-(-chunks // per_extent) * extent + 2 * extent, 256 * MiB)
+            arena_bytes = round_up(-(-chunks // per_extent) * extent + 2 * extent, 256 * MiB)
             (self.root / f"bpc{bpc}").mkdir()
             daemon = Kvtierd(self.root / f"bpc{bpc}", self.shm(f"bpc{bpc}"), arena_bytes, extent)
             daemons.append(daemon)
@@ -933,18 +647,6 @@ def _requests(prompts: Sequence[Sequence[int]]) -> list[dict[str, list[int]]]:
 
 def _size(paths: Sequence[Path]) -> int:
     return sum(p.stat().st_size for p in paths)
-
-
-def _round_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-def _extent_for(chunk_bytes: int) -> int:
-    """The arena's allocation unit: 32 MiB, or the next power of two that holds a chunk."""
-    extent = 32 * MiB
-    while extent < chunk_bytes:
-        extent *= 2
-    return extent
 
 
 # -- the GPU variant --------------------------------------------------------------------------

@@ -12,6 +12,17 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 from pydantic import ByteSize, TypeAdapter
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+from rich.text import Text
 
 from kvtier.config import KVTierConfig, describe, load_config
 from kvtier.errors import ConfigError, KVTierError
@@ -67,10 +78,10 @@ def _emit(args: argparse.Namespace, message: Any, table: Callable[[], None]) -> 
 
 
 def _rows(header: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
-    cells = [[str(c) for c in r] for r in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
-    for line in [list(header), *cells]:
-        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+    table = Table(*header, box=None, pad_edge=False, header_style="bold")
+    for row in rows:
+        table.add_row(*(Text(str(c)) for c in row))  # Text: a pool name is never markup
+    Console(highlight=False).print(table)
 
 
 def _gib(n: int) -> str:
@@ -178,31 +189,38 @@ def _drain(args: argparse.Namespace) -> int:
 def _follow(
     args: argparse.Namespace, stream: Iterable[Any], where: Callable[[Any], tuple[str, int, int]]
 ) -> Any:
-    """Draw a progress bar per phase from (label, done, total); without a total yet, a count."""
+    """Draw a progress bar per phase from (label, done, total), on stderr; without a total yet,
+    a count. Off a terminal, each phase's last state is printed once at the end."""
     last = None
-    shown: str | None = None
-    for last in stream:
-        if args.json:
-            continue
-        label, done, total = where(last)
-        if shown is not None and label != shown:
-            print(file=sys.stderr)  # keep the finished phase's last line
-        shown = label
-        if total:
-            filled = int(30 * done / total)
-            bar = "#" * filled + "." * (30 - filled)
-            print(f"\r{label}[{bar}] {done}/{total}", end="", file=sys.stderr, flush=True)
-        elif label:
-            print(f"\r{label}{done}", end="", file=sys.stderr, flush=True)
-    if not args.json:
-        print(file=sys.stderr)
+    if args.json:
+        for item in stream:
+            last = item
+    else:
+        columns = (
+            TextColumn("{task.description}", markup=False),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        console = Console(stderr=True, highlight=False)
+        with Progress(*columns, console=console) as progress:
+            tasks: dict[str, TaskID] = {}
+            for last in stream:
+                label, done, total = where(last)
+                if not (label or total):
+                    continue  # nothing to show yet
+                if label not in tasks:
+                    tasks[label] = progress.add_task(label.strip(), total=None)
+                progress.update(tasks[label], completed=done, total=total or None)
     if last is None:
         raise KVTierError("the daemon ended the stream without a result")
     return last
 
 
 def _verify(args: argparse.Namespace) -> int:
-    last = _follow(args, _admin(args).verify(args.tier or ""), lambda p: ("", p.checked, p.total))
+    last = _follow(
+        args, _admin(args).verify(args.tier or ""), lambda p: ("verify", p.checked, p.total)
+    )
     _emit(
         args,
         last,

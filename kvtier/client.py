@@ -1,34 +1,27 @@
-"""TierClient: the protocol the connector and the CLI speak, whatever serves it.
+"""`InProcessClient`: the `TierClient` protocol (`kvtier.protocol`) served by a TierManager in
+this process (embedded mode). The daemon serves the same protocol over gRPC (`kvtier.rpc`).
 
-`InProcessClient` serves it from a TierManager in this process (embedded mode). The daemon serves
-the same protocol over gRPC; chunk bytes always travel through the arena, which a client maps by
-path (`arena_path`) and addresses with the offsets in each `SlotRef`.
+Chunk bytes always travel through the arena, which a client maps by path (`arena_path`) and
+addresses with the offsets in each `SlotRef`; `ArenaMemory` maps it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from kvtier.journal import ChunkEvents
 from kvtier.keys import ChunkKey, NamespaceSpec
-from kvtier.manager import DraftState, LookupResult, ManagerStats, TierManager
+from kvtier.protocol import Answer, DraftState, LookupResult, SlotRef
 from kvtier.tiers.arena import ArenaMemory
-from kvtier.tiers.cpu import SlotRef
 
-__all__ = ["Answer", "ArenaMemory", "ChunkEvents", "InProcessClient", "SlotRef", "TierClient"]
+if TYPE_CHECKING:  # the manager is handed in: importing this module loads no tier
+    from kvtier.manager import ManagerStats, TierManager
 
-T_co = TypeVar("T_co", covariant=True)
+__all__ = ["ArenaMemory", "InProcessClient"]
+
 T = TypeVar("T")
-
-
-class Answer(Protocol[T_co]):
-    """A call's answer, which may still be on its way."""
-
-    def done(self) -> bool: ...
-
-    def result(self) -> T_co: ...
 
 
 class Ready(Generic[T]):
@@ -42,67 +35,6 @@ class Ready(Generic[T]):
 
     def result(self) -> T:
         return self._value
-
-
-@runtime_checkable
-class TierClient(Protocol):
-    @property
-    def arena_path(self) -> Path: ...
-
-    @property
-    def serving(self) -> bool:
-        """False while the tiers do not answer in time: every call would fail at once, so a
-        caller that must not wait serves without them."""
-        ...
-
-    def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes: ...
-
-    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult: ...
-
-    def release_then_lookup_and_load(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
-    ) -> tuple[LookupResult, list[SlotRef | None]]:
-        """End leases, look the keys up, and lease the found chunks when the arena holds them
-        all, in one call."""
-        ...
-
-    def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]: ...
-
-    def commit(self, refs: Sequence[SlotRef]) -> int: ...
-
-    def abort(self, refs: Sequence[SlotRef]) -> None: ...
-
-    def commit_then_reserve(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
-    ) -> tuple[int, list[SlotRef | None]]: ...
-
-    def release_then_load(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
-    ) -> list[SlotRef | None]: ...
-
-    def load(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]: ...
-
-    def release(self, refs: Sequence[SlotRef]) -> None: ...
-
-    def promote(self, keys: Sequence[ChunkKey]) -> int:
-        """Queue chunks of slower tiers for the arena without waiting; returns how many."""
-        ...
-
-    def draft_states(self, refresh: bool = False) -> dict[bytes, DraftState]:
-        """Each draft pool's revision and swap state, by lineage; cheap unless ``refresh``."""
-        ...
-
-    def report_hits(self, every_s: float = 0.0) -> None:
-        """Tell the tiers of hits answered without a call, at most every ``every_s``, without
-        waiting (a client whose answers all come from a call has none)."""
-        ...
-
-    def chunk_events(self, cursor: int) -> Answer[ChunkEvents]:
-        """Chunks of this client's pools that entered or left the arena and lmdb since
-        ``cursor`` (negative: from now), without waiting for the answer."""
-        ...
-
-    def close(self) -> None: ...
 
 
 class InProcessClient:
@@ -172,6 +104,19 @@ class InProcessClient:
 
     def stats(self) -> ManagerStats:
         return self.manager.stats()
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.manager.cpu.memory.size
+
+    def writeback_pending(self) -> int:
+        """Committed arena chunks not yet written to lmdb."""
+        return self.manager.cpu.writeback_pending()
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Write dirty arena chunks to lmdb until none is left or ``timeout`` passed (0: one
+        transaction); True when none is left."""
+        return self.manager.flush(timeout)
 
     def close(self) -> None:
         self.manager.close()

@@ -11,12 +11,15 @@ import os
 from collections.abc import Iterator, Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 from kvtier.errors import ConfigError
+
+EvictionPolicyName = Literal["lru", "fifo"]
+"""The eviction policies a tier can be configured with."""
 
 ENV_PREFIX = "KVTIER_"
 MiB = 1 << 20
@@ -83,7 +86,9 @@ class ArenaConfig(_Section):
         "a chunk changed in the arena after its commit is dropped and counted, never written "
         "back.",
     )
-    eviction_policy: str = Field("lru", description="Eviction policy by name (lru, fifo).")
+    eviction_policy: EvictionPolicyName = Field(
+        "lru", description="Eviction policy by name (lru, fifo)."
+    )
     max_slot_classes: int = Field(
         64,
         ge=1,
@@ -142,7 +147,9 @@ class LMDBConfig(_Section):
         "last commits, never corrupt. full: each commit is on disk when it returns.",
     )
     max_readers: int = Field(126, ge=1, description="Concurrent LMDB read transactions.")
-    eviction_policy: str = Field("lru", description="Eviction policy by name (lru, fifo).")
+    eviction_policy: EvictionPolicyName = Field(
+        "lru", description="Eviction policy by name (lru, fifo)."
+    )
     keep_freed_pages: bool = Field(
         True,
         description="Tune glibc to keep freed heap pages (process-wide), so LMDB's per-write "

@@ -26,6 +26,10 @@ class UnknownPoolError(KVTierError, KeyError):
         return str(self.args[0]) if self.args else "unknown pool"
 
 
+class UnknownTierError(KVTierError, ValueError):
+    """A tier was named that this manager does not have."""
+
+
 class PoolLayoutError(KVTierError, ValueError):
     """A pool was registered again with an incompatible chunk size or layout."""
 

@@ -188,10 +188,6 @@ def make_key(namespace: bytes, block_hash: bytes | int) -> ChunkKey:
     return ChunkKey(namespace + chunk_hash_bytes(block_hash))
 
 
-def make_keys(namespace: bytes, block_hashes: list[bytes] | list[int]) -> list[ChunkKey]:
-    return [make_key(namespace, h) for h in block_hashes]
-
-
 def namespace_of(key: ChunkKey | bytes) -> bytes:
     return key[:NAMESPACE_BYTES]
 

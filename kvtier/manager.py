@@ -12,6 +12,10 @@
 - draft pools are versioned: a new draft revision (an admin swap, or an engine registering one)
   becomes current, the old revision's chunks are evicted first and, after
   ``manager.draft_grace_s``, deleted from every tier. Target chunks are never touched.
+
+The manager composes the parts: `kvtier.drafts` keeps the draft revisions,
+`kvtier.tiers.objstore.fetch` probes and downloads objects, and `kvtier.maintenance` runs drain,
+verify, warmup and gc.
 """
 
 from __future__ import annotations
@@ -21,23 +25,33 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections import Counter
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from kvtier.config import Admission, DemoteMode, KVTierConfig
 from kvtier.counters import Counters
-from kvtier.errors import ConfigError, InvalidRequestError, KVTierError, UnknownPoolError
+from kvtier.drafts import DraftRevisions
+from kvtier.errors import ConfigError, UnknownTierError
 from kvtier.journal import ChunkEvents, Journal
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey, NamespaceSpec, Pool
+from kvtier.maintenance import DrainResult, Maintenance, VerifyProgress, WarmupProgress
 from kvtier.pools import PoolRegistry
+from kvtier.protocol import (
+    DraftRevision,
+    DraftState,
+    LookupResult,
+    SlotRef,
+    TierCode,
+    arena_hit,
+)
 from kvtier.tiers.base import Tier, TierStats
-from kvtier.tiers.cpu import CpuTier, SlotRef
+from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
-from kvtier.tiers.objstore.tier import REMOTE_REPLICA, FetchedChunk, ObjectTier
+from kvtier.tiers.objstore.catalog import GcCounts
+from kvtier.tiers.objstore.fetch import ObjectFetcher
+from kvtier.tiers.objstore.tier import REMOTE_REPLICA, ObjectTier
 from kvtier.tiers.objstore.uploader import Uploader
 
 log = logging.getLogger(__name__)
@@ -47,37 +61,10 @@ _STOP = (ChunkKey(b""), "")  # wakes the promoter to stop
 TIER_CPU = "cpu"
 TIER_LMDB = "lmdb"
 TIER_OBJECT = "object"
-# One byte per chunk in lookup answers; the values are those of the wire's Tier enum.
-TIER_CODES = {TIER_CPU: 1, TIER_LMDB: 2, TIER_OBJECT: 3}
-TIER_NAMES = {code: name for name, code in TIER_CODES.items()}
-_CPU = TIER_CODES[TIER_CPU]
-_LMDB = TIER_CODES[TIER_LMDB]
-_OBJECT = TIER_CODES[TIER_OBJECT]
-_PROBE_MISS_TTL_S = 10.0  # a chunk another node uploads after a miss is found this much later
-_MAX_TRACKED = 1 << 17  # bound on per-key bookkeeping (probe misses, hit counts)
-_DRAFT_GC_EVERY_S = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    hits: int
-    """Length of the longest prefix of the asked keys present in some tier."""
-    tier_codes: bytes
-    """Tier of each of those ``hits`` chunks (the fastest one holding it), a `TIER_CODES` value
-    per byte: compact for batches of thousands."""
-    pending: bool = False
-    """The object store is still being probed past ``hits``: asking again may find more."""
-
-    @property
-    def tiers(self) -> list[str]:
-        return [TIER_NAMES[c] for c in self.tier_codes]
-
-
-def arena_hit(result: LookupResult) -> int:
-    """How many chunks a lookup found, when the arena holds every one of them; else 0 (part
-    of the hit is still to be promoted, and leases now would only be given back)."""
-    codes = result.tier_codes
-    return len(codes) if not codes.strip(bytes([_CPU])) else 0
+_CPU = int(TierCode.CPU)
+_LMDB = int(TierCode.LMDB)
+_OBJECT = int(TierCode.OBJECT)
+_MAX_TRACKED = 1 << 17  # bound on per-key hit counts
 
 
 @dataclass(slots=True)
@@ -85,45 +72,6 @@ class ManagerStats:
     tiers: dict[str, TierStats]
     counters: Counter[str] = field(default_factory=Counter)
     """lookups, lookup_chunks, hit_chunks_<tier>, promotions, promotion_failed, ..."""
-
-
-@dataclass(frozen=True, slots=True)
-class DraftState:
-    """Where one draft pool stands, as engines follow it."""
-
-    revision: str
-    swapping: bool = False
-    """A swap has begun and not been committed: the draft's weights are in flux, so engines
-    neither load nor store its chunks."""
-    epoch: int = 0
-    """Bumped by every begin and every change of revision, so a client sees A -> B -> A."""
-
-
-@dataclass(frozen=True, slots=True)
-class DraftRevision:
-    """One revision of a draft pool, and the chunks each tier holds of it."""
-
-    model: str
-    draft_model: str
-    revision: str
-    namespace: bytes
-    current: bool
-    chunks: dict[str, int]
-
-
-@dataclass
-class _Lineage:
-    """Every revision of one draft pool (same model, layout, dtype, shard, tenant)."""
-
-    model: str
-    draft_model: str
-    current: str
-    namespaces: dict[str, bytes]
-    retired_at: dict[str, float] = field(default_factory=dict)
-    """Revision -> when it stopped being current (monotonic); deleted after the grace."""
-    swap_id: str = ""
-    swap_revision: str = ""
-    epoch: int = 0
 
 
 class TierManager:
@@ -160,12 +108,8 @@ class TierManager:
                     lambda limit: lmdb_tier.newest_chunks(limit, REMOTE_REPLICA),
                     lambda: [reg.namespace for reg in registry.registrations()],
                 )
-        self._downloads = ThreadPoolExecutor(config.object.download_concurrency, "kvtier-download")
-        self._probes: dict[ChunkKey, Future[bool]] = {}
-        self._probe_misses: dict[ChunkKey, float] = {}
-        self._fetching: set[str] = set()
         self._hit_counts: Counter[ChunkKey] = Counter()
-        self._object_lock = threading.Lock()
+        self._hits_lock = threading.Lock()
         self.journal = Journal()
         for local in (self.cpu, self.lmdb):
             if local is not None:
@@ -180,9 +124,29 @@ class TierManager:
             config.manager.promote_queue_chunks
         )
         self._promoting: set[ChunkKey] = set()
-        self._drafts: dict[bytes, _Lineage] = {}
-        self._draft_lock = threading.Lock()
-        self._next_draft_gc = 0.0
+        self.fetcher: ObjectFetcher | None = None
+        if self.object is not None and self.lmdb is not None:
+            self.fetcher = ObjectFetcher(
+                self.object, self.lmdb.put_many, partial(self._promote, lease=False), self._counters
+            )
+        self.drafts = DraftRevisions(
+            self.registry,
+            self.cpu,
+            self.lmdb,
+            list(self.tiers.values()),
+            self._counters,
+            config.manager.draft_grace_s,
+        )
+        self.maintenance = Maintenance(
+            cpu=self.cpu,
+            lmdb=self.lmdb,
+            store=self.object,
+            fetcher=self.fetcher,
+            registry=self.registry,
+            flush=self.flush,
+            load=self.load,
+            release=self.release,
+        )
         self._threads: list[threading.Thread] = []
         if self.lmdb is not None:
             for target, name in (
@@ -207,98 +171,24 @@ class TierManager:
         registration = self.registry.register(spec, chunk_bytes)
         self.cpu.accept(registration)  # refuse now what the arena could never hold
         if spec.pool is Pool.DRAFT:
-            self._draft_registered(spec, registration.namespace)
+            self.drafts.registered(spec, registration.namespace)
         return registration.namespace
 
     # -- draft revisions ------------------------------------------------------------------
-
-    def _draft_registered(self, spec: NamespaceSpec, namespace: bytes) -> None:
-        """The last revision registered is current: an engine that swapped its draft by
-        itself registers the new one."""
-        assert spec.draft_model is not None
-        lineage = spec.draft_lineage()
-        revision = spec.draft_revision or ""
-        with self._draft_lock:
-            known = self._drafts.get(lineage)
-            if known is None:
-                self._drafts[lineage] = _Lineage(
-                    spec.model, spec.draft_model, revision, {revision: namespace}
-                )
-                return
-            known.namespaces.setdefault(revision, namespace)
-            if revision != known.current:
-                self._switch(known, revision)
-
-    def _switch(self, lineage: _Lineage, revision: str) -> None:
-        old = lineage.current
-        lineage.retired_at[old] = time.monotonic()
-        lineage.retired_at.pop(revision, None)
-        lineage.current = revision
-        lineage.epoch += 1
-        self._counters.add("draft_swaps", 1)
-        retiring: list[LmdbTier | CpuTier] = (
-            [self.cpu] if self.lmdb is None else [self.cpu, self.lmdb]
-        )
-        for tier in retiring:
-            if old in lineage.namespaces:
-                tier.retire(lineage.namespaces[old])
-            tier.retire(lineage.namespaces[revision], retired=False)
 
     def begin_draft_swap(self, revision: str, draft_model: str = "") -> tuple[str, str]:
         """Start switching the draft pools (of ``draft_model``, or all) to ``revision``; until
         `commit_draft_swap`, engines neither load nor store draft chunks. Returns the swap id and
         the revision in use before."""
-        if not revision:
-            raise InvalidRequestError("a draft swap needs a revision")
-        with self._draft_lock:
-            lineages = [
-                lin
-                for lin in self._drafts.values()
-                if not draft_model or lin.draft_model == draft_model
-            ]
-            if not lineages:
-                raise UnknownPoolError(
-                    "no engine has registered a draft pool"
-                    + (f" of {draft_model!r}" if draft_model else "")
-                    + " with this daemon; start one with speculative decoding first"
-                )
-            swap_id = uuid.uuid4().hex
-            for lin in lineages:  # a begin never committed is superseded, not stuck
-                lin.swap_id, lin.swap_revision = swap_id, revision
-                lin.epoch += 1
-            previous = sorted({lin.current for lin in lineages})
-        return swap_id, ",".join(previous)
+        return self.drafts.begin_swap(revision, draft_model)
 
     def commit_draft_swap(self, swap_id: str) -> str:
         """Make the revision given at `begin_draft_swap` current; returns it."""
-        with self._draft_lock:
-            lineages = [lin for lin in self._drafts.values() if swap_id and lin.swap_id == swap_id]
-            if not lineages:
-                raise InvalidRequestError(f"no draft swap {swap_id!r} is under way")
-            revision = lineages[0].swap_revision
-            for lin in lineages:
-                now = lin.namespaces[lin.current]
-                spec = self.registry.spec_of(now)
-                reg = self.registry.get(now)
-                assert spec is not None
-                assert reg is not None
-                new = self.registry.register(spec.with_draft_revision(revision), reg.chunk_bytes)
-                self.cpu.accept(new)
-                lin.namespaces.setdefault(revision, new.namespace)
-                lin.swap_id = lin.swap_revision = ""
-                if revision != lin.current:
-                    self._switch(lin, revision)
-                else:
-                    lin.epoch += 1
-        return revision
+        return self.drafts.commit_swap(swap_id)
 
     def draft_states(self) -> dict[bytes, DraftState]:
         """Each draft pool's state, by `NamespaceSpec.draft_lineage`."""
-        with self._draft_lock:
-            return {
-                key: DraftState(lin.current, bool(lin.swap_id), lin.epoch)
-                for key, lin in self._drafts.items()
-            }
+        return self.drafts.states()
 
     def draft_revisions(self) -> list[DraftRevision]:
         """Every draft revision still known, with its chunks per tier."""
@@ -309,50 +199,22 @@ class TierManager:
             counts[TIER_OBJECT] = Counter(
                 k[:NAMESPACE_BYTES] for k in list(self.object.index.chunks)
             )
-        out = []
-        with self._draft_lock:
-            for lin in self._drafts.values():
-                for revision, ns in lin.namespaces.items():
-                    chunks = {tier: held[ns] for tier, held in counts.items()}
-                    out.append(
-                        DraftRevision(
-                            lin.model,
-                            lin.draft_model,
-                            revision,
-                            ns,
-                            revision == lin.current,
-                            chunks,
-                        )
-                    )
-        return out
+        return self.drafts.revisions(counts)
 
     def gc_draft_revisions(self, grace_s: float | None = None) -> int:
         """Delete, from every tier, the chunks of draft revisions retired longer than the
         grace ago; returns how many went."""
-        grace = self.config.manager.draft_grace_s if grace_s is None else grace_s
-        now = time.monotonic()
-        due: list[bytes] = []
-        with self._draft_lock:
-            for lin in self._drafts.values():
-                for revision, since in list(lin.retired_at.items()):
-                    if now - since >= grace:
-                        del lin.retired_at[revision]
-                        due.append(lin.namespaces.pop(revision))
-        dropped = 0
-        for namespace in due:
-            for tier in self.tiers.values():
-                dropped += tier.evict(namespace=namespace)
-            self.cpu.retire(namespace, retired=False)
-            if self.lmdb is not None:
-                self.lmdb.retire(namespace, retired=False)
-        self._counters.add("draft_gc_chunks", dropped)
-        return dropped
+        return self.drafts.gc(grace_s)
 
     # -- lookup ---------------------------------------------------------------------------
 
+    def _check_pools(self, keys: Sequence[ChunkKey]) -> None:
+        """Refuse a batch naming any unregistered namespace, before anything changes."""
+        for namespace in {key[:NAMESPACE_BYTES] for key in keys}:
+            self.registry.resolve(namespace)
+
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
-        if keys:
-            self.registry.resolve(keys[0])
+        self._check_pools(keys)
         in_cpu = self.cpu.contains(keys)
         try:
             in_arena = in_cpu.index(False)
@@ -362,8 +224,9 @@ class TierManager:
         pending = False
         if in_arena < len(keys) and self.lmdb is not None:
             self._extend_codes(keys, in_cpu, codes)
-            if self.object is not None and len(codes) < len(keys):
-                pending = self._probe_past(keys, in_cpu, codes)
+            if self.fetcher is not None and len(codes) < len(keys):
+                extend = partial(self._extend_codes, keys, in_cpu, codes)
+                pending = self.fetcher.probe_past(keys, codes, extend)
                 if self.uploader is not None:  # what misses is stored next: its order packs it
                     first = max(0, len(codes) - 1)
                     self.uploader.follows(keys[first : first + 8192])
@@ -402,107 +265,7 @@ class TierManager:
             else:
                 break
 
-    # -- object store ---------------------------------------------------------------------
-
-    def _probe_past(self, keys: Sequence[ChunkKey], in_cpu: list[bool], codes: bytearray) -> bool:
-        """Probe the store for objects other nodes uploaded, starting at the first key found
-        nowhere, within the lookup budget. Found chunks land in lmdb and extend ``codes``.
-        Returns True when a probe is still running at the deadline."""
-        assert self.object is not None
-        if not self.object.principal_resolved.is_set():
-            return True  # the identity is still being resolved at start: ask again, not a miss
-        cfg = self.config.object
-        deadline = time.monotonic() + cfg.lookup_budget_ms / 1000.0
-        for _ in range(cfg.probe_chunks):
-            if len(codes) >= len(keys) or not self.object.healthy:
-                return False
-            found = self._probe(keys[len(codes)], deadline)
-            if found is None:
-                return True
-            if not found:
-                return False
-            before = len(codes)
-            self._extend_codes(keys, in_cpu, codes)
-            if len(codes) == before:
-                return False
-        return False
-
-    def _probe(self, key: ChunkKey, deadline: float) -> bool | None:
-        """Whether an object starting at ``key`` exists (its chunks are then in lmdb); None
-        when the answer did not come before ``deadline``."""
-        now = time.monotonic()
-        with self._object_lock:
-            if self._probe_misses.get(key, 0.0) > now:
-                return False
-            future = self._probes.get(key)
-            if future is None:
-                future = self._downloads.submit(self._probe_job, key)
-                self._probes[key] = future
-        try:
-            return future.result(timeout=max(0.0, deadline - now))
-        except FutureTimeout:
-            self._counters.add("probes_over_budget", 1)
-            return None
-
-    def _probe_job(self, key: ChunkKey) -> bool:
-        assert self.object is not None
-        found = False
-        try:
-            chunks = self.object.probe(key)
-            if chunks:
-                self._keep_fetched(chunks)
-                found = True
-        except KVTierError as exc:
-            log.debug("probe of %s failed: %s", key.hex(), exc)
-        finally:
-            with self._object_lock:
-                self._probes.pop(key, None)
-                if not found:
-                    if len(self._probe_misses) > _MAX_TRACKED:
-                        self._probe_misses.clear()
-                    self._probe_misses[key] = time.monotonic() + _PROBE_MISS_TTL_S
-        return found
-
-    def _keep_fetched(self, chunks: Sequence[FetchedChunk]) -> None:
-        assert self.lmdb is not None
-        self.lmdb.put_many([(c.key, c.payload) for c in chunks], REMOTE_REPLICA)
-
-    def _fetch_objects(self, keys: Sequence[ChunkKey], replica: str) -> int:
-        """Queue downloads of the objects holding ``keys`` into lmdb and the arena."""
-        assert self.object is not None
-        wanted: dict[str, list[ChunkKey]] = {}
-        for key in keys:
-            loc = self.object.index.get(key)
-            if loc is not None:
-                wanted.setdefault(loc.obj, []).append(key)
-        queued = 0
-        for name, group in wanted.items():
-            with self._object_lock:
-                if name in self._fetching:
-                    continue
-                self._fetching.add(name)
-            self._downloads.submit(self._fetch_job, name, group, replica)
-            queued += len(group)
-        return queued
-
-    def _fetch_job(self, name: str, keys: list[ChunkKey], replica: str) -> None:
-        assert self.object is not None
-        try:
-            chunks = self.object.fetch(name)
-            if chunks:
-                self._keep_fetched(chunks)
-                for key in keys:
-                    self._promote(key, replica, lease=False)
-                self._counters.add("promotions_object", len(keys))
-        except KVTierError as exc:
-            self._counters.add("promotion_failed", len(keys))
-            log.debug("download of %s failed: %s", name, exc)
-        except Exception:  # never let a mover die silently
-            self._counters.add("promotion_errors", 1)
-            log.exception("download of %s failed", name)
-        finally:
-            with self._object_lock:
-                self._fetching.discard(name)
+    # -- object-store admission ----------------------------------------------------------
 
     def _count_hits(self, keys: Sequence[ChunkKey], replica: str) -> None:
         """Admission by hits: offer a chunk for upload once it was loaded often enough."""
@@ -510,7 +273,7 @@ class TierManager:
             return
         threshold = self.config.object.admission_min_hits
         hot = []
-        with self._object_lock:
+        with self._hits_lock:
             if len(self._hit_counts) > _MAX_TRACKED:
                 self._hit_counts.clear()
             for key in keys:
@@ -556,6 +319,7 @@ class TierManager:
 
         None where a key is nowhere, or failed verification (it is then quarantined).
         """
+        self._check_pools(keys)
         leases = self.cpu.lease(keys)
         if self.lmdb is None:
             return leases
@@ -570,6 +334,7 @@ class TierManager:
     def promote(self, keys: Sequence[ChunkKey], replica: str = "default") -> int:
         """Queue lmdb and object chunks for promotion into the arena, without waiting; returns
         how many were queued. A later lookup finds them in the arena."""
+        self._check_pools(keys)
         if self.lmdb is None:
             return 0
         queued = 0
@@ -589,8 +354,8 @@ class TierManager:
                 break
             self._promoting.add(key)
             queued += 1
-        if remote:
-            queued += self._fetch_objects(remote, replica)
+        if remote and self.fetcher is not None:
+            queued += self.fetcher.fetch(remote, replica)
         return queued
 
     def _promote_loop(self) -> None:
@@ -642,9 +407,7 @@ class TierManager:
             try:
                 while self._writeback_batch(everything=self._write_through):
                     pass
-                if time.monotonic() >= self._next_draft_gc:
-                    self._next_draft_gc = time.monotonic() + _DRAFT_GC_EVERY_S
-                    self.gc_draft_revisions()
+                self.drafts.gc_when_due()
             except Exception:  # never let the mover die silently
                 self._counters.add("writeback_errors", 1)
                 log.exception("write-back batch failed")
@@ -708,7 +471,7 @@ class TierManager:
         """Drop matching chunks from one tier, or from every local one (arena and lmdb).
         Arena chunks reach lmdb first."""
         if tier is not None and tier not in self.tiers:
-            raise ValueError(f"unknown tier {tier!r}; known: {sorted(self.tiers)}")
+            raise UnknownTierError(f"unknown tier {tier!r}; known: {sorted(self.tiers)}")
         if tier == TIER_CPU:
             self.flush()
         # the object store is shared by the fleet: only an explicit tier="object" touches it
@@ -721,6 +484,31 @@ class TierManager:
     def flush_uploads(self, timeout: float = 30.0) -> bool:
         """Wait until every queued upload is done; True when none is left."""
         return self.uploader is None or self.uploader.wait_idle(timeout)
+
+    def drain(self, timeout: float = 60.0) -> DrainResult:
+        """Write every dirty arena chunk to lmdb, then sync lmdb."""
+        return self.maintenance.drain(timeout)
+
+    def verify(self, tier: str = "") -> Iterator[VerifyProgress]:
+        """Check every lmdb chunk, quarantining corrupt ones; progress as it goes."""
+        return self.maintenance.verify(tier)
+
+    def warmup(
+        self,
+        namespace: bytes | None = None,
+        *,
+        max_chunks: int = 0,
+        object_index: bool = False,
+        fetch: bool = False,
+    ) -> Iterator[WarmupProgress]:
+        """Promote stored chunks into the arena (see `Maintenance.warmup`); progress as it goes."""
+        return self.maintenance.warmup(
+            namespace, max_chunks=max_chunks, object_index=object_index, fetch=fetch
+        )
+
+    def gc(self, retention_s: float | None = None, dry_run: bool = False) -> Iterator[GcCounts]:
+        """Delete objects past their retention from the store; progress as it goes."""
+        return self.maintenance.gc(retention_s, dry_run)
 
     def set_quota(self, replica: str, pool: str, nbytes: int | None) -> None:
         self.cpu.set_quota(replica, pool, nbytes)
@@ -748,7 +536,8 @@ class TierManager:
                 thread.join()
             if self.uploader is not None:
                 self.uploader.close(flush_timeout)
-            self._downloads.shutdown(wait=True, cancel_futures=True)
+            if self.fetcher is not None:
+                self.fetcher.close()
             if self.object is not None:
                 self.object.close()
             if self.lmdb is not None:

@@ -1,4 +1,5 @@
-"""Process-wide memory tuning for buffers of hundreds of KiB to tens of MiB.
+"""`keep_freed_pages`: glibc malloc tuning, once per process, for buffers of hundreds of KiB to
+tens of MiB.
 
 glibc serves such allocations with fresh mmaps (or trims them back to the kernel when freed), so
 each new buffer is faulted in page by page. On a VM that costs more than using the buffer: an

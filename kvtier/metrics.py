@@ -5,11 +5,12 @@ plane sees (lookups and hits per pool and replica, bytes moved for engines, call
 draft revisions registered) is recorded by a `Telemetry` object, one per manager; draft
 revisions and swaps are the manager's own.
 
-Everything is built against a registry passed in (no module-level registry), so tests and several
-daemons in one process never share state. Label values come from small fixed sets (tier, pool,
-replica, op, result, direction, reason, queue, state, policy); a key or request id never becomes
-one. Replica ids are chosen by engines; past `MAX_REPLICAS` distinct ones, the rest count as
-``other``.
+Every metric is built against a registry passed in (no module-level Prometheus registry), so
+tests and several daemons in one process never share state; the one module-level map,
+`telemetry_of`'s, holds each manager's `Telemetry` weakly and dies with the manager. Label
+values come from small fixed sets (tier, pool, replica, op, result, direction, reason, queue,
+state, policy); a key or request id never becomes one. Replica ids are chosen by engines; past
+`MAX_REPLICAS` distinct ones, the rest count as ``other``.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from prometheus_client.registry import Collector
 from kvtier.keys import NAMESPACE_BYTES, NamespaceSpec, Pool
 from kvtier.manager import ManagerStats, TierManager
 from kvtier.pools import PoolRegistry
-from kvtier.tiers.cpu import SlotRef
+from kvtier.protocol import SlotRef, TierCode
 
 MAX_REPLICAS = 64
 MAX_DRAFTS = 16
 OTHER = "other"
-TIER_BY_CODE = {1: "cpu", 2: "lmdb", 3: "object"}  # the wire's Tier enum
+TIER_BY_CODE = {int(code): code.tier for code in TierCode}
 LATENCY_BUCKETS = (
     0.00005,
     0.0001,

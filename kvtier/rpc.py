@@ -16,6 +16,14 @@ from google.protobuf.message import Message
 
 from kvtier import wire
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
+from kvtier.codec import (
+    chunk_events_from,
+    drafts_from,
+    grants_from,
+    lookup_from,
+    ref_to,
+    spec_to,
+)
 from kvtier.errors import (
     InvalidRequestError,
     KVTierError,
@@ -24,13 +32,11 @@ from kvtier.errors import (
 )
 from kvtier.journal import ChunkEvents
 from kvtier.keys import ChunkKey, NamespaceSpec
-from kvtier.manager import TIER_CODES, DraftState, LookupResult
 from kvtier.memory import keep_freed_pages
-from kvtier.server.convert import chunk_events_from, drafts_from, grants_from, ref_to, spec_to
+from kvtier.protocol import DraftState, IndexedRef, LookupResult, SlotRef, TierCode
 from kvtier.status import error_from
 from kvtier.tiers.arena import ArenaAtPath
 from kvtier.tiers.arena_index import readable_here
-from kvtier.tiers.cpu import IndexedRef, SlotRef
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +49,7 @@ _OPTIONS = [
 ]
 R = TypeVar("R")
 _LOOKUP_LEASE = tier_pb2.LookupRequest.LEASE_FIELD_NUMBER
-_IN_ARENA = TIER_CODES["cpu"]
+_IN_ARENA = int(TierCode.CPU)
 _MAX_REPORT = 4096  # keys per report, under the daemon's batch limit
 _TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
 
@@ -394,7 +400,7 @@ class GrpcTierClient:
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         response = self._keys_call(self._lookup, keys)
-        return LookupResult(response.hits, response.tiers, response.pending)
+        return lookup_from(response)
 
     def release_then_lookup_and_load(
         self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
@@ -414,7 +420,7 @@ class GrpcTierClient:
             except KVTierError:
                 self._due = owned + self._due  # these end with the next call; ``refs`` stay
                 raise  # the caller's
-            result = LookupResult(response.hits, response.tiers, response.pending)
+            result = lookup_from(response)
             return result, grants_from(response.leases)
         self._due += self._leased(refs)  # with the next report: no call now
         self._hits += keys

@@ -18,6 +18,7 @@ from kvtier.errors import (
     TierNotConfiguredError,
     TierUnavailableError,
     UnknownPoolError,
+    UnknownTierError,
     UnsupportedError,
 )
 
@@ -26,6 +27,7 @@ STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (PayloadSizeError, grpc.StatusCode.INVALID_ARGUMENT),
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (UnknownTierError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownPoolError, grpc.StatusCode.FAILED_PRECONDITION),
     (PoolLayoutError, grpc.StatusCode.FAILED_PRECONDITION),
     (TierNotConfiguredError, grpc.StatusCode.FAILED_PRECONDITION),

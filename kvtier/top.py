@@ -2,7 +2,9 @@
 
 It shows what an operator looks at first: each tier's use and hit ratio, bytes moved per second,
 queue depths and the most recent evictions. Rates are differences between two scrapes, so the
-first frame comes one interval after the start. ``--once`` prints one frame and exits.
+first frame comes one interval after the start. ``--once`` prints one frame and exits; on a
+terminal the view is redrawn in place (rich's `Live`), elsewhere each frame is printed after the
+last.
 """
 
 from __future__ import annotations
@@ -17,13 +19,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
 
 from kvtier.config import load_config
 
 TIERS = ("cpu", "lmdb", "object")
 DIRECTIONS = ("store", "load", "demote", "promote", "upload", "download")
 QUEUES = ("writeback", "promote", "upload")
-CLEAR = "\x1b[H\x1b[2J"
+PIPE_WIDTH = 160
+"""Columns of a frame written to a pipe or file, which has no width: wide enough for every
+table, so none wraps."""
 
 Labels = frozenset[tuple[str, str]]
 
@@ -73,13 +81,11 @@ def _ratio(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole > 0 else "-"
 
 
-def _table(header: tuple[str, ...], rows: Iterable[tuple[object, ...]]) -> list[str]:
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
-    return [
-        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
-        for line in [list(header), *cells]
-    ]
+def _table(header: tuple[str, ...], rows: Iterable[tuple[object, ...]]) -> Table:
+    table = Table(*header, box=None, pad_edge=False, header_style="bold")
+    for row in rows:
+        table.add_row(*(Text(str(c)) for c in row))  # Text: label values are never markup
+    return table
 
 
 @dataclass
@@ -89,22 +95,25 @@ class View:
     url: str
     evictions: deque[tuple[str, str, str, int]] = field(default_factory=lambda: deque(maxlen=8))
 
-    def frame(self, before: Scrape, now: Scrape) -> str:
+    def frame(self, before: Scrape, now: Scrape) -> Group:
         dt = max(now.at - before.at, 1e-9)
 
         def delta(name: str, **match: str) -> float:
             return max(0.0, now.total(name, **match) - before.total(name, **match))
 
         self._note_evictions(before, now)
-        out: list[str] = []
+        out: list[RenderableType] = []
         version = next(iter(now.labels("kvtier_build_info")), {}).get("version", "?")
         stamp = time.strftime("%H:%M:%S")
-        out.append(f"kvtier top  {self.url}  {stamp}  kvtier {version}")
+        out.append(Text(f"kvtier top  {self.url}  {stamp}  kvtier {version}", style="bold"))
+        sessions, leases = now.total("kvtier_sessions"), now.total("kvtier_leases")
         out.append(
-            f"sessions {now.total('kvtier_sessions'):.0f}  leases {now.total('kvtier_leases'):.0f}"
-            f"  reservations {now.total('kvtier_reservations'):.0f}  {self._object_line(now)}"
+            Text(
+                f"sessions {sessions:.0f}  leases {leases:.0f}"
+                f"  reservations {now.total('kvtier_reservations'):.0f}  {self._object_line(now)}"
+            )
         )
-        out.append("")
+        out.append(Text())
         lookups_now = delta("kvtier_lookup_chunks_total")
         lookups_all = now.total("kvtier_lookup_chunks_total")
         rows = []
@@ -141,38 +150,42 @@ class View:
                 "",
             )
         )
-        out += _table(
-            (
-                "TIER",
-                "USED",
-                "CAPACITY",
-                "USE",
-                "CHUNKS",
-                "HITS/s",
-                "HIT% NOW",
-                "HIT% TOTAL",
-                "EVICT/s",
-            ),
-            rows,
-        )
-        out.append(f"looked up {lookups_now / dt:.1f} chunks/s")
-        out.append("")
-        out += _table(
-            ("DIRECTION", "BYTES/s", "CHUNKS/s", "FAILED/s"),
-            [
+        out.append(
+            _table(
                 (
-                    d,
-                    _size(delta("kvtier_transfer_bytes_total", direction=d) / dt) + "/s"
-                    if now.has("kvtier_transfer_bytes_total", direction=d)
-                    else "-",
-                    f"{delta('kvtier_transfer_chunks_total', direction=d) / dt:.1f}",
-                    f"{delta('kvtier_transfer_failures_total', direction=d) / dt:.1f}",
-                )
-                for d in DIRECTIONS
-                if now.has("kvtier_transfer_chunks_total", direction=d)
-            ],
+                    "TIER",
+                    "USED",
+                    "CAPACITY",
+                    "USE",
+                    "CHUNKS",
+                    "HITS/s",
+                    "HIT% NOW",
+                    "HIT% TOTAL",
+                    "EVICT/s",
+                ),
+                rows,
+            )
         )
-        out.append("")
+        out.append(Text(f"looked up {lookups_now / dt:.1f} chunks/s"))
+        out.append(Text())
+        out.append(
+            _table(
+                ("DIRECTION", "BYTES/s", "CHUNKS/s", "FAILED/s"),
+                [
+                    (
+                        d,
+                        _size(delta("kvtier_transfer_bytes_total", direction=d) / dt) + "/s"
+                        if now.has("kvtier_transfer_bytes_total", direction=d)
+                        else "-",
+                        f"{delta('kvtier_transfer_chunks_total', direction=d) / dt:.1f}",
+                        f"{delta('kvtier_transfer_failures_total', direction=d) / dt:.1f}",
+                    )
+                    for d in DIRECTIONS
+                    if now.has("kvtier_transfer_chunks_total", direction=d)
+                ],
+            )
+        )
+        out.append(Text())
         queues = [
             f"{q} {now.total('kvtier_queue_depth_chunks', queue=q):.0f}"
             f"/{now.total('kvtier_queue_capacity_chunks', queue=q):.0f}"
@@ -180,17 +193,19 @@ class View:
             if now.has("kvtier_queue_depth_chunks", queue=q)
         ]
         dropped = now.total("kvtier_queue_dropped_chunks_total")
-        out.append("queues  " + "  ".join(queues) + f"  dropped {dropped:.0f}")
-        out.append("")
-        out.append("RECENT EVICTIONS")
+        out.append(Text("queues  " + "  ".join(queues) + f"  dropped {dropped:.0f}"))
+        out.append(Text())
+        out.append(Text("RECENT EVICTIONS", style="bold"))
         if self.evictions:
-            out += _table(
-                ("TIME", "TIER", "REASON", "CHUNKS"),
-                [(t, tier, reason, f"+{n}") for t, tier, reason, n in reversed(self.evictions)],
+            out.append(
+                _table(
+                    ("TIME", "TIER", "REASON", "CHUNKS"),
+                    [(t, tier, reason, f"+{n}") for t, tier, reason, n in reversed(self.evictions)],
+                )
             )
         else:
-            out.append("(none)")
-        return "\n".join(out) + "\n"
+            out.append(Text("(none)"))
+        return Group(*out)
 
     def _note_evictions(self, before: Scrape, now: Scrape) -> None:
         stamp = time.strftime("%H:%M:%S")
@@ -234,20 +249,31 @@ def metrics_url(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     url = metrics_url(args)
     view = View(url)
+    tty = sys.stdout.isatty()
+    console = Console(highlight=False, width=None if tty else PIPE_WIDTH)
     before = scrape(url)
-    clear = sys.stdout.isatty() and not args.once
-    try:
+
+    def frames() -> Iterable[Group]:
+        nonlocal before
         while True:
             time.sleep(args.interval)
             now = scrape(url)
-            text = view.frame(before, now)
-            sys.stdout.write((CLEAR if clear else "") + text)
-            sys.stdout.flush()
-            if args.once:
-                return 0
+            yield view.frame(before, now)
             before = now
+
+    try:
+        if args.once or not tty:  # a pipe gets each frame after the last, never cursor moves
+            for frame in frames():
+                console.print(frame)
+                if args.once:
+                    break
+        else:
+            with Live(console=console, screen=True, auto_refresh=False) as live:
+                for frame in frames():
+                    live.update(frame, refresh=True)
     except KeyboardInterrupt:
-        return 0
+        pass
+    return 0
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:

@@ -16,7 +16,8 @@ from kvtier_vllm.worker import KVTierWorker, _stacked
 
 from kvtier.keys import Pool
 from kvtier.pools import PoolRegistry
-from kvtier.tiers.cpu import CpuTier, SlotRef
+from kvtier.protocol import SlotRef
+from kvtier.tiers.cpu import CpuTier
 from tests.support import MiB, arena_config, draft_spec, keys_for, target_spec
 
 LAYERS, BLOCKS, BLOCKS_PER_CHUNK, PAGE = 2, 16, 2, 4096

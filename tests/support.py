@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.common import keys_for as keys_for  # one copy; benchmarks never import tests/
 from kvtier.config import ArenaConfig, KVTierConfig, LMDBConfig, ObjectStoreConfig, from_mapping
-from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool, make_key
+from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
 
 MiB = 1 << 20
 
@@ -42,10 +43,6 @@ def draft_spec(**overrides: object) -> NamespaceSpec:
     }
     fields.update(overrides)
     return target_spec(**fields)
-
-
-def keys_for(namespace: bytes, n: int, start: int = 0) -> list[ChunkKey]:
-    return [make_key(namespace, (start + i).to_bytes(32, "big")) for i in range(n)]
 
 
 def payload_for(key: ChunkKey, nbytes: int) -> bytes:

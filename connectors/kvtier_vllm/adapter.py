@@ -1,5 +1,7 @@
-"""Everything that differs between the vLLM versions we support (0.32 CPU build, 0.33), and the
-only place that imports vLLM's connector types."""
+"""The connector's side of vLLM's connector API: its base and metadata types, what the connector
+reads from a ``VllmConfig`` (replica, drafter block drop, load failure policy), and the KV
+events, cache-hit sources and transfer results it hands back, each written once for the vLLM
+versions we support (0.32 CPU build, 0.33). `stats` imports vLLM's connector metrics types."""
 
 from __future__ import annotations
 

@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from kvtier.client import SlotRef, TierClient
 from kvtier.errors import KVTierError
 from kvtier.keys import NamespaceSpec, make_key
-from kvtier.manager import DraftState
+from kvtier.protocol import DraftState, SlotRef, TierClient
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,10 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvtier.client import Answer, ChunkEvents, TierClient
 from kvtier.errors import KVTierError
+from kvtier.journal import ChunkEvents
 from kvtier.keys import ChunkKey
+from kvtier.protocol import Answer, TierClient
 from kvtier_vllm.adapter import block_removed_event, block_stored_event
 
 log = logging.getLogger(__name__)

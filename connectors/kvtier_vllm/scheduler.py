@@ -1,33 +1,28 @@
-"""The connector's scheduler side: lookups, load plans, store reservations, commits.
+"""The connector's scheduler side: vLLM's scheduler hooks, per request and per step.
 
-It holds the only TierClient: the tiers themselves in embedded mode, or a session with kvtierd.
-Every call into kvtier is guarded: if the tiers fail (a daemon that is gone), the engine goes on
-as if there were no connector, and the client finds the daemon again by itself.
+It holds the only TierClient (`session.Session`: the tiers themselves in embedded mode, or a
+session with kvtierd), finds hits and plans their loads with `planner.HitPlanner`, and reserves
+and commits what the workers store with `stores.Stores`. Every call into kvtier is guarded: if
+the tiers fail (a daemon that is gone), the engine goes on as if there were no connector, and
+the client finds the daemon again by itself.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import threading
-import time
 import uuid
-import weakref
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-from kvtier.client import InProcessClient, SlotRef, TierClient
-from kvtier.config import DemoteMode, load_config
-from kvtier.errors import KVTierError, PoolLayoutError
-from kvtier.keys import ChunkKey, NamespaceSpec, Pool, make_key
-from kvtier.manager import TIER_CODES, TierManager
-from kvtier.rpc import DaemonStalledError, GrpcTierClient
+from kvtier.errors import KVTierError
+from kvtier.keys import NamespaceSpec, Pool
+from kvtier.protocol import SlotRef, TierClient
+from kvtier.rpc import DaemonStalledError
 from kvtier_vllm.adapter import eagle_block_drop, failure_policy_warning, replica_of
-from kvtier_vllm.config import ConnectorConfig, Mode
-from kvtier_vllm.draft import AcceptanceMeter, DraftTracker, Fill, lease_draft
+from kvtier_vllm.config import ConnectorConfig
+from kvtier_vllm.draft import AcceptanceMeter, DraftTracker, Fill
 from kvtier_vllm.events import KVEventFeed
 from kvtier_vllm.layout import (
     PoolPlan,
@@ -36,132 +31,18 @@ from kvtier_vllm.layout import (
     misplaced_draft,
     plan_pools,
 )
-from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
+from kvtier_vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier_vllm.planner import Asked, HitPlanner, Leases, LoadPlan, targets_of
+from kvtier_vllm.session import Session
 from kvtier_vllm.shapes import refusal
 from kvtier_vllm.stats import KVTierStats
+from kvtier_vllm.stores import Stores
 from kvtier_vllm.unreturned import Return, Unreturned
 from kvtier_vllm.weights import adapter_uncached
 
 log = logging.getLogger(__name__)
-Items = TypeVar("Items", bytes, list[Any])
-
-_CPU = TIER_CODES["cpu"]
-# vLLM's CacheHitSource values per tier; the object store is remote, shared storage
-_HIT_SOURCES = {TIER_CODES["cpu"]: "host", TIER_CODES["lmdb"]: "disk"}
-_REMOTE_SOURCE = "external_unspecified"
 _LEASE_STEPS = 2  # a load's leases outlive the step that copies it
-_STORE_STEPS = 8  # a reservation no worker confirmed by then is given back
-_RECONNECT_S = 5
 _REPORT_EVERY_S = 0.25  # hits answered from the arena index reach kvtierd this often
-_WRITE_TXN_BYTES = 16 << 20  # per lmdb transaction: a request arriving mid-write waits for one
-_WINDOW_TRIES = 4  # sliding-window checks of one lookup, each with a shorter hit
-
-
-def open_client(cfg: ConnectorConfig, replica: str, chunk_bytes: int = 0) -> TierClient:
-    if cfg.mode is Mode.SIDECAR:
-        socket = cfg.socket_path or load_config(cfg.kvtier_config).server.socket_path
-        return GrpcTierClient(socket, replica, deadlines=cfg.deadlines())
-    config = load_config(cfg.kvtier_config)
-    update: dict[str, Any] = {}
-    if cfg.write_through:
-        update["demote_mode"] = DemoteMode.WRITE_THROUGH
-    elif chunk_bytes:
-        # the connector's idle writer decides when chunks reach lmdb (see _IdleWriter); the
-        # manager's reserve counts only the extents a pool holds, so it would write while
-        # the engine is busy whenever a pool grows
-        batch = max(1, _WRITE_TXN_BYTES // chunk_bytes)
-        update["writeback_batch_chunks"] = min(config.manager.writeback_batch_chunks, batch)
-        update["clean_reserve"] = 0.0
-    if update:
-        manager = config.manager.model_copy(update=update)
-        config = config.model_copy(update={"manager": manager})
-    return InProcessClient(TierManager(config), replica)
-
-
-def _split(items: Items, spans: list[tuple[PoolPlan, range]]) -> list[Items]:
-    """``items`` of consecutive spans, span by span."""
-    out = []
-    offset = 0
-    for _, span in spans:
-        out.append(items[offset : offset + len(span)])
-        offset += len(span)
-    return out
-
-
-class _IdleWriter:
-    """Embedded mode: writes committed arena chunks to lmdb while the engine has no request, or
-    while more than ``backlog`` chunks are held only in the arena. Writing next to a forward
-    would take CPU time from it; what is left at shutdown is written by `TierManager.close`."""
-
-    def __init__(self, manager: TierManager, idle_s: float, backlog: int) -> None:
-        self._manager = manager
-        self._idle_s = idle_s
-        self._backlog = backlog
-        self._active = False
-        self._last = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvtier-idle-writer", daemon=True)
-        self._thread.start()
-
-    def touch(self, active: bool) -> None:
-        """The engine did something; ``active``: it holds requests."""
-        self._active = active
-        self._last = time.monotonic()
-
-    def _due(self) -> bool:
-        pending = self._manager.cpu.writeback_pending()
-        if pending > self._backlog:
-            return True
-        idle = not self._active and time.monotonic() - self._last >= self._idle_s
-        return pending > 0 and idle
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._idle_s / 2):
-            try:
-                while self._due() and not self._stop.is_set():
-                    # one transaction per call: flush checks its deadline after each
-                    self._manager.flush(timeout=0)
-            except Exception:  # never let the writer die silently
-                log.exception("kvtier: writing arena chunks to lmdb failed")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-@dataclass
-class _LoadPlan:
-    first_chunk: int
-    chunks: int
-    leases: dict[str, tuple[int, list[SlotRef]]]
-    """Per plan key, the first chunk leased and the leases, chunk after chunk."""
-    zero_plans: list[str]
-    tiers: bytes = b""
-    """Where each chunk was when first asked for (promoted ones came from lmdb)."""
-    fill: Fill = Fill.NONE
-    """How the draft pages of these chunks are set."""
-
-    def refs(self) -> list[SlotRef]:
-        return [r for _, refs in self.leases.values() for r in refs]
-
-
-@dataclass
-class _Found:
-    chunks: int
-    tiers: dict[str, tuple[int, bytes]]
-    """Per plan key, the first chunk looked up and the tier code of each found from there."""
-    pending: bool
-    leases: dict[str, tuple[int, list[SlotRef | None]]] | None = None
-    """Per plan key, the first chunk and the leases the lookup took, when it took them."""
-
-
-@dataclass
-class _PendingStore:
-    """A reserved slot the workers are writing: committed once ``waiting`` parts arrived."""
-
-    ref: SlotRef
-    step: int
-    waiting: int
 
 
 @dataclass
@@ -170,11 +51,9 @@ class _RequestState:
     block_ids: list[list[int]] = field(default_factory=list)
     """Per KV-cache group, the request's blocks by position (0: vLLM's null block)."""
     stored_chunks: int = 0
-    waiting_since: float | None = None
-    first_tiers: dict[int, int] = field(default_factory=dict)
-    """Per chunk, where it was when first asked for (promoted ones came from lmdb)."""
-    plan: _LoadPlan | None = None
-    hit: _LoadPlan | None = None
+    asked: Asked = field(default_factory=Asked)
+    plan: LoadPlan | None = None
+    hit: LoadPlan | None = None
     """The load granted, for its hit sources."""
     local_tokens: int = 0
     local_hit: int = 0
@@ -209,16 +88,13 @@ class KVTierScheduler:
             log.error("kvtier is off for this engine: %s", self.refusal)
             groups = []
         self.by_key = {plan.key: plan for plan in self.plans}
-        # full-attention plans first: a shorter hit they find never moves their own start
-        self.targets = sorted(
-            (p for p in self.plans if p.pool is Pool.TARGET), key=lambda p: bool(p.window)
-        )
+        self.targets = targets_of(self.plans)
         self.anchor = self.targets[0] if self.targets else None
+        """The plan whose chunks stand for a hit: in KV events and hit sources."""
         self.drop_last = eagle_block_drop(vllm_config) and len(self.targets) == 1
         """As vLLM's own prefix cache: a hit's last chunk is recomputed, so the drafter's KV of
         its last position is written from this request's next token. (With several groups the
         sliding windows would no longer be the stored ones: there the chunk is kept.)"""
-        """The plan whose chunks stand for a hit: in KV events and hit sources."""
         self.draft_plan = next((p for p in self.plans if p.pool is Pool.DRAFT), None)
         self.async_loads = len(groups) > 1
         """Several groups: vLLM takes load failures only per request, after an async load."""
@@ -232,30 +108,35 @@ class KVTierScheduler:
         self._acceptance = AcceptanceMeter()
         self._followed = -1
         self._revision_reported = ""
-        self.client: TierClient | None = None
-        self._writer: _IdleWriter | None = None
-        self._at_exit: Any = None
         self.namespaces: dict[str, bytes] = {}
         """Per plan key; a pool without one is not stored (a draft mid-swap)."""
         self.arena_path = ""
-        self._next_connect = 0.0
-        self._opening: threading.Thread | None = None
-        self._opened: tuple[TierClient, dict[str, bytes], int] | None = None
         self.events = KVEventFeed(self.block_size)
+        self.leases = Leases(_LEASE_STEPS)
+        self.unreturned = Unreturned()
+        """Refs a failed call did not hand back: handed back on later steps."""
+        self._failing = False
+        self.planner: HitPlanner | None = None
+        self.stores: Stores | None = None
+        """Plan loads and stores over the client in use; made when one is taken up."""
+        self.session = Session(
+            self.cfg,
+            self.replica,
+            self.plans,
+            self.namespaces,
+            self.shutdown,
+            self.draft,
+            self.events,
+        )
         self._connect(wait=True)
         self._requests: dict[str, _RequestState] = {}
-        self._ready_loads: dict[str, _LoadPlan] = {}
+        self._ready_loads: dict[str, LoadPlan] = {}
         self._queued = KVTierMetadata()
         """Asynchronous loads planned since the last step, for the next step's metadata."""
         self._queued_leases: list[SlotRef] = []
-        self._lease_gc: deque[list[SlotRef]] = deque([[] for _ in range(_LEASE_STEPS)])
-        self._stores: dict[tuple[int, int], _PendingStore] = {}
         self._step = 0
-        self._failing = False
         self._failed_loads: set[str] = set()
         """Requests whose asynchronous load failed: vLLM recomputes them, without kvtier."""
-        self.unreturned = Unreturned()
-        """Refs a failed call did not hand back: handed back on later steps."""
         if self.plans and (warning := failure_policy_warning(vllm_config)):
             log.warning("kvtier: %s", warning)
         log.info(
@@ -266,88 +147,47 @@ class KVTierScheduler:
             self.arena_path,
         )
 
+    @property
+    def client(self) -> TierClient | None:
+        return self.session.client
+
     def _connect(self, wait: bool = False) -> bool:
-        """Open the tiers; on failure serve as if unconnected and try again later. Only the
-        first try (``wait``, at start) is made here: later ones run on a thread of their own,
-        taken up by the call after they succeed, since registering may take longer than a
-        step may wait."""
-        if self.client is not None:
-            return True
-        if self._opening is not None:
-            if self._opening.is_alive():
-                return False
-            self._opening = None
-        if self._opened is not None:
-            client, namespaces, chunk_bytes = self._opened
-            self._opened = None
-            self._adopt(client, namespaces, chunk_bytes)
-            return True
-        now = time.monotonic()
-        if now < self._next_connect or not self.plans:
+        """Whether the tiers are open (see `Session.connect`); loads and stores of a client just
+        taken up are planned over it."""
+        if not self.session.connect(wait):
             return False
-        self._next_connect = now + _RECONNECT_S
-        if not wait:
-            self._opening = threading.Thread(target=self._open, name="kvtier-connect", daemon=True)
-            self._opening.start()
-            return False
-        self._open()
-        return self._connect()
-
-    def _open(self) -> None:
-        """Open a client and register every pool; the result waits in ``_opened``."""
-        client: TierClient | None = None
-        namespaces: dict[str, bytes] = {}
-        try:
-            chunk_bytes = max(plan.chunk_bytes for plan in self.plans)
-            client = open_client(self.cfg, self.replica, chunk_bytes)
-            for plan in self.plans:
-                try:
-                    spec = plan.spec
-                    if plan.pool is Pool.DRAFT and self.draft is not None:
-                        spec = self.draft.current_spec()  # the revision swapped to, if any
-                    namespaces[plan.key] = client.register_pool(spec, plan.chunk_bytes)
-                except PoolLayoutError as exc:
-                    if plan.pool is Pool.TARGET:
-                        raise
-                    # without a draft pool, draft pages of hits are filled instead of loaded
-                    log.error("kvtier: no %s pool: %s", plan.pool, exc)
-            self.events.follow(client)
-        except KVTierError as exc:  # never take the engine down
-            if client is not None:
-                client.close()
-            log.error(
-                "kvtier unavailable, serving without it (retry in %d s): %s", _RECONNECT_S, exc
+        client = self.session.client
+        if self.planner is None and client is not None:
+            self.arena_path = str(client.arena_path)
+            if self.draft is not None and self.draft_plan is not None:
+                self.draft.namespace = self.namespaces.get(self.draft_plan.key)
+            self.planner = HitPlanner(
+                client,
+                self.plans,
+                self.namespaces,
+                chunk_tokens=self.chunk_tokens,
+                blocks_per_chunk=self.cfg.blocks_per_chunk,
+                checkpoint=self.checkpoint,
+                drop_last=self.drop_last,
+                wait_s=self.cfg.promote_wait_ms / 1000,
+                draft=self.draft,
+                leases=self.leases,
+                unreturned=self.unreturned,
+                on_error=self._guard,
             )
-            return
-        self._opened = (client, namespaces, chunk_bytes)
-
-    def _adopt(self, client: TierClient, namespaces: dict[str, bytes], chunk_bytes: int) -> None:
-        self.namespaces.update(namespaces)
-        self.arena_path = str(client.arena_path)
-        self.client = client
-        if self.draft is not None and self.draft_plan is not None:
-            self.draft.namespace = self.namespaces.get(self.draft_plan.key)
-        if isinstance(client, InProcessClient):
-            self._keep_on_exit(client, chunk_bytes)
-
-    def _keep_on_exit(self, client: InProcessClient, chunk_bytes: int) -> None:
-        """The arena ends with this process: write it to lmdb when idle, and at exit if nobody
-        shut the connector down."""
-        if not self.cfg.write_through:
-            # half the arena at most stays dirty: stores always find clean or free slots
-            most = min(self.cfg.writeback_backlog_mib << 20, client.manager.cpu.memory.size // 2)
-            backlog = most // chunk_bytes
-            idle_s = self.cfg.writeback_idle_ms / 1000
-            self._writer = _IdleWriter(client.manager, idle_s, backlog)
-        ref = weakref.ref(self)
-
-        def at_exit() -> None:
-            scheduler = ref()
-            if scheduler is not None:
-                scheduler.shutdown()
-
-        self._at_exit = at_exit
-        atexit.register(at_exit)
+            self.stores = Stores(
+                client,
+                self.plans,
+                self.namespaces,
+                self.events,
+                self.unreturned,
+                self._guard,
+                chunk_tokens=self.chunk_tokens,
+                blocks_per_chunk=self.cfg.blocks_per_chunk,
+                checkpoint=self.checkpoint,
+                draft=self.draft,
+            )
+        return True
 
     @staticmethod
     def _stable(cfg: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:
@@ -400,13 +240,6 @@ class KVTierScheduler:
                 self._guard("draft state", exc)
             self._sync_draft(follow=False)
 
-    def _wait(self, state: _RequestState) -> bool:
-        """Whether a request may still be asked again next step (up to promote_wait_ms)."""
-        now = time.monotonic()
-        if state.waiting_since is None:
-            state.waiting_since = now
-        return now - state.waiting_since < self.cfg.promote_wait_ms / 1000
-
     def _count_acceptance(self, req_id: str, computed: int, state: _RequestState, out: Any) -> None:
         settled = self._acceptance.progressed(req_id, computed)
         if settled is not None:
@@ -438,13 +271,6 @@ class KVTierScheduler:
             log.error("kvtier %s failed; serving without it until it is back: %s", what, error)
         self._failing = True
 
-    def _keys(self, plan: PoolPlan, hashes: Any, chunks: Iterable[int]) -> list[ChunkKey]:
-        return self._keys_in(self.namespaces[plan.key], hashes, chunks)
-
-    def _keys_in(self, namespace: bytes, hashes: Any, chunks: Iterable[int]) -> list[ChunkKey]:
-        bpc = self.cfg.blocks_per_chunk
-        return [make_key(namespace, hashes[(c + 1) * bpc - 1]) for c in chunks]
-
     # -- lookups --------------------------------------------------------------------------
 
     def state(self, request: Any) -> _RequestState:
@@ -466,17 +292,18 @@ class KVTierScheduler:
         state.local_hit = num_computed_tokens
         if self._followed != self._step:
             self._sync_draft(follow=True)
-        if self._writer is not None:
-            self._writer.touch(True)
+        self.session.touch(True)
         self._drop_plan(state)
-        if self.draft is not None and self.draft.awaiting and self._wait(state):
+        wait_s = self.cfg.promote_wait_ms / 1000
+        if self.draft is not None and self.draft.awaiting and state.asked.may_wait(wait_s):
             return None, False  # one step: the workers fingerprint the draft weights in it
         limit = self._hit_limit(request)
         first = num_computed_tokens // self.chunk_tokens
         if limit <= first:
             return 0, False
+        assert self.planner is not None  # made with the client
         try:
-            plan = self._plan(state, request, first, limit)
+            plan = self.planner.plan(state.asked, request.block_hashes, first, limit)
         except KVTierError as exc:
             self._guard("lookup", exc)
             return 0, False
@@ -497,197 +324,6 @@ class KVTierScheduler:
         hashed = len(request.block_hashes) // self.cfg.blocks_per_chunk
         readable = prompt if self.drop_last else prompt - 1
         return int(min(readable // self.chunk_tokens, hashed))
-
-    def _find(self, hashes: Any, first: int, limit: int) -> _Found:
-        """The longest hit every target plan holds, in chunks: per plan, the first chunk it
-        needs (from ``first``: vLLM holds the ones before) and the tier of each chunk from there.
-
-        Full-attention plans need every chunk of the hit. A sliding-window plan needs only the
-        window before the hit's end, which moves when the hit gets shorter: its check repeats,
-        a few times at most. The first lookup also leases what the arena holds (or reads it from
-        the arena's index, with no call), so that a whole hit from the arena takes one step."""
-        client = self.client
-        assert client is not None
-        spans = [(plan, self._needed(plan, first, limit)) for plan in self.targets]
-        keys = [k for plan, span in spans for k in self._keys(plan, hashes, span)]
-        # leases this step's build_connector_meta would release go back with this lookup
-        due, self._lease_gc[0] = self._lease_gc[0], []
-        try:
-            result, leased = client.release_then_lookup_and_load(due, keys)
-        except KVTierError:
-            self.unreturned.keep(Return.RELEASE, due)
-            raise
-        found = {
-            plan.key: (span.start, codes)
-            for (plan, span), codes in zip(spans, _split(result.tier_codes, spans), strict=True)
-        }
-        early = {
-            plan.key: (span.start, refs)
-            for (plan, span), refs in zip(spans, _split(leased, spans), strict=True)
-        }
-        if len(spans) == 1 or result.hits == len(keys):
-            chunks = spans[0][1].start + result.hits if len(spans) == 1 else limit
-            return _Found(chunks, found, result.pending, early)
-        self._give_back(early)
-        chunks, pending = limit, result.pending
-        found = {}
-        for _ in range(_WINDOW_TRIES):
-            settled = True
-            for plan in self.targets:
-                span = self._needed(plan, first, chunks)
-                if plan.window or plan.key not in found:
-                    result = client.lookup(self._keys(plan, hashes, span))
-                    pending |= result.pending
-                    found[plan.key] = (span.start, result.tier_codes)
-                have = span.start + len(found[plan.key][1])
-                if have < chunks:
-                    if plan.window and self.checkpoint:
-                        # windows are kept before each checkpoint: the last one below
-                        have = min(have, (chunks - 1) // self.checkpoint * self.checkpoint)
-                    chunks = have
-                    settled = settled and not plan.window
-            if settled:
-                return _Found(chunks, found, pending)
-        return _Found(first, found, pending)
-
-    def _give_back(self, leases: dict[str, tuple[int, list[SlotRef | None]]] | None) -> None:
-        """Leases not used: they go back with the next call that releases."""
-        for _, refs in (leases or {}).values():
-            self._lease_gc[0].extend(r for r in refs if r is not None)
-
-    def _plan(self, state: _RequestState, request: Any, first: int, limit: int) -> _LoadPlan | None:
-        hashes = request.block_hashes
-        found = self._find(hashes, first, limit)
-        chunks = found.chunks
-        if self.drop_last and chunks > first:
-            chunks -= 1
-        assert self.anchor is not None
-        anchor_start, anchor_codes = found.tiers[self.anchor.key]
-        for chunk, code in enumerate(anchor_codes, anchor_start):
-            state.first_tiers.setdefault(chunk, code)
-        # per plan, the chunks of the hit not in the arena
-        below = {
-            plan.key: [c for c, code in enumerate(codes[: chunks - start], start) if code != _CPU]
-            for plan in self.targets
-            for start, codes in (found.tiers[plan.key],)
-        }
-        if any(below.values()) or found.pending:
-            self._give_back(found.leases)
-            if self._wait(state):
-                self._promote(hashes, below)
-                return None
-            if len(self.targets) > 1 and any(below.values()):
-                return _LoadPlan(first, 0, {}, [])  # a shorter hit would need other windows
-            chunks = min([chunks, *(c[0] for c in below.values() if c)])
-            found.leases = None
-        draft = self.draft_plan
-        if chunks <= first or (
-            draft is not None
-            and draft.key in self.namespaces
-            and self._draft_on_its_way(draft, state, hashes, range(first, chunks))
-        ):
-            self._give_back(found.leases)
-            return None if chunks > first else _LoadPlan(first, 0, {}, [])
-        return self._lease(state, hashes, first, chunks, found.leases)
-
-    def _needed(self, plan: PoolPlan, first: int, chunks: int) -> range:
-        return range(max(first, plan.first_needed(chunks, self.chunk_tokens)), chunks)
-
-    def _promote(self, hashes: Any, below: dict[str, list[int]]) -> None:
-        """Bring a hit's chunks up into the arena, the draft's with their target's."""
-        client = self.client
-        assert client is not None
-        span: set[int] = set()
-        for plan in self.targets:
-            chunks = below.get(plan.key, [])
-            if chunks:
-                client.promote(self._keys(plan, hashes, chunks))
-                span.update(chunks)
-        if not span or self.draft_plan is None:
-            return
-        namespaces = [self.namespaces.get(self.draft_plan.key)]
-        namespaces += self.draft.fill_sources() if self.draft is not None else []
-        for namespace in namespaces:
-            if namespace is not None:
-                client.promote(self._keys_in(namespace, hashes, sorted(span)))
-
-    def _lease(
-        self,
-        state: _RequestState,
-        hashes: Any,
-        first: int,
-        chunks: int,
-        early: dict[str, tuple[int, list[SlotRef | None]]] | None,
-    ) -> _LoadPlan | None:
-        """Lease every plan's chunks of the hit (``early``: those the lookup leased, when they
-        cover the hit; the ones past it go back); the hit shrinks to what all of them got."""
-        client = self.client
-        assert client is not None
-        spans = [(plan, self._needed(plan, first, chunks)) for plan in self.targets]
-        if early is None or any(
-            early[plan.key][0] != span.start or len(early[plan.key][1]) < len(span)
-            for plan, span in spans
-        ):
-            self._give_back(early)
-            keys = [k for plan, span in spans for k in self._keys(plan, hashes, span)]
-            due, self._lease_gc[0] = self._lease_gc[0], []
-            try:
-                leased = client.release_then_load(due, keys)  # every plan's chunks in one call
-            except KVTierError:
-                self.unreturned.keep(Return.RELEASE, due)
-                raise
-            early = {
-                plan.key: (span.start, refs)
-                for (plan, span), refs in zip(spans, _split(leased, spans), strict=True)
-            }
-        offered: dict[str, tuple[int, list[SlotRef | None]]] = {}
-        granted = chunks
-        for plan, span in spans:
-            start, refs = early[plan.key]
-            offered[plan.key] = (start, refs)
-            missing = next((i for i, r in enumerate(refs) if r is None), None)
-            if missing is not None:
-                # a shorter hit moves the sliding windows: with several plans, none
-                granted = first if len(self.targets) > 1 else min(granted, span.start + missing)
-        zero: list[str] = []
-        fill = Fill.NONE
-        if self.draft is not None and self.draft_plan is not None:
-            span = self._needed(self.draft_plan, first, chunks)
-            chunk_hashes = [hashes[(c + 1) * self.cfg.blocks_per_chunk - 1] for c in span]
-            draft, fill, back = lease_draft(client, self.draft, chunk_hashes)
-            self._release(back)
-            if draft is not None:
-                offered[self.draft_plan.key] = (span.start, draft)
-            else:  # never leave draft pages uninitialised
-                zero.append(self.draft_plan.key)
-        leases: dict[str, tuple[int, list[SlotRef]]] = {}
-        for key, (start, refs) in offered.items():
-            keep = max(0, granted - start)
-            self._release([r for r in refs[keep:] if r is not None])
-            leases[key] = (start, [r for r in refs[:keep] if r is not None])
-        if granted <= first:
-            self._release([r for _, refs in leases.values() for r in refs])
-            return None if self._wait(state) else _LoadPlan(first, 0, {}, [])
-        tiers = bytes(state.first_tiers.get(c, _CPU) for c in range(first, granted))
-        return _LoadPlan(first, granted - first, leases, zero, tiers, fill)
-
-    def _draft_on_its_way(
-        self, draft: PoolPlan, state: _RequestState, hashes: Any, hit: range
-    ) -> bool:
-        """Whether draft chunks of the hit are still coming up into the arena (then ask again,
-        within the wait): loading them now would find them mid-promotion and zero them."""
-        client = self.client
-        assert client is not None
-        keys = self._keys(draft, hashes, self._needed(draft, hit.start, hit.stop))
-        found = client.lookup(keys)
-        below = [k for k, c in zip(keys, found.tier_codes, strict=False) if c != _CPU]
-        if not below and not found.pending:
-            return False
-        if not self._wait(state):
-            return False
-        if below:
-            client.promote(below)
-        return True
 
     def _drop_plan(self, state: _RequestState) -> None:
         if state.plan is not None:
@@ -767,20 +403,14 @@ class KVTierScheduler:
         plan = state.hit if state is not None else None
         if state is None or plan is None or num_external_tokens == 0:
             return {}
-        sources: dict[str, int] = {}
-        for i, code in enumerate(plan.tiers):
-            start = max((plan.first_chunk + i) * self.chunk_tokens, state.local_tokens)
-            end = (plan.first_chunk + i + 1) * self.chunk_tokens
-            source = _HIT_SOURCES.get(code, _REMOTE_SOURCE)
-            sources[source] = sources.get(source, 0) + max(0, end - start)
+        sources = plan.sources(state.local_tokens, self.chunk_tokens)
         return sources if sum(sources.values()) == num_external_tokens else {}
 
     # -- per step -------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         self._step += 1
-        if self._writer is not None:
-            self._writer.touch(bool(self._requests))
+        self.session.touch(bool(self._requests))
         meta, self._queued = self._queued, KVTierMetadata()
         if self.client is not None:  # a restarted daemon may have put its arena elsewhere
             self.arena_path = str(self.client.arena_path)
@@ -793,8 +423,7 @@ class KVTierScheduler:
         if self.draft is not None:
             meta.draft_check = self.draft.check_due()
             meta.draft_fingerprints = dict(self.draft.bound)
-        self._release(self._lease_gc.popleft())
-        self._lease_gc.append(self._queued_leases)
+        self._release(self.leases.step(self._queued_leases))
         self._queued_leases = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -803,7 +432,7 @@ class KVTierScheduler:
             state.block_ids = [list(ids) for ids in new.block_ids]
             plan = self._ready_loads.pop(new.req_id, None)
             if plan is not None:
-                self._lease_gc[-1].extend(self._add_load(meta, state, plan))
+                self.leases.newest.extend(self._add_load(meta, state, plan))
             self._add_stores(meta, state, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -818,37 +447,24 @@ class KVTierScheduler:
                 for group, ids in zip(state.block_ids, new_ids, strict=False):
                     group.extend(ids)
             self._add_stores(meta, state, cached.num_computed_tokens[i], scheduler_output)
-        self._expire_stores()
+        assert self.stores is not None  # made with the client
+        self.stores.expire(self._step)
         return meta
 
     def _add_load(
-        self, meta: KVTierMetadata, state: _RequestState, plan: _LoadPlan
+        self, meta: KVTierMetadata, state: _RequestState, plan: LoadPlan
     ) -> list[SlotRef]:
         """The copies of a granted load into the request's blocks; returns its leases, to give
         back once the workers copied them."""
-        bpc = self.cfg.blocks_per_chunk
-        skip = state.local_tokens // self.block_size
-        request = state.request.request_id if self.async_loads else ""
-        by_key = self.by_key
-        for key, (start, refs) in plan.leases.items():
-            ids = state.block_ids[by_key[key].group]
-            # another revision's draft chunk is a fill, never loaded as the current one
-            draft = by_key[key].pool is Pool.DRAFT
-            fill = "previous" if draft and plan.fill is Fill.PREVIOUS else ""
-            for chunk, ref in enumerate(refs, start):
-                first = max(0, skip - chunk * bpc)
-                blocks = tuple(ids[chunk * bpc + first : (chunk + 1) * bpc])
-                meta.loads.append(
-                    ChunkCopy(
-                        key, ref.slot, ref.offset, ref.generation, blocks, first, fill, request
-                    )
-                )
-        end = (plan.first_chunk + plan.chunks) * bpc
-        for key in plan.zero_plans:
-            zeroed = self._needed(by_key[key], plan.first_chunk, plan.first_chunk + plan.chunks)
-            ids = state.block_ids[by_key[key].group]
-            start = max(skip, zeroed.start * bpc)
-            meta.zero.setdefault(key, []).extend(b for b in ids[start:end] if b)
+        plan.add_copies(
+            meta,
+            state.block_ids,
+            self.by_key,
+            skip=state.local_tokens // self.block_size,
+            request=state.request.request_id if self.async_loads else "",
+            chunk_tokens=self.chunk_tokens,
+            blocks_per_chunk=self.cfg.blocks_per_chunk,
+        )
         state.fill = plan.fill
         if plan.fill is not Fill.NONE and plan.chunks:
             self.stats.fill(plan.fill, plan.chunks)
@@ -867,52 +483,12 @@ class KVTierScheduler:
             return
         chunks = range(state.stored_chunks, full)
         state.stored_chunks = full
-        client = self.client
-        assert client is not None
+        assert self.stores is not None  # made with the client
         # a sliding window is stored where the prompt's own hit would read it, and past it
         end = self._hit_limit(request) - int(self.drop_last)
-        for plan in self.plans:
-            if plan.key not in self.namespaces:
-                continue
-            span = [c for c in chunks if plan.keeps(c, end, self.checkpoint, self.chunk_tokens)]
-            if len(span) < len(chunks):
-                self.stats.window_skipped(
-                    str(plan.pool), (len(chunks) - len(span)) * plan.chunk_bytes
-                )
-            if plan.pool is Pool.DRAFT and self.draft is not None:
-                if not self.draft.active:
-                    continue  # the draft's weights may be in flux: its KV is no revision's
-                if self.draft.local_cache_stale:
-                    # vLLM's own cache may hold an older revision's draft KV: never store it
-                    local = -(-state.local_hit // self.chunk_tokens)
-                    span = [c for c in span if c >= local]
-            ids = state.block_ids[plan.group]
-            # blocks vLLM already let go of (null) cannot be stored
-            span_blocks = {c: tuple(ids[c * bpc : (c + 1) * bpc]) for c in span}
-            storable = [c for c in span if all(span_blocks[c])]
-            try:
-                refs = client.reserve(self._keys(plan, request.block_hashes, storable))
-            except KVTierError as exc:
-                self._guard("reserve", exc)
-                return
-            for chunk, ref in zip(storable, refs, strict=True):
-                if ref is None:
-                    continue  # present already, or no room right now
-                if plan is self.anchor:
-                    self._announce((ref.slot, ref.generation), ref.key, request, chunk)
-                meta.stores.append(
-                    ChunkCopy(plan.key, ref.slot, ref.offset, ref.generation, span_blocks[chunk])
-                )
-                handle = (ref.slot, ref.generation)
-                self._stores[handle] = _PendingStore(ref, self._step, plan.shard.writers)
-
-    def _announce(self, handle: tuple[int, int], key: ChunkKey, request: Any, chunk: int) -> None:
-        """The anchor plan's chunks stand for their blocks in KV events, once stored."""
-        bpc = self.cfg.blocks_per_chunk
-        hashes = request.block_hashes[chunk * bpc : (chunk + 1) * bpc]
-        parent = request.block_hashes[chunk * bpc - 1] if chunk else None
-        tokens = request.all_token_ids[chunk * self.chunk_tokens : (chunk + 1) * self.chunk_tokens]
-        self.events.store_planned(handle, key, list(hashes), parent, list(tokens))
+        self.stores.reserve(
+            meta, request, state.block_ids, chunks, end, state.local_hit, self._step, self.stats
+        )
 
     def take_events(self) -> list[object]:
         """vLLM asks after each step's forward: what goes to kvtierd now competes with no copy."""
@@ -924,22 +500,6 @@ class KVTierScheduler:
                 self._guard("hit report", exc)
         return self.events.take()
 
-    def _expire_stores(self) -> None:
-        stale = [h for h, s in self._stores.items() if self._step - s.step > _STORE_STEPS]
-        if stale:
-            for handle in stale:
-                self.events.store_dropped(handle)
-            self._abort([self._stores.pop(h).ref for h in stale])
-
-    def _abort(self, refs: list[SlotRef]) -> None:
-        if not refs or self.client is None:
-            return
-        try:
-            self.client.abort(refs)
-        except KVTierError as exc:
-            self.unreturned.keep(Return.ABORT, refs)
-            self._guard("abort", exc)
-
     def update_connector_output(self, worker_meta: Any, failed_loads: Iterable[str] = ()) -> None:
         for req_id in failed_loads:
             if req_id in self._requests:
@@ -950,26 +510,8 @@ class KVTierScheduler:
         if self.draft is not None and worker_meta.draft_fingerprints:
             self.draft.reported(worker_meta.draft_fingerprints)
             self._sync_draft(follow=False)
-        # a part any rank failed to write spoils the chunk, whatever the others wrote
-        failed = [self._stores.pop(h).ref for h in worker_meta.failed if h in self._stores]
-        for handle in worker_meta.failed:
-            self.events.store_dropped(handle)
-        done = []
-        for handle in worker_meta.stored:
-            pending = self._stores.get(handle)
-            if pending is None:
-                continue
-            pending.waiting -= 1
-            if pending.waiting <= 0:  # every rank that writes a part has written it
-                done.append(self._stores.pop(handle).ref)
-                self.events.store_done(handle)
-        try:
-            if done:
-                self.client.commit(done)
-        except KVTierError as exc:
-            self.unreturned.keep(Return.COMMIT, done)
-            self._guard("commit", exc)
-        self._abort(failed) if failed else None
+        assert self.stores is not None  # made with the client
+        self.stores.reported(worker_meta.stored, worker_meta.failed)
 
     def request_finished(self, request: Any) -> None:
         self._failed_loads.discard(request.request_id)
@@ -982,24 +524,18 @@ class KVTierScheduler:
         plan = self._ready_loads.pop(request.request_id, None)
         if plan is not None:
             self._release(plan.refs())
-        if self._writer is not None:
-            self._writer.touch(bool(self._requests))
+        self.session.touch(bool(self._requests))
 
     def shutdown(self) -> None:
-        if self._at_exit is not None:
-            atexit.unregister(self._at_exit)
-            self._at_exit = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if self._opened is not None:  # opened after the last step: never used
-            self._opened[0].close()
-            self._opened = None
+        self.session.stop()
         if self.client is None:
             return
-        for refs in self._lease_gc:
+        for refs in self.leases:
             self._release(refs)
-        self._abort([pending.ref for pending in self._stores.values()])
+        if self.stores is not None:
+            self.stores.abort_all()
         self.unreturned.retry(self.client, force=True)
-        client, self.client = self.client, None
+        client = self.session.detach()
+        self.planner = self.stores = None
+        assert client is not None
         client.close()  # embedded: writes what the arena holds to lmdb

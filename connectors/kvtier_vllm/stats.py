@@ -19,7 +19,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 DIRECTIONS = ("load", "store")
-_FIELDS = ("bytes", "chunks", "seconds", "errors")
 FILLS = ("none", "previous", "zeros")
 """How a request's draft pages were set: loaded (none), or filled by policy."""
 SWAP_SOURCES = ("admin", "fingerprint")

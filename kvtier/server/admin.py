@@ -2,31 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import grpc
 
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc
-from kvtier.errors import (
-    InvalidRequestError,
-    TierNotConfiguredError,
-    UnknownPoolError,
-)
-from kvtier.keys import NAMESPACE_BYTES, ChunkKey, check_revision
+from kvtier.codec import draft_revisions_to, tier_stats_to
+from kvtier.errors import InvalidRequestError
+from kvtier.keys import ChunkKey, check_revision
+from kvtier.maintenance import VerifyProgress, WarmupProgress
 from kvtier.manager import TierManager
-from kvtier.server.convert import (
-    check_batch,
-    draft_revisions_to,
-    keys_from,
-    namespace_from,
-    tier_stats_to,
-)
 from kvtier.server.sessions import SessionRegistry
-from kvtier.tiers.objstore.catalog import Catalog, GcCounts, WarmupCounts
-from kvtier.tiers.objstore.tier import REMOTE_REPLICA, FetchedChunk
+from kvtier.server.validate import check_batch, keys_from, namespace_from
+from kvtier.tiers.objstore.catalog import GcCounts
 
 READ_ONLY_METHODS = frozenset({"Stats"})
-_PROGRESS_EVERY = 256
 _MAX_PIN_KEYS = 1 << 20
 
 
@@ -90,106 +80,33 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def Drain(
         self, request: admin_pb2.DrainRequest, context: grpc.ServicerContext
     ) -> admin_pb2.DrainResponse:
-        timeout = request.timeout_s if request.timeout_s > 0 else 60.0
-        complete = self.manager.flush(timeout)
-        if self.manager.lmdb is not None:
-            self.manager.lmdb.sync()
-        return admin_pb2.DrainResponse(
-            complete=complete, pending=self.manager.cpu.writeback_pending()
-        )
+        result = self.manager.drain(request.timeout_s if request.timeout_s > 0 else 60.0)
+        return admin_pb2.DrainResponse(complete=result.complete, pending=result.pending)
 
     def Verify(
         self, request: admin_pb2.VerifyRequest, context: grpc.ServicerContext
     ) -> Iterator[admin_pb2.VerifyProgress]:
-        if request.tier not in ("", "lmdb"):
-            raise InvalidRequestError("only the lmdb tier stores checksummed chunks to verify")
-        lmdb = self.manager.lmdb
-        keys = list(lmdb.keys()) if lmdb is not None else []
-        corrupt = 0
-        for i, key in enumerate(keys, 1):
-            assert lmdb is not None
-            if lmdb.verify_chunk(key) is False:
-                corrupt += 1
-            if i % _PROGRESS_EVERY == 0 and i < len(keys):
-                yield admin_pb2.VerifyProgress(checked=i, total=len(keys), corrupt=corrupt)
-        yield admin_pb2.VerifyProgress(
-            checked=len(keys), total=len(keys), corrupt=corrupt, done=True
-        )
+        for progress in self.manager.verify(request.tier):
+            yield _verify_progress(progress)
 
     def Warmup(
         self, request: admin_pb2.WarmupRequest, context: grpc.ServicerContext
     ) -> Iterator[admin_pb2.WarmupProgress]:
-        namespace = namespace_from(request.namespace)
-        objects = WarmupCounts()
-        if request.object_index or request.fetch:
-            catalog = self._catalog("warmup --object-index/--fetch")
-            if request.fetch and namespace is not None and not self._known(namespace):
-                # fetch would take a foreign namespace's objects for corrupt ones
-                raise UnknownPoolError(
-                    f"namespace {namespace.hex()} is not registered on this node; "
-                    "start an engine that uses it before fetching its objects"
-                )
-            if request.object_index:
-                for counts in catalog.rebuild_index(objects):
-                    yield _warmup_progress(counts)
-            if request.fetch:
-                wanted = [namespace] if namespace is not None else self._registered()
-                names = catalog.objects_of(wanted)
-                for counts in catalog.fetch(names, self._keep_fetched, self._in_lmdb, objects):
-                    yield _warmup_progress(counts)
-        lmdb = self.manager.lmdb
-        keys = [
-            k
-            for k in (lmdb.keys() if lmdb is not None else ())
-            if namespace is None or k[:NAMESPACE_BYTES] == namespace
-        ]
-        if request.max_chunks:
-            keys = keys[: request.max_chunks]
-        promoted = 0
-        objects.phase = "promote"
-        for start in range(0, len(keys), _PROGRESS_EVERY):
-            batch = [k for k in keys[start : start + _PROGRESS_EVERY] if self._known(k)]
-            leases = self.manager.load(batch, "warmup")
-            self.manager.release([lease for lease in leases if lease is not None])
-            promoted += sum(lease is not None for lease in leases)
-            if start + _PROGRESS_EVERY < len(keys):
-                yield _warmup_progress(objects, promoted=promoted, total=len(keys))
-        yield _warmup_progress(objects, promoted=promoted, total=len(keys), done=True)
+        stream = self.manager.warmup(
+            namespace_from(request.namespace),
+            max_chunks=request.max_chunks,
+            object_index=request.object_index,
+            fetch=request.fetch,
+        )
+        for progress in stream:
+            yield _warmup_progress(progress)
 
     def Gc(
         self, request: admin_pb2.GcRequest, context: grpc.ServicerContext
     ) -> Iterator[admin_pb2.GcProgress]:
-        catalog = self._catalog("gc")
-        retention = (
-            request.retention_s
-            if request.HasField("retention_s")
-            else catalog.tier.config.retention_s
-        )
-        if not retention >= 0:  # also refuses NaN
-            raise InvalidRequestError(f"retention_s must be >= 0, got {retention}")
-        for counts in catalog.gc(retention, request.dry_run):
+        retention = request.retention_s if request.HasField("retention_s") else None
+        for counts in self.manager.gc(retention, request.dry_run):
             yield _gc_progress(counts)
-
-    def _catalog(self, what: str) -> Catalog:
-        if self.manager.object is None:
-            raise TierNotConfiguredError(
-                f"{what} needs the object tier, and this daemon has none: set object.url"
-            )
-        return Catalog(self.manager.object)
-
-    def _registered(self) -> list[bytes]:
-        return [reg.namespace for reg in self.manager.registry.registrations()]
-
-    def _keep_fetched(self, chunks: Sequence[FetchedChunk]) -> None:
-        assert self.manager.lmdb is not None  # the object tier needs lmdb
-        self.manager.lmdb.put_many([(c.key, c.payload) for c in chunks], REMOTE_REPLICA)
-
-    def _in_lmdb(self, key: ChunkKey) -> bool:
-        return self.manager.lmdb is not None and key in self.manager.lmdb
-
-    def _known(self, key: bytes) -> bool:
-        """Chunks of pools no engine registered since start cannot be placed in the arena."""
-        return self.manager.registry.get(key[:NAMESPACE_BYTES]) is not None
 
     def DraftSwapBegin(
         self, request: admin_pb2.DraftSwapBeginRequest, context: grpc.ServicerContext
@@ -207,13 +124,21 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         )
 
 
-def _warmup_progress(
-    counts: WarmupCounts, promoted: int = 0, total: int = 0, done: bool = False
-) -> admin_pb2.WarmupProgress:
+def _verify_progress(progress: VerifyProgress) -> admin_pb2.VerifyProgress:
+    return admin_pb2.VerifyProgress(
+        checked=progress.checked,
+        total=progress.total,
+        corrupt=progress.corrupt,
+        done=progress.done,
+    )
+
+
+def _warmup_progress(progress: WarmupProgress) -> admin_pb2.WarmupProgress:
+    counts = progress.objects
     return admin_pb2.WarmupProgress(
-        promoted=promoted,
-        total=total,
-        done=done,
+        promoted=progress.promoted,
+        total=progress.total,
+        done=progress.done,
         phase=counts.phase,
         objects_listed=counts.listed,
         objects_checked=counts.checked,

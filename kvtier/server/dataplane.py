@@ -11,23 +11,16 @@ from typing import TypeVar
 import grpc
 
 from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
+from kvtier.codec import chunk_events_to, drafts_to, grants_to, lookup_to, ref_from, spec_from
 from kvtier.config import ServerConfig
 from kvtier.errors import InvalidRequestError, NamespaceAccessError
+from kvtier.journal import ChunkEvents
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
-from kvtier.manager import TierManager, arena_hit
+from kvtier.manager import TierManager
 from kvtier.metrics import telemetry_of
-from kvtier.server.convert import (
-    batch_namespaces,
-    check_batch,
-    chunk_events_to,
-    drafts_to,
-    grants_to,
-    ref_from,
-    spec_from,
-    unpack_keys,
-)
+from kvtier.protocol import SlotRef, arena_hit
 from kvtier.server.sessions import Session, SessionRegistry
-from kvtier.tiers.cpu import SlotRef
+from kvtier.server.validate import batch_namespaces, check_batch, keys_from, unpack_keys
 
 _REPLICA_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _MAX_POOLS = 16
@@ -82,7 +75,8 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         return keys
 
     def _refs(self, session: Session, refs: Sequence[tier_pb2.SlotRef]) -> list[SlotRef]:
-        found = [ref_from(r) for r in self._batch(refs)]
+        keys_from(r.key for r in self._batch(refs))  # refuses a key of the wrong length
+        found = [ref_from(r) for r in refs]
         self._own(session, {ref.key[:NAMESPACE_BYTES] for ref in found})
         return found
 
@@ -136,9 +130,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self.telemetry.looked_up(
             session.replica, request.keys.packed, request.keys.key_bytes, result.tier_codes
         )
-        response = tier_pb2.LookupResponse(
-            hits=result.hits, tiers=result.tier_codes, pending=result.pending
-        )
+        response = lookup_to(result)
         if request.lease:
             response.leases.extend(grants_to(self._lease(session, keys[: arena_hit(result)])))
         return response
@@ -216,7 +208,8 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         session = self._session(request.session_id)
         limit = min(request.limit or self.config.max_batch_keys, self.config.max_batch_keys)
         found = self.manager.chunk_events(request.cursor, limit)
-        return chunk_events_to(found, session.namespaces)
+        mine = [e for e in found.events if e.key[:NAMESPACE_BYTES] in session.namespaces]
+        return chunk_events_to(ChunkEvents(mine, found.cursor, found.lost))
 
     def Heartbeat(
         self, request: tier_pb2.HeartbeatRequest, context: grpc.ServicerContext

@@ -1,7 +1,8 @@
-"""The one table from kvtier errors to gRPC status codes, and admin authentication.
+"""The daemon's gRPC server interceptors: errors to statuses, and admin authentication.
 
-Servicers raise domain errors; `ErrorInterceptor` turns them into statuses, so a bad request
-never takes a worker thread or the daemon down with it.
+Servicers raise domain errors; `ErrorInterceptor` turns them into statuses through the table in
+`kvtier.status`, so a bad request never takes a worker thread or the daemon down with it.
+`TokenAuthInterceptor` checks the admin API's bearer tokens.
 """
 
 from __future__ import annotations

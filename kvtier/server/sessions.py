@@ -28,7 +28,7 @@ from typing import Any
 from kvtier.errors import CapacityError, SessionNotFoundError
 from kvtier.keys import ChunkKey
 from kvtier.manager import TierManager
-from kvtier.tiers.cpu import SlotRef
+from kvtier.protocol import SlotRef
 
 log = logging.getLogger(__name__)
 

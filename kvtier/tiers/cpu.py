@@ -23,7 +23,6 @@ import queue
 import threading
 from collections import Counter, deque
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -34,6 +33,7 @@ from kvtier.counters import Counters
 from kvtier.errors import CapacityError, PoolLayoutError
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.pools import PoolRegistry, Registration
+from kvtier.protocol import SlotRef
 from kvtier.tiers.arena import ArenaMemory, SlotState, resolve_group
 from kvtier.tiers.base import Tier, TierStats, UsageStats
 from kvtier.tiers.eviction import EvictionPolicy, make_policy
@@ -41,27 +41,6 @@ from kvtier.tiers.eviction import EvictionPolicy, make_policy
 log = logging.getLogger(__name__)
 
 _SCAN_LIMIT = 256  # slots inspected per queue when looking for a victim
-
-
-@dataclass(frozen=True, slots=True)
-class SlotRef:
-    """Where a reserved or leased chunk lives in the arena; valid while ``generation`` holds."""
-
-    key: ChunkKey
-    slot: int
-    offset: int
-    nbytes: int
-    generation: int
-    lease: int = field(default=0, compare=False)
-    """The daemon's id of this lease within its session (0: none), so a retried release ends
-    this lease and never another one on the same slot."""
-
-
-@dataclass(frozen=True, slots=True)
-class IndexedRef(SlotRef):
-    """A ref read from the arena's key index: no lease stands behind it, so it is never
-    released (and never equals the lease of another holder on the same slot)."""
-
 
 _FREE, _WRITING, _READY = int(SlotState.FREE), int(SlotState.WRITING), int(SlotState.READY)
 

@@ -208,8 +208,6 @@ class LmdbTier(Tier):
                     "lmdb.path", f"cannot open LMDB at {config.path}: {again}"
                 ) from again
         self._track_access = config.eviction_policy == "lru"
-        if config.eviction_policy not in ("lru", "fifo"):
-            raise ConfigError("lmdb.eviction_policy", f"unknown policy {config.eviction_policy!r}")
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
         if config.sync_interval_s > 0:

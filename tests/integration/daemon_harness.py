@@ -35,9 +35,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.keys import ChunkKey
+from kvtier.protocol import SlotRef
 from kvtier.rpc import AdminClient, GrpcTierClient
 from kvtier.tiers.arena import ArenaMemory
-from kvtier.tiers.cpu import SlotRef
 from tests.support import MiB, keys_for, payload_for, target_spec
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,9 +17,9 @@ from kvtier.config import KVTierConfig
 from kvtier.keys import ChunkKey
 from kvtier.manager import TierManager
 from kvtier.pools import PoolRegistry
+from kvtier.protocol import SlotRef
 from kvtier.rpc import GrpcTierClient
 from kvtier.tiers.arena import ArenaMemory
-from kvtier.tiers.cpu import SlotRef
 from kvtier.tiers.lmdb_tier import LmdbTier
 from tests.integration.daemon_harness import (
     CHUNK,

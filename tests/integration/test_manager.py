@@ -9,11 +9,11 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from kvtier.client import InProcessClient, TierClient
+from kvtier.client import InProcessClient
 from kvtier.errors import ConfigError, UnknownPoolError
 from kvtier.keys import ChunkKey
 from kvtier.manager import TierManager
-from kvtier.tiers.cpu import SlotRef
+from kvtier.protocol import SlotRef, TierClient
 from tests.support import MiB, draft_spec, keys_for, manager_config, payload_for, target_spec
 
 CHUNK = 256 << 10

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -159,7 +160,7 @@ def test_object_index_is_rebuilt_from_the_bucket(fleet: Fleet) -> None:
     assert rc == 0, err
     assert f"indexed {N} chunks in {len(uploaded)} objects" in out
     assert "1 corrupt objects (quarantined)" in out
-    assert "index objects [" in err  # the progress bar
+    assert re.search(r"^index objects .* \d+/\d+ ", err, re.M), err  # the progress bar
     assert object_usage(b) == N
     assert not corrupt.exists()
     assert foreign.exists()

@@ -30,6 +30,7 @@ Stores (each a fresh bucket, so tests do not see each other's objects):
   GCS uses the federation identity if ``gcp_wif`` is active, else ``gke_metadata``.
 - ``s3_store``, ``gcs_store``, ``file_store`` -> URL; ``store_url`` is parametrized over the
   three (ids ``file``, ``s3``, ``gs``).
+- ``opened(url, timeout_s=5.0)`` -> `open_backend`'s backend, closed at teardown.
 
 Faults:
 
@@ -54,6 +55,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.tiers.objstore.backend import ObjectBackend, open_backend
 from tests.objstore.servers import (
     FakeGceMetadata,
     FakeGoogleSts,
@@ -349,6 +351,24 @@ def gcs_store(store_factory: StoreFactory) -> str:
 def file_store(store_factory: StoreFactory) -> str:
     """``file:///<tmp_path>/store-...``."""
     return store_factory("file")
+
+
+OpenBackend = Callable[..., ObjectBackend]
+
+
+@pytest.fixture
+def opened() -> Iterator[OpenBackend]:
+    """``opened(url, timeout_s=5.0)``: `open_backend`, closed at teardown."""
+    backends: list[ObjectBackend] = []
+
+    def make(url: str, timeout_s: float = 5.0) -> ObjectBackend:
+        backend = open_backend(url, timeout_s)
+        backends.append(backend)
+        return backend
+
+    yield make
+    for backend in backends:
+        backend.close()
 
 
 @pytest.fixture(params=["file", "s3", "gs"])

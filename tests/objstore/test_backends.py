@@ -1,5 +1,6 @@
-"""The object-store backends against real servers: one contract for file://, s3:// (moto) and
-gs:// (gcp-storage-emulator), the workload identities they run under, and how faults surface."""
+"""What is particular to each object-store backend, against real servers: the workload identities
+s3:// (moto) and gs:// (gcp-storage-emulator) run under, and how faults surface. What every
+backend does is in backend_contract.py."""
 
 from __future__ import annotations
 
@@ -9,144 +10,24 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from kvtier.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
-from kvtier.tiers.objstore.backend import ObjectBackend, StoreUnreachableError, open_backend
+from kvtier.errors import CredentialError, ObjectStoreError
+from kvtier.tiers.objstore.backend import ObjectBackend, StoreUnreachableError
 from tests.objstore.fixtures import (
     AWS_ACCOUNT,
     AWS_ROLE_NAME,
     AwsIrsa,
     GcpWif,
+    OpenBackend,
     StoreFactory,
 )
 from tests.objstore.servers import FakeGceMetadata, FaultMode, FaultProxy, ServerProcess
 
 ASSUMED_ROLE = f"arn:aws:sts::{AWS_ACCOUNT}:assumed-role/{AWS_ROLE_NAME}/"
-MiB = 1 << 20
-
-OpenBackend = Callable[..., ObjectBackend]
-
-
-@pytest.fixture
-def opened() -> Iterator[OpenBackend]:
-    """``opened(url, timeout_s=5.0)``: `open_backend`, closed at teardown."""
-    backends: list[ObjectBackend] = []
-
-    def make(url: str, timeout_s: float = 5.0) -> ObjectBackend:
-        backend = open_backend(url, timeout_s)
-        backends.append(backend)
-        return backend
-
-    yield make
-    for backend in backends:
-        backend.close()
-
-
-def _payload(n: int) -> bytes:
-    # a period of 251 bytes: misplaced ranges show, and it is quick to build
-    return (bytes(range(251)) * (n // 251 + 1))[:n]
-
-
-# --------------------------------------------------------------------------------------------
-# the contract, on every backend
-
-
-def test_put_get_and_ranges(store_url: str, opened: OpenBackend) -> None:
-    backend = opened(store_url)
-    body = _payload(1000)
-    backend.put("chunks/a", body, {"kvtier-format": "1"})
-    assert backend.get("chunks/a") == body
-    assert backend.get("chunks/a", 10, 20) == body[10:30]
-    assert backend.get("chunks/a", 990) == body[990:]
-    assert backend.get("chunks/a", 995, 100) == body[995:]  # a range running past the end
-    assert backend.get("chunks/a", 0, 0) == b""
-
-
-def test_put_takes_a_memoryview_and_overwrites(store_url: str, opened: OpenBackend) -> None:
-    backend = opened(store_url)
-    backend.put("obj", b"old contents", {"v": "1"})
-    buffer = bytearray(_payload(300))
-    backend.put("obj", memoryview(buffer)[100:200], {"v": "2"})
-    assert backend.get("obj") == bytes(buffer[100:200])
-    info = backend.head("obj")
-    assert info is not None
-    assert (info.size, dict(info.metadata)) == (100, {"v": "2"})
-
-
-def test_head_reports_size_time_and_metadata(store_url: str, opened: OpenBackend) -> None:
-    backend = opened(store_url)
-    before = time.time()
-    backend.put("dir/obj", _payload(123), {"kvtier-chunks": "4", "kvtier-pool": "target"})
-    info = backend.head("dir/obj")
-    assert info is not None
-    assert info.name == "dir/obj"
-    assert info.size == 123
-    assert dict(info.metadata) == {"kvtier-chunks": "4", "kvtier-pool": "target"}
-    # S3 keeps whole seconds; allow clock skew between this process and the server
-    assert before - 5 <= info.modified <= time.time() + 5
-
-
-def test_missing_objects(store_url: str, opened: OpenBackend) -> None:
-    backend = opened(store_url)
-    assert backend.head("nope") is None
-    with pytest.raises(ObjectNotFoundError):
-        backend.get("nope")
-    with pytest.raises(ObjectNotFoundError):
-        backend.get("nope", 5, 10)
-    with pytest.raises(ObjectNotFoundError):
-        backend.get("nope", 0, 0)
-    backend.delete(["nope"])  # ignored
-
-
-def test_delete(store_url: str, opened: OpenBackend) -> None:
-    backend = opened(store_url)
-    for name in ("a", "b", "c"):
-        backend.put(name, name.encode(), {})
-    backend.delete(["a", "c", "never-written"])
-    backend.delete([])
-    assert backend.head("a") is None
-    assert backend.head("c") is None
-    assert backend.get("b") == b"b"
-    assert sorted(info.name for info in backend.list()) == ["b"]
-
-
-def test_list_with_prefix(store_url: str, opened: OpenBackend) -> None:
-    backend = opened(store_url)
-    # a neighbour whose prefix extends ours must stay out of our listing
-    neighbour = opened(store_url + "2")
-    neighbour.put("p1/x", b"other", {})
-    sizes = {"p1/a": 1, "p1/b/c": 2, "p10/d": 3, "p2/e": 4}
-    for name, size in sizes.items():
-        backend.put(name, b"x" * size, {})
-    everything = {info.name: info.size for info in backend.list()}
-    assert everything == sizes
-    assert {info.name for info in backend.list("p1/")} == {"p1/a", "p1/b/c"}
-    assert {info.name for info in backend.list("p1")} == {"p1/a", "p1/b/c", "p10/d"}
-    assert list(backend.list("zzz")) == []
-    assert all(info.modified > 0 for info in backend.list())
-    assert [info.name for info in neighbour.list()] == ["p1/x"]
-
-
-def test_large_object(store_url: str, opened: OpenBackend) -> None:
-    # over 1 MiB botocore sends Expect: 100-continue; over 8 MiB the GCS SDK switches from one
-    # multipart request to a resumable upload
-    backend = opened(store_url, timeout_s=20.0)
-    body = _payload(9 * MiB)
-    backend.put("big", body, {"size": str(len(body))})
-    assert backend.get("big") == body
-    assert backend.get("big", 8 * MiB + 5, 1000) == body[8 * MiB + 5 : 8 * MiB + 1005]
-    info = backend.head("big")
-    assert info is not None
-    assert info.size == len(body)
-
-
-def test_principal_names_someone(store_url: str, opened: OpenBackend) -> None:
-    assert opened(store_url).principal()
-
 
 # --------------------------------------------------------------------------------------------
 # S3 through IRSA

@@ -32,6 +32,8 @@ def test_yaml_then_environment_overrides(tmp_path: Path) -> None:
         ({"KVTIER_LMDB__HIGH_WATER": "1.5"}, "lmdb.high_water"),
         ({"KVTIER_LMDB__LOW_WATER": "0.99"}, "lmdb"),
         ({"KVTIER_MANAGER__DEMOTE_MODE": "sometimes"}, "manager.demote_mode"),
+        ({"KVTIER_ARENA__EVICTION_POLICY": "arc"}, "arena.eviction_policy"),
+        ({"KVTIER_LMDB__EVICTION_POLICY": "arc"}, "lmdb.eviction_policy"),
         ({"KVTIER_ARENA__POOLS__DRAFT__MAX_SHARE": "0"}, "arena.pools.draft.max_share"),
     ],
 )

@@ -24,7 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvtier.client import InProcessClient
 from kvtier.errors import TierUnavailableError
 from kvtier.keys import NamespaceSpec, make_key, namespace_of
-from kvtier.manager import DraftState, TierManager
+from kvtier.manager import TierManager
+from kvtier.protocol import DraftState
 from tests.support import draft_spec, manager_config
 
 

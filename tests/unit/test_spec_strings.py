@@ -10,6 +10,7 @@ import pytest
 from kvtier_vllm.config import parse
 
 from kvtier.api.v1 import tier_pb2
+from kvtier.codec import spec_from, spec_to
 from kvtier.errors import ConfigError, InvalidRequestError
 from kvtier.keys import (
     MAX_MODEL_CHARS,
@@ -18,7 +19,7 @@ from kvtier.keys import (
     check_revision,
     make_key,
 )
-from kvtier.server.convert import batch_namespaces, spec_from, spec_to, unpack_keys
+from kvtier.server.validate import batch_namespaces, unpack_keys
 from tests.support import draft_spec, keys_for, layout, target_spec
 
 GOOD_TENANTS = ["default", "acme", "team.a-1_b", "-x", "A" * MAX_TENANT_CHARS, "0"]

@@ -10,7 +10,7 @@ from kvtier_vllm.unreturned import Return, Unreturned
 
 from kvtier.errors import TierUnavailableError
 from kvtier.keys import ChunkKey
-from kvtier.tiers.cpu import SlotRef
+from kvtier.protocol import SlotRef
 
 
 class Clock:

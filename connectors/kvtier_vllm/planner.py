@@ -1,0 +1,425 @@
+"""Hit planning: how much of a prompt the tiers hold, and the leases that load it.
+
+A hit is the longest prefix every target plan holds. Its chunks must all be in the arena to be
+loaded: those in lmdb or the object store are promoted in the background and the request is asked
+again next step, for up to ``wait_s``; past that the hit shrinks to what the arena holds. The
+draft pool's chunks come with their target's, or the draft pages are filled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvtier.errors import KVTierError
+from kvtier.keys import ChunkKey, Pool, make_key
+from kvtier.protocol import SlotRef, TierClient, TierCode
+from kvtier_vllm.draft import DraftTracker, Fill, lease_draft
+from kvtier_vllm.layout import PoolPlan
+from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata
+from kvtier_vllm.unreturned import Return, Unreturned
+
+log = logging.getLogger(__name__)
+Items = TypeVar("Items", bytes, list[Any])
+
+CPU = int(TierCode.CPU)
+# vLLM's CacheHitSource values per tier; the object store is remote, shared storage
+_HIT_SOURCES = {CPU: "host", int(TierCode.LMDB): "disk"}
+_REMOTE_SOURCE = "external_unspecified"
+_WINDOW_TRIES = 4  # sliding-window checks of one lookup, each with a shorter hit
+
+
+def split(items: Items, spans: list[tuple[PoolPlan, range]]) -> list[Items]:
+    """``items`` of consecutive spans, span by span."""
+    out = []
+    offset = 0
+    for _, span in spans:
+        out.append(items[offset : offset + len(span)])
+        offset += len(span)
+    return out
+
+
+def needed(plan: PoolPlan, first: int, chunks: int, chunk_tokens: int) -> range:
+    """The chunks a hit of ``chunks`` chunks needs from ``plan``, from ``first`` on."""
+    return range(max(first, plan.first_needed(chunks, chunk_tokens)), chunks)
+
+
+def keys_in(
+    namespace: bytes, hashes: Any, chunks: Iterable[int], blocks_per_chunk: int
+) -> list[ChunkKey]:
+    """A chunk's key is its last block's hash."""
+    return [make_key(namespace, hashes[(c + 1) * blocks_per_chunk - 1]) for c in chunks]
+
+
+def targets_of(plans: Iterable[PoolPlan]) -> list[PoolPlan]:
+    """The target plans, full attention first: a shorter hit they find never moves their own
+    start."""
+    return sorted((p for p in plans if p.pool is Pool.TARGET), key=lambda p: bool(p.window))
+
+
+@dataclass
+class LoadPlan:
+    first_chunk: int
+    chunks: int
+    leases: dict[str, tuple[int, list[SlotRef]]]
+    """Per plan key, the first chunk leased and the leases, chunk after chunk."""
+    zero_plans: list[str]
+    tiers: bytes = b""
+    """Where each chunk was when first asked for (promoted ones came from lmdb)."""
+    fill: Fill = Fill.NONE
+    """How the draft pages of these chunks are set."""
+
+    def refs(self) -> list[SlotRef]:
+        return [r for _, refs in self.leases.values() for r in refs]
+
+    def sources(self, local_tokens: int, chunk_tokens: int) -> dict[str, int]:
+        """Tokens of the hit past ``local_tokens`` by the tier that held them: "host" (arena),
+        "disk" (lmdb) or "external_unspecified" (the object store)."""
+        sources: dict[str, int] = {}
+        for i, code in enumerate(self.tiers):
+            start = max((self.first_chunk + i) * chunk_tokens, local_tokens)
+            end = (self.first_chunk + i + 1) * chunk_tokens
+            source = _HIT_SOURCES.get(code, _REMOTE_SOURCE)
+            sources[source] = sources.get(source, 0) + max(0, end - start)
+        return sources
+
+    def add_copies(
+        self,
+        meta: KVTierMetadata,
+        block_ids: list[list[int]],
+        by_key: dict[str, PoolPlan],
+        *,
+        skip: int,
+        request: str,
+        chunk_tokens: int,
+        blocks_per_chunk: int,
+    ) -> None:
+        """Add the copies of this load into a request's blocks (per group) to ``meta``, and the
+        blocks to zero. ``skip``: blocks vLLM holds already; ``request``: named for an
+        asynchronous load."""
+        bpc = blocks_per_chunk
+        for key, (start, refs) in self.leases.items():
+            ids = block_ids[by_key[key].group]
+            # another revision's draft chunk is a fill, never loaded as the current one
+            draft = by_key[key].pool is Pool.DRAFT
+            fill = "previous" if draft and self.fill is Fill.PREVIOUS else ""
+            for chunk, ref in enumerate(refs, start):
+                first = max(0, skip - chunk * bpc)
+                blocks = tuple(ids[chunk * bpc + first : (chunk + 1) * bpc])
+                meta.loads.append(
+                    ChunkCopy(
+                        key, ref.slot, ref.offset, ref.generation, blocks, first, fill, request
+                    )
+                )
+        end = (self.first_chunk + self.chunks) * bpc
+        for key in self.zero_plans:
+            span = self.first_chunk, self.first_chunk + self.chunks
+            zeroed = needed(by_key[key], *span, chunk_tokens)
+            ids = block_ids[by_key[key].group]
+            start = max(skip, zeroed.start * bpc)
+            meta.zero.setdefault(key, []).extend(b for b in ids[start:end] if b)
+
+
+@dataclass
+class _Found:
+    chunks: int
+    tiers: dict[str, tuple[int, bytes]]
+    """Per plan key, the first chunk looked up and the tier code of each found from there."""
+    pending: bool
+    leases: dict[str, tuple[int, list[SlotRef | None]]] | None = None
+    """Per plan key, the first chunk and the leases the lookup took, when it took them."""
+
+
+@dataclass
+class Asked:
+    """What one request's lookups learned, over the steps it is asked again."""
+
+    since: float | None = None
+    """When it was first asked again."""
+    first_tiers: dict[int, int] = field(default_factory=dict)
+    """Per chunk, where it was when first asked for (promoted ones came from lmdb)."""
+
+    def may_wait(self, wait_s: float) -> bool:
+        """Whether the request may still be asked again next step."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        return now - self.since < wait_s
+
+
+class Leases:
+    """Leases of planned loads, by the step that took them: given back a few steps later, as a
+    load's leases outlive the step that copies it. The oldest step's go back with the next call
+    that releases (a lookup takes them along)."""
+
+    def __init__(self, steps: int) -> None:
+        self._steps: deque[list[SlotRef]] = deque([[] for _ in range(steps)])
+
+    def __iter__(self) -> Iterator[list[SlotRef]]:
+        return iter(self._steps)
+
+    @property
+    def newest(self) -> list[SlotRef]:
+        return self._steps[-1]
+
+    def step(self, taken: list[SlotRef]) -> list[SlotRef]:
+        """A new step whose loads hold ``taken``; returns the oldest step's, due now."""
+        due = self._steps.popleft()
+        self._steps.append(taken)
+        return due
+
+    def take_due(self) -> list[SlotRef]:
+        due, self._steps[0] = self._steps[0], []
+        return due
+
+    def give_back(self, refs: Iterable[SlotRef]) -> None:
+        """Leases not used: they go back with the next call that releases."""
+        self._steps[0].extend(refs)
+
+
+def _log_error(what: str, error: KVTierError) -> None:
+    log.error("kvtier %s failed: %s", what, error)
+
+
+class HitPlanner:
+    """Finds a request's hit over ``client`` and plans its load: the leases of every plan's
+    chunks, the draft's fill, and promotions of what is not in the arena yet.
+
+    ``namespaces`` (per plan key) is read at each call: the draft's follows its swaps, and a
+    draft pool without one is not waited for. A release that fails is kept in ``unreturned``
+    and reported to ``on_error``; any other failed call raises `KVTierError`, as from `plan`."""
+
+    def __init__(
+        self,
+        client: TierClient,
+        plans: Sequence[PoolPlan],
+        namespaces: dict[str, bytes],
+        *,
+        chunk_tokens: int,
+        blocks_per_chunk: int,
+        checkpoint: int = 0,
+        drop_last: bool = False,
+        wait_s: float = 0.0,
+        draft: DraftTracker | None = None,
+        leases: Leases | None = None,
+        unreturned: Unreturned | None = None,
+        on_error: Callable[[str, KVTierError], None] = _log_error,
+    ) -> None:
+        self.client = client
+        self.namespaces = namespaces
+        self.chunk_tokens = chunk_tokens
+        self.blocks_per_chunk = blocks_per_chunk
+        self.checkpoint = checkpoint
+        """Chunks between the sliding windows kept for shorter prefixes (0: none)."""
+        self.drop_last = drop_last
+        """A hit's last chunk is recomputed (EAGLE-style drafters)."""
+        self.wait_s = wait_s
+        self.targets = targets_of(plans)
+        assert self.targets, "a hit needs a target plan"
+        self.anchor = self.targets[0]
+        self.draft_plan = next((p for p in plans if p.pool is Pool.DRAFT), None)
+        self.draft = draft
+        self.leases = leases if leases is not None else Leases(2)
+        self.unreturned = unreturned if unreturned is not None else Unreturned()
+        self.on_error = on_error
+
+    def keys(self, plan: PoolPlan, hashes: Any, chunks: Iterable[int]) -> list[ChunkKey]:
+        return keys_in(self.namespaces[plan.key], hashes, chunks, self.blocks_per_chunk)
+
+    def _needed(self, plan: PoolPlan, first: int, chunks: int) -> range:
+        return needed(plan, first, chunks, self.chunk_tokens)
+
+    def plan(self, asked: Asked, hashes: Any, first: int, limit: int) -> LoadPlan | None:
+        """The load of the hit from chunk ``first`` (vLLM holds the ones before) up to
+        ``limit``, with its leases taken; an empty plan (no chunk) for no hit, or None: ask
+        again next step, chunks are on their way into the arena."""
+        found = self._find(hashes, first, limit)
+        chunks = found.chunks
+        if self.drop_last and chunks > first:
+            chunks -= 1
+        anchor_start, anchor_codes = found.tiers[self.anchor.key]
+        for chunk, code in enumerate(anchor_codes, anchor_start):
+            asked.first_tiers.setdefault(chunk, code)
+        # per plan, the chunks of the hit not in the arena
+        below = {
+            plan.key: [c for c, code in enumerate(codes[: chunks - start], start) if code != CPU]
+            for plan in self.targets
+            for start, codes in (found.tiers[plan.key],)
+        }
+        if any(below.values()) or found.pending:
+            self._give_back(found.leases)
+            if asked.may_wait(self.wait_s):
+                self._promote(hashes, below)
+                return None
+            if len(self.targets) > 1 and any(below.values()):
+                return LoadPlan(first, 0, {}, [])  # a shorter hit would need other windows
+            chunks = min([chunks, *(c[0] for c in below.values() if c)])
+            found.leases = None
+        draft = self.draft_plan
+        if chunks <= first or (
+            draft is not None
+            and draft.key in self.namespaces
+            and self._draft_on_its_way(draft, asked, hashes, range(first, chunks))
+        ):
+            self._give_back(found.leases)
+            return None if chunks > first else LoadPlan(first, 0, {}, [])
+        return self._lease(asked, hashes, first, chunks, found.leases)
+
+    def _find(self, hashes: Any, first: int, limit: int) -> _Found:
+        """The longest hit every target plan holds, in chunks: per plan, the first chunk it
+        needs (from ``first``: vLLM holds the ones before) and the tier of each chunk from there.
+
+        Full-attention plans need every chunk of the hit. A sliding-window plan needs only the
+        window before the hit's end, which moves when the hit gets shorter: its check repeats,
+        a few times at most. The first lookup also leases what the arena holds (or reads it from
+        the arena's index, with no call), so that a whole hit from the arena takes one step."""
+        client = self.client
+        spans = [(plan, self._needed(plan, first, limit)) for plan in self.targets]
+        keys = [k for plan, span in spans for k in self.keys(plan, hashes, span)]
+        # leases the next step would release go back with this lookup
+        due = self.leases.take_due()
+        try:
+            result, leased = client.release_then_lookup_and_load(due, keys)
+        except KVTierError:
+            self.unreturned.keep(Return.RELEASE, due)
+            raise
+        found = {
+            plan.key: (span.start, codes)
+            for (plan, span), codes in zip(spans, split(result.tier_codes, spans), strict=True)
+        }
+        early = {
+            plan.key: (span.start, refs)
+            for (plan, span), refs in zip(spans, split(leased, spans), strict=True)
+        }
+        if len(spans) == 1 or result.hits == len(keys):
+            chunks = spans[0][1].start + result.hits if len(spans) == 1 else limit
+            return _Found(chunks, found, result.pending, early)
+        self._give_back(early)
+        chunks, pending = limit, result.pending
+        found = {}
+        for _ in range(_WINDOW_TRIES):
+            settled = True
+            for plan in self.targets:
+                span = self._needed(plan, first, chunks)
+                if plan.window or plan.key not in found:
+                    result = client.lookup(self.keys(plan, hashes, span))
+                    pending |= result.pending
+                    found[plan.key] = (span.start, result.tier_codes)
+                have = span.start + len(found[plan.key][1])
+                if have < chunks:
+                    if plan.window and self.checkpoint:
+                        # windows are kept before each checkpoint: the last one below
+                        have = min(have, (chunks - 1) // self.checkpoint * self.checkpoint)
+                    chunks = have
+                    settled = settled and not plan.window
+            if settled:
+                return _Found(chunks, found, pending)
+        return _Found(first, found, pending)
+
+    def _give_back(self, leases: dict[str, tuple[int, list[SlotRef | None]]] | None) -> None:
+        for _, refs in (leases or {}).values():
+            self.leases.give_back(r for r in refs if r is not None)
+
+    def _promote(self, hashes: Any, below: dict[str, list[int]]) -> None:
+        """Bring a hit's chunks up into the arena, the draft's with their target's."""
+        client = self.client
+        span: set[int] = set()
+        for plan in self.targets:
+            chunks = below.get(plan.key, [])
+            if chunks:
+                client.promote(self.keys(plan, hashes, chunks))
+                span.update(chunks)
+        if not span or self.draft_plan is None:
+            return
+        namespaces = [self.namespaces.get(self.draft_plan.key)]
+        namespaces += self.draft.fill_sources() if self.draft is not None else []
+        for namespace in namespaces:
+            if namespace is not None:
+                client.promote(keys_in(namespace, hashes, sorted(span), self.blocks_per_chunk))
+
+    def _lease(
+        self,
+        asked: Asked,
+        hashes: Any,
+        first: int,
+        chunks: int,
+        early: dict[str, tuple[int, list[SlotRef | None]]] | None,
+    ) -> LoadPlan | None:
+        """Lease every plan's chunks of the hit (``early``: those the lookup leased, when they
+        cover the hit; the ones past it go back); the hit shrinks to what all of them got."""
+        client = self.client
+        spans = [(plan, self._needed(plan, first, chunks)) for plan in self.targets]
+        if early is None or any(
+            early[plan.key][0] != span.start or len(early[plan.key][1]) < len(span)
+            for plan, span in spans
+        ):
+            self._give_back(early)
+            keys = [k for plan, span in spans for k in self.keys(plan, hashes, span)]
+            due = self.leases.take_due()
+            try:
+                leased = client.release_then_load(due, keys)  # every plan's chunks in one call
+            except KVTierError:
+                self.unreturned.keep(Return.RELEASE, due)
+                raise
+            early = {
+                plan.key: (span.start, refs)
+                for (plan, span), refs in zip(spans, split(leased, spans), strict=True)
+            }
+        offered: dict[str, tuple[int, list[SlotRef | None]]] = {}
+        granted = chunks
+        for plan, span in spans:
+            start, refs = early[plan.key]
+            offered[plan.key] = (start, refs)
+            missing = next((i for i, r in enumerate(refs) if r is None), None)
+            if missing is not None:
+                # a shorter hit moves the sliding windows: with several plans, none
+                granted = first if len(self.targets) > 1 else min(granted, span.start + missing)
+        zero: list[str] = []
+        fill = Fill.NONE
+        if self.draft is not None and self.draft_plan is not None:
+            span = self._needed(self.draft_plan, first, chunks)
+            chunk_hashes = [hashes[(c + 1) * self.blocks_per_chunk - 1] for c in span]
+            draft, fill, back = lease_draft(client, self.draft, chunk_hashes)
+            self.release(back)
+            if draft is not None:
+                offered[self.draft_plan.key] = (span.start, draft)
+            else:  # never leave draft pages uninitialised
+                zero.append(self.draft_plan.key)
+        leases: dict[str, tuple[int, list[SlotRef]]] = {}
+        for key, (start, refs) in offered.items():
+            keep = max(0, granted - start)
+            self.release([r for r in refs[keep:] if r is not None])
+            leases[key] = (start, [r for r in refs[:keep] if r is not None])
+        if granted <= first:
+            self.release([r for _, refs in leases.values() for r in refs])
+            return None if asked.may_wait(self.wait_s) else LoadPlan(first, 0, {}, [])
+        tiers = bytes(asked.first_tiers.get(c, CPU) for c in range(first, granted))
+        return LoadPlan(first, granted - first, leases, zero, tiers, fill)
+
+    def _draft_on_its_way(self, draft: PoolPlan, asked: Asked, hashes: Any, hit: range) -> bool:
+        """Whether draft chunks of the hit are still coming up into the arena (then ask again,
+        within the wait): loading them now would find them mid-promotion and zero them."""
+        client = self.client
+        keys = self.keys(draft, hashes, self._needed(draft, hit.start, hit.stop))
+        found = client.lookup(keys)
+        below = [k for k, c in zip(keys, found.tier_codes, strict=False) if c != CPU]
+        if not below and not found.pending:
+            return False
+        if not asked.may_wait(self.wait_s):
+            return False
+        if below:
+            client.promote(below)
+        return True
+
+    def release(self, refs: list[SlotRef]) -> None:
+        if not refs:
+            return
+        try:
+            self.client.release(refs)
+        except KVTierError as exc:
+            self.unreturned.keep(Return.RELEASE, refs)
+            self.on_error("release", exc)

@@ -1,0 +1,187 @@
+"""What crosses the process boundary between an engine and the tiers: slot references, lookup
+answers, draft states, tier codes, and `TierClient`, the protocol a client speaks whatever serves
+it (a TierManager in this process, or kvtierd over gRPC).
+
+Both sides import this module; it imports nothing of kvtier but keys and the journal, so a client
+never loads the tiers or the server. Chunk bytes never travel here: a client maps the arena by
+path (`TierClient.arena_path`) and addresses it with the offsets in each `SlotRef`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, TypeVar, runtime_checkable
+
+from kvtier.journal import ChunkEvents
+from kvtier.keys import ChunkKey, NamespaceSpec
+
+__all__ = [
+    "Answer",
+    "DraftRevision",
+    "DraftState",
+    "IndexedRef",
+    "LookupResult",
+    "SlotRef",
+    "TierClient",
+    "TierCode",
+    "arena_hit",
+]
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class TierCode(enum.IntEnum):
+    """A tier as lookup answers and chunk events carry it, one byte per chunk. The values are
+    those of the wire's `Tier` enum."""
+
+    CPU = 1
+    LMDB = 2
+    OBJECT = 3
+
+    @property
+    def tier(self) -> str:
+        """The tier's name, as tiers and stats call it ("cpu", "lmdb", "object")."""
+        return self.name.lower()
+
+
+# plain ints and names: the lookup path reads one per chunk
+_NAMES = {int(code): code.tier for code in TierCode}
+_CPU = int(TierCode.CPU)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """Where a reserved or leased chunk lives in the arena; valid while ``generation`` holds."""
+
+    key: ChunkKey
+    slot: int
+    offset: int
+    nbytes: int
+    generation: int
+    lease: int = field(default=0, compare=False)
+    """The daemon's id of this lease within its session (0: none), so a retried release ends
+    this lease and never another one on the same slot."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedRef(SlotRef):
+    """A ref read from the arena's key index: no lease stands behind it, so it is never
+    released (and never equals the lease of another holder on the same slot)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    hits: int
+    """Length of the longest prefix of the asked keys present in some tier."""
+    tier_codes: bytes
+    """Tier of each of those ``hits`` chunks (the fastest one holding it), a `TierCode` value
+    per byte: compact for batches of thousands."""
+    pending: bool = False
+    """The object store is still being probed past ``hits``: asking again may find more."""
+
+    @property
+    def tiers(self) -> list[str]:
+        return [_NAMES[c] for c in self.tier_codes]
+
+
+def arena_hit(result: LookupResult) -> int:
+    """How many chunks a lookup found, when the arena holds every one of them; else 0 (part
+    of the hit is still to be promoted, and leases now would only be given back)."""
+    codes = result.tier_codes
+    return len(codes) if not codes.strip(bytes([_CPU])) else 0
+
+
+@dataclass(frozen=True, slots=True)
+class DraftState:
+    """Where one draft pool stands, as engines follow it."""
+
+    revision: str
+    swapping: bool = False
+    """A swap has begun and not been committed: the draft's weights are in flux, so engines
+    neither load nor store its chunks."""
+    epoch: int = 0
+    """Bumped by every begin and every change of revision, so a client sees A -> B -> A."""
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRevision:
+    """One revision of a draft pool, and the chunks each tier holds of it."""
+
+    model: str
+    draft_model: str
+    revision: str
+    namespace: bytes
+    current: bool
+    chunks: dict[str, int]
+
+
+class Answer(Protocol[T_co]):
+    """A call's answer, which may still be on its way."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> T_co: ...
+
+
+@runtime_checkable
+class TierClient(Protocol):
+    @property
+    def arena_path(self) -> Path: ...
+
+    @property
+    def serving(self) -> bool:
+        """False while the tiers do not answer in time: every call would fail at once, so a
+        caller that must not wait serves without them."""
+        ...
+
+    def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes: ...
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult: ...
+
+    def release_then_lookup_and_load(
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    ) -> tuple[LookupResult, list[SlotRef | None]]:
+        """End leases, look the keys up, and lease the found chunks when the arena holds them
+        all, in one call."""
+        ...
+
+    def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]: ...
+
+    def commit(self, refs: Sequence[SlotRef]) -> int: ...
+
+    def abort(self, refs: Sequence[SlotRef]) -> None: ...
+
+    def commit_then_reserve(
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    ) -> tuple[int, list[SlotRef | None]]: ...
+
+    def release_then_load(
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    ) -> list[SlotRef | None]: ...
+
+    def load(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]: ...
+
+    def release(self, refs: Sequence[SlotRef]) -> None: ...
+
+    def promote(self, keys: Sequence[ChunkKey]) -> int:
+        """Queue chunks of slower tiers for the arena without waiting; returns how many."""
+        ...
+
+    def draft_states(self, refresh: bool = False) -> dict[bytes, DraftState]:
+        """Each draft pool's revision and swap state, by lineage; cheap unless ``refresh``."""
+        ...
+
+    def report_hits(self, every_s: float = 0.0) -> None:
+        """Tell the tiers of hits answered without a call, at most every ``every_s``, without
+        waiting (a client whose answers all come from a call has none)."""
+        ...
+
+    def chunk_events(self, cursor: int) -> Answer[ChunkEvents]:
+        """Chunks of this client's pools that entered or left the arena and lmdb since
+        ``cursor`` (negative: from now), without waiting for the answer."""
+        ...
+
+    def close(self) -> None: ...

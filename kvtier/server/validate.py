@@ -1,0 +1,68 @@
+"""Checks of what a call asks before it changes anything: batch sizes, key and namespace lengths.
+
+Each raises `InvalidRequestError`, which the caller sees as INVALID_ARGUMENT naming the field.
+The conversions themselves are `kvtier.codec`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import cast
+
+import numpy as np
+
+from kvtier.api.v1 import tier_pb2
+from kvtier.errors import InvalidRequestError
+from kvtier.keys import MAX_CHUNK_HASH_BYTES, NAMESPACE_BYTES, ChunkKey
+
+_MIN_KEY, _MAX_KEY = NAMESPACE_BYTES + 1, NAMESPACE_BYTES + MAX_CHUNK_HASH_BYTES
+
+
+def check_batch(items: Sequence[object], limit: int, what: str = "keys") -> None:
+    if len(items) > limit:
+        raise InvalidRequestError(f"{len(items)} {what} in one call; the limit is {limit}")
+
+
+def keys_from(raw: Iterable[bytes]) -> list[ChunkKey]:
+    keys = list(raw)
+    lengths = set(map(len, keys))  # one C-level pass, not a call per key: batches run to 10^4
+    if lengths and (min(lengths) < _MIN_KEY or max(lengths) > _MAX_KEY):
+        raise InvalidRequestError(f"a chunk key is {_MIN_KEY}..{_MAX_KEY} bytes")
+    return cast(list[ChunkKey], keys)
+
+
+def unpack_keys(batch: tier_pb2.KeyBatch, limit: int) -> list[ChunkKey]:
+    if not batch.packed:
+        return []
+    size = batch.key_bytes
+    if not _MIN_KEY <= size <= _MAX_KEY:
+        raise InvalidRequestError(f"a chunk key is {_MIN_KEY}..{_MAX_KEY} bytes, not {size}")
+    count, rest = divmod(len(batch.packed), size)
+    if rest:
+        raise InvalidRequestError(f"packed keys are not a multiple of {size} bytes")
+    if count > limit:
+        raise InvalidRequestError(f"{count} keys in one call; the limit is {limit}")
+    # numpy splits the buffer into bytes objects without a Python call per key
+    return cast(list[ChunkKey], np.frombuffer(batch.packed, dtype=f"V{size}").tolist())
+
+
+def batch_namespaces(batch: tier_pb2.KeyBatch) -> set[bytes]:
+    """The namespaces of a batch `unpack_keys` accepted, without a Python step per key."""
+    packed, size = batch.packed, batch.key_bytes
+    if not packed:
+        return set()
+    if size % 8 == 0:  # the usual batch, one pool: two word compares per key (10 us for 8192)
+        words = np.frombuffer(packed, dtype=np.uint64).reshape(-1, size // 8)
+        if (words[:, 0] == words[0, 0]).all() and (words[:, 1] == words[0, 1]).all():
+            return {packed[:NAMESPACE_BYTES]}
+    fields = [("namespace", f"V{NAMESPACE_BYTES}"), ("hash", f"V{size - NAMESPACE_BYTES}")]
+    heads = np.frombuffer(packed, dtype=np.dtype(fields))["namespace"]
+    return set(cast(list[bytes], heads.tolist()))
+
+
+def namespace_from(raw: bytes) -> bytes | None:
+    if not raw:
+        return None
+    if len(raw) != NAMESPACE_BYTES:
+        raise InvalidRequestError(f"a namespace is {NAMESPACE_BYTES} bytes, got {len(raw)}")
+    return raw

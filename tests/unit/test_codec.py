@@ -1,0 +1,40 @@
+"""Each message pair of `kvtier.codec` decodes what it encodes; tier codes are the wire's."""
+
+from __future__ import annotations
+
+from kvtier import codec
+from kvtier.api.v1 import tier_pb2
+from kvtier.journal import ChunkEvent, ChunkEvents
+from kvtier.keys import ChunkKey
+from kvtier.protocol import DraftState, LookupResult, SlotRef, TierCode, arena_hit
+from tests.support import draft_spec, target_spec
+
+KEY = ChunkKey(bytes(range(48)))
+
+
+def test_tier_codes_are_the_wires_tier_enum() -> None:
+    wire = {name.removeprefix("TIER_"): value for name, value in tier_pb2.Tier.items() if value}
+    assert {code.name: int(code) for code in TierCode} == wire
+    assert [code.tier for code in TierCode] == ["cpu", "lmdb", "object"]
+
+
+def test_each_pair_decodes_what_it_encodes() -> None:
+    for spec in (target_spec(), draft_spec()):
+        assert codec.spec_from(codec.spec_to(spec)) == spec
+    ref = SlotRef(KEY, 3, 4096, 1024, 7, lease=9)
+    assert codec.ref_from(codec.ref_to(ref)) == ref
+    assert codec.ref_from(codec.ref_to(ref)).lease == 9  # not part of equality
+    assert codec.grants_from(codec.grants_to([ref, None])) == [ref, None]
+    result = LookupResult(3, bytes([TierCode.CPU, TierCode.LMDB, TierCode.OBJECT]), pending=True)
+    assert codec.lookup_from(codec.lookup_to(result)) == result
+    assert result.tiers == ["cpu", "lmdb", "object"]
+    events = ChunkEvents([ChunkEvent(True, "cpu", KEY), ChunkEvent(False, "lmdb", KEY)], 5, 1)
+    assert codec.chunk_events_from(codec.chunk_events_to(events)) == events
+    drafts = {b"lineage": DraftState("r2", swapping=True, epoch=4)}
+    assert codec.drafts_from(codec.drafts_to(drafts)) == drafts
+
+
+def test_arena_hit_only_when_the_arena_holds_every_chunk() -> None:
+    assert arena_hit(LookupResult(2, bytes([TierCode.CPU] * 2))) == 2
+    assert arena_hit(LookupResult(2, bytes([TierCode.CPU, TierCode.LMDB]))) == 0
+    assert arena_hit(LookupResult(0, b"")) == 0

@@ -1,0 +1,195 @@
+"""Hit planning over the in-process client: a real TierManager, a small arena in /dev/shm and
+LMDB under tmp_path, with no engine. Each test stores chunks, then asks the planner what a
+request would load."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvtier_vllm.draft import DraftTracker, Fill
+from kvtier_vllm.layout import PoolPlan
+from kvtier_vllm.planner import Asked, HitPlanner, LoadPlan, keys_in
+
+from kvtier.client import InProcessClient
+from kvtier.keys import ChunkKey, Pool
+from kvtier.manager import TierManager
+from kvtier.protocol import TierCode
+from tests.support import draft_spec, manager_config, target_spec
+
+BPC = 4  # blocks per chunk, as in tests.support's layout
+CHUNK_TOKENS = 16 * BPC
+CPU, LMDB = int(TierCode.CPU), int(TierCode.LMDB)
+HASHES = [i.to_bytes(32, "big") for i in range(8 * BPC)]  # one per block: 8 chunks
+# 256 KiB chunks, the arena's smallest slot class; no worker checks the pages here
+TARGET = PoolPlan(Pool.TARGET, ("t0", "t1"), 32 << 10, target_spec(), BPC, "target")
+DRAFT = PoolPlan(Pool.DRAFT, ("d0",), 64 << 10, draft_spec(), BPC, "draft")
+
+
+@pytest.fixture
+def client(shm_path: Path, tmp_path: Path) -> Iterator[InProcessClient]:
+    c = InProcessClient(TierManager(manager_config(shm_path, tmp_path)), "r0")
+    yield c
+    c.close()
+
+
+def register(client: InProcessClient, *plans: PoolPlan) -> dict[str, bytes]:
+    return {p.key: client.register_pool(p.spec, p.chunk_bytes) for p in plans}
+
+
+def keys(namespace: bytes, chunks: range) -> list[ChunkKey]:
+    return keys_in(namespace, HASHES, chunks, BPC)
+
+
+def store(client: InProcessClient, keys: list[ChunkKey]) -> None:
+    refs = [r for r in client.reserve(keys) if r is not None]
+    assert len(refs) == len(keys)
+    assert client.commit(refs) == len(keys)
+
+
+def to_lmdb_only(client: InProcessClient, namespace: bytes) -> None:
+    assert client.flush()
+    client.manager.evict("cpu", namespace=namespace)
+
+
+def in_arena(client: InProcessClient, keys: list[ChunkKey]) -> None:
+    deadline = time.monotonic() + 10
+    while client.lookup(keys).tier_codes != bytes([CPU] * len(keys)):
+        assert time.monotonic() < deadline, "the promotion never landed"
+        time.sleep(0.01)
+
+
+def planner(
+    client: InProcessClient,
+    namespaces: dict[str, bytes],
+    wait_s: float = 0.0,
+    draft: DraftTracker | None = None,
+) -> HitPlanner:
+    plans = [TARGET, DRAFT] if draft is not None else [TARGET]
+    return HitPlanner(
+        client,
+        plans,
+        namespaces,
+        chunk_tokens=CHUNK_TOKENS,
+        blocks_per_chunk=BPC,
+        wait_s=wait_s,
+        draft=draft,
+    )
+
+
+def leased(plan: LoadPlan, key: str) -> tuple[int, list[ChunkKey]]:
+    start, refs = plan.leases[key]
+    return start, [r.key for r in refs]
+
+
+def test_a_hit_in_the_arena_is_leased_in_one_ask(client: InProcessClient) -> None:
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(4)))
+    p = planner(client, ns)
+    plan = p.plan(Asked(), HASHES, 0, 6)
+    assert plan is not None
+    assert (plan.first_chunk, plan.chunks) == (0, 4)  # chunks 4 and 5 are nowhere
+    assert leased(plan, "target") == (0, keys(ns["target"], range(4)))
+    assert plan.tiers == bytes([CPU] * 4)
+    assert plan.zero_plans == []
+    assert plan.fill is Fill.NONE
+    # vLLM holds the first chunk: only the rest is leased
+    later = p.plan(Asked(), HASHES, 1, 6)
+    assert later is not None
+    assert (later.first_chunk, later.chunks) == (1, 3)
+    client.release(plan.refs() + later.refs())
+    assert len(p.unreturned) == 0
+
+
+def test_chunks_in_lmdb_are_promoted_and_asked_again(client: InProcessClient) -> None:
+    ns = register(client, TARGET)
+    hit = keys(ns["target"], range(4))
+    store(client, hit)
+    to_lmdb_only(client, ns["target"])
+    assert client.lookup(hit).tier_codes == bytes([LMDB] * 4)
+    p = planner(client, ns, wait_s=30)
+    asked = Asked()
+    assert p.plan(asked, HASHES, 0, 4) is None  # on their way into the arena: ask again
+    in_arena(client, hit)
+    plan = p.plan(asked, HASHES, 0, 4)
+    assert plan is not None
+    assert plan.chunks == 4
+    assert plan.tiers == bytes([LMDB] * 4)  # where they were when first asked for
+    client.release(plan.refs())
+
+
+def test_past_the_wait_a_hit_shrinks_to_the_arenas_prefix(client: InProcessClient) -> None:
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(2, 4)))
+    to_lmdb_only(client, ns["target"])
+    store(client, keys(ns["target"], range(2)))  # chunks 0-1 in the arena, 2-3 in lmdb
+    p = planner(client, ns, wait_s=0)
+    plan = p.plan(Asked(), HASHES, 0, 4)
+    assert plan is not None
+    assert (plan.first_chunk, plan.chunks) == (0, 2)
+    assert plan.tiers == bytes([CPU] * 2)
+    client.release(plan.refs())
+    # nothing of the hit in the arena: no hit at all
+    assert p.plan(Asked(), HASHES, 2, 4) == LoadPlan(2, 0, {}, [])
+
+
+def test_the_last_chunk_is_dropped_for_eagle_style_drafters(client: InProcessClient) -> None:
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(3)))
+    p = HitPlanner(
+        client, [TARGET], ns, chunk_tokens=CHUNK_TOKENS, blocks_per_chunk=BPC, drop_last=True
+    )
+    plan = p.plan(Asked(), HASHES, 0, 3)
+    assert plan is not None
+    assert plan.chunks == 2
+    client.release(plan.refs())
+    assert p.plan(Asked(), HASHES, 2, 3) == LoadPlan(2, 0, {}, [])
+
+
+def tracker(client: InProcessClient, namespaces: dict[str, bytes]) -> DraftTracker:
+    t = DraftTracker(DRAFT.spec, lambda spec: client.register_pool(spec, DRAFT.chunk_bytes))
+    t.namespace = namespaces["draft"]
+    return t
+
+
+def test_a_draft_pool_loads_with_its_target_or_is_zeroed(client: InProcessClient) -> None:
+    ns = register(client, TARGET, DRAFT)
+    store(client, keys(ns["target"], range(4)))
+    store(client, keys(ns["draft"], range(2)))
+    p = planner(client, ns, draft=tracker(client, ns))
+    # the draft holds two chunks of a four-chunk hit: its pages are zeroed, never half loaded
+    plan = p.plan(Asked(), HASHES, 0, 4)
+    assert plan is not None
+    assert plan.chunks == 4
+    assert set(plan.leases) == {"target"}
+    assert plan.zero_plans == ["draft"]
+    assert plan.fill is Fill.ZEROS
+    client.release(plan.refs())
+    # a hit the draft holds whole loads both pools
+    plan = p.plan(Asked(), HASHES, 0, 2)
+    assert plan is not None
+    assert plan.chunks == 2
+    assert leased(plan, "draft") == (0, keys(ns["draft"], range(2)))
+    assert plan.zero_plans == []
+    assert plan.fill is Fill.NONE
+    client.release(plan.refs())
+
+
+def test_draft_chunks_on_their_way_hold_the_hit_back(client: InProcessClient) -> None:
+    ns = register(client, TARGET, DRAFT)
+    drafts = keys(ns["draft"], range(3))
+    store(client, drafts)
+    to_lmdb_only(client, ns["draft"])
+    store(client, keys(ns["target"], range(3)))
+    p = planner(client, ns, wait_s=30, draft=tracker(client, ns))
+    asked = Asked()
+    assert p.plan(asked, HASHES, 0, 3) is None  # the draft's chunks are promoted first
+    in_arena(client, drafts)
+    plan = p.plan(asked, HASHES, 0, 3)
+    assert plan is not None
+    assert plan.chunks == 3
+    assert set(plan.leases) == {"target", "draft"}
+    assert plan.fill is Fill.NONE
+    client.release(plan.refs())
