@@ -35,7 +35,7 @@ from kvtier.counters import Counters
 from kvtier.drafts import DraftRevisions
 from kvtier.errors import ConfigError, UnknownTierError
 from kvtier.journal import ChunkEvents, Journal
-from kvtier.keys import NAMESPACE_BYTES, ChunkKey, NamespaceSpec, Pool
+from kvtier.keys import NAMESPACE_BYTES, ChunkKey, NamespaceSpec, Pool, namespaces_of
 from kvtier.maintenance import DrainResult, Maintenance, VerifyProgress, WarmupProgress
 from kvtier.pools import PoolRegistry
 from kvtier.protocol import (
@@ -210,7 +210,7 @@ class TierManager:
 
     def _check_pools(self, keys: Sequence[ChunkKey]) -> None:
         """Refuse a batch naming any unregistered namespace, before anything changes."""
-        for namespace in {key[:NAMESPACE_BYTES] for key in keys}:
+        for namespace in namespaces_of(keys):
             self.registry.resolve(namespace)
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:

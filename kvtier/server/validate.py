@@ -13,7 +13,7 @@ import numpy as np
 
 from kvtier.api.v1 import tier_pb2
 from kvtier.errors import InvalidRequestError
-from kvtier.keys import MAX_CHUNK_HASH_BYTES, NAMESPACE_BYTES, ChunkKey
+from kvtier.keys import MAX_CHUNK_HASH_BYTES, NAMESPACE_BYTES, ChunkKey, packed_namespaces
 
 _MIN_KEY, _MAX_KEY = NAMESPACE_BYTES + 1, NAMESPACE_BYTES + MAX_CHUNK_HASH_BYTES
 
@@ -47,17 +47,8 @@ def unpack_keys(batch: tier_pb2.KeyBatch, limit: int) -> list[ChunkKey]:
 
 
 def batch_namespaces(batch: tier_pb2.KeyBatch) -> set[bytes]:
-    """The namespaces of a batch `unpack_keys` accepted, without a Python step per key."""
-    packed, size = batch.packed, batch.key_bytes
-    if not packed:
-        return set()
-    if size % 8 == 0:  # the usual batch, one pool: two word compares per key (10 us for 8192)
-        words = np.frombuffer(packed, dtype=np.uint64).reshape(-1, size // 8)
-        if (words[:, 0] == words[0, 0]).all() and (words[:, 1] == words[0, 1]).all():
-            return {packed[:NAMESPACE_BYTES]}
-    fields = [("namespace", f"V{NAMESPACE_BYTES}"), ("hash", f"V{size - NAMESPACE_BYTES}")]
-    heads = np.frombuffer(packed, dtype=np.dtype(fields))["namespace"]
-    return set(cast(list[bytes], heads.tolist()))
+    """The namespaces of a batch `unpack_keys` accepted."""
+    return packed_namespaces(batch.packed, batch.key_bytes)
 
 
 def namespace_from(raw: bytes) -> bytes | None:

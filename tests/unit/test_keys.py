@@ -6,12 +6,14 @@ import pytest
 
 from kvtier.keys import (
     NAMESPACE_BYTES,
+    ChunkKey,
     NamespaceSpec,
     PageLayout,
     Pool,
     chunk_hash_of,
     make_key,
     namespace_of,
+    namespaces_of,
     validate_key,
 )
 from tests.support import draft_spec, layout, target_spec
@@ -105,3 +107,14 @@ def test_keys_join_namespace_and_engine_hash() -> None:
         make_key(ns, b"x" * 33)
     with pytest.raises(ValueError, match="malformed"):
         validate_key(ns)
+
+
+def test_namespaces_of_a_batch_names_every_pool_in_it() -> None:
+    one, two = b"\x01" * NAMESPACE_BYTES, b"\x02" * NAMESPACE_BYTES
+    same = [make_key(one, i) for i in range(64)]
+    assert namespaces_of(same) == {one}
+    assert namespaces_of([*same, make_key(two, 1)]) == {one, two}  # the last key alone differs
+    assert namespaces_of([make_key(two, 1), *same]) == {one, two}
+    # keys of other lengths cannot be read as one packed batch
+    assert namespaces_of([*same, ChunkKey(two + b"\x00" * 40)]) == {one, two}
+    assert namespaces_of([]) == set()
