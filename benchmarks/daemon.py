@@ -31,9 +31,9 @@ the headline ratio is the geometric mean over chunk sizes.
   milliseconds.
 - ``memcpy_gbps``: in client A, copy the working set chunk by chunk between two numpy buffers.
 - ``arena_store_gbps``: client A streams the working set into the arena, 64 chunks per call: one
-  ``commit_then_reserve`` call per batch, in flight while the batch before it is copied in with
+  ``reserve(commit=)`` call per batch, in flight while the batch before it is copied in with
   numpy (which drops the GIL, so the call progresses meanwhile), as an engine worker would.
-- ``arena_load_gbps``: client B streams the same keys out, one ``release_then_load`` call per
+- ``arena_load_gbps``: client B streams the same keys out, one ``lease(release=)`` call per
   batch in flight while the batch before it is copied out.
 - ``arena_transfer_gbps``: the slower of the two sides, which is the rate of a transfer whose
   store and load overlap (a pipeline runs at its slowest stage). ``arena_transfer_serial_gbps``
@@ -225,10 +225,10 @@ def load_all(
         # one call per batch, in flight while the batch before it is copied out: it releases
         # the batch copied last and leases the one after the current
         done: list[SlotRef] = []
-        leases = granted(client.load(keys[:BATCH]), "prefetch")
+        leases = granted(client.lease(keys[:BATCH]), "prefetch")
         for first in range(0, len(keys), BATCH):
             following = keys[first + BATCH : first + 2 * BATCH]
-            pending = client.release_then_load_async(done, following)
+            pending = client.lease_async(following, release=done)
             off = first * chunk
             for ref in leases:
                 # numpy copies without the GIL, so the call in flight progresses meanwhile
@@ -592,7 +592,7 @@ class Bench:
             refs = granted(client.reserve(keys[:BATCH]), "reserve")
             for first in range(0, len(keys), BATCH):
                 following = keys[first + BATCH : first + 2 * BATCH]
-                pending = client.commit_then_reserve_async(written, following)
+                pending = client.reserve_async(following, commit=written)
                 off = first * chunk
                 for ref in refs:
                     np.copyto(whole[ref.offset : ref.offset + chunk], src[off : off + chunk])

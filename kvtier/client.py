@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar, overload
 
 from kvtier.journal import ChunkEvents
 from kvtier.keys import ChunkKey, NamespaceSpec
@@ -55,17 +55,43 @@ class InProcessClient:
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes:
         return self.manager.register_pool(spec, chunk_bytes)
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
+    @overload
+    def lookup(
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        release: Sequence[SlotRef] = ...,
+        lease: Literal[False] = ...,
+    ) -> LookupResult: ...
+
+    @overload
+    def lookup(
+        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = ..., lease: Literal[True]
+    ) -> tuple[LookupResult, list[SlotRef | None]]: ...
+
+    def lookup(
+        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = (), lease: bool = False
+    ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
+        if release or lease:
+            self.manager.release(release)
+        if lease:
+            return self.manager.lookup(keys, self.replica, lease=True)
         return self.manager.lookup(keys)
 
-    def release_then_lookup_and_load(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
-    ) -> tuple[LookupResult, list[SlotRef | None]]:
-        self.manager.release(refs)
-        return self.manager.lookup_then_load(keys, self.replica)
+    @overload
+    def reserve(self, keys: Sequence[ChunkKey], *, commit: None = ...) -> list[SlotRef | None]: ...
 
-    def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
-        return self.manager.reserve(keys, self.replica)
+    @overload
+    def reserve(
+        self, keys: Sequence[ChunkKey], *, commit: Sequence[SlotRef]
+    ) -> tuple[int, list[SlotRef | None]]: ...
+
+    def reserve(
+        self, keys: Sequence[ChunkKey], *, commit: Sequence[SlotRef] | None = None
+    ) -> list[SlotRef | None] | tuple[int, list[SlotRef | None]]:
+        if commit is None:
+            return self.manager.reserve(keys, self.replica)
+        return self.manager.commit(commit), self.manager.reserve(keys, self.replica)
 
     def commit(self, refs: Sequence[SlotRef]) -> int:
         return self.manager.commit(refs)
@@ -73,19 +99,12 @@ class InProcessClient:
     def abort(self, refs: Sequence[SlotRef]) -> None:
         self.manager.abort(refs)
 
-    def load(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
-        return self.manager.load(keys, self.replica)
-
-    def commit_then_reserve(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
-    ) -> tuple[int, list[SlotRef | None]]:
-        return self.manager.commit(refs), self.manager.reserve(keys, self.replica)
-
-    def release_then_load(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    def lease(
+        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = ()
     ) -> list[SlotRef | None]:
-        self.manager.release(refs)
-        return self.manager.load(keys, self.replica)
+        if release:
+            self.manager.release(release)
+        return self.manager.lease(keys, self.replica)
 
     def release(self, refs: Sequence[SlotRef]) -> None:
         self.manager.release(refs)

@@ -93,7 +93,7 @@ class DraftRevisions:
         for tier in retiring:
             if old in lineage.namespaces:
                 tier.retire(lineage.namespaces[old])
-            tier.retire(lineage.namespaces[revision], retired=False)
+            tier.reinstate(lineage.namespaces[revision])
 
     def begin_swap(self, revision: str, draft_model: str = "") -> tuple[str, str]:
         """Start switching the draft pools (of ``draft_model``, or all) to ``revision``; until
@@ -189,9 +189,9 @@ class DraftRevisions:
         for namespace in due:
             for tier in self._tiers:
                 dropped += tier.evict(namespace=namespace)
-            self._cpu.retire(namespace, retired=False)
+            self._cpu.reinstate(namespace)
             if self._lmdb is not None:
-                self._lmdb.retire(namespace, retired=False)
+                self._lmdb.reinstate(namespace)
         self._counters.add("draft_gc_chunks", dropped)
         return dropped
 

@@ -61,7 +61,7 @@ class Maintenance:
         fetcher: ObjectFetcher | None,
         registry: PoolRegistry,
         flush: Callable[[float], bool],
-        load: Callable[[Sequence[ChunkKey], str], list[SlotRef | None]],
+        lease: Callable[[Sequence[ChunkKey], str], list[SlotRef | None]],
         release: Callable[[Sequence[SlotRef]], None],
     ) -> None:
         self._cpu = cpu
@@ -70,7 +70,7 @@ class Maintenance:
         self._fetcher = fetcher
         self._registry = registry
         self._flush = flush
-        self._load = load
+        self._lease = lease
         self._release = release
 
     def drain(self, timeout: float) -> DrainResult:
@@ -136,7 +136,7 @@ class Maintenance:
         objects.phase = "promote"
         for start in range(0, len(keys), PROGRESS_EVERY):
             batch = [k for k in keys[start : start + PROGRESS_EVERY] if self._known(k)]
-            leases = self._load(batch, WARMUP_REPLICA)
+            leases = self._lease(batch, WARMUP_REPLICA)
             self._release([lease for lease in leases if lease is not None])
             promoted += sum(lease is not None for lease in leases)
             if start + PROGRESS_EVERY < len(keys):

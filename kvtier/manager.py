@@ -1,9 +1,10 @@
 """TierManager: the one place where tiers are composed.
 
-- ``lookup`` answers with the longest present prefix and the tier of each of its chunks;
+- ``lookup`` answers with the longest present prefix and the tier of each of its chunks (and,
+  with ``lease=True``, leases them when the arena holds them all);
 - stores are reserve -> write (into the arena slot) -> commit, or abort; uncommitted chunks are
   invisible;
-- ``load`` leases arena chunks, promoting lmdb chunks into the arena first;
+- ``lease`` leases arena chunks, promoting lmdb chunks into the arena first;
 - committed arena chunks are written back to lmdb by a background thread before they can be
   evicted (write-back), or right after commit (write-through); the data plane never waits on it;
 - with an object store, chunks written to lmdb are uploaded from a bounded queue, object chunks are
@@ -29,6 +30,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Literal, overload
 
 from kvtier.config import Admission, DemoteMode, KVTierConfig
 from kvtier.counters import Counters
@@ -144,7 +146,7 @@ class TierManager:
             fetcher=self.fetcher,
             registry=self.registry,
             flush=self.flush,
-            load=self.load,
+            lease=self.lease,
             release=self.release,
         )
         self._threads: list[threading.Thread] = []
@@ -213,7 +215,7 @@ class TierManager:
         for namespace in namespaces_of(keys):
             self.registry.resolve(namespace)
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
+    def _lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         self._check_pools(keys)
         in_cpu = self.cpu.contains(keys)
         try:
@@ -240,13 +242,26 @@ class TierManager:
         counters.add("hit_chunks_object", n_object)
         return LookupResult(len(codes), bytes(codes), pending)
 
-    def lookup_then_load(
-        self, keys: Sequence[ChunkKey], replica: str = "default"
-    ) -> tuple[LookupResult, list[SlotRef | None]]:
-        """A lookup that also leases the found chunks when the arena holds them all: a hit
-        served from the arena then takes one call."""
-        result = self.lookup(keys)
-        return result, self.load(keys[: arena_hit(result)], replica)
+    @overload
+    def lookup(
+        self, keys: Sequence[ChunkKey], replica: str = ..., *, lease: Literal[False] = ...
+    ) -> LookupResult: ...
+
+    @overload
+    def lookup(
+        self, keys: Sequence[ChunkKey], replica: str = ..., *, lease: Literal[True]
+    ) -> tuple[LookupResult, list[SlotRef | None]]: ...
+
+    def lookup(
+        self, keys: Sequence[ChunkKey], replica: str = "default", *, lease: bool = False
+    ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
+        """The tier of each chunk of the longest stored prefix. With ``lease``, also lease the
+        found chunks when the arena holds them all: a hit served from the arena then takes one
+        call."""
+        result = self._lookup(keys)
+        if not lease:
+            return result
+        return result, self.lease(keys[: arena_hit(result)], replica)
 
     def _extend_codes(self, keys: Sequence[ChunkKey], in_cpu: list[bool], codes: bytearray) -> None:
         """Append the tier of each key from ``len(codes)`` on, up to the first one nowhere."""
@@ -312,9 +327,9 @@ class TierManager:
     def abort(self, refs: Sequence[SlotRef]) -> None:
         self.cpu.abort(refs)
 
-    # -- load -----------------------------------------------------------------------------
+    # -- lease ----------------------------------------------------------------------------
 
-    def load(self, keys: Sequence[ChunkKey], replica: str = "default") -> list[SlotRef | None]:
+    def lease(self, keys: Sequence[ChunkKey], replica: str = "default") -> list[SlotRef | None]:
         """Leases on arena slots holding each key, promoting from lmdb where needed.
 
         None where a key is nowhere, or failed verification (it is then quarantined).

@@ -13,7 +13,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Literal, Protocol, TypeVar, overload, runtime_checkable
 
 from kvtier.journal import ChunkEvents
 from kvtier.keys import ChunkKey, NamespaceSpec
@@ -139,30 +139,51 @@ class TierClient(Protocol):
 
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes: ...
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult: ...
+    @overload
+    def lookup(
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        release: Sequence[SlotRef] = ...,
+        lease: Literal[False] = ...,
+    ) -> LookupResult: ...
 
-    def release_then_lookup_and_load(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
-    ) -> tuple[LookupResult, list[SlotRef | None]]:
-        """End leases, look the keys up, and lease the found chunks when the arena holds them
-        all, in one call."""
+    @overload
+    def lookup(
+        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = ..., lease: Literal[True]
+    ) -> tuple[LookupResult, list[SlotRef | None]]: ...
+
+    def lookup(
+        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = (), lease: bool = False
+    ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
+        """Look the keys up, first ending the leases ``release``. With ``lease``, also lease
+        the found chunks when the arena holds them all, all in one call."""
         ...
 
-    def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]: ...
+    @overload
+    def reserve(self, keys: Sequence[ChunkKey], *, commit: None = ...) -> list[SlotRef | None]: ...
+
+    @overload
+    def reserve(
+        self, keys: Sequence[ChunkKey], *, commit: Sequence[SlotRef]
+    ) -> tuple[int, list[SlotRef | None]]: ...
+
+    def reserve(
+        self, keys: Sequence[ChunkKey], *, commit: Sequence[SlotRef] | None = None
+    ) -> list[SlotRef | None] | tuple[int, list[SlotRef | None]]:
+        """Arena slots to write. With ``commit``, first commit those written slots, in one
+        call, and answer how many were committed too."""
+        ...
 
     def commit(self, refs: Sequence[SlotRef]) -> int: ...
 
     def abort(self, refs: Sequence[SlotRef]) -> None: ...
 
-    def commit_then_reserve(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
-    ) -> tuple[int, list[SlotRef | None]]: ...
-
-    def release_then_load(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
-    ) -> list[SlotRef | None]: ...
-
-    def load(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]: ...
+    def lease(
+        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = ()
+    ) -> list[SlotRef | None]:
+        """Lease the keys' chunks, first ending the leases ``release``, in one call."""
+        ...
 
     def release(self, refs: Sequence[SlotRef]) -> None: ...
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import grpc
 from google.protobuf.message import Message
@@ -398,11 +398,28 @@ class GrpcTierClient:
             self._heartbeat_once()
         return dict(self._drafts)
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
-        response = self._keys_call(self._lookup, keys)
-        return lookup_from(response)
+    @overload
+    def lookup(
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        release: Sequence[SlotRef] = ...,
+        lease: Literal[False] = ...,
+    ) -> LookupResult: ...
 
-    def release_then_lookup_and_load(
+    @overload
+    def lookup(
+        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = ..., lease: Literal[True]
+    ) -> tuple[LookupResult, list[SlotRef | None]]: ...
+
+    def lookup(
+        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = (), lease: bool = False
+    ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
+        if not lease:
+            return lookup_from(self._keys_call(self._lookup, keys, self._leased(release)))
+        return self._lookup_leasing(release, keys)
+
+    def _lookup_leasing(
         self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
     ) -> tuple[LookupResult, list[SlotRef | None]]:
         """A hit the arena holds whole is answered from its key index, with no call and no
@@ -486,37 +503,43 @@ class GrpcTierClient:
             ended = tier_pb2.ReleaseRequest(session_id=self.session_id, refs=map(ref_to, leased))
             self._stub.Release(ended, timeout=timeout)
 
-    def reserve(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
-        response = self._keys_call(self._reserve, keys, timeout=self._store_s)
-        return grants_from(response.grants)
+    @overload
+    def reserve(self, keys: Sequence[ChunkKey], *, commit: None = ...) -> list[SlotRef | None]: ...
 
-    def commit_then_reserve(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
-    ) -> tuple[int, list[SlotRef | None]]:
-        """Commit written slots and reserve the next batch in one call."""
-        response = self._keys_call(self._reserve, keys, refs, timeout=self._store_s)
+    @overload
+    def reserve(
+        self, keys: Sequence[ChunkKey], *, commit: Sequence[SlotRef]
+    ) -> tuple[int, list[SlotRef | None]]: ...
+
+    def reserve(
+        self, keys: Sequence[ChunkKey], *, commit: Sequence[SlotRef] | None = None
+    ) -> list[SlotRef | None] | tuple[int, list[SlotRef | None]]:
+        """Reserve slots; with ``commit``, commit written slots first, in one call."""
+        if commit is None:
+            return grants_from(self._keys_call(self._reserve, keys, timeout=self._store_s).grants)
+        response = self._keys_call(self._reserve, keys, commit, timeout=self._store_s)
         return response.committed, grants_from(response.grants)
 
-    def release_then_load(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    def lease(
+        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = ()
     ) -> list[SlotRef | None]:
-        """End leases and lease the next batch in one call."""
-        return grants_from(self._keys_call(self._prefetch, keys, self._leased(refs)).leases)
+        """Lease the keys' chunks; with ``release``, end those leases first, in one call."""
+        return grants_from(self._keys_call(self._prefetch, keys, self._leased(release)).leases)
 
-    def commit_then_reserve_async(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    def reserve_async(
+        self, keys: Sequence[ChunkKey], *, commit: Sequence[SlotRef]
     ) -> Pending[tuple[int, list[SlotRef | None]]]:
-        """`commit_then_reserve` without waiting, so the call overlaps copying a batch."""
+        """`reserve` with ``commit`` without waiting, so the call overlaps copying a batch."""
         return self._keys_call_async(
-            self._reserve, keys, refs, lambda r: (r.committed, grants_from(r.grants))
+            self._reserve, keys, commit, lambda r: (r.committed, grants_from(r.grants))
         )
 
-    def release_then_load_async(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+    def lease_async(
+        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = ()
     ) -> Pending[list[SlotRef | None]]:
-        """`release_then_load` without waiting, so the call overlaps copying a batch."""
+        """`lease` without waiting, so the call overlaps copying a batch."""
         return self._keys_call_async(
-            self._prefetch, keys, self._leased(refs), lambda r: grants_from(r.leases)
+            self._prefetch, keys, self._leased(release), lambda r: grants_from(r.leases)
         )
 
     def _old_refs_call(self, call: Callable[[], R]) -> R | None:
@@ -538,10 +561,6 @@ class GrpcTierClient:
     def abort(self, refs: Sequence[SlotRef]) -> None:
         request = tier_pb2.AbortRequest(session_id=self.session_id, refs=[ref_to(r) for r in refs])
         self._old_refs_call(lambda: self._rpc(self._stub.Abort, request))
-
-    def load(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
-        response = self._keys_call(self._prefetch, keys)
-        return grants_from(response.leases)
 
     def promote(self, keys: Sequence[ChunkKey]) -> int:
         return int(self._keys_call(self._promote, keys).queued)

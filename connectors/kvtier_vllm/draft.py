@@ -287,7 +287,7 @@ def lease_draft(
         sources.append((tracker.namespace, Fill.NONE))
     sources.extend((ns, Fill.PREVIOUS) for ns in tracker.fill_sources())
     for namespace, fill in sources:
-        refs = client.load([make_key(namespace, h) for h in hashes])
+        refs = client.lease([make_key(namespace, h) for h in hashes])
         held = [r for r in refs if r is not None]
         if len(held) == len(refs):
             return refs, fill, back

@@ -283,7 +283,7 @@ class HitPlanner:
         # leases the next step would release go back with this lookup
         due = self.leases.take_due()
         try:
-            result, leased = client.release_then_lookup_and_load(due, keys)
+            result, leased = client.lookup(keys, release=due, lease=True)
         except KVTierError:
             self.unreturned.keep(Return.RELEASE, due)
             raise
@@ -361,7 +361,7 @@ class HitPlanner:
             keys = [k for plan, span in spans for k in self.keys(plan, hashes, span)]
             due = self.leases.take_due()
             try:
-                leased = client.release_then_load(due, keys)  # every plan's chunks in one call
+                leased = client.lease(keys, release=due)  # every plan's chunks in one call
             except KVTierError:
                 self.unreturned.keep(Return.RELEASE, due)
                 raise

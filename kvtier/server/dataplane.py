@@ -180,7 +180,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
 
     def _lease(self, session: Session, keys: list[ChunkKey]) -> list[SlotRef | None]:
         started = time.perf_counter()
-        leases = self.sessions.prefetch(session, keys)
+        leases = self.sessions.lease(session, keys)
         held = [lease for lease in leases if lease is not None]
         self.telemetry.moved("load", held, len(held), time.perf_counter() - started)
         return leases

@@ -677,9 +677,15 @@ class CpuTier(Tier):
             self._counters.add("evictions_admin", dropped)
         return dropped
 
-    def retire(self, namespace: bytes, retired: bool = True) -> None:
-        """Mark a namespace's chunks (an old draft revision) to be evicted before any other;
-        ``retired=False`` makes it current again (a swap back)."""
+    def retire(self, namespace: bytes) -> None:
+        """Mark a namespace's chunks (an old draft revision) to be evicted before any other."""
+        self._mark_retired(namespace, True)
+
+    def reinstate(self, namespace: bytes) -> None:
+        """Make a retired namespace current again (a swap back)."""
+        self._mark_retired(namespace, False)
+
+    def _mark_retired(self, namespace: bytes, retired: bool) -> None:
         with self._lock:
             if retired:
                 self._retired.add(namespace)

@@ -621,11 +621,16 @@ class LmdbTier(Tier):
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         self._set_pinned(keys, False)
 
-    def retire(self, namespace: bytes, retired: bool = True) -> None:
+    def retire(self, namespace: bytes) -> None:
         """Evict a namespace's chunks (an old draft revision) before any other when room is
-        needed; ``retired=False`` undoes it (a swap back)."""
+        needed."""
         with self._lock:
-            (self._retired.add if retired else self._retired.discard)(namespace)
+            self._retired.add(namespace)
+
+    def reinstate(self, namespace: bytes) -> None:
+        """Undo `retire` (a swap back)."""
+        with self._lock:
+            self._retired.discard(namespace)
 
     def namespace_chunks(self) -> Counter[bytes]:
         """Chunks held per namespace."""

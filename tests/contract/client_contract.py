@@ -23,7 +23,7 @@ from tests.support import draft_spec, keys_for, payload_for, target_spec
 CHUNK = 256 << 10
 DRAFT_CHUNK = 64 << 10
 PROMOTE_TIMEOUT_S = 10.0
-BATCH_CALLS = ("lookup", "reserve", "load", "promote", "release_then_lookup_and_load")
+BATCH_CALLS = ("lookup", "reserve", "lease", "promote", "leasing_lookup")
 
 Connect = Callable[[str], TierClient]
 Foreign = tuple[bytes, type[KVTierError]]
@@ -90,7 +90,7 @@ class ClientContract:
         self._store(client, arena, keys)
         found = client.lookup(keys)
         assert (found.hits, found.tiers) == (4, ["cpu"] * 4)
-        leases = client.load(keys)
+        leases = client.lease(keys)
         assert all(leases)
         assert [self._read(arena, r) for r in leases if r] == [payload_for(k, CHUNK) for k in keys]
         client.release([r for r in leases if r is not None])
@@ -101,7 +101,7 @@ class ClientContract:
         keys = keys_for(ns, 3)
         self._store(client, arena, [keys[0], keys[2]])
         assert client.lookup(keys).hits == 1
-        assert client.load([keys[1]]) == [None]
+        assert client.lease([keys[1]]) == [None]
 
     def test_reserve_skips_what_is_stored(
         self, client: TierClient, arena: ArenaMemory, ns: bytes
@@ -133,18 +133,18 @@ class ClientContract:
         client.abort(refs)  # nothing held: does nothing
         assert client.lookup([r.key for r in refs]).hits == 2
 
-    def test_commit_then_reserve_in_one_call(
+    def test_reserve_with_commit_in_one_call(
         self, client: TierClient, arena: ArenaMemory, ns: bytes
     ) -> None:
         first, second = keys_for(ns, 2), keys_for(ns, 2, start=2)
         refs = self._write(arena, client.reserve(first))
-        committed, more = client.commit_then_reserve(refs, second)
+        committed, more = client.reserve(second, commit=refs)
         assert committed == 2
         assert all(more)
         assert client.commit(self._write(arena, more)) == 2
         assert client.lookup(first + second).hits == 4
 
-    # -- load: lease, release ---------------------------------------------------------------
+    # -- lease, release -------------------------------------------------------------------
 
     def test_a_leased_chunk_stays_in_the_arena_until_released(
         self,
@@ -155,7 +155,7 @@ class ClientContract:
     ) -> None:
         keys = keys_for(ns, 2)
         self._store(client, arena, keys)
-        leases = [r for r in client.load(keys[:1]) if r is not None]
+        leases = [r for r in client.lease(keys[:1]) if r is not None]
         assert len(leases) == 1
         evict_arena()
         assert client.lookup(keys).tiers == ["cpu", "lmdb"]
@@ -165,16 +165,16 @@ class ClientContract:
         evict_arena()
         assert client.lookup(keys).tiers == ["lmdb", "lmdb"]
 
-    def test_release_then_lookup_and_load_in_one_call(
+    def test_lookup_with_release_and_lease_in_one_call(
         self, client: TierClient, arena: ArenaMemory, ns: bytes
     ) -> None:
         keys = keys_for(ns, 3)
         self._store(client, arena, keys)
-        leases = [r for r in client.load(keys[:1]) if r is not None]
-        found, refs = client.release_then_lookup_and_load(leases, keys)
+        leases = [r for r in client.lease(keys[:1]) if r is not None]
+        found, refs = client.lookup(keys, release=leases, lease=True)
         assert found.hits == 3
         assert [r.key for r in refs if r is not None] == keys  # the arena holds them all
-        again = client.release_then_load([r for r in refs if r is not None], keys[:2])
+        again = client.lease(keys[:2], release=[r for r in refs if r is not None])
         assert [r.key for r in again if r is not None] == keys[:2]
         client.release([r for r in again if r is not None])
 
@@ -189,7 +189,7 @@ class ClientContract:
         self._store(client, arena, keys[:1])
         evict_arena()
         self._store(client, arena, keys[1:])
-        found, refs = client.release_then_lookup_and_load([], keys)
+        found, refs = client.lookup(keys, lease=True)
         assert (found.hits, found.tiers) == (2, ["lmdb", "cpu"])
         assert refs == []
 
@@ -212,7 +212,7 @@ class ClientContract:
             assert time.monotonic() < deadline, "not promoted"
             time.sleep(0.05)
         assert client.promote(keys) == 0  # already there
-        leases = [r for r in client.load(keys) if r is not None]
+        leases = [r for r in client.lease(keys) if r is not None]
         assert [self._read(arena, r) for r in leases] == [payload_for(k, CHUNK) for k in keys]
         client.release(leases)
 
@@ -256,9 +256,9 @@ class ClientContract:
         calls: dict[str, Callable[[], object]] = {
             "lookup": lambda: client.lookup(batch),
             "reserve": lambda: client.reserve(batch),
-            "load": lambda: client.load(batch),
+            "lease": lambda: client.lease(batch),
             "promote": lambda: client.promote(batch),
-            "release_then_lookup_and_load": lambda: client.release_then_lookup_and_load([], batch),
+            "leasing_lookup": lambda: client.lookup(batch, lease=True),
         }
         with pytest.raises(refused, match=namespace.hex()):
             calls[call]()

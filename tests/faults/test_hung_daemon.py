@@ -290,11 +290,11 @@ def test_the_sidecar_client_waits_one_deadline_then_fails_at_once_until_a_probe_
             # every later call fails at once, making no call
             calls: list[Callable[[], Any]] = [
                 lambda: client.lookup(keys),
-                lambda: client.release_then_lookup_and_load([], keys),
+                lambda: client.lookup(keys, lease=True),
                 lambda: client.reserve(keys),
                 lambda: client.commit(refs),
                 lambda: client.release(refs),
-                lambda: client.release_then_load([], keys),
+                lambda: client.lease(keys),
                 lambda: client.promote(keys),
                 lambda: client.chunk_events(-1),
                 lambda: client.report_hits(),

@@ -341,7 +341,7 @@ class _Client:
 
     def load(self, indices: Sequence[int], keep: bool) -> tuple[list[bool | None], list[SlotRef]]:
         """Per index: None when not leased, else whether the arena holds the expected bytes."""
-        leases = self.rpc.load([key_of(i) for i in indices])
+        leases = self.rpc.lease([key_of(i) for i in indices])
         verdicts: list[bool | None] = []
         for i, lease in zip(indices, leases, strict=True):
             if lease is None:

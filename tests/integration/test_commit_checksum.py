@@ -126,7 +126,7 @@ def _written_back(m: TierManager, mode: str) -> None:
 
 def _served_intact(m: TierManager, keys: list[ChunkKey]) -> list[bool]:
     """Per key: whether a load gives exactly its stored bytes (False also for a miss)."""
-    leases = m.load(keys, "r1")
+    leases = m.lease(keys, "r1")
     try:
         return [
             lease is not None and bytes(m.cpu.view(lease)) == payload_for(key, CHUNK)
@@ -159,7 +159,7 @@ def test_a_chunk_changed_after_commit_is_dropped_not_written_to_lmdb(
         assert m.lmdb.contains(keys) == [True, False, True, True]
         assert m.cpu.contains(keys) == [True, False, True, True]
         assert m.lookup(keys).hits == 1
-        assert m.load(keys[1:2], "r1") == [None]
+        assert m.lease(keys[1:2], "r1") == [None]
         assert m.lmdb.stats().counters["store_rejected"] == 0  # not counted as want of room
     finally:
         m.close()
@@ -182,13 +182,13 @@ def test_a_leased_changed_chunk_leaves_lookups_at_once_and_its_slot_when_release
         ns = m.register_pool(target_spec(), CHUNK)
         keys = keys_for(ns, 3)
         _store_and_change(m, hostile(), keys, victim=0)
-        (lease,) = m.load(keys[:1], "r1")
+        (lease,) = m.lease(keys[:1], "r1")
         assert lease is not None
         assert m.flush()
 
         assert m.cpu.stats().counters["corrupt"] == 1
         assert m.lookup(keys).hits == 0
-        assert m.load(keys[:1], "r2") == [None]
+        assert m.lease(keys[:1], "r2") == [None]
         # the holder's slot stays put until it lets go: what it reads is what is there
         assert m.cpu.memory.is_current(lease.slot, lease.generation)
         assert bytes(m.cpu.view(lease)) == CHANGED * CHUNK
@@ -219,7 +219,7 @@ def test_with_commit_checksum_off_changed_bytes_are_written_back(
         assert m.flush()
         m.evict("cpu")
         assert m.cpu.stats().counters["corrupt"] == 0
-        (lease,) = m.load(keys[1:], "r1")
+        (lease,) = m.lease(keys[1:], "r1")
         assert lease is not None
         assert bytes(m.cpu.view(lease)) == CHANGED * CHUNK
         m.release([lease])

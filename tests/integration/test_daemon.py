@@ -558,20 +558,20 @@ def test_a_leasing_lookup_leases_the_arena_prefix_and_releases_in_one_call(
     client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
     try:
         keys, _ = _committed(client, 3, more=1)
-        result, leases = client.release_then_lookup_and_load([], keys)
+        result, leases = client.lookup(keys, lease=True)
         assert (result.hits, result.tiers) == (3, ["cpu"] * 3)
         assert [lease.key if lease else None for lease in leases] == keys[:3]
         assert daemon.stats().leases == 3
         # the leases go back in the next call, which leases only what it finds
         held = [lease for lease in leases if lease is not None]
-        result, leases = client.release_then_lookup_and_load(held, keys[3:])
+        result, leases = client.lookup(keys[3:], release=held, lease=True)
         assert (result.hits, leases) == (0, [])
         assert daemon.stats().leases == 0
         # an unregistered namespace is refused before anything is released or leased
         foreign = keys_for(target_spec(model="unregistered").digest(), 1)
-        (lease,) = client.load(keys[:1])
+        (lease,) = client.lease(keys[:1])
         with pytest.raises(KVTierError):
-            client.release_then_lookup_and_load([lease] if lease else [], foreign)
+            client.lookup(foreign, release=[lease] if lease else [], lease=True)
         assert daemon.stats().leases == 1
     finally:
         client.close()
@@ -589,7 +589,7 @@ def test_a_hit_the_arena_holds_whole_is_found_in_its_index_and_reported_later(
         os.kill(daemon.proc.pid, signal.SIGSTOP)
         try:
             started = time.monotonic()
-            result, found = client.release_then_lookup_and_load([], keys)
+            result, found = client.lookup(keys, lease=True)
             answered_s = time.monotonic() - started
         finally:
             os.kill(daemon.proc.pid, signal.SIGCONT)
@@ -610,7 +610,7 @@ def test_a_hit_the_arena_holds_whole_is_found_in_its_index_and_reported_later(
         _wait_for(lambda: daemon.stats().leases == 0, 10.0, "the report's leases ended")
         # a chunk gone from the arena is not answered from the index
         daemon.admin().evict(tier="cpu")
-        result, leases = client.release_then_lookup_and_load([], keys)
+        result, leases = client.lookup(keys, lease=True)
         assert result.tiers != ["cpu"] * 3
         assert daemon.stats().leases == sum(lease is not None for lease in leases)
     finally:
@@ -624,10 +624,10 @@ def test_a_ref_answered_from_the_index_never_ends_a_lease_on_the_same_slot(
     client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
     try:
         (key,), _ = _committed(client, 1)
-        (lease,) = client.load([key])
+        (lease,) = client.lease([key])
         assert lease is not None
         assert daemon.stats().leases == 1
-        _, (answered,) = client.release_then_lookup_and_load([], [key])
+        _, (answered,) = client.lookup([key], lease=True)
         assert answered is not None
         assert (answered.slot, answered.generation) == (lease.slot, lease.generation)
         client.release([answered])

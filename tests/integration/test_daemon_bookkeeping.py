@@ -199,7 +199,7 @@ def test_a_release_whose_answer_was_lost_is_sent_again_and_ends_only_its_lease(
     assert procs.client(files.socket, "w", "--store", "0:1")["stored"] == [0]
     _wait_for(lambda: daemon.stats().sessions == 0, 5.0, "the writer's session reaped")
     with closing(_client(files, timeout_s=0.2)) as client:
-        lost, other = (client.load([key_of(0)])[0] for _ in range(2))  # two requests share it
+        lost, other = (client.lease([key_of(0)])[0] for _ in range(2))  # two requests share it
         assert lost is not None
         assert other is not None
         assert daemon.stats().leases == 2

@@ -108,7 +108,7 @@ def test_old_revision_chunks_leave_the_arena_first(shm_path: Path, tmp_path: Pat
         for i in range(200):
             (key,) = keys_for(d2, 1, start=i)
             if i == 2:
-                m.release([r for r in m.load(old, "dp0") if r is not None])
+                m.release([r for r in m.lease(old, "dp0") if r is not None])
             assert store(m, [key]) == 1
             stored.append(key)
             if not all(m.cpu.contains(stored)):  # the first chunk of d2 evicted
@@ -140,7 +140,7 @@ def test_old_revision_chunks_leave_lmdb_first(tmp_path: Path) -> None:
         # under plain LRU the old ones, written first, would also go first: make them the
         # newest, then fill again
         held = tier.contains(old)
-        tier.retire(d1, retired=False)
+        tier.reinstate(d1)
         tier.retire(d2)
         for key in keys_for(d1, 8, start=100):
             assert tier.put(key, payload_for(key, CHUNK))

@@ -46,7 +46,7 @@ def test_lookup_reports_longest_prefix_and_tier_of_each_chunk(manager: TierManag
     assert manager.flush()
     manager.evict("cpu", namespace=ns)  # now only in lmdb
     assert store(manager, keys[:2]) == 0  # kept in lmdb already: not copied again
-    manager.release([r for r in manager.load(keys[:2], "r0") if r])  # promoted to the arena
+    manager.release([r for r in manager.lease(keys[:2], "r0") if r])  # promoted to the arena
     store(manager, keys[5:])  # present, but after a gap
     result = manager.lookup(keys)
     assert result.hits == 4
@@ -74,7 +74,7 @@ def test_load_promotes_from_lmdb_under_a_lease(manager: TierManager) -> None:
     assert manager.flush()
     manager.evict("cpu")
     assert manager.lookup(keys).tiers == ["lmdb"] * 3
-    leases = manager.load(keys, "r1")
+    leases = manager.lease(keys, "r1")
     assert all(leases)
     for key, lease in zip(keys, leases, strict=True):
         assert lease is not None
@@ -97,7 +97,7 @@ def test_write_back_moves_evicted_chunks_to_lmdb(manager: TierManager) -> None:
     stats = manager.stats()
     assert stats.tiers["lmdb"].chunks == 150
     assert stats.tiers["cpu"].chunks <= 56
-    leases = manager.load(keys[:5], "r0")
+    leases = manager.lease(keys[:5], "r0")
     assert [read(manager, lease) for lease in leases if lease] == [
         payload_for(k, CHUNK) for k in keys[:5]
     ]
@@ -145,7 +145,7 @@ def test_corrupt_lmdb_chunk_is_never_served(manager: TierManager) -> None:
         value = bytearray(txn.get(keys[0]))
         value[-1] ^= 0x40
         txn.put(keys[0], bytes(value))
-    leases = manager.load(keys, "r0")
+    leases = manager.lease(keys, "r0")
     assert leases[0] is None
     assert leases[1] is not None
     assert manager.stats().tiers["lmdb"].counters["corrupt"] == 1
@@ -164,7 +164,7 @@ def test_warm_restart_serves_everything_from_lmdb(shm_path: Path, tmp_path: Path
     try:
         assert m.register_pool(target_spec(), CHUNK) == ns
         assert m.lookup(keys).tiers == ["lmdb"] * 20
-        leases = m.load(keys, "r0")
+        leases = m.lease(keys, "r0")
         assert [read(m, lease) for lease in leases if lease] == [
             payload_for(k, CHUNK) for k in keys
         ]
@@ -212,15 +212,15 @@ def test_a_leasing_lookup_leases_only_a_hit_the_arena_holds_whole(manager: TierM
     assert store(client, keys[:2]) == 2
     manager.evict("cpu")  # both reach lmdb first
     assert store(client, keys[2:]) == 2
-    result, leases = client.release_then_lookup_and_load([], keys[2:])
+    result, leases = client.lookup(keys[2:], lease=True)
     assert (result.hits, [lease.key if lease else None for lease in leases]) == (2, keys[2:])
     # the first chunk is only in lmdb: nothing is leased, so a lookup never waits on lmdb
-    result, leases = client.release_then_lookup_and_load(
-        [lease for lease in leases if lease is not None], keys
+    result, leases = client.lookup(
+        keys, release=[lease for lease in leases if lease is not None], lease=True
     )
     assert (result.tiers, leases) == (["lmdb", "lmdb", "cpu", "cpu"], [])
     # nor when the arena holds only the first ones: they would only be given back
-    result, leases = client.release_then_lookup_and_load([], keys[2:] + keys[:2])
+    result, leases = client.lookup(keys[2:] + keys[:2], lease=True)
     assert (result.tiers, leases) == (["cpu", "cpu", "lmdb", "lmdb"], [])
     assert manager.evict("cpu")["cpu"] == 2  # released: leased slots would stay
 

@@ -36,7 +36,7 @@ def test_concurrent_store_and_load_never_serve_wrong_bytes(shm_path: Path, tmp_p
             else:
                 m.commit(refs)
             hit = m.lookup(batch)
-            leases = m.load(batch[: hit.hits], f"r{seed % 2}")
+            leases = m.lease(batch[: hit.hits], f"r{seed % 2}")
             for lease in leases:
                 if lease is None:
                     continue

@@ -72,7 +72,7 @@ def store(m: TierManager, keys: list[ChunkKey]) -> int:
 
 
 def load_bytes(m: TierManager, keys: list[ChunkKey]) -> list[bytes | None]:
-    leases = m.load(keys, "r0")
+    leases = m.lease(keys, "r0")
     out = [bytes(m.cpu.view(ref)) if ref is not None else None for ref in leases]
     m.release([r for r in leases if r is not None])
     return out

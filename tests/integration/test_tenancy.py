@@ -193,12 +193,12 @@ def test_a_draft_revision_registered_later_belongs_to_its_session_only(
         assert all(refs)
         assert a.commit([r for r in refs if r is not None]) == 2
         assert a.lookup(d2_keys).hits == 2
-        assert all(a.load(d2_keys))
+        assert all(a.lease(d2_keys))
 
         with pytest.raises(PermissionDeniedError, match=d2.hex()):
             b.lookup(d2_keys)
         with pytest.raises(PermissionDeniedError, match=d2.hex()):
-            b.load(d2_keys)
+            b.lease(d2_keys)
         with pytest.raises(PermissionDeniedError, match=d2.hex()):
             b.reserve(keys_for(d2, 1, start=5))
         assert all(b.reserve(d1_keys))  # its own revision still works

@@ -90,7 +90,7 @@ class Load(threading.Thread):
             found = client.lookup(asked)
             self.asked += len(asked)
             self.hits += found.hits
-            leases = [ref for ref in client.load(asked[: max(1, found.hits // 2)]) if ref]
+            leases = [ref for ref in client.lease(asked[: max(1, found.hits // 2)]) if ref]
             client.release(leases)
             client.promote(asked[: found.hits])
         if r % 6 == 3:

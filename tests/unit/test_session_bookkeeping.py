@@ -90,9 +90,9 @@ def test_a_lease_granted_while_the_reaper_ends_the_session_is_given_back(
     (key,) = keys_for(ns, 1)
     _store(manager, key)
     session = sessions.open("r0", "e0", 0, 0)
-    reaped = _reaping_midway(monkeypatch, manager, "load", clock, sessions)
+    reaped = _reaping_midway(monkeypatch, manager, "lease", clock, sessions)
     with pytest.raises(SessionNotFoundError, match="expired"):
-        sessions.prefetch(session, [key])
+        sessions.lease(session, [key])
     assert reaped == [1]
     assert sessions.counts() == (0, 0, 0)
     slot = manager.cpu._index[key]
@@ -142,7 +142,7 @@ def test_the_reaper_survives_an_error_and_reaps_on_the_next_round(
     for key in (first, second):
         _store(manager, key)
     dying = sessions.open("r0", "e0", 0, 0)
-    (lease,) = sessions.prefetch(dying, [first])
+    (lease,) = sessions.lease(dying, [first])
     assert lease is not None
     real = manager.release
     failures: list[int] = []
@@ -158,7 +158,7 @@ def test_the_reaper_survives_an_error_and_reaps_on_the_next_round(
     assert sessions.reap() == 1  # logged, not raised
     assert failures == [1]
     later = sessions.open("r1", "e1", 0, 0)
-    (other,) = sessions.prefetch(later, [second])
+    (other,) = sessions.lease(later, [second])
     assert other is not None
     clock.now += 10
     assert sessions.reap() == 1
@@ -172,8 +172,8 @@ def test_a_retried_release_ends_its_own_lease_and_no_other(
     (key,) = keys_for(ns, 1)
     _store(manager, key)
     session = sessions.open("r0", "e0", 0, 0)
-    (a,) = sessions.prefetch(session, [key])
-    (b,) = sessions.prefetch(session, [key])  # two requests share the chunk
+    (a,) = sessions.lease(session, [key])
+    (b,) = sessions.lease(session, [key])  # two requests share the chunk
     assert a is not None
     assert b is not None
     assert (a.slot, a.generation) == (b.slot, b.generation)
@@ -232,7 +232,7 @@ def test_a_lease_never_released_is_released_after_its_timeout(
     (key,) = keys_for(ns, 1)
     _store(manager, key)
     session = sessions.open("r0", "e0", 0, 0)
-    (lease,) = sessions.prefetch(session, [key])
+    (lease,) = sessions.lease(session, [key])
     assert lease is not None
     for _ in range(16):
         clock.now += 4
@@ -262,11 +262,11 @@ def test_a_session_past_its_lease_bound_is_refused_until_it_releases(
     (key,) = keys_for(ns, 1)
     _store(manager, key)
     session = sessions.open("r0", "e0", 0, 0)
-    (a,) = sessions.prefetch(session, [key])
-    sessions.prefetch(session, [key])
+    (a,) = sessions.lease(session, [key])
+    sessions.lease(session, [key])
     with pytest.raises(CapacityError, match=r"server\.max_session_leases"):
-        sessions.prefetch(session, [key])
+        sessions.lease(session, [key])
     assert a is not None
     assert manager.cpu.memory.refcount[a.slot] == 2  # the refused call took nothing
     sessions.release(session, [a])
-    assert sessions.prefetch(session, [key])[0] is not None
+    assert sessions.lease(session, [key])[0] is not None

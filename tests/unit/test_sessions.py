@@ -42,7 +42,7 @@ def test_lapsed_session_gives_back_leases_and_reservations(manager: TierManager)
     assert ref is not None
     manager.cpu.view(ref)[:] = payload_for(stored, CHUNK)
     assert sessions.commit(alive, [ref]) == 1
-    (lease,) = sessions.prefetch(dying, [stored])
+    (lease,) = sessions.lease(dying, [stored])
     (held,) = sessions.reserve(dying, [pending])
     assert lease is not None
     assert held is not None
@@ -70,7 +70,7 @@ def test_a_session_can_only_end_what_it_holds(manager: TierManager) -> None:
     assert sessions.commit(other, [ref]) == 0  # not other's reservation
     sessions.abort(other, [ref])
     assert sessions.commit(owner, [ref]) == 1
-    (lease,) = sessions.prefetch(owner, [key])
+    (lease,) = sessions.lease(owner, [key])
     assert lease is not None
     assert sessions.release(other, [lease]) == 0
     assert manager.cpu.memory.refcount[lease.slot] == 1
