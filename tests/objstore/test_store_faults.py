@@ -6,51 +6,23 @@ what any node pinned."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 from kvtier import blockfmt
 from kvtier.errors import ObjectStoreError
-from kvtier.keys import ChunkKey
-from kvtier.pools import PoolRegistry
 from kvtier.tiers.objstore.backend import RequestRejectedError, StoreUnreachableError
 from kvtier.tiers.objstore.catalog import Catalog
 from kvtier.tiers.objstore.resilience import CircuitBreaker
-from kvtier.tiers.objstore.tier import PINS_DIR, ObjectTier
+from kvtier.tiers.objstore.tier import PINS_DIR
 from tests.contract.tier_contract import CHUNK
+from tests.objstore import test_object_tier
 from tests.objstore.fixtures import GCS_ENDPOINT_ENV, StoreFactory
 from tests.objstore.servers import _Handler, _LoopbackHttp, free_port
-from tests.support import keys_for, object_config, payload_for, target_spec
+from tests.objstore.test_object_tier import Tier, keys, read
+from tests.support import keys_for, payload_for, target_spec
 
-Tier = Callable[..., ObjectTier]
-
-
-@pytest.fixture
-def make_tier(tmp_path: Path) -> Iterator[Tier]:
-    made: list[ObjectTier] = []
-
-    def make(url: str, **overrides: object) -> ObjectTier:
-        registry = PoolRegistry()
-        registry.register(target_spec(), CHUNK)
-        tier = ObjectTier(object_config(url, tmp_path / f"idx{len(made)}", **overrides), registry)
-        made.append(tier)
-        assert tier.principal_resolved.wait(15)
-        return tier
-
-    yield make
-    for tier in made:
-        tier.close()
-
-
-def keys(n: int, start: int = 0) -> list[ChunkKey]:
-    return keys_for(target_spec().digest(), n, start)
-
-
-def read(tier: ObjectTier, key: ChunkKey) -> bytes | None:
-    dst = bytearray(CHUNK)
-    return bytes(dst) if tier.read_into(key, memoryview(dst)) else None
+make_tier = test_object_tier.make_tier  # the same fixture, found by name here
 
 
 @pytest.mark.parametrize("fault", ["refused", "dns"])
