@@ -17,10 +17,10 @@ from kvtier.errors import InvalidRequestError, NamespaceAccessError
 from kvtier.journal import ChunkEvents
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.manager import TierManager
-from kvtier.metrics import telemetry_of
 from kvtier.protocol import SlotRef, arena_hit
 from kvtier.server.sessions import Session, SessionRegistry
 from kvtier.server.validate import batch_namespaces, check_batch, keys_from, unpack_keys
+from kvtier.telemetry import telemetry_of
 
 _REPLICA_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _MAX_POOLS = 16

@@ -11,8 +11,9 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.keys import NAMESPACE_BYTES
-from kvtier.metrics import MAX_REPLICAS, METRICS, OTHER, Telemetry
+from kvtier.metric_specs import METRICS
 from kvtier.pools import PoolRegistry
+from kvtier.telemetry import MAX_REPLICAS, OTHER, Telemetry
 from tests.operability.stack import Stack
 from tests.support import draft_spec, keys_for, target_spec
 

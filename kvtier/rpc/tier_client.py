@@ -1,21 +1,20 @@
-"""Client side of kvtierd's gRPC APIs: the data-plane `GrpcTierClient` and `AdminClient`."""
+"""The data-plane client: the TierClient protocol served by kvtierd over its unix socket."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 import grpc
 from google.protobuf.message import Message
 
 from kvtier import wire
-from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
+from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
 from kvtier.codec import (
     chunk_events_from,
     drafts_from,
@@ -24,136 +23,31 @@ from kvtier.codec import (
     ref_to,
     spec_to,
 )
-from kvtier.errors import (
-    InvalidRequestError,
-    KVTierError,
-    SessionNotFoundError,
-    TierUnavailableError,
-)
+from kvtier.errors import InvalidRequestError, KVTierError, SessionNotFoundError
 from kvtier.journal import ChunkEvents
 from kvtier.keys import ChunkKey, NamespaceSpec
 from kvtier.memory import keep_freed_pages
 from kvtier.protocol import DraftState, IndexedRef, LookupResult, SlotRef, TierCode
-from kvtier.status import error_from
+from kvtier.rpc.calls import (
+    CHANNEL_OPTIONS,
+    STALLED,
+    Breaker,
+    DaemonStalledError,
+    Deadlines,
+    Pending,
+    call,
+    translate,
+)
 from kvtier.tiers.arena import ArenaAtPath
 from kvtier.tiers.arena_index import readable_here
 
 log = logging.getLogger(__name__)
 
-_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-    # a restarted daemon is found again within a second, not after minutes of backoff
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 R = TypeVar("R")
 _LOOKUP_LEASE = tier_pb2.LookupRequest.LEASE_FIELD_NUMBER
 _IN_ARENA = int(TierCode.CPU)
 _MAX_REPORT = 4096  # keys per report, under the daemon's batch limit
 _TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
-
-
-_STALLED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """How long each kind of call may wait, for a caller that must never stall (an engine's
-    scheduler). A client given deadlines also has a breaker: once a call misses its deadline,
-    finds the daemon unreachable or its session gone, every call fails at once
-    (`DaemonStalledError`) until a heartbeat on the client's own thread, every
-    ``probe_every_s``, is answered (in a new session if need be)."""
-
-    lookup_s: float = 0.05
-    """Lookup, Prefetch (leases) and Promote: the calls that answer a lookup."""
-    store_s: float = 0.1
-    """Reserve, Commit, Abort, Release, ChunkEvents, hit reports and asked-for heartbeats."""
-    register_s: float = 2.0
-    """RegisterSession: only at start and on the client's own thread, never in a step."""
-    probe_s: float = 0.1
-    probe_every_s: float = 0.5
-
-
-class DaemonStalledError(TierUnavailableError):
-    """kvtierd missed a deadline or cannot be reached: no call is made until it answers."""
-
-
-class _Breaker:
-    """Open while kvtierd does not answer in time; logs once on each change."""
-
-    def __init__(self, target: str) -> None:
-        self._target = target
-        self._lock = threading.Lock()
-        self.why = ""
-        """Why it is open; empty while closed."""
-        self.opened = 0
-        """Times it opened."""
-
-    def check(self) -> None:
-        why = self.why
-        if why:
-            raise DaemonStalledError(f"kvtierd at {self._target} is not answering ({why})")
-
-    def trip(self, why: str) -> None:
-        with self._lock:
-            if self.why:
-                return
-            self.why = why
-            self.opened += 1
-        log.warning(
-            "kvtierd at %s is not answering (%s): serving without it until it does",
-            self._target,
-            why,
-        )
-
-    def reset(self) -> None:
-        with self._lock:
-            if not self.why:
-                return
-            self.why = ""
-        log.warning("kvtierd at %s answers again: serving with it", self._target)
-
-
-def _translate(target: str, exc: grpc.RpcError) -> KVTierError:
-    """A failed call as a kvtier error that says what to do."""
-    code, details = exc.code(), exc.details() or ""
-    if code is grpc.StatusCode.UNAVAILABLE:
-        if "Permission denied" in details:  # the daemon runs; this user may not call it
-            return TierUnavailableError(
-                f"no access to the socket {target} ({details}): run the engine as a member of"
-                " the daemon's group (`server.group`), the socket is mode 0660"
-            )
-        return TierUnavailableError(
-            f"daemon not running at {target}: start it with `kvtier serve` ({details})"
-        )
-    return error_from(code, details)
-
-
-def _call(target: str, fn: Callable[..., R], request: Any, **kwargs: Any) -> R:
-    try:
-        return fn(request, **kwargs)
-    except grpc.RpcError as exc:
-        raise _translate(target, exc) from None
-
-
-class Pending(Generic[R]):
-    """A call in flight; `result` waits for it and converts the response."""
-
-    def __init__(self, future: Any, convert: Callable[[Any], R], target: str) -> None:
-        self._future = future
-        self._convert = convert
-        self._target = target
-
-    def done(self) -> bool:
-        return bool(self._future.done())
-
-    def result(self) -> R:
-        try:
-            response = self._future.result()
-        except grpc.RpcError as exc:
-            raise _translate(self._target, exc) from None
-        return self._convert(response)
 
 
 class GrpcTierClient:
@@ -177,7 +71,7 @@ class GrpcTierClient:
         self.replica = replica
         self._identity = (engine_id, tp_rank, pp_rank)
         self._timeout = timeout_s
-        self._channel = grpc.insecure_channel(self.target, options=_OPTIONS)
+        self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = tier_pb2_grpc.TierServiceStub(self._channel)
         # key-carrying calls send requests encoded by kvtier.wire (see there for why)
         self._lookup = self._raw("Lookup", tier_pb2.LookupResponse)
@@ -203,7 +97,7 @@ class GrpcTierClient:
         """The leases the report in flight ends."""
         self._next_report = 0.0
         self._deadlines = deadlines
-        self.breaker = _Breaker(self.target) if deadlines is not None else None
+        self.breaker = Breaker(self.target) if deadlines is not None else None
         d = deadlines
         self._lookup_s = d.lookup_s if d is not None else timeout_s
         self._store_s = d.store_s if d is not None else timeout_s
@@ -217,13 +111,13 @@ class GrpcTierClient:
     def _rpc(self, method: Callable[..., R], request: Any, timeout: float | None = None) -> R:
         breaker = self.breaker
         if breaker is None:
-            return _call(self.target, method, request, timeout=timeout or self._timeout)
+            return call(self.target, method, request, timeout=timeout or self._timeout)
         breaker.check()
         try:
             return method(request, timeout=timeout or self._store_s)
         except grpc.RpcError as exc:
-            if exc.code() not in _STALLED:
-                raise _translate(self.target, exc) from None
+            if exc.code() not in STALLED:
+                raise translate(self.target, exc) from None
             code = exc.code().name.lower()
             breaker.trip(f"{code} after {timeout or self._store_s:.3f} s")
             raise DaemonStalledError(f"{self.target}: {code} ({exc.details()})") from None
@@ -317,7 +211,7 @@ class GrpcTierClient:
             try:
                 response = self._stub.RegisterSession(request, timeout=self._register_s)
             except grpc.RpcError as exc:
-                raise _translate(self.target, exc) from None
+                raise translate(self.target, exc) from None
         self.session_id = response.session_id
         self._arena_path = Path(response.arena_path)
         if readable_here() and (self._arena is None or self._arena.path != self._arena_path):
@@ -385,7 +279,7 @@ class GrpcTierClient:
             try:
                 response = self._stub.Heartbeat(request, timeout=timeout)
             except grpc.RpcError as exc:
-                raise _translate(self.target, exc) from None
+                raise translate(self.target, exc) from None
         self._drafts = drafts_from(response.drafts)
         if not response.alive:  # expired, or the daemon restarted: carry on in a new session
             if in_step and self.breaker is not None:
@@ -584,91 +478,3 @@ class GrpcTierClient:
         self._channel.close()
         if self._arena is not None:
             self._arena.close()
-
-
-class AdminClient:
-    """The admin API, with an optional bearer token and TLS."""
-
-    def __init__(
-        self,
-        address: str,
-        token: str | None = None,
-        tls_ca: bytes | None = None,
-        tls_client: tuple[bytes, bytes] | None = None,
-        timeout_s: float = 30.0,
-    ) -> None:
-        self.target = address
-        if tls_ca is not None or tls_client is not None:
-            key, cert = tls_client if tls_client is not None else (None, None)
-            creds = grpc.ssl_channel_credentials(tls_ca, key, cert)
-            self._channel = grpc.secure_channel(address, creds, options=_OPTIONS)
-        else:
-            self._channel = grpc.insecure_channel(address, options=_OPTIONS)
-        self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
-        self._metadata = [("authorization", f"Bearer {token}")] if token else []
-        self._timeout = timeout_s
-
-    def _rpc(self, method: Callable[..., R], request: Any) -> R:
-        return _call(self.target, method, request, timeout=self._timeout, metadata=self._metadata)
-
-    def stats(self) -> admin_pb2.StatsResponse:
-        return self._rpc(self._stub.Stats, admin_pb2.StatsRequest())
-
-    def evict(self, **filters: Any) -> dict[str, int]:
-        return dict(self._rpc(self._stub.Evict, admin_pb2.EvictRequest(**filters)).evicted)
-
-    def pin(self, keys: Sequence[bytes]) -> int:
-        return self._rpc(self._stub.Pin, admin_pb2.PinRequest(keys=keys)).keys
-
-    def unpin(self, keys: Sequence[bytes]) -> int:
-        return self._rpc(self._stub.Unpin, admin_pb2.PinRequest(keys=keys)).keys
-
-    def set_quota(self, replica: str, pool: str, nbytes: int) -> None:
-        request = admin_pb2.SetQuotaRequest(replica=replica, pool=pool, bytes=nbytes)
-        self._rpc(self._stub.SetQuota, request)
-
-    def drain(self, timeout_s: float = 60.0) -> admin_pb2.DrainResponse:
-        return self._rpc(self._stub.Drain, admin_pb2.DrainRequest(timeout_s=timeout_s))
-
-    def verify(self, tier: str = "") -> Iterator[admin_pb2.VerifyProgress]:
-        return self._stream(self._stub.Verify, admin_pb2.VerifyRequest(tier=tier))
-
-    def warmup(
-        self,
-        namespace: bytes = b"",
-        max_chunks: int = 0,
-        *,
-        object_index: bool = False,
-        fetch: bool = False,
-    ) -> Iterator[admin_pb2.WarmupProgress]:
-        request = admin_pb2.WarmupRequest(
-            namespace=namespace, max_chunks=max_chunks, object_index=object_index, fetch=fetch
-        )
-        return self._stream(self._stub.Warmup, request)
-
-    def gc(
-        self, retention_s: float | None = None, dry_run: bool = False
-    ) -> Iterator[admin_pb2.GcProgress]:
-        """Delete old objects from the object store; None keeps the daemon's retention."""
-        request = admin_pb2.GcRequest(retention_s=retention_s, dry_run=dry_run)
-        return self._stream(self._stub.Gc, request)
-
-    def draft_swap_begin(
-        self, revision: str, draft_model: str = ""
-    ) -> admin_pb2.DraftSwapBeginResponse:
-        request = admin_pb2.DraftSwapBeginRequest(revision=revision, draft_model=draft_model)
-        return self._rpc(self._stub.DraftSwapBegin, request)
-
-    def draft_swap_commit(self, swap_id: str) -> admin_pb2.DraftSwapCommitResponse:
-        request = admin_pb2.DraftSwapCommitRequest(swap_id=swap_id)
-        return self._rpc(self._stub.DraftSwapCommit, request)
-
-    def _stream(self, method: Callable[..., Iterator[R]], request: Any) -> Iterator[R]:
-        stream = _call(self.target, method, request, timeout=None, metadata=self._metadata)
-        try:
-            yield from stream
-        except grpc.RpcError as exc:
-            raise error_from(exc.code(), exc.details() or "") from None
-
-    def close(self) -> None:
-        self._channel.close()

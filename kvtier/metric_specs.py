@@ -1,0 +1,227 @@
+"""The whole set of metrics kvtierd exports, declared once in `METRICS`, and the empty
+families and histograms built from those declarations.
+
+Label values come from small fixed sets (tier, pool, replica, op, result, direction, reason,
+queue, state, policy); a key or request id never becomes one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+LATENCY_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str
+    """Without the ``_total``/``_info`` suffix Prometheus adds to counters and info metrics."""
+    kind: str
+    """gauge, counter, histogram or info."""
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def exposed(self) -> str:
+        """The name as scraped (and as queried, before a histogram's _bucket/_sum/_count)."""
+        return self.name + {"counter": "_total", "info": "_info"}.get(self.kind, "")
+
+
+def _spec(kind: str, name: str, labels: str, help: str) -> MetricSpec:
+    return MetricSpec(f"kvtier_{name}", kind, tuple(labels.split()), help)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    _spec("info", "build", "version", "The kvtier version serving."),
+    # capacity and use
+    _spec("gauge", "tier_capacity_bytes", "tier", "Byte budget of each tier (0: unbounded)."),
+    _spec("gauge", "tier_used_bytes", "tier pool", "Bytes held, per tier and pool."),
+    _spec("gauge", "tier_chunks", "tier pool", "Chunks held, per tier and pool."),
+    _spec("gauge", "pool_capacity_bytes", "tier pool", "Share of the arena each pool may fill."),
+    _spec(
+        "gauge",
+        "tier_high_water_ratio",
+        "tier",
+        "Share of the budget past which the tier evicts (lmdb).",
+    ),
+    _spec("info", "eviction_policy", "tier policy", "The eviction policy of each tier."),
+    _spec("gauge", "replica_used_bytes", "tier replica pool", "Bytes held per replica and pool."),
+    _spec("gauge", "replica_chunks", "tier replica pool", "Chunks held per replica and pool."),
+    _spec(
+        "gauge",
+        "replica_quota_bytes",
+        "tier replica pool",
+        "Arena quota per replica and pool; a replica over it is evicted first.",
+    ),
+    # lookups and hits
+    _spec("counter", "lookup_chunks", "pool replica", "Chunks asked for in data-plane lookups."),
+    _spec(
+        "counter",
+        "hit_chunks",
+        "tier pool replica",
+        "Chunks lookups found, by the fastest tier holding each; summed over tier, all hits.",
+    ),
+    # calls and transfers
+    _spec("counter", "requests", "op result", "Data-plane calls, by outcome (ok, error)."),
+    _spec("histogram", "request_duration_seconds", "op", "Time to serve one data-plane call."),
+    _spec(
+        "counter",
+        "transfer_bytes",
+        "direction",
+        "Bytes moved: store (engine to arena), load (arena to engine), upload, download.",
+    ),
+    _spec(
+        "counter",
+        "transfer_chunks",
+        "direction",
+        "Chunks moved: store, load, demote (arena to lmdb), promote (into the arena), upload, "
+        "download.",
+    ),
+    _spec(
+        "counter",
+        "transfer_failures",
+        "direction",
+        "Chunks that failed to move: demote, promote, upload.",
+    ),
+    _spec(
+        "histogram",
+        "transfer_duration_seconds",
+        "direction",
+        "Time the daemon took to make chunks loadable (load) or to publish them (store), per call.",
+    ),
+    # evictions and integrity
+    _spec("counter", "evictions", "tier reason", "Chunks evicted, by reason."),
+    _spec(
+        "counter",
+        "integrity_failures",
+        "tier",
+        "Chunks that failed verification; each was deleted and answered as a miss.",
+    ),
+    _spec("counter", "store_rejected_chunks", "tier", "Stores refused for want of room."),
+    _spec(
+        "counter",
+        "tier_events",
+        "tier event",
+        "Every raw event counter of each tier, by its code name; for debugging.",
+    ),
+    # queues
+    _spec("gauge", "queue_depth_chunks", "queue", "Chunks waiting: writeback, promote, upload."),
+    _spec("gauge", "queue_capacity_chunks", "queue", "Bound of each queue."),
+    _spec(
+        "counter",
+        "queue_dropped_chunks",
+        "queue",
+        "Work dropped because a queue was full (the chunks stay where they were).",
+    ),
+    # sessions
+    _spec("gauge", "sessions", "", "Open data-plane sessions."),
+    _spec("gauge", "leases", "", "Read leases held by sessions."),
+    _spec("gauge", "reservations", "", "Slots reserved by sessions, not yet committed."),
+    # object store and identity
+    _spec("info", "object_store", "url principal", "The object store and the identity in use."),
+    _spec(
+        "gauge",
+        "object_store_healthy",
+        "",
+        "1 once the identity is resolved and the store's last request succeeded; 0 (lookups "
+        "miss it) from a failed request until a trial succeeds.",
+    ),
+    _spec(
+        "gauge",
+        "object_store_breaker_state",
+        "state",
+        "1 for the circuit breaker's current state (closed, open, half_open), else 0.",
+    ),
+    _spec("counter", "object_store_uploads", "", "Objects uploaded."),
+    _spec("counter", "object_store_probes", "", "Probes for objects other nodes uploaded."),
+    _spec(
+        "counter",
+        "object_store_probe_timeouts",
+        "",
+        "Probes still running when a lookup's budget ran out.",
+    ),
+    _spec(
+        "counter",
+        "object_store_request_errors",
+        "result",
+        "Failed requests: error (failed attempt), credential (identity refused), rejected "
+        "(not sent, breaker open), invalid (refused for the request's own name or size; not "
+        "held against the store).",
+    ),
+    _spec(
+        "counter",
+        "object_store_unknown_format",
+        "",
+        "Objects in a chunk format this build does not read (a newer node's): misses, left "
+        "in the store.",
+    ),
+    _spec("counter", "object_store_retries", "", "Requests retried after a failure."),
+    _spec("counter", "object_store_upload_seconds", "", "Time spent in successful uploads."),
+    # draft models
+    _spec(
+        "info",
+        "draft_revision",
+        "model draft_model draft_revision",
+        "The current draft revision of each target and draft model.",
+    ),
+    _spec(
+        "counter",
+        "draft_swaps",
+        "",
+        "Draft revision changes: admin draft-swap commits, and engines registering a new "
+        "revision of a known draft pool.",
+    ),
+    _spec(
+        "gauge",
+        "draft_revision_chunks",
+        "tier draft_model draft_revision",
+        "Chunks held per draft revision; old revisions are evicted first and deleted after "
+        "manager.draft_grace_s.",
+    ),
+)
+SPECS = {spec.name: spec for spec in METRICS}
+
+
+def metric_family(name: str) -> CounterMetricFamily | GaugeMetricFamily:
+    """An empty family for a declared metric; undeclared names are a bug."""
+    spec = SPECS[f"kvtier_{name}"]
+    labels = list(spec.labels)
+    if spec.kind == "counter":
+        return CounterMetricFamily(spec.name, spec.help, labels=labels)
+    if spec.kind == "gauge":
+        return GaugeMetricFamily(spec.name, spec.help, labels=labels)
+    raise ValueError(f"{spec.name} is a {spec.kind}")
+
+
+def info_family(name: str) -> InfoMetricFamily:
+    spec = SPECS[f"kvtier_{name}"]
+    if spec.kind != "info":
+        raise ValueError(f"{spec.name} is a {spec.kind}")
+    return InfoMetricFamily(spec.name, spec.help)  # every label goes into the value dict
+
+
+def histogram(name: str) -> Histogram:
+    spec = SPECS[f"kvtier_{name}"]
+    return Histogram(
+        spec.name, spec.help, list(spec.labels), registry=None, buckets=LATENCY_BUCKETS
+    )
