@@ -25,14 +25,13 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, overload
 
-from kvtier.config import Admission, DemoteMode, KVTierConfig
+from kvtier.config import Admission, KVTierConfig
 from kvtier.counters import Counters
 from kvtier.drafts import DraftRevisions
 from kvtier.errors import ConfigError, UnknownTierError
@@ -55,14 +54,12 @@ from kvtier.tiers.objstore.catalog import GcCounts
 from kvtier.tiers.objstore.fetch import ObjectFetcher
 from kvtier.tiers.objstore.tier import REMOTE_REPLICA, ObjectTier
 from kvtier.tiers.objstore.uploader import Uploader
+from kvtier.writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
 _STOP = (ChunkKey(b""), "")  # wakes the promoter to stop
 
-TIER_CPU = "cpu"
-TIER_LMDB = "lmdb"
-TIER_OBJECT = "object"
 _CPU = int(TierCode.CPU)
 _LMDB = int(TierCode.LMDB)
 _OBJECT = int(TierCode.OBJECT)
@@ -116,11 +113,7 @@ class TierManager:
         for local in (self.cpu, self.lmdb):
             if local is not None:
                 local.journal = self.journal
-        self.cpu.track_dirty(self.lmdb is not None)
-        self._write_through = config.manager.demote_mode is DemoteMode.WRITE_THROUGH
-        self.cpu.set_clean_reserve(1.0 if self._write_through else config.manager.clean_reserve)
         self._counters = Counters()
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self._promotions: queue.Queue[tuple[ChunkKey, str]] = queue.Queue(
             config.manager.promote_queue_chunks
@@ -149,23 +142,29 @@ class TierManager:
             lease=self.lease,
             release=self.release,
         )
-        self._threads: list[threading.Thread] = []
+        self.writeback: WriteBack | None = None
+        self._promoter: threading.Thread | None = None
         if self.lmdb is not None:
-            for target, name in (
-                (self._writeback_loop, "kvtier-writeback"),
-                (self._promote_loop, "kvtier-promote"),
-            ):
-                thread = threading.Thread(target=target, name=name, daemon=True)
-                thread.start()
-                self._threads.append(thread)
+            self.writeback = WriteBack(
+                self.cpu,
+                self.lmdb,
+                self.uploader,
+                config,
+                self._counters,
+                between_batches=self.drafts.gc_when_due,
+            )
+            self._promoter = threading.Thread(
+                target=self._promote_loop, name="kvtier-promote", daemon=True
+            )
+            self._promoter.start()
 
     @property
     def tiers(self) -> dict[str, Tier]:
-        tiers: dict[str, Tier] = {TIER_CPU: self.cpu}
+        tiers: dict[str, Tier] = {CpuTier.name: self.cpu}
         if self.lmdb is not None:
-            tiers[TIER_LMDB] = self.lmdb
+            tiers[LmdbTier.name] = self.lmdb
         if self.object is not None:
-            tiers[TIER_OBJECT] = self.object
+            tiers[ObjectTier.name] = self.object
         return tiers
 
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes:
@@ -194,11 +193,11 @@ class TierManager:
 
     def draft_revisions(self) -> list[DraftRevision]:
         """Every draft revision still known, with its chunks per tier."""
-        counts: dict[str, Counter[bytes]] = {TIER_CPU: self.cpu.namespace_chunks()}
+        counts: dict[str, Counter[bytes]] = {CpuTier.name: self.cpu.namespace_chunks()}
         if self.lmdb is not None:
-            counts[TIER_LMDB] = self.lmdb.namespace_chunks()
+            counts[LmdbTier.name] = self.lmdb.namespace_chunks()
         if self.object is not None:
-            counts[TIER_OBJECT] = Counter(
+            counts[ObjectTier.name] = Counter(
                 k[:NAMESPACE_BYTES] for k in list(self.object.index.chunks)
             )
         return self.drafts.revisions(counts)
@@ -320,8 +319,8 @@ class TierManager:
 
     def commit(self, refs: Sequence[SlotRef]) -> int:
         done = self.cpu.commit(refs)
-        if done and self.lmdb is not None:
-            self._wake.set()
+        if done and self.writeback is not None:
+            self.writeback.wake()
         return done
 
     def abort(self, refs: Sequence[SlotRef]) -> None:
@@ -413,57 +412,9 @@ class TierManager:
         """Chunks that entered or left the arena and lmdb since ``cursor`` (-1: from now)."""
         return self.journal.since(cursor, limit)
 
-    # -- write-back -----------------------------------------------------------------------
-
-    def _writeback_loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(0.5)
-            self._wake.clear()
-            try:
-                while self._writeback_batch(everything=self._write_through):
-                    pass
-                self.drafts.gc_when_due()
-            except Exception:  # never let the mover die silently
-                self._counters.add("writeback_errors", 1)
-                log.exception("write-back batch failed")
-
-    def _writeback_batch(self, everything: bool) -> int:
-        assert self.lmdb is not None
-        refs = self.cpu.take_dirty(self.config.manager.writeback_batch_chunks, everything)
-        if not refs:
-            return 0
-        ok = False
-        changed: set[ChunkKey] = set()
-        try:
-            by_owner: dict[str, list[SlotRef]] = {}
-            for ref in refs:
-                by_owner.setdefault(self.cpu.owner_of(ref), []).append(ref)
-            for owner, group in by_owner.items():
-                # the encoder's checksum of what it stores is compared with the commit's
-                stored, differ = self.lmdb.put_many_checked(
-                    [(r.key, self.cpu.view(r), self.cpu.commit_checksum(r)) for r in group], owner
-                )
-                changed.update(differ)
-                if self.uploader is not None and self.config.object.admission is Admission.ALL:
-                    self.uploader.offer(
-                        [r.key for r, done in zip(group, stored, strict=True) if done], owner
-                    )
-            ok = True
-        finally:
-            self.cpu.writeback_done(refs, ok, changed)
-        return len(refs)
-
     def flush(self, timeout: float = 30.0) -> bool:
         """Write every dirty arena chunk to lmdb; True when none is left."""
-        if self.lmdb is None:
-            return True
-        deadline = time.monotonic() + timeout
-        while self.cpu.writeback_pending():
-            if not self._writeback_batch(everything=True):
-                time.sleep(0.001)  # the rest is in flight on the write-back thread
-            if time.monotonic() > deadline:
-                return False
-        return True
+        return self.writeback is None or self.writeback.flush(timeout)
 
     # -- admin ----------------------------------------------------------------------------
 
@@ -487,10 +438,10 @@ class TierManager:
         Arena chunks reach lmdb first."""
         if tier is not None and tier not in self.tiers:
             raise UnknownTierError(f"unknown tier {tier!r}; known: {sorted(self.tiers)}")
-        if tier == TIER_CPU:
+        if tier == CpuTier.name:
             self.flush()
         # the object store is shared by the fleet: only an explicit tier="object" touches it
-        names = [tier] if tier is not None else [n for n in self.tiers if n != TIER_OBJECT]
+        names = [tier] if tier is not None else [n for n in self.tiers if n != ObjectTier.name]
         return {
             name: self.tiers[name].evict(pool=pool, namespace=namespace, replica=replica)
             for name in names
@@ -537,18 +488,19 @@ class TierManager:
     def close(self, flush_timeout: float = 30.0) -> None:
         """Write back what the arena holds, then close every tier."""
         try:
-            if self.lmdb is not None and not self.flush(flush_timeout):
+            if not self.flush(flush_timeout):
                 log.error(
                     "closing with %d arena chunks not written back to lmdb",
                     self.cpu.writeback_pending(),
                 )
         finally:
             self._stop.set()
-            self._wake.set()
+            if self.writeback is not None:
+                self.writeback.stop()
             with contextlib.suppress(queue.Full):
                 self._promotions.put_nowait(_STOP)  # wake the promoter now
-            for thread in self._threads:
-                thread.join()
+            if self._promoter is not None:
+                self._promoter.join()
             if self.uploader is not None:
                 self.uploader.close(flush_timeout)
             if self.fetcher is not None:

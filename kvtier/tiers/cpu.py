@@ -33,7 +33,7 @@ from kvtier.counters import Counters
 from kvtier.errors import CapacityError, PoolLayoutError
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.pools import PoolRegistry, Registration
-from kvtier.protocol import SlotRef
+from kvtier.protocol import SlotRef, TierCode
 from kvtier.tiers.arena import ArenaMemory, SlotState, resolve_group
 from kvtier.tiers.base import Tier, TierStats, UsageStats
 from kvtier.tiers.eviction import EvictionPolicy, make_policy
@@ -103,7 +103,7 @@ def default_arena_size(fraction: float, shm_dir: Path) -> int:
 
 
 class CpuTier(Tier):
-    name = "cpu"
+    name = TierCode.CPU.tier
     persistent = False
 
     def __init__(self, config: ArenaConfig, registry: PoolRegistry) -> None:

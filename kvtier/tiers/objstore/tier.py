@@ -36,6 +36,7 @@ from kvtier.errors import (
 )
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.pools import PoolRegistry
+from kvtier.protocol import TierCode
 from kvtier.tiers.base import Tier, TierStats, UsageStats
 from kvtier.tiers.objstore.backend import ObjectBackend, open_backend
 from kvtier.tiers.objstore.index import ChunkLocation, ObjectIndex
@@ -73,7 +74,7 @@ class FetchedChunk:
 
 
 class ObjectTier(Tier):
-    name = "object"
+    name = TierCode.OBJECT.tier
     persistent = True
 
     def __init__(

@@ -1,0 +1,103 @@
+"""Write-back: committed arena chunks reach lmdb (and, when every chunk is admitted, the upload
+queue) from a thread of their own, before the arena may evict them, or right after their commit
+in write-through mode. The data plane never waits on it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kvtier.config import Admission, DemoteMode, KVTierConfig
+from kvtier.counters import Counters
+from kvtier.keys import ChunkKey
+from kvtier.protocol import SlotRef
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.lmdb_tier import LmdbTier
+from kvtier.tiers.objstore.uploader import Uploader
+
+log = logging.getLogger(__name__)
+
+
+class WriteBack:
+    def __init__(
+        self,
+        cpu: CpuTier,
+        lmdb: LmdbTier,
+        uploader: Uploader | None,
+        config: KVTierConfig,
+        counters: Counters,
+        between_batches: Callable[[], None],
+    ) -> None:
+        """``between_batches`` runs on the write-back thread each time it has caught up."""
+        self._cpu = cpu
+        self._lmdb = lmdb
+        self._upload = uploader if config.object.admission is Admission.ALL else None
+        self._batch_chunks = config.manager.writeback_batch_chunks
+        self._counters = counters
+        self._between_batches = between_batches
+        self._write_through = config.manager.demote_mode is DemoteMode.WRITE_THROUGH
+        cpu.track_dirty(True)
+        cpu.set_clean_reserve(1.0 if self._write_through else config.manager.clean_reserve)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvtier-writeback", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Chunks were committed: write-through writes them now."""
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(0.5)
+            self._wake.clear()
+            try:
+                while self._batch(everything=self._write_through):
+                    pass
+                self._between_batches()
+            except Exception:  # never let the mover die silently
+                self._counters.add("writeback_errors", 1)
+                log.exception("write-back batch failed")
+
+    def _batch(self, everything: bool) -> int:
+        cpu = self._cpu
+        refs = cpu.take_dirty(self._batch_chunks, everything)
+        if not refs:
+            return 0
+        ok = False
+        changed: set[ChunkKey] = set()
+        try:
+            by_owner: dict[str, list[SlotRef]] = {}
+            for ref in refs:
+                by_owner.setdefault(cpu.owner_of(ref), []).append(ref)
+            for owner, group in by_owner.items():
+                # the encoder's checksum of what it stores is compared with the commit's
+                stored, differ = self._lmdb.put_many_checked(
+                    [(r.key, cpu.view(r), cpu.commit_checksum(r)) for r in group], owner
+                )
+                changed.update(differ)
+                if self._upload is not None:
+                    self._upload.offer(
+                        [r.key for r, done in zip(group, stored, strict=True) if done], owner
+                    )
+            ok = True
+        finally:
+            cpu.writeback_done(refs, ok, changed)
+        return len(refs)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Write every dirty arena chunk to lmdb; True when none is left."""
+        deadline = time.monotonic() + timeout
+        while self._cpu.writeback_pending():
+            if not self._batch(everything=True):
+                time.sleep(0.001)  # the rest is in flight on the write-back thread
+            if time.monotonic() > deadline:
+                return False
+        return True
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
