@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from kvtier.errors import InvalidRequestError, TierNotConfiguredError, UnknownPoolError
-from kvtier.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.keys import ChunkKey, namespace_of
 from kvtier.pools import PoolRegistry
 from kvtier.protocol import SlotRef
 from kvtier.tiers.cpu import CpuTier
@@ -128,7 +128,7 @@ class Maintenance:
         keys = [
             k
             for k in (lmdb.keys() if lmdb is not None else ())
-            if namespace is None or k[:NAMESPACE_BYTES] == namespace
+            if namespace is None or namespace_of(k) == namespace
         ]
         if max_chunks:
             keys = keys[:max_chunks]
@@ -168,4 +168,4 @@ class Maintenance:
 
     def _known(self, key: bytes) -> bool:
         """Chunks of pools no engine registered since start cannot be placed in the arena."""
-        return self._registry.get(key[:NAMESPACE_BYTES]) is not None
+        return self._registry.get(namespace_of(key)) is not None

@@ -36,7 +36,7 @@ from kvtier.counters import Counters
 from kvtier.drafts import DraftRevisions
 from kvtier.errors import ConfigError, UnknownTierError
 from kvtier.journal import ChunkEvents, Journal
-from kvtier.keys import NAMESPACE_BYTES, ChunkKey, NamespaceSpec, Pool, namespaces_of
+from kvtier.keys import ChunkKey, NamespaceSpec, Pool, namespace_of, namespaces_of
 from kvtier.maintenance import DrainResult, Maintenance, VerifyProgress, WarmupProgress
 from kvtier.pools import PoolRegistry
 from kvtier.protocol import (
@@ -198,7 +198,7 @@ class TierManager:
             counts[LmdbTier.name] = self.lmdb.namespace_chunks()
         if self.object is not None:
             counts[ObjectTier.name] = Counter(
-                k[:NAMESPACE_BYTES] for k in list(self.object.index.chunks)
+                namespace_of(k) for k in list(self.object.index.chunks)
             )
         return self.drafts.revisions(counts)
 

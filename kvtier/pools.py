@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kvtier.blockfmt import ChunkDescriptor
 from kvtier.errors import CapacityError, PoolLayoutError, UnknownPoolError
-from kvtier.keys import NAMESPACE_BYTES, NamespaceSpec
+from kvtier.keys import NamespaceSpec, namespace_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +76,10 @@ class PoolRegistry:
         return self._specs.get(namespace)
 
     def resolve(self, key: bytes) -> Registration:
-        reg = self._by_namespace.get(key[:NAMESPACE_BYTES])
+        reg = self._by_namespace.get(namespace_of(key))
         if reg is None:
             raise UnknownPoolError(
-                f"key namespace {key[:NAMESPACE_BYTES].hex()} is not registered; "
+                f"key namespace {namespace_of(key).hex()} is not registered; "
                 "register the pool before storing or loading"
             )
         return reg

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from kvtier.keys import NAMESPACE_BYTES, NamespaceSpec, Pool
+from kvtier.keys import NAMESPACE_BYTES, NamespaceSpec, Pool, namespace_of
 from kvtier.manager import TierManager
 from kvtier.metric_specs import histogram
 from kvtier.pools import PoolRegistry
@@ -108,7 +108,7 @@ class Telemetry:
             return
         nbytes = 0
         for ref in refs:
-            reg = self._pools.get(ref.key[:NAMESPACE_BYTES])
+            reg = self._pools.get(namespace_of(ref.key))
             nbytes += reg.chunk_bytes if reg is not None else 0
         if done != len(refs):  # some refs were stale: count their average size
             nbytes = nbytes * done // len(refs)

@@ -15,7 +15,7 @@ from kvtier.codec import chunk_events_to, drafts_to, grants_to, lookup_to, ref_f
 from kvtier.config import ServerConfig
 from kvtier.errors import InvalidRequestError, NamespaceAccessError
 from kvtier.journal import ChunkEvents
-from kvtier.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.keys import ChunkKey, namespace_of
 from kvtier.manager import TierManager
 from kvtier.protocol import SlotRef, arena_hit
 from kvtier.server.sessions import Session, SessionRegistry
@@ -77,7 +77,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     def _refs(self, session: Session, refs: Sequence[tier_pb2.SlotRef]) -> list[SlotRef]:
         keys_from(r.key for r in self._batch(refs))  # refuses a key of the wrong length
         found = [ref_from(r) for r in refs]
-        self._own(session, {ref.key[:NAMESPACE_BYTES] for ref in found})
+        self._own(session, {namespace_of(ref.key) for ref in found})
         return found
 
     def RegisterSession(
@@ -208,7 +208,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         session = self._session(request.session_id)
         limit = min(request.limit or self.config.max_batch_keys, self.config.max_batch_keys)
         found = self.manager.chunk_events(request.cursor, limit)
-        mine = [e for e in found.events if e.key[:NAMESPACE_BYTES] in session.namespaces]
+        mine = [e for e in found.events if namespace_of(e.key) in session.namespaces]
         return chunk_events_to(ChunkEvents(mine, found.cursor, found.lost))
 
     def Heartbeat(

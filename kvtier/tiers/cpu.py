@@ -31,7 +31,7 @@ from kvtier import blockfmt
 from kvtier.config import ArenaConfig
 from kvtier.counters import Counters
 from kvtier.errors import CapacityError, PoolLayoutError
-from kvtier.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.keys import ChunkKey, namespace_of
 from kvtier.pools import PoolRegistry, Registration
 from kvtier.protocol import SlotRef, TierCode
 from kvtier.tiers.arena import ArenaMemory, SlotState, resolve_group
@@ -421,7 +421,7 @@ class CpuTier(Tier):
                     self._pinned[slot] = True
                 else:
                     cls.policy.insert(slot, self._owner[slot])
-                    if self._retired and ref.key[:NAMESPACE_BYTES] in self._retired:
+                    if self._retired and namespace_of(ref.key) in self._retired:
                         cls.retired.add(slot)
                 if self._track_dirty and not clean:
                     self._dirty[slot] = True
@@ -668,7 +668,7 @@ class CpuTier(Tier):
                     continue
                 if pool is not None and self._class_of(slot).pool != pool:
                     continue
-                if namespace is not None and key[:NAMESPACE_BYTES] != namespace:
+                if namespace is not None and namespace_of(key) != namespace:
                     continue
                 if q is not None and self._owner[slot] != q:
                     continue
@@ -692,14 +692,14 @@ class CpuTier(Tier):
             else:
                 self._retired.discard(namespace)
             for key, slot in self._index.items():
-                if key[:NAMESPACE_BYTES] == namespace and not self._pinned[slot]:
+                if namespace_of(key) == namespace and not self._pinned[slot]:
                     cls = self._class_of(slot)
                     (cls.retired.add if retired else cls.retired.discard)(slot)
 
     def namespace_chunks(self) -> Counter[bytes]:
         """Chunks held per namespace."""
         with self._lock:
-            return Counter(key[:NAMESPACE_BYTES] for key in self._index)
+            return Counter(namespace_of(key) for key in self._index)
 
     def stats(self) -> TierStats:
         with self._lock:

@@ -24,7 +24,7 @@ from kvtier.errors import (
     ObjectStoreError,
     UnknownVersionError,
 )
-from kvtier.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.keys import ChunkKey, namespace_of
 from kvtier.tiers.objstore.backend import ObjectInfo
 from kvtier.tiers.objstore.index import ChunkLocation
 from kvtier.tiers.objstore.tier import REMOTE_REPLICA, FetchedChunk, ObjectTier
@@ -172,7 +172,7 @@ class Catalog:
                 raise CorruptChunkError(
                     f"{size} bytes is not a whole number of {length}-byte chunks"
                 )
-            reg = self.tier.registry.get(first[:NAMESPACE_BYTES])
+            reg = self.tier.registry.get(namespace_of(first))
             if reg is not None and length != blockfmt.encoded_size(reg.chunk_bytes):
                 raise CorruptChunkError(
                     f"chunks of {length} bytes, the pool's are {reg.chunk_bytes}"
@@ -180,10 +180,7 @@ class Catalog:
             locations = [(head.key, ChunkLocation(name, 0, length, str(head.pool), REMOTE_REPLICA))]
             for offset in range(length, size, length):
                 other = self._peek(name, offset)
-                if (
-                    other.encoded_len != length
-                    or other.key[:NAMESPACE_BYTES] != first[:NAMESPACE_BYTES]
-                ):
+                if other.encoded_len != length or namespace_of(other.key) != namespace_of(first):
                     raise CorruptChunkError(f"the chunk at {offset} belongs to another namespace")
                 locations.append(
                     (
@@ -228,7 +225,7 @@ class Catalog:
         return sorted(
             name
             for name in list(self.tier.index.objects)
-            if (key := ObjectTier.key_of(name)) is not None and key[:NAMESPACE_BYTES] in wanted
+            if (key := ObjectTier.key_of(name)) is not None and namespace_of(key) in wanted
         )
 
     def fetch(

@@ -34,7 +34,7 @@ from kvtier.errors import (
     ObjectStoreError,
     UnknownVersionError,
 )
-from kvtier.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.keys import NAMESPACE_BYTES, ChunkKey, namespace_of
 from kvtier.pools import PoolRegistry
 from kvtier.protocol import TierCode
 from kvtier.tiers.base import Tier, TierStats, UsageStats
@@ -195,7 +195,7 @@ class ObjectTier(Tier):
     def object_name(self, key: ChunkKey) -> str:
         reg = self.registry.resolve(key)
         digest = key[NAMESPACE_BYTES:].hex()
-        return f"{reg.tenant}/{key[:NAMESPACE_BYTES].hex()}/{digest[:2]}/{digest}"
+        return f"{reg.tenant}/{namespace_of(key).hex()}/{digest[:2]}/{digest}"
 
     @staticmethod
     def key_of(name: str) -> ChunkKey | None:
@@ -483,7 +483,7 @@ class ObjectTier(Tier):
             for key, loc in list(self.index.chunks.items())
             if key not in self.index.pins
             and (pool is None or loc.pool == pool)
-            and (namespace is None or key[:NAMESPACE_BYTES] == namespace)
+            and (namespace is None or namespace_of(key) == namespace)
             and (replica is None or loc.replica == replica)
         ]
         n = self.delete(victims)

@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from kvtier import blockfmt
 from kvtier.config import ObjectStoreConfig
 from kvtier.counters import Counters
-from kvtier.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.keys import ChunkKey, namespace_of
 from kvtier.tiers.objstore.tier import ObjectTier
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class Uploader:
             if chain.get(keys[-1]) == keys[-2]:  # told already (a lookup asked again)
                 return
             for before, key in itertools.pairwise(keys):
-                if before[:NAMESPACE_BYTES] == key[:NAMESPACE_BYTES]:
+                if namespace_of(before) == namespace_of(key):
                     chain[key] = before
             while len(chain) > _MAX_FOLLOWS:  # oldest first: dicts keep insertion order
                 del chain[next(iter(chain))]
@@ -241,7 +241,7 @@ class Uploader:
             waiting: dict[bytes, list[tuple[ChunkKey, str]]] = {}
             for key, replica in held(budget):
                 if key not in self.tier:
-                    waiting.setdefault(bytes(key[:NAMESPACE_BYTES]), []).append((key, replica))
+                    waiting.setdefault(bytes(namespace_of(key)), []).append((key, replica))
             while waiting and budget > 0 and not self._stop.is_set():
                 ready = [ns for ns in namespaces() if ns in waiting]
                 for ns in ready:
