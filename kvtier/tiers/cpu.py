@@ -9,21 +9,17 @@ Eviction takes the best victim of a replica over its quota first, else the best 
 replica, by the configured policy. Slots that are leased, pinned or not yet written to the next
 tier (dirty) are never evicted.
 
-A dirty chunk's payload checksum (xxh3-128) is taken as it is committed, here, in the process that
-owns the tiers, and kept with the slot: the arena is shared memory that clients can still write
-after a commit, so write-back checks it and a chunk whose bytes changed is dropped, not demoted.
-A thread of its own hashes committed slots, so a commit (on the engine's step) never waits for it.
+A dirty chunk's payload checksum (xxh3-128) is taken as it is committed, in the process that owns
+the tiers (`kvtier.tiers.commit_checksums`); write-back drops a chunk whose bytes changed since.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Collection, Sequence
-from pathlib import Path
 
 import psutil
 
@@ -34,72 +30,15 @@ from kvtier.errors import CapacityError, PoolLayoutError
 from kvtier.keys import ChunkKey, namespace_of
 from kvtier.pools import PoolRegistry, Registration
 from kvtier.protocol import SlotRef, TierCode
-from kvtier.tiers.arena import ArenaMemory, SlotState, resolve_group
+from kvtier.tiers.arena import ArenaMemory, resolve_group
 from kvtier.tiers.base import Tier, TierStats, UsageStats
-from kvtier.tiers.eviction import EvictionPolicy, make_policy
+from kvtier.tiers.commit_checksums import CommitChecksums
+from kvtier.tiers.eviction import make_policy
+from kvtier.tiers.slots import FREE, READY, WRITING, SlotClass, SlotTable, default_arena_size
 
 log = logging.getLogger(__name__)
 
 _SCAN_LIMIT = 256  # slots inspected per queue when looking for a victim
-
-_FREE, _WRITING, _READY = int(SlotState.FREE), int(SlotState.WRITING), int(SlotState.READY)
-
-
-class _SlotTable:
-    """State, generation and refcount of every slot: Python lists for the owner's hot-path reads,
-    written through to the arena's shared table so other processes can check a reference."""
-
-    def __init__(self, memory: ArenaMemory) -> None:
-        n = memory.num_extents * memory.max_slots_per_extent
-        self._memory = memory
-        self.state = [_FREE] * n
-        self.generation = [int(memory.epoch)] * n
-        self.refcount = [0] * n
-
-    def set_state(self, slot: int, state: int) -> None:
-        self.state[slot] = state
-        self._memory.state[slot] = state
-
-    def bump_generation(self, slot: int) -> None:
-        self.generation[slot] += 1
-        self._memory.generation[slot] = self.generation[slot]
-
-    def add_ref(self, slot: int, delta: int) -> None:
-        self.refcount[slot] += delta
-        self._memory.refcount[slot] = self.refcount[slot]
-
-
-class _SlotClass:
-    """Slots of one (pool, chunk size)."""
-
-    def __init__(self, pool: str, slot_bytes: int, policy: EvictionPolicy, per_extent: int) -> None:
-        self.pool = pool
-        self.slot_bytes = slot_bytes
-        self.per_extent = per_extent
-        self.policy = policy
-        self.free: list[int] = []
-        self.extents = 0
-        self.ready = 0
-        self.dirty: deque[tuple[int, int]] = deque()  # (slot, generation), commit order
-        self.dirty_count = 0
-        self.retired: set[int] = set()  # slots of retired draft revisions: evicted first
-
-
-def default_arena_size(fraction: float, shm_dir: Path) -> int:
-    available = psutil.virtual_memory().available
-    shm_free = psutil.disk_usage(str(shm_dir)).free
-    size = int(min(available, shm_free) * fraction)
-    log.warning(
-        "arena.size_bytes is not set: using %.2f GiB, %.0f%% of the %.2f GiB available "
-        "(memory %.2f GiB, %s free %.2f GiB); set arena.size_bytes to choose",
-        size / 2**30,
-        fraction * 100,
-        min(available, shm_free) / 2**30,
-        available / 2**30,
-        shm_dir,
-        shm_free / 2**30,
-    )
-    return size
 
 
 class CpuTier(Tier):
@@ -125,11 +64,11 @@ class CpuTier(Tier):
         )
         mem = self.memory
         n = mem.num_extents * mem.max_slots_per_extent
-        self._slots = _SlotTable(mem)
+        self._slots = SlotTable(mem)
         self._lock = threading.RLock()
         self._free_extents = list(range(mem.num_extents - 1, -1, -1))
-        self._classes: dict[tuple[str, int], _SlotClass] = {}
-        self._class_of_extent: list[_SlotClass | None] = [None] * mem.num_extents
+        self._classes: dict[tuple[str, int], SlotClass] = {}
+        self._class_of_extent: list[SlotClass | None] = [None] * mem.num_extents
         self._policy_node = [0] * n  # slot -> its node in its class's eviction policy
         self._index: dict[ChunkKey, int] = {}  # committed chunks
         self._writing: dict[ChunkKey, int] = {}  # reserved, not yet committed
@@ -138,10 +77,7 @@ class CpuTier(Tier):
         self._dirty = [False] * n
         self._pinned = [False] * n
         self._pinned_keys: set[ChunkKey] = set()
-        self._checksum: list[bytes | None] = [None] * n  # of dirty chunks, taken at commit
         self._hidden = [False] * n  # dropped while leased: out of the index, freed on release
-        self._to_hash: queue.SimpleQueue[SlotRef | None] = queue.SimpleQueue()
-        self._hasher: threading.Thread | None = None
         self._replicas: dict[str, int] = {}
         self._replica_names: list[str] = []
         self._used: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> bytes
@@ -150,6 +86,13 @@ class CpuTier(Tier):
         self._quota_override: dict[tuple[str, str], int] = {}
         self._retired: set[bytes] = set()  # namespaces whose chunks go first
         self._counters = Counters()
+        self._checksums = CommitChecksums(
+            n,
+            self._lock,
+            lambda ref: self._current(ref, READY),
+            self._payload_checksum,
+            self._counters,
+        )
         self._track_dirty = False
         self._clean_reserve = 0.2
         self._closed = False
@@ -187,7 +130,7 @@ class CpuTier(Tier):
         with self._lock:
             self._class_for(reg)
 
-    def _class_for(self, reg: Registration) -> _SlotClass:
+    def _class_for(self, reg: Registration) -> SlotClass:
         cls = self._classes.get((reg.pool, reg.chunk_bytes))
         if cls is None:
             if reg.pool not in self.config.pools:
@@ -210,7 +153,7 @@ class CpuTier(Tier):
                 )
             policy = make_policy(self.config.eviction_policy, self._policy_node)
             per_extent = self.memory.extent_bytes // reg.chunk_bytes
-            cls = self._classes[(reg.pool, reg.chunk_bytes)] = _SlotClass(
+            cls = self._classes[(reg.pool, reg.chunk_bytes)] = SlotClass(
                 reg.pool, reg.chunk_bytes, policy, per_extent
             )
         return cls
@@ -234,7 +177,7 @@ class CpuTier(Tier):
 
     # -- allocation and eviction ----------------------------------------------------------
 
-    def _grow(self, cls: _SlotClass) -> bool:
+    def _grow(self, cls: SlotClass) -> bool:
         pool_extents = sum(c.extents for c in self._classes.values() if c.pool == cls.pool)
         limit = self.pool_capacity_bytes(cls.pool) // self.memory.extent_bytes
         if not self._free_extents or pool_extents >= limit:
@@ -251,7 +194,7 @@ class CpuTier(Tier):
     def _evictable(self, slot: int) -> bool:
         return not self._dirty[slot] and self._slots.refcount[slot] == 0
 
-    def _first_victim(self, cls: _SlotClass, queue: int) -> int | None:
+    def _first_victim(self, cls: SlotClass, queue: int) -> int | None:
         for scanned, slot in enumerate(cls.policy.candidates(queue)):
             if scanned >= _SCAN_LIMIT:
                 break
@@ -259,9 +202,7 @@ class CpuTier(Tier):
                 return slot
         return None
 
-    def _retired_victim(
-        self, cls: _SlotClass, q: int | None, reason: str
-    ) -> tuple[int, str] | None:
+    def _retired_victim(self, cls: SlotClass, q: int | None, reason: str) -> tuple[int, str] | None:
         """A chunk of a retired draft revision (of replica ``q``, when given): these go first."""
         for slot in itertools.islice(cls.retired, _SCAN_LIMIT):
             if self._evictable(slot) and (q is None or self._owner[slot] == q):
@@ -269,7 +210,7 @@ class CpuTier(Tier):
                 return slot, reason
         return None
 
-    def _victim(self, cls: _SlotClass) -> tuple[int, str] | None:
+    def _victim(self, cls: SlotClass) -> tuple[int, str] | None:
         retired = self._retired_victim(cls, None, "capacity")
         if retired is not None:
             return retired
@@ -289,12 +230,12 @@ class CpuTier(Tier):
                 best = slot
         return None if best is None else (best, "capacity")
 
-    def _over_quota(self, q: int, cls: _SlotClass) -> bool:
+    def _over_quota(self, q: int, cls: SlotClass) -> bool:
         name = self._replica_names[q]
         held = self._used[(q, cls.pool)] + self._inflight[(q, cls.pool)]
         return held + cls.slot_bytes > self.quota_bytes(name, cls.pool)
 
-    def _allocate(self, cls: _SlotClass, q: int) -> int | None:
+    def _allocate(self, cls: SlotClass, q: int) -> int | None:
         if cls.free or self._grow(cls):
             return cls.free.pop()
         if self._over_quota(q, cls):
@@ -320,7 +261,7 @@ class CpuTier(Tier):
         cls = self._class_of_extent[slot // mem.max_slots_per_extent]
         assert cls is not None
         key = self._key[slot]
-        if self._slots.state[slot] == _READY:
+        if self._slots.state[slot] == READY:
             assert key is not None
             if self._hidden[slot]:
                 self._hidden[slot] = False
@@ -338,9 +279,9 @@ class CpuTier(Tier):
             self._inflight[(self._owner[slot], cls.pool)] -= cls.slot_bytes
         self._key[slot] = None
         self._pinned[slot] = False
-        self._checksum[slot] = None
+        self._checksums.forget(slot)
         self._slots.bump_generation(slot)
-        self._slots.set_state(slot, _FREE)
+        self._slots.set_state(slot, FREE)
         cls.free.append(slot)
 
     def _unpublish(self, key: ChunkKey) -> None:
@@ -383,7 +324,7 @@ class CpuTier(Tier):
                 self._owner[slot] = q
                 self._writing[key] = slot
                 self._inflight[(q, cls.pool)] += cls.slot_bytes
-                self._slots.set_state(slot, _WRITING)
+                self._slots.set_state(slot, WRITING)
                 out.append(self._ref(key, slot, reg.chunk_bytes))
         return out
 
@@ -403,7 +344,7 @@ class CpuTier(Tier):
         hashing = self._track_dirty and not clean and self.config.commit_checksum
         with self._lock:
             for ref in refs:
-                if not self._current(ref, _WRITING):
+                if not self._current(ref, WRITING):
                     self._counters.add("commit_stale", 1)
                     continue
                 slot = ref.slot
@@ -412,7 +353,7 @@ class CpuTier(Tier):
                 del self._writing[ref.key]
                 self._inflight[(self._owner[slot], cls.pool)] -= cls.slot_bytes
                 self._index[ref.key] = slot
-                self._slots.set_state(slot, _READY)
+                self._slots.set_state(slot, READY)
                 self.memory.index.insert(ref.key, slot)
                 cls.ready += 1
                 self._used[(self._owner[slot], cls.pool)] += cls.slot_bytes
@@ -428,7 +369,7 @@ class CpuTier(Tier):
                     cls.dirty_count += 1
                     cls.dirty.append((slot, ref.generation))
                     if hashing:
-                        self._hash_later(ref)
+                        self._checksums.later(ref)
                 if lease:
                     self._slots.add_ref(slot, 1)
                 self._counters.add("stores", 1)
@@ -443,7 +384,7 @@ class CpuTier(Tier):
         done = 0
         with self._lock:
             for ref in refs:
-                if self._current(ref, _WRITING):
+                if self._current(ref, WRITING):
                     self._release_slot(ref.slot)
                     self._counters.add(counter, 1)
                     done += 1
@@ -474,7 +415,7 @@ class CpuTier(Tier):
         """End leases; ``counter`` names an event counted for each (none when empty)."""
         with self._lock:
             for ref in refs:
-                if self._current(ref, _READY) and self._slots.refcount[ref.slot] > 0:
+                if self._current(ref, READY) and self._slots.refcount[ref.slot] > 0:
                     if counter:
                         self._counters.add(counter, 1)
                     self._slots.add_ref(ref.slot, -1)
@@ -519,40 +460,11 @@ class CpuTier(Tier):
         with self._lock:
             return sum(c.dirty_count for c in self._classes.values())
 
-    def _hash_later(self, ref: SlotRef) -> None:
-        """Queue a committed slot for the hashing thread (started with the first)."""
-        if self._hasher is None:
-            self._hasher = threading.Thread(target=self._hash_loop, name="kvtier-commit-hash")
-            self._hasher.daemon = True
-            self._hasher.start()
-        self._to_hash.put(ref)
-
-    def _hash_loop(self) -> None:
-        while (ref := self._to_hash.get()) is not None:
-            with self._lock:
-                if self._closed or not self._current(ref, _READY):
-                    self._counters.add("commit_checksums", 1)
-                    continue  # freed or reused meanwhile: nothing to keep
-            digest = self._payload_checksum(ref)  # outside the lock: the hash drops the GIL
-            with self._lock:
-                # a generation that moved while hashing means the slot was freed: drop the hash
-                if self._current(ref, _READY) and self._checksum[ref.slot] is None:
-                    self._checksum[ref.slot] = digest
-                self._counters.add("commit_checksums", 1)
-
     def commit_checksum(self, ref: SlotRef) -> bytes | None:
         """The payload checksum taken when the chunk of a write-back lease was committed; None
         when none is taken (`ArenaConfig.commit_checksum` off). A chunk written back before the
         hashing thread reached it is hashed now."""
-        if not self._current(ref, _READY):
-            return None
-        digest = self._checksum[ref.slot]
-        if digest is None and self._track_dirty and self.config.commit_checksum:
-            digest = self._payload_checksum(ref)
-            with self._lock:
-                if self._current(ref, _READY):
-                    self._checksum[ref.slot] = digest
-        return digest
+        return self._checksums.of(ref, take_now=self._track_dirty and self.config.commit_checksum)
 
     def writeback_done(
         self, refs: Sequence[SlotRef], ok: bool, changed: Collection[ChunkKey] = ()
@@ -561,7 +473,7 @@ class CpuTier(Tier):
         in ``changed`` no longer matched their commit checksum: they are dropped."""
         with self._lock:
             for ref in refs:
-                if not self._current(ref, _READY):
+                if not self._current(ref, READY):
                     continue
                 slot = ref.slot
                 self._slots.add_ref(slot, -1)
@@ -588,7 +500,7 @@ class CpuTier(Tier):
             self._replica_names[self._owner[slot]],
         )
         self._counters.add("corrupt", 1)
-        self._checksum[slot] = None
+        self._checksums.forget(slot)
         if self._slots.refcount[slot] == 0:
             self._release_slot(slot)
             return
@@ -650,7 +562,7 @@ class CpuTier(Tier):
                     self._pinned[slot] = False
                     self._class_of(slot).policy.insert(slot, self._owner[slot])
 
-    def _class_of(self, slot: int) -> _SlotClass:
+    def _class_of(self, slot: int) -> SlotClass:
         cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
         assert cls is not None
         return cls
@@ -731,10 +643,7 @@ class CpuTier(Tier):
             )
 
     def close(self) -> None:
-        if self._hasher is not None:
-            self._to_hash.put(None)
-            self._hasher.join()
-            self._hasher = None
+        self._checksums.close()
         with self._lock:
             if not self._closed:
                 self._closed = True

@@ -13,7 +13,8 @@ import pytest
 from kvtier.errors import CapacityError, ConfigError, PoolLayoutError
 from kvtier.pools import PoolRegistry
 from kvtier.tiers.arena import ArenaMemory, SlotState
-from kvtier.tiers.cpu import CpuTier, default_arena_size
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.slots import default_arena_size
 from tests.support import MiB, arena_config, draft_spec, keys_for, payload_for, target_spec
 
 CHUNK = 256 << 10
