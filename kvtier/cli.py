@@ -386,6 +386,9 @@ def _parser() -> argparse.ArgumentParser:
     from kvtier.top import add_parser as add_top
 
     add_top(sub, common)
+    from kvtier.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

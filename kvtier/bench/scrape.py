@@ -1,0 +1,146 @@
+"""Counters scraped from Prometheus text, and what a level's before/after delta says about
+cache hits.
+
+vLLM 0.32 exposes ``vllm:prompt_tokens_total`` (every prompt token), and
+``vllm:prompt_tokens_cached_by_source_total{source}`` (device, host, disk, p2p,
+external_unspecified) for the tokens a cache supplied; ``vllm:prompt_tokens_by_source_total``
+splits them into local_compute, local_cache_hit and external_kv_transfer. kvtier's connector adds
+``vllm:kvtier_transfer_{chunks,bytes}_total{direction,pool}`` to the same page, and the daemon
+serves ``kvtier_lookup_chunks_total`` and ``kvtier_hit_chunks_total{tier}`` on its own port.
+
+The counters are server-wide: other traffic during a level is counted too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+Labels = tuple[tuple[str, str], ...]
+Samples = dict[tuple[str, Labels], float]
+
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+REQUEST_SUCCESS = "vllm:request_success_total"
+CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
+PROMPT_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+CONNECTOR_CHUNKS = "vllm:kvtier_transfer_chunks_total"
+CONNECTOR_BYTES = "vllm:kvtier_transfer_bytes_total"
+DAEMON_LOOKUPS = "kvtier_lookup_chunks_total"
+DAEMON_HITS = "kvtier_hit_chunks_total"
+
+
+def parse_counters(text: str) -> Samples:
+    """Every counter and gauge sample (``_created`` timestamps left out), keyed by sample name
+    and sorted labels."""
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        if family.type in ("histogram", "gaugehistogram", "summary"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    return out
+
+
+async def scrape(client: httpx.AsyncClient, url: str) -> Samples | None:
+    """The counters at ``url``; None when it serves no Prometheus text."""
+    try:
+        response = await client.get(url)
+        if response.status_code != 200:
+            return None
+        return parse_counters(response.text)
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def delta(before: Samples, after: Samples) -> Samples:
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the series of ``name`` whose labels include ``labels``."""
+    return sum(
+        v
+        for (n, series), v in samples.items()
+        if n == name and all(dict(series).get(k) == want for k, want in labels.items())
+    )
+
+
+def by_label(samples: Samples, name: str, label: str, **labels: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for (n, series), v in samples.items():
+        d = dict(series)
+        if n == name and label in d and all(d.get(k) == w for k, w in labels.items()):
+            out[d[label]] = out.get(d[label], 0.0) + v
+    return out
+
+
+def has(samples: Samples, name: str) -> bool:
+    return any(n == name for n, _ in samples)
+
+
+@dataclass(frozen=True)
+class ServerCounters:
+    """What the server counted during one level (deltas); None where it exposes no such
+    metric."""
+
+    requests_succeeded: float | None = None
+    prompt_tokens: float | None = None
+    generation_tokens: float | None = None
+    cached_tokens_by_source: dict[str, float] = field(default_factory=dict)
+    prompt_tokens_by_source: dict[str, float] = field(default_factory=dict)
+    connector_chunks: dict[str, float] = field(default_factory=dict)
+    """kvtier connector chunks by direction (load, store)."""
+    connector_bytes: dict[str, float] = field(default_factory=dict)
+    daemon_lookup_chunks: float | None = None
+    daemon_hit_chunks_by_tier: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def hit_ratio(self) -> float | None:
+        """Prompt tokens served from any cache over all prompt tokens."""
+        if not self.prompt_tokens or not self.cached_tokens_by_source:
+            return None
+        return sum(self.cached_tokens_by_source.values()) / self.prompt_tokens
+
+    @property
+    def hit_ratio_by_source(self) -> dict[str, float]:
+        if not self.prompt_tokens:
+            return {}
+        return {k: v / self.prompt_tokens for k, v in self.cached_tokens_by_source.items()}
+
+    @property
+    def daemon_hit_ratio(self) -> float | None:
+        if not self.daemon_lookup_chunks:
+            return None
+        return sum(self.daemon_hit_chunks_by_tier.values()) / self.daemon_lookup_chunks
+
+
+def server_counters(
+    engine: Samples | None, daemon: Samples | None = None, *, model: str | None = None
+) -> ServerCounters:
+    """Read one level's deltas; ``model`` keeps vLLM's series of that model only."""
+    e = engine or {}
+    labels: Mapping[str, str] = {"model_name": model} if model else {}
+    if model and not any(dict(series).get("model_name") == model for _, series in e):
+        labels = {}  # a server that labels differently: take every series
+
+    def opt(name: str) -> float | None:
+        return total(e, name, **labels) if has(e, name) else None
+
+    d = daemon or {}
+    return ServerCounters(
+        requests_succeeded=opt(REQUEST_SUCCESS),
+        prompt_tokens=opt(PROMPT_TOKENS),
+        generation_tokens=opt(GENERATION_TOKENS),
+        cached_tokens_by_source=by_label(e, CACHED_BY_SOURCE, "source", **labels),
+        prompt_tokens_by_source=by_label(e, PROMPT_BY_SOURCE, "source", **labels),
+        connector_chunks=by_label(e, CONNECTOR_CHUNKS, "direction", **labels),
+        connector_bytes=by_label(e, CONNECTOR_BYTES, "direction", **labels),
+        daemon_lookup_chunks=total(d, DAEMON_LOOKUPS) if has(d, DAEMON_LOOKUPS) else None,
+        daemon_hit_chunks_by_tier=by_label(d, DAEMON_HITS, "tier"),
+    )

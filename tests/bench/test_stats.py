@@ -1,0 +1,86 @@
+"""Percentiles, inter-token gaps and the hit ratios read from Prometheus text."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvtier.bench.scrape import delta, parse_counters, server_counters
+from kvtier.bench.stats import Percentiles, inter_token_gaps, percentile, rate
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    values = [4.0, 1.0, 3.0, 2.0, 5.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 100) == 5.0
+    assert percentile(values, 90) == pytest.approx(4.6)
+    assert percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError, match=r"0\.\.100"):
+        percentile(values, 101)
+
+
+def test_percentiles_of() -> None:
+    p = Percentiles.of([1.0, 2.0, 3.0])
+    assert (p.p50, p.mean) == (2.0, 2.0)
+    assert p.p99 == pytest.approx(2.98)
+
+
+def test_inter_token_gaps_split_a_chunk_of_several_tokens() -> None:
+    gaps = inter_token_gaps([0.0, 0.1, 0.4], [1, 1, 3])
+    assert gaps == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    assert inter_token_gaps([0.5], [4]) == []
+
+
+def test_rate() -> None:
+    assert rate(10, 2.0) == 5.0
+    assert math.isnan(rate(10, 0.0))
+
+
+PAGE = """\
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} %(prompt)s
+vllm:prompt_tokens_created{engine="0",model_name="m"} 1.7e9
+# TYPE vllm:prompt_tokens_cached_by_source counter
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="device"} %(device)s
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="host"} %(host)s
+# TYPE vllm:request_success counter
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} %(ok)s
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 0
+# TYPE vllm:kvtier_transfer_chunks counter
+vllm:kvtier_transfer_chunks_total{engine="0",model_name="m",direction="load",pool="p"} %(load)s
+"""
+
+DAEMON = """\
+# TYPE kvtier_lookup_chunks counter
+kvtier_lookup_chunks_total{pool="p",replica="r"} %(lookups)s
+# TYPE kvtier_hit_chunks counter
+kvtier_hit_chunks_total{tier="cpu",pool="p",replica="r"} %(cpu)s
+kvtier_hit_chunks_total{tier="lmdb",pool="p",replica="r"} %(lmdb)s
+"""
+
+
+def test_hit_ratio_by_source_from_a_before_after_delta() -> None:
+    before = parse_counters(PAGE % {"prompt": 100, "device": 10, "host": 0, "ok": 2, "load": 0})
+    after = parse_counters(PAGE % {"prompt": 500, "device": 110, "host": 200, "ok": 6, "load": 7})
+    d_before = parse_counters(DAEMON % {"lookups": 10, "cpu": 1, "lmdb": 0})
+    d_after = parse_counters(DAEMON % {"lookups": 30, "cpu": 11, "lmdb": 5})
+    c = server_counters(delta(before, after), delta(d_before, d_after), model="m")
+    assert c.prompt_tokens == 400
+    assert c.requests_succeeded == 4
+    assert c.cached_tokens_by_source == {"device": 100, "host": 200}
+    assert c.hit_ratio == pytest.approx(0.75)
+    assert c.hit_ratio_by_source == pytest.approx({"device": 0.25, "host": 0.5})
+    assert c.connector_chunks == {"load": 7}
+    assert c.daemon_hit_chunks_by_tier == {"cpu": 10, "lmdb": 5}
+    assert c.daemon_hit_ratio == pytest.approx(0.75)
+
+
+def test_a_server_without_the_metrics_gives_none() -> None:
+    c = server_counters(None)
+    assert c.prompt_tokens is None
+    assert c.hit_ratio is None
+    assert c.daemon_hit_ratio is None
