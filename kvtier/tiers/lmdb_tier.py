@@ -1,11 +1,7 @@
 """The lmdb tier: verified chunks in one LMDB environment, with an LRU index kept inside LMDB.
 
-Databases in the environment:
-
-- ``chunks``: key -> encoded chunk (see `kvtier.blockfmt`);
-- ``lru``: tick (8 bytes, big-endian) || key -> empty; oldest first, pinned chunks absent;
-- ``meta``: key -> tick, encoded size, pinned flag, pool and owning replica;
-- ``pins``: pinned keys, including ones not stored yet.
+Databases in the environment: ``chunks`` (key -> encoded chunk, see `kvtier.blockfmt`), and the
+index records of `kvtier.tiers.lmdb_index`: ``lru``, ``meta`` and ``pins``.
 
 The in-memory index follows LMDB only after a transaction commits, so an aborted write (map
 full, disk full) leaves the two in agreement.
@@ -21,24 +17,22 @@ another matter:
   crash can undo the last commits and leaves the environment readable.
 - ``full``: each commit flushes both before it returns.
 
-At open, an environment that LMDB refuses, whose file is shorter than its pages, or whose trees
-cannot be walked is moved aside (renamed, timestamped) and the tier starts empty: a cache that
-lost its contents still serves, where one that cannot open stops the process.
+With ``fast``, data.mdb is preallocated to the whole map at open and writes go through LMDB's
+map, a copy fewer; a file that cannot be preallocated keeps staged writes, as the other settings
+do (see `kvtier.tiers.lmdb_env.open_environment`).
+
+An environment found unreadable at open is moved aside and the tier starts empty (see
+`kvtier.tiers.lmdb_env`).
 """
 
 from __future__ import annotations
 
-import errno
 import heapq
 import logging
-import os
-import shutil
-import struct
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import lmdb
@@ -46,130 +40,32 @@ import lmdb
 from kvtier import blockfmt
 from kvtier.config import Durability, LMDBConfig
 from kvtier.counters import Counters
-from kvtier.errors import ChunkFormatError, ConfigError, CorruptChunkError
+from kvtier.errors import ChunkFormatError, CorruptChunkError
 from kvtier.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.memory import keep_freed_pages
 from kvtier.pools import PoolRegistry, Registration
 from kvtier.tiers.base import Tier, TierStats, UsageStats
+from kvtier.tiers.lmdb_env import (
+    DATA_FILE,
+    DATABASES,
+    MAP_HEADROOM,
+    UNREADABLE_ERRORS,
+    adopt_map_size,
+    budget,
+    move_aside,
+    open_or_set_aside,
+    prepare_dir,
+    walk,
+)
+from kvtier.tiers.lmdb_index import TICK_BYTES, Entry, Pending, lru_key, read_index
+from kvtier.tiers.lmdb_values import copy_encoded, copy_payload, verify
+
+__all__ = ["UNREADABLE_ERRORS", "LmdbTier", "move_aside"]
 
 log = logging.getLogger(__name__)
 
-_META = struct.Struct("<QQ?")
-_TICK = struct.Struct(">Q")
 _MAX_PENDING_TOUCHES = 1 << 16
 _PUT_RETRIES = 4
-_MAP_HEADROOM = 64 << 20
-_DATA_FILE = "data.mdb"
-_LOCK_FILE = "lock.mdb"
-_DATABASES = (b"chunks", b"lru", b"meta", b"pins")
-# what LMDB raises on pages or headers it cannot make sense of (an environment to move aside)
-UNREADABLE_ERRORS = (
-    lmdb.InvalidError,
-    lmdb.CorruptedError,
-    lmdb.PageNotFoundError,
-    lmdb.VersionMismatchError,
-    lmdb.IncompatibleError,
-    lmdb.BadValsizeError,
-    lmdb.PanicError,
-)
-
-
-class _Unreadable(Exception):
-    """The environment on disk cannot be opened or walked."""
-
-
-@dataclass(slots=True)
-class _Entry:
-    tick: int
-    nbytes: int
-    pinned: bool
-    pool: str
-    replica: str
-
-    def pack(self) -> bytes:
-        return (
-            _META.pack(self.tick, self.nbytes, self.pinned)
-            + f"{self.pool}\0{self.replica}".encode()
-        )
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> _Entry:
-        tick, nbytes, pinned = _META.unpack_from(raw)
-        pool, _, replica = bytes(raw[_META.size :]).decode().partition("\0")
-        return cls(tick, nbytes, pinned, pool, replica)
-
-
-_Pending = tuple[ChunkKey, memoryview | bytes, Registration, bytes | None]
-
-
-def _lru_key(tick: int, key: bytes) -> bytes:
-    return _TICK.pack(tick) + key
-
-
-def _prepare_dir(path: Path) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".kvtier-write-probe"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError("lmdb.path", f"{path} is not writable: {exc.strerror}") from exc
-
-
-def _free_name(base: Path) -> Path:
-    name = base
-    n = 1
-    while name.exists():
-        n += 1
-        name = base.with_name(f"{base.name}-{n}")
-    return name
-
-
-def move_aside(path: Path, reason: str) -> Path:
-    """Rename an unreadable environment to a timestamped sibling, kept for inspection; the
-    files alone when the directory cannot move (a mount point). Returns where it went."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    target = _free_name(path.with_name(f"{path.name}.unreadable-{stamp}"))
-    try:
-        path.rename(target)
-    except OSError as exc:
-        if exc.errno not in (errno.EBUSY, errno.EXDEV, errno.EACCES, errno.EPERM):
-            raise
-        target = _free_name(path / f"{_DATA_FILE}.unreadable-{stamp}")
-        (path / _DATA_FILE).rename(target)
-        (path / _LOCK_FILE).unlink(missing_ok=True)
-    path.mkdir(exist_ok=True)
-    log.warning(
-        "lmdb environment %s is unreadable (%s): moved aside to %s; lmdb starts empty",
-        path,
-        reason,
-        target,
-    )
-    return target
-
-
-def _budget(config: LMDBConfig) -> int:
-    usage = shutil.disk_usage(config.path)
-    data = config.path / "data.mdb"
-    existing = data.stat().st_size if data.exists() else 0
-    room = usage.free + existing
-    if config.budget_bytes is None:
-        budget = int(room * config.auto_fraction)
-        log.warning(
-            "lmdb.budget_bytes is not set: using %.2f GiB, %.0f%% of %.2f GiB free at %s",
-            budget / 2**30,
-            config.auto_fraction * 100,
-            room / 2**30,
-            config.path,
-        )
-        return budget
-    budget = int(config.budget_bytes)
-    if budget + _MAP_HEADROOM > room:
-        raise ConfigError(
-            "lmdb.budget_bytes",
-            f"{budget} bytes does not fit the {room} bytes free at {config.path}",
-        )
-    return budget
 
 
 class LmdbTier(Tier):
@@ -179,34 +75,27 @@ class LmdbTier(Tier):
     def __init__(self, config: LMDBConfig, registry: PoolRegistry) -> None:
         super().__init__(registry)
         self.config = config
-        _prepare_dir(config.path)
+        prepare_dir(config.path)
         if config.keep_freed_pages:
             keep_freed_pages()
-        self.budget = _budget(config)
+        self.budget = budget(config)
         self._high = int(self.budget * config.high_water)
         self._low = int(self.budget * config.low_water)
-        self._map_size = self.budget + self.budget // 4 + _MAP_HEADROOM
-        self.set_aside: Path | None = None
-        """Where an unreadable environment found at open was moved to."""
+        self._map_size = self.budget + self.budget // 4 + MAP_HEADROOM
         self._lock = threading.Lock()
-        self._index: dict[ChunkKey, _Entry] = {}
+        self._index: dict[ChunkKey, Entry] = {}
         self._pinned_keys: set[ChunkKey] = set()
         self._touched: dict[ChunkKey, None] = {}
         self._retired: set[bytes] = set()  # old draft revisions: evicted before anything else
         self._scratch = bytearray()
         self._counters = Counters()
         self._clock = 0
-        try:
-            self._open()
-        except _Unreadable as exc:
-            self.set_aside = move_aside(config.path, str(exc))
+        self.env, aside = open_or_set_aside(config, self._map_size, self._load)
+        self.set_aside: Path | None = aside
+        """Where an unreadable environment found at open was moved to."""
+        if self.set_aside is not None:
             self._counters.add("environments_set_aside", 1)
-            try:
-                self._open()
-            except _Unreadable as again:
-                raise ConfigError(
-                    "lmdb.path", f"cannot open LMDB at {config.path}: {again}"
-                ) from again
+        self._open_dbs()  # the checked environment was reopened to write through its map
         self._track_access = config.eviction_policy == "lru"
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
@@ -216,71 +105,12 @@ class LmdbTier(Tier):
             )
             self._syncer.start()
 
-    def _open(self) -> None:
-        """Open the environment, check that it can be read through and load the index;
-        raises `_Unreadable` (with nothing left open) when it cannot."""
-        durability = self.config.durability
-        try:
-            self.env = lmdb.open(
-                str(self.config.path),
-                map_size=self._map_size,
-                max_dbs=8,
-                max_readers=self.config.max_readers,
-                writemap=False,
-                sync=durability is not Durability.FAST,
-                metasync=durability is Durability.FULL,
-                readahead=True,
-            )
-        except UNREADABLE_ERRORS as exc:
-            raise _Unreadable(f"{type(exc).__name__}: {exc}") from exc
-        except lmdb.Error as exc:
-            raise ConfigError(
-                "lmdb.path", f"cannot open LMDB at {self.config.path}: {exc}"
-            ) from exc
-        try:
-            self._check_size()
-            stale = self.env.reader_check()
-            if stale:
-                log.info("lmdb: cleared %d stale reader slots", stale)
-            self._chunks, self._lru, self._meta, self._pins = (
-                self.env.open_db(name) for name in _DATABASES
-            )
-            self._walk()
-            self._load_index()
-        except (*UNREADABLE_ERRORS, struct.error, UnicodeDecodeError) as exc:  # pages or entries
-            self.env.close()
-            raise _Unreadable(f"{type(exc).__name__}: {exc}") from exc
-        except BaseException:
-            self.env.close()
-            raise
-
-    def _check_size(self) -> None:
-        """Pages past the end of the file would fault the process (SIGBUS) when read: refuse
-        a file shorter than the pages its meta page counts (an OS crash lost its tail)."""
-        need = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
-        size = os.stat(self.config.path / _DATA_FILE).st_size
-        if size < need:
-            raise _Unreadable(f"{_DATA_FILE} holds {size} bytes, its pages need {need}")
-
-    def _walk(self) -> None:
-        """Read every branch and leaf page of the chunk and LRU trees (the rest are read by
-        `_load_index`); values of chunks are verified when read."""
-        with self.env.begin() as txn:
-            for db in (self._chunks, self._lru):
-                for _ in txn.cursor(db=db).iternext(keys=True, values=False):
-                    pass
-
-    def _load_index(self) -> None:
-        self._index.clear()
-        self._pinned_keys.clear()
-        self._clock = 0
-        with self.env.begin(db=self._meta) as txn:
-            for key, raw in txn.cursor():
-                entry = _Entry.unpack(raw)
-                self._index[ChunkKey(bytes(key))] = entry
-                self._clock = max(self._clock, entry.tick)
-        with self.env.begin(db=self._pins) as txn:
-            self._pinned_keys.update(ChunkKey(bytes(key)) for key, _ in txn.cursor())
+    def _load(self, env: lmdb.Environment) -> None:
+        self.env = env
+        self._open_dbs()
+        walk(env, (self._chunks, self._lru))
+        self._index, self._pinned_keys = read_index(env, self._meta, self._pins)
+        self._clock = max((e.tick for e in self._index.values()), default=0)
         self._used = sum(e.nbytes for e in self._index.values())
         log.info(
             "lmdb %s: %d chunks, %.2f GiB of %.2f GiB",
@@ -289,6 +119,16 @@ class LmdbTier(Tier):
             self._used / 2**30,
             self.budget / 2**30,
         )
+
+    def _open_dbs(self) -> None:
+        self._chunks, self._lru, self._meta, self._pins = (
+            self.env.open_db(name) for name in DATABASES
+        )
+
+    def _adopt_map_size(self) -> None:
+        """Another process grew the map: adopt it (see `adopt_map_size`)."""
+        if adopt_map_size(self.env, self.config.path / DATA_FILE) is not None:
+            self._counters.add("preallocate_failed", 1)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -319,7 +159,7 @@ class LmdbTier(Tier):
             try:
                 return self._put_txn(values, replica, extra_room=attempt * (self.budget // 20))
             except lmdb.MapResizedError:
-                self.env.set_mapsize(0)
+                self._adopt_map_size()
             except lmdb.MapFullError:
                 self._counters.add("map_full", 1)
             except lmdb.Error as exc:  # a full or failing disk: the chunks are just not stored
@@ -330,14 +170,14 @@ class LmdbTier(Tier):
         return [False] * len(items), []
 
     def _put_txn(
-        self, values: list[_Pending], replica: str, extra_room: int
+        self, values: list[Pending], replica: str, extra_room: int
     ) -> tuple[list[bool], list[ChunkKey]]:
         changed: list[ChunkKey] = []
         with self._lock:
             new = {
                 k: blockfmt.encoded_size(len(p)) for k, p, _, _ in values if k not in self._index
             }
-            added: dict[ChunkKey, _Entry] = {}
+            added: dict[ChunkKey, Entry] = {}
             with self.env.begin(write=True) as txn:
                 touched = self._flush_touches(txn)  # recency first, so eviction sees it
                 evicted = set(self._evict_for(txn, sum(new.values()) + extra_room))
@@ -360,10 +200,10 @@ class LmdbTier(Tier):
                     used += size
                     txn.put(key, value, db=self._chunks)
                     pinned = key in self._pinned_keys
-                    entry = _Entry(self._tick(), size, pinned, reg.pool, replica)
+                    entry = Entry(self._tick(), size, pinned, reg.pool, replica)
                     txn.put(key, entry.pack(), db=self._meta)
                     if not pinned:
-                        txn.put(_lru_key(entry.tick, key), b"", db=self._lru)
+                        txn.put(lru_key(entry.tick, key), b"", db=self._lru)
                     added[key] = entry
                     results.append(True)
             # committed: only now does the in-memory index follow
@@ -383,7 +223,7 @@ class LmdbTier(Tier):
             self.env.sync(True)
         return results, changed
 
-    def _apply(self, entries: dict[ChunkKey, _Entry]) -> None:
+    def _apply(self, entries: dict[ChunkKey, Entry]) -> None:
         """Adopt entries written by a committed transaction."""
         for key, entry in entries.items():
             old = self._index.get(key)
@@ -415,17 +255,17 @@ class LmdbTier(Tier):
                     return evicted
                 if old.pinned or key[:NAMESPACE_BYTES] not in self._retired:
                     continue
-                txn.delete(_lru_key(old.tick, key), db=self._lru)
+                txn.delete(lru_key(old.tick, key), db=self._lru)
                 txn.delete(key, db=self._chunks)
                 txn.delete(key, db=self._meta)
                 freed += old.nbytes
                 evicted.append(key)
         gone = set(evicted)
         cursor = txn.cursor(db=self._lru)
-        for lru_key, _ in cursor:
+        for raw, _ in cursor:
             if self._used - freed <= target:
                 break
-            key = ChunkKey(bytes(lru_key[8:]))
+            key = ChunkKey(bytes(raw[TICK_BYTES:]))
             if key in gone:  # a retired one, deleted above under an older tick
                 cursor.delete()
                 continue
@@ -445,10 +285,10 @@ class LmdbTier(Tier):
             self._counters.add("misses", 1)
             return False
         try:
-            found, failure = self._copy_verified(key, dst)
+            found, failure = copy_payload(self.env, self._chunks, key, dst)
         except lmdb.MapResizedError:  # another process grew the map: adopt it and go on
-            self.env.set_mapsize(0)
-            found, failure = self._copy_verified(key, dst)
+            self._adopt_map_size()
+            found, failure = copy_payload(self.env, self._chunks, key, dst)
         if not found:  # indexed but gone from LMDB: stop claiming it
             self._counters.add("misses", 1)
             self._drop([key], force=True)
@@ -461,35 +301,18 @@ class LmdbTier(Tier):
             self._touched[key] = None
         return True
 
-    def _copy_verified(
-        self, key: ChunkKey, dst: memoryview
-    ) -> tuple[bool, ChunkFormatError | None]:
-        """Copy out inside one short read transaction; the buffer is invalid after it."""
-        with self.env.begin(db=self._chunks, buffers=True) as txn:
-            value = txn.get(key)
-            if value is None:
-                return False, None
-            try:
-                blockfmt.decode_into(value, key, dst)
-            except ChunkFormatError as exc:
-                return True, exc
-        return True, None
-
     def copy_encoded(self, key: ChunkKey, dst: memoryview) -> bool:
         """Copy the stored chunk, header included, verified, into ``dst`` (exactly its encoded
         size): what the object tier uploads, without decoding and encoding again. False when
         absent or corrupt (then quarantined)."""
         try:
-            with self.env.begin(db=self._chunks, buffers=True) as txn:
-                value = txn.get(key)
-                if value is None:
-                    return False
-                blockfmt.copy_verified(value, key, dst)
+            if not copy_encoded(self.env, self._chunks, key, dst):
+                return False
         except ChunkFormatError as exc:
             self.quarantine(key, exc)
             return False
         except lmdb.MapResizedError:  # another process grew the map: adopt it, try once more
-            self.env.set_mapsize(0)
+            self._adopt_map_size()
             return self.copy_encoded(key, dst)
         return True
 
@@ -497,26 +320,15 @@ class LmdbTier(Tier):
         """Verify one stored chunk in place: True if sound, False if it failed (it is then
         quarantined), None if absent."""
         try:
-            failure = self._verify_in_txn(key)
+            failure = verify(self.env, self._chunks, key)
         except lmdb.MapResizedError:
-            self.env.set_mapsize(0)
-            failure = self._verify_in_txn(key)
+            self._adopt_map_size()
+            failure = verify(self.env, self._chunks, key)
         if failure is None:
             return None
         if isinstance(failure, ChunkFormatError):
             self.quarantine(key, failure)
             return False
-        return True
-
-    def _verify_in_txn(self, key: ChunkKey) -> ChunkFormatError | bool | None:
-        with self.env.begin(db=self._chunks, buffers=True) as txn:
-            value = txn.get(key)
-            if value is None:
-                return None
-            try:
-                blockfmt.decode(value, key)
-            except ChunkFormatError as exc:
-                return exc
         return True
 
     def quarantine(self, key: ChunkKey, reason: Exception) -> None:
@@ -525,18 +337,18 @@ class LmdbTier(Tier):
         self._counters.add("corrupt", 1)
         self._drop([key], force=True)
 
-    def _flush_touches(self, txn: lmdb.Transaction) -> dict[ChunkKey, _Entry]:
+    def _flush_touches(self, txn: lmdb.Transaction) -> dict[ChunkKey, Entry]:
         """Move accessed chunks to the young end of the LRU index, inside ``txn``; returns the
         new entries for the caller to adopt once ``txn`` commits."""
         touched, self._touched = self._touched, {}
-        updates: dict[ChunkKey, _Entry] = {}
+        updates: dict[ChunkKey, Entry] = {}
         for key in list(touched):  # one C-level copy: readers may still add to the old dict
             entry = self._index.get(key)
             if entry is None or entry.pinned:
                 continue
-            txn.delete(_lru_key(entry.tick, key), db=self._lru)
+            txn.delete(lru_key(entry.tick, key), db=self._lru)
             updates[key] = moved = replace(entry, tick=self._tick())
-            txn.put(_lru_key(moved.tick, key), b"", db=self._lru)
+            txn.put(lru_key(moved.tick, key), b"", db=self._lru)
             txn.put(key, moved.pack(), db=self._meta)
         return updates
 
@@ -571,7 +383,7 @@ class LmdbTier(Tier):
                 txn.delete(key, db=self._chunks)
                 txn.delete(key, db=self._meta)
                 if entry is not None:
-                    txn.delete(_lru_key(entry.tick, key), db=self._lru)
+                    txn.delete(lru_key(entry.tick, key), db=self._lru)
                     dropped.append(key)
         for key in dropped:
             self._used -= self._index.pop(key).nbytes
@@ -580,7 +392,7 @@ class LmdbTier(Tier):
 
     def _set_pinned(self, keys: Sequence[ChunkKey], pinned: bool) -> None:
         with self._lock:
-            updates: dict[ChunkKey, _Entry] = {}
+            updates: dict[ChunkKey, Entry] = {}
             with self.env.begin(write=True) as txn:
                 for key in keys:
                     if pinned:
@@ -591,11 +403,11 @@ class LmdbTier(Tier):
                     if entry is None or entry.pinned == pinned:
                         continue
                     if pinned:
-                        txn.delete(_lru_key(entry.tick, key), db=self._lru)
+                        txn.delete(lru_key(entry.tick, key), db=self._lru)
                         entry = replace(entry, pinned=True)
                     else:
                         entry = replace(entry, pinned=False, tick=self._tick())
-                        txn.put(_lru_key(entry.tick, key), b"", db=self._lru)
+                        txn.put(lru_key(entry.tick, key), b"", db=self._lru)
                     txn.put(key, entry.pack(), db=self._meta)
                     updates[key] = entry
             if pinned:

@@ -1,0 +1,53 @@
+"""Verified reads of the lmdb tier's stored chunks, each inside one short read transaction."""
+
+from __future__ import annotations
+
+import lmdb
+
+from kvtier import blockfmt
+from kvtier.errors import ChunkFormatError
+from kvtier.keys import ChunkKey
+
+
+def copy_payload(
+    env: lmdb.Environment, chunks: lmdb._Database, key: ChunkKey, dst: memoryview
+) -> tuple[bool, ChunkFormatError | None]:
+    """Copy a chunk's payload out, verified: whether it is stored, and how it failed if it
+    did (then ``dst`` holds garbage). LMDB's buffer is invalid once the transaction ends."""
+    with env.begin(db=chunks, buffers=True) as txn:
+        value = txn.get(key)
+        if value is None:
+            return False, None
+        try:
+            blockfmt.decode_into(value, key, dst)
+        except ChunkFormatError as exc:
+            return True, exc
+    return True, None
+
+
+def copy_encoded(
+    env: lmdb.Environment, chunks: lmdb._Database, key: ChunkKey, dst: memoryview
+) -> bool:
+    """Copy a whole stored chunk, header included, verified (raising `ChunkFormatError`);
+    False when absent."""
+    with env.begin(db=chunks, buffers=True) as txn:
+        value = txn.get(key)
+        if value is None:
+            return False
+        blockfmt.copy_verified(value, key, dst)
+    return True
+
+
+def verify(
+    env: lmdb.Environment, chunks: lmdb._Database, key: ChunkKey
+) -> ChunkFormatError | bool | None:
+    """Verify a stored chunk in place: True if sound, how it failed, or None if absent."""
+    with env.begin(db=chunks, buffers=True) as txn:
+        value = txn.get(key)
+        if value is None:
+            return None
+        try:
+            blockfmt.decode(value, key)
+        except ChunkFormatError as exc:
+            return exc
+    return True
