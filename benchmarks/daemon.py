@@ -66,17 +66,12 @@ import logging
 import math
 import multiprocessing
 import os
-import re
-import select
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -85,10 +80,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-import yaml
-from common import die_with_parent, filled, geomean, keys_for, no_gc, small_spec, touched
+from common import filled, geomean, keys_for, no_gc, small_spec, touched
+from kvtierd import KvtierdProcess
 
-from kvtier.config import ENV_PREFIX
 from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
 from kvtier.protocol import SlotRef
 from kvtier.rpc import AdminClient, GrpcTierClient, Pending
@@ -108,11 +102,8 @@ STORE_BATCH = 64
 STORE_CHUNK = 64 * KiB
 LMDB_BUDGET = 1 << 30
 SYNC_INTERVAL_S = 3600.0
-READY_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 90.0
 CLIENT_TIMEOUT_S = 120.0
 HEARTBEAT = "HeartbeatRequest"
-READY = re.compile(r"kvtierd ready: .*admin_port=(\d+) metrics_port=(\d+)")
 
 TARGETS: dict[str, tuple[str, float]] = {
     "lookup_8192_keys_p99_us": ("<=", 3000.0),
@@ -280,18 +271,14 @@ def client_b(conn: Connection, socket_path: str, total: int) -> None:
 # -- the daemon, in its own process ----------------------------------------------------------
 
 
-class DaemonProcess:
-    """kvtierd started with ``kvtier serve`` and stopped with SIGTERM."""
+class DaemonProcess(KvtierdProcess):
+    """kvtierd configured for the data-plane figures: write-back held off, one arena size."""
 
     def __init__(
         self, root: Path, shm: Path, arena_bytes: int, commit_checksum: bool = True
     ) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        self.root = root
         self.shm = shm
         self.socket_path = root / "kvtierd.sock"
-        self.config_path = root / "kvtierd.yaml"
-        self.log_path = root / "kvtierd.log"
         config = {
             "arena": {
                 "path": str(shm),
@@ -312,68 +299,7 @@ class DaemonProcess:
                 "metrics_address": "127.0.0.1:0",
             },
         }
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.proc: subprocess.Popen[str] | None = None
-        self.admin_port = 0
-        self.metrics_port = 0
-        self.start_s = math.nan
-        self.stop_s = math.nan
-        self.exit_code: int | None = None
-
-    def start(self) -> None:
-        # only this file configures the daemon: KVTIER_ variables would override it
-        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-        command = [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(self.config_path)]
-        started = time.perf_counter()
-        with open(self.log_path, "wb") as stderr:
-            self.proc = subprocess.Popen(
-                [*command, "--log-level", "warning"],
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                env=env,
-                text=True,
-                preexec_fn=die_with_parent,
-            )
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT_S)
-        line = self.proc.stdout.readline() if ready else ""
-        match = READY.match(line)
-        if match is None:
-            raise RuntimeError(f"kvtierd did not start:\n{line}{self.log_tail()}")
-        self.start_s = time.perf_counter() - started
-        self.admin_port, self.metrics_port = int(match[1]), int(match[2])
-        log.info("kvtierd pid %d ready in %.2f s", self.proc.pid, self.start_s)
-
-    def metrics(self) -> str:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return str(response.read().decode())
-
-    def stop(self) -> None:
-        proc = self.proc
-        if proc is None or self.exit_code is not None:
-            return
-        started = time.perf_counter()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            self.exit_code = proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            log.error("kvtierd ignored SIGTERM for %.0f s; killing it", STOP_TIMEOUT_S)
-            proc.kill()
-            self.exit_code = proc.wait()
-        self.stop_s = time.perf_counter() - started
-        if proc.stdout is not None:
-            proc.stdout.close()
-        if self.exit_code != 0:
-            log.error("kvtierd exited %d:\n%s", self.exit_code, self.log_tail())
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        super().__init__(root, config)
 
 
 def metric_value(text: str, name: str, **labels: str) -> float | None:

@@ -54,11 +54,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.e2e.draft_weights import checkpoint_weights, noisy, swap_draft_weights  # noqa: E402
-from tests.e2e.models import (  # noqa: E402
+from draft_weights import checkpoint_weights, noisy, swap_draft_weights
+from models import (
     BLOCK_SIZE,
     apply_engine_env,
     build_models,

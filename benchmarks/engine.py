@@ -7,12 +7,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import select
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -21,10 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
-from common import die_with_parent
+from kvtierd import STOP_TIMEOUT_S, KvtierdProcess
 
-from kvtier.config import ENV_PREFIX
 from kvtier.rpc import AdminClient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +28,6 @@ KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 LMDB_BUDGET = 3 * GiB
-READY = "kvtierd ready: "
-READY_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 120.0
 MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes
 
 
@@ -168,19 +159,16 @@ def fs_type(path: Path) -> str:
 # -- kvtierd ----------------------------------------------------------------------------------
 
 
-class Kvtierd:
-    """``kvtier serve`` in a subprocess, stopped with SIGTERM."""
+class Kvtierd(KvtierdProcess):
+    """kvtierd with an arena and lmdb sized for an engine benchmark, and its admin client."""
 
     def __init__(self, root: Path, shm: Path, arena_bytes: int, extent_bytes: int) -> None:
-        self.root = root
         self.shm = shm
         self.socket_dir = root
         if len(str(root / "kvtierd.sock")) > MAX_SOCKET_PATH:
             self.socket_dir = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
         self.socket_path = self.socket_dir / "kvtierd.sock"
         self.lmdb_path = root / "lmdb"
-        self.config_path = root / "kvtierd.yaml"
-        self.log_path = root / "kvtierd.log"
         config = {
             "arena": {
                 "path": str(shm),
@@ -195,38 +183,12 @@ class Kvtierd:
                 "metrics_address": "127.0.0.1:0",
             },
         }
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.proc: subprocess.Popen[str] | None = None
+        super().__init__(root, config)
         self.admin: AdminClient | None = None
-        self.start_s = float("nan")
-        self.exit_code: int | None = None
 
     def start(self) -> None:
-        # only the file configures the daemon: KVTIER_ variables would override it
-        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-        argv = [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(self.config_path)]
-        started = time.perf_counter()
-        with open(self.log_path, "wb") as stderr:
-            self.proc = subprocess.Popen(
-                [*argv, "--log-level", "warning"],
-                cwd=ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                env=env,
-                text=True,
-                preexec_fn=die_with_parent,
-            )
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT_S)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line.startswith(READY):
-            raise RuntimeError(f"kvtierd did not start: {line!r}\n{self.log_tail()}")
-        fields = dict(part.split("=", 1) for part in line[len(READY) :].split())
-        self.start_s = time.perf_counter() - started
-        self.admin = AdminClient(f"127.0.0.1:{fields['admin_port']}", timeout_s=STOP_TIMEOUT_S)
-        self.metrics_port = int(fields["metrics_port"])
-        log.info("kvtierd pid %d ready in %.2f s", self.proc.pid, self.start_s)
+        super().start()
+        self.admin = AdminClient(f"127.0.0.1:{self.admin_port}", timeout_s=STOP_TIMEOUT_S)
 
     def counters(self) -> dict[str, int]:
         """The manager's counters, and each tier's as ``<tier>.<name>``."""
@@ -237,33 +199,16 @@ class Kvtierd:
             out.update({f"{tier.tier}.{k}": int(v) for k, v in tier.counters.items()})
         return out
 
-    def log_tail(self, lines: int = 30) -> str:
-        if not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
     def stop(self) -> None:
         if self.admin is not None:
             self.admin.close()
             self.admin = None
-        proc = self.proc
-        if proc is None or self.exit_code is not None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            self.exit_code = proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            log.error("kvtierd ignored SIGTERM for %.0f s; killing it", STOP_TIMEOUT_S)
-            proc.kill()
-            self.exit_code = proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-        if self.exit_code != 0:
-            log.error("kvtierd exited %d:\n%s", self.exit_code, self.log_tail())
-        self.shm.unlink(missing_ok=True)
-        if self.socket_dir != self.root:
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
+        stopping = self.proc is not None and self.exit_code is None
+        super().stop()
+        if stopping:
+            self.shm.unlink(missing_ok=True)
+            if self.socket_dir != self.root:
+                shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def delta(after: dict[str, int], before: dict[str, int], name: str) -> int:

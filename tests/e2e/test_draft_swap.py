@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from benchmarks.draft_weights import checkpoint_weights, noisy, swap_draft_weights
 from kvtier.cli import main as kvtier_cli
 from tests.e2e.conftest import MAX_TOKENS
-from tests.e2e.draft_weights import checkpoint_weights, noisy, swap_draft_weights
 from tests.e2e.models import (
     EagleModels,
     ModelSet,

@@ -1,0 +1,102 @@
+"""kvtierd for the benchmarks: ``kvtier serve`` in a subprocess with a configuration written for
+the run, found ready from its first line, stopped with SIGTERM (killed if it ignores it)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+from common import die_with_parent
+
+from kvtier.config import ENV_PREFIX
+
+ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger("kvtier.bench")
+
+READY = "kvtierd ready: "
+READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 120.0
+
+
+class KvtierdProcess:
+    def __init__(self, root: Path, config: dict[str, Any]) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.config_path = root / "kvtierd.yaml"
+        self.log_path = root / "kvtierd.log"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.proc: subprocess.Popen[str] | None = None
+        self.admin_port = 0
+        self.metrics_port = 0
+        self.start_s = math.nan
+        self.stop_s = math.nan
+        self.exit_code: int | None = None
+
+    def start(self) -> None:
+        # only the file configures the daemon: KVTIER_ variables would override it
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        argv = [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(self.config_path)]
+        started = time.perf_counter()
+        with open(self.log_path, "wb") as stderr:
+            self.proc = subprocess.Popen(
+                [*argv, "--log-level", "warning"],
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env=env,
+                text=True,
+                preexec_fn=die_with_parent,
+            )
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT_S)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line.startswith(READY):
+            raise RuntimeError(f"kvtierd did not start: {line!r}\n{self.log_tail()}")
+        fields = dict(part.split("=", 1) for part in line[len(READY) :].split())
+        self.start_s = time.perf_counter() - started
+        self.admin_port = int(fields["admin_port"])
+        self.metrics_port = int(fields["metrics_port"])
+        log.info("kvtierd pid %d ready in %.2f s", self.proc.pid, self.start_s)
+
+    def metrics(self) -> str:
+        """The /metrics page."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return str(response.read().decode())
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None or self.exit_code is not None:
+            return
+        started = time.perf_counter()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            self.exit_code = proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.error("kvtierd ignored SIGTERM for %.0f s; killing it", STOP_TIMEOUT_S)
+            proc.kill()
+            self.exit_code = proc.wait()
+        self.stop_s = time.perf_counter() - started
+        if proc.stdout is not None:
+            proc.stdout.close()
+        if self.exit_code != 0:
+            log.error("kvtierd exited %d:\n%s", self.exit_code, self.log_tail())
