@@ -62,21 +62,32 @@ class InProcessClient:
         *,
         release: Sequence[SlotRef] = ...,
         lease: Literal[False] = ...,
+        again: bool = ...,
     ) -> LookupResult: ...
 
     @overload
     def lookup(
-        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = ..., lease: Literal[True]
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        release: Sequence[SlotRef] = ...,
+        lease: Literal[True],
+        again: bool = ...,
     ) -> tuple[LookupResult, list[SlotRef | None]]: ...
 
     def lookup(
-        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = (), lease: bool = False
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        release: Sequence[SlotRef] = (),
+        lease: bool = False,
+        again: bool = False,
     ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
         if release or lease:
             self.manager.release(release)
         if lease:
-            return self.manager.lookup(keys, self.replica, lease=True)
-        return self.manager.lookup(keys)
+            return self.manager.lookup(keys, self.replica, lease=True, again=again)
+        return self.manager.lookup(keys, again=again)
 
     @overload
     def reserve(self, keys: Sequence[ChunkKey], *, commit: None = ...) -> list[SlotRef | None]: ...
@@ -117,6 +128,9 @@ class InProcessClient:
 
     def report_hits(self, every_s: float = 0.0) -> None:
         pass  # every lookup here is a call
+
+    def in_arena(self, keys: Sequence[ChunkKey]) -> list[SlotRef] | None:
+        return None  # a lookup here is no dearer
 
     def chunk_events(self, cursor: int) -> Answer[ChunkEvents]:
         return Ready(self.manager.chunk_events(cursor))

@@ -231,33 +231,52 @@ class TierManager:
                 if self.uploader is not None:  # what misses is stored next: its order packs it
                     first = max(0, len(codes) - 1)
                     self.uploader.follows(keys[first : first + 8192])
+        return LookupResult(len(codes), bytes(codes), pending)
+
+    def _count_lookup(self, asked: int, codes: bytes) -> None:
         counters = self._counters
         counters.add("lookups", 1)
-        counters.add("lookup_chunks", len(keys))
+        counters.add("lookup_chunks", asked)
         n_cpu = codes.count(_CPU)
         n_object = codes.count(_OBJECT)
         counters.add("hit_chunks_cpu", n_cpu)
         counters.add("hit_chunks_lmdb", len(codes) - n_cpu - n_object)
         counters.add("hit_chunks_object", n_object)
-        return LookupResult(len(codes), bytes(codes), pending)
 
     @overload
     def lookup(
-        self, keys: Sequence[ChunkKey], replica: str = ..., *, lease: Literal[False] = ...
+        self,
+        keys: Sequence[ChunkKey],
+        replica: str = ...,
+        *,
+        lease: Literal[False] = ...,
+        again: bool = ...,
     ) -> LookupResult: ...
 
     @overload
     def lookup(
-        self, keys: Sequence[ChunkKey], replica: str = ..., *, lease: Literal[True]
+        self,
+        keys: Sequence[ChunkKey],
+        replica: str = ...,
+        *,
+        lease: Literal[True],
+        again: bool = ...,
     ) -> tuple[LookupResult, list[SlotRef | None]]: ...
 
     def lookup(
-        self, keys: Sequence[ChunkKey], replica: str = "default", *, lease: bool = False
+        self,
+        keys: Sequence[ChunkKey],
+        replica: str = "default",
+        *,
+        lease: bool = False,
+        again: bool = False,
     ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
         """The tier of each chunk of the longest stored prefix. With ``lease``, also lease the
         found chunks when the arena holds them all: a hit served from the arena then takes one
-        call."""
+        call. ``again``: a request asking again while it waits, not counted as a lookup."""
         result = self._lookup(keys)
+        if not again:
+            self._count_lookup(len(keys), result.tier_codes)
         if not lease:
             return result
         return result, self.lease(keys[: arena_hit(result)], replica)

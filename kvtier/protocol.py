@@ -146,18 +146,30 @@ class TierClient(Protocol):
         *,
         release: Sequence[SlotRef] = ...,
         lease: Literal[False] = ...,
+        again: bool = ...,
     ) -> LookupResult: ...
 
     @overload
     def lookup(
-        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = ..., lease: Literal[True]
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        release: Sequence[SlotRef] = ...,
+        lease: Literal[True],
+        again: bool = ...,
     ) -> tuple[LookupResult, list[SlotRef | None]]: ...
 
     def lookup(
-        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = (), lease: bool = False
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        release: Sequence[SlotRef] = (),
+        lease: bool = False,
+        again: bool = False,
     ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
         """Look the keys up, first ending the leases ``release``. With ``lease``, also lease
-        the found chunks when the arena holds them all, all in one call."""
+        the found chunks when the arena holds them all, all in one call. ``again``: the same
+        request asks again while it waits; its keys and hits are not counted twice."""
         ...
 
     @overload
@@ -198,6 +210,12 @@ class TierClient(Protocol):
     def report_hits(self, every_s: float = 0.0) -> None:
         """Tell the tiers of hits answered without a call, at most every ``every_s``, without
         waiting (a client whose answers all come from a call has none)."""
+        ...
+
+    def in_arena(self, keys: Sequence[ChunkKey]) -> list[SlotRef] | None:
+        """The slot of each key of the longest prefix the arena holds, read without a call and
+        without a lease (a hint: the slot may be reused after); None where this client cannot
+        read the arena so."""
         ...
 
     def chunk_events(self, cursor: int) -> Answer[ChunkEvents]:

@@ -35,11 +35,11 @@ def key_request(
     packed: bytes,
     refs: Sequence[bytes] = (),
     refs_field: int = 3,
-    flag_field: int = 0,
+    flags: Sequence[int] = (),
 ) -> bytes:
     """LookupRequest, ReserveRequest or PrefetchRequest: session (1), KeyBatch (2), the
-    already-serialised SlotRefs of field ``refs_field`` (commit or release), and the bool field
-    ``flag_field`` set to true (0: none)."""
+    already-serialised SlotRefs of field ``refs_field`` (commit or release), and the bool fields
+    numbered in ``flags`` set to true."""
     batch = b""
     if packed:
         batch = varint(1 << 3 | _VARINT) + varint(key_bytes) + length_delimited(2, packed)
@@ -47,6 +47,5 @@ def key_request(
     if batch:
         parts.append(length_delimited(2, batch))
     parts.extend(length_delimited(refs_field, ref) for ref in refs)
-    if flag_field:
-        parts.append(varint(flag_field << 3 | _VARINT) + varint(1))
+    parts.extend(varint(flag << 3 | _VARINT) + varint(1) for flag in flags)
     return b"".join(parts)

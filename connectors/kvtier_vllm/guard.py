@@ -1,5 +1,8 @@
 """kvtier's failures stay inside the connector: vLLM sees a miss or a load error, never an
-exception. A failure is logged with its traceback the first time per hook, then counted."""
+exception. A failure is logged with its traceback the first time per hook, then counted.
+
+While torch's profiler runs, each hook is a ``kvtier:<hook>`` range in its trace, so kvtier's
+share of an engine step can be read from it."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar
+
+import torch.autograd.profiler as torch_profiler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -18,6 +23,9 @@ failures: Counter[str] = Counter()
 def contained(hook: str, call: Callable[[], T], fallback: Callable[[], T]) -> T:
     """``call()``; on any exception, log it and return ``fallback()`` (which must not raise)."""
     try:
+        if torch_profiler._is_profiler_enabled:  # a flag read: nothing to pay unprofiled
+            with torch_profiler.record_function(f"kvtier:{hook}"):
+                return call()
         return call()
     except Exception:
         failures[hook] += 1

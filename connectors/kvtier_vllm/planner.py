@@ -140,6 +140,8 @@ class Asked:
 
     since: float | None = None
     """When it was first asked again."""
+    looked: bool = False
+    """Whether it was looked up already: lookups asked again are not counted again."""
     first_tiers: dict[int, int] = field(default_factory=dict)
     """Per chunk, where it was when first asked for (promoted ones came from lmdb)."""
 
@@ -230,6 +232,21 @@ class HitPlanner:
     def keys(self, plan: PoolPlan, hashes: Any, chunks: Iterable[int]) -> list[ChunkKey]:
         return keys_in(self.namespaces[plan.key], hashes, chunks, self.blocks_per_chunk)
 
+    def still_holds(self, plan: LoadPlan, hashes: Any, limit: int) -> bool:
+        """Whether a plan made at an earlier ask still stands, read from the arena without a
+        call: every chunk it leased is in the same slot, and the arena holds no chunk past its
+        hit (a lookup now would find a longer one). False where the arena cannot be read so."""
+        refs = plan.refs()
+        end = plan.first_chunk + plan.chunks
+        past = self.keys(self.anchor, hashes, [end]) if end < limit else []
+        found = self.client.in_arena([r.key for r in refs] + past)
+        if found is None or len(found) != len(refs):
+            return False
+        return all(
+            f.slot == r.slot and f.generation == r.generation
+            for f, r in zip(found, refs, strict=True)
+        )
+
     def _needed(self, plan: PoolPlan, first: int, chunks: int) -> range:
         return needed(plan, first, chunks, self.chunk_tokens)
 
@@ -237,7 +254,10 @@ class HitPlanner:
         """The load of the hit from chunk ``first`` (vLLM holds the ones before) up to
         ``limit``, with its leases taken; an empty plan (no chunk) for no hit, or None: ask
         again next step, chunks are on their way into the arena."""
-        found = self._find(hashes, first, limit)
+        try:
+            found = self._find(hashes, first, limit, again=asked.looked)
+        finally:
+            asked.looked = True
         chunks = found.chunks
         if self.drop_last and chunks > first:
             chunks -= 1
@@ -269,7 +289,7 @@ class HitPlanner:
             return None if chunks > first else LoadPlan(first, 0, {}, [])
         return self._lease(asked, hashes, first, chunks, found.leases)
 
-    def _find(self, hashes: Any, first: int, limit: int) -> _Found:
+    def _find(self, hashes: Any, first: int, limit: int, again: bool) -> _Found:
         """The longest hit every target plan holds, in chunks: per plan, the first chunk it
         needs (from ``first``: vLLM holds the ones before) and the tier of each chunk from there.
 
@@ -283,7 +303,7 @@ class HitPlanner:
         # leases the next step would release go back with this lookup
         due = self.leases.take_due()
         try:
-            result, leased = client.lookup(keys, release=due, lease=True)
+            result, leased = client.lookup(keys, release=due, lease=True, again=again)
         except KVTierError:
             self.unreturned.keep(Return.RELEASE, due)
             raise
@@ -306,7 +326,8 @@ class HitPlanner:
             for plan in self.targets:
                 span = self._needed(plan, first, chunks)
                 if plan.window or plan.key not in found:
-                    result = client.lookup(self.keys(plan, hashes, span))
+                    # the first lookup counted these keys: the window checks are asked again
+                    result = client.lookup(self.keys(plan, hashes, span), again=True)
                     pending |= result.pending
                     found[plan.key] = (span.start, result.tier_codes)
                 have = span.start + len(found[plan.key][1])
@@ -405,7 +426,7 @@ class HitPlanner:
         within the wait): loading them now would find them mid-promotion and zero them."""
         client = self.client
         keys = self.keys(draft, hashes, self._needed(draft, hit.start, hit.stop))
-        found = client.lookup(keys)
+        found = client.lookup(keys, again=asked.since is not None)
         below = [k for k, c in zip(keys, found.tier_codes, strict=False) if c != CPU]
         if not below and not found.pending:
             return False

@@ -53,6 +53,9 @@ class _RequestState:
     stored_chunks: int = 0
     asked: Asked = field(default_factory=Asked)
     plan: LoadPlan | None = None
+    """The load answered to the last ask, while the request waits for room to take it."""
+    plan_revision: str | None = None
+    """The draft revision in use when it was made."""
     hit: LoadPlan | None = None
     """The load granted, for its hit sources."""
     local_tokens: int = 0
@@ -293,6 +296,9 @@ class KVTierScheduler:
         if self._followed != self._step:
             self._sync_draft(follow=True)
         self.session.touch(True)
+        held = self._held_answer(state, request, num_computed_tokens)
+        if held is not None:
+            return held, self.async_loads  # asked again while it waits for room: no call
         self._drop_plan(state)
         wait_s = self.cfg.promote_wait_ms / 1000
         if self.draft is not None and self.draft.awaiting and state.asked.may_wait(wait_s):
@@ -313,9 +319,29 @@ class KVTierScheduler:
         if plan.chunks == 0:
             return 0, False
         state.plan = plan
+        state.plan_revision = self._draft_revision()
         state.local_tokens = num_computed_tokens
         tokens = (first + plan.chunks) * self.chunk_tokens - num_computed_tokens
         return tokens, self.async_loads
+
+    def _draft_revision(self) -> str | None:
+        return self.draft.revision if self.draft is not None else None
+
+    def _held_answer(
+        self, state: _RequestState, request: Any, num_computed_tokens: int
+    ) -> int | None:
+        """The tokens of the load answered last time, when nothing it rests on has changed."""
+        plan = state.plan
+        if (
+            plan is None
+            or state.local_tokens != num_computed_tokens
+            or state.plan_revision != self._draft_revision()
+        ):
+            return None
+        assert self.planner is not None  # made with the client
+        if not self.planner.still_holds(plan, request.block_hashes, self._hit_limit(request)):
+            return None
+        return int((plan.first_chunk + plan.chunks) * self.chunk_tokens - num_computed_tokens)
 
     def _hit_limit(self, request: Any) -> int:
         """The most chunks a lookup may find: at least one prompt token is always computed, to

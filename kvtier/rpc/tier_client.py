@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 _LOOKUP_LEASE = tier_pb2.LookupRequest.LEASE_FIELD_NUMBER
+_LOOKUP_AGAIN = tier_pb2.LookupRequest.AGAIN_FIELD_NUMBER
+_LOOKUP_SERVED = tier_pb2.LookupRequest.SERVED_FIELD_NUMBER
 _IN_ARENA = int(TierCode.CPU)
 _MAX_REPORT = 4096  # keys per report, under the daemon's batch limit
 _TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
@@ -88,8 +90,12 @@ class GrpcTierClient:
         self._caller: ThreadPoolExecutor | None = None
         self._arena: ArenaAtPath | None = None
         """The arena, mapped to read its key index (where `readable_here`)."""
+        self._reporting = threading.Lock()
+        """Guards what reports carry: the heartbeat thread sends one an idle engine left."""
         self._hits: list[ChunkKey] = []
         """Keys the index answered since the last `report_hits`."""
+        self._hits_again: list[ChunkKey] = []
+        """The same, for requests that asked again: counted as loads only."""
         self._due: list[SlotRef] = []
         """Leases to end with the next report."""
         self._report: Pending[None] | None = None
@@ -127,25 +133,29 @@ class GrpcTierClient:
             f"/{_TIER_SERVICE}/{name}", response_deserializer=response.FromString
         )
 
-    def _encode(self, keys: Sequence[ChunkKey], refs: Sequence[SlotRef], flag: int = 0) -> bytes:
+    def _encode(
+        self, keys: Sequence[ChunkKey], refs: Sequence[SlotRef], flags: Sequence[int] = ()
+    ) -> bytes:
         key_bytes = len(keys[0]) if keys else 0
         packed = b"".join(keys)
         if len(packed) != key_bytes * len(keys):  # cheaper than checking every key
             raise InvalidRequestError("keys of one batch must share one length")
         encoded_refs = [ref_to(r).SerializeToString() for r in refs]
-        return wire.key_request(self.session_id, key_bytes, packed, encoded_refs, flag_field=flag)
+        return wire.key_request(self.session_id, key_bytes, packed, encoded_refs, flags=flags)
 
     def _keys_call(
         self,
         method: grpc.UnaryUnaryMultiCallable[bytes, Any],
         keys: Sequence[ChunkKey],
         refs: Sequence[SlotRef] = (),
-        flag: int = 0,
+        flags: Sequence[int] = (),
         timeout: float | None = None,
     ) -> Any:
         deadline = timeout or self._lookup_s
         # encoded on each try: a new session has another id
-        return self._in_session(lambda: self._rpc(method, self._encode(keys, refs, flag), deadline))
+        return self._in_session(
+            lambda: self._rpc(method, self._encode(keys, refs, flags), deadline)
+        )
 
     def _keys_call_async(
         self,
@@ -153,9 +163,9 @@ class GrpcTierClient:
         keys: Sequence[ChunkKey],
         refs: Sequence[SlotRef],
         convert: Callable[[Any], R],
-        flag: int = 0,
+        flags: Sequence[int] = (),
     ) -> Pending[R]:
-        return self._behind(method, self._encode(keys, refs, flag), convert)
+        return self._behind(method, self._encode(keys, refs, flags), convert)
 
     def _behind(
         self,
@@ -260,6 +270,8 @@ class GrpcTierClient:
                     self._heartbeat_once()
                 except KVTierError as exc:
                     log.warning("heartbeat to %s failed: %s", self.target, exc)
+                else:
+                    self._report_idle()
                 continue
             probing = bool(breaker.why)
             assert self._deadlines is not None
@@ -268,8 +280,17 @@ class GrpcTierClient:
                 self._heartbeat_once(timeout, in_step=False)
             except KVTierError as exc:
                 breaker.trip(f"missed a heartbeat ({exc})")
-            else:
-                breaker.reset()
+                continue
+            breaker.reset()
+            self._report_idle()
+
+    def _report_idle(self) -> None:
+        """What the last steps of an engine gone idle left to report goes now, not with its
+        next request."""
+        try:
+            self.report_hits()
+        except KVTierError as exc:
+            log.debug("hit report to %s failed: %s", self.target, exc)
 
     def _heartbeat_once(self, timeout: float | None = None, in_step: bool = True) -> None:
         request = tier_pb2.HeartbeatRequest(session_id=self.session_id)
@@ -299,57 +320,86 @@ class GrpcTierClient:
         *,
         release: Sequence[SlotRef] = ...,
         lease: Literal[False] = ...,
+        again: bool = ...,
     ) -> LookupResult: ...
 
     @overload
     def lookup(
-        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = ..., lease: Literal[True]
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        release: Sequence[SlotRef] = ...,
+        lease: Literal[True],
+        again: bool = ...,
     ) -> tuple[LookupResult, list[SlotRef | None]]: ...
 
     def lookup(
-        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = (), lease: bool = False
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        release: Sequence[SlotRef] = (),
+        lease: bool = False,
+        again: bool = False,
     ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
+        flags = (_LOOKUP_AGAIN,) if again else ()
         if not lease:
-            return lookup_from(self._keys_call(self._lookup, keys, self._leased(release)))
-        return self._lookup_leasing(release, keys)
+            return lookup_from(self._keys_call(self._lookup, keys, self._leased(release), flags))
+        return self._lookup_leasing(release, keys, flags)
 
     def _lookup_leasing(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey]
+        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey], flags: tuple[int, ...]
     ) -> tuple[LookupResult, list[SlotRef | None]]:
-        """A hit the arena holds whole is answered from its key index, with no call and no
-        lease: whoever copies a slot checks its generation afterwards anyway, and a call made
-        now would compete with that copy for the CPU (it cost more than the call itself).
-        `report_hits` tells kvtierd of such hits later."""
+        """The part of a hit the arena holds is answered from its key index, with no call and
+        no lease: whoever copies a slot checks its generation afterwards anyway, and a call
+        made now would compete with that copy for the CPU (it cost more than the call itself).
+        kvtierd is asked only about the keys past it; `report_hits` tells it of the rest later."""
         if self.breaker is not None:
             self.breaker.check()  # no hit, at once; ``refs`` stay the caller's
         found = self._in_arena(keys)
-        if found is None:
+        again = bool(flags)
+        if keys and len(found) == len(keys):
+            with self._reporting:
+                self._due += self._leased(refs)  # with the next report: no call now
+                (self._hits_again if again else self._hits).extend(keys)
+            return LookupResult(len(found), bytes([_IN_ARENA]) * len(found)), list(found)
+        with self._reporting:
             owned, self._due = self._due, []
-            release = [*owned, *self._leased(refs)]
-            try:
-                response = self._keys_call(self._lookup, keys, release, flag=_LOOKUP_LEASE)
-            except KVTierError:
+        release = [*owned, *self._leased(refs)]
+        rest = keys[len(found) :]
+        try:
+            response = self._keys_call(self._lookup, rest, release, (_LOOKUP_LEASE, *flags))
+        except KVTierError:
+            with self._reporting:
                 self._due = owned + self._due  # these end with the next call; ``refs`` stay
-                raise  # the caller's
-            result = lookup_from(response)
-            return result, grants_from(response.leases)
-        self._due += self._leased(refs)  # with the next report: no call now
-        self._hits += keys
-        return LookupResult(len(found), bytes([_IN_ARENA]) * len(found)), list(found)
+            raise  # the caller's
+        result, leases = lookup_from(response), grants_from(response.leases)
+        if not found:
+            return result, leases
+        with self._reporting:
+            (self._hits_again if again else self._hits).extend(keys[: len(found)])
+        codes = bytes([_IN_ARENA]) * len(found) + result.tier_codes
+        hit = LookupResult(len(found) + result.hits, codes, result.pending)
+        return hit, [*found, *leases]
 
-    def _in_arena(self, keys: Sequence[ChunkKey]) -> list[IndexedRef] | None:
-        """Each key's slot, from the arena's key index; None unless the arena holds them all."""
-        if self._arena is None or not keys:
+    def in_arena(self, keys: Sequence[ChunkKey]) -> list[SlotRef] | None:
+        if self._arena is None:
             return None
+        return list(self._in_arena(keys))
+
+    def _in_arena(self, keys: Sequence[ChunkKey]) -> list[IndexedRef]:
+        """The slot of each key of the longest prefix the arena holds, from its key index
+        (none where the index cannot be read here)."""
+        if self._arena is None or not keys:
+            return []
         try:
             memory = self._arena.current()
         except KVTierError:
-            return None
+            return []
         refs = []
         for key in keys:
             found = memory.find(key)
             if found is None:
-                return None
+                break
             slot, generation = found
             offset, nbytes = memory.slot_offset(slot), memory.slot_bytes(slot)
             refs.append(IndexedRef(key, slot, offset, nbytes, generation))
@@ -366,6 +416,10 @@ class GrpcTierClient:
         ``every_s``, without waiting: it counts them, and leasing them and ending the leases
         at once refreshes their recency. Leases handed back meanwhile end with it. Raises
         what the previous report met."""
+        with self._reporting:
+            self._report_held(every_s)
+
+    def _report_held(self, every_s: float) -> None:
         now = time.monotonic()
         if now < self._next_report or (self._report is not None and not self._report.done()):
             return
@@ -378,24 +432,22 @@ class GrpcTierClient:
             except KVTierError:
                 self._due = self._reported + self._due  # they end with the next report
                 raise
-        keys, self._hits = self._hits[:_MAX_REPORT], self._hits[_MAX_REPORT:]
+        flags: tuple[int, ...] = (_LOOKUP_SERVED,)
+        if self._hits or not self._hits_again:
+            keys, self._hits = self._hits[:_MAX_REPORT], self._hits[_MAX_REPORT:]
+        else:  # one kind per report: the other goes with the next
+            keys, self._hits_again = self._hits_again[:_MAX_REPORT], self._hits_again[_MAX_REPORT:]
+            flags = (_LOOKUP_SERVED, _LOOKUP_AGAIN)
         release, self._due = self._due, []
         if not keys and not release:
             return
         self._next_report = now + every_s
         try:
-            self._report = self._behind(self._touch, self._encode(keys, release, _LOOKUP_LEASE))
+            self._report = self._behind(self._lookup, self._encode(keys, release, flags))
         except KVTierError:
             self._due = release + self._due
             raise
         self._reported = release
-
-    def _touch(self, request: bytes, timeout: float) -> None:
-        response = self._lookup(request, timeout=timeout)
-        leased = [r for r in grants_from(response.leases) if r is not None]
-        if leased:
-            ended = tier_pb2.ReleaseRequest(session_id=self.session_id, refs=map(ref_to, leased))
-            self._stub.Release(ended, timeout=timeout)
 
     @overload
     def reserve(self, keys: Sequence[ChunkKey], *, commit: None = ...) -> list[SlotRef | None]: ...
@@ -464,9 +516,10 @@ class GrpcTierClient:
         return self._behind(self._stub.ChunkEvents, request, chunk_events_from)
 
     def release(self, refs: Sequence[SlotRef]) -> None:
-        request = tier_pb2.ReleaseRequest(
-            session_id=self.session_id, refs=[ref_to(r) for r in self._leased(refs)]
-        )
+        leased = self._leased(refs)
+        if not leased:
+            return  # refs the index answered: no lease to end, no call
+        request = tier_pb2.ReleaseRequest(session_id=self.session_id, refs=map(ref_to, leased))
         self._old_refs_call(lambda: self._rpc(self._stub.Release, request))
 
     def close(self) -> None:

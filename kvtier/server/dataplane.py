@@ -126,12 +126,15 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         release = self._refs(session, request.release)
         if release:
             self.sessions.release(session, release)
-        result = self.manager.lookup(keys)
-        self.telemetry.looked_up(
-            session.replica, request.keys.packed, request.keys.key_bytes, result.tier_codes
-        )
+        result = self.manager.lookup(keys, again=request.again)
+        if not request.again:
+            self.telemetry.looked_up(
+                session.replica, request.keys.packed, request.keys.key_bytes, result.tier_codes
+            )
         response = lookup_to(result)
-        if request.lease:
+        if request.served:
+            self._lease(session, keys[: arena_hit(result)], hold=False)
+        elif request.lease:
             response.leases.extend(grants_to(self._lease(session, keys[: arena_hit(result)])))
         return response
 
@@ -178,10 +181,16 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self.sessions.release(session, self._refs(session, request.release))
         return tier_pb2.PrefetchResponse(leases=grants_to(self._lease(session, keys)))
 
-    def _lease(self, session: Session, keys: list[ChunkKey]) -> list[SlotRef | None]:
+    def _lease(
+        self, session: Session, keys: list[ChunkKey], hold: bool = True
+    ) -> list[SlotRef | None]:
+        """Lease the keys' chunks for a load; without ``hold``, end the leases at once (the
+        client loaded them already: the lease only moves them up the eviction order)."""
         started = time.perf_counter()
         leases = self.sessions.lease(session, keys)
         held = [lease for lease in leases if lease is not None]
+        if not hold:
+            self.sessions.release(session, held)
         self.telemetry.moved("load", held, len(held), time.perf_counter() - started)
         return leases
 

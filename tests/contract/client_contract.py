@@ -95,6 +95,33 @@ class ClientContract:
         assert [self._read(arena, r) for r in leases if r] == [payload_for(k, CHUNK) for k in keys]
         client.release([r for r in leases if r is not None])
 
+    def test_in_arena_names_the_held_prefixs_slots_without_a_lease(
+        self, client: TierClient, arena: ArenaMemory, ns: bytes
+    ) -> None:
+        keys = keys_for(ns, 3)
+        self._store(client, arena, keys[:2])
+        found = client.in_arena(keys)
+        if found is None:  # a client that cannot read the arena so asks instead
+            return
+        leases = [r for r in client.lease(keys[:2]) if r is not None]
+        assert [(r.key, r.slot, r.generation) for r in found] == [
+            (r.key, r.slot, r.generation) for r in leases
+        ]
+        client.release(leases)
+        client.release(found)  # nothing to end: no lease stands behind them
+        assert client.lookup(keys[:2]).hits == 2
+
+    def test_a_lookup_asked_again_answers_the_same(
+        self, client: TierClient, arena: ArenaMemory, ns: bytes
+    ) -> None:
+        keys = keys_for(ns, 3)
+        self._store(client, arena, keys[:2])
+        first, leased = client.lookup(keys, lease=True)
+        again, leased_again = client.lookup(keys, release=leased, lease=True, again=True)
+        assert (first.hits, first.tiers) == (again.hits, again.tiers) == (2, ["cpu"] * 2)
+        assert [r.key for r in leased_again if r is not None] == keys[:2]
+        client.release([r for r in leased_again if r is not None])
+
     def test_lookup_counts_the_present_prefix(
         self, client: TierClient, arena: ArenaMemory, ns: bytes
     ) -> None:

@@ -552,9 +552,11 @@ def _committed(
 
 
 def test_a_leasing_lookup_leases_the_arena_prefix_and_releases_in_one_call(
-    procs: Processes, files: DaemonFiles
+    procs: Processes, files: DaemonFiles, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     daemon = procs.start_daemon(files)
+    # a client that cannot read the arena's index: every answer comes from kvtierd
+    monkeypatch.setattr("kvtier.rpc.tier_client.readable_here", lambda: False)
     client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
     try:
         keys, _ = _committed(client, 3, more=1)
@@ -573,6 +575,40 @@ def test_a_leasing_lookup_leases_the_arena_prefix_and_releases_in_one_call(
         with pytest.raises(KVTierError):
             client.lookup(foreign, release=[lease] if lease else [], lease=True)
         assert daemon.stats().leases == 1
+    finally:
+        client.close()
+
+
+def test_the_arenas_part_of_a_hit_comes_from_its_index_and_kvtierd_answers_the_rest(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    daemon = procs.start_daemon(files)
+    client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
+    try:
+        keys, refs = _committed(client, 3, more=2)
+        before = daemon.stats().counters
+        result, found = client.lookup(keys, lease=True)
+        assert (result.hits, result.tiers) == (3, ["cpu"] * 3)
+        slots = [(r.slot, r.generation) for r in refs]
+        assert [(r.slot, r.generation) for r in found if r is not None] == slots
+        after = daemon.stats().counters
+        # one call, about the two keys past the arena's part only; nothing leased for it
+        assert after["lookups"] - before["lookups"] == 1
+        assert after["lookup_chunks"] - before["lookup_chunks"] == 2
+        assert daemon.stats().leases == 0
+        # asked again (the same request, waiting): answered, not counted again
+        client.lookup(keys, lease=True, again=True)
+        client.report_hits()
+        _wait_for(
+            lambda: daemon.stats().counters["lookup_chunks"] == after["lookup_chunks"] + 3,
+            10.0,
+            "the first answer's index hits reported",
+        )
+        client.report_hits()  # the second kind of report goes with the next one
+        _wait_for(lambda: daemon.stats().leases == 0, 10.0, "the reports' leases ended")
+        counted = daemon.stats().counters
+        assert counted["lookup_chunks"] - before["lookup_chunks"] == 5
+        assert counted["hit_chunks_cpu"] - before["hit_chunks_cpu"] == 3
     finally:
         client.close()
 

@@ -193,3 +193,69 @@ def test_draft_chunks_on_their_way_hold_the_hit_back(client: InProcessClient) ->
     assert set(plan.leases) == {"target", "draft"}
     assert plan.fill is Fill.NONE
     client.release(plan.refs())
+
+
+def test_asking_again_while_a_promotion_lands_counts_the_lookup_once(
+    client: InProcessClient,
+) -> None:
+    ns = register(client, TARGET)
+    hit = keys(ns["target"], range(4))
+    store(client, hit)
+    to_lmdb_only(client, ns["target"])
+    counted = client.manager.stats().counters
+    p = planner(client, ns, wait_s=30)
+    asked = Asked()
+    assert p.plan(asked, HASHES, 0, 4) is None
+    deadline = time.monotonic() + 10
+    while not all(client.manager.cpu.contains(hit)):  # no lookup: nothing counted
+        assert time.monotonic() < deadline, "the promotion never landed"
+        time.sleep(0.01)
+    plan = p.plan(asked, HASHES, 0, 4)
+    assert plan is not None
+    now = client.manager.stats().counters
+    # two asks of one request: one lookup of 4 chunks counted, found in lmdb
+    assert now["lookups"] - counted["lookups"] == 1
+    assert now["lookup_chunks"] - counted["lookup_chunks"] == 4
+    assert now["hit_chunks_lmdb"] - counted["hit_chunks_lmdb"] == 4
+    assert now["hit_chunks_cpu"] - counted["hit_chunks_cpu"] == 0
+    client.release(plan.refs())
+
+
+class ArenaReading:
+    """The in-process client, with the arena read as a sidecar client reads its key index."""
+
+    def __init__(self, client: InProcessClient) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._client, name)
+
+    def in_arena(self, keys: list[ChunkKey]) -> list[object]:
+        found = []
+        for key in keys:
+            (ref,) = self._client.lease([key])
+            if ref is None:
+                break
+            self._client.release([ref])
+            found.append(ref)
+        return found
+
+
+def test_a_plan_still_holds_until_its_slots_change_or_the_hit_could_be_longer(
+    client: InProcessClient,
+) -> None:
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(3)))
+    p = planner(client, ns)
+    plan = p.plan(Asked(), HASHES, 0, 6)
+    assert plan is not None
+    assert plan.chunks == 3
+    reading = planner(ArenaReading(client), ns)  # type: ignore[arg-type]
+    assert reading.still_holds(plan, HASHES, 6)
+    assert not p.still_holds(plan, HASHES, 6)  # this client cannot read the arena so
+    store(client, keys(ns["target"], range(3, 4)))  # a longer hit is there now
+    assert not reading.still_holds(plan, HASHES, 6)
+    assert reading.still_holds(plan, HASHES, 3)  # ...unless the hit may be no longer
+    client.release(plan.refs())
+    client.manager.evict("cpu", namespace=ns["target"])  # its slots go
+    assert not reading.still_holds(plan, HASHES, 3)

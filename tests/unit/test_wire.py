@@ -36,10 +36,11 @@ def test_hand_encoded_requests_parse_as_the_generated_classes(
     assert lookup.session_id == session
     assert not lookup.lease
     refs = [r.SerializeToString() for r in slot_refs]
-    leasing = wire.key_request(
-        session, key_bytes, packed, refs, flag_field=tier_pb2.LookupRequest.LEASE_FIELD_NUMBER
+    flags = (tier_pb2.LookupRequest.LEASE_FIELD_NUMBER, tier_pb2.LookupRequest.AGAIN_FIELD_NUMBER)
+    leasing = wire.key_request(session, key_bytes, packed, refs, flags=flags)
+    expected_lookup = tier_pb2.LookupRequest(
+        session_id=session, release=slot_refs, lease=True, again=True
     )
-    expected_lookup = tier_pb2.LookupRequest(session_id=session, release=slot_refs, lease=True)
     if packed:
         expected_lookup.keys.CopyFrom(tier_pb2.KeyBatch(key_bytes=key_bytes, packed=packed))
     assert tier_pb2.LookupRequest.FromString(leasing) == expected_lookup

@@ -319,10 +319,20 @@ class LookupRequest(_message.Message):
     KEYS_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    AGAIN_FIELD_NUMBER: _builtins.int
+    SERVED_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     lease: _builtins.bool
     """Also lease the found chunks when the arena holds every one of them, as Prefetch would: a
     hit served from the arena then takes one call.
+    """
+    again: _builtins.bool
+    """The same request asks again (it waits for chunks on their way into the arena): answered,
+    but not counted again as a lookup and hits; leases it takes count as loads.
+    """
+    served: _builtins.bool
+    """The keys are hits the client answered from the arena's key index and served: each is
+    counted as a load and moved up the eviction order, and nothing is leased.
     """
     @_builtins.property
     def keys(self) -> Global___KeyBatch: ...
@@ -337,10 +347,12 @@ class LookupRequest(_message.Message):
         keys: Global___KeyBatch | None = ...,
         release: _abc.Iterable[Global___SlotRef] | None = ...,
         lease: _builtins.bool = ...,
+        again: _builtins.bool = ...,
+        served: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "lease", b"lease", "release", b"release", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["again", b"again", "keys", b"keys", "lease", b"lease", "release", b"release", "served", b"served", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

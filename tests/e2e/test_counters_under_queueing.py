@@ -1,0 +1,133 @@
+"""kvtierd's counters under queueing: requests that wait several steps for room in a GPU cache too
+small for them are asked about again every step, and kvtierd still counts what was served: a
+chunk's hit once per request, a load once per chunk the engine loaded, and few calls per hit."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.models import vocab_size_of
+from tests.e2e.models import ModelSet, counter, generate_tokens, running_llm
+from tests.e2e.test_connector import kvtier_config
+from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon
+
+BLOCK = 32
+PROMPT = 688  # 21 whole chunks can be a hit: the last token is always computed
+CHUNKS = (PROMPT - 1) // BLOCK
+MAX_TOKENS = 4
+# one request at a time fits: 28 blocks of 32 KiB (the tiny model's KV per block), and the
+# null block
+ENGINE = {"max_model_len": 28 * BLOCK, "kv_cache_memory_bytes": 29 * BLOCK * 1024}
+DATA_PLANE = {"lookup", "reserve", "commit", "abort", "prefetch", "release", "promote"}
+
+
+def unique_prompts(models: ModelSet, n: int, seed: int) -> list[list[int]]:
+    from benchmarks.models import shared_prefix_prompts
+
+    vocab = vocab_size_of(models.target)
+    return shared_prefix_prompts(
+        n, vocab_size=vocab, prefix_len=PROMPT - 48, suffix_len=48, num_prefixes=n, seed=seed
+    )
+
+
+class DaemonCounts:
+    """kvtierd's counters as its /metrics page shows them, summed over labels."""
+
+    def __init__(self, daemon: RunningDaemon) -> None:
+        self.daemon = daemon
+
+    def now(self) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for name, labels, value in self.daemon.metrics():
+            if name == "kvtier_hit_chunks_total":
+                out["hits"] += value
+            elif name == "kvtier_lookup_chunks_total":
+                out["asked"] += value
+            elif name == "kvtier_transfer_chunks_total" and labels.get("direction") == "load":
+                out["loads"] += value
+            elif name == "kvtier_requests_total" and labels.get("op") in DATA_PLANE:
+                out["calls"] += value
+                out[f"calls:{labels['op']}"] += value
+        return out
+
+    def settled(self, before: Counter[str], done: Callable[[Counter[str]], bool]) -> Counter[str]:
+        """The change since ``before`` once ``done`` holds (hits answered from the arena's
+        index reach kvtierd with a report, within a heartbeat of the engine going idle)."""
+        deadline = time.monotonic() + 15.0
+        while True:
+            delta = self.now()
+            delta.subtract(before)
+            if done(delta) or time.monotonic() > deadline:
+                return delta
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def asks(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """How often vLLM asked the connector about each request."""
+    from kvtier_vllm.scheduler import KVTierScheduler
+
+    seen: Counter[str] = Counter()
+    original = KVTierScheduler.get_num_new_matched_tokens
+
+    def counting(self: KVTierScheduler, request: Any, computed: int) -> tuple[int | None, bool]:
+        seen[request.request_id] += 1
+        return original(self, request, computed)
+
+    monkeypatch.setattr(KVTierScheduler, "get_num_new_matched_tokens", counting)
+    return seen
+
+
+def test_waiting_requests_are_counted_once_and_cost_few_calls(
+    tiny_models: ModelSet,
+    procs: Processes,
+    daemon_files: DaemonFiles,
+    asks: Counter[str],
+) -> None:
+    daemon = procs.start_daemon(daemon_files)
+    counts = DaemonCounts(daemon)
+    connector = kvtier_config({"mode": "sidecar", "socket_path": str(daemon_files.socket)})
+    stored, fresh = unique_prompts(tiny_models, 8, seed=21), unique_prompts(tiny_models, 4, 22)
+    with running_llm(tiny_models.target, kv_transfer_config=connector, **ENGINE) as llm:
+        generate_tokens(llm, stored, max_tokens=MAX_TOKENS)
+
+    # every stored prompt again, from a fresh engine: each one waits for the one before
+    asks.clear()
+    before = counts.now()
+    with running_llm(tiny_models.target, kv_transfer_config=connector, **ENGINE) as llm:
+        _, cached = generate_tokens(llm, stored, max_tokens=MAX_TOKENS)
+        loaded = counter(llm, "vllm:kvtier_transfer_chunks", direction="load")
+        delta = counts.settled(before, lambda d: d["hits"] >= loaded and d["loads"] >= loaded)
+    assert cached == [CHUNKS * BLOCK] * len(stored)
+    assert max(asks.values()) >= 4, asks  # the queueing this test is about happened
+    assert loaded == CHUNKS * len(stored)
+    assert (delta["asked"], delta["hits"], delta["loads"]) == (loaded, loaded, loaded), delta
+    assert delta["calls"] <= 2 * len(stored), delta
+
+    # half the prompts were never stored: the README's hit ratio is the true one
+    before = counts.now()
+    with running_llm(tiny_models.target, kv_transfer_config=connector, **ENGINE) as llm:
+        generate_tokens(llm, stored[:4] + fresh, max_tokens=MAX_TOKENS)
+        loaded = counter(llm, "vllm:kvtier_transfer_chunks", direction="load")
+        delta = counts.settled(before, lambda d: d["hits"] >= loaded and d["asked"] >= 8 * CHUNKS)
+    asked = CHUNKS * 8
+    assert loaded == CHUNKS * 4
+    assert delta["asked"] == asked, delta
+    assert delta["hits"] / delta["asked"] == pytest.approx(loaded / asked)
+    assert delta["loads"] == loaded, delta
+
+
+def test_tiny_model_kv_is_the_size_this_test_assumes(tiny_models: ModelSet) -> None:
+    # 2 layers x (K, V) x 2 KV heads x head_dim 32 x 4 bytes per token
+    import json
+
+    config = json.loads((Path(tiny_models.target) / "config.json").read_text())
+    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * 32 * 4
+    dtype = config.get("dtype", config.get("torch_dtype"))
+    assert (config["head_dim"], dtype, per_token) == (32, "float32", 1024)
