@@ -21,9 +21,7 @@ verify, warmup and gc.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
 import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -39,6 +37,7 @@ from kvtier.journal import ChunkEvents, Journal
 from kvtier.keys import ChunkKey, NamespaceSpec, Pool, namespace_of, namespaces_of
 from kvtier.maintenance import DrainResult, Maintenance, VerifyProgress, WarmupProgress
 from kvtier.pools import PoolRegistry
+from kvtier.promotion import Promoter
 from kvtier.protocol import (
     DraftRevision,
     DraftState,
@@ -58,7 +57,6 @@ from kvtier.writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
-_STOP = (ChunkKey(b""), "")  # wakes the promoter to stop
 
 _CPU = int(TierCode.CPU)
 _LMDB = int(TierCode.LMDB)
@@ -114,15 +112,19 @@ class TierManager:
             if local is not None:
                 local.journal = self.journal
         self._counters = Counters()
-        self._stop = threading.Event()
-        self._promotions: queue.Queue[tuple[ChunkKey, str]] = queue.Queue(
-            config.manager.promote_queue_chunks
-        )
-        self._promoting: set[ChunkKey] = set()
+        self.promoter: Promoter | None = None
+        if self.lmdb is not None:
+            self.promoter = Promoter(
+                self.cpu, self.lmdb, config.manager.promote_queue_chunks, self._counters
+            )
         self.fetcher: ObjectFetcher | None = None
         if self.object is not None and self.lmdb is not None:
+            assert self.promoter is not None
             self.fetcher = ObjectFetcher(
-                self.object, self.lmdb.put_many, partial(self._promote, lease=False), self._counters
+                self.object,
+                self.lmdb.put_many,
+                partial(self.promoter.promote, lease=False),
+                self._counters,
             )
         self.drafts = DraftRevisions(
             self.registry,
@@ -143,7 +145,6 @@ class TierManager:
             release=self.release,
         )
         self.writeback: WriteBack | None = None
-        self._promoter: threading.Thread | None = None
         if self.lmdb is not None:
             self.writeback = WriteBack(
                 self.cpu,
@@ -153,10 +154,6 @@ class TierManager:
                 self._counters,
                 between_batches=self.drafts.gc_when_due,
             )
-            self._promoter = threading.Thread(
-                target=self._promote_loop, name="kvtier-promote", daemon=True
-            )
-            self._promoter.start()
 
     @property
     def tiers(self) -> dict[str, Tier]:
@@ -354,11 +351,11 @@ class TierManager:
         """
         self._check_pools(keys)
         leases = self.cpu.lease(keys)
-        if self.lmdb is None:
+        if self.promoter is None:
             return leases
         for i, lease in enumerate(leases):
             if lease is None:
-                leases[i] = self._promote(keys[i], replica)
+                leases[i] = self.promoter.promote(keys[i], replica)
         self._count_hits(
             [k for k, ref in zip(keys, leases, strict=True) if ref is not None], replica
         )
@@ -368,61 +365,21 @@ class TierManager:
         """Queue lmdb and object chunks for promotion into the arena, without waiting; returns
         how many were queued. A later lookup finds them in the arena."""
         self._check_pools(keys)
-        if self.lmdb is None:
+        if self.lmdb is None or self.promoter is None:
             return 0
-        queued = 0
-        in_cpu = self.cpu.contains(keys)
+        local: list[ChunkKey] = []
         remote: list[ChunkKey] = []
-        for key, cached in zip(keys, in_cpu, strict=True):
-            if cached or key in self._promoting:
+        for key, cached in zip(keys, self.cpu.contains(keys), strict=True):
+            if cached:
                 continue
-            if key not in self.lmdb:
-                if self.object is not None and key in self.object:
-                    remote.append(key)
-                continue
-            try:
-                self._promotions.put_nowait((key, replica))
-            except queue.Full:
-                self._counters.add("promotions_dropped", 1)
-                break
-            self._promoting.add(key)
-            queued += 1
+            if key in self.lmdb:
+                local.append(key)
+            elif self.object is not None and key in self.object:
+                remote.append(key)
+        queued = self.promoter.queue(local, replica)
         if remote and self.fetcher is not None:
             queued += self.fetcher.fetch(remote, replica)
         return queued
-
-    def _promote_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                item = self._promotions.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if item is _STOP:
-                return
-            key, replica = item
-            try:
-                self._promote(key, replica, lease=False)
-            except Exception:  # never let the mover die silently
-                self._counters.add("promotion_errors", 1)
-                log.exception("promotion failed")
-            finally:
-                self._promoting.discard(key)
-
-    def _promote(self, key: ChunkKey, replica: str, lease: bool = True) -> SlotRef | None:
-        assert self.lmdb is not None
-        if not self.lmdb.contains([key])[0]:
-            return None
-        (ref,) = self.cpu.reserve([key], replica)
-        if ref is None:  # no room, or another caller is promoting it right now
-            self._counters.add("promotion_failed", 1)
-            return None
-        if not self.lmdb.read_into(key, self.cpu.view(ref)):
-            self.cpu.abort([ref])
-            self._counters.add("promotion_failed", 1)
-            return None
-        self.cpu.commit([ref], clean=True, lease=lease)
-        self._counters.add("promotions", 1)
-        return ref
 
     def release(self, refs: Sequence[SlotRef]) -> None:
         self.cpu.release(refs)
@@ -513,13 +470,10 @@ class TierManager:
                     self.cpu.writeback_pending(),
                 )
         finally:
-            self._stop.set()
             if self.writeback is not None:
                 self.writeback.stop()
-            with contextlib.suppress(queue.Full):
-                self._promotions.put_nowait(_STOP)  # wake the promoter now
-            if self._promoter is not None:
-                self._promoter.join()
+            if self.promoter is not None:
+                self.promoter.stop()
             if self.uploader is not None:
                 self.uploader.close(flush_timeout)
             if self.fetcher is not None:

@@ -150,11 +150,10 @@ class TierCollector(Collector):
         depth = metric_family("queue_depth_chunks")
         capacity = metric_family("queue_capacity_chunks")
         dropped = metric_family("queue_dropped_chunks")
-        if manager.lmdb is not None:
+        if manager.lmdb is not None and manager.promoter is not None:
             depth.add_metric(["writeback"], manager.cpu.writeback_pending())
             capacity.add_metric(["writeback"], config.manager.writeback_queue_chunks)
-            # the promotion queue has no public accessor; its length is what operators need
-            depth.add_metric(["promote"], manager._promotions.qsize())
+            depth.add_metric(["promote"], manager.promoter.pending())
             capacity.add_metric(["promote"], config.manager.promote_queue_chunks)
             dropped.add_metric(["promote"], stats.counters["promotions_dropped"])
         if manager.uploader is not None and manager.object is not None:
