@@ -26,6 +26,7 @@ from rich.text import Text
 
 from kvtier.config import KVTierConfig, describe, load_config
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.protocol import TierCode
 
 _BYTES = TypeAdapter(ByteSize)
 
@@ -108,7 +109,7 @@ def _stats(args: argparse.Namespace) -> int:
                     r.replica,
                     r.pool,
                     _gib(r.usage.used_bytes),
-                    _gib(r.usage.capacity_bytes) if t.tier == "cpu" else "-",
+                    _gib(r.usage.capacity_bytes) if t.tier == TierCode.CPU.tier else "-",
                     r.usage.chunks,
                 )
                 for t in stats.tiers
@@ -336,7 +337,7 @@ def _parser() -> argparse.ArgumentParser:
 
     admin("stats", _stats, "usage and hits per tier, pool and replica")
     evict = admin("evict", _evict, "drop chunks matching every given filter")
-    evict.add_argument("--tier", choices=["cpu", "lmdb", "object"])
+    evict.add_argument("--tier", choices=[code.tier for code in TierCode])
     evict.add_argument("--pool")
     evict.add_argument("--namespace", help="16-byte namespace, hex")
     evict.add_argument("--replica")
@@ -351,7 +352,7 @@ def _parser() -> argparse.ArgumentParser:
     drain = admin("drain", _drain, "write every arena chunk to lmdb")
     drain.add_argument("--timeout", type=float, default=60.0)
     verify = admin("verify", _verify, "verify stored chunks; corrupt ones are quarantined")
-    verify.add_argument("--tier", choices=["lmdb"])
+    verify.add_argument("--tier", choices=[TierCode.LMDB.tier])
     warmup = admin("warmup", _warmup, "promote stored chunks into the arena")
     warmup.add_argument("--namespace", help="16-byte namespace, hex")
     warmup.add_argument("--max-chunks", type=int, default=0, help="chunks promoted at most")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from kvtier.errors import InvalidRequestError, TierNotConfiguredError, UnknownPoolError
 from kvtier.keys import ChunkKey, namespace_of
 from kvtier.pools import PoolRegistry
-from kvtier.protocol import SlotRef
+from kvtier.protocol import SlotRef, TierCode
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
 from kvtier.tiers.objstore.catalog import Catalog, GcCounts, WarmupCounts
@@ -82,7 +82,7 @@ class Maintenance:
 
     def verify(self, tier: str = "") -> Iterator[VerifyProgress]:
         """Check every lmdb chunk; corrupt ones are quarantined."""
-        if tier not in ("", "lmdb"):
+        if tier not in ("", TierCode.LMDB.tier):
             raise InvalidRequestError("only the lmdb tier stores checksummed chunks to verify")
         lmdb = self._lmdb
         keys = list(lmdb.keys()) if lmdb is not None else []

@@ -18,7 +18,10 @@ from prometheus_client.registry import Collector
 
 from kvtier.manager import ManagerStats, TierManager
 from kvtier.metric_specs import info_family, metric_family
+from kvtier.protocol import TierCode
 from kvtier.telemetry import telemetry_of
+
+CPU, LMDB, OBJECT = (code.tier for code in TierCode)
 
 
 def _kvtier_version() -> str:
@@ -68,22 +71,22 @@ class TierCollector(Collector):
             )
         }
         policy = info_family("eviction_policy")
-        policy.add_metric([], {"tier": "cpu", "policy": config.arena.eviction_policy})
+        policy.add_metric([], {"tier": CPU, "policy": config.arena.eviction_policy})
         if self.manager.lmdb is not None:
-            policy.add_metric([], {"tier": "lmdb", "policy": config.lmdb.eviction_policy})
-            families["tier_high_water_ratio"].add_metric(["lmdb"], config.lmdb.high_water)
+            policy.add_metric([], {"tier": LMDB, "policy": config.lmdb.eviction_policy})
+            families["tier_high_water_ratio"].add_metric([LMDB], config.lmdb.high_water)
         for name, tier in stats.tiers.items():
             families["tier_capacity_bytes"].add_metric([name], tier.capacity_bytes)
             for pool, usage in tier.pools.items():
                 families["tier_used_bytes"].add_metric([name, pool], usage.used_bytes)
                 families["tier_chunks"].add_metric([name, pool], usage.chunks)
-                if name == "cpu":
+                if name == CPU:
                     families["pool_capacity_bytes"].add_metric([name, pool], usage.capacity_bytes)
             for (replica, pool), usage in tier.replicas.items():
                 labels = [name, replica, pool]
                 families["replica_used_bytes"].add_metric(labels, usage.used_bytes)
                 families["replica_chunks"].add_metric(labels, usage.chunks)
-                if name == "cpu":
+                if name == CPU:
                     families["replica_quota_bytes"].add_metric(labels, usage.capacity_bytes)
             counters = tier.counters
             # capacity is the reason every tier has; show it even before the first eviction
@@ -112,8 +115,8 @@ class TierCollector(Collector):
     def _transfers(self, stats: ManagerStats) -> Iterator[Metric]:
         counts = self.telemetry.counts()
         manager = stats.counters
-        obj = stats.tiers["object"].counters if "object" in stats.tiers else Counter()
-        cpu = stats.tiers["cpu"].counters
+        obj = stats.tiers[OBJECT].counters if OBJECT in stats.tiers else Counter()
+        cpu = stats.tiers[CPU].counters
         nbytes = metric_family("transfer_bytes")
         chunks = metric_family("transfer_chunks")
         failures = metric_family("transfer_failures")

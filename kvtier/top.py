@@ -25,8 +25,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtier.config import load_config
+from kvtier.protocol import TierCode
 
-TIERS = ("cpu", "lmdb", "object")
+TIERS = tuple(code.tier for code in TierCode)
 DIRECTIONS = ("store", "load", "demote", "promote", "upload", "download")
 QUEUES = ("writeback", "promote", "upload")
 PIPE_WIDTH = 160
