@@ -232,6 +232,13 @@ class HitPlanner:
     def keys(self, plan: PoolPlan, hashes: Any, chunks: Iterable[int]) -> list[ChunkKey]:
         return keys_in(self.namespaces[plan.key], hashes, chunks, self.blocks_per_chunk)
 
+    def may_have_appeared(self, hashes: Any, first: int) -> bool:
+        """Whether a hit from chunk ``first`` could be there now, where an earlier ask found
+        none: the arena holds that chunk, read without a call (True where it cannot be read so:
+        asking is no dearer then)."""
+        found = self.client.in_arena(self.keys(self.anchor, hashes, [first]))
+        return found is None or bool(found)
+
     def still_holds(self, plan: LoadPlan, hashes: Any, limit: int) -> bool:
         """Whether a plan made at an earlier ask still stands, read from the arena without a
         call: every chunk it leased is in the same slot, and the arena holds no chunk past its

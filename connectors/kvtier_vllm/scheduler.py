@@ -56,6 +56,8 @@ class _RequestState:
     """The load answered to the last ask, while the request waits for room to take it."""
     plan_revision: str | None = None
     """The draft revision in use when it was made."""
+    missed: tuple[int, str | None] | None = None
+    """(tokens vLLM held, draft revision) of the last ask, when it found no hit."""
     hit: LoadPlan | None = None
     """The load granted, for its hit sources."""
     local_tokens: int = 0
@@ -299,6 +301,8 @@ class KVTierScheduler:
         held = self._held_answer(state, request, num_computed_tokens)
         if held is not None:
             return held, self.async_loads  # asked again while it waits for room: no call
+        if self._still_missing(state, request, num_computed_tokens):
+            return 0, False
         self._drop_plan(state)
         wait_s = self.cfg.promote_wait_ms / 1000
         if self.draft is not None and self.draft.awaiting and state.asked.may_wait(wait_s):
@@ -317,7 +321,9 @@ class KVTierScheduler:
         if plan is None:
             return None, False  # chunks are on their way into the arena: ask again
         if plan.chunks == 0:
+            state.missed = (num_computed_tokens, self._draft_revision())
             return 0, False
+        state.missed = None
         state.plan = plan
         state.plan_revision = self._draft_revision()
         state.local_tokens = num_computed_tokens
@@ -326,6 +332,15 @@ class KVTierScheduler:
 
     def _draft_revision(self) -> str | None:
         return self.draft.revision if self.draft is not None else None
+
+    def _still_missing(self, state: _RequestState, request: Any, num_computed_tokens: int) -> bool:
+        """Whether the miss answered last time stands: nothing it rests on changed and the
+        arena holds no chunk where its hit would start."""
+        if state.missed != (num_computed_tokens, self._draft_revision()):
+            return False
+        assert self.planner is not None  # made with the client
+        first = num_computed_tokens // self.chunk_tokens
+        return not self.planner.may_have_appeared(request.block_hashes, first)
 
     def _held_answer(
         self, state: _RequestState, request: Any, num_computed_tokens: int

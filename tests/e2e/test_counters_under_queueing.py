@@ -1,6 +1,7 @@
 """kvtierd's counters under queueing: requests that wait several steps for room in a GPU cache too
 small for them are asked about again every step, and kvtierd still counts what was served: a
-chunk's hit once per request, a load once per chunk the engine loaded, and few calls per hit."""
+chunk's hit once per request, a load once per chunk the engine loaded, few calls per hit and one
+lookup per miss."""
 
 from __future__ import annotations
 
@@ -94,8 +95,14 @@ def test_waiting_requests_are_counted_once_and_cost_few_calls(
     counts = DaemonCounts(daemon)
     connector = kvtier_config({"mode": "sidecar", "socket_path": str(daemon_files.socket)})
     stored, fresh = unique_prompts(tiny_models, 8, seed=21), unique_prompts(tiny_models, 4, 22)
+    before = counts.now()
     with running_llm(tiny_models.target, kv_transfer_config=connector, **ENGINE) as llm:
         generate_tokens(llm, stored, max_tokens=MAX_TOKENS)
+    delta = counts.now()
+    delta.subtract(before)
+    # nothing to reuse: one lookup per request, however often vLLM asked while it waited
+    assert max(asks.values()) >= 4, asks
+    assert (delta["asked"], delta["hits"], delta["calls:lookup"]) == (CHUNKS * 8, 0, 8), delta
 
     # every stored prompt again, from a fresh engine: each one waits for the one before
     asks.clear()

@@ -259,3 +259,18 @@ def test_a_plan_still_holds_until_its_slots_change_or_the_hit_could_be_longer(
     client.release(plan.refs())
     client.manager.evict("cpu", namespace=ns["target"])  # its slots go
     assert not reading.still_holds(plan, HASHES, 3)
+
+
+def test_a_miss_is_asked_again_only_once_its_first_chunk_is_in_the_arena(
+    client: InProcessClient,
+) -> None:
+    ns = register(client, TARGET)
+    reading = planner(ArenaReading(client), ns)  # type: ignore[arg-type]
+    plan = reading.plan(Asked(), HASHES, 1, 4)
+    assert plan is not None
+    assert plan.chunks == 0
+    assert not reading.may_have_appeared(HASHES, 1)
+    store(client, keys(ns["target"], range(1, 2)))
+    assert reading.may_have_appeared(HASHES, 1)
+    assert not reading.may_have_appeared(HASHES, 2)
+    assert planner(client, ns).may_have_appeared(HASHES, 2)  # cannot read the arena: ask
