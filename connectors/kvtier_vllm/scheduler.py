@@ -13,7 +13,6 @@ import logging
 import os
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import KVTierError
@@ -32,7 +31,8 @@ from kvtier_vllm.layout import (
     plan_pools,
 )
 from kvtier_vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
-from kvtier_vllm.planner import Asked, HitPlanner, Leases, LoadPlan, targets_of
+from kvtier_vllm.planner import HitPlanner, Leases, LoadPlan, targets_of
+from kvtier_vllm.requests import RequestState
 from kvtier_vllm.session import Session
 from kvtier_vllm.shapes import refusal
 from kvtier_vllm.stats import KVTierStats
@@ -43,27 +43,6 @@ from kvtier_vllm.weights import adapter_uncached
 log = logging.getLogger(__name__)
 _LEASE_STEPS = 2  # a load's leases outlive the step that copies it
 _REPORT_EVERY_S = 0.25  # hits answered from the arena index reach kvtierd this often
-
-
-@dataclass
-class _RequestState:
-    request: Any
-    block_ids: list[list[int]] = field(default_factory=list)
-    """Per KV-cache group, the request's blocks by position (0: vLLM's null block)."""
-    stored_chunks: int = 0
-    asked: Asked = field(default_factory=Asked)
-    plan: LoadPlan | None = None
-    """The load answered to the last ask, while the request waits for room to take it."""
-    plan_revision: str | None = None
-    """The draft revision in use when it was made."""
-    missed: tuple[int, str | None] | None = None
-    """(tokens vLLM held, draft revision) of the last ask, when it found no hit."""
-    hit: LoadPlan | None = None
-    """The load granted, for its hit sources."""
-    local_tokens: int = 0
-    local_hit: int = 0
-    """Tokens vLLM's own prefix cache held when the request was first scheduled."""
-    fill: Fill = Fill.NONE
 
 
 class KVTierScheduler:
@@ -134,7 +113,7 @@ class KVTierScheduler:
             self.events,
         )
         self._connect(wait=True)
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._ready_loads: dict[str, LoadPlan] = {}
         self._queued = KVTierMetadata()
         """Asynchronous loads planned since the last step, for the next step's metadata."""
@@ -245,7 +224,7 @@ class KVTierScheduler:
                 self._guard("draft state", exc)
             self._sync_draft(follow=False)
 
-    def _count_acceptance(self, req_id: str, computed: int, state: _RequestState, out: Any) -> None:
+    def _count_acceptance(self, req_id: str, computed: int, state: RequestState, out: Any) -> None:
         settled = self._acceptance.progressed(req_id, computed)
         if settled is not None:
             self.stats.spec(*settled)
@@ -278,10 +257,10 @@ class KVTierScheduler:
 
     # -- lookups --------------------------------------------------------------------------
 
-    def state(self, request: Any) -> _RequestState:
+    def state(self, request: Any) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = _RequestState(request)
+            state = self._requests[request.request_id] = RequestState(request)
         return state
 
     def get_num_new_matched_tokens(
@@ -333,30 +312,15 @@ class KVTierScheduler:
     def _draft_revision(self) -> str | None:
         return self.draft.revision if self.draft is not None else None
 
-    def _still_missing(self, state: _RequestState, request: Any, num_computed_tokens: int) -> bool:
-        """Whether the miss answered last time stands: nothing it rests on changed and the
-        arena holds no chunk where its hit would start."""
-        if state.missed != (num_computed_tokens, self._draft_revision()):
-            return False
-        assert self.planner is not None  # made with the client
-        first = num_computed_tokens // self.chunk_tokens
-        return not self.planner.may_have_appeared(request.block_hashes, first)
-
-    def _held_answer(
-        self, state: _RequestState, request: Any, num_computed_tokens: int
-    ) -> int | None:
+    def _held_answer(self, state: RequestState, request: Any, computed: int) -> int | None:
         """The tokens of the load answered last time, when nothing it rests on has changed."""
-        plan = state.plan
-        if (
-            plan is None
-            or state.local_tokens != num_computed_tokens
-            or state.plan_revision != self._draft_revision()
-        ):
-            return None
         assert self.planner is not None  # made with the client
-        if not self.planner.still_holds(plan, request.block_hashes, self._hit_limit(request)):
-            return None
-        return int((plan.first_chunk + plan.chunks) * self.chunk_tokens - num_computed_tokens)
+        limit = self._hit_limit(request)
+        return state.held_tokens(self.planner, computed, self._draft_revision(), limit)
+
+    def _still_missing(self, state: RequestState, request: Any, computed: int) -> bool:
+        assert self.planner is not None  # made with the client
+        return state.still_missing(self.planner, computed, self._draft_revision())
 
     def _hit_limit(self, request: Any) -> int:
         """The most chunks a lookup may find: at least one prompt token is always computed, to
@@ -366,7 +330,7 @@ class KVTierScheduler:
         readable = prompt if self.drop_last else prompt - 1
         return int(min(readable // self.chunk_tokens, hashed))
 
-    def _drop_plan(self, state: _RequestState) -> None:
+    def _drop_plan(self, state: RequestState) -> None:
         if state.plan is not None:
             self._release(state.plan.refs())
             state.plan = None
@@ -492,9 +456,7 @@ class KVTierScheduler:
         self.stores.expire(self._step)
         return meta
 
-    def _add_load(
-        self, meta: KVTierMetadata, state: _RequestState, plan: LoadPlan
-    ) -> list[SlotRef]:
+    def _add_load(self, meta: KVTierMetadata, state: RequestState, plan: LoadPlan) -> list[SlotRef]:
         """The copies of a granted load into the request's blocks; returns its leases, to give
         back once the workers copied them."""
         plan.add_copies(
@@ -513,7 +475,7 @@ class KVTierScheduler:
         return plan.refs()
 
     def _add_stores(
-        self, meta: KVTierMetadata, state: _RequestState, computed: int, out: Any
+        self, meta: KVTierMetadata, state: RequestState, computed: int, out: Any
     ) -> None:
         request = state.request
         done = computed + out.num_scheduled_tokens.get(request.request_id, 0)
