@@ -106,8 +106,9 @@ class ConnectorConfig(BaseModel):
         50,
         gt=0,
         description="Sidecar mode: the longest a lookup's calls to kvtierd (lookup, leases, "
-        "promotion) may take. One that takes longer, or a daemon gone, opens a breaker: the "
-        "engine serves without kvtier (lookups miss at once, stores are skipped) until a "
+        "promotion) may take. A call that takes longer is a miss (a lookup finds nothing, a "
+        "store is skipped); breaker_misses of them in a row, or a daemon gone, open a breaker: "
+        "the engine serves without kvtier (lookups miss at once, stores are skipped) until a "
         "heartbeat every probe_interval_ms is answered again.",
     )
     store_deadline_ms: float = Field(
@@ -125,6 +126,12 @@ class ConnectorConfig(BaseModel):
     probe_deadline_ms: float = Field(
         100, gt=0, description="Sidecar mode: the heartbeat that closes an open breaker."
     )
+    breaker_misses: int = Field(
+        3,
+        ge=1,
+        description="Sidecar mode: calls in a row that miss their deadline before the breaker "
+        "opens (a daemon gone or a lost session opens it at once).",
+    )
     probe_interval_ms: float = Field(
         500,
         gt=0,
@@ -140,6 +147,7 @@ class ConnectorConfig(BaseModel):
             register_s=self.register_deadline_ms / 1000,
             probe_s=self.probe_deadline_ms / 1000,
             probe_every_s=self.probe_interval_ms / 1000,
+            misses_to_open=self.breaker_misses,
         )
 
 

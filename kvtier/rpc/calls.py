@@ -30,10 +30,10 @@ STALLED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 @dataclass(frozen=True)
 class Deadlines:
     """How long each kind of call may wait, for a caller that must never stall (an engine's
-    scheduler). A client given deadlines also has a breaker: once a call misses its deadline,
-    finds the daemon unreachable or its session gone, every call fails at once
-    (`DaemonStalledError`) until a heartbeat on the client's own thread, every
-    ``probe_every_s``, is answered (in a new session if need be)."""
+    scheduler). A client given deadlines also has a breaker: once ``misses_to_open`` calls in a
+    row miss their deadline, or a call finds the daemon unreachable or its session gone, every
+    call fails at once (`DaemonStalledError`) until a heartbeat on the client's own thread,
+    every ``probe_every_s``, is answered (in a new session if need be)."""
 
     lookup_s: float = 0.05
     """Lookup, Prefetch (leases) and Promote: the calls that answer a lookup."""
@@ -43,6 +43,9 @@ class Deadlines:
     """RegisterSession: only at start and on the client's own thread, never in a step."""
     probe_s: float = 0.1
     probe_every_s: float = 0.5
+    misses_to_open: int = 3
+    """Missed deadlines in a row that open the breaker: on a busy host one call can run late
+    while the daemon is well, and each miss costs no more than its deadline."""
 
 
 class DaemonStalledError(TierUnavailableError):
@@ -52,18 +55,30 @@ class DaemonStalledError(TierUnavailableError):
 class Breaker:
     """Open while kvtierd does not answer in time; logs once on each change."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, misses_to_open: int = 1) -> None:
         self._target = target
+        self._misses_to_open = misses_to_open
         self._lock = threading.Lock()
         self.why = ""
         """Why it is open; empty while closed."""
         self.opened = 0
         """Times it opened."""
+        self.misses = 0
+        """Deadlines missed in a row."""
 
     def check(self) -> None:
         why = self.why
         if why:
             raise DaemonStalledError(f"kvtierd at {self._target} is not answering ({why})")
+
+    def missed(self, why: str) -> None:
+        """A call missed its deadline: opens after ``misses_to_open`` in a row."""
+        self.misses += 1
+        if self.misses >= self._misses_to_open:
+            self.trip(why)
+
+    def answered(self) -> None:
+        self.misses = 0
 
     def trip(self, why: str) -> None:
         with self._lock:

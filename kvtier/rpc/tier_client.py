@@ -103,7 +103,9 @@ class GrpcTierClient:
         """The leases the report in flight ends."""
         self._next_report = 0.0
         self._deadlines = deadlines
-        self.breaker = Breaker(self.target) if deadlines is not None else None
+        self.breaker = (
+            Breaker(self.target, deadlines.misses_to_open) if deadlines is not None else None
+        )
         d = deadlines
         self._lookup_s = d.lookup_s if d is not None else timeout_s
         self._store_s = d.store_s if d is not None else timeout_s
@@ -120,13 +122,19 @@ class GrpcTierClient:
             return call(self.target, method, request, timeout=timeout or self._timeout)
         breaker.check()
         try:
-            return method(request, timeout=timeout or self._store_s)
+            answer = method(request, timeout=timeout or self._store_s)
         except grpc.RpcError as exc:
             if exc.code() not in STALLED:
                 raise translate(self.target, exc) from None
             code = exc.code().name.lower()
-            breaker.trip(f"{code} after {timeout or self._store_s:.3f} s")
+            why = f"{code} after {timeout or self._store_s:.3f} s"
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                breaker.missed(why)
+            else:  # unreachable: no use waiting out more deadlines
+                breaker.trip(why)
             raise DaemonStalledError(f"{self.target}: {code} ({exc.details()})") from None
+        breaker.answered()
+        return answer
 
     def _raw(self, name: str, response: type[Message]) -> grpc.UnaryUnaryMultiCallable[bytes, Any]:
         return self._channel.unary_unary(

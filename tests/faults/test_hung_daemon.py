@@ -114,7 +114,7 @@ def _client(timings: Timings) -> Any:
     return connector._scheduler.client
 
 
-def test_a_stopped_kvtierd_costs_one_deadline_then_nothing_and_hits_return_after_sigcont(
+def test_a_stopped_kvtierd_costs_a_few_deadlines_then_nothing_and_hits_return_after_sigcont(
     tiny_models: ModelSet,
     prompts: list[list[int]],
     fresh_prompts: list[list[int]],
@@ -271,7 +271,9 @@ def test_the_sidecar_client_waits_one_deadline_then_fails_at_once_until_a_probe_
     procs: Processes, daemon_files: DaemonFiles
 ) -> None:
     daemon = procs.start_daemon(daemon_files)
-    deadlines = Deadlines(lookup_s=LOOKUP_MS / 1000, store_s=STORE_MS / 1000, probe_every_s=0.2)
+    deadlines = Deadlines(
+        lookup_s=LOOKUP_MS / 1000, store_s=STORE_MS / 1000, probe_every_s=0.2, misses_to_open=1
+    )
     client = GrpcTierClient(daemon_files.socket, "dp0", deadlines=deadlines)
     try:
         client.register_pool(target_spec(), CHUNK)
@@ -319,5 +321,43 @@ def test_the_sidecar_client_waits_one_deadline_then_fails_at_once_until_a_probe_
             f"\nlookup healthy {healthy * 1000:.2f} ms, stopped {waited * 1000:.1f} ms, "
             f"open {slowest * 1000:.3f} ms at most; closed {recovered:.2f} s after SIGCONT"
         )
+    finally:
+        client.close()
+
+
+def test_the_breaker_opens_after_misses_in_a_row_not_after_one_slow_call(
+    procs: Processes, daemon_files: DaemonFiles
+) -> None:
+    daemon = procs.start_daemon(daemon_files)
+    # heartbeats far apart: only the calls below decide
+    deadlines = Deadlines(lookup_s=LOOKUP_MS / 1000, probe_every_s=60.0, misses_to_open=3)
+    client = GrpcTierClient(daemon_files.socket, "dp0", deadlines=deadlines)
+    try:
+        client.register_pool(target_spec(), CHUNK)
+        keys = [key_of(i) for i in range(4)]
+
+        def stopped_lookups(n: int) -> list[BaseException | None]:
+            daemon.proc.send_signal(signal.SIGSTOP)
+            try:
+                return [_seconds(lambda: client.lookup(keys))[1] for _ in range(n)]
+            finally:
+                daemon.proc.send_signal(signal.SIGCONT)
+
+        # two late answers: each a miss, the breaker stays closed
+        assert all(isinstance(e, DaemonStalledError) for e in stopped_lookups(2))
+        assert client.serving
+        # an answer in time starts the count again
+        assert client.lookup(keys).hits == 0
+        assert client.breaker is not None
+        assert client.breaker.misses == 0
+        assert all(isinstance(e, DaemonStalledError) for e in stopped_lookups(2))
+        assert client.serving
+        # a third in a row opens it: the next call fails at once, making none
+        assert all(isinstance(e, DaemonStalledError) for e in stopped_lookups(3))
+        assert not client.serving
+        assert client.breaker.opened == 1
+        waited, error = _seconds(lambda: client.lookup(keys))
+        assert isinstance(error, DaemonStalledError)
+        assert waited < LOOKUP_MS / 1000 / 2
     finally:
         client.close()

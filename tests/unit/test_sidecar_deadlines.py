@@ -12,7 +12,7 @@ from kvtier.rpc import Deadlines
 def test_defaults_are_milliseconds_for_step_calls_and_longer_for_registering() -> None:
     deadlines = parse({}).deadlines()
     assert deadlines == Deadlines(
-        lookup_s=0.05, store_s=0.1, register_s=2.0, probe_s=0.1, probe_every_s=0.5
+        lookup_s=0.05, store_s=0.1, register_s=2.0, probe_s=0.1, probe_every_s=0.5, misses_to_open=3
     )
     # a step waits at most a lookup's or a store's deadline, far under a second
     assert max(deadlines.lookup_s, deadlines.store_s) < 0.2 < deadlines.register_s
@@ -26,14 +26,22 @@ def test_each_deadline_is_set_in_the_extra_config() -> None:
             "register_deadline_ms": 500,
             "probe_deadline_ms": 40,
             "probe_interval_ms": 250,
+            "breaker_misses": 1,
         }
     )
     assert cfg.deadlines() == Deadlines(
-        lookup_s=0.02, store_s=0.03, register_s=0.5, probe_s=0.04, probe_every_s=0.25
+        lookup_s=0.02,
+        store_s=0.03,
+        register_s=0.5,
+        probe_s=0.04,
+        probe_every_s=0.25,
+        misses_to_open=1,
     )
 
 
-@pytest.mark.parametrize("key", ["lookup_deadline_ms", "store_deadline_ms", "probe_interval_ms"])
+@pytest.mark.parametrize(
+    "key", ["lookup_deadline_ms", "store_deadline_ms", "probe_interval_ms", "breaker_misses"]
+)
 def test_a_deadline_of_zero_is_refused_naming_its_key(key: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse({key: 0})
