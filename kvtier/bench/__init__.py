@@ -4,7 +4,8 @@ plot``, and the same from Python.
 Token-exact workloads (`workloads`) are streamed to ``/v1/completions`` (`client`) at a series
 of concurrency levels (`runner`); each level is summarised (`stats`) with the server's own
 counters scraped around it (`scrape`), then shown as a table or JSON (`report`) and plotted
-(`plot`). HTTP needs httpx and plots need matplotlib: ``pip install 'kvtier[bench]'``.
+(`plot`); `trace` reads kvtier's share of step time from a profiler trace. HTTP needs httpx
+and plots need matplotlib: ``pip install 'kvtier[bench]'``.
 
 From Python::
 

@@ -1,0 +1,945 @@
+"""Whole-server throughput and TTFT: vLLM alone against kvtier and vLLM's own connectors.
+
+Usage: ``python benchmarks/serving.py [--quick] [--json] [--profile] [--blocks-per-chunk N]``
+``[--concurrency 1,2,4,8] [--servers NAME,...] [--connector-extra JSON] [--cache-dir DIR]``
+``[--docs DIR] [--keep]``
+
+Every server is a real ``python -m vllm.entrypoints.openai.api_server`` process
+(benchmarks/servers.py) serving the locally built 12-layer model (benchmarks/models.py,
+``build_benchmark_llama``: hidden 768, 8 heads, 4 KV heads, head_dim 64, bf16, random weights;
+nothing is downloaded). Every server gets the same settings: a 48 MiB KV cache
+(``--kv-cache-memory-bytes``, with ``VLLM_CPU_KVCACHE_SPACE`` unset: 4,096 tokens of the 12
+layers, 127 blocks of 32 usable; 3,744 tokens when a 1-layer draft keeps its KV beside them),
+``--max-model-len 3744`` (what the cache holds in both cases), block size 32, eager mode, prefix
+caching on, ``--enable-prompt-tokens-details``,
+and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (otherwise a server with a connector gets a second
+compute thread that vLLM alone does not). Servers run one at a time; each is stopped (SIGTERM to
+its process group, SIGKILL after 20 s) before the next starts. Their logs go to files under the
+run's directory; a server that fails to start is reported with its log's error line and tail,
+and the run goes on with the others.
+
+Servers (``servers`` in the output):
+
+- ``vllm``: vLLM alone. ``vllm_2``: the same again at the end of the no-reuse control.
+- ``kvtier_embedded``: ``KVTierConnector`` with the tiers in the engine process (a new arena in
+  /dev/shm and a new LMDB environment). ``kvtier_sidecar``: the connector in sidecar mode
+  against a real kvtierd (``python -m kvtier.cli serve --config FILE``, started fresh for that
+  server, its metrics scraped as ``kvtier_metrics_url``). Both store chunks of
+  ``--blocks-per-chunk`` blocks (default 4: 128 tokens) in a 768 MiB arena backed by a 1 GiB
+  LMDB budget, and run with ``kv_load_failure_policy: recompute`` (kvtier's advice). Each
+  server's stored KV is deleted when it stops, so no run fills the disk; the run's directory
+  (logs, traces) is deleted at the end unless ``--keep``.
+- ``example_connector``: vLLM's ``ExampleConnector`` (safetensors files per request).
+- ``offloading_connector``: vLLM's native ``OffloadingConnector`` (``CPUOffloadingSpec``,
+  ``cpu_bytes_to_use`` = the arena size); where the CPU build refuses it, its entry holds the
+  error line.
+- ``vllm_spec``, ``kvtier_sidecar_spec``: vLLM alone and kvtier sidecar with speculative decoding
+  (``draft_model``: the same build with 1 layer, 3 speculative tokens).
+
+Workloads (kvtier/bench, token-exact prompts streamed to ``/v1/completions`` with
+``ignore_eos``):
+
+- multi-round: 8 users per level, each with a private document of 1,664 tokens and 4 rounds of
+  a 32-token question and a 64-token answer (each round repeats the whole history): 32 requests
+  per level and a working set of 8 x 2,048 = 16,384 tokens, 4x what the KV cache holds. A
+  concurrency level keeps that many users in flight. The full run sweeps 1, 2, 4, 8; ``--quick``
+  measures concurrency 4 only. Each server's first level is preceded by a warm-up session of its
+  own context (4 requests).
+- no-reuse: every prompt unique (1,696 tokens, 64 output tokens), 8 requests at concurrency 4
+  (16 in the full run). vLLM alone and kvtier are measured interleaved so that a steady drift of
+  the machine's speed cancels: ``vllm`` once, each kvtier mode twice in a row, ``vllm_2`` once
+  (A, B, B, A for each mode); ``no_reuse_throughput_vs_vllm_alone`` is the mean of B1/A1 and
+  B2/A2 (sidecar; ``..._embedded`` for embedded mode).
+
+Figures per level: output tokens/s (all users; successful requests), output tokens/s per user
+(mean over requests of output tokens over end-to-end latency), TTFT and ITL percentiles,
+and hit ratios from each server's /metrics before and after the level
+(``vllm:prompt_tokens_cached_by_source_total`` over ``vllm:prompt_tokens_total``; for kvtier
+sidecar also kvtierd's ``kvtier_hit_chunks_total`` over ``kvtier_lookup_chunks_total``).
+
+Headline ratios (at concurrency 4, multi-round, one run; kvtier means sidecar unless named):
+``throughput_vs_vllm_alone`` (target >= 2.0), ``ttft_p50_vs_vllm_alone`` (<= 0.25),
+``ttft_p99_vs_vllm_alone`` (<= 0.5), ``no_reuse_throughput_vs_vllm_alone`` and
+``..._embedded`` (>= 0.98), ``spec_throughput_vs_vllm_alone_spec`` (>= 2.0),
+``throughput_vs_example_connector`` (>= 1.5); ``targets`` says which were met. A user's first
+round is a cold prefill for every server (a quarter of the requests), so the TTFT p99 of a
+level is a cold prefill's; ``ttft_p50/p99_vs_vllm_alone_later_rounds`` compare the TTFT of the
+other rounds only.
+
+``--profile`` (and always with ``--json``): the kvtier sidecar server runs with vLLM's torch
+profiler configured (``--profiler-config``, CPU activity, Python stacks, traces as JSON), and
+after its measured levels one more multi-round level (4 users x 2 rounds, 8-token answers, new
+contexts) is recorded between ``POST /start_profile`` and ``POST /stop_profile``. From the
+worker's trace: the step time is the sum of vLLM's per-step annotations
+(``execute_context_*_generation_*``, around ``model_runner.execute_model``); the model's time is
+``gpu_model_runner: forward`` (``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`` on that server);
+kvtier's time is the union (nested ranges counted once) of the ``kvtier:`` ranges the connector
+records, or, where the trace has none, of the Python-function
+events in ``kvtier_vllm`` modules (``kvtier_ranges: "python_functions"``).
+``kvtier_step_share`` is kvtier's time inside steps over step time. The worker is a separate
+process from the scheduler (CPU builds run the multiprocess executor), so scheduler-side hooks
+(``get_num_new_matched_tokens``, ``build_connector_meta``, ...) are not in that trace.
+Python-stack tracing slows Python code more than kernels, so the share is an upper bound.
+
+``--servers`` runs only the servers named (ratios need both of their servers);
+``--connector-extra`` adds settings to every KVTierConnector configuration. The full run (all
+servers) writes ``docs/serving.png`` (throughput against interactivity and TTFT against
+concurrency, one curve per server) and ``docs/serving.md`` (the tables). ``--json`` prints one
+JSON object on stdout; logs go to stderr. ``other_processes_cpu_share``: CPU time other
+processes used during the run over the machine's capacity (the servers' engine processes count
+as others until they are reaped): on a shared machine every figure is only as good as that is
+low.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import models
+import yaml
+from engine import CpuShare, GiB, KiB, Kvtierd, MiB, extent_for
+from servers import ServerError, VllmServer, connector_arg, error_line, log_tail
+
+from kvtier.bench import BenchConfig, BenchError, LevelResult, WorkloadSpec, run_level
+from kvtier.bench.stats import Percentiles
+from kvtier.bench.trace import load_trace, step_shares
+
+log = logging.getLogger("kvtier.bench.serving")
+
+ROOT = Path(__file__).resolve().parents[1]
+KV_CACHE_BYTES = 48 * MiB
+MAX_MODEL_LEN = 3744  # what 48 MiB holds with the draft's layer beside the target's 12
+BLOCK_SIZE = 32
+DOC_TOKENS = 1664
+QUESTION_TOKENS = 32
+ANSWER_TOKENS = 64
+ROUNDS = 4
+USERS = 8
+WARMUP = ROUNDS  # one session of its own before a server's first level
+ARENA_BYTES = 768 * MiB
+LMDB_BUDGET = 1 * GiB  # a preallocated LMDB file takes its whole budget on disk
+SPEC_TOKENS = 3
+HEADLINE_CONCURRENCY = 4
+PROFILE_USERS = 4
+PROFILE_ROUNDS = 2
+PROFILE_ANSWER_TOKENS = 8
+
+TARGETS: dict[str, tuple[str, float]] = {
+    "throughput_vs_vllm_alone": (">=", 2.0),
+    "ttft_p50_vs_vllm_alone": ("<=", 0.25),
+    "ttft_p99_vs_vllm_alone": ("<=", 0.5),
+    "no_reuse_throughput_vs_vllm_alone": (">=", 0.98),
+    "no_reuse_throughput_vs_vllm_alone_embedded": (">=", 0.98),
+    "spec_throughput_vs_vllm_alone_spec": (">=", 2.0),
+    "throughput_vs_example_connector": (">=", 1.5),
+}
+
+
+SERVERS = (
+    "vllm",
+    "kvtier_embedded",
+    "kvtier_sidecar",
+    "vllm_2",
+    "example_connector",
+    "offloading_connector",
+    "vllm_spec",
+    "kvtier_sidecar_spec",
+)
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    concurrency: tuple[int, ...]
+    no_reuse_requests: int
+
+
+QUICK = Mode("quick", (HEADLINE_CONCURRENCY,), 8)
+FULL = Mode("full", (1, 2, 4, 8), 16)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one server runs, in order."""
+
+    multi_round: bool = True
+    no_reuse: int = 1
+    """No-reuse levels, back to back."""
+    profile: bool = False
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    label: str
+    connector: str | None = None
+    """None, "embedded", "sidecar", "example" or "offloading"."""
+    spec: bool = False
+
+
+@dataclass
+class Outcome:
+    case: Case
+    start_s: float = math.nan
+    wall_s: float = math.nan
+    multi_round: list[LevelResult] = field(default_factory=list)
+    no_reuse: list[LevelResult] = field(default_factory=list)
+    profile: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    log_tail: str = ""
+    log_path: str = ""
+
+    def at(self, concurrency: int) -> LevelResult | None:
+        return next((lv for lv in self.multi_round if lv.concurrency == concurrency), None)
+
+
+def by_round(level: LevelResult) -> list[float | None]:
+    """Per round: cached tokens the server reported over prompt tokens sent."""
+    out: list[float | None] = []
+    for r in range(max((rec.round for rec in level.records), default=-1) + 1):
+        recs = [rec for rec in level.records if rec.round == r and rec.ok]
+        sent = sum(rec.prompt_len for rec in recs)
+        cached = [rec.cached_tokens for rec in recs if rec.cached_tokens is not None]
+        out.append(sum(cached) / sent if sent and cached else None)
+    return out
+
+
+def later_rounds_ttft(level: LevelResult) -> dict[str, float]:
+    """TTFT over the rounds after each user's first: those a cache can serve (a first round
+    is a cold prefill for every server, a quarter of multi-round requests)."""
+    later = Percentiles.of([r.ttft_s for r in level.records if r.ok and r.round > 0])
+    return {"ttft_p50_s_later_rounds": later.p50, "ttft_p99_s_later_rounds": later.p99}
+
+
+def summary(level: LevelResult) -> dict[str, Any]:
+    server = level.server
+    return {
+        "concurrency": level.concurrency,
+        "requests": level.requests,
+        "ok": level.ok,
+        "errors": level.errors,
+        "error_messages": level.error_messages[:3],
+        "duration_s": level.duration_s,
+        "output_tps": level.output_tps,
+        "output_tps_per_user": level.output_tps_per_user,
+        "ttft_p50_s": level.ttft_s.p50,
+        "ttft_p90_s": level.ttft_s.p90,
+        "ttft_p99_s": level.ttft_s.p99,
+        "itl_p50_s": level.itl_s.p50,
+        "itl_p99_s": level.itl_s.p99,
+        "latency_p50_s": level.latency_s.p50,
+        "prompt_tokens": level.prompt_tokens,
+        "cached_tokens_reported": level.cached_tokens,
+        "cached_share_by_round": by_round(level),
+        **later_rounds_ttft(level),
+        "hit_ratio": server.hit_ratio,
+        "hit_ratio_by_source": server.hit_ratio_by_source,
+        "prompt_tokens_cached_by_source": server.cached_tokens_by_source,
+        "prompt_tokens_by_source": server.prompt_tokens_by_source,
+        "connector_chunks": server.connector_chunks,
+        "daemon_hit_ratio": server.daemon_hit_ratio,
+        "daemon_lookup_chunks": server.daemon_lookup_chunks,
+        "daemon_hit_chunks_by_tier": server.daemon_hit_chunks_by_tier,
+    }
+
+
+# -- the profiler trace -----------------------------------------------------------------------
+
+
+def profiler_args(trace_dir: Path) -> list[str]:
+    config = {
+        "profiler": "torch",
+        "torch_profiler_dir": str(trace_dir),
+        "torch_profiler_activities": ["CPU"],
+        "torch_profiler_with_stack": True,
+        "torch_profiler_use_gzip": False,
+        "ignore_frontend": True,
+    }
+    return ["--profiler-config", json.dumps(config)]
+
+
+# -- the bench --------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(
+        self,
+        mode: Mode,
+        cache_dir: Path,
+        *,
+        blocks_per_chunk: int,
+        concurrency: tuple[int, ...],
+        profile: bool,
+        connector_extra: dict[str, Any] | None = None,
+        only: set[str] | None = None,
+    ) -> None:
+        self.mode = mode
+        self.connector_extra = dict(connector_extra or {})
+        self.only = only
+        self.bpc = blocks_per_chunk
+        self.concurrency = concurrency
+        self.profile = profile
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer = models.build_tokenizer(cache_dir)
+        shape = {
+            "hidden": 768,
+            "heads": 8,
+            "kv_heads": 4,
+            "head_dim": 64,
+            "intermediate": 2048,
+            "dtype": "bfloat16",
+        }
+        self.model = models.build_benchmark_llama(cache_dir, tokenizer_dir=tokenizer)
+        self.draft = models.build_draft(cache_dir, tokenizer_dir=tokenizer, **shape)
+        self.vocab = models.vocab_size_of(self.model)
+        self.root = Path(tempfile.mkdtemp(prefix="serving-", dir=cache_dir))
+        self.shm_paths: list[Path] = []
+        self.nr_index = 100  # no-reuse levels use indices of their own, never repeated
+        config = json.loads((self.model / "config.json").read_text())
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        # K and V, bf16
+        per_token = config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2 * 2
+        self.chunk_bytes = per_token * BLOCK_SIZE * blocks_per_chunk
+
+    def workload(self, kind: str = "multi-round", **overrides: Any) -> WorkloadSpec:
+        settings: dict[str, Any] = {
+            "kind": kind,
+            "doc_tokens": DOC_TOKENS,
+            "question_tokens": QUESTION_TOKENS,
+            "answer_tokens": ANSWER_TOKENS,
+            "rounds": ROUNDS,
+            "vocab_size": self.vocab,
+            "min_token_id": len(models.SPECIAL_TOKENS),
+            "seed": 1,
+        }
+        settings.update(overrides)
+        return WorkloadSpec(**settings)
+
+    # -- servers ----------------------------------------------------------------------------
+
+    def shm(self, name: str) -> Path:
+        path = Path(f"/dev/shm/kvtier-serving-{os.getpid()}-{name}")
+        self.shm_paths.append(path)
+        return path
+
+    def kvtier(self, extra: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier_vllm.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                **extra,
+                "blocks_per_chunk": self.bpc,
+                **self.connector_extra,
+            },
+            "kv_load_failure_policy": "recompute",  # kvtier's advice: recompute a failed load
+        }
+
+    def embedded_config(self, name: str) -> dict[str, Any]:
+        path = self.root / name / "kvtier.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tree = {
+            "arena": {
+                "path": str(self.shm(name)),
+                "size_bytes": ARENA_BYTES,
+                "extent_bytes": extent_for(self.chunk_bytes),
+                "min_slot_bytes": 64 * KiB,
+            },
+            "lmdb": {"path": str(self.root / name / "lmdb"), "budget_bytes": LMDB_BUDGET},
+        }
+        path.write_text(yaml.safe_dump(tree))
+        return self.kvtier({"kvtier_config": str(path)})
+
+    @contextmanager
+    def server(self, case: Case, plan: Plan) -> Iterator[tuple[VllmServer, str | None]]:
+        tmp = self.root / case.name
+        tmp.mkdir(parents=True, exist_ok=True)
+        args: list[str] = []
+        daemon: Kvtierd | None = None
+        metrics_url = None
+        if case.connector == "embedded":
+            args += connector_arg(self.embedded_config(case.name))
+        elif case.connector == "sidecar":
+            (tmp / "kvtierd").mkdir(exist_ok=True)
+            daemon = Kvtierd(
+                tmp / "kvtierd", self.shm(case.name), ARENA_BYTES, extent_for(self.chunk_bytes)
+            )
+            tree = yaml.safe_load(daemon.config_path.read_text())
+            tree["lmdb"]["budget_bytes"] = LMDB_BUDGET
+            daemon.config_path.write_text(yaml.safe_dump(tree))
+            try:
+                daemon.start()
+            except BaseException:
+                daemon.stop()
+                raise
+            metrics_url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
+            extra = {"mode": "sidecar", "socket_path": str(daemon.socket_path)}
+            args += connector_arg(self.kvtier(extra))
+        elif case.connector == "example":
+            storage = tmp / "example-storage"
+            storage.mkdir(exist_ok=True)
+            args += connector_arg(
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+                }
+            )
+        elif case.connector == "offloading":
+            args += connector_arg(
+                {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"cpu_bytes_to_use": ARENA_BYTES},
+                }
+            )
+        if case.spec:
+            spec = {
+                "method": "draft_model",
+                "model": str(self.draft),
+                "num_speculative_tokens": SPEC_TOKENS,
+            }
+            args += ["--speculative-config", json.dumps(spec)]
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if plan.profile:
+            args += profiler_args(tmp / "traces")
+            env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # vLLM's own ranges, forward included
+        server = VllmServer(
+            self.model,
+            tmp,
+            args=args,
+            kv_cache_bytes=KV_CACHE_BYTES,
+            max_model_len=MAX_MODEL_LEN,
+            block_size=BLOCK_SIZE,
+            dtype="bfloat16",
+            env=env,
+        )
+        try:
+            server.start()
+            yield server, metrics_url
+        finally:
+            server.stop()
+            if daemon is not None:
+                daemon.stop()
+            for path in self.shm_paths:
+                path.unlink(missing_ok=True)
+            # the stored KV (a preallocated LMDB file is its whole budget): keep the logs only
+            for heavy in (tmp / "lmdb", tmp / "kvtierd" / "lmdb", tmp / "example-storage"):
+                shutil.rmtree(heavy, ignore_errors=True)
+
+    # -- levels -----------------------------------------------------------------------------
+
+    def level(
+        self,
+        server: VllmServer,
+        metrics_url: str | None,
+        spec: WorkloadSpec,
+        concurrency: int,
+        requests: int,
+        index: int,
+        warmup: int,
+    ) -> LevelResult:
+        config = BenchConfig(
+            url=server.url,
+            workload=spec,
+            concurrency=(concurrency,),
+            requests=requests,
+            warmup=warmup,
+            timeout_s=600.0,
+            kvtier_metrics_url=metrics_url,
+        )
+        started = time.perf_counter()
+        result = run_level(config, concurrency, index=index)
+        log.info(
+            "  %s c=%d: %d/%d ok in %.1f s, %.1f out tok/s, TTFT p50 %.0f ms p99 %.0f ms, hits %s",
+            spec.kind,
+            concurrency,
+            result.ok,
+            result.requests,
+            time.perf_counter() - started,
+            result.output_tps,
+            result.ttft_s.p50 * 1000,
+            result.ttft_s.p99 * 1000,
+            "-" if result.server.hit_ratio is None else f"{result.server.hit_ratio:.1%}",
+        )
+        return result
+
+    def run_case(self, case: Case, plan: Plan) -> Outcome:
+        out = Outcome(case)
+        started = time.perf_counter()
+        log.info("%s: starting", case.name)
+        try:
+            with self.server(case, plan) as (server, metrics_url):
+                out.start_s = server.start_s
+                out.log_path = str(server.log)
+                log.info("%s: healthy in %.1f s", case.name, server.start_s)
+                warmup = WARMUP
+                if plan.multi_round:
+                    for i, c in enumerate(self.concurrency):
+                        out.multi_round.append(
+                            self.level(
+                                server,
+                                metrics_url,
+                                self.workload(),
+                                c,
+                                USERS * ROUNDS,
+                                i,
+                                warmup,
+                            )
+                        )
+                        warmup = 0
+                for _ in range(plan.no_reuse):
+                    self.nr_index += 1
+                    out.no_reuse.append(
+                        self.level(
+                            server,
+                            metrics_url,
+                            self.workload("no-reuse"),
+                            HEADLINE_CONCURRENCY,
+                            self.mode.no_reuse_requests,
+                            self.nr_index,
+                            warmup,
+                        )
+                    )
+                    warmup = 0
+                if plan.profile:
+                    out.profile = self.profile_level(server, metrics_url)
+        except (ServerError, BenchError, RuntimeError, OSError) as exc:
+            out.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            log_file = self.root / case.name / "server.log"
+            if log_file.exists():
+                out.error = f"{out.error} | {error_line(log_file)}"
+                out.log_tail = log_tail(log_file, 25)
+            log.error("%s failed: %s", case.name, out.error)
+        out.wall_s = time.perf_counter() - started
+        log.info("%s: done in %.0f s", case.name, out.wall_s)
+        return out
+
+    def profile_level(self, server: VllmServer, metrics_url: str | None) -> dict[str, Any]:
+        trace_dir = self.root / server.tmp.name / "traces"
+        spec = self.workload(rounds=PROFILE_ROUNDS, answer_tokens=PROFILE_ANSWER_TOKENS)
+        server.post("/start_profile")
+        try:
+            level = self.level(
+                server,
+                metrics_url,
+                spec,
+                HEADLINE_CONCURRENCY,
+                PROFILE_USERS * PROFILE_ROUNDS,
+                900,
+                0,
+            )
+        finally:
+            server.post("/stop_profile", timeout=600)
+        deadline = time.monotonic() + 120
+        traces: list[Path] = []
+        while time.monotonic() < deadline:
+            traces = sorted(p for p in trace_dir.rglob("*.json*") if p.is_file())
+            if traces and all(_settled(p) for p in traces):
+                break
+            time.sleep(1)
+        if not traces:
+            return {"error": f"no trace written under {trace_dir}"}
+        best: dict[str, Any] = {}
+        for path in traces:
+            try:
+                shares = step_shares(load_trace(path))
+            except (OSError, ValueError) as exc:
+                log.warning("cannot read trace %s: %s", path, exc)
+                continue
+            if shares["steps"] and (not best or shares["steps"] > best["steps"]):
+                best = {**shares, "trace": str(path), "trace_bytes": path.stat().st_size}
+        if not best:
+            return {"error": f"no step annotations in {[str(p) for p in traces]}"}
+        best["level"] = summary(level)
+        log.info(
+            "profile: kvtier %.1f%% of step time (%s), model forward %.1f%%, %d steps",
+            100 * best["kvtier_step_share"],
+            best["kvtier_ranges"],
+            100 * best["model_step_share"],
+            best["steps"],
+        )
+        return best
+
+    # -- all --------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        share = CpuShare()
+        nr_twice = Plan(no_reuse=2)
+        cases = [
+            (Case("vllm", "vLLM alone"), Plan()),
+            (Case("kvtier_embedded", "kvtier embedded", "embedded"), nr_twice),
+            (
+                Case("kvtier_sidecar", "kvtier sidecar", "sidecar"),
+                Plan(no_reuse=2, profile=self.profile),
+            ),
+            (Case("vllm_2", "vLLM alone (again)"), Plan(multi_round=False)),
+            (Case("example_connector", "ExampleConnector", "example"), Plan(no_reuse=0)),
+            (Case("offloading_connector", "OffloadingConnector", "offloading"), Plan(no_reuse=0)),
+            (Case("vllm_spec", "vLLM alone + spec", spec=True), Plan(no_reuse=0)),
+            (
+                Case("kvtier_sidecar_spec", "kvtier sidecar + spec", "sidecar", spec=True),
+                Plan(no_reuse=0),
+            ),
+        ]
+        outcomes = {
+            case.name: self.run_case(case, plan)
+            for case, plan in cases
+            if self.only is None or case.name in self.only
+        }
+        result = self.result(outcomes)
+        result["wall_s"] = time.perf_counter() - started
+        result["other_processes_cpu_share"] = share.others()
+        return result
+
+    def result(self, outcomes: dict[str, Outcome]) -> dict[str, Any]:
+        c = HEADLINE_CONCURRENCY
+
+        def mr(name: str) -> LevelResult | None:
+            outcome = outcomes.get(name)
+            return outcome.at(c) if outcome else None
+
+        def ratio(a: float | None, b: float | None) -> float | None:
+            if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
+                return None
+            return a / b
+
+        def tps(name: str) -> float | None:
+            level = mr(name)
+            return level.output_tps if level and level.ok else None
+
+        def ttft(name: str, p: str) -> float | None:
+            level = mr(name)
+            return getattr(level.ttft_s, p) if level and level.ok else None
+
+        def later(name: str, p: str) -> float | None:
+            level = mr(name)
+            return later_rounds_ttft(level)[f"ttft_{p}_s_later_rounds"] if level else None
+
+        def no_reuse(mode: str) -> tuple[float | None, list[float | None]]:
+            a = [
+                lv.output_tps
+                for o in ("vllm", "vllm_2")
+                if o in outcomes
+                for lv in outcomes[o].no_reuse
+            ]
+            b = [lv.output_tps for lv in outcomes[mode].no_reuse] if mode in outcomes else []
+            if len(a) != 2 or len(b) != 2:
+                return None, []
+            pairs = [ratio(b[0], a[0]), ratio(b[1], a[1])]  # A B B A
+            valid = [p for p in pairs if p is not None]
+            return (sum(valid) / len(valid) if len(valid) == 2 else None), pairs
+
+        nr_side, nr_side_pairs = no_reuse("kvtier_sidecar")
+        nr_emb, nr_emb_pairs = no_reuse("kvtier_embedded")
+        profile = outcomes["kvtier_sidecar"].profile if "kvtier_sidecar" in outcomes else {}
+        headline: dict[str, Any] = {
+            "throughput_vs_vllm_alone": ratio(tps("kvtier_sidecar"), tps("vllm")),
+            "ttft_p50_vs_vllm_alone": ratio(ttft("kvtier_sidecar", "p50"), ttft("vllm", "p50")),
+            "ttft_p99_vs_vllm_alone": ratio(ttft("kvtier_sidecar", "p99"), ttft("vllm", "p99")),
+            "no_reuse_throughput_vs_vllm_alone": nr_side,
+            "no_reuse_throughput_vs_vllm_alone_embedded": nr_emb,
+            "spec_throughput_vs_vllm_alone_spec": ratio(
+                tps("kvtier_sidecar_spec"), tps("vllm_spec")
+            ),
+            "throughput_vs_example_connector": ratio(
+                tps("kvtier_sidecar"), tps("example_connector")
+            ),
+            "kvtier_step_share": profile.get("kvtier_step_share"),
+            "throughput_vs_vllm_alone_embedded": ratio(tps("kvtier_embedded"), tps("vllm")),
+            "ttft_p50_vs_vllm_alone_embedded": ratio(
+                ttft("kvtier_embedded", "p50"), ttft("vllm", "p50")
+            ),
+            "ttft_p99_vs_vllm_alone_embedded": ratio(
+                ttft("kvtier_embedded", "p99"), ttft("vllm", "p99")
+            ),
+            "ttft_p50_vs_vllm_alone_later_rounds": ratio(
+                later("kvtier_sidecar", "p50"), later("vllm", "p50")
+            ),
+            "ttft_p99_vs_vllm_alone_later_rounds": ratio(
+                later("kvtier_sidecar", "p99"), later("vllm", "p99")
+            ),
+            "throughput_vs_offloading_connector": ratio(
+                tps("kvtier_sidecar"), tps("offloading_connector")
+            ),
+            "no_reuse_pairs": {"sidecar": nr_side_pairs, "embedded": nr_emb_pairs},
+        }
+        targets = {}
+        for key, (op, bound) in TARGETS.items():
+            value = headline[key]
+            met = None if value is None else (value >= bound if op == ">=" else value <= bound)
+            targets[key] = {"value": value, "target": f"{op} {bound:g}", "met": met}
+        servers = {}
+        for name, o in outcomes.items():
+            servers[name] = {
+                "label": o.case.label,
+                "start_s": o.start_s,
+                "wall_s": o.wall_s,
+                "error": o.error or None,
+                "log": o.log_path or str(self.root / name / "server.log"),
+                "multi_round": [summary(lv) for lv in o.multi_round],
+                "no_reuse": [summary(lv) for lv in o.no_reuse],
+            }
+            if o.error:
+                servers[name]["log_tail"] = o.log_tail
+        return {
+            "mode": self.mode.name,
+            "headline_concurrency": c,
+            **headline,
+            "targets": targets,
+            "profile": profile,
+            "servers": servers,
+            "settings": {
+                "model": self.model.name,
+                "draft": self.draft.name,
+                "kv_cache_bytes": KV_CACHE_BYTES,
+                "max_model_len": MAX_MODEL_LEN,
+                "block_size": BLOCK_SIZE,
+                "blocks_per_chunk": self.bpc,
+                "arena_bytes": ARENA_BYTES,
+                "multi_round": {
+                    "users": USERS,
+                    "doc_tokens": DOC_TOKENS,
+                    "question_tokens": QUESTION_TOKENS,
+                    "answer_tokens": ANSWER_TOKENS,
+                    "rounds": ROUNDS,
+                    "working_set_tokens": USERS * self.workload().longest_request(),
+                    "concurrency": list(self.concurrency),
+                },
+                "no_reuse_requests": self.mode.no_reuse_requests,
+                "connector_extra": self.connector_extra,
+                "speculative_tokens": SPEC_TOKENS,
+                "run_dir": str(self.root),
+            },
+            "_outcomes": outcomes,
+        }
+
+    def close(self) -> None:
+        for path in self.shm_paths:
+            path.unlink(missing_ok=True)
+
+
+def _settled(path: Path) -> bool:
+    """A trace file the profiler has finished writing (its size holds still for a second)."""
+    size = path.stat().st_size
+    time.sleep(1.0)
+    return size > 0 and path.stat().st_size == size
+
+
+# -- output -----------------------------------------------------------------------------------
+
+
+def _f(value: Any, fmt: str = ".2f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, fmt)
+
+
+def _ms(seconds: float | None, fmt: str = ".0f") -> str:
+    return _f(None if seconds is None else seconds * 1e3, fmt)
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def tables(result: dict[str, Any]) -> str:
+    lines = [
+        f"## Multi-round ({result['settings']['multi_round']['users']} users x "
+        f"{ROUNDS} rounds, working set {result['settings']['multi_round']['working_set_tokens']}"
+        f" tokens, KV cache 4,096 tokens)",
+        "",
+        "| server | conc | out tok/s | tok/s/user | TTFT p50 ms | TTFT p99 ms | TTFT p50/p99 ms, "
+        "rounds 2-4 | ITL p50 ms | hit ratio | kvtierd hit ratio | ok/sent |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in result["servers"].values():
+        if s["error"]:
+            lines.append(f"| {s['label']} | - | failed: {s['error'][:160]} | | | | | | | | |")
+            continue
+        for lv in s["multi_round"]:
+            lines.append(
+                f"| {s['label']} | {lv['concurrency']} | {_f(lv['output_tps'], '.1f')} | "
+                f"{_f(lv['output_tps_per_user'], '.2f')} | {_ms(lv['ttft_p50_s'], '.0f')} | "
+                f"{_ms(lv['ttft_p99_s'], '.0f')} | "
+                f"{_ms(lv['ttft_p50_s_later_rounds'], '.0f')}/"
+                f"{_ms(lv['ttft_p99_s_later_rounds'], '.0f')} | "
+                f"{_ms(lv['itl_p50_s'], '.1f')} | "
+                f"{_pct(lv['hit_ratio'])} | {_pct(lv['daemon_hit_ratio'])} | "
+                f"{lv['ok']}/{lv['requests']} |"
+            )
+    lines += [
+        "",
+        f"## No reuse (every prompt unique, concurrency {HEADLINE_CONCURRENCY}, in run order)",
+        "",
+        "| server | out tok/s | TTFT p50 ms | hit ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for s in result["servers"].values():
+        for lv in s["no_reuse"]:
+            lines.append(
+                f"| {s['label']} | {_f(lv['output_tps'], '.1f')} | "
+                f"{_ms(lv['ttft_p50_s'], '.0f')} | {_pct(lv['hit_ratio'])} |"
+            )
+    lines += ["", "## Ratios", "", "| ratio | value | target | met |", "|---|---:|---:|---|"]
+    for key, t in result["targets"].items():
+        met = "-" if t["met"] is None else ("yes" if t["met"] else "no")
+        lines.append(f"| {key} | {_f(t['value'], '.3f')} | {t['target']} | {met} |")
+    for key in (
+        "throughput_vs_vllm_alone_embedded",
+        "ttft_p50_vs_vllm_alone_embedded",
+        "ttft_p99_vs_vllm_alone_embedded",
+        "ttft_p50_vs_vllm_alone_later_rounds",
+        "ttft_p99_vs_vllm_alone_later_rounds",
+        "throughput_vs_offloading_connector",
+        "kvtier_step_share",
+    ):
+        lines.append(f"| {key} | {_f(result.get(key), '.3f')} | | |")
+    profile = result.get("profile") or {}
+    if profile.get("steps"):
+        lines += [
+            "",
+            f"Profile ({profile['kvtier_ranges']}): {profile['steps']} steps, "
+            f"{profile['step_time_s']:.2f} s of step time, model forward "
+            f"{profile['model_step_share']:.1%}, kvtier {profile['kvtier_step_share']:.1%} "
+            f"({profile['kvtier_outside_steps_s']:.3f} s of kvtier outside steps).",
+        ]
+    return "\n".join(lines)
+
+
+def clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: clean(v) for k, v in value.items() if not str(k).startswith("_")}
+    if isinstance(value, list | tuple):
+        return [clean(v) for v in value]
+    return value
+
+
+def write_docs(result: dict[str, Any], docs: Path) -> None:
+    from kvtier.bench.plot import Curve, save_plot
+
+    docs.mkdir(parents=True, exist_ok=True)
+    curves = []
+    for name, o in result["_outcomes"].items():
+        levels = o.multi_round
+        if not levels or name == "vllm_2":
+            continue
+        curves.append(
+            Curve(
+                o.case.label,
+                [lv.concurrency for lv in levels],
+                [lv.output_tps for lv in levels],
+                [lv.output_tps_per_user for lv in levels],
+                [lv.ttft_s.p50 for lv in levels],
+                [lv.ttft_s.p99 for lv in levels],
+            )
+        )
+    if curves:
+        save_plot(curves, docs / "serving.png")
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    text = [
+        "# Whole-server benchmark: vLLM alone, kvtier, vLLM's connectors",
+        "",
+        f"`python benchmarks/serving.py` ({result['mode']} run, {stamp}, "
+        f"{result['wall_s'] / 60:.0f} min; other processes used "
+        f"{result['other_processes_cpu_share']:.0%} of the CPUs). What is measured and how: the "
+        "docstring of benchmarks/serving.py.",
+        "",
+        "![throughput vs interactivity, TTFT vs concurrency](serving.png)",
+        "",
+        tables(result),
+        "",
+    ]
+    (docs / "serving.md").write_text("\n".join(text))
+
+
+def parse_list(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="concurrency 4 only, fewer requests")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument(
+        "--profile", action="store_true", help="record a torch profiler trace of one level"
+    )
+    parser.add_argument("--blocks-per-chunk", type=int, default=4)
+    parser.add_argument("--concurrency", type=parse_list, help="multi-round levels")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "kvtier-bench",
+        help="where the models are built and the run's files go",
+    )
+    parser.add_argument(
+        "--docs", type=Path, default=ROOT / "docs", help="where the full run writes its plot"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the run's directory")
+    parser.add_argument(
+        "--connector-extra",
+        type=json.loads,
+        default={},
+        help="JSON merged into every KVTierConnector kv_connector_extra_config, e.g. "
+        "'{\"lookup_deadline_ms\": 500}'",
+    )
+    parser.add_argument(
+        "--servers", help=f"comma-separated: only these servers (of {', '.join(SERVERS)})"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
+    )
+    logging.getLogger("kvtier").setLevel(logging.WARNING)
+    log.setLevel(logging.INFO)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    unknown = set(args.servers.split(",")) - set(SERVERS) if args.servers else set()
+    if unknown:
+        parser.error(f"unknown servers {sorted(unknown)} (choose from {', '.join(SERVERS)})")
+    mode = QUICK if args.quick else FULL
+    concurrency = args.concurrency or mode.concurrency
+    if HEADLINE_CONCURRENCY not in concurrency:
+        concurrency = tuple(sorted({*concurrency, HEADLINE_CONCURRENCY}))
+    bench = Bench(
+        mode,
+        args.cache_dir,
+        blocks_per_chunk=args.blocks_per_chunk,
+        concurrency=concurrency,
+        profile=args.profile or args.json,
+        connector_extra=args.connector_extra,
+        only=set(args.servers.split(",")) if args.servers else None,
+    )
+    try:
+        result = bench.run()
+        if mode is FULL and bench.only is None:
+            write_docs(result, args.docs)
+    finally:
+        bench.close()
+        if not args.keep:
+            shutil.rmtree(bench.root, ignore_errors=True)
+    if args.json:
+        json.dump(clean(result), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(tables(clean(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
