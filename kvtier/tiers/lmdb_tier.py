@@ -41,7 +41,7 @@ from kvtier import blockfmt
 from kvtier.config import Durability, LMDBConfig
 from kvtier.counters import Counters
 from kvtier.errors import ChunkFormatError, CorruptChunkError
-from kvtier.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.keys import ChunkKey, namespace_of
 from kvtier.memory import keep_freed_pages
 from kvtier.pools import PoolRegistry, Registration
 from kvtier.tiers.base import Tier, TierStats, UsageStats
@@ -215,7 +215,7 @@ class LmdbTier(Tier):
             self._tell(True, list(added))
             self._counters.add("evictions_capacity", len(evicted))
             if self._retired:
-                retired = sum(k[:NAMESPACE_BYTES] in self._retired for k in evicted)
+                retired = sum(namespace_of(k) in self._retired for k in evicted)
                 self._counters.add("retired_evicted", retired)
             self._counters.add("stores", len(added))
             self._counters.add("store_rejected", results.count(False) - len(changed))
@@ -253,7 +253,7 @@ class LmdbTier(Tier):
             for key, old in list(self._index.items()):
                 if self._used - freed <= target:
                     return evicted
-                if old.pinned or key[:NAMESPACE_BYTES] not in self._retired:
+                if old.pinned or namespace_of(key) not in self._retired:
                     continue
                 txn.delete(lru_key(old.tick, key), db=self._lru)
                 txn.delete(key, db=self._chunks)
@@ -447,7 +447,7 @@ class LmdbTier(Tier):
     def namespace_chunks(self) -> Counter[bytes]:
         """Chunks held per namespace."""
         with self._lock:
-            return Counter(key[:NAMESPACE_BYTES] for key in self._index)
+            return Counter(namespace_of(key) for key in self._index)
 
     def keys(self) -> Iterator[ChunkKey]:
         return iter(list(self._index))
@@ -473,7 +473,7 @@ class LmdbTier(Tier):
             for key, entry in list(self._index.items())
             if not entry.pinned
             and (pool is None or entry.pool == pool)
-            and (namespace is None or key[:NAMESPACE_BYTES] == namespace)
+            and (namespace is None or namespace_of(key) == namespace)
             and (replica is None or entry.replica == replica)
         ]
         dropped = self._drop(victims, force=False)
