@@ -17,7 +17,7 @@ def bench_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_llama(root, tokenizer_dir=build_tokenizer(root))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped once its module is done: later tests get the cores
 def server_url(bench_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with vllm_server(bench_model, tmp_path_factory.mktemp("vllm-server")) as url:
         yield url
