@@ -104,11 +104,6 @@ class InProcessClient:
             return self.manager.reserve(keys, self.replica)
         return self.manager.commit(commit), self.manager.reserve(keys, self.replica)
 
-    def reserve_async(
-        self, keys: Sequence[ChunkKey], *, commit: Sequence[SlotRef]
-    ) -> Answer[tuple[int, list[SlotRef | None]]]:
-        return Ready(self.reserve(keys, commit=commit))
-
     def commit(self, refs: Sequence[SlotRef]) -> int:
         return self.manager.commit(refs)
 

@@ -187,13 +187,6 @@ class TierClient(Protocol):
         call, and answer how many were committed too."""
         ...
 
-    def reserve_async(
-        self, keys: Sequence[ChunkKey], *, commit: Sequence[SlotRef]
-    ) -> Answer[tuple[int, list[SlotRef | None]]]:
-        """`reserve` with ``commit``, answered later: a caller that must not wait reads the
-        answer when it needs the slots."""
-        ...
-
     def commit(self, refs: Sequence[SlotRef]) -> int: ...
 
     def abort(self, refs: Sequence[SlotRef]) -> None: ...

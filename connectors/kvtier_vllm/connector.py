@@ -121,19 +121,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._finished(request)
-        return False, None  # stores copy before any later step writes the blocks: they may go
+        return False, None  # stores copy in the step that computed them: blocks may go
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._finished(request)
         return False, None
-
-    def has_pending_push_work(self) -> bool:
-        scheduler = self._scheduler
-        if scheduler is None:
-            return False
-        return contained("pending stores", scheduler.has_pending_push_work, lambda: False)
 
     def _finished(self, request: Any) -> None:
         scheduler = self._scheduler
@@ -147,19 +141,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         assert worker is not None
         contained(
             "register_kv_caches", lambda: worker.register_kv_caches(kv_caches), worker.plans.clear
-        )
-
-    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """The step's first hook, before vLLM zeroes or reuses a block: the stores of what
-        earlier steps computed are copied here."""
-        worker = self._worker
-        meta = kv_connector_metadata
-        if worker is None or not isinstance(meta, KVTierMetadata):
-            return
-        contained(
-            "handle_preemptions",
-            lambda: worker.copy_stores(meta),
-            lambda: worker.fail_step(meta, False),
         )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -179,10 +160,18 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return None  # stores run once per step, in the next step's first hook
+        return None  # stores run once per step, after the draft's forward too
 
     def wait_for_save(self) -> None:
-        return None  # stores are copied in the next step's first hook, `handle_preemptions`
+        worker = self._worker
+        assert worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        contained(
+            "wait_for_save",
+            lambda: worker.wait_for_save(meta),
+            lambda: worker.fail_step(meta, False),
+        )
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """Asynchronous loads (several KV-cache groups) done, and those that failed."""

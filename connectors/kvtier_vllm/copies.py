@@ -8,10 +8,8 @@ stream, and events say when they are done:
   checked only once the event completed (a slot rewritten before its bytes were read passes a
   check made when the copy was queued): for synchronous loads the host waits for the event
   after the forward was launched, asynchronous ones are checked when a query finds it done;
-- stores: they copy what earlier steps computed, at the start of a step; the step's own work
-  waits for them on the device (it may zero or reuse the blocks read). A store is reported to
-  the scheduler only once its event completed, so a slot is committed only after its bytes
-  arrived.
+- stores: a store is reported to the scheduler only once its event completed, so a slot is
+  committed only after its bytes arrived.
 
 `DeferredCopies` runs on the CPU with a device's timing, so that tests catch code that trusts a
 copy before its fence passed.
@@ -132,25 +130,14 @@ class CudaCopies(CpuCopies):
             dst.copy_(src, non_blocking=True)
 
     def end_loads(self) -> None:
-        self._hold_current()
-
-    def end_stores(self) -> Fence:
-        # the step may zero or reuse a block just read: its work waits for the copies
-        return self._hold_current()
-
-    def _hold_current(self) -> Fence:
-        """The current stream waits for every copy issued so far."""
-        fence, event = self._recorded()
-        torch.cuda.current_stream(self.device).wait_event(event)
-        return fence
-
-    def fence(self) -> Fence:
-        return self._recorded()[0]
-
-    def _recorded(self) -> tuple[Fence, torch.cuda.Event]:
         event = torch.cuda.Event()
         event.record(self.stream)
-        return Fence(event.query, event.synchronize), event
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def fence(self) -> Fence:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return Fence(event.query, event.synchronize)
 
 
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -160,9 +147,8 @@ Pair = tuple[torch.Tensor, torch.Tensor]
 class DeferredCopies(CpuCopies):
     """CPU copies with a device's timing: `copy` only queues, and the bytes move, in issue
     order, at the latest point a device could still be moving them: when a fence is asked or
-    waited on, at `end_loads` (the forward that reads them runs next, on the host), at
-    `end_stores` (the step's work waits for them: it may reuse the blocks read), and before the
-    arena is mapped again or unmapped. A slot looked at while its copy is queued is seen as
+    waited on, at `end_loads` (the forward that reads them runs next, on the host), and before
+    the arena is mapped again or unmapped. A slot looked at while its copy is queued is seen as
     it was then, not as it is when the bytes are read.
 
     ``before_landing(copies, pairs)`` runs whenever queued copies are about to land, with those
@@ -197,19 +183,6 @@ class DeferredCopies(CpuCopies):
 
     def end_loads(self) -> None:
         self._land(self._issued)
-
-    def end_stores(self) -> Fence:
-        """The step's work waits for the stores before it writes a block: they land now, though
-        the host may hear of it only later (``busy_queries``)."""
-        self._land(self._issued)
-        busy = self.busy_queries
-
-        def query() -> bool:
-            nonlocal busy
-            busy -= 1
-            return busy < 0
-
-        return Fence(query)
 
     def fence(self) -> Fence:
         upto = self._issued

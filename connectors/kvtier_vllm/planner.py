@@ -210,7 +210,6 @@ class HitPlanner:
         leases: Leases | None = None,
         unreturned: Unreturned | None = None,
         on_error: Callable[[str, KVTierError], None] = _log_error,
-        storing: Callable[[ChunkKey], bool] = lambda key: False,
     ) -> None:
         self.client = client
         self.namespaces = namespaces
@@ -229,8 +228,6 @@ class HitPlanner:
         self.leases = leases if leases is not None else Leases(2)
         self.unreturned = unreturned if unreturned is not None else Unreturned()
         self.on_error = on_error
-        self.storing = storing
-        """Whether this engine is storing a chunk: a hit that ends at one waits for it."""
 
     def keys(self, plan: PoolPlan, hashes: Any, chunks: Iterable[int]) -> list[ChunkKey]:
         return keys_in(self.namespaces[plan.key], hashes, chunks, self.blocks_per_chunk)
@@ -280,7 +277,7 @@ class HitPlanner:
             for plan in self.targets
             for start, codes in (found.tiers[plan.key],)
         }
-        if any(below.values()) or found.pending or self._stored_next(hashes, found.chunks, limit):
+        if any(below.values()) or found.pending:
             self._give_back(found.leases)
             if asked.may_wait(self.wait_s):
                 self._promote(hashes, below)
@@ -298,13 +295,6 @@ class HitPlanner:
             self._give_back(found.leases)
             return None if chunks > first else LoadPlan(first, 0, {}, [])
         return self._lease(asked, hashes, first, chunks, found.leases)
-
-    def _stored_next(self, hashes: Any, end: int, limit: int) -> bool:
-        """Whether the chunk after a hit ending at ``end`` is on its way in from this engine
-        (the last turn of a conversation, still being copied)."""
-        if end >= limit or end * self.blocks_per_chunk >= len(hashes):
-            return False
-        return any(self.storing(self.keys(plan, hashes, [end])[0]) for plan in self.targets)
 
     def _find(self, hashes: Any, first: int, limit: int, again: bool) -> _Found:
         """The longest hit every target plan holds, in chunks: per plan, the first chunk it

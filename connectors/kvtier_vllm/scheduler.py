@@ -145,18 +145,6 @@ class KVTierScheduler:
             self.arena_path = str(client.arena_path)
             if self.draft is not None and self.draft_plan is not None:
                 self.draft.namespace = self.namespaces.get(self.draft_plan.key)
-            self.stores = Stores(
-                client,
-                self.plans,
-                self.namespaces,
-                self.events,
-                self.unreturned,
-                self._guard,
-                chunk_tokens=self.chunk_tokens,
-                blocks_per_chunk=self.cfg.blocks_per_chunk,
-                checkpoint=self.checkpoint,
-                draft=self.draft,
-            )
             self.planner = HitPlanner(
                 client,
                 self.plans,
@@ -170,7 +158,18 @@ class KVTierScheduler:
                 leases=self.leases,
                 unreturned=self.unreturned,
                 on_error=self._guard,
-                storing=self.stores.storing,
+            )
+            self.stores = Stores(
+                client,
+                self.plans,
+                self.namespaces,
+                self.events,
+                self.unreturned,
+                self._guard,
+                chunk_tokens=self.chunk_tokens,
+                blocks_per_chunk=self.cfg.blocks_per_chunk,
+                checkpoint=self.checkpoint,
+                draft=self.draft,
             )
         return True
 
@@ -431,8 +430,6 @@ class KVTierScheduler:
             meta.draft_fingerprints = dict(self.draft.bound)
         self._release(self.leases.step(self._queued_leases))
         self._queued_leases = []
-        assert self.stores is not None  # made with the client
-        self.stores.hand_out(meta, self._step)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
@@ -441,7 +438,7 @@ class KVTierScheduler:
             plan = self._ready_loads.pop(new.req_id, None)
             if plan is not None:
                 self.leases.newest.extend(self._add_load(meta, state, plan))
-            self._add_stores(state, new.num_computed_tokens, scheduler_output)
+            self._add_stores(meta, state, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -454,8 +451,8 @@ class KVTierScheduler:
             elif new_ids:
                 for group, ids in zip(state.block_ids, new_ids, strict=False):
                     group.extend(ids)
-            self._add_stores(state, cached.num_computed_tokens[i], scheduler_output)
-        self.stores.flush()
+            self._add_stores(meta, state, cached.num_computed_tokens[i], scheduler_output)
+        assert self.stores is not None  # made with the client
         self.stores.expire(self._step)
         return meta
 
@@ -477,7 +474,9 @@ class KVTierScheduler:
         state.stored_chunks = max(state.stored_chunks, plan.first_chunk + plan.chunks)
         return plan.refs()
 
-    def _add_stores(self, state: RequestState, computed: int, out: Any) -> None:
+    def _add_stores(
+        self, meta: KVTierMetadata, state: RequestState, computed: int, out: Any
+    ) -> None:
         request = state.request
         done = computed + out.num_scheduled_tokens.get(request.request_id, 0)
         bpc = self.cfg.blocks_per_chunk
@@ -490,7 +489,9 @@ class KVTierScheduler:
         assert self.stores is not None  # made with the client
         # a sliding window is stored where the prompt's own hit would read it, and past it
         end = self._hit_limit(request) - int(self.drop_last)
-        self.stores.reserve(request, state.block_ids, chunks, end, state.local_hit, self.stats)
+        self.stores.reserve(
+            meta, request, state.block_ids, chunks, end, state.local_hit, self._step, self.stats
+        )
 
     def take_events(self) -> list[object]:
         """vLLM asks after each step's forward: what goes to kvtierd now competes with no copy."""
@@ -514,10 +515,6 @@ class KVTierScheduler:
             self._sync_draft(follow=False)
         assert self.stores is not None  # made with the client
         self.stores.reported(worker_meta.stored, worker_meta.failed)
-
-    def has_pending_push_work(self) -> bool:
-        """Stores the next step moves on: an idle engine takes one more step for them."""
-        return self.stores is not None and self.stores.busy
 
     def request_finished(self, request: Any) -> None:
         self._failed_loads.discard(request.request_id)

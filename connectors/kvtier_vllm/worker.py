@@ -1,8 +1,7 @@
 """The connector's worker side: copies between vLLM's KV blocks and arena slots.
 
 The worker maps the arena by path. Loads run in ``start_load_kv`` before the forward; stores run
-in ``copy_stores``, at the start of the next step, before vLLM zeroes or reuses a block: the
-forward (and the draft's) wrote them, and nothing has written them since. A load copied from a
+in ``wait_for_save``, after the forward (and the draft's) wrote the blocks. A load copied from a
 slot that was reused meanwhile (its generation moved) is reported as a load error, so vLLM
 recomputes those blocks instead of using them: per block with one KV-cache group, per request
 (an asynchronous load) with several. The generation is checked once the copy landed, never when
@@ -160,9 +159,6 @@ class KVTierWorker:
         self.stats = KVTierStats()
         self._draft_watch: DraftWatch | None = None
         self._draft_ok = True
-        self._begun: KVTierMetadata | None = None
-        """The step whose first hook ran: `_begin` runs once per step."""
-        self._checked = ""
         self._fingerprints: dict[int, str] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -294,24 +290,15 @@ class KVTierWorker:
         for pages in self.pages.get(key, []):
             pages[blocks] = 0
 
-    def _begin(self, meta: KVTierMetadata) -> str:
-        """Once per step, in its first hook: map the arena a step names first, and check the
-        draft weights; the fingerprint taken, if one was."""
-        if self._begun is meta:
-            return self._checked
-        self._begun = meta
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
         if meta.arena_path != self._announced:
             # map it on the first step that names it: populating the mapping of a large arena
             # takes a while, and would otherwise delay the first copy
             self._announced = meta.arena_path
             self._slots(meta.arena_path)
-        self._checked = self._check_draft(meta)
-        return self._checked
-
-    def start_load_kv(self, meta: KVTierMetadata) -> None:
-        checked = self._begin(meta)
         self._load_errors.update(meta.invalid_blocks)
         self._fail_requests(set(meta.failed_requests))
+        checked = self._check_draft(meta)
         if not meta.loads and not meta.zero and not meta.receiving:
             return
         failed: set[str] = set()
@@ -419,10 +406,7 @@ class KVTierWorker:
         self._receiving = waiting
         return done, failed
 
-    def copy_stores(self, meta: KVTierMetadata) -> None:
-        """Copy what earlier steps computed into the slots reserved for it. Called before this
-        step zeroes or reuses any block; on a device, this step's work waits for the copies."""
-        self._begin(meta)
+    def wait_for_save(self, meta: KVTierMetadata) -> None:
         if not meta.stores:
             return
         slots = self._slots(meta.arena_path)

@@ -189,16 +189,8 @@ class GrpcTierClient:
             future = self._caller.submit(method, request, timeout=self._timeout)
         else:
             self.breaker.check()  # nothing queues behind a daemon that does not answer
-            future = self._caller.submit(self._rpc_behind, method, request)
+            future = self._caller.submit(self._rpc, method, request, self._store_s)
         return Pending(future, convert, self.target)
-
-    def _rpc_behind(self, method: Callable[..., R], request: Any) -> R:
-        try:
-            return self._rpc(method, request, self._store_s)
-        except SessionNotFoundError:
-            assert self.breaker is not None
-            self.breaker.trip("its session is gone")  # the probe opens the new one
-            raise
 
     @property
     def arena_path(self) -> Path:

@@ -171,21 +171,6 @@ class ClientContract:
         assert client.commit(self._write(arena, more)) == 2
         assert client.lookup(first + second).hits == 4
 
-    def test_reserve_without_waiting_answers_as_reserve_does(
-        self, client: TierClient, arena: ArenaMemory, ns: bytes
-    ) -> None:
-        first, second = keys_for(ns, 2), keys_for(ns, 2, start=2)
-        refs = self._write(arena, client.reserve(first))
-        committed, more = client.reserve_async(second, commit=refs).result()
-        assert committed == 2
-        assert all(more)
-        # commits alone, with no key to reserve
-        answer = client.reserve_async([], commit=self._write(arena, more))
-        assert answer.result() == (2, [])
-        assert client.lookup(first + second).hits == 4
-        # what is there already is not reserved again
-        assert client.reserve_async(first, commit=[]).result() == (0, [None, None])
-
     # -- lease, release -------------------------------------------------------------------
 
     def test_a_leased_chunk_stays_in_the_arena_until_released(

@@ -251,19 +251,19 @@ class _Snapshot:
 def sliding_block_reuse(mp: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
     """Counts sliding-window blocks that vLLM handed to a later position of the same request
     while the first position's KV would still have been worth storing, and that then held other
-    bytes: what a copy made after a later forward would have read.
+    bytes: what a copy deferred past its step would have read.
 
     In-process engine: the scheduler side records each step's block table of the sliding
     group, and the worker snapshots the pages computed in that step right after the forward.
     """
-    from kvtier_vllm.connector import KVTierConnector
     from kvtier_vllm.scheduler import KVTierScheduler
+    from kvtier_vllm.worker import KVTierWorker
 
     seen = {"snapshots": 0, "reused": 0, "overwritten": 0}
     steps: list[tuple[int, int, list[int]]] = []  # (computed before, after, block ids)
     snapshots: list[_Snapshot] = []
     build = KVTierScheduler.build_connector_meta
-    save = KVTierConnector.wait_for_save
+    save = KVTierWorker.wait_for_save
 
     def recording_build(self: KVTierScheduler, out: Any) -> Any:
         meta = build(self, out)
@@ -280,13 +280,12 @@ def sliding_block_reuse(mp: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
             steps[-1] = (before, before + scheduled, ids)
         return meta
 
-    def snapshotting_save(self: KVTierConnector) -> None:
-        save(self)
-        worker = self._worker
-        if not steps or worker is None or "target.0" not in worker.pages:
+    def snapshotting_save(self: KVTierWorker, meta: Any) -> None:
+        save(self, meta)
+        if not steps or "target.0" not in self.pages:
             return
         before, after, ids = steps[-1]
-        pages = worker.pages["target.0"][0]  # a layer of the sliding-window group
+        pages = self.pages["target.0"][0]  # a layer of the sliding-window group
         for old in list(snapshots):
             later = [p for p in range(old.position + 1, after // BLOCK_SIZE) if ids[p] == old.block]
             if later:
@@ -299,11 +298,11 @@ def sliding_block_reuse(mp: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
                 seen["snapshots"] += 1
 
     mp.setattr(KVTierScheduler, "build_connector_meta", recording_build)
-    mp.setattr(KVTierConnector, "wait_for_save", snapshotting_save)
+    mp.setattr(KVTierWorker, "wait_for_save", snapshotting_save)
     yield seen
 
 
-def test_chunked_prefill_stores_each_block_before_a_later_forward_reuses_it(
+def test_chunked_prefill_copies_each_block_in_the_step_that_computed_it(
     hybrid_model: Path,
     hybrid_prompts: list[list[int]],
     tmp_path: Path,
@@ -321,7 +320,7 @@ def test_chunked_prefill_stores_each_block_before_a_later_forward_reuses_it(
         stored = generate(llm, prompt)
     assert stored.same_output(baseline.cold)
     # vLLM gave sliding-window block ids to later positions of the same request, and their
-    # bytes changed: a copy made after a later forward would have stored another position's KV
+    # bytes changed: a copy made after its step would have stored another position's KV
     assert seen["snapshots"] >= hit_chunks(PROMPT_TOKENS)
     assert seen["reused"] > 0
     assert seen["overwritten"] == seen["reused"]

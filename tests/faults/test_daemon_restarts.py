@@ -128,7 +128,7 @@ class MidStore:
         self.armed: tuple[RunningDaemon, DaemonFiles] | None = None
         self.daemon: RunningDaemon | None = None
         self.untouched: list[bool] = []
-        save = KVTierWorker.copy_stores
+        save = KVTierWorker.wait_for_save
 
         def replacing(worker: Any, meta: Any) -> None:
             if not meta.stores or self.armed is None:
@@ -151,7 +151,7 @@ class MidStore:
             finally:
                 successor.close()
 
-        mp.setattr(KVTierWorker, "copy_stores", replacing)
+        mp.setattr(KVTierWorker, "wait_for_save", replacing)
 
 
 def test_one_engine_outlives_kvtierd_restarts_and_hits_from_each_new_arena(

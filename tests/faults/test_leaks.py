@@ -26,8 +26,8 @@ SETTLE_S = 30.0
 
 
 class FailOnce:
-    """The engine client's first `release` and first commit (alone, or with a reservation) that
-    carry refs fail as a timed-out call would, without reaching kvtierd."""
+    """The engine client's first `release` and first `commit` that carry refs fail as a timed-out
+    call would, without reaching kvtierd."""
 
     def __init__(self, mp: pytest.MonkeyPatch) -> None:
         import kvtier.rpc.tier_client
@@ -49,16 +49,6 @@ class FailOnce:
                 return _real(client, refs)
 
             mp.setattr(GrpcTierClient, name, failing)
-        reserve = GrpcTierClient.reserve_async
-
-        def reserving(client: Any, keys: Any, *, commit: list[SlotRef]) -> Any:
-            if commit and not self.failed["commit"]:  # commits go with reservations too
-                self.client = client
-                self.failed["commit"].extend(commit)
-                raise TierUnavailableError("reserve: deadline exceeded (injected)")
-            return reserve(client, keys, commit=commit)
-
-        mp.setattr(GrpcTierClient, "reserve_async", reserving)
         # every hit is then leased by a call, as on a host that cannot read the arena's index
         mp.setattr(kvtier.rpc.tier_client, "readable_here", lambda: False)
 

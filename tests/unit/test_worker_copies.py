@@ -188,20 +188,16 @@ def test_an_asynchronous_load_whose_slot_moved_before_landing_fails_its_request(
     assert torch.equal(bare.blocks("target", (7, 8)), bare.slot(kept))
 
 
-def test_a_store_lands_before_the_step_and_is_reported_only_once_its_fence_passed(
-    bare: BareWorker,
-) -> None:
+def test_a_store_is_reported_only_once_its_copies_landed(bare: BareWorker) -> None:
     (ref,) = bare.tier.reserve(keys_for(bare.namespaces["target"], 1, start=1000))
     assert ref is not None
-    computed = torch.randint(0, 256, (2, 2, 4096), dtype=torch.uint8)
-    bare.pages["target"][:, [5, 6]] = computed
+    bare.pages["target"][:, [5, 6]] = torch.randint(0, 256, (2, 2, 4096), dtype=torch.uint8)
     bare.worker.copies = DeferredCopies(busy_queries=1)
     store = ChunkCopy("target", ref.slot, ref.offset, ref.generation, (5, 6))
-    bare.worker.copy_stores(KVTierMetadata(str(bare.arena_path), stores=[store]))
-    # the step then zeroes the blocks for reuse: the copy read them before
-    bare.pages["target"][:, [5, 6]] = 0
-    assert bare.worker.worker_meta() is None  # the host has not heard yet: not committed
-    assert torch.equal(bare.slot(ref), computed)
+    bare.worker.wait_for_save(KVTierMetadata(str(bare.arena_path), stores=[store]))
+    assert bare.worker.worker_meta() is None  # still copying: not to be committed yet
+    assert not torch.equal(bare.slot(ref), bare.blocks("target", (5, 6)))
     reported = bare.worker.worker_meta()
     assert reported is not None
     assert reported.stored == [(ref.slot, ref.generation)]
+    assert torch.equal(bare.slot(ref), bare.blocks("target", (5, 6)))
