@@ -101,6 +101,24 @@ class ConnectorConfig(BaseModel):
         description="How long a request may wait (asked again each step, never blocking) for "
         "its chunks to be promoted into the arena before it loads only what the arena holds.",
     )
+    verify_sample_rate: float = Field(
+        0.001,
+        ge=0,
+        le=1,
+        description="Share of requests with a hit that are served as a miss instead: vLLM "
+        "computes the prefix, and the chunks the hit would have loaded are compared with it. A "
+        "chunk off by more than verify_max_error quarantines its namespace (no more hits from "
+        "it). At most one request per step is sampled, except at 1.0, which checks every hit.",
+    )
+    verify_max_error: float = Field(
+        0.05,
+        gt=0,
+        description="The largest relative error (norm of the difference over the norm of the "
+        "recomputed KV, per layer) of a chunk that still matches.",
+    )
+    verify_seed: int | None = Field(
+        None, description="Seeds the choice of sampled requests (unset: a random seed)."
+    )
 
     lookup_deadline_ms: float = Field(
         50,

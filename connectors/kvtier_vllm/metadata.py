@@ -47,6 +47,8 @@ class KVTierMetadata(KVConnectorMetadata):
     """Blocks of loads vLLM was promised and that will not come: reported as load errors."""
     failed_requests: list[str] = field(default_factory=list)
     """Asynchronous loads that will not come: reported finished and failed."""
+    checks: list[ChunkCopy] = field(default_factory=list)
+    """Leased chunks to compare with what vLLM computed in their place in earlier steps."""
 
 
 @dataclass
@@ -56,6 +58,9 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     failed: list[tuple[int, int]] = field(default_factory=list)
     draft_fingerprints: dict[int, str] = field(default_factory=dict)
     """Per worker rank, the fingerprint of the draft weights, when one was taken."""
+    checked: list[tuple[int, int, float]] = field(default_factory=list)
+    """(slot, generation, relative error) of each chunk compared, per rank that holds a part;
+    a negative error: the slot was reused before it could be compared."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
@@ -63,4 +68,5 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
             self.stored + other.stored,
             self.failed + other.failed,
             {**self.draft_fingerprints, **other.draft_fingerprints},
+            self.checked + other.checked,
         )

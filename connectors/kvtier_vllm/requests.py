@@ -8,6 +8,7 @@ from typing import Any
 
 from kvtier_vllm.draft import Fill
 from kvtier_vllm.planner import Asked, HitPlanner, LoadPlan
+from kvtier_vllm.verify import Sampled
 
 
 @dataclass
@@ -29,6 +30,8 @@ class RequestState:
     local_hit: int = 0
     """Tokens vLLM's own prefix cache held when the request was first scheduled."""
     fill: Fill = Fill.NONE
+    sampled: Sampled | None = None
+    """Its hit, served as a miss to be compared with what vLLM computes."""
 
     def held_tokens(
         self, planner: HitPlanner, computed: int, revision: str | None, limit: int

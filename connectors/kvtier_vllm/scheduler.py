@@ -38,6 +38,7 @@ from kvtier_vllm.shapes import refusal
 from kvtier_vllm.stats import KVTierStats
 from kvtier_vllm.stores import Stores
 from kvtier_vllm.unreturned import Return, Unreturned
+from kvtier_vllm.verify import Sampled, Verifier
 from kvtier_vllm.weights import adapter_uncached
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,9 @@ class KVTierScheduler:
         self.arena_path = ""
         self.events = KVEventFeed(self.block_size)
         self.leases = Leases(_LEASE_STEPS)
+        self.verifier = Verifier(
+            cfg.verify_sample_rate, cfg.verify_max_error, self.by_key, cfg.verify_seed
+        )
         self.unreturned = Unreturned()
         """Refs a failed call did not hand back: handed back on later steps."""
         self._failing = False
@@ -273,6 +277,10 @@ class KVTierScheduler:
         if adapter_uncached(request):
             return 0, False
         state = self.state(request)
+        if state.sampled is not None:
+            return 0, False  # vLLM computes it: the hit is compared with what it computes
+        if self.verifier.refuses(self.namespaces.values()):
+            return 0, False  # a chunk of these pools was wrong: none is trusted
         state.local_hit = num_computed_tokens
         if self._followed != self._step:
             self._sync_draft(follow=True)
@@ -303,6 +311,9 @@ class KVTierScheduler:
             state.missed = (num_computed_tokens, self._draft_revision())
             return 0, False
         state.missed = None
+        if self.verifier.sample(self._step):
+            state.sampled = Sampled(plan)
+            return 0, False
         state.plan = plan
         state.plan_revision = self._draft_revision()
         state.local_tokens = num_computed_tokens
@@ -452,6 +463,9 @@ class KVTierScheduler:
                 for group, ids in zip(state.block_ids, new_ids, strict=False):
                     group.extend(ids)
             self._add_stores(meta, state, cached.num_computed_tokens[i], scheduler_output)
+        # compared after this step's forward, which computes them; the leases outlive it
+        meta.checks, leases = self.verifier.hand_out()
+        self.leases.newest.extend(leases)
         assert self.stores is not None  # made with the client
         self.stores.expire(self._step)
         return meta
@@ -486,6 +500,8 @@ class KVTierScheduler:
             return
         chunks = range(state.stored_chunks, full)
         state.stored_chunks = full
+        if state.sampled is not None:
+            self.verifier.computed(state.sampled, state.block_ids, chunks, bpc)
         assert self.stores is not None  # made with the client
         # a sliding window is stored where the prompt's own hit would read it, and past it
         end = self._hit_limit(request) - int(self.drop_last)
@@ -515,6 +531,7 @@ class KVTierScheduler:
             self._sync_draft(follow=False)
         assert self.stores is not None  # made with the client
         self.stores.reported(worker_meta.stored, worker_meta.failed)
+        self.verifier.reported(worker_meta.checked, self.stats)
 
     def request_finished(self, request: Any) -> None:
         self._failed_loads.discard(request.request_id)
@@ -524,6 +541,8 @@ class KVTierScheduler:
         state = self._requests.pop(request.request_id, None)
         if state is not None:
             self._drop_plan(state)
+            if state.sampled is not None:
+                self._release(state.sampled.unchecked())
         plan = self._ready_loads.pop(request.request_id, None)
         if plan is not None:
             self._release(plan.refs())

@@ -22,6 +22,10 @@ DIRECTIONS = ("load", "store")
 FILLS = ("none", "previous", "zeros")
 """How a request's draft pages were set: loaded (none), or filled by policy."""
 SWAP_SOURCES = ("admin", "fingerprint")
+VERIFY_RESULTS = ("match", "mismatch", "unchecked")
+"""Compared chunks: within verify_max_error, past it, or reused before they were compared."""
+ERROR_BUCKETS = (1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, float("inf"))
+"""Upper bounds of the relative-error histogram's buckets."""
 POOLS = ("target", "draft")
 MAX_REVISIONS = 16
 _SEP = "|"  # draft keys; revisions may hold dots, never this
@@ -68,6 +72,13 @@ class KVTierStats(KVConnectorStats):
     def window_skipped(self, pool: str, nbytes: int) -> None:
         """Bytes of sliding-window chunks left out: outside the window of every hit."""
         self.add(_SEP.join(("window", pool)), nbytes)
+
+    def verified(self, pool: str, result: str, error: float | None) -> None:
+        """A compared chunk; ``error``: its relative error, counted in its bucket."""
+        self.add(_SEP.join(("verify", pool, result)), 1)
+        if error is not None:
+            bucket = next(i for i, bound in enumerate(ERROR_BUCKETS) if error <= bound)
+            self.add(_SEP.join(("verify_error", pool, str(bucket))), 1)
 
     def revision(self, revision: str) -> None:
         """The draft revision now current (a gauge: the last one reported wins)."""
@@ -175,6 +186,21 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             "every hit, so storing every block of every group would have cost this much more.",
             labelnames=[*base, "pool"],
         )
+        self._verified: Any = self._counter_cls(
+            name="vllm:kvtier_verify_chunks_total",
+            documentation="Chunks of sampled hits compared with the KV vLLM computed in their "
+            "place: match, mismatch (the namespace is quarantined), or unchecked (the slot "
+            "was reused first).",
+            labelnames=[*base, "pool", "result"],
+        )
+        histogram: Any = self._histogram_cls
+        self._errors: Any = histogram(
+            name="vllm:kvtier_verify_relative_error",
+            documentation="Relative error of compared chunks (the norm of the difference over "
+            "the norm of the recomputed KV, the worst layer); the sum adds bucket bounds.",
+            labelnames=[*base, "pool"],
+            buckets=list(ERROR_BUCKETS[:-1]),
+        )
         gauge: Any = self._gauge_cls
         self._revision: Any = gauge(
             name="vllm:kvtier_draft_revision_info",
@@ -212,6 +238,13 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             self._fills.labels(*labels, parts[1]).inc(value)
         elif kind == "window" and parts[1] in POOLS and value:
             self._window.labels(*labels, parts[1]).inc(value)
+        elif kind == "verify" and parts[1] in POOLS and parts[2] in VERIFY_RESULTS:
+            self._verified.labels(*labels, parts[1], parts[2]).inc(value)
+        elif kind == "verify_error" and parts[1] in POOLS:
+            bound = ERROR_BUCKETS[int(parts[2])]
+            observed = bound if bound != float("inf") else 10.0
+            for _ in range(int(value)):
+                self._errors.labels(*labels, parts[1]).observe(observed)
         elif kind == "stale":
             self._stale.labels(*labels).inc(value)
         elif kind == "swap" and parts[1] in SWAP_SOURCES and value:

@@ -141,12 +141,15 @@ class KVTierWorker:
         self.kv_cache_config = kv_cache_config
         self.plans: dict[str, PoolPlan] = {}
         self.pages: dict[str, list[torch.Tensor]] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        """Each plan's KV dtype, to compare chunks in."""
         self.stacks: dict[str, torch.Tensor] = {}
         self._arena: ArenaMemory | None = None
         self._arena_bytes: torch.Tensor | None = None
         self._arena_inode = 0
         self._announced = ""
         self._stored: list[tuple[int, int]] = []
+        self._compared: list[tuple[int, int, float]] = []
         self._landing: list[tuple[Fence, list[tuple[int, int]]]] = []
         """Stores issued on a device stream, reported once their event completed."""
         self.copies: CpuCopies = copies_for(torch.device("cpu"))
@@ -190,6 +193,7 @@ class KVTierWorker:
                 continue
             self.plans[plan.key] = plan
             self.pages[plan.key] = pages
+            self.dtypes[plan.key] = kv_caches[plan.layer_names[0]].dtype
             if pages[0].device != self.copies.device:
                 self.copies = copies_for(pages[0].device)
             stack = _stacked(pages)
@@ -225,9 +229,24 @@ class KVTierWorker:
         return self._arena_bytes
 
     def _copy(self, job: ChunkCopy, slots: torch.Tensor, into_arena: bool) -> bool:
+        pairs = self._pairs(job, slots, per_layer=False)
+        if pairs is None:
+            return False
+        for arena, pages in pairs:
+            if into_arena:
+                self.copies.copy(arena, pages)
+            else:
+                self.copies.copy(pages, arena)
+        return True
+
+    def _pairs(
+        self, job: ChunkCopy, slots: torch.Tensor, per_layer: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """(arena, pages) views of the job's chunk, all layers at once where they sit at one
+        stride (unless ``per_layer``); None where the slot is not the one planned for."""
         plan = self.plans.get(job.plan)
         if plan is None or not 0 <= job.offset <= slots.numel() - plan.chunk_bytes:
-            return False  # a slot outside the mapping: an arena other than the one planned for
+            return None  # a slot outside the mapping: an arena other than the one planned for
         mapped = self._arena
         if (
             mapped is None
@@ -236,31 +255,45 @@ class KVTierWorker:
         ):
             # planned in another arena (a restarted daemon's, whose epoch differs) or reused
             # since: writing it would overwrite a chunk someone else holds
-            return False
+            return None
         layers, bpc = len(plan.layer_names), plan.blocks_per_chunk
         # the slot as [layers, blocks of the chunk, page], as `PoolPlan.layer_offset` lays the
         # payload out; this rank's part of a page is its heads
         chunk = slots[job.offset : job.offset + plan.chunk_bytes]
         ours, whole, heads = _page_dims(plan)
         chunk = chunk.view(layers, bpc, *whole)
-        stack = self.stacks.get(job.plan)
+        stack = None if per_layer else self.stacks.get(job.plan)
+        pairs = []
         for index, block, n in _runs(job.block_ids):
             part = chunk[:, job.first_block + index : job.first_block + index + n]
             part = part.narrow(2 + heads, plan.shard.first, plan.shard.count)
-            pairs = (
-                [(part, stack[:, block : block + n].view(layers, n, *ours))]
-                if stack is not None
-                else [
+            if stack is not None:
+                pairs.append((part, stack[:, block : block + n].view(layers, n, *ours)))
+            else:
+                pairs.extend(
                     (part[i], p[block : block + n].view(n, *ours))
                     for i, p in enumerate(self.pages[job.plan])
-                ]
-            )
-            for arena, pages in pairs:
-                if into_arena:
-                    self.copies.copy(arena, pages)
-                else:
-                    self.copies.copy(pages, arena)
-        return True
+                )
+        return pairs
+
+    def _compare(self, job: ChunkCopy, slots: torch.Tensor) -> float:
+        """The chunk's largest relative error over its layers (the norm of the difference over
+        the norm of vLLM's own KV); negative where the slot is not the one planned for."""
+        pairs = self._pairs(job, slots, per_layer=True)
+        dtype = self.dtypes.get(job.plan)
+        if pairs is None or dtype is None:
+            return -1.0
+        layers = len(self.pages[job.plan])
+        diff, norm = [0.0] * layers, [0.0] * layers
+        for i, (arena, pages) in enumerate(pairs):
+            kept = arena.to(pages.device).contiguous().view(dtype).float()
+            computed = pages.contiguous().view(dtype).float()
+            diff[i % layers] += float(torch.sum((kept - computed) ** 2))
+            norm[i % layers] += float(torch.sum(computed**2))
+        return max(
+            (d / n) ** 0.5 if n else (0.0 if d == 0 else float("inf"))
+            for d, n in zip(diff, norm, strict=True)
+        )
 
     def _check_draft(self, meta: KVTierMetadata) -> str:
         """Whether the draft weights are still those the scheduler planned for; the
@@ -407,6 +440,8 @@ class KVTierWorker:
         return done, failed
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
+        if meta.checks:
+            self._compare_checks(meta)
         if not meta.stores:
             return
         slots = self._slots(meta.arena_path)
@@ -427,6 +462,18 @@ class KVTierWorker:
             (issued if ok else self._failed).append((job.slot, job.generation))
             self._record("store", job, started, ok)
         self._landing.append((self.copies.end_stores(), issued))
+
+    def _compare_checks(self, meta: KVTierMetadata) -> None:
+        slots = self._slots(meta.arena_path)
+        for job in meta.checks:
+            plan = self.plans.get(job.plan)
+            if plan is not None and not plan.shard.writes:
+                continue  # another rank holding the same heads compares them
+            error = -1.0
+            # other weights' draft KV than the chunk's: no comparison says anything
+            if slots is not None and (self._draft_ok or not self._is_draft(job)):
+                error = self._compare(job, slots)
+            self._compared.append((job.slot, job.generation, error))
 
     def _record(self, direction: str, job: ChunkCopy, started: float, ok: bool) -> None:
         self._count(direction, job, time.perf_counter() - started, ok)
@@ -463,10 +510,10 @@ class KVTierWorker:
             else:
                 waiting.append((done, issued))
         self._landing = waiting
-        if not self._stored and not self._failed and not self._fingerprints:
+        if not self._stored and not self._failed and not self._fingerprints and not self._compared:
             return None
-        meta = KVTierWorkerMetadata(self._stored, self._failed, self._fingerprints)
-        self._stored, self._failed, self._fingerprints = [], [], {}
+        meta = KVTierWorkerMetadata(self._stored, self._failed, self._fingerprints, self._compared)
+        self._stored, self._failed, self._fingerprints, self._compared = [], [], {}, []
         return meta
 
     def shutdown(self) -> None:

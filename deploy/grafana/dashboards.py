@@ -370,6 +370,30 @@ def overview() -> Board:
         ],
         "percentunit",
     )
+    b.row("Verified reuse")
+    b.panel(
+        "Sampled chunks compared",
+        [
+            target(
+                f"sum by (pool, result) (rate(vllm:kvtier_verify_chunks_total{{{m}}}[{RI}]))",
+                "{{pool}} {{result}}",
+            )
+        ],
+        "cps",
+        description="Chunks of sampled hits compared with the KV vLLM recomputed. Any "
+        "mismatch quarantines its namespace (alert KVTierWrongKV).",
+    )
+    b.panel(
+        "Relative error of compared chunks (p99)",
+        [
+            target(
+                "histogram_quantile(0.99, sum by (le, pool) "
+                f"(rate(vllm:kvtier_verify_relative_error_bucket{{{m}}}[{RI}])))",
+                "{{pool}}",
+            )
+        ],
+        description="Right chunks sit far below verify_max_error (0.05 by default).",
+    )
     return b
 
 

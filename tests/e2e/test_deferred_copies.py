@@ -23,6 +23,7 @@ from kvtier.rpc import GrpcTierClient
 from kvtier.tiers.arena import ArenaMemory
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import ModelSet, counter, counter_value, generate_tokens, running_llm
+from tests.e2e.test_connector import NO_VERIFICATION
 from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon
 from tests.support import keys_for, target_spec
 
@@ -78,7 +79,11 @@ def sidecar(socket: Path) -> dict[str, Any]:
         "kv_connector_module_path": "kvtier_vllm.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"mode": "sidecar", "socket_path": str(socket)},
+        "kv_connector_extra_config": {
+            "mode": "sidecar",
+            "socket_path": str(socket),
+            **NO_VERIFICATION,
+        },
     }
 
 

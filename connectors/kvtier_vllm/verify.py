@@ -1,0 +1,156 @@
+"""Verified reuse: a sample of hits is served as misses, and what vLLM computes in their place is
+compared with the chunks the hit would have loaded.
+
+A checksum proves the bytes were not damaged on the way; only a recomputation proves they were
+the right bytes to begin with (the right shard, layout and weights). A sampled request keeps
+its hit's leases while vLLM computes the prefix; each chunk is compared by the workers after
+the forward that computed it (the draft's too), where stores are copied, and its lease given
+back. A chunk off by more than ``max_error`` quarantines its namespace: this engine loads
+nothing from it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvtier.keys import Pool, namespace_of
+from kvtier.protocol import SlotRef
+from kvtier_vllm.draft import Fill
+from kvtier_vllm.layout import PoolPlan
+from kvtier_vllm.metadata import ChunkCopy
+from kvtier_vllm.planner import LoadPlan
+from kvtier_vllm.stats import KVTierStats
+
+log = logging.getLogger(__name__)
+MAX_CHECKS = 1024
+
+
+@dataclass
+class Sampled:
+    """A request served as a miss: its hit's leases, chunk by chunk, per plan key."""
+
+    plan: LoadPlan
+    compared: set[tuple[str, int]] = field(default_factory=set)
+    """(plan key, chunk) handed to the workers already."""
+
+    def unchecked(self) -> list[SlotRef]:
+        """Leases of the chunks not handed to the workers: to give back when it ends."""
+        return [
+            ref
+            for key, (start, refs) in self.plan.leases.items()
+            for chunk, ref in enumerate(refs, start)
+            if (key, chunk) not in self.compared
+        ]
+
+
+@dataclass
+class _Check:
+    ref: SlotRef
+    pool: str
+
+
+class Verifier:
+    """Chooses the requests to verify, hands their chunks to the workers once computed, and
+    judges the workers' comparisons."""
+
+    def __init__(
+        self, rate: float, max_error: float, by_key: dict[str, PoolPlan], seed: int | None = None
+    ) -> None:
+        self.rate = rate
+        self.max_error = max_error
+        self.by_key = by_key
+        self._random = random.Random(seed)
+        self._sampled_step = -1
+        self._next: list[tuple[ChunkCopy, SlotRef]] = []
+        self._checks: dict[tuple[int, int], _Check] = {}
+        self.quarantined: dict[bytes, str] = {}
+        """Namespaces this engine no longer loads from, with why."""
+        self.errors: deque[tuple[str, float]] = deque(maxlen=MAX_CHECKS)
+        """(pool, relative error) of the latest comparisons."""
+
+    def sample(self, step: int) -> bool:
+        """Whether a request with a hit, asked in ``step``, is verified instead of served."""
+        if self.rate <= 0 or (self.rate < 1 and self._sampled_step == step):
+            return False
+        if self.rate < 1 and self._random.random() >= self.rate:
+            return False
+        self._sampled_step = step
+        return True
+
+    def refuses(self, namespaces: Iterable[bytes]) -> bool:
+        return any(ns in self.quarantined for ns in namespaces)
+
+    def computed(
+        self,
+        sampled: Sampled,
+        block_ids: list[list[int]],
+        chunks: range,
+        blocks_per_chunk: int,
+    ) -> None:
+        """vLLM computes ``chunks`` of a sampled request in this step: compare them after its
+        forward. A draft chunk of another revision (a fill) is not compared."""
+        bpc = blocks_per_chunk
+        fill = sampled.plan.fill is not Fill.NONE
+        for key, (start, refs) in sampled.plan.leases.items():
+            plan = self.by_key[key]
+            if fill and plan.pool is Pool.DRAFT:
+                continue
+            ids = block_ids[plan.group]
+            for chunk, ref in enumerate(refs, start):
+                if chunk not in chunks or (key, chunk) in sampled.compared:
+                    continue
+                blocks = tuple(ids[chunk * bpc : (chunk + 1) * bpc])
+                if len(blocks) < bpc or not all(blocks):
+                    continue  # a block vLLM let go of already: nothing to compare with
+                sampled.compared.add((key, chunk))
+                job = ChunkCopy(key, ref.slot, ref.offset, ref.generation, blocks)
+                self._next.append((job, ref))
+
+    def hand_out(self) -> tuple[list[ChunkCopy], list[SlotRef]]:
+        """The comparisons of the chunks this step computes, and their leases (to give back
+        once the workers compared them)."""
+        jobs, self._next = self._next, []
+        for job, ref in jobs:
+            self._checks[(job.slot, job.generation)] = _Check(ref, str(self.by_key[job.plan].pool))
+        while len(self._checks) > MAX_CHECKS:  # reports that never came (a failed step)
+            self._checks.pop(next(iter(self._checks)))
+        return [job for job, _ in jobs], [ref for _, ref in jobs]
+
+    def reported(self, checked: Iterable[tuple[int, int, float]], stats: KVTierStats) -> None:
+        """The workers' comparisons (one per rank holding a part): a chunk matches when every
+        part does."""
+        worst: dict[tuple[int, int], float] = {}
+        for slot, generation, error in checked:
+            handle = (slot, generation)
+            if handle in self._checks:
+                unknown = error < 0 or worst.get(handle, 0.0) < 0
+                worst[handle] = -1.0 if unknown else max(worst.get(handle, 0.0), error)
+        for handle, error in worst.items():
+            check = self._checks.pop(handle)
+            if error < 0:
+                stats.verified(check.pool, "unchecked", None)
+                continue
+            matched = error <= self.max_error
+            self.errors.append((check.pool, error))
+            stats.verified(check.pool, "match" if matched else "mismatch", error)
+            if not matched:
+                self._quarantine(check, error)
+
+    def _quarantine(self, check: _Check, error: float) -> None:
+        namespace = namespace_of(check.ref.key)
+        if namespace in self.quarantined:
+            return
+        why = (
+            f"a {check.pool} chunk differs from the recomputed KV by {error:.3g} "
+            f"(verify_max_error {self.max_error:g})"
+        )
+        self.quarantined[namespace] = why
+        log.error(
+            "kvtier: namespace %s quarantined: %s; this engine loads nothing from it again",
+            namespace.hex(),
+            why,
+        )
