@@ -8,21 +8,19 @@ loads from it. Every output is vLLM's own."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import yaml
 
-from kvtier.keys import namespace_of
+from benchmarks.verify_errors import scheduler_of, swap_chunks
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import ModelSet, counter, counter_value, generate_tokens, running_llm
-from tests.e2e.test_connector import EXTERNAL_HITS, embedded_yaml, kvtier_config
+from tests.e2e.test_connector import EXTERNAL_HITS, _self_draft, embedded_yaml, kvtier_config
+from tests.e2e.test_connector_tp import engine, sidecar
+from tests.integration.daemon_harness import DaemonFiles, Processes
 
 VERIFIED = "vllm:kvtier_verify_chunks"
+POOLS = ("target", "draft")
 EVERY_HIT = {"verify_sample_rate": 1.0}
-
-
-def scheduler_of(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
 
 
 def unchecked_arena(tmp: Path, shm_path: Path) -> Path:
@@ -31,26 +29,6 @@ def unchecked_arena(tmp: Path, shm_path: Path) -> Path:
     config["arena"]["commit_checksum"] = False
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def swap_two_chunks(scheduler: Any) -> bytes:
-    """Swap the bytes of two committed target chunks in the arena; their namespace."""
-    namespace = scheduler.namespaces["target"]
-    cpu = scheduler.session.client.manager.cpu
-    keys = sorted(k for k in cpu._index if namespace_of(k) == namespace)[:2]
-    assert len(keys) == 2, "the first requests stored fewer than two chunks"
-    refs = cpu.lease(keys)
-    assert all(refs)
-    try:
-        first, second = (cpu.view(ref) for ref in refs)
-        assert first.nbytes == second.nbytes
-        assert bytes(first) != bytes(second)
-        saved = bytes(first)
-        first[:] = second
-        second[:] = saved
-    finally:
-        cpu.release(refs)
-    return bytes(namespace)
 
 
 def test_every_hit_recomputed_matches_and_costs_only_a_miss(
@@ -99,7 +77,8 @@ def test_chunks_swapped_in_the_arena_are_caught_and_their_namespace_quarantined(
     with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
         assert generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)[0] == expected
         scheduler = scheduler_of(llm)
-        namespace = swap_two_chunks(scheduler)
+        assert swap_chunks(scheduler, 1) == 2
+        namespace = bytes(scheduler.namespaces["target"])
         llm.reset_prefix_cache()  # the next lookups go to kvtier
         assert generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)[0] == expected
         assert counter(llm, VERIFIED, pool="target", result="mismatch") >= 1
@@ -113,3 +92,61 @@ def test_chunks_swapped_in_the_arena_are_caught_and_their_namespace_quarantined(
         tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
         assert counter_value(llm, EXTERNAL_HITS) == 0
     assert tokens == expected
+
+
+def test_a_draft_with_its_own_kv_dtype_is_verified_in_both_pools(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    tmp_path: Path,
+    shm_path: Path,
+) -> None:
+    from tests.e2e.cpu_patches import per_layer_kv_dtype_on_cpu
+
+    config = str(embedded_yaml(tmp_path, shm_path))
+    spec = {**_self_draft(tiny_models), "kv_cache_dtype": "fp8"}
+    expected = baseline[:2]
+    with per_layer_kv_dtype_on_cpu():
+        storing = kvtier_config({"kvtier_config": config})
+        with running_llm(
+            tiny_models.target, kv_transfer_config=storing, speculative_config=spec
+        ) as llm:
+            assert generate_tokens(llm, prompts[:2], max_tokens=MAX_TOKENS)[0] == expected
+        verifying = kvtier_config({"kvtier_config": config, **EVERY_HIT})
+        with running_llm(
+            tiny_models.target, kv_transfer_config=verifying, speculative_config=spec
+        ) as llm:
+            tokens, _ = generate_tokens(llm, prompts[:2], max_tokens=MAX_TOKENS)
+            matched = {p: counter(llm, VERIFIED, pool=p, result="match") for p in POOLS}
+            mismatched = counter(llm, VERIFIED, result="mismatch")
+            errors = list(scheduler_of(llm).verifier.errors)
+    assert tokens == expected
+    assert mismatched == 0
+    assert all(n >= 20 for n in matched.values()), matched
+    for pool in POOLS:
+        worst = max(e for p, e in errors if p == pool)
+        assert worst < 0.05 / 5
+        print(f"relative errors of right {pool} chunks: max {worst:.3g}")
+
+
+def test_chunks_one_tp_degree_stored_match_what_each_rank_of_another_computes(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    procs: Processes,
+    daemon_files: DaemonFiles,
+) -> None:
+    procs.start_daemon(daemon_files)
+    expected = baseline[: len(prompts)]
+    with engine(tiny_models.target, 1, sidecar(daemon_files)) as llm:
+        assert generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)[0] == expected
+    verifying = sidecar(daemon_files)
+    verifying["kv_connector_extra_config"] |= EVERY_HIT
+    # each rank compares its own heads with its part of the chunk the TP=1 engine wrote
+    with engine(tiny_models.target, 2, verifying) as llm:
+        tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+        matched = counter(llm, VERIFIED, pool="target", result="match")
+        mismatched = counter(llm, VERIFIED, result="mismatch")
+    assert tokens == expected
+    assert matched >= 20
+    assert mismatched == 0

@@ -1,0 +1,186 @@
+"""Relative errors of verified reuse, per KV dtype: right chunks and wrong ones, to set
+``verify_max_error`` between them.
+
+For each model (the tests' fp32 llama; the benchmarks' 12-layer bf16 llama) an in-process engine
+with embedded tiers stores 8 prompts, computed in one batch. A second engine, with every hit
+sampled (``verify_sample_rate: 1.0``), computes them again one at a time, so each chunk is
+recomputed in another batch than the one that stored it: the right chunks' errors. Then the bytes
+of pairs of chunks held in the arena are swapped (what a slot holding another prompt's KV looks
+like), vLLM's own prefix cache is reset, and the same requests are compared again: the wrong
+chunks' errors. Nothing is downloaded; models are built under ``--cache-dir``.
+
+    python benchmarks/verify_errors.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.models import (  # noqa: E402
+    apply_engine_env,
+    build_benchmark_llama,
+    build_llama,
+    build_tokenizer,
+    engine_env,
+    generate_tokens,
+    running_llm,
+    shared_prefix_prompts,
+    vocab_size_of,
+)
+from kvtier.keys import namespace_of  # noqa: E402
+
+PROMPTS = 8
+SWAPS = 4
+
+
+def scheduler_of(llm: Any) -> Any:
+    """The connector's scheduler side of an in-process engine."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+
+
+def swap_chunks(scheduler: Any, pairs: int, seed: int = 0) -> int:
+    """Swap the bytes of ``pairs`` pairs of the target chunks the arena holds, as if each slot
+    held another chunk's KV; returns how many chunks changed."""
+    namespace = scheduler.namespaces["target"]
+    cpu = scheduler.session.client.manager.cpu
+    keys = sorted(k for k in cpu._index if namespace_of(k) == namespace)
+    random.Random(seed).shuffle(keys)
+    changed = 0
+    for first_key, second_key in zip(
+        keys[0 : 2 * pairs : 2], keys[1 : 2 * pairs : 2], strict=False
+    ):
+        refs = cpu.lease([first_key, second_key])
+        if not all(refs):
+            continue
+        try:
+            first, second = (cpu.view(ref) for ref in refs)
+            if first.nbytes != second.nbytes or bytes(first) == bytes(second):
+                continue
+            saved = bytes(first)
+            first[:] = second
+            second[:] = saved
+            changed += 2
+        finally:
+            cpu.release(refs)
+    return changed
+
+
+def connector(config: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier_vllm.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvtier_config": str(config), **extra},
+    }
+
+
+def embedded_config(tmp: Path) -> Path:
+    path = tmp / "kvtier.yaml"
+    tree = {
+        "arena": {
+            "path": f"/dev/shm/kvtier-verify-{tmp.name}",
+            "size_bytes": "256MiB",
+            "extent_bytes": "2MiB",
+            "min_slot_bytes": "4KiB",
+            # the swapped chunks must reach the comparison, not be caught on the way to lmdb
+            "commit_checksum": False,
+        },
+        "lmdb": {"path": str(tmp / "lmdb"), "budget_bytes": "1GiB"},
+    }
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def summary(errors: list[float]) -> dict[str, float | int]:
+    errors = sorted(errors)
+    if not errors:
+        return {"chunks": 0}
+    return {
+        "chunks": len(errors),
+        "min": errors[0],
+        "median": errors[len(errors) // 2],
+        "p99": errors[min(len(errors) - 1, int(len(errors) * 0.99))],
+        "max": errors[-1],
+    }
+
+
+def measure(model: Path, dtype: str, tmp: Path) -> dict[str, Any]:
+    prompts = shared_prefix_prompts(
+        PROMPTS, vocab_size=vocab_size_of(model), prefix_len=640, suffix_len=48, num_prefixes=4
+    )
+    config = embedded_config(tmp)
+    engine = {"dtype": dtype, "kv_cache_memory_bytes": 256 << 20}
+    with running_llm(model, kv_transfer_config=connector(config), **engine) as llm:
+        generate_tokens(llm, prompts, max_tokens=4)
+    with running_llm(
+        model, kv_transfer_config=connector(config, verify_sample_rate=1.0), **engine
+    ) as llm:
+        for prompt in prompts:  # one at a time: another batch than the one that stored them
+            generate_tokens(llm, [prompt], max_tokens=4)
+        verifier = scheduler_of(llm).verifier
+        right = [e for _, e in verifier.errors]
+        verifier.errors.clear()
+        changed = swap_chunks(scheduler_of(llm), SWAPS)
+        verifier.max_error = float("inf")  # measured, not quarantined: every pair is compared
+        llm.reset_prefix_cache()
+        generate_tokens(llm, prompts, max_tokens=4)
+        # the swapped chunks are the ones off by far more than any right one
+        floor = max(right, default=0.0)
+        wrong = [e for _, e in verifier.errors if e > floor]
+    return {
+        "dtype": dtype,
+        "right": summary(right),
+        "wrong": summary(wrong),
+        "swapped_chunks": changed,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=Path.home() / ".cache" / "kvtier-bench", help="models"
+    )
+    args = parser.parse_args(argv)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(args.cache_dir)
+    models = {
+        "float32": build_llama(args.cache_dir, tokenizer_dir=tokenizer),
+        "bfloat16": build_benchmark_llama(args.cache_dir, tokenizer_dir=tokenizer),
+    }
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kvtier-verify-") as root:
+        apply_engine_env(engine_env(Path(root)))
+        for dtype, model in models.items():
+            tmp = Path(root) / dtype
+            tmp.mkdir()
+            results.append(measure(model, dtype, tmp))
+    if args.json:
+        print(json.dumps({"cases": results}))
+        return 0
+    print("| KV dtype | right chunks | median | p99 | max | wrong chunks | min | median |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        right, wrong = r["right"], r["wrong"]
+        print(
+            f"| {r['dtype']} | {right['chunks']} | {right.get('median', 0):.3g} | "
+            f"{right.get('p99', 0):.3g} | {right.get('max', 0):.3g} | {wrong['chunks']} | "
+            f"{wrong.get('min', 0):.3g} | {wrong.get('median', 0):.3g} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
