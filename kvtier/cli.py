@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from kvtier.api.v1 import admin_pb2
 from kvtier.config import KVTierConfig, describe, load_config
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.protocol import TierCode
@@ -311,6 +313,26 @@ def _draft_swap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quarantine(args: argparse.Namespace) -> int:
+    client = _admin(args)
+    if args.lift:
+        lifted = client.lift_quarantine(bytes.fromhex(args.lift))
+        response = admin_pb2.LiftQuarantineResponse(lifted=lifted)
+        _emit(args, response, lambda: print("lifted" if lifted else "not quarantined"))
+        return 0 if lifted else 1
+    listed = admin_pb2.ListQuarantinesResponse(quarantined=client.quarantines())
+
+    def lines() -> None:  # whole lines: a namespace is copied from here to --lift
+        for q in listed.quarantined:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(q.since_unix_s))
+            print(f"{q.namespace.hex()}  since {since} UTC  {q.reason}")
+        if not listed.quarantined:
+            print("no namespace is quarantined")
+
+    _emit(args, listed, lines)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", type=Path, help="YAML file; KVTIER_ variables override it")
@@ -384,6 +406,10 @@ def _parser() -> argparse.ArgumentParser:
         help="only begin: engines stop loading and storing draft chunks until the commit",
     )
     step.add_argument("--commit", metavar="SWAP_ID", help="commit a swap begun with --begin")
+    quarantine = admin(
+        "quarantine", _quarantine, "namespaces an engine found wrong KV in; --lift one"
+    )
+    quarantine.add_argument("--lift", metavar="NAMESPACE", help="16-byte namespace, hex")
     from kvtier.top import add_parser as add_top
 
     add_top(sub, common)

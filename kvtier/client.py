@@ -126,6 +126,12 @@ class InProcessClient:
     def draft_states(self, refresh: bool = False) -> dict[bytes, DraftState]:
         return self.manager.draft_states()
 
+    def quarantine_namespace(self, namespace: bytes, reason: str) -> None:
+        self.manager.quarantines.add(namespace, reason)
+
+    def quarantined(self) -> frozenset[bytes]:
+        return frozenset(q.namespace for q in self.manager.quarantines.listed())
+
     def report_hits(self, every_s: float = 0.0) -> None:
         pass  # every lookup here is a call
 

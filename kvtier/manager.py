@@ -46,6 +46,7 @@ from kvtier.protocol import (
     TierCode,
     arena_hit,
 )
+from kvtier.quarantine import Quarantines
 from kvtier.tiers.base import Tier, TierStats
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
@@ -107,6 +108,7 @@ class TierManager:
                 )
         self._hit_counts: Counter[ChunkKey] = Counter()
         self._hits_lock = threading.Lock()
+        self.quarantines = Quarantines()
         self.journal = Journal()
         for local in (self.cpu, self.lmdb):
             if local is not None:
@@ -153,6 +155,7 @@ class TierManager:
                 config,
                 self._counters,
                 between_batches=self.drafts.gc_when_due,
+                skip=self.quarantines.holds,
             )
 
     @property
@@ -271,6 +274,7 @@ class TierManager:
         """The tier of each chunk of the longest stored prefix. With ``lease``, also lease the
         found chunks when the arena holds them all: a hit served from the arena then takes one
         call. ``again``: a request asking again while it waits, not counted as a lookup."""
+        keys = self.quarantines.cut(keys)
         result = self._lookup(keys)
         if not again:
             self._count_lookup(len(keys), result.tier_codes)

@@ -207,6 +207,15 @@ class TierClient(Protocol):
         """Each draft pool's revision and swap state, by lineage; cheap unless ``refresh``."""
         ...
 
+    def quarantine_namespace(self, namespace: bytes, reason: str) -> None:
+        """Stop serving one of this client's namespaces, found to hold wrong KV: for every
+        client of these tiers, until an admin lifts it."""
+        ...
+
+    def quarantined(self) -> frozenset[bytes]:
+        """The namespaces quarantined now (in sidecar mode, as of the last heartbeat)."""
+        ...
+
     def report_hits(self, every_s: float = 0.0) -> None:
         """Tell the tiers of hits answered without a call, at most every ``every_s``, without
         waiting (a client whose answers all come from a call has none)."""

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from kvtier.config import Admission, DemoteMode, KVTierConfig
 from kvtier.counters import Counters
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, namespace_of
 from kvtier.protocol import SlotRef
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
@@ -29,8 +29,11 @@ class WriteBack:
         config: KVTierConfig,
         counters: Counters,
         between_batches: Callable[[], None],
+        skip: Callable[[bytes], bool] = lambda namespace: False,
     ) -> None:
-        """``between_batches`` runs on the write-back thread each time it has caught up."""
+        """``between_batches`` runs on the write-back thread each time it has caught up; chunks
+        of a namespace ``skip`` names (quarantined) are marked written without being written."""
+        self._skip = skip
         self._cpu = cpu
         self._lmdb = lmdb
         self._upload = uploader if config.object.admission is Admission.ALL else None
@@ -71,7 +74,8 @@ class WriteBack:
         try:
             by_owner: dict[str, list[SlotRef]] = {}
             for ref in refs:
-                by_owner.setdefault(cpu.owner_of(ref), []).append(ref)
+                if not self._skip(namespace_of(ref.key)):
+                    by_owner.setdefault(cpu.owner_of(ref), []).append(ref)
             for owner, group in by_owner.items():
                 # the encoder's checksum of what it stores is compared with the commit's
                 stored, differ = self._lmdb.put_many_checked(

@@ -279,7 +279,8 @@ class KVTierScheduler:
         state = self.state(request)
         if state.sampled is not None:
             return 0, False  # vLLM computes it: the hit is compared with what it computes
-        if self.verifier.refuses(self.namespaces.values()):
+        assert self.client is not None  # connected above
+        if self.verifier.refuses(self.namespaces.values(), self.client.quarantined()):
             return 0, False  # a chunk of these pools was wrong: none is trusted
         state.local_hit = num_computed_tokens
         if self._followed != self._step:
@@ -532,6 +533,18 @@ class KVTierScheduler:
         assert self.stores is not None  # made with the client
         self.stores.reported(worker_meta.stored, worker_meta.failed)
         self.verifier.reported(worker_meta.checked, self.stats)
+        self._report_quarantines()
+
+    def _report_quarantines(self) -> None:
+        """Tell the tiers of namespaces found wrong here: every engine then stops loading them."""
+        while self.verifier.to_report and self.client is not None:
+            namespace, why = self.verifier.to_report[0]
+            try:
+                self.client.quarantine_namespace(namespace, why)
+            except KVTierError as exc:
+                self._guard("quarantine", exc)
+                return  # tried again with the next report
+            self.verifier.to_report.pop(0)
 
     def request_finished(self, request: Any) -> None:
         self._failed_loads.discard(request.request_id)

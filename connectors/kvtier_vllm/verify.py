@@ -68,7 +68,11 @@ class Verifier:
         self._next: list[tuple[ChunkCopy, SlotRef]] = []
         self._checks: dict[tuple[int, int], _Check] = {}
         self.quarantined: dict[bytes, str] = {}
-        """Namespaces this engine no longer loads from, with why."""
+        """Namespaces this engine found wrong, with why: it loads nothing from them."""
+        self.to_report: list[tuple[bytes, str]] = []
+        """Quarantines for the tiers to hear of, so that every engine stops loading them."""
+        self._confirmed: set[bytes] = set()
+        """Ours the tiers listed: gone from their list, an admin lifted them."""
         self.errors: deque[tuple[str, float]] = deque(maxlen=MAX_CHECKS)
         """(pool, relative error) of the latest comparisons."""
 
@@ -81,8 +85,15 @@ class Verifier:
         self._sampled_step = step
         return True
 
-    def refuses(self, namespaces: Iterable[bytes]) -> bool:
-        return any(ns in self.quarantined for ns in namespaces)
+    def refuses(self, namespaces: Iterable[bytes], tiers: frozenset[bytes] = frozenset()) -> bool:
+        """Whether any of ``namespaces`` is quarantined, here or by the tiers (``tiers``, their
+        list, which also says when an admin lifted one of ours)."""
+        for namespace in [ns for ns in self._confirmed if ns not in tiers]:
+            self._confirmed.discard(namespace)
+            self.quarantined.pop(namespace, None)
+            log.warning("kvtier: quarantine of namespace %s lifted", namespace.hex())
+        self._confirmed.update(ns for ns in tiers if ns in self.quarantined)
+        return any(ns in self.quarantined or ns in tiers for ns in namespaces)
 
     def computed(
         self,
@@ -149,6 +160,7 @@ class Verifier:
             f"(verify_max_error {self.max_error:g})"
         )
         self.quarantined[namespace] = why
+        self.to_report.append((namespace, why))
         log.error(
             "kvtier: namespace %s quarantined: %s; this engine loads nothing from it again",
             namespace.hex(),

@@ -91,6 +91,14 @@ class AdminClient:
         request = admin_pb2.DraftSwapCommitRequest(swap_id=swap_id)
         return self._rpc(self._stub.DraftSwapCommit, request)
 
+    def quarantines(self) -> list[admin_pb2.QuarantinedNamespace]:
+        response = self._rpc(self._stub.ListQuarantines, admin_pb2.ListQuarantinesRequest())
+        return list(response.quarantined)
+
+    def lift_quarantine(self, namespace: bytes) -> bool:
+        request = admin_pb2.LiftQuarantineRequest(namespace=namespace)
+        return bool(self._rpc(self._stub.LiftQuarantine, request).lifted)
+
     def _stream(self, method: Callable[..., Iterator[R]], request: Any) -> Iterator[R]:
         stream = call(self.target, method, request, timeout=None, metadata=self._metadata)
         try:

@@ -87,6 +87,7 @@ class GrpcTierClient:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._drafts: dict[bytes, DraftState] = {}
+        self._quarantined: frozenset[bytes] = frozenset()
         self._caller: ThreadPoolExecutor | None = None
         self._arena: ArenaAtPath | None = None
         """The arena, mapped to read its key index (where `readable_here`)."""
@@ -310,6 +311,7 @@ class GrpcTierClient:
             except grpc.RpcError as exc:
                 raise translate(self.target, exc) from None
         self._drafts = drafts_from(response.drafts)
+        self._quarantined = frozenset(response.quarantined)
         if not response.alive:  # expired, or the daemon restarted: carry on in a new session
             if in_step and self.breaker is not None:
                 self._session_lost()
@@ -320,6 +322,16 @@ class GrpcTierClient:
         if refresh:
             self._heartbeat_once()
         return dict(self._drafts)
+
+    def quarantine_namespace(self, namespace: bytes, reason: str) -> None:
+        request = tier_pb2.QuarantineNamespaceRequest(
+            session_id=self.session_id, namespace=namespace, reason=reason
+        )
+        self._in_session(lambda: self._rpc(self._stub.QuarantineNamespace, request))
+
+    def quarantined(self) -> frozenset[bytes]:
+        """The daemon's quarantined namespaces, as of the last heartbeat."""
+        return self._quarantined
 
     @overload
     def lookup(

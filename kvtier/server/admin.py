@@ -123,6 +123,26 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             revision=self.manager.commit_draft_swap(request.swap_id)
         )
 
+    def ListQuarantines(
+        self, request: admin_pb2.ListQuarantinesRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.ListQuarantinesResponse:
+        return admin_pb2.ListQuarantinesResponse(
+            quarantined=[
+                admin_pb2.QuarantinedNamespace(
+                    namespace=q.namespace, reason=q.reason, since_unix_s=q.since_unix_s
+                )
+                for q in self.manager.quarantines.listed()
+            ]
+        )
+
+    def LiftQuarantine(
+        self, request: admin_pb2.LiftQuarantineRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.LiftQuarantineResponse:
+        namespace = namespace_from(request.namespace)
+        if namespace is None:
+            raise InvalidRequestError("name the namespace whose quarantine to lift")
+        return admin_pb2.LiftQuarantineResponse(lifted=self.manager.quarantines.lift(namespace))
+
 
 def _verify_progress(progress: VerifyProgress) -> admin_pb2.VerifyProgress:
     return admin_pb2.VerifyProgress(

@@ -19,11 +19,18 @@ from kvtier.keys import ChunkKey, namespace_of
 from kvtier.manager import TierManager
 from kvtier.protocol import SlotRef, arena_hit
 from kvtier.server.sessions import Session, SessionRegistry
-from kvtier.server.validate import batch_namespaces, check_batch, keys_from, unpack_keys
+from kvtier.server.validate import (
+    batch_namespaces,
+    check_batch,
+    keys_from,
+    namespace_from,
+    unpack_keys,
+)
 from kvtier.telemetry import telemetry_of
 
 _REPLICA_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _MAX_POOLS = 16
+_MAX_REASON = 500  # characters of a quarantine's reason kept
 T = TypeVar("T")
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -226,4 +233,16 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         return tier_pb2.HeartbeatResponse(
             alive=self.sessions.heartbeat(request.session_id),
             drafts=drafts_to(self.manager.draft_states()),
+            quarantined=[q.namespace for q in self.manager.quarantines.listed()],
         )
+
+    def QuarantineNamespace(
+        self, request: tier_pb2.QuarantineNamespaceRequest, context: grpc.ServicerContext
+    ) -> tier_pb2.QuarantineNamespaceResponse:
+        session = self._session(request.session_id)
+        namespace = namespace_from(request.namespace)
+        if namespace is None:
+            raise InvalidRequestError("name the namespace to quarantine")
+        self._own(session, [namespace])  # an engine speaks only for its own pools
+        self.manager.quarantines.add(namespace, request.reason[:_MAX_REASON])
+        return tier_pb2.QuarantineNamespaceResponse()

@@ -11,6 +11,8 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.config import from_mapping
+from kvtier.errors import PermissionDeniedError
+from kvtier.keys import ChunkKey, namespace_of
 from kvtier.rpc import GrpcTierClient
 from kvtier.server.daemon import Daemon
 from kvtier.tiers.arena import ArenaMemory
@@ -160,3 +162,46 @@ def test_no_daemon_says_how_to_start_one(capsys: pytest.CaptureFixture[str]) -> 
     _, err = capsys.readouterr()
     assert rc == 1
     assert f"daemon not running at 127.0.0.1:{port}: start it with `kvtier serve`" in err
+
+
+def test_a_quarantine_reaches_every_session_until_an_admin_lifts_it(
+    capsys: pytest.CaptureFixture[str], daemon: Daemon, stored: list[bytes]
+) -> None:
+    socket_path = daemon.config.server.socket_path
+    finder, other = GrpcTierClient(socket_path, "dp0"), GrpcTierClient(socket_path, "dp1")
+    try:
+        ns = finder.register_pool(target_spec(), CHUNK)
+        assert other.register_pool(target_spec(), CHUNK) == ns
+        keys = [ChunkKey(k) for k in stored]
+        assert other.lookup(keys).hits == 8
+        finder.quarantine_namespace(ns, "a target chunk differs from the recomputed KV by 1.41")
+        assert other.lookup(keys).hits == 0  # no session finds its chunks
+        other.draft_states(refresh=True)  # a heartbeat carries the list to every engine
+        assert other.quarantined() == {ns}
+        rc, out, _ = run(capsys, daemon, "quarantine")
+        assert rc == 0
+        assert ns.hex() in out
+        assert "by 1.41" in out
+        rc, out, _ = run(capsys, daemon, "quarantine", "--json")
+        (listed,) = json.loads(out)["quarantined"]
+        assert "1.41" in listed["reason"]
+        assert run(capsys, daemon, "quarantine", "--lift", ns.hex())[0] == 0
+        assert other.lookup(keys).hits == 8  # its chunks stayed: served again
+        other.draft_states(refresh=True)
+        assert other.quarantined() == frozenset()
+        rc, out, _ = run(capsys, daemon, "quarantine", "--lift", ns.hex())
+        assert (rc, out.strip()) == (1, "not quarantined")
+    finally:
+        finder.close()
+        other.close()
+
+
+def test_a_session_quarantines_only_its_own_pools(daemon: Daemon, stored: list[bytes]) -> None:
+    stranger = GrpcTierClient(daemon.config.server.socket_path, "dp2")
+    try:
+        stranger.register_pool(draft_spec(), CHUNK)
+        with pytest.raises(PermissionDeniedError):  # the client form of NamespaceAccessError
+            stranger.quarantine_namespace(namespace_of(ChunkKey(stored[0])), "not mine")
+        assert stranger.quarantined() == frozenset()
+    finally:
+        stranger.close()

@@ -92,3 +92,22 @@ def test_a_chunk_matches_only_if_every_part_does_and_a_mismatch_quarantines() ->
     assert not verifier.refuses([NS[DRAFT.key]])
     verifier.reported(reports, stats)  # reported once: a repeat judges nothing
     assert sum(counts(stats).values()) == 4
+
+
+def test_quarantines_follow_the_tiers_list_and_its_lifting() -> None:
+    verifier = Verifier(1.0, 0.05, BY_KEY)
+    verifier.computed(sampled(), [BLOCKS[0], BLOCKS[0]], range(1, 2), BPC)
+    jobs, _ = verifier.hand_out()
+    verifier.reported([(j.slot, j.generation, 1.4) for j in jobs], KVTierStats())
+    target, draft = NS[TARGET.key], NS[DRAFT.key]
+    assert [ns for ns, _ in verifier.to_report] == [target, draft]
+    # not yet in the tiers' list (the report is on its way): still refused here
+    assert verifier.refuses([target], frozenset())
+    assert verifier.refuses([target], frozenset({target, draft}))
+    # gone from the tiers' list once it was there: an admin lifted it
+    assert not verifier.refuses([target], frozenset({draft}))
+    assert verifier.refuses([draft], frozenset({draft}))
+    # another engine's quarantine, known only from the tiers, is refused too
+    other = Verifier(0.0, 0.05, BY_KEY)
+    assert other.refuses([target], frozenset({target}))
+    assert not other.refuses([target], frozenset())

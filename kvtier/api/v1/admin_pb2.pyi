@@ -762,3 +762,103 @@ class DraftSwapCommitResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DraftSwapCommitResponse: _TypeAlias = DraftSwapCommitResponse  # noqa: Y015
+
+@_typing.final
+class QuarantinedNamespace(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SINCE_UNIX_S_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.bytes
+    reason: _builtins.str
+    since_unix_s: _builtins.float
+    """When it was quarantined, in seconds since the epoch."""
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.bytes = ...,
+        reason: _builtins.str = ...,
+        since_unix_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "reason", b"reason", "since_unix_s", b"since_unix_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QuarantinedNamespace: _TypeAlias = QuarantinedNamespace  # noqa: Y015
+
+@_typing.final
+class ListQuarantinesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListQuarantinesRequest: _TypeAlias = ListQuarantinesRequest  # noqa: Y015
+
+@_typing.final
+class ListQuarantinesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUARANTINED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def quarantined(self) -> _containers.RepeatedCompositeFieldContainer[Global___QuarantinedNamespace]: ...
+    def __init__(
+        self,
+        *,
+        quarantined: _abc.Iterable[Global___QuarantinedNamespace] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["quarantined", b"quarantined"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListQuarantinesResponse: _TypeAlias = ListQuarantinesResponse  # noqa: Y015
+
+@_typing.final
+class LiftQuarantineRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LiftQuarantineRequest: _TypeAlias = LiftQuarantineRequest  # noqa: Y015
+
+@_typing.final
+class LiftQuarantineResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIFTED_FIELD_NUMBER: _builtins.int
+    lifted: _builtins.bool
+    """False when it was not quarantined."""
+    def __init__(
+        self,
+        *,
+        lifted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lifted", b"lifted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LiftQuarantineResponse: _TypeAlias = LiftQuarantineResponse  # noqa: Y015

@@ -89,6 +89,16 @@ class AdminServiceStub:
                 request_serializer=kvtier_dot_v1_dot_admin__pb2.DraftSwapCommitRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_admin__pb2.DraftSwapCommitResponse.FromString,
                 _registered_method=True)
+        self.ListQuarantines = channel.unary_unary(
+                '/kvtier.v1.AdminService/ListQuarantines',
+                request_serializer=kvtier_dot_v1_dot_admin__pb2.ListQuarantinesRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_admin__pb2.ListQuarantinesResponse.FromString,
+                _registered_method=True)
+        self.LiftQuarantine = channel.unary_unary(
+                '/kvtier.v1.AdminService/LiftQuarantine',
+                request_serializer=kvtier_dot_v1_dot_admin__pb2.LiftQuarantineRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_admin__pb2.LiftQuarantineResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -170,6 +180,19 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListQuarantines(self, request, context):
+        """Namespaces an engine found wrong KV in (TierService.QuarantineNamespace), and lifting one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LiftQuarantine(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +250,16 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.DraftSwapCommit,
                     request_deserializer=kvtier_dot_v1_dot_admin__pb2.DraftSwapCommitRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_admin__pb2.DraftSwapCommitResponse.SerializeToString,
+            ),
+            'ListQuarantines': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListQuarantines,
+                    request_deserializer=kvtier_dot_v1_dot_admin__pb2.ListQuarantinesRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_admin__pb2.ListQuarantinesResponse.SerializeToString,
+            ),
+            'LiftQuarantine': grpc.unary_unary_rpc_method_handler(
+                    servicer.LiftQuarantine,
+                    request_deserializer=kvtier_dot_v1_dot_admin__pb2.LiftQuarantineRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_admin__pb2.LiftQuarantineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -526,6 +559,60 @@ class AdminService:
             '/kvtier.v1.AdminService/DraftSwapCommit',
             kvtier_dot_v1_dot_admin__pb2.DraftSwapCommitRequest.SerializeToString,
             kvtier_dot_v1_dot_admin__pb2.DraftSwapCommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListQuarantines(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.AdminService/ListQuarantines',
+            kvtier_dot_v1_dot_admin__pb2.ListQuarantinesRequest.SerializeToString,
+            kvtier_dot_v1_dot_admin__pb2.ListQuarantinesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LiftQuarantine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.AdminService/LiftQuarantine',
+            kvtier_dot_v1_dot_admin__pb2.LiftQuarantineRequest.SerializeToString,
+            kvtier_dot_v1_dot_admin__pb2.LiftQuarantineResponse.FromString,
             options,
             channel_credentials,
             insecure,

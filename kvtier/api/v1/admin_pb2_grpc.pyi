@@ -55,6 +55,9 @@ class AdminServiceStub:
     """Makes the new revision current; the old one's chunks are evicted first, and deleted after
     manager.draft_grace_s.
     """
+    ListQuarantines: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListQuarantinesRequest, _admin_pb2.ListQuarantinesResponse]
+    """Namespaces an engine found wrong KV in (TierService.QuarantineNamespace), and lifting one."""
+    LiftQuarantine: _grpc.UnaryUnaryMultiCallable[_admin_pb2.LiftQuarantineRequest, _admin_pb2.LiftQuarantineResponse]
 
 @_typing.type_check_only
 class AdminServiceAsyncStub(AdminServiceStub):
@@ -83,6 +86,9 @@ class AdminServiceAsyncStub(AdminServiceStub):
     """Makes the new revision current; the old one's chunks are evicted first, and deleted after
     manager.draft_grace_s.
     """
+    ListQuarantines: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListQuarantinesRequest, _admin_pb2.ListQuarantinesResponse]  # type: ignore[assignment]
+    """Namespaces an engine found wrong KV in (TierService.QuarantineNamespace), and lifting one."""
+    LiftQuarantine: _aio.UnaryUnaryMultiCallable[_admin_pb2.LiftQuarantineRequest, _admin_pb2.LiftQuarantineResponse]  # type: ignore[assignment]
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -174,5 +180,20 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         """Makes the new revision current; the old one's chunks are evicted first, and deleted after
         manager.draft_grace_s.
         """
+
+    @_abc_1.abstractmethod
+    def ListQuarantines(
+        self,
+        request: _admin_pb2.ListQuarantinesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListQuarantinesResponse, _abc.Awaitable[_admin_pb2.ListQuarantinesResponse]]:
+        """Namespaces an engine found wrong KV in (TierService.QuarantineNamespace), and lifting one."""
+
+    @_abc_1.abstractmethod
+    def LiftQuarantine(
+        self,
+        request: _admin_pb2.LiftQuarantineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.LiftQuarantineResponse, _abc.Awaitable[_admin_pb2.LiftQuarantineResponse]]: ...
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

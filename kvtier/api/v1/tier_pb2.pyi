@@ -746,25 +746,72 @@ class HeartbeatResponse(_message.Message):
 
     ALIVE_FIELD_NUMBER: _builtins.int
     DRAFTS_FIELD_NUMBER: _builtins.int
+    QUARANTINED_FIELD_NUMBER: _builtins.int
     alive: _builtins.bool
     """False when the session is unknown (expired, or the daemon restarted): register again."""
     @_builtins.property
     def drafts(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftState]:
         """Every draft pool the daemon knows: how engines learn of an admin draft swap."""
 
+    @_builtins.property
+    def quarantined(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The namespaces quarantined now: how engines learn of one, and of its lifting."""
+
     def __init__(
         self,
         *,
         alive: _builtins.bool = ...,
         drafts: _abc.Iterable[Global___DraftState] | None = ...,
+        quarantined: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "drafts", b"drafts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "drafts", b"drafts", "quarantined", b"quarantined"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
+
+@_typing.final
+class QuarantineNamespaceRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    namespace: _builtins.bytes
+    reason: _builtins.str
+    """What was found, for the admin listing and the daemon's log."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        namespace: _builtins.bytes = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "reason", b"reason", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QuarantineNamespaceRequest: _TypeAlias = QuarantineNamespaceRequest  # noqa: Y015
+
+@_typing.final
+class QuarantineNamespaceResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QuarantineNamespaceResponse: _TypeAlias = QuarantineNamespaceResponse  # noqa: Y015
 
 @_typing.final
 class ChunkEventsRequest(_message.Message):

@@ -84,6 +84,11 @@ class TierServiceStub:
                 request_serializer=kvtier_dot_v1_dot_tier__pb2.ChunkEventsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_tier__pb2.ChunkEventsResponse.FromString,
                 _registered_method=True)
+        self.QuarantineNamespace = channel.unary_unary(
+                '/kvtier.v1.TierService/QuarantineNamespace',
+                request_serializer=kvtier_dot_v1_dot_tier__pb2.QuarantineNamespaceRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_tier__pb2.QuarantineNamespaceResponse.FromString,
+                _registered_method=True)
 
 
 class TierServiceServicer:
@@ -163,6 +168,15 @@ class TierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def QuarantineNamespace(self, request, context):
+        """Stops serving one of the session's namespaces, whose chunks a recomputation found wrong:
+        for every session, lookups miss it and its chunks are neither written back nor uploaded,
+        until an admin lifts it (AdminService.LiftQuarantine).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +229,11 @@ def add_TierServiceServicer_to_server(servicer, server):
                     servicer.ChunkEvents,
                     request_deserializer=kvtier_dot_v1_dot_tier__pb2.ChunkEventsRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_tier__pb2.ChunkEventsResponse.SerializeToString,
+            ),
+            'QuarantineNamespace': grpc.unary_unary_rpc_method_handler(
+                    servicer.QuarantineNamespace,
+                    request_deserializer=kvtier_dot_v1_dot_tier__pb2.QuarantineNamespaceRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_tier__pb2.QuarantineNamespaceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -487,6 +506,33 @@ class TierService:
             '/kvtier.v1.TierService/ChunkEvents',
             kvtier_dot_v1_dot_tier__pb2.ChunkEventsRequest.SerializeToString,
             kvtier_dot_v1_dot_tier__pb2.ChunkEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QuarantineNamespace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.TierService/QuarantineNamespace',
+            kvtier_dot_v1_dot_tier__pb2.QuarantineNamespaceRequest.SerializeToString,
+            kvtier_dot_v1_dot_tier__pb2.QuarantineNamespaceResponse.FromString,
             options,
             channel_credentials,
             insecure,

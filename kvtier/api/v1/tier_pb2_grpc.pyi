@@ -62,6 +62,11 @@ class TierServiceStub:
     """Chunks of the session's pools that entered or left the arena and lmdb since a cursor:
     what an engine's KV events tell routers about the tiers below its GPU.
     """
+    QuarantineNamespace: _grpc.UnaryUnaryMultiCallable[_tier_pb2.QuarantineNamespaceRequest, _tier_pb2.QuarantineNamespaceResponse]
+    """Stops serving one of the session's namespaces, whose chunks a recomputation found wrong:
+    for every session, lookups miss it and its chunks are neither written back nor uploaded,
+    until an admin lifts it (AdminService.LiftQuarantine).
+    """
 
 @_typing.type_check_only
 class TierServiceAsyncStub(TierServiceStub):
@@ -93,6 +98,11 @@ class TierServiceAsyncStub(TierServiceStub):
     ChunkEvents: _aio.UnaryUnaryMultiCallable[_tier_pb2.ChunkEventsRequest, _tier_pb2.ChunkEventsResponse]  # type: ignore[assignment]
     """Chunks of the session's pools that entered or left the arena and lmdb since a cursor:
     what an engine's KV events tell routers about the tiers below its GPU.
+    """
+    QuarantineNamespace: _aio.UnaryUnaryMultiCallable[_tier_pb2.QuarantineNamespaceRequest, _tier_pb2.QuarantineNamespaceResponse]  # type: ignore[assignment]
+    """Stops serving one of the session's namespaces, whose chunks a recomputation found wrong:
+    for every session, lookups miss it and its chunks are neither written back nor uploaded,
+    until an admin lifts it (AdminService.LiftQuarantine).
     """
 
 class TierServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -182,6 +192,17 @@ class TierServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_tier_pb2.ChunkEventsResponse, _abc.Awaitable[_tier_pb2.ChunkEventsResponse]]:
         """Chunks of the session's pools that entered or left the arena and lmdb since a cursor:
         what an engine's KV events tell routers about the tiers below its GPU.
+        """
+
+    @_abc_1.abstractmethod
+    def QuarantineNamespace(
+        self,
+        request: _tier_pb2.QuarantineNamespaceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_tier_pb2.QuarantineNamespaceResponse, _abc.Awaitable[_tier_pb2.QuarantineNamespaceResponse]]:
+        """Stops serving one of the session's namespaces, whose chunks a recomputation found wrong:
+        for every session, lookups miss it and its chunks are neither written back nor uploaded,
+        until an admin lifts it (AdminService.LiftQuarantine).
         """
 
 def add_TierServiceServicer_to_server(servicer: TierServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,35 @@
+"""Quarantined namespaces in the TierManager: no lookup finds their chunks and write-back skips
+them, while the other namespaces are served as before; lifting it serves them again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtier.manager import TierManager
+from tests.integration.test_draft_revisions import CHUNK, store
+from tests.support import draft_spec, keys_for, manager_config, target_spec
+
+
+def test_a_quarantined_namespace_is_neither_found_nor_written_back_until_lifted(
+    shm_path: Path, tmp_path: Path
+) -> None:
+    m = TierManager(manager_config(shm_path, tmp_path))
+    try:
+        wrong = m.register_pool(target_spec(), CHUNK)
+        fine = m.register_pool(draft_spec(), CHUNK)
+        wrong_keys, fine_keys = keys_for(wrong, 4), keys_for(fine, 4)
+        assert store(m, wrong_keys) == 4
+        assert store(m, fine_keys) == 4
+        assert m.quarantines.add(wrong, "a chunk differs from the recomputed KV")
+        assert not m.quarantines.add(wrong, "again")  # listed once, with its first reason
+        assert m.lookup(wrong_keys).hits == 0
+        assert m.lookup(fine_keys).hits == 4
+        assert m.lookup([*fine_keys[:2], *wrong_keys]).hits == 2  # a prefix stops at it
+        assert m.flush()
+        assert m.lmdb is not None
+        assert m.lmdb.contains(wrong_keys) == [False] * 4
+        assert m.lmdb.contains(fine_keys) == [True] * 4
+        assert m.quarantines.lift(wrong)
+        assert m.lookup(wrong_keys).hits == 4  # still in the arena: served again
+    finally:
+        m.close()
