@@ -26,6 +26,9 @@ class Quarantines:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[bytes, Quarantine] = {}
+        self.namespaces: frozenset[bytes] = frozenset()
+        """The quarantined namespaces, replaced (never changed) on each add or lift: read on
+        every lookup without the lock."""
 
     def add(self, namespace: bytes, reason: str) -> bool:
         """Quarantine ``namespace``; False when it was already."""
@@ -33,18 +36,20 @@ class Quarantines:
             if namespace in self._held:
                 return False
             self._held[namespace] = Quarantine(namespace, reason, time.time())
+            self.namespaces = frozenset(self._held)
         log.error("namespace %s quarantined: %s", namespace.hex(), reason)
         return True
 
     def lift(self, namespace: bytes) -> bool:
         with self._lock:
             lifted = self._held.pop(namespace, None) is not None
+            self.namespaces = frozenset(self._held)
         if lifted:
             log.warning("namespace %s: quarantine lifted", namespace.hex())
         return lifted
 
     def holds(self, namespace: bytes) -> bool:
-        return namespace in self._held
+        return namespace in self.namespaces
 
     def listed(self) -> list[Quarantine]:
         with self._lock:
@@ -52,9 +57,10 @@ class Quarantines:
 
     def cut(self, keys: Sequence[ChunkKey]) -> Sequence[ChunkKey]:
         """The keys before the first one of a quarantined namespace: a prefix lookup stops there."""
-        if not self._held:
+        held = self.namespaces
+        if not held:
             return keys
         for i, key in enumerate(keys):
-            if namespace_of(key) in self._held:
+            if namespace_of(key) in held:
                 return keys[:i]
         return keys

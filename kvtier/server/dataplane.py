@@ -233,7 +233,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         return tier_pb2.HeartbeatResponse(
             alive=self.sessions.heartbeat(request.session_id),
             drafts=drafts_to(self.manager.draft_states()),
-            quarantined=[q.namespace for q in self.manager.quarantines.listed()],
+            quarantined=self.manager.quarantines.namespaces,
         )
 
     def QuarantineNamespace(

@@ -8,6 +8,7 @@ loads from it. Every output is vLLM's own."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -21,6 +22,15 @@ from tests.integration.daemon_harness import DaemonFiles, Processes
 VERIFIED = "vllm:kvtier_verify_chunks"
 POOLS = ("target", "draft")
 EVERY_HIT = {"verify_sample_rate": 1.0}
+RIGHT_CHUNK_BOUND = 0.05 / 5  # right chunks sit far below the default verify_max_error
+
+
+def verified(llm: Any, pool: str = "target") -> tuple[float, float]:
+    """(chunks of ``pool`` that matched, chunks of any pool that did not)."""
+    return (
+        counter(llm, VERIFIED, pool=pool, result="match"),
+        counter(llm, VERIFIED, result="mismatch"),
+    )
 
 
 def unchecked_arena(tmp: Path, shm_path: Path) -> Path:
@@ -47,8 +57,7 @@ def test_every_hit_recomputed_matches_and_costs_only_a_miss(
     )
     with running_llm(tiny_models.target, kv_transfer_config=verifying) as llm:
         tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
-        matched = counter(llm, VERIFIED, pool="target", result="match")
-        mismatched = counter(llm, VERIFIED, result="mismatch")
+        matched, mismatched = verified(llm)
         assert counter_value(llm, EXTERNAL_HITS) == 0  # every hit was served as a miss
         verifier = scheduler_of(llm).verifier
         assert verifier.quarantined == {}
@@ -58,7 +67,7 @@ def test_every_hit_recomputed_matches_and_costs_only_a_miss(
     assert matched >= 20
     assert mismatched == 0
     # right chunks sit far below the threshold: recomputed in another batch, not bit-exact
-    assert errors[-1] < 0.05 / 5
+    assert errors[-1] < RIGHT_CHUNK_BOUND
     median, worst = errors[len(errors) // 2], errors[-1]
     print(f"relative errors of right chunks: median {median:.3g}, max {worst:.3g}")
 
@@ -117,15 +126,15 @@ def test_a_draft_with_its_own_kv_dtype_is_verified_in_both_pools(
             tiny_models.target, kv_transfer_config=verifying, speculative_config=spec
         ) as llm:
             tokens, _ = generate_tokens(llm, prompts[:2], max_tokens=MAX_TOKENS)
-            matched = {p: counter(llm, VERIFIED, pool=p, result="match") for p in POOLS}
-            mismatched = counter(llm, VERIFIED, result="mismatch")
+            matched = {p: verified(llm, p)[0] for p in POOLS}
+            mismatched = verified(llm)[1]
             errors = list(scheduler_of(llm).verifier.errors)
     assert tokens == expected
     assert mismatched == 0
     assert all(n >= 20 for n in matched.values()), matched
     for pool in POOLS:
         worst = max(e for p, e in errors if p == pool)
-        assert worst < 0.05 / 5
+        assert worst < RIGHT_CHUNK_BOUND
         print(f"relative errors of right {pool} chunks: max {worst:.3g}")
 
 
@@ -145,8 +154,7 @@ def test_chunks_one_tp_degree_stored_match_what_each_rank_of_another_computes(
     # each rank compares its own heads with its part of the chunk the TP=1 engine wrote
     with engine(tiny_models.target, 2, verifying) as llm:
         tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
-        matched = counter(llm, VERIFIED, pool="target", result="match")
-        mismatched = counter(llm, VERIFIED, result="mismatch")
+        matched, mismatched = verified(llm)
     assert tokens == expected
     assert matched >= 20
     assert mismatched == 0
