@@ -108,7 +108,7 @@ class TierManager:
                 )
         self._hit_counts: Counter[ChunkKey] = Counter()
         self._hits_lock = threading.Lock()
-        self.quarantines = Quarantines()
+        self.quarantines = Quarantines(self.lmdb)
         self.journal = Journal()
         for local in (self.cpu, self.lmdb):
             if local is not None:

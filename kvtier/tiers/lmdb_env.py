@@ -24,7 +24,7 @@ log = logging.getLogger("kvtier.tiers.lmdb_tier")  # the tier's logger, which op
 MAP_HEADROOM = 64 << 20
 DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"
-DATABASES = (b"chunks", b"lru", b"meta", b"pins")
+DATABASES = (b"chunks", b"lru", b"meta", b"pins", b"records")
 # what LMDB raises on pages or headers it cannot make sense of (an environment to move aside)
 UNREADABLE_ERRORS = (
     lmdb.InvalidError,

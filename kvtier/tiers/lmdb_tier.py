@@ -121,9 +121,24 @@ class LmdbTier(Tier):
         )
 
     def _open_dbs(self) -> None:
-        self._chunks, self._lru, self._meta, self._pins = (
+        self._chunks, self._lru, self._meta, self._pins, self._records = (
             self.env.open_db(name) for name in DATABASES
         )
+
+    def records(self) -> dict[bytes, bytes]:
+        """The small records kept beside the chunks (quarantines), by key."""
+        with self.env.begin(db=self._records) as txn:
+            return {bytes(k): bytes(v) for k, v in txn.cursor()}
+
+    def write_record(self, key: bytes, value: bytes | None) -> None:
+        """Keep ``value`` under ``key`` (None: drop it), flushed at once: a record is rare and
+        must outlive a crash as the chunks it speaks of do."""
+        with self.env.begin(write=True, db=self._records) as txn:
+            if value is None:
+                txn.delete(key)
+            else:
+                txn.put(key, value)
+        self.env.sync(True)
 
     def _adopt_map_size(self) -> None:
         """Another process grew the map: adopt it (see `adopt_map_size`)."""

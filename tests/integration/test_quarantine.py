@@ -33,3 +33,33 @@ def test_a_quarantined_namespace_is_neither_found_nor_written_back_until_lifted(
         assert m.lookup(wrong_keys).hits == 4  # still in the arena: served again
     finally:
         m.close()
+
+
+def test_quarantines_outlive_a_restart_until_lifted(shm_path: Path, tmp_path: Path) -> None:
+    config = manager_config(shm_path, tmp_path)
+    m = TierManager(config)
+    try:
+        wrong = m.register_pool(target_spec(), CHUNK)
+        wrong_keys = keys_for(wrong, 4)
+        assert store(m, wrong_keys) == 4
+        assert m.flush()  # in lmdb before an engine found them wrong
+        assert m.quarantines.add(wrong, "a chunk differs from the recomputed KV")
+    finally:
+        m.close()
+    m = TierManager(config)  # a restart: a fresh arena, the same lmdb
+    try:
+        assert m.register_pool(target_spec(), CHUNK) == wrong
+        [held] = m.quarantines.listed()
+        assert (held.namespace, held.reason) == (wrong, "a chunk differs from the recomputed KV")
+        assert m.lookup(wrong_keys).hits == 0
+        assert m.quarantines.lift(wrong)
+        assert m.lookup(wrong_keys).hits == 4  # from lmdb
+    finally:
+        m.close()
+    m = TierManager(config)  # the lift was kept too
+    try:
+        m.register_pool(target_spec(), CHUNK)
+        assert m.quarantines.listed() == []
+        assert m.lookup(wrong_keys).hits == 4
+    finally:
+        m.close()
