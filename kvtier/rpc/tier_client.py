@@ -25,7 +25,7 @@ from kvtier.codec import (
 )
 from kvtier.errors import InvalidRequestError, KVTierError, SessionNotFoundError
 from kvtier.journal import ChunkEvents
-from kvtier.keys import ChunkKey, NamespaceSpec
+from kvtier.keys import ChunkKey, NamespaceSpec, namespace_of
 from kvtier.memory import keep_freed_pages
 from kvtier.protocol import DraftState, IndexedRef, LookupResult, SlotRef, TierCode
 from kvtier.rpc.calls import (
@@ -236,6 +236,7 @@ class GrpcTierClient:
         if readable_here() and (self._arena is None or self._arena.path != self._arena_path):
             self._arena = ArenaAtPath(self._arena_path, populate=False)
         self._drafts = drafts_from(response.drafts)
+        self._quarantined = frozenset(response.quarantined)
         if self._heartbeat is None:
             interval = response.heartbeat_interval_ms / 1000
             if self._deadlines is not None:
@@ -408,15 +409,19 @@ class GrpcTierClient:
 
     def _in_arena(self, keys: Sequence[ChunkKey]) -> list[IndexedRef]:
         """The slot of each key of the longest prefix the arena holds, from its key index
-        (none where the index cannot be read here)."""
+        (none where the index cannot be read here), up to a quarantined namespace as kvtierd's
+        own lookup stops there."""
         if self._arena is None or not keys:
             return []
         try:
             memory = self._arena.current()
         except KVTierError:
             return []
+        quarantined = self._quarantined
         refs = []
         for key in keys:
+            if quarantined and namespace_of(key) in quarantined:
+                break
             found = memory.find(key)
             if found is None:
                 break

@@ -121,6 +121,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
             heartbeat_interval_ms=int(self.config.heartbeat_interval_s * 1000),
             session_timeout_ms=int(self.config.session_timeout_s * 1000),
             drafts=drafts_to(self.manager.draft_states()),
+            quarantined=self.manager.quarantines.namespaces,
         )
 
     @_timed("lookup")

@@ -174,10 +174,22 @@ def test_a_quarantine_reaches_every_session_until_an_admin_lifts_it(
         assert other.register_pool(target_spec(), CHUNK) == ns
         keys = [ChunkKey(k) for k in stored]
         assert other.lookup(keys).hits == 8
+        hit, refs = other.lookup(keys, lease=True)  # answered by the arena's key index
+        assert hit.hits == 8
+        other.release(refs)
         finder.quarantine_namespace(ns, "a target chunk differs from the recomputed KV by 1.41")
         assert other.lookup(keys).hits == 0  # no session finds its chunks
         other.draft_states(refresh=True)  # a heartbeat carries the list to every engine
         assert other.quarantined() == {ns}
+        # nor does the arena's key index answer for it, read where it runs
+        assert other.lookup(keys, lease=True)[0].hits == 0
+        late = GrpcTierClient(socket_path, "dp3")
+        try:
+            late.register_pool(target_spec(), CHUNK)
+            assert late.quarantined() == {ns}  # from its registration, before any heartbeat
+            assert late.lookup(keys, lease=True)[0].hits == 0
+        finally:
+            late.close()
         rc, out, _ = run(capsys, daemon, "quarantine")
         assert rc == 0
         assert ns.hex() in out

@@ -221,6 +221,7 @@ class RegisterSessionResponse(_message.Message):
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     SESSION_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     DRAFTS_FIELD_NUMBER: _builtins.int
+    QUARANTINED_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     arena_path: _builtins.str
     heartbeat_interval_ms: _builtins.int
@@ -233,6 +234,10 @@ class RegisterSessionResponse(_message.Message):
     def drafts(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftState]:
         """Every draft pool the daemon knows, so an engine starting mid-swap follows it."""
 
+    @_builtins.property
+    def quarantined(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The namespaces quarantined now, so an engine loads nothing from them from its first step."""
+
     def __init__(
         self,
         *,
@@ -242,10 +247,11 @@ class RegisterSessionResponse(_message.Message):
         heartbeat_interval_ms: _builtins.int = ...,
         session_timeout_ms: _builtins.int = ...,
         drafts: _abc.Iterable[Global___DraftState] | None = ...,
+        quarantined: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_path", b"arena_path", "drafts", b"drafts", "heartbeat_interval_ms", b"heartbeat_interval_ms", "namespaces", b"namespaces", "session_id", b"session_id", "session_timeout_ms", b"session_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_path", b"arena_path", "drafts", b"drafts", "heartbeat_interval_ms", b"heartbeat_interval_ms", "namespaces", b"namespaces", "quarantined", b"quarantined", "session_id", b"session_id", "session_timeout_ms", b"session_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
