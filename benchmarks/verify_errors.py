@@ -7,7 +7,12 @@ sampled (``verify_sample_rate: 1.0``), computes them again one at a time, so eac
 recomputed in another batch than the one that stored it: the right chunks' errors. Then the bytes
 of pairs of chunks held in the arena are swapped (what a slot holding another prompt's KV looks
 like), vLLM's own prefix cache is reset, and the same requests are compared again: the wrong
-chunks' errors. Nothing is downloaded; models are built under ``--cache-dir``.
+chunks' errors.
+
+The cost of a sampled request is timed on its own: one request at a time on an idle engine, each
+a miss (a prefix never stored), a sampled hit (computed and compared) or a hit (loaded), in turn
+so that the machine's drift touches all three alike. Nothing is downloaded; models are built
+under ``--cache-dir``.
 
     python benchmarks/verify_errors.py [--json]
 """
@@ -17,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +50,7 @@ from kvtier.keys import namespace_of  # noqa: E402
 
 PROMPTS = 8
 SWAPS = 4
+TIMED_ROUNDS = 8
 
 
 def scheduler_of(llm: Any) -> Any:
@@ -147,6 +155,50 @@ def measure(model: Path, dtype: str, tmp: Path) -> dict[str, Any]:
     }
 
 
+def first_token_s(llm: Any, prompt: list[int]) -> float:
+    """Seconds to the first token of ``prompt`` alone, vLLM's own cache emptied first."""
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    generate_tokens(llm, [prompt], max_tokens=1)
+    return time.perf_counter() - start
+
+
+def sampled_cost(model: Path, dtype: str, tmp: Path) -> dict[str, Any]:
+    """Median time to the first token of a miss, a sampled hit and a served hit."""
+    prompts = shared_prefix_prompts(
+        2 * TIMED_ROUNDS,
+        vocab_size=vocab_size_of(model),
+        prefix_len=640,
+        suffix_len=48,
+        num_prefixes=2 * TIMED_ROUNDS,
+        seed=3,
+    )
+    stored, fresh = prompts[:TIMED_ROUNDS], prompts[TIMED_ROUNDS:]
+    engine = {"dtype": dtype, "kv_cache_memory_bytes": 256 << 20}
+    config = embedded_config(tmp)
+    times: dict[str, list[float]] = {"miss": [], "sampled": [], "hit": []}
+    with running_llm(
+        model, kv_transfer_config=connector(config, verify_sample_rate=0.0), **engine
+    ) as llm:
+        generate_tokens(llm, stored, max_tokens=1)
+        verifier = scheduler_of(llm).verifier
+        for prompt, new in zip(stored, fresh, strict=True):
+            times["miss"].append(first_token_s(llm, new))
+            verifier.rate = 1.0
+            times["sampled"].append(first_token_s(llm, prompt))
+            verifier.rate = 0.0
+            times["hit"].append(first_token_s(llm, prompt))
+        compared = len(verifier.errors)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    return {
+        "dtype": dtype,
+        "ttft_s": median,
+        "compared_chunks": compared,
+        "sampled_vs_miss": median["sampled"] / median["miss"],
+        "hit_vs_miss": median["hit"] / median["miss"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -160,15 +212,17 @@ def main(argv: list[str] | None = None) -> int:
         "float32": build_llama(args.cache_dir, tokenizer_dir=tokenizer),
         "bfloat16": build_benchmark_llama(args.cache_dir, tokenizer_dir=tokenizer),
     }
-    results = []
+    results, costs = [], []
     with tempfile.TemporaryDirectory(prefix="kvtier-verify-") as root:
         apply_engine_env(engine_env(Path(root)))
         for dtype, model in models.items():
             tmp = Path(root) / dtype
-            tmp.mkdir()
-            results.append(measure(model, dtype, tmp))
+            (tmp / "errors").mkdir(parents=True)
+            (tmp / "cost").mkdir()
+            results.append(measure(model, dtype, tmp / "errors"))
+            costs.append(sampled_cost(model, dtype, tmp / "cost"))
     if args.json:
-        print(json.dumps({"cases": results}))
+        print(json.dumps({"cases": results, "sampled_cost": costs}))
         return 0
     print("| KV dtype | right chunks | median | p99 | max | wrong chunks | min | median |")
     print("|---|---|---|---|---|---|---|---|")
@@ -178,6 +232,15 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['dtype']} | {right['chunks']} | {right.get('median', 0):.3g} | "
             f"{right.get('p99', 0):.3g} | {right.get('max', 0):.3g} | {wrong['chunks']} | "
             f"{wrong.get('min', 0):.3g} | {wrong.get('median', 0):.3g} |"
+        )
+    print()
+    print("| KV dtype | TTFT miss | TTFT sampled | TTFT hit | sampled / miss | hit / miss |")
+    print("|---|---|---|---|---|---|")
+    for c in costs:
+        t = c["ttft_s"]
+        print(
+            f"| {c['dtype']} | {t['miss'] * 1e3:.0f} ms | {t['sampled'] * 1e3:.0f} ms | "
+            f"{t['hit'] * 1e3:.0f} ms | {c['sampled_vs_miss']:.3f} | {c['hit_vs_miss']:.3f} |"
         )
     return 0
 

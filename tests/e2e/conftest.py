@@ -6,6 +6,7 @@ variables lazily, and a module-level import would run at collection time.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from tests.e2e.models import (
     ModelSet,
     build_eagle_pair,
     build_gemma3_hybrid,
+    build_llama,
     build_models,
     build_tokenizer,
     engine_env,
@@ -42,6 +44,25 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(models_dir: Path) -> ModelSet:
     return build_models(models_dir)
+
+
+@pytest.fixture(scope="session")
+def two_builds(tiny_models: ModelSet, models_dir: Path) -> tuple[Path, Path]:
+    """Two checkpoints of one config, with different random weights."""
+    builds = [
+        build_llama(models_dir, seed=seed, tokenizer_dir=tiny_models.tokenizer) for seed in (0, 1)
+    ]
+    assert (builds[0] / "config.json").read_text() == (builds[1] / "config.json").read_text()
+    return builds[0], builds[1]
+
+
+def deploy(build: Path, served: Path) -> None:
+    """Put ``build``'s files at ``served``, as a redeploy under the same path does. copy2 keeps
+    the build's mtimes, as `cp -p` and `rsync -t` do."""
+    served.mkdir(exist_ok=True)
+    for file in build.iterdir():
+        if file.is_file():
+            shutil.copy2(file, served / file.name)
 
 
 def set_engine_env(mp: pytest.MonkeyPatch, tmp: Path, *, multiprocess: bool = False) -> None:

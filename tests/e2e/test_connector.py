@@ -40,6 +40,16 @@ SHARED_CORE_DEADLINES = {"lookup_deadline_ms": 1000, "store_deadline_ms": 2000}
 # a hit sampled for verification is served as a miss: tests count on their hits, and those of
 # verification ask for it
 NO_VERIFICATION = {"verify_sample_rate": 0.0}
+EVERY_HIT = {"verify_sample_rate": 1.0}
+VERIFIED = "vllm:kvtier_verify_chunks"
+
+
+def verified(llm: Any, pool: str = "target") -> tuple[float, float]:
+    """(chunks of ``pool`` that matched when verified, chunks of any pool that did not)."""
+    return (
+        counter(llm, VERIFIED, pool=pool, result="match"),
+        counter(llm, VERIFIED, result="mismatch"),
+    )
 
 
 def kvtier_config(extra: dict[str, Any]) -> dict[str, Any]:

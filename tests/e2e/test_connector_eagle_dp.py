@@ -26,12 +26,14 @@ from tests.e2e.models import (
 )
 from tests.e2e.test_connector import (
     ACCEPTED,
+    EVERY_HIT,
     EXTERNAL_HITS,
     TRANSFER_BYTES,
     cached_by_source,
     counter,
     embedded_yaml,
     kvtier_config,
+    verified,
 )
 from tests.integration.daemon_harness import Processes, write_config
 
@@ -60,6 +62,16 @@ def recorded_worker_plans(mp: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     yield plans
 
 
+def eagle_prompts(target: Path) -> list[list[int]]:
+    return shared_prefix_prompts(
+        4, vocab_size=vocab_size_of(target), prefix_len=640, suffix_len=48, num_prefixes=4
+    )
+
+
+def eagle_spec(models: EagleModels) -> dict[str, Any]:
+    return {"method": "eagle", "model": str(models.head), "num_speculative_tokens": 3}
+
+
 def test_eagle_head_gets_its_own_pool_and_a_fresh_engine_accepts_as_on_local_hits(
     eagle_models: EagleModels,
     tmp_path: Path,
@@ -71,10 +83,8 @@ def test_eagle_head_gets_its_own_pool_and_a_fresh_engine_accepts_as_on_local_hit
     from kvtier.tiers.lmdb_tier import LmdbTier
 
     target = eagle_models.target
-    prompts = shared_prefix_prompts(
-        4, vocab_size=vocab_size_of(target), prefix_len=640, suffix_len=48, num_prefixes=4
-    )
-    spec = {"method": "eagle", "model": str(eagle_models.head), "num_speculative_tokens": 3}
+    prompts = eagle_prompts(target)
+    spec = eagle_spec(eagle_models)
     config = embedded_yaml(tmp_path, shm_path)
     connector = kvtier_config({"kvtier_config": str(config)})
 
@@ -126,6 +136,30 @@ def test_eagle_head_gets_its_own_pool_and_a_fresh_engine_accepts_as_on_local_hit
     assert loaded["draft"] > 0
     assert loaded["draft"] * 2 == loaded["target"]
     assert accepted == accepted_on_prefix_hits
+
+
+def test_eagle_hits_recomputed_match_in_the_target_and_head_pools(
+    eagle_models: EagleModels, tmp_path: Path, shm_path: Path
+) -> None:
+    target, prompts, spec = (
+        eagle_models.target,
+        eagle_prompts(eagle_models.target),
+        eagle_spec(eagle_models),
+    )
+    config = str(embedded_yaml(tmp_path, shm_path))
+    storing = kvtier_config({"kvtier_config": config})
+    with running_llm(target, kv_transfer_config=storing, speculative_config=spec) as llm:
+        reference, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+    verifying = kvtier_config({"kvtier_config": config, **EVERY_HIT})
+    with running_llm(target, kv_transfer_config=verifying, speculative_config=spec) as llm:
+        tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+        matched = {pool: verified(llm, pool)[0] for pool in ("target", "draft")}
+        mismatched = verified(llm)[1]
+        assert counter_value(llm, EXTERNAL_HITS) == 0
+    assert tokens == reference
+    assert mismatched == 0
+    # each 640-token prefix is 20 chunks per pool; the head's KV as its own engine computes it
+    assert all(n >= 20 for n in matched.values()), matched
 
 
 def test_an_eagle_engine_recomputes_the_last_block_of_a_hit_as_vllm_does(

@@ -23,16 +23,20 @@ from tests.e2e.models import (
     BLOCK_SIZE,
     ModelSet,
     build_eagle_pair,
+    counter_value,
     running_llm,
     shared_prefix_prompts,
     vocab_size_of,
 )
 from tests.e2e.test_connector import (
+    EVERY_HIT,
+    EXTERNAL_HITS,
     TRANSFER_BYTES,
     cached_by_source,
     counter,
     embedded_yaml,
     kvtier_config,
+    verified,
 )
 from tests.integration.daemon_harness import Processes, write_config
 from tests.objstore.fixtures import AwsIrsa
@@ -216,6 +220,30 @@ def test_hybrid_groups_store_only_the_window_and_fresh_engines_hit_from_every_ti
     shutil.rmtree(files.lmdb)
     procs.start_daemon(files)
     fresh_engine_hits("external_unspecified")  # the object store, through the kept index
+
+
+def test_hybrid_hits_recomputed_match_in_every_group(
+    hybrid_model: Path,
+    hybrid_prompts: list[list[int]],
+    hybrid_baseline: Baseline,
+    tmp_path: Path,
+    shm_path: Path,
+) -> None:
+    config = str(embedded_yaml(tmp_path, shm_path))
+    with running_llm(
+        hybrid_model, kv_transfer_config=kvtier_config({"kvtier_config": config})
+    ) as llm:
+        assert generate(llm, hybrid_prompts).same_output(hybrid_baseline.cold)
+    verifying = kvtier_config({"kvtier_config": config, **EVERY_HIT})
+    with running_llm(hybrid_model, kv_transfer_config=verifying) as llm:
+        run = generate(llm, hybrid_prompts)
+        matched, mismatched = verified(llm)
+        assert counter_value(llm, EXTERNAL_HITS) == 0
+    assert run.same_output(hybrid_baseline.cold)
+    assert mismatched == 0
+    # the full-attention group's chunks, and the sliding group's window (what was stored)
+    chunks = hit_chunks(PROMPT_TOKENS)
+    assert matched == len(hybrid_prompts) * (chunks + chunks - window_start(chunks))
 
 
 def test_checkpoint_windows_give_a_prompt_sharing_a_shorter_prefix_a_hit(

@@ -11,7 +11,13 @@ import yaml
 
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import ModelSet, counter_value, generate_tokens, running_llm
-from tests.e2e.test_connector import EXTERNAL_HITS, cached_by_source, kvtier_config
+from tests.e2e.test_connector import (
+    EVERY_HIT,
+    EXTERNAL_HITS,
+    cached_by_source,
+    kvtier_config,
+    verified,
+)
 from tests.objstore.fixtures import AwsIrsa
 
 pytestmark = pytest.mark.slow
@@ -72,3 +78,28 @@ def test_a_fresh_node_gets_its_hits_from_the_object_store(
         assert counter_value(llm, EXTERNAL_HITS) > 0
     assert tokens == baseline[: len(prompts)]
     assert all(c >= 600 for c in cached), cached
+
+
+def test_hits_from_the_object_store_recomputed_match(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    tmp_path: Path,
+    shm_path: Path,
+    s3_store: str,
+    aws_irsa: AwsIrsa,
+) -> None:
+    config = str(node_yaml(tmp_path / "a", shm_path, s3_store))
+    with running_llm(
+        tiny_models.target, kv_transfer_config=kvtier_config({"kvtier_config": config})
+    ) as llm:
+        assert generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)[0] == baseline[: len(prompts)]
+    shutil.rmtree(tmp_path / "a" / "lmdb")  # what the engine's exit uploaded is all there is
+    verifying = kvtier_config({"kvtier_config": config, **EVERY_HIT})
+    with running_llm(tiny_models.target, kv_transfer_config=verifying) as llm:
+        tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+        matched, mismatched = verified(llm)
+        assert counter_value(llm, EXTERNAL_HITS) == 0
+    assert tokens == baseline[: len(prompts)]
+    assert mismatched == 0
+    assert matched >= 20  # a 640-token shared prefix: 20 chunks fetched, promoted and compared

@@ -1,36 +1,36 @@
-"""Verified reuse in a real engine (the CPU build, in-process, embedded tiers): with every hit
-sampled, vLLM computes each prefix itself and the chunks kvtier would have loaded are compared
-with it. Right chunks match; chunks whose bytes were swapped in the arena after their commit
-(nothing but a recomputation can tell: the commit checksum is off here, as it would pass a
-chunk moved with its checksum) are caught, their namespace is quarantined, and no later request
-loads from it. Every output is vLLM's own."""
+"""Verified reuse in a real engine (the CPU build): with every hit sampled, vLLM computes each
+prefix itself and the chunks kvtier would have loaded are compared with it. Right chunks match;
+wrong ones are caught and their namespace is quarantined, so that no later request loads from
+it: chunks whose bytes were swapped in the arena after their commit (nothing but a recomputation
+can tell: the commit checksum is off there, as it would pass a chunk moved with its checksum),
+and chunks of other weights filed under the same model revision. A quarantine told to kvtierd
+holds for every engine on it and across its restart, until an admin lifts it. Every output is
+vLLM's own."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from benchmarks.verify_errors import scheduler_of, swap_chunks
-from tests.e2e.conftest import MAX_TOKENS
+from tests.e2e.conftest import MAX_TOKENS, deploy
 from tests.e2e.models import ModelSet, counter, counter_value, generate_tokens, running_llm
-from tests.e2e.test_connector import EXTERNAL_HITS, _self_draft, embedded_yaml, kvtier_config
+from tests.e2e.test_connector import (
+    EVERY_HIT,
+    EXTERNAL_HITS,
+    VERIFIED,
+    _self_draft,
+    embedded_yaml,
+    kvtier_config,
+    verified,
+)
 from tests.e2e.test_connector_tp import engine, sidecar
 from tests.integration.daemon_harness import DaemonFiles, Processes
 
-VERIFIED = "vllm:kvtier_verify_chunks"
 POOLS = ("target", "draft")
-EVERY_HIT = {"verify_sample_rate": 1.0}
 RIGHT_CHUNK_BOUND = 0.05 / 5  # right chunks sit far below the default verify_max_error
-
-
-def verified(llm: Any, pool: str = "target") -> tuple[float, float]:
-    """(chunks of ``pool`` that matched, chunks of any pool that did not)."""
-    return (
-        counter(llm, VERIFIED, pool=pool, result="match"),
-        counter(llm, VERIFIED, result="mismatch"),
-    )
 
 
 def unchecked_arena(tmp: Path, shm_path: Path) -> Path:
@@ -158,3 +158,63 @@ def test_chunks_one_tp_degree_stored_match_what_each_rank_of_another_computes(
     assert tokens == expected
     assert matched >= 20
     assert mismatched == 0
+
+
+def test_other_weights_under_one_revision_are_quarantined_for_every_engine_on_the_daemon(
+    two_builds: tuple[Path, Path],
+    prompts: list[list[int]],
+    procs: Processes,
+    daemon_files: DaemonFiles,
+    tmp_path: Path,
+) -> None:
+    old, new = two_builds
+    served = tmp_path / "served-model"
+    daemon = procs.start_daemon(daemon_files)
+    # an operator's explicit revision that was not changed with the weights: both builds' chunks
+    # carry one name, which no fingerprint or checksum can tell apart
+    connector = sidecar(daemon_files)
+    connector["kv_connector_extra_config"]["model_revision"] = "release-7"
+    verifying = sidecar(daemon_files)
+    verifying["kv_connector_extra_config"] |= {"model_revision": "release-7", **EVERY_HIT}
+
+    def serve(build: Path) -> tuple[list[list[int]], int, bytes]:
+        deploy(build, served)
+        with running_llm(served, kv_transfer_config=connector) as llm:
+            tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+            namespace = bytes(scheduler_of(llm).namespaces["target"])
+            return tokens, counter_value(llm, EXTERNAL_HITS), namespace
+
+    old_tokens, hits, namespace = serve(old)
+    assert hits == 0  # a fresh daemon: the old weights' own outputs, now stored
+    admin = daemon.admin()
+    assert admin.drain().complete  # in lmdb before any engine found them wrong
+
+    deploy(new, served)
+    with running_llm(served, kv_transfer_config=verifying) as llm:
+        new_tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+        assert counter_value(llm, EXTERNAL_HITS) == 0  # sampled: computed, not loaded
+        assert counter(llm, VERIFIED, pool="target", result="mismatch") >= 1
+        scheduler = scheduler_of(llm)
+        assert bytes(scheduler.namespaces["target"]) == namespace
+        wrong = sorted(e for _, e in scheduler.verifier.errors)
+    print(f"relative errors of other weights' chunks: {[round(e, 3) for e in wrong]}")
+    assert new_tokens != old_tokens  # the weights differ where it shows
+    [held] = admin.quarantines()
+    assert held.namespace == namespace
+    assert "differs from the recomputed KV" in held.reason
+
+    # another engine, which verifies nothing itself, gets no hit from the daemon
+    assert serve(old)[:2] == (old_tokens, 0)
+    # nor after kvtierd restarts, its chunks still in lmdb
+    admin.close()
+    assert daemon.signal_and_wait(signal.SIGTERM, 60) == 0
+    daemon = procs.start_daemon(daemon_files)
+    admin = daemon.admin()
+    assert [q.namespace for q in admin.quarantines()] == [namespace]
+    assert serve(old)[:2] == (old_tokens, 0)
+    # lifted: the old weights' chunks are served again
+    assert admin.lift_quarantine(namespace)
+    tokens, hits, _ = serve(old)
+    admin.close()
+    assert hits > 0
+    assert tokens == old_tokens

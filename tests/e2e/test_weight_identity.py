@@ -10,16 +10,14 @@ cached, while requests without one still are.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import MAX_TOKENS
+from tests.e2e.conftest import MAX_TOKENS, deploy
 from tests.e2e.models import (
     ModelSet,
-    build_llama,
     counter,
     counter_value,
     generate_tokens,
@@ -29,25 +27,6 @@ from tests.e2e.models import (
 from tests.e2e.test_connector import EXTERNAL_HITS, TRANSFER_BYTES, embedded_yaml, kvtier_config
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def two_builds(tiny_models: ModelSet, models_dir: Path) -> tuple[Path, Path]:
-    """Two checkpoints of one config, with different random weights."""
-    builds = [
-        build_llama(models_dir, seed=seed, tokenizer_dir=tiny_models.tokenizer) for seed in (0, 1)
-    ]
-    assert (builds[0] / "config.json").read_text() == (builds[1] / "config.json").read_text()
-    return builds[0], builds[1]
-
-
-def deploy(build: Path, served: Path) -> None:
-    """Put ``build``'s files at ``served``, as a redeploy under the same path does. copy2 keeps
-    the build's mtimes, as `cp -p` and `rsync -t` do."""
-    served.mkdir(exist_ok=True)
-    for file in build.iterdir():
-        if file.is_file():
-            shutil.copy2(file, served / file.name)
 
 
 def run(
