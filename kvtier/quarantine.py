@@ -36,6 +36,15 @@ class Records(Protocol):
     def write_record(self, key: bytes, value: bytes | None) -> None: ...
 
 
+def _read(namespace: bytes, value: bytes) -> Quarantine:
+    """A kept quarantine; one whose record cannot be read still holds, saying so."""
+    try:
+        record = json.loads(value)
+        return Quarantine(namespace, str(record["reason"]), float(record["since_unix_s"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        return Quarantine(namespace, f"kept record unreadable ({exc}); lift it to serve it", 0.0)
+
+
 class Quarantines:
     def __init__(self, kept: Records | None = None) -> None:
         self._lock = threading.Lock()
@@ -44,10 +53,7 @@ class Quarantines:
         for key, value in (kept.records() if kept is not None else {}).items():
             if key.startswith(RECORD_PREFIX):
                 namespace = key[len(RECORD_PREFIX) :]
-                record = json.loads(value)
-                self._held[namespace] = Quarantine(
-                    namespace, record["reason"], record["since_unix_s"]
-                )
+                self._held[namespace] = _read(namespace, value)
         if self._held:
             log.warning(
                 "%d namespaces stay quarantined from before the restart: %s",
