@@ -106,11 +106,14 @@ class Quarantines:
             return list(self._held.values())
 
     def cut(self, keys: Sequence[ChunkKey]) -> Sequence[ChunkKey]:
-        """The keys before the first one of a quarantined namespace: a prefix lookup stops there."""
-        held = self.namespaces
-        if not held:
-            return keys
-        for i, key in enumerate(keys):
-            if namespace_of(key) in held:
-                return keys[:i]
+        return cut(keys, self.namespaces)
+
+
+def cut(keys: Sequence[ChunkKey], held: frozenset[bytes]) -> Sequence[ChunkKey]:
+    """The keys before the first one of a namespace in ``held``: a prefix lookup stops there."""
+    if not held:
         return keys
+    for i, key in enumerate(keys):
+        if namespace_of(key) in held:
+            return keys[:i]
+    return keys

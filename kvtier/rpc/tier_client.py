@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeVar, overload
 import grpc
 from google.protobuf.message import Message
 
-from kvtier import wire
+from kvtier import quarantine, wire
 from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
 from kvtier.codec import (
     chunk_events_from,
@@ -25,7 +25,7 @@ from kvtier.codec import (
 )
 from kvtier.errors import InvalidRequestError, KVTierError, SessionNotFoundError
 from kvtier.journal import ChunkEvents
-from kvtier.keys import ChunkKey, NamespaceSpec, namespace_of
+from kvtier.keys import ChunkKey, NamespaceSpec
 from kvtier.memory import keep_freed_pages
 from kvtier.protocol import DraftState, IndexedRef, LookupResult, SlotRef, TierCode
 from kvtier.rpc.calls import (
@@ -417,11 +417,8 @@ class GrpcTierClient:
             memory = self._arena.current()
         except KVTierError:
             return []
-        quarantined = self._quarantined
         refs = []
-        for key in keys:
-            if quarantined and namespace_of(key) in quarantined:
-                break
+        for key in quarantine.cut(keys, self._quarantined):
             found = memory.find(key)
             if found is None:
                 break
