@@ -17,7 +17,11 @@ from kvtier.protocol import DraftRevision, DraftState, LookupResult, SlotRef, Ti
 if TYPE_CHECKING:  # only read here: the client never loads the tiers
     from kvtier.tiers.base import TierStats, UsageStats
 
-_POOLS = {tier_pb2.POOL_TARGET: Pool.TARGET, tier_pb2.POOL_DRAFT: Pool.DRAFT}
+_POOLS = {
+    tier_pb2.POOL_TARGET: Pool.TARGET,
+    tier_pb2.POOL_DRAFT: Pool.DRAFT,
+    tier_pb2.POOL_HIDDEN: Pool.HIDDEN,
+}
 _POOL_CODES = {pool: code for code, pool in _POOLS.items()}
 _TIER_CODES = {code.tier: tier_pb2.Tier.ValueType(code) for code in TierCode}
 _TIER_NAMES = {int(code): code.tier for code in TierCode}
@@ -46,13 +50,14 @@ def spec_to(spec: NamespaceSpec) -> tier_pb2.NamespaceSpec:
         tenant=spec.tenant,
         draft_model=spec.draft_model or "",
         draft_revision=spec.draft_revision or "",
+        attention=spec.attention,
     )
 
 
 def spec_from(pb: tier_pb2.NamespaceSpec) -> NamespaceSpec:
     """Raises `InvalidRequestError`, naming the field, for a spec `NamespaceSpec` refuses."""
     if pb.pool not in _POOLS:
-        raise InvalidRequestError("pool must be POOL_TARGET or POOL_DRAFT")
+        raise InvalidRequestError("pool must be POOL_TARGET, POOL_DRAFT or POOL_HIDDEN")
     layout = pb.layout
     try:
         return NamespaceSpec(
@@ -74,6 +79,7 @@ def spec_from(pb: tier_pb2.NamespaceSpec) -> NamespaceSpec:
             pp_size=pb.pp_size or 1,
             hash_algo=pb.hash_algo or "sha256",
             tenant=pb.tenant or "default",
+            attention=pb.attention or "full",
             draft_model=pb.draft_model or None,
             draft_revision=pb.draft_revision or None,
         )

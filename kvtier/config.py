@@ -48,7 +48,11 @@ class PoolConfig(_Section):
 
 
 def _default_pools() -> dict[str, PoolConfig]:
-    return {"target": PoolConfig(), "draft": PoolConfig(max_share=0.5)}
+    return {
+        "target": PoolConfig(),
+        "draft": PoolConfig(max_share=0.5),
+        "hidden": PoolConfig(max_share=0.25),
+    }
 
 
 class ArenaConfig(_Section):

@@ -16,7 +16,7 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import NewType, cast
+from typing import Any, NewType, cast
 
 import numpy as np
 
@@ -78,6 +78,8 @@ ChunkKey = NewType("ChunkKey", bytes)
 class Pool(enum.StrEnum):
     TARGET = "target"
     DRAFT = "draft"
+    HIDDEN = "hidden"
+    """Hidden states an engine captures for draft training (not attention KV)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +128,8 @@ class NamespaceSpec:
     """Draft pool only; a draft swap changes it and nothing else."""
     attention: str = "full"
     """What the pool's layers attend to: "full", or "sliding_window=N" for a KV-cache group
-    that reads only the last N tokens (its chunks are stored only where a hit needs them)."""
+    that reads only the last N tokens (its chunks are stored only where a hit needs them); for
+    the hidden pool, "hidden_states=L,..": the target layers whose hidden states it holds."""
 
     def __post_init__(self) -> None:
         if self.pool not in tuple(Pool):
@@ -143,19 +146,33 @@ class NamespaceSpec:
             raise ValueError("model, kv_dtype and hash_algo must be set")
         check_tenant("tenant", self.tenant)
         check_text("model", self.model, MAX_MODEL_CHARS)
+        check_text("attention", self.attention, MAX_LAYER_NAME_CHARS)
         check_revision("model_revision", self.model_revision)
         if self.draft_model is not None:
             check_text("draft_model", self.draft_model, MAX_MODEL_CHARS)
         if self.draft_revision is not None:
             check_revision("draft_revision", self.draft_revision)
 
-    def canonical(self) -> bytes:
-        """A stable byte encoding: sorted-key JSON tagged with its own version."""
+    def fields(self) -> dict[str, Any]:
+        """The spec as plain JSON values (`from_fields` reads them back)."""
         fields = asdict(self)
         fields["pool"] = str(self.pool)
         if self.attention == "full":
             del fields["attention"]  # at its default: namespaces of earlier versions stay valid
-        doc = {"tag": _ENCODING_TAG, "fields": fields}
+        return fields
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> NamespaceSpec:
+        """Raises ValueError or TypeError for fields that are not a valid spec's."""
+        doc = dict(fields)
+        layout = dict(doc.pop("layout"))
+        layout["head_sizes"] = tuple(layout["head_sizes"])
+        layout["layer_names"] = tuple(layout["layer_names"])
+        return cls(layout=PageLayout(**layout), **doc)
+
+    def canonical(self) -> bytes:
+        """A stable byte encoding: sorted-key JSON tagged with its own version."""
+        doc = {"tag": _ENCODING_TAG, "fields": self.fields()}
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     def digest(self) -> bytes:

@@ -105,6 +105,11 @@ def block_removed_event(hashes: list[bytes], medium: str) -> object:
     )
 
 
-def transfer_results(done: set[str], failed: set[str]) -> KVConnectorTransferResults:
-    """Loads finished; a failed one is also finished, so vLLM stops waiting for it."""
-    return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
+def transfer_results(
+    done: set[str], failed: set[str], sent: set[str] | None = None
+) -> KVConnectorTransferResults:
+    """Loads finished (a failed one is also finished, so vLLM stops waiting for it), and the
+    finished requests whose blocks may go now."""
+    return KVConnectorTransferResults(
+        finished_sending=sent or set(), finished_recving=done | failed, failed_recving=failed
+    )

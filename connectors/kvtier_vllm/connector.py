@@ -120,19 +120,25 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._finished(request)
-        return False, None  # stores copy in the step that computed them: blocks may go
+        return self._finished(request, [list(block_ids)])
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._finished(request)
-        return False, None
+        return self._finished(request, [list(ids) for ids in block_ids])
 
-    def _finished(self, request: Any) -> None:
+    def _finished(
+        self, request: Any, block_ids: list[list[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Stores copy in the step that computed them, so blocks may go; only a request whose
+        hidden states end in a partial chunk keeps them until that tail is stored."""
         scheduler = self._scheduler
         assert scheduler is not None
-        contained("request_finished", lambda: scheduler.request_finished(request), lambda: None)
+        return contained(
+            "request_finished",
+            lambda: scheduler.request_finished(request, block_ids),
+            lambda: (False, None),
+        )
 
     # -- worker side ----------------------------------------------------------------------
 
@@ -174,12 +180,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        """Asynchronous loads (several KV-cache groups) done, and those that failed."""
+        """Asynchronous loads (several KV-cache groups) done, and those that failed; finished
+        requests whose last stores landed."""
         worker = self._worker
         if worker is None:
             return transfer_results(set(), set())
         done = contained("finished loads", worker.finished_loads, worker.fail_receiving)
-        return transfer_results(*done)
+        sent = contained(
+            "finished stores", lambda: worker.finished_sends(finished_req_ids), worker.all_sends
+        )
+        return transfer_results(*done, sent)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self._worker

@@ -1,8 +1,12 @@
-"""Which registered layers form the target and draft pools, and what their chunks look like.
+"""Which registered layers form the target, draft and hidden pools, and what their chunks look
+like.
 
 Each KV-cache group vLLM allocates (one, or several with the hybrid allocator) has its own block
 ids; its layers are split into the target and draft pools, and every (group, pool) pair is a
-plan with its own pages, chunk size and namespace. Both connector sides compute the same plans
+plan with its own pages, chunk size and namespace. An engine capturing hidden states (the
+speculative method ``extract_hidden_states``) keeps them in a cache-only layer beside the
+attention layers, with the same block table; that layer is the hidden pool: per token, the
+target's hidden state at each auxiliary layer. Both connector sides compute the same plans
 from vLLM's configuration; the worker then checks them against the tensors it was given and
 refuses a plan whose pages differ, rather than guess.
 """
@@ -14,12 +18,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvtier.hidden import HIDDEN_ATTENTION
 from kvtier.keys import NamespaceSpec, PageLayout, Pool
 from kvtier_vllm import weights
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.shapes import HEADS_FIRST, Shard, layout_name, page_order, tp_shard
 
 DRAFT_PREFIX = "draft_model."
+HIDDEN_PREFIX = "cache_only_layers."
+"""``extract_hidden_states``' layer caching the target's hidden states."""
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -103,9 +110,11 @@ def is_draft_layer(name: str, target_layers: int) -> bool:
 
 def split_layers(names: Iterable[str], target_layers: int) -> dict[Pool, tuple[str, ...]]:
     ordered = sorted(set(names), key=lambda n: (_layer_index(n), n))
-    draft = tuple(n for n in ordered if is_draft_layer(n, target_layers))
-    target = tuple(n for n in ordered if n not in draft)
-    return {pool: layers for pool, layers in ((Pool.TARGET, target), (Pool.DRAFT, draft)) if layers}
+    hidden = tuple(n for n in ordered if n.startswith(HIDDEN_PREFIX))
+    draft = tuple(n for n in ordered if n not in hidden and is_draft_layer(n, target_layers))
+    target = tuple(n for n in ordered if n not in draft and n not in hidden)
+    pools = ((Pool.TARGET, target), (Pool.DRAFT, draft), (Pool.HIDDEN, hidden))
+    return {pool: layers for pool, layers in pools if layers}
 
 
 def _page_bytes(model_config: Any, heads: int, cache_dtype: str, block_size: int) -> int:
@@ -139,7 +148,7 @@ def _group_kind(spec: Any) -> tuple[int, int]:
     if "SlidingWindow" in kind:
         window = int(spec.sliding_window)
         return window - 1 + int(getattr(spec, "extra_retained_tokens", 0)), window
-    if kind in ("FullAttentionSpec", "MLAAttentionSpec"):
+    if kind in ("FullAttentionSpec", "MLAAttentionSpec", "HiddenStateCacheSpec"):
         return 0, 0
     raise UnsupportedGroupError(
         f"kvtier stores attention KV by block; a {kind} group is not supported: run "
@@ -217,6 +226,9 @@ def _plan_group(
     order = page_order(layout_name(cache))
     plans = []
     for pool, layers in split_layers(layer_names, target_layers).items():
+        if pool is Pool.HIDDEN:
+            plans.append(_hidden_plan(vllm_config, layers, cfg, revision))
+            continue
         if pool is Pool.DRAFT:
             draft_model = spec_cfg.draft_model_config if spec_cfg is not None else None
             owner = draft_model or model
@@ -258,3 +270,60 @@ def _plan_group(
             )
         )
     return plans
+
+
+def aux_layers(vllm_config: Any) -> tuple[int, ...]:
+    """The target layers whose hidden states an ``extract_hidden_states`` engine captures."""
+    spec = vllm_config.speculative_config
+    hf = spec.draft_model_config.hf_config
+    return tuple(int(i) for i in getattr(hf, "eagle_aux_hidden_state_layer_ids", ()) or ())
+
+
+def _hidden_plan(
+    vllm_config: Any, layers: tuple[str, ...], cfg: ConnectorConfig, revision: str
+) -> PoolPlan:
+    """The captured hidden states: one cache-only layer whose page holds, per token, the hidden
+    state at each auxiliary layer (as [layers, tokens, hidden] in the heads-first layouts,
+    [tokens, layers, hidden] in the others). Every TP rank holds all of it,
+    as with MLA's latent cache, so rank 0 alone writes it."""
+    import torch
+
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    if len(layers) != 1:
+        raise UnsupportedGroupError(f"hidden-state group of {len(layers)} layers, expected 1")
+    aux = aux_layers(vllm_config)
+    hidden = model.get_hidden_size()
+    dtype = model.dtype if isinstance(model.dtype, torch.dtype) else torch.float32
+    tp = parallel.tensor_parallel_size
+    shard = Shard(len(aux), 0, len(aux), parallel.rank % tp == 0, 1)
+    order = page_order(layout_name(cache))
+    spec = NamespaceSpec(
+        model=str(model.model),
+        model_revision=revision,
+        pool=Pool.HIDDEN,
+        kv_dtype=str(dtype).removeprefix("torch."),
+        layout=PageLayout(
+            tokens_per_block=cache.block_size,
+            blocks_per_chunk=cfg.blocks_per_chunk,
+            num_kv_heads=len(aux),
+            head_sizes=(hidden,),
+            layer_names=layers,
+            kv_order=order,
+        ),
+        hash_algo=cache.prefix_caching_hash_algo,
+        tenant=cfg.tenant,
+        attention=f"{HIDDEN_ATTENTION}=" + ",".join(str(i) for i in aux),
+    )
+    page = cache.block_size * len(aux) * hidden * dtype.itemsize
+    return PoolPlan(
+        Pool.HIDDEN,
+        layers,
+        page,
+        spec,
+        cfg.blocks_per_chunk,
+        str(Pool.HIDDEN),
+        shard=shard,
+        order=order,
+    )

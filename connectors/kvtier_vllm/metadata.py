@@ -49,6 +49,9 @@ class KVTierMetadata(KVConnectorMetadata):
     """Asynchronous loads that will not come: reported finished and failed."""
     checks: list[ChunkCopy] = field(default_factory=list)
     """Leased chunks to compare with what vLLM computed in their place in earlier steps."""
+    sending: list[str] = field(default_factory=list)
+    """Finished requests whose blocks vLLM keeps until this step's stores (their hidden
+    states' tail) landed: each worker reports them finished sending then."""
 
 
 @dataclass

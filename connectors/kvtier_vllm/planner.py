@@ -56,9 +56,11 @@ def keys_in(
 
 
 def targets_of(plans: Iterable[PoolPlan]) -> list[PoolPlan]:
-    """The target plans, full attention first: a shorter hit they find never moves their own
-    start."""
-    return sorted((p for p in plans if p.pool is Pool.TARGET), key=lambda p: bool(p.window))
+    """The plans a hit needs every chunk of, full attention first (a shorter hit they find never
+    moves their own start): the target's, and the captured hidden states' (a hit without them
+    would leave its prefix's states unwritten for the request's reference)."""
+    needed = (p for p in plans if p.pool in (Pool.TARGET, Pool.HIDDEN))
+    return sorted(needed, key=lambda p: bool(p.window))
 
 
 @dataclass
@@ -223,6 +225,8 @@ class HitPlanner:
         self.targets = targets_of(plans)
         assert self.targets, "a hit needs a target plan"
         self.anchor = self.targets[0]
+        self.windowed = any(p.window for p in self.targets)
+        """A shorter hit moves the sliding windows' first chunks."""
         self.draft_plan = next((p for p in plans if p.pool is Pool.DRAFT), None)
         self.draft = draft
         self.leases = leases if leases is not None else Leases(2)
@@ -282,7 +286,7 @@ class HitPlanner:
             if asked.may_wait(self.wait_s):
                 self._promote(hashes, below)
                 return None
-            if len(self.targets) > 1 and any(below.values()):
+            if self.windowed and any(below.values()):
                 return LoadPlan(first, 0, {}, [])  # a shorter hit would need other windows
             chunks = min([chunks, *(c[0] for c in below.values() if c)])
             found.leases = None
@@ -404,8 +408,8 @@ class HitPlanner:
             offered[plan.key] = (start, refs)
             missing = next((i for i, r in enumerate(refs) if r is None), None)
             if missing is not None:
-                # a shorter hit moves the sliding windows: with several plans, none
-                granted = first if len(self.targets) > 1 else min(granted, span.start + missing)
+                # a shorter hit moves the sliding windows: with them, none
+                granted = first if self.windowed else min(granted, span.start + missing)
         zero: list[str] = []
         fill = Fill.NONE
         if self.draft is not None and self.draft_plan is not None:

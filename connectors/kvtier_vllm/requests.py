@@ -32,6 +32,8 @@ class RequestState:
     fill: Fill = Fill.NONE
     sampled: Sampled | None = None
     """Its hit, served as a miss to be compared with what vLLM computes."""
+    tail_stored: bool = False
+    """Its prompt's hidden-state tail was reserved (captured hidden states)."""
 
     def held_tokens(
         self, planner: HitPlanner, computed: int, revision: str | None, limit: int

@@ -16,10 +16,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvtier.errors import KVTierError
+from kvtier.hidden import REF_FIELD
 from kvtier.keys import NamespaceSpec, Pool
 from kvtier.protocol import SlotRef, TierClient
 from kvtier.rpc import DaemonStalledError
 from kvtier_vllm.adapter import eagle_block_drop, failure_policy_warning, replica_of
+from kvtier_vllm.capture import Capture
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.draft import AcceptanceMeter, DraftTracker, Fill
 from kvtier_vllm.events import KVEventFeed
@@ -81,6 +83,9 @@ class KVTierScheduler:
         its last position is written from this request's next token. (With several groups the
         sliding windows would no longer be the stored ones: there the chunk is kept.)"""
         self.draft_plan = next((p for p in self.plans if p.pool is Pool.DRAFT), None)
+        hidden = next((p for p in self.plans if p.pool is Pool.HIDDEN), None)
+        self.capture = Capture(hidden) if hidden is not None else None
+        """Hidden states captured: each finished request gets a reference to them."""
         self.async_loads = len(groups) > 1
         """Several groups: vLLM takes load failures only per request, after an async load."""
         draft = self.draft_plan
@@ -398,6 +403,7 @@ class KVTierScheduler:
             arena_path=self.arena_path,
             invalid_blocks=meta.invalid_blocks,
             failed_requests=meta.failed_requests + meta.receiving,
+            sending=meta.sending,  # their tails are not stored: their blocks may go
         )
         self._release(self._queued_leases)
         self._queued_leases = []
@@ -494,6 +500,15 @@ class KVTierScheduler:
     ) -> None:
         request = state.request
         done = computed + out.num_scheduled_tokens.get(request.request_id, 0)
+        capture = self.capture
+        if (
+            capture is not None
+            and not state.tail_stored
+            and done >= request.num_prompt_tokens
+            and not capture.with_outputs(request)
+        ):
+            state.tail_stored = True  # the prompt's states are all computed by this step
+            self._store_tail(meta, request, state.block_ids)
         bpc = self.cfg.blocks_per_chunk
         blocks_known = min((len(ids) for ids in state.block_ids), default=0)
         full = min(done // self.chunk_tokens, len(request.block_hashes) // bpc, blocks_known // bpc)
@@ -546,7 +561,52 @@ class KVTierScheduler:
                 return  # tried again with the next report
             self.verifier.to_report.pop(0)
 
-    def request_finished(self, request: Any) -> None:
+    def request_finished(
+        self, request: Any, block_ids: list[list[int]] | None = None
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(keep the request's blocks until the workers report it sent, its
+        ``kv_transfer_params``): with hidden states captured, their reference, and the tail
+        the next step stores."""
+        state = self._requests.get(request.request_id)
+        self._forget(request)
+        if state is None:
+            return False, None  # never scheduled: no state was computed
+        return self._captured(request, block_ids or state.block_ids)
+
+    def _captured(
+        self, request: Any, block_ids: list[list[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        capture = self.capture
+        if capture is None or capture.plan.key not in self.namespaces:
+            return False, None
+        params = {REF_FIELD: capture.reference(request).to_json()}
+        if not capture.with_outputs(request):
+            return False, params  # the prompt's tail was stored with its last token
+        # vLLM asserts each request reported sent is one it keeps: the last step here
+        keep = self._store_tail(self._queued, request, block_ids)
+        if keep:
+            self._queued.sending.append(request.request_id)
+        return keep, params
+
+    def _store_tail(self, meta: KVTierMetadata, request: Any, block_ids: list[list[int]]) -> bool:
+        """Reserve the request's hidden-state tail, copied with ``meta``'s stores; whether a
+        copy was added (none: no tail, present already, no room)."""
+        capture = self.capture
+        namespace = self.namespaces.get(capture.plan.key) if capture is not None else None
+        if capture is None or namespace is None or self.stores is None:
+            return False
+        tail = capture.tail(request, namespace, block_ids[capture.plan.group])
+        if tail is None:
+            return False
+        if not tail.blocks or not all(tail.blocks):
+            log.warning(
+                "kvtier: request %s's last blocks are gone: its hidden-state tail is not stored",
+                request.request_id,
+            )
+            return False
+        return self.stores.reserve_one(meta, capture.plan, tail.key, tail.blocks, self._step)
+
+    def _forget(self, request: Any) -> None:
         self._failed_loads.discard(request.request_id)
         settled = self._acceptance.progressed(request.request_id, request.num_computed_tokens)
         if settled is not None:

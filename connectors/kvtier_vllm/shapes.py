@@ -109,13 +109,6 @@ def refusal(vllm_config: Any) -> str:
                 f"{name}={size}: each rank holds only some tokens of a block, which kvtier's "
                 "chunks do not describe"
             )
-    spec = getattr(vllm_config, "speculative_config", None)
-    if getattr(spec, "method", None) == "extract_hidden_states":
-        return (
-            "speculative method extract_hidden_states: kvtier does not store the hidden-state "
-            "cache layer, and a hit would leave its prefix's hidden states uncomputed for the "
-            "connector that captures them; capture hidden states without kvtier"
-        )
     layout = layout_name(vllm_config.cache_config)
     if not page_order(layout):
         return (

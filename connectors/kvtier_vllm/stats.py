@@ -26,7 +26,7 @@ VERIFY_RESULTS = ("match", "mismatch", "unchecked")
 """Compared chunks: within verify_max_error, past it, or reused before they were compared."""
 ERROR_BUCKETS = (1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, float("inf"))
 """Upper bounds of the relative-error histogram's buckets."""
-POOLS = ("target", "draft")
+POOLS = ("target", "draft", "hidden")
 MAX_REVISIONS = 16
 _SEP = "|"  # draft keys; revisions may hold dots, never this
 OTHER = "other"

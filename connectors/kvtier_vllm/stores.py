@@ -114,11 +114,33 @@ class Stores:
                     continue  # present already, or no room right now
                 if plan is self.anchor:
                     self._announce((ref.slot, ref.generation), ref.key, request, chunk)
-                meta.stores.append(
-                    ChunkCopy(plan.key, ref.slot, ref.offset, ref.generation, span_blocks[chunk])
-                )
-                handle = (ref.slot, ref.generation)
-                self._pending[handle] = _PendingStore(ref, step, plan.shard.writers)
+                self._queue(meta, plan, ref, span_blocks[chunk], step)
+
+    def reserve_one(
+        self,
+        meta: KVTierMetadata,
+        plan: PoolPlan,
+        key: ChunkKey,
+        blocks: tuple[int, ...],
+        step: int,
+    ) -> bool:
+        """Reserve one chunk named by the caller, written from ``blocks`` (its first ones, where
+        it has fewer tokens); whether its copy was added to ``meta`` (False: present already,
+        no room, or the call failed)."""
+        try:
+            ref = self.client.reserve([key])[0]
+        except KVTierError as exc:
+            self.on_error("reserve", exc)
+            return False
+        if ref is not None:
+            self._queue(meta, plan, ref, blocks, step)
+        return ref is not None
+
+    def _queue(
+        self, meta: KVTierMetadata, plan: PoolPlan, ref: SlotRef, blocks: tuple[int, ...], step: int
+    ) -> None:
+        meta.stores.append(ChunkCopy(plan.key, ref.slot, ref.offset, ref.generation, blocks))
+        self._pending[(ref.slot, ref.generation)] = _PendingStore(ref, step, plan.shard.writers)
 
     def _announce(self, handle: tuple[int, int], key: ChunkKey, request: Any, chunk: int) -> None:
         bpc = self.blocks_per_chunk

@@ -159,6 +159,10 @@ class KVTierWorker:
         """Synchronous loads issued, checked when vLLM asks for load errors."""
         self._receiving: list[tuple[_Issued, set[str], set[str]]] = []
         """Asynchronous loads issued: (loads, requests, failed requests)."""
+        self._sending: list[tuple[Fence, set[str]]] = []
+        """Finished requests whose blocks wait for stores issued behind a fence."""
+        self._finished_ids: set[str] = set()
+        """Requests vLLM said finished, not yet reported sent (it takes only those)."""
         self.stats = KVTierStats()
         self._draft_watch: DraftWatch | None = None
         self._draft_ok = True
@@ -390,6 +394,7 @@ class KVTierWorker:
         vLLM recomputes those blocks and no slot is committed from half a copy."""
         if not loads:
             self._failed.extend((job.slot, job.generation) for job in meta.stores)
+            self._send_after(Fence(), meta.sending)
             return
         self._load_errors.update(meta.invalid_blocks)
         failed = set(meta.receiving) | set(meta.failed_requests)
@@ -443,10 +448,12 @@ class KVTierWorker:
         if meta.checks:
             self._compare_checks(meta)
         if not meta.stores:
+            self._send_after(Fence(), meta.sending)
             return
         slots = self._slots(meta.arena_path)
         if slots is None:
             self._failed.extend((job.slot, job.generation) for job in meta.stores)
+            self._send_after(Fence(), meta.sending)
             return
         self.copies.begin_stores()
         issued: list[tuple[int, int]] = []
@@ -461,7 +468,39 @@ class KVTierWorker:
             ok = self._copy(job, slots, into_arena=True)
             (issued if ok else self._failed).append((job.slot, job.generation))
             self._record("store", job, started, ok)
-        self._landing.append((self.copies.end_stores(), issued))
+        fence = self.copies.end_stores()
+        self._landing.append((fence, issued))
+        self._send_after(fence, meta.sending)
+
+    def _send_after(self, fence: Fence, requests: list[str]) -> None:
+        # once each: vLLM frees a request's blocks at its first report, and fails on a second
+        fresh = set(requests).difference(*(reqs for _, reqs in self._sending))
+        if fresh:
+            self._sending.append((fence, fresh))
+
+    def finished_sends(self, finished: set[str]) -> set[str]:
+        """Finished requests whose last stores landed: their blocks may go."""
+        self._finished_ids |= finished
+        sent: set[str] = set()
+        waiting = []
+        for fence, requests in self._sending:
+            ready = requests & self._finished_ids
+            if ready and fence():
+                sent |= ready
+                requests -= ready
+            if requests:
+                waiting.append((fence, requests))
+        self._sending = waiting
+        self._finished_ids -= sent
+        self._finished_ids &= {r for _, reqs in waiting for r in reqs} | finished
+        return sent
+
+    def all_sends(self) -> set[str]:
+        """Every request waiting for its stores, as sent: when checking them failed (a store
+        that did not land is never committed, so its blocks may go)."""
+        sent = {r for _, reqs in self._sending for r in reqs}
+        self._sending = []
+        return sent
 
     def _compare_checks(self, meta: KVTierMetadata) -> None:
         slots = self._slots(meta.arena_path)

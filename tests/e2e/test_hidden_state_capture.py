@@ -1,24 +1,27 @@
-"""An engine capturing hidden states (vLLM's speculative method ``extract_hidden_states``, which
-keeps them in a KV-cache layer of their own) is refused at start: kvtier does not store that
-layer yet, and a hit would leave the hit prefix's states uncomputed, so whatever connector
-captures them would read blocks vLLM never wrote. The engine serves its own outputs without
-kvtier, and the reason is logged once."""
+"""Hidden states captured for draft training (vLLM's speculative method ``extract_hidden_states``)
+stored as kvtier's hidden pool, against vLLM's reference connector writing them to files.
+
+The reference is `ExampleHiddenStatesConnector` with its device copy made synchronous for the
+CPU (`tests.e2e.hidden_reference`); both run as multiprocess engines, as in serving.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-from tests.e2e.conftest import MAX_TOKENS
-from tests.e2e.models import ModelSet, counter_value, generate_tokens, running_llm
-from tests.e2e.test_connector import (
-    EXTERNAL_HITS,
-    TRANSFER_BYTES,
-    counter,
-    embedded_yaml,
-    kvtier_config,
-)
+from kvtier.client import InProcessClient
+from kvtier.config import load_config
+from kvtier.hidden import REF_FIELD, HiddenStatesReader, HiddenStatesRef
+from kvtier.keys import Pool
+from kvtier.manager import TierManager
+from tests.e2e.models import ModelSet, counter, running_llm, shared_prefix_prompts, vocab_size_of
+from tests.e2e.test_connector import EXTERNAL_HITS, TRANSFER_BYTES, embedded_yaml, kvtier_config
 
 pytestmark = pytest.mark.slow
 
@@ -27,26 +30,130 @@ CAPTURE = {
     "num_speculative_tokens": 1,
     "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 1]}},
 }
+OUTPUT_TOKENS = 6
+SHARED = 512
+REFERENCE = {
+    "kv_connector": "CpuHiddenStatesConnector",
+    "kv_connector_module_path": "tests.e2e.hidden_reference",
+    "kv_role": "kv_producer",
+}
 
 
-def test_an_engine_capturing_hidden_states_is_refused_and_serves_its_own_outputs(
-    tiny_models: ModelSet,
-    prompts: list[list[int]],
-    tmp_path: Path,
-    shm_path: Path,
-    caplog: pytest.LogCaptureFixture,
+@pytest.fixture(scope="module")
+def shared_prompts(tiny_models: ModelSet) -> list[list[int]]:
+    """Ten prompts sharing a 512-token prefix, each ending part way through a block."""
+    vocab = vocab_size_of(tiny_models.target)
+    return shared_prefix_prompts(10, vocab_size=vocab, prefix_len=SHARED, suffix_len=70, seed=3)
+
+
+def generate(
+    llm: Any, prompts: Sequence[Sequence[int]], params: dict[str, Any] | None = None
+) -> list[Any]:
+    from vllm import SamplingParams
+
+    sampling = SamplingParams(
+        temperature=0.0,
+        max_tokens=OUTPUT_TOKENS,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": params} if params else None,
+    )
+    return llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
+
+
+@contextmanager
+def reader(config: Path) -> Iterator[HiddenStatesReader]:
+    """Reads references from what the tiers at ``config`` hold, once the engine is gone."""
+    manager = TierManager(load_config(config))
+    found = HiddenStatesReader(InProcessClient(manager), timeout_s=5)
+    try:
+        yield found
+    finally:
+        found.close()
+        manager.close()
+
+
+def test_states_read_back_equal_the_reference_and_a_shared_prefix_is_stored_once(
+    tiny_models: ModelSet, shared_prompts: list[list[int]], tmp_path: Path, shm_path: Path
 ) -> None:
-    with running_llm(tiny_models.target, speculative_config=CAPTURE) as llm:
-        expected, _ = generate_tokens(llm, prompts[:2], max_tokens=MAX_TOKENS)
-    connector = kvtier_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path))})
-    for _ in range(2):  # the second engine would hit what the first stored
-        with running_llm(
-            tiny_models.target, kv_transfer_config=connector, speculative_config=CAPTURE
-        ) as llm:
-            tokens, _ = generate_tokens(llm, prompts[:2], max_tokens=MAX_TOKENS)
-            assert counter(llm, TRANSFER_BYTES, direction="store") == 0
-            assert counter_value(llm, EXTERNAL_HITS) == 0
-        assert tokens == expected
-    refusals = [r.getMessage() for r in caplog.records if "kvtier is off" in r.getMessage()]
-    assert len(refusals) == 2, refusals
-    assert all("extract_hidden_states" in r for r in refusals)
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        load_hidden_states,
+    )
+
+    files = dict(REFERENCE, kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
+    with running_llm(
+        tiny_models.target, kv_transfer_config=files, speculative_config=CAPTURE, multiprocess=True
+    ) as llm:
+        outputs = generate(llm, shared_prompts, {"include_output_tokens": True})
+        written = [load_hidden_states(o.kv_transfer_params["hidden_states_path"]) for o in outputs]
+    expected_tokens = [list(o.outputs[0].token_ids) for o in outputs]
+
+    config = embedded_yaml(tmp_path, shm_path)
+    connector = kvtier_config({"kvtier_config": str(config)})
+    with running_llm(
+        tiny_models.target,
+        kv_transfer_config=connector,
+        speculative_config=CAPTURE,
+        multiprocess=True,
+    ) as llm:
+        outputs = generate(llm, shared_prompts)
+        stored = counter(llm, TRANSFER_BYTES, direction="store", pool="hidden")
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected_tokens
+    refs = [o.kv_transfer_params[REF_FIELD] for o in outputs]
+    with reader(config) as found:
+        for prompt, ref, files_states in zip(shared_prompts, refs, written, strict=True):
+            states = found.load(ref)
+            assert states.token_ids is None  # the prompt's own: the caller has them
+            assert torch.equal(states.to_torch(), files_states["hidden_states"][: len(prompt)])
+    per_request = sum(s["hidden_states"][: len(p)].nbytes for s, p in zip(written, shared_prompts))
+    ratio = stored / per_request
+    print(f"hidden-state bytes stored: {stored} against {per_request} in per-request files")
+    # the prefix once (16 blocks), each request's 70 tokens in 3 blocks: 46 of 190 blocks' worth
+    assert stored > 0 and ratio < 0.3, ratio
+
+    # a second engine hits the prefixes (hidden states loaded with the KV), and hands its
+    # outputs' states too
+    with running_llm(
+        tiny_models.target,
+        kv_transfer_config=connector,
+        speculative_config=CAPTURE,
+        multiprocess=True,
+    ) as llm:
+        outputs = generate(llm, shared_prompts, {"include_output_tokens": True})
+        assert counter(llm, EXTERNAL_HITS) > 0
+        assert counter(llm, TRANSFER_BYTES, direction="load", pool="hidden") > 0
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected_tokens
+    with reader(config) as found:
+        for prompt, out, files_states in zip(shared_prompts, outputs, written, strict=True):
+            states = found.load(out.kv_transfer_params[REF_FIELD])
+            assert states.token_ids == tuple(prompt + list(out.outputs[0].token_ids)[:-1])
+            assert list(states.token_ids) == files_states["token_ids"].tolist()
+            assert torch.equal(states.to_torch(), files_states["hidden_states"])
+
+
+def test_an_engine_without_capture_is_unaffected_and_its_kv_never_stands_for_states(
+    tiny_models: ModelSet, prompts: list[list[int]], tmp_path: Path, shm_path: Path
+) -> None:
+    config = embedded_yaml(tmp_path, shm_path)
+    connector = kvtier_config({"kvtier_config": str(config)})
+    with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+        plain = generate(llm, prompts)
+        assert counter(llm, TRANSFER_BYTES, direction="store", pool="target") > 0
+        assert counter(llm, TRANSFER_BYTES, direction="store", pool="hidden") == 0
+    assert all(REF_FIELD not in (o.kv_transfer_params or {}) for o in plain)
+
+    # the target's chunks are there, the hidden states' are not: no hit, they are computed
+    with running_llm(
+        tiny_models.target, kv_transfer_config=connector, speculative_config=CAPTURE
+    ) as llm:
+        captured = generate(llm, prompts)
+        assert counter(llm, EXTERNAL_HITS) == 0
+        assert counter(llm, TRANSFER_BYTES, direction="store", pool="hidden") > 0
+    assert [o.outputs[0].token_ids for o in captured] == [o.outputs[0].token_ids for o in plain]
+    with reader(config) as found:
+        for prompt, out in zip(prompts, captured, strict=True):
+            ref = HiddenStatesRef.from_json(out.kv_transfer_params[REF_FIELD])
+            states = found.load(ref)
+            assert states.states.shape == (len(prompt), 2, ref.hidden_size)
+            # registered by the read as a pool of its own, never the target's
+            spec = found.client.manager.registry.spec_of(ref.namespace)  # type: ignore[attr-defined]
+            assert spec is not None and spec.pool is Pool.HIDDEN

@@ -31,12 +31,14 @@ class _PoolEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Pool.ValueType],
     POOL_UNSPECIFIED: _Pool.ValueType  # 0
     POOL_TARGET: _Pool.ValueType  # 1
     POOL_DRAFT: _Pool.ValueType  # 2
+    POOL_HIDDEN: _Pool.ValueType  # 3
 
 class Pool(_Pool, metaclass=_PoolEnumTypeWrapper): ...
 
 POOL_UNSPECIFIED: Pool.ValueType  # 0
 POOL_TARGET: Pool.ValueType  # 1
 POOL_DRAFT: Pool.ValueType  # 2
+POOL_HIDDEN: Pool.ValueType  # 3
 Global___Pool: _TypeAlias = Pool  # noqa: Y015
 
 class _Tier:
@@ -113,6 +115,7 @@ class NamespaceSpec(_message.Message):
     TENANT_FIELD_NUMBER: _builtins.int
     DRAFT_MODEL_FIELD_NUMBER: _builtins.int
     DRAFT_REVISION_FIELD_NUMBER: _builtins.int
+    ATTENTION_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     model_revision: _builtins.str
     pool: Global___Pool.ValueType
@@ -125,6 +128,8 @@ class NamespaceSpec(_message.Message):
     tenant: _builtins.str
     draft_model: _builtins.str
     draft_revision: _builtins.str
+    attention: _builtins.str
+    """What the pool's layers hold: "full" (unset), "sliding_window=N", "hidden_states=L,.."."""
     @_builtins.property
     def layout(self) -> Global___PageLayout: ...
     def __init__(
@@ -143,10 +148,11 @@ class NamespaceSpec(_message.Message):
         tenant: _builtins.str = ...,
         draft_model: _builtins.str = ...,
         draft_revision: _builtins.str = ...,
+        attention: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_model", b"draft_model", "draft_revision", b"draft_revision", "hash_algo", b"hash_algo", "kv_dtype", b"kv_dtype", "layout", b"layout", "model", b"model", "model_revision", b"model_revision", "pool", b"pool", "pp_rank", b"pp_rank", "pp_size", b"pp_size", "tenant", b"tenant", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention", b"attention", "draft_model", b"draft_model", "draft_revision", b"draft_revision", "hash_algo", b"hash_algo", "kv_dtype", b"kv_dtype", "layout", b"layout", "model", b"model", "model_revision", b"model_revision", "pool", b"pool", "pp_rank", b"pp_rank", "pp_size", b"pp_size", "tenant", b"tenant", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,80 @@
+"""Hidden-state capture: the reference a finished request hands back, and its tail chunk.
+
+With vLLM's ``extract_hidden_states``, the hidden pool's whole chunks are stored and loaded
+with the target's. What a request adds is its tail: the tokens past its last whole chunk,
+stored as one more chunk named by its content. A prompt's tail is stored in the step that
+computes the prompt's last token; with ``include_output_tokens``, the tail is known only at the
+end, and vLLM keeps the request's blocks until the workers copied it. The reference
+(`kvtier.hidden.HiddenStatesRef`) names every chunk, in the request's ``kv_transfer_params``
+under ``kvtier_hidden_states``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.hidden import HiddenStatesRef, tail_hash
+from kvtier.keys import ChunkKey, chunk_hash_bytes, make_key
+from kvtier_vllm.layout import PoolPlan
+
+
+@dataclass(frozen=True, slots=True)
+class Tail:
+    key: ChunkKey
+    blocks: tuple[int, ...]
+    """The request's blocks holding the tail's tokens, in order."""
+
+
+@dataclass(frozen=True, slots=True)
+class Capture:
+    plan: PoolPlan
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.plan.spec.layout.tokens_per_block
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.tokens_per_block * self.plan.blocks_per_chunk
+
+    @staticmethod
+    def with_outputs(request: Any) -> bool:
+        """Whether the request asked for its outputs' states too (``include_output_tokens``)."""
+        return bool((request.kv_transfer_params or {}).get("include_output_tokens", False))
+
+    def token_ids(self, request: Any) -> list[int]:
+        """The tokens whose states are captured: the prompt's, or with ``include_output_tokens``
+        every token but the last (an output never fed back has no hidden state)."""
+        if self.with_outputs(request):
+            return list(request.all_token_ids)[:-1]
+        return list(request.prompt_token_ids or [])
+
+    def _hashes(self, request: Any, ids: list[int]) -> list[bytes]:
+        bpc = self.plan.blocks_per_chunk
+        whole = len(ids) // self.chunk_tokens
+        hashes = [chunk_hash_bytes(request.block_hashes[(c + 1) * bpc - 1]) for c in range(whole)]
+        if len(ids) > whole * self.chunk_tokens:
+            tail = ids[whole * self.chunk_tokens :]
+            hashes.append(tail_hash(hashes[-1] if hashes else b"", tail))
+        return hashes
+
+    def reference(self, request: Any) -> HiddenStatesRef:
+        ids = self.token_ids(request)
+        return HiddenStatesRef(
+            spec=self.plan.spec,
+            chunks=tuple(self._hashes(request, ids)),
+            tokens=len(ids),
+            token_ids=tuple(ids) if self.with_outputs(request) else None,
+        )
+
+    def tail(self, request: Any, namespace: bytes, block_ids: list[int]) -> Tail | None:
+        """The chunk of the tokens past the last whole one, and the blocks holding them; None
+        where the tokens end on a whole chunk."""
+        ids = self.token_ids(request)
+        whole = len(ids) // self.chunk_tokens
+        if len(ids) == whole * self.chunk_tokens:
+            return None
+        name = self._hashes(request, ids)[-1]
+        first, end = whole * self.plan.blocks_per_chunk, -(-len(ids) // self.tokens_per_block)
+        return Tail(make_key(namespace, name), tuple(block_ids[first:end]))

@@ -1,0 +1,259 @@
+"""Captured hidden states: what a finished request's reference names, and reading it back.
+
+An engine capturing hidden states for draft training stores them as the chunks of a pool of
+their own (`Pool.HIDDEN`), keyed by the engine's block hashes like KV, so a prefix many requests
+share is stored once. A request's states are its whole chunks, then at most one tail chunk for
+the tokens past the last whole one, keyed by its content (`tail_hash`). The reference names
+those chunks and how to lay their bytes out; it travels as JSON in the request's
+``kv_transfer_params``, under `REF_FIELD`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import KVTierError
+from kvtier.keys import ChunkKey, NamespaceSpec, Pool, make_key
+from kvtier.protocol import SlotRef, TierClient
+from kvtier.tiers.arena import ArenaMemory
+
+REF_FIELD = "kvtier_hidden_states"
+REF_VERSION = 1
+HEADS_FIRST = "HNC"
+"""A page as [layers, tokens, hidden] (the layout's heads are the captured layers)."""
+TOKENS_FIRST = "NHC"
+"""A page as [tokens, layers, hidden]."""
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+_NUMPY = {"float32": np.float32, "float16": np.float16}
+"""Dtypes numpy holds; others (bfloat16) are handed out as raw integers of their width."""
+_RAW = {2: np.uint16, 4: np.uint32}
+_TAIL_TAG = b"kvtier.hidden.tail.v1"
+HIDDEN_ATTENTION = "hidden_states"
+"""The hidden pool's ``NamespaceSpec.attention``: ``hidden_states=L,..``, the layers captured."""
+
+
+class HiddenStatesError(KVTierError):
+    """A reference that cannot be read: malformed, or naming chunks the tiers no longer hold."""
+
+
+def tail_hash(previous: bytes, token_ids: Sequence[int]) -> bytes:
+    """The key hash of a tail chunk: the chunk before it (b"" for none) and its tokens, so equal
+    requests share it and no other chunk is ever named by it."""
+    digest = hashlib.blake2b(_TAIL_TAG, digest_size=32)
+    digest.update(len(previous).to_bytes(2, "little") + previous)
+    digest.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    return digest.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class HiddenStatesRef:
+    """Where one request's hidden states are: the hidden pool's namespace spec (its digest is
+    the namespace, and it says how a chunk's bytes are laid out) and the chunks, in order."""
+
+    spec: NamespaceSpec
+    chunks: tuple[bytes, ...]
+    """Key hashes, in token order; the last one may be a tail, holding fewer tokens."""
+    tokens: int
+    token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.spec.pool is not Pool.HIDDEN:
+            raise HiddenStatesError(f"a {self.spec.pool} pool's spec, not the hidden pool's")
+        if self.dtype not in _ITEMSIZE:
+            raise HiddenStatesError(f"dtype {self.dtype!r} is not one of {sorted(_ITEMSIZE)}")
+        if self.order not in (HEADS_FIRST, TOKENS_FIRST):
+            raise HiddenStatesError(f"order must be {HEADS_FIRST} or {TOKENS_FIRST}")
+        if not self.layers or len(self.layers) != self.spec.layout.num_kv_heads:
+            raise HiddenStatesError(f"layers {self.spec.attention!r} do not match the layout")
+        if self.tokens < 0 or len(self.chunks) != -(-self.tokens // self.chunk_tokens):
+            raise HiddenStatesError(
+                f"{len(self.chunks)} chunks cannot hold {self.tokens} tokens of {self.chunk_tokens}"
+            )
+        if self.token_ids is not None and len(self.token_ids) != self.tokens:
+            raise HiddenStatesError(f"{len(self.token_ids)} token ids for {self.tokens} tokens")
+
+    @property
+    def namespace(self) -> bytes:
+        return self.spec.digest()
+
+    @property
+    def dtype(self) -> str:
+        return self.spec.kv_dtype
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The target layers captured, in the order of the states' second dimension."""
+        name, _, ids = self.spec.attention.partition("=")
+        try:
+            return tuple(int(i) for i in ids.split(",")) if name == HIDDEN_ATTENTION else ()
+        except ValueError:
+            return ()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.spec.layout.head_sizes[0]
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.spec.layout.tokens_per_block
+
+    @property
+    def order(self) -> str:
+        return self.spec.layout.kv_order
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.tokens_per_block * self.spec.layout.blocks_per_chunk
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk_tokens * len(self.layers) * self.hidden_size * _ITEMSIZE[self.dtype]
+
+    def keys(self) -> list[ChunkKey]:
+        namespace = self.namespace
+        return [make_key(namespace, h) for h in self.chunks]
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "version": REF_VERSION,
+            "namespace": self.namespace.hex(),
+            "spec": self.spec.fields(),
+            "chunks": [h.hex() for h in self.chunks],
+            "tokens": self.tokens,
+        }
+        if self.token_ids is not None:
+            doc["token_ids"] = list(self.token_ids)
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Any) -> HiddenStatesRef:
+        """Raises `HiddenStatesError`, saying what is wrong, for anything but a reference of a
+        version this reader knows, whose namespace is its spec's."""
+        if not isinstance(doc, dict) or doc.get("version") != REF_VERSION:
+            version = doc.get("version") if isinstance(doc, dict) else None
+            raise HiddenStatesError(f"not a version-{REF_VERSION} reference (version {version})")
+        try:
+            ids = doc.get("token_ids")
+            ref = cls(
+                spec=NamespaceSpec.from_fields(doc["spec"]),
+                chunks=tuple(bytes.fromhex(h) for h in doc["chunks"]),
+                tokens=int(doc["tokens"]),
+                token_ids=None if ids is None else tuple(int(i) for i in ids),
+            )
+            named = bytes.fromhex(doc["namespace"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HiddenStatesError(f"malformed reference: {exc!r}") from None
+        if named != ref.namespace:
+            raise HiddenStatesError(
+                f"namespace {named.hex()} is not its spec's ({ref.namespace.hex()})"
+            )
+        return ref
+
+
+@dataclass
+class HiddenStates:
+    """One request's states as [tokens, layers, hidden]; ``states`` has the captured dtype
+    where numpy has it, else (bfloat16) the raw bits as unsigned integers of its width."""
+
+    states: np.ndarray
+    dtype: str
+    layers: tuple[int, ...]
+    token_ids: tuple[int, ...] | None = None
+
+    def to_torch(self) -> Any:
+        """The states as a torch tensor of the captured dtype (needs torch)."""
+        import torch
+
+        raw = torch.from_numpy(np.ascontiguousarray(self.states))
+        if self.dtype in _NUMPY:
+            return raw
+        return raw.view(getattr(torch, self.dtype))
+
+
+def assemble(ref: HiddenStatesRef, payloads: Sequence[bytes | memoryview]) -> HiddenStates:
+    """The states from the chunks' bytes, in the reference's order."""
+    if len(payloads) != len(ref.chunks):
+        raise HiddenStatesError(
+            f"{len(payloads)} chunks read, the reference names {len(ref.chunks)}"
+        )
+    width = _ITEMSIZE[ref.dtype]
+    dtype = _NUMPY.get(ref.dtype, _RAW[width])
+    layers, hidden, block = len(ref.layers), ref.hidden_size, ref.tokens_per_block
+    parts = []
+    for payload in payloads:
+        if len(payload) != ref.chunk_bytes:
+            raise HiddenStatesError(f"a chunk of {len(payload)} bytes, not {ref.chunk_bytes}")
+        pages = np.frombuffer(payload, dtype=dtype)
+        if ref.order == HEADS_FIRST:  # [blocks, layers, tokens, hidden]
+            pages = pages.reshape(-1, layers, block, hidden).transpose(0, 2, 1, 3)
+        parts.append(pages.reshape(-1, layers, hidden))
+    states = np.concatenate(parts)[: ref.tokens] if parts else np.empty((0, layers, hidden), dtype)
+    return HiddenStates(np.ascontiguousarray(states), ref.dtype, ref.layers, ref.token_ids)
+
+
+@dataclass
+class HiddenStatesReader:
+    """Reads references through any `TierClient`: the chunks the arena holds at once, the others
+    once promoted from lmdb or the object store, whichever holds them. The tiers checked each
+    chunk's checksum on its way up; a chunk held by no tier fails the read, never a zero."""
+
+    client: TierClient
+    timeout_s: float = 30.0
+    """How long a chunk may take to appear: a tail is written after its request ends."""
+    poll_s: float = 0.02
+    _arena: ArenaMemory | None = field(default=None, init=False)
+    _registered: set[bytes] = field(default_factory=set, init=False)
+
+    def load(self, ref: HiddenStatesRef | dict[str, Any]) -> HiddenStates:
+        if not isinstance(ref, HiddenStatesRef):
+            ref = HiddenStatesRef.from_json(ref)
+        if ref.namespace not in self._registered:  # the tiers serve registered pools only
+            self.client.register_pool(ref.spec, ref.chunk_bytes)
+            self._registered.add(ref.namespace)
+        keys = ref.keys()
+        refs = self._lease(keys)
+        try:
+            arena = self._memory()
+            payloads = [bytes(arena.view(r.offset, r.nbytes)) for r in refs]
+        finally:
+            self.client.release(refs)
+        return assemble(ref, payloads)
+
+    def _lease(self, keys: list[ChunkKey]) -> list[SlotRef]:
+        held: dict[ChunkKey, SlotRef] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            wanted = [k for k in keys if k not in held]
+            for key, got in zip(wanted, self.client.lease(wanted), strict=True):
+                if got is not None:
+                    held[key] = got
+            missing = [k for k in keys if k not in held]
+            if not missing:
+                return [held[k] for k in keys]
+            if time.monotonic() >= deadline:
+                self.client.release(list(held.values()))
+                raise HiddenStatesError(
+                    f"{len(missing)} of {len(keys)} chunks are in no tier after "
+                    f"{self.timeout_s:g} s (evicted, or never stored); first missing: "
+                    f"{missing[0].hex()}"
+                )
+            self.client.promote(missing)
+            time.sleep(self.poll_s)
+
+    def _memory(self) -> ArenaMemory:
+        path = self.client.arena_path
+        if self._arena is None or self._arena.path != path:
+            self.close()
+            self._arena = ArenaMemory.attach(path)
+        return self._arena
+
+    def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
