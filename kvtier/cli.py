@@ -410,8 +410,10 @@ def _parser() -> argparse.ArgumentParser:
         "quarantine", _quarantine, "namespaces an engine found wrong KV in; --lift one"
     )
     quarantine.add_argument("--lift", metavar="NAMESPACE", help="16-byte namespace, hex")
+    from kvtier.hidden_export import add_parser as add_hidden
     from kvtier.top import add_parser as add_top
 
+    add_hidden(sub, common)
     add_top(sub, common)
     from kvtier.bench.cli import add_bench_parser
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import KVTierError
-from kvtier.keys import ChunkKey, NamespaceSpec, Pool, make_key
+from kvtier.keys import MAX_CHUNK_HASH_BYTES, ChunkKey, NamespaceSpec, Pool, make_key
 from kvtier.protocol import SlotRef, TierClient
 from kvtier.tiers.arena import ArenaMemory
 
@@ -75,6 +75,8 @@ class HiddenStatesRef:
             raise HiddenStatesError(
                 f"{len(self.chunks)} chunks cannot hold {self.tokens} tokens of {self.chunk_tokens}"
             )
+        if any(not 0 < len(h) <= MAX_CHUNK_HASH_BYTES for h in self.chunks):
+            raise HiddenStatesError(f"chunk hashes must be 1..{MAX_CHUNK_HASH_BYTES} bytes")
         if self.token_ids is not None and len(self.token_ids) != self.tokens:
             raise HiddenStatesError(f"{len(self.token_ids)} token ids for {self.tokens} tokens")
 
@@ -243,6 +245,8 @@ class HiddenStatesReader:
                     f"{self.timeout_s:g} s (evicted, or never stored); first missing: "
                     f"{missing[0].hex()}"
                 )
+            # a lookup probes the object store for chunks no index knows (a fresh node)
+            self.client.lookup(missing, again=True)
             self.client.promote(missing)
             time.sleep(self.poll_s)
 

@@ -65,7 +65,7 @@ class Capture:
             spec=self.plan.spec,
             chunks=tuple(self._hashes(request, ids)),
             tokens=len(ids),
-            token_ids=tuple(ids) if self.with_outputs(request) else None,
+            token_ids=tuple(ids),
         )
 
     def tail(self, request: Any, namespace: bytes, block_ids: list[int]) -> Tail | None:

@@ -7,6 +7,10 @@ CPU (`tests.e2e.hidden_reference`); both run as multiprocess engines, as in serv
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,14 +18,18 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from kvtier.client import InProcessClient
 from kvtier.config import load_config
 from kvtier.hidden import REF_FIELD, HiddenStatesReader, HiddenStatesRef
+from kvtier.hidden_export import file_name
 from kvtier.keys import Pool
 from kvtier.manager import TierManager
 from tests.e2e.models import ModelSet, counter, running_llm, shared_prefix_prompts, vocab_size_of
 from tests.e2e.test_connector import EXTERNAL_HITS, TRANSFER_BYTES, embedded_yaml, kvtier_config
+from tests.e2e.test_connector_objstore import node_yaml
+from tests.objstore.fixtures import AwsIrsa
 
 pytestmark = pytest.mark.slow
 
@@ -102,13 +110,15 @@ def test_states_read_back_equal_the_reference_and_a_shared_prefix_is_stored_once
     with reader(config) as found:
         for prompt, ref, files_states in zip(shared_prompts, refs, written, strict=True):
             states = found.load(ref)
-            assert states.token_ids is None  # the prompt's own: the caller has them
+            assert states.token_ids == tuple(prompt)
             assert torch.equal(states.to_torch(), files_states["hidden_states"][: len(prompt)])
-    per_request = sum(s["hidden_states"][: len(p)].nbytes for s, p in zip(written, shared_prompts))
+    pairs = zip(written, shared_prompts, strict=True)
+    per_request = sum(s["hidden_states"][: len(p)].nbytes for s, p in pairs)
     ratio = stored / per_request
     print(f"hidden-state bytes stored: {stored} against {per_request} in per-request files")
     # the prefix once (16 blocks), each request's 70 tokens in 3 blocks: 46 of 190 blocks' worth
-    assert stored > 0 and ratio < 0.3, ratio
+    assert stored > 0
+    assert ratio < 0.3, ratio
 
     # a second engine hits the prefixes (hidden states loaded with the KV), and hands its
     # outputs' states too
@@ -156,4 +166,53 @@ def test_an_engine_without_capture_is_unaffected_and_its_kv_never_stands_for_sta
             assert states.states.shape == (len(prompt), 2, ref.hidden_size)
             # registered by the read as a pool of its own, never the target's
             spec = found.client.manager.registry.spec_of(ref.namespace)  # type: ignore[attr-defined]
-            assert spec is not None and spec.pool is Pool.HIDDEN
+            assert spec is not None
+            assert spec.pool is Pool.HIDDEN
+
+
+def test_export_on_a_node_with_only_the_object_store_writes_the_same_states(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    tmp_path: Path,
+    shm_path: Path,
+    s3_store: str,
+    aws_irsa: AwsIrsa,
+) -> None:
+    serving = node_yaml(tmp_path / "serving", shm_path, s3_store)
+    connector = kvtier_config({"kvtier_config": str(serving)})
+    # multiprocess: the engine core steps once more after the last request, storing its tail
+    with running_llm(
+        tiny_models.target,
+        kv_transfer_config=connector,
+        speculative_config=CAPTURE,
+        multiprocess=True,
+    ) as llm:
+        outputs = generate(llm, prompts, {"include_output_tokens": True})
+    refs = [o.kv_transfer_params[REF_FIELD] for o in outputs]
+    with reader(serving) as found:
+        expected = [found.load(ref).to_torch() for ref in refs]
+    # the engine's exit wrote its chunks to the store; the training node has none of its disks
+    shutil.rmtree(tmp_path / "serving")
+    listed = tmp_path / "refs.jsonl"
+    listed.write_text("".join(json.dumps(ref) + "\n" for ref in refs))
+    training = node_yaml(tmp_path / "training", tmp_path / "training-arena", s3_store)
+    out = tmp_path / "states"
+    command = [sys.executable, "-m", "kvtier.cli", "hidden", "export", "--config", str(training)]
+    command += ["--refs", str(listed), "--to", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"{len(refs)} written" in done.stdout, done.stdout
+    for ref, states, output in zip(refs, expected, outputs, strict=True):
+        tensors = load_file(out / file_name(HiddenStatesRef.from_json(ref)))
+        assert torch.equal(tensors["hidden_states"], states)
+        tokens = output.prompt_token_ids + list(output.outputs[0].token_ids)[:-1]
+        assert tensors["token_ids"].tolist() == tokens
+
+    # run again: every file is kept; a reference the store does not hold fails, and says so
+    missing = dict(refs[0], chunks=[bytes(32).hex()] * len(refs[0]["chunks"]))
+    listed.write_text(listed.read_text() + json.dumps(missing) + "\n")
+    command += ["--timeout", "1"]
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert f"0 written (0.0 MiB of states), {len(refs)} kept" in again.stdout
+    assert "1 failed" in again.stdout

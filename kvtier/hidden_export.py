@@ -1,0 +1,166 @@
+"""``kvtier hidden export``: captured hidden states as safetensors files, for training jobs.
+
+Its input is the references requests handed back (``kv_transfer_params["kvtier_hidden_states"]``),
+one JSON document per line, as a serving stack collects them. It reads them through tiers of its
+own, opened from a kvtier config: on a node that has only the object store, every chunk comes
+from there, verified. Each request becomes one file, ``<digest>.safetensors`` with
+``hidden_states`` [tokens, layers, hidden] in the captured dtype and ``token_ids``; a file is
+written under a temporary name and renamed, so a run cut short is resumed by running it again
+(files present are kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import KVTierError
+from kvtier.hidden import HiddenStates, HiddenStatesError, HiddenStatesReader, HiddenStatesRef
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
+    """Write ``{name: (safetensors dtype, array)}`` in the safetensors format (a JSON header
+    of each tensor's dtype, shape and byte range, then the bytes), atomically."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, (dtype, array) in tensors.items():
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    partial = path.with_name(path.name + ".partial")
+    with partial.open("wb") as out:
+        out.write(len(raw).to_bytes(8, "little") + raw)
+        for _, array in tensors.values():
+            out.write(np.ascontiguousarray(array).tobytes())
+        out.flush()
+        os.fsync(out.fileno())
+    partial.replace(path)
+
+
+def file_name(ref: HiddenStatesRef) -> str:
+    """One name per reference: its chunks and token count (equal requests share a file)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(ref.namespace + ref.tokens.to_bytes(8, "little") + b"".join(ref.chunks))
+    return f"{digest.hexdigest()}.safetensors"
+
+
+def write_states(path: Path, states: HiddenStates, token_ids: tuple[int, ...]) -> None:
+    write_safetensors(
+        path,
+        {
+            "hidden_states": (_SAFETENSORS_DTYPES[states.dtype], states.states),
+            "token_ids": ("I64", np.asarray(token_ids, dtype="<i8")),
+        },
+    )
+
+
+@dataclass
+class ExportCounts:
+    written: int = 0
+    kept: int = 0
+    """Files a run before this one wrote."""
+    failed: int = 0
+    bytes: int = 0
+
+
+def read_refs(path: Path, namespace: bytes | None) -> list[HiddenStatesRef]:
+    """The references in a JSON-lines file (``namespace``: only that pool's); raises
+    `HiddenStatesError` naming the line of one that is malformed."""
+    refs = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            ref = HiddenStatesRef.from_json(json.loads(line))
+        except (HiddenStatesError, ValueError) as exc:
+            raise HiddenStatesError(f"{path}:{number}: {exc}") from None
+        if namespace is None or ref.namespace == namespace:
+            refs.append(ref)
+    return refs
+
+
+def export(
+    reader: HiddenStatesReader, refs: list[HiddenStatesRef], to: Path
+) -> Iterator[ExportCounts]:
+    """Write each reference's file into ``to``; the counts after each one."""
+    to.mkdir(parents=True, exist_ok=True)
+    counts = ExportCounts()
+    for ref in refs:
+        path = to / file_name(ref)
+        if path.exists():
+            counts.kept += 1
+        elif ref.token_ids is None:
+            counts.failed += 1  # nothing says which tokens these states are of
+        else:
+            try:
+                states = reader.load(ref)
+            except KVTierError:
+                counts.failed += 1
+            else:
+                write_states(path, states, ref.token_ids)
+                counts.written += 1
+                counts.bytes += states.states.nbytes
+        yield counts
+
+
+def _export(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from kvtier.cli import _config
+    from kvtier.client import InProcessClient
+    from kvtier.manager import TierManager
+
+    namespace = bytes.fromhex(args.namespace) if args.namespace else None
+    refs = read_refs(args.refs, namespace)
+    manager = TierManager(_config(args))
+    reader = HiddenStatesReader(InProcessClient(manager), timeout_s=args.timeout)
+    counts = ExportCounts()
+    try:
+        with Progress(transient=True) as progress:
+            task = progress.add_task("exporting", total=len(refs))
+            for step in export(reader, refs, args.to):
+                counts = step
+                progress.advance(task)
+    finally:
+        reader.close()
+        manager.close()
+    print(
+        f"{counts.written} written ({counts.bytes / 2**20:.1f} MiB of states), {counts.kept} "
+        f"kept from an earlier run, {counts.failed} failed, in {args.to}"
+    )
+    return 1 if counts.failed else 0
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    hidden = sub.add_parser("hidden", help="captured hidden states")
+    verbs = hidden.add_subparsers(dest="hidden_command", required=True)
+    p = verbs.add_parser(
+        "export",
+        parents=[common],
+        help="write captured hidden states as safetensors files, one per request",
+    )
+    p.add_argument(
+        "--refs",
+        type=Path,
+        required=True,
+        help="JSON lines: each a request's kv_transfer_params['kvtier_hidden_states']",
+    )
+    p.add_argument("--namespace", help="only this hidden pool's references (16 bytes, hex)")
+    p.add_argument("--to", type=Path, required=True, help="directory of the files")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds a chunk may take to arrive")
+    p.set_defaults(func=_export)
