@@ -30,6 +30,8 @@ HEADS_FIRST = "HNC"
 TOKENS_FIRST = "NHC"
 """A page as [tokens, layers, hidden]."""
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+FP8 = "fp8_e4m3"
+"""Stored as fp8 e4m3 with a float32 scale per (token, layer) row: ``fp8_e4m3:<captured>``."""
 _NUMPY = {"float32": np.float32, "float16": np.float16}
 """Dtypes numpy holds; others (bfloat16) are handed out as raw integers of their width."""
 _RAW = {2: np.uint16, 4: np.uint32}
@@ -65,8 +67,11 @@ class HiddenStatesRef:
     def __post_init__(self) -> None:
         if self.spec.pool is not Pool.HIDDEN:
             raise HiddenStatesError(f"a {self.spec.pool} pool's spec, not the hidden pool's")
-        if self.dtype not in _ITEMSIZE:
-            raise HiddenStatesError(f"dtype {self.dtype!r} is not one of {sorted(_ITEMSIZE)}")
+        stored = self.spec.kv_dtype
+        if self.dtype not in _ITEMSIZE or (stored != self.dtype and not self.fp8):
+            raise HiddenStatesError(
+                f"dtype {stored!r} is none of {sorted(_ITEMSIZE)}, nor {FP8}:<one of them>"
+            )
         if self.order not in (HEADS_FIRST, TOKENS_FIRST):
             raise HiddenStatesError(f"order must be {HEADS_FIRST} or {TOKENS_FIRST}")
         if not self.layers or len(self.layers) != self.spec.layout.num_kv_heads:
@@ -86,7 +91,12 @@ class HiddenStatesRef:
 
     @property
     def dtype(self) -> str:
-        return self.spec.kv_dtype
+        """The captured dtype, which reads return."""
+        return self.spec.kv_dtype.rpartition(":")[2]
+
+    @property
+    def fp8(self) -> bool:
+        return self.spec.kv_dtype.startswith(FP8 + ":")
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -115,7 +125,10 @@ class HiddenStatesRef:
 
     @property
     def chunk_bytes(self) -> int:
-        return self.chunk_tokens * len(self.layers) * self.hidden_size * _ITEMSIZE[self.dtype]
+        rows = self.chunk_tokens * len(self.layers)
+        if self.fp8:
+            return rows * (self.hidden_size + 4)  # a byte per value, a scale per row
+        return rows * self.hidden_size * _ITEMSIZE[self.dtype]
 
     def keys(self) -> list[ChunkKey]:
         namespace = self.namespace
@@ -161,21 +174,13 @@ class HiddenStatesRef:
 @dataclass
 class HiddenStates:
     """One request's states as [tokens, layers, hidden]; ``states`` has the captured dtype
-    where numpy has it, else (bfloat16) the raw bits as unsigned integers of its width."""
+    where numpy has it, else (bfloat16) the raw bits as unsigned integers of its width
+    (`kvtier_vllm.hidden_states.as_tensor` makes a torch tensor of either)."""
 
     states: np.ndarray
     dtype: str
     layers: tuple[int, ...]
     token_ids: tuple[int, ...] | None = None
-
-    def to_torch(self) -> Any:
-        """The states as a torch tensor of the captured dtype (needs torch)."""
-        import torch
-
-        raw = torch.from_numpy(np.ascontiguousarray(self.states))
-        if self.dtype in _NUMPY:
-            return raw
-        return raw.view(getattr(torch, self.dtype))
 
 
 def assemble(ref: HiddenStatesRef, payloads: Sequence[bytes | memoryview]) -> HiddenStates:
@@ -191,12 +196,43 @@ def assemble(ref: HiddenStatesRef, payloads: Sequence[bytes | memoryview]) -> Hi
     for payload in payloads:
         if len(payload) != ref.chunk_bytes:
             raise HiddenStatesError(f"a chunk of {len(payload)} bytes, not {ref.chunk_bytes}")
-        pages = np.frombuffer(payload, dtype=dtype)
+        if ref.fp8:
+            pages = _decode_fp8(payload, hidden, ref.dtype)
+        else:
+            pages = np.frombuffer(payload, dtype)
         if ref.order == HEADS_FIRST:  # [blocks, layers, tokens, hidden]
             pages = pages.reshape(-1, layers, block, hidden).transpose(0, 2, 1, 3)
         parts.append(pages.reshape(-1, layers, hidden))
     states = np.concatenate(parts)[: ref.tokens] if parts else np.empty((0, layers, hidden), dtype)
     return HiddenStates(np.ascontiguousarray(states), ref.dtype, ref.layers, ref.token_ids)
+
+
+def _fp8_values() -> np.ndarray:
+    """Every e4m3 (``float8_e4m3fn``) byte's value: sign, 4 exponent bits (bias 7), 3 mantissa
+    bits; no infinities, and S.1111.111 is NaN."""
+    code = np.arange(256)
+    exponent, mantissa = (code >> 3) & 0xF, (code & 7) / 8.0
+    value = np.where(
+        exponent == 0, mantissa * 2.0**-6, (1 + mantissa) * 2.0 ** (exponent.astype(float) - 7)
+    )
+    value = np.where((exponent == 15) & ((code & 7) == 7), np.nan, value)
+    return np.where(code & 0x80, -value, value).astype(np.float32)
+
+
+_FP8_VALUES = _fp8_values()
+
+
+def _decode_fp8(payload: bytes | memoryview, hidden: int, dtype: str) -> np.ndarray:
+    """A chunk's fp8 values times their rows' scales, in ``dtype`` (bfloat16 as raw bits, rounded
+    to nearest even as torch casts)."""
+    raw = np.frombuffer(payload, dtype=np.uint8)
+    rows = len(raw) // (hidden + 4)
+    values = _FP8_VALUES[raw[: rows * hidden]].reshape(rows, hidden)
+    states = values * np.frombuffer(raw[rows * hidden :], dtype="<f4").reshape(rows, 1)
+    if dtype in _NUMPY:
+        return np.asarray(states, dtype=_NUMPY[dtype])
+    bits = states.view(np.uint32)
+    return np.asarray((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16, dtype=np.uint16)
 
 
 @dataclass

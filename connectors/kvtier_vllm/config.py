@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -54,6 +54,12 @@ class ConnectorConfig(BaseModel):
         None, description="Sidecar mode: kvtierd's socket (default: server.socket_path)."
     )
     blocks_per_chunk: int = Field(1, ge=1, description="vLLM blocks per stored chunk.")
+    hidden_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="Captured hidden states (extract_hidden_states): stored in the dtype "
+        "captured (auto), or as fp8 e4m3 with a float32 scale per token and layer (fp8: about "
+        "half the bytes of bf16, a quarter of float32). Read back in the captured dtype.",
+    )
     model_revision: str = Field(
         "",
         pattern=f"^{REVISION_PATTERN}$",

@@ -22,7 +22,8 @@ from kvtier.hidden import HIDDEN_ATTENTION
 from kvtier.keys import NamespaceSpec, PageLayout, Pool
 from kvtier_vllm import weights
 from kvtier_vllm.config import ConnectorConfig
-from kvtier_vllm.shapes import HEADS_FIRST, Shard, layout_name, page_order, tp_shard
+from kvtier_vllm.hidden_codec import FP8, Fp8Layout
+from kvtier_vllm.shapes import HEADS_FIRST, TOKENS_FIRST, Shard, layout_name, page_order, tp_shard
 
 DRAFT_PREFIX = "draft_model."
 HIDDEN_PREFIX = "cache_only_layers."
@@ -65,6 +66,9 @@ class PoolPlan:
     """This worker's KV heads among a chunk's."""
     order: str = HEADS_FIRST
     """Element order inside a page (`shapes.HEADS_FIRST` or `shapes.TOKENS_FIRST`)."""
+    codec: Fp8Layout | None = None
+    """How a chunk stores pages in a narrower dtype than the cache (the hidden pool in fp8);
+    None: their bytes as they are."""
 
     def first_needed(self, chunks: int, chunk_tokens: int) -> int:
         """The first chunk a hit of ``chunks`` chunks needs from this plan: 0 for full
@@ -86,6 +90,8 @@ class PoolPlan:
     @property
     def chunk_page_bytes(self) -> int:
         """Bytes of one block of one layer in a chunk: every KV head's."""
+        if self.codec is not None:
+            return self.codec.page_bytes
         return self.page_bytes // self.shard.count * self.shard.heads
 
     @property
@@ -299,11 +305,19 @@ def _hidden_plan(
     tp = parallel.tensor_parallel_size
     shard = Shard(len(aux), 0, len(aux), parallel.rank % tp == 0, 1)
     order = page_order(layout_name(cache))
+    captured = str(dtype).removeprefix("torch.")
+    codec = None
+    if cfg.hidden_dtype == "fp8":
+        if order == TOKENS_FIRST:
+            shape = (cache.block_size, len(aux), hidden)
+        else:
+            shape = (len(aux), cache.block_size, hidden)
+        codec = Fp8Layout(cfg.blocks_per_chunk, shape)
     spec = NamespaceSpec(
         model=str(model.model),
         model_revision=revision,
         pool=Pool.HIDDEN,
-        kv_dtype=str(dtype).removeprefix("torch."),
+        kv_dtype=f"{FP8}:{captured}" if codec is not None else captured,
         layout=PageLayout(
             tokens_per_block=cache.block_size,
             blocks_per_chunk=cfg.blocks_per_chunk,
@@ -326,4 +340,5 @@ def _hidden_plan(
         str(Pool.HIDDEN),
         shard=shard,
         order=order,
+        codec=codec,
     )

@@ -23,6 +23,7 @@ import torch
 from kvtier.client import ArenaMemory
 from kvtier.errors import KVTierError
 from kvtier.keys import Pool
+from kvtier_vllm import hidden_codec
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.copies import CpuCopies, Fence, copies_for
 from kvtier_vllm.draft import DraftWatch, Fill, find_draft_model_source
@@ -233,6 +234,9 @@ class KVTierWorker:
         return self._arena_bytes
 
     def _copy(self, job: ChunkCopy, slots: torch.Tensor, into_arena: bool) -> bool:
+        plan = self.plans.get(job.plan)
+        if plan is not None and plan.codec is not None:
+            return self._code(job, plan, slots, into_arena)
         pairs = self._pairs(job, slots, per_layer=False)
         if pairs is None:
             return False
@@ -243,22 +247,48 @@ class KVTierWorker:
                 self.copies.copy(pages, arena)
         return True
 
+    def _code(self, job: ChunkCopy, plan: PoolPlan, slots: torch.Tensor, into_arena: bool) -> bool:
+        """A chunk stored in a narrower dtype (`PoolPlan.codec`): encoded from the pages into
+        the slot, or decoded from it into them, at once."""
+        codec = plan.codec
+        if codec is None or not self._slot_current(job, plan, slots):
+            return False
+        values, scales = codec.split(slots[job.offset : job.offset + plan.chunk_bytes])
+        at = torch.arange(job.first_block, job.first_block + len(job.block_ids))
+        pages = self.pages[job.plan][0]  # the hidden pool has one layer
+        blocks = torch.tensor(job.block_ids, device=pages.device)
+        dtype = self.dtypes[job.plan]
+        if into_arena:
+            states = pages[blocks].view(dtype).view(len(blocks), *codec.page_shape)
+            coded, scale = hidden_codec.encode(states)
+            values[at], scales[at] = coded.cpu(), scale.cpu()
+        else:
+            states = hidden_codec.decode(
+                values[at].to(pages.device), scales[at].to(pages.device), codec.page_shape, dtype
+            )
+            pages[blocks] = states.reshape(len(blocks), -1).view(torch.uint8)
+        return True
+
+    def _slot_current(self, job: ChunkCopy, plan: PoolPlan, slots: torch.Tensor) -> bool:
+        """Whether the job's slot is the one planned for, in the arena mapped here."""
+        if not 0 <= job.offset <= slots.numel() - plan.chunk_bytes:
+            return False  # a slot outside the mapping: an arena other than the one planned for
+        mapped = self._arena
+        # planned in another arena (a restarted daemon's, whose epoch differs) or reused
+        # since: writing it would overwrite a chunk someone else holds
+        return (
+            mapped is not None
+            and 0 <= job.slot < len(mapped.generation)
+            and mapped.is_current(job.slot, job.generation)
+        )
+
     def _pairs(
         self, job: ChunkCopy, slots: torch.Tensor, per_layer: bool
     ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """(arena, pages) views of the job's chunk, all layers at once where they sit at one
         stride (unless ``per_layer``); None where the slot is not the one planned for."""
         plan = self.plans.get(job.plan)
-        if plan is None or not 0 <= job.offset <= slots.numel() - plan.chunk_bytes:
-            return None  # a slot outside the mapping: an arena other than the one planned for
-        mapped = self._arena
-        if (
-            mapped is None
-            or not 0 <= job.slot < len(mapped.generation)
-            or not mapped.is_current(job.slot, job.generation)
-        ):
-            # planned in another arena (a restarted daemon's, whose epoch differs) or reused
-            # since: writing it would overwrite a chunk someone else holds
+        if plan is None or not self._slot_current(job, plan, slots):
             return None
         layers, bpc = len(plan.layer_names), plan.blocks_per_chunk
         # the slot as [layers, blocks of the chunk, page], as `PoolPlan.layer_offset` lays the
@@ -522,7 +552,8 @@ class KVTierWorker:
         if plan is None:
             return
         blocks = sum(1 for b in job.block_ids if b)
-        nbytes = plan.page_bytes * len(plan.layer_names) * blocks  # this rank's part
+        page = plan.page_bytes if plan.codec is None else plan.codec.page_bytes
+        nbytes = page * len(plan.layer_names) * blocks  # this rank's part
         self.stats.record(direction, str(plan.pool), nbytes, seconds, ok)
 
     def take_stats(self) -> KVTierStats | None:

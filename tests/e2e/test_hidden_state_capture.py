@@ -13,11 +13,14 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from kvtier_vllm.hidden_codec import decode, encode
+from kvtier_vllm.hidden_states import as_tensor
 from safetensors.torch import load_file
 
 from kvtier.client import InProcessClient
@@ -26,7 +29,15 @@ from kvtier.hidden import REF_FIELD, HiddenStatesReader, HiddenStatesRef
 from kvtier.hidden_export import file_name
 from kvtier.keys import Pool
 from kvtier.manager import TierManager
-from tests.e2e.models import ModelSet, counter, running_llm, shared_prefix_prompts, vocab_size_of
+from tests.e2e.conftest import set_engine_env
+from tests.e2e.models import (
+    ModelSet,
+    counter,
+    reset_env_caches,
+    running_llm,
+    shared_prefix_prompts,
+    vocab_size_of,
+)
 from tests.e2e.test_connector import EXTERNAL_HITS, TRANSFER_BYTES, embedded_yaml, kvtier_config
 from tests.e2e.test_connector_objstore import node_yaml
 from tests.objstore.fixtures import AwsIrsa
@@ -80,21 +91,46 @@ def reader(config: Path) -> Iterator[HiddenStatesReader]:
         manager.close()
 
 
-def test_states_read_back_equal_the_reference_and_a_shared_prefix_is_stored_once(
-    tiny_models: ModelSet, shared_prompts: list[list[int]], tmp_path: Path, shm_path: Path
-) -> None:
+@dataclass
+class Reference:
+    states: list[dict[str, torch.Tensor]]
+    """Per prompt, the file the reference connector wrote (prompt and outputs but the last)."""
+    tokens: list[list[int]]
+
+
+@pytest.fixture(scope="module")
+def reference(
+    tiny_models: ModelSet, shared_prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> Reference:
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         load_hidden_states,
     )
 
-    files = dict(REFERENCE, kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
-    with running_llm(
-        tiny_models.target, kv_transfer_config=files, speculative_config=CAPTURE, multiprocess=True
-    ) as llm:
-        outputs = generate(llm, shared_prompts, {"include_output_tokens": True})
-        written = [load_hidden_states(o.kv_transfer_params["hidden_states_path"]) for o in outputs]
-    expected_tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    root = tmp_path_factory.mktemp("hidden-reference")
+    files = dict(REFERENCE, kv_connector_extra_config={"shared_storage_path": str(root)})
+    with pytest.MonkeyPatch.context() as mp:
+        set_engine_env(mp, root)
+        with running_llm(
+            tiny_models.target,
+            kv_transfer_config=files,
+            speculative_config=CAPTURE,
+            multiprocess=True,
+        ) as llm:
+            outputs = generate(llm, shared_prompts, {"include_output_tokens": True})
+            paths = [o.kv_transfer_params["hidden_states_path"] for o in outputs]
+            written = [load_hidden_states(path) for path in paths]
+    reset_env_caches()
+    return Reference(written, [list(o.outputs[0].token_ids) for o in outputs])
 
+
+def test_states_read_back_equal_the_reference_and_a_shared_prefix_is_stored_once(
+    tiny_models: ModelSet,
+    shared_prompts: list[list[int]],
+    reference: Reference,
+    tmp_path: Path,
+    shm_path: Path,
+) -> None:
+    written, expected_tokens = reference.states, reference.tokens
     config = embedded_yaml(tmp_path, shm_path)
     connector = kvtier_config({"kvtier_config": str(config)})
     with running_llm(
@@ -111,7 +147,7 @@ def test_states_read_back_equal_the_reference_and_a_shared_prefix_is_stored_once
         for prompt, ref, files_states in zip(shared_prompts, refs, written, strict=True):
             states = found.load(ref)
             assert states.token_ids == tuple(prompt)
-            assert torch.equal(states.to_torch(), files_states["hidden_states"][: len(prompt)])
+            assert torch.equal(as_tensor(states), files_states["hidden_states"][: len(prompt)])
     pairs = zip(written, shared_prompts, strict=True)
     per_request = sum(s["hidden_states"][: len(p)].nbytes for s, p in pairs)
     ratio = stored / per_request
@@ -137,7 +173,51 @@ def test_states_read_back_equal_the_reference_and_a_shared_prefix_is_stored_once
             states = found.load(out.kv_transfer_params[REF_FIELD])
             assert states.token_ids == tuple(prompt + list(out.outputs[0].token_ids)[:-1])
             assert list(states.token_ids) == files_states["token_ids"].tolist()
-            assert torch.equal(states.to_torch(), files_states["hidden_states"])
+            assert torch.equal(as_tensor(states), files_states["hidden_states"])
+
+
+def test_fp8_states_are_the_reference_rounded_to_fp8_in_a_quarter_of_the_bytes(
+    tiny_models: ModelSet,
+    shared_prompts: list[list[int]],
+    reference: Reference,
+    tmp_path: Path,
+    shm_path: Path,
+) -> None:
+    config = embedded_yaml(tmp_path, shm_path)
+    connector = kvtier_config({"kvtier_config": str(config), "hidden_dtype": "fp8"})
+    stored: list[float] = []
+    runs = []
+    for _ in range(2):  # the second engine's hits load the fp8 chunks back into its cache
+        with running_llm(
+            tiny_models.target, kv_transfer_config=connector, speculative_config=CAPTURE
+        ) as llm:
+            runs.append(generate(llm, shared_prompts))
+            stored.append(counter(llm, TRANSFER_BYTES, direction="store", pool="hidden"))
+            loaded = counter(llm, TRANSFER_BYTES, direction="load", pool="hidden")
+    assert loaded > 0
+    errors = []
+    with reader(config) as found:
+        for outputs in runs:
+            expected = zip(shared_prompts, reference.states, reference.tokens, strict=True)
+            for (prompt, files, tokens), out in zip(expected, outputs, strict=True):
+                assert list(out.outputs[0].token_ids) == tokens
+                states = as_tensor(found.load(out.kv_transfer_params[REF_FIELD]))
+                exact = files["hidden_states"][: len(prompt)]
+                assert states.dtype == exact.dtype
+                # bit for bit what fp8 e4m3 with a scale per (token, layer) makes of them
+                assert torch.equal(
+                    states, decode(*encode(exact), tuple(exact.shape[1:]), exact.dtype)
+                )
+                errors.append(float((states - exact).norm() / exact.norm()))
+    print(f"fp8 hidden states: relative error {min(errors):.4f}..{max(errors):.4f}")
+    assert max(errors) < 0.05
+    # a float32 value per byte, a float32 scale per 128 values: 132 of 512 bytes
+    full = sum(
+        files["hidden_states"][: len(p)].nbytes
+        for files, p in zip(reference.states, shared_prompts, strict=True)
+    )
+    assert stored[0] > 0
+    assert stored[0] / full < 0.3 * 132 / 512 + 0.01
 
 
 def test_an_engine_without_capture_is_unaffected_and_its_kv_never_stands_for_states(
@@ -190,7 +270,7 @@ def test_export_on_a_node_with_only_the_object_store_writes_the_same_states(
         outputs = generate(llm, prompts, {"include_output_tokens": True})
     refs = [o.kv_transfer_params[REF_FIELD] for o in outputs]
     with reader(serving) as found:
-        expected = [found.load(ref).to_torch() for ref in refs]
+        expected = [as_tensor(found.load(ref)) for ref in refs]
     # the engine's exit wrote its chunks to the store; the training node has none of its disks
     shutil.rmtree(tmp_path / "serving")
     listed = tmp_path / "refs.jsonl"
