@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from kvtier_vllm.hidden_codec import decode, encode
-from kvtier_vllm.hidden_states import as_tensor
+from kvtier_vllm.hidden_states import as_tensor, load
 from safetensors.torch import load_file
 
 from kvtier.client import InProcessClient
@@ -29,6 +29,7 @@ from kvtier.hidden import REF_FIELD, HiddenStatesReader, HiddenStatesRef
 from kvtier.hidden_export import file_name
 from kvtier.keys import Pool
 from kvtier.manager import TierManager
+from kvtier.rpc import GrpcTierClient
 from tests.e2e.conftest import set_engine_env
 from tests.e2e.models import (
     ModelSet,
@@ -40,6 +41,8 @@ from tests.e2e.models import (
 )
 from tests.e2e.test_connector import EXTERNAL_HITS, TRANSFER_BYTES, embedded_yaml, kvtier_config
 from tests.e2e.test_connector_objstore import node_yaml
+from tests.e2e.test_connector_tp import engine as tp_engine
+from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon
 from tests.objstore.fixtures import AwsIrsa
 
 pytestmark = pytest.mark.slow
@@ -77,6 +80,13 @@ def generate(
         extra_args={"kv_transfer_params": params} if params else None,
     )
     return llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
+
+
+def kvtierd_value(daemon: RunningDaemon, name: str, **labels: str) -> float:
+    """One of kvtierd's series, summed over the label sets that include ``labels``."""
+    found = [v for n, got, v in daemon.metrics() if n == name and labels.items() <= got.items()]
+    assert found, (name, labels)
+    return sum(found)
 
 
 @contextmanager
@@ -296,3 +306,54 @@ def test_export_on_a_node_with_only_the_object_store_writes_the_same_states(
     assert again.returncode == 1, again.stdout + again.stderr
     assert f"0 written (0.0 MiB of states), {len(refs)} kept" in again.stdout
     assert "1 failed" in again.stdout
+
+
+def test_a_tp2_engine_captures_the_states_a_tp1_engine_reads(
+    tiny_models: ModelSet,
+    shared_prompts: list[list[int]],
+    reference: Reference,
+    tmp_path: Path,
+    shm_path: Path,
+) -> None:
+    """Every rank holds the whole hidden-state cache; rank 0 alone writes its chunks, and both
+    ranks load them on a hit."""
+    config = embedded_yaml(tmp_path, shm_path)
+    connector = kvtier_config({"kvtier_config": str(config)})
+    prompts = shared_prompts[:4]
+    for _ in range(2):  # the second TP=2 engine hits what the first stored
+        with tp_engine(tiny_models.target, 2, connector, speculative_config=CAPTURE) as llm:
+            outputs = generate(llm, prompts)
+            hits = counter(llm, EXTERNAL_HITS)
+            loaded = counter(llm, TRANSFER_BYTES, direction="load", pool="hidden")
+    assert hits > 0
+    assert loaded > 0
+    with reader(config) as found:
+        for prompt, out, files in zip(prompts, outputs, reference.states, strict=False):
+            states = as_tensor(found.load(out.kv_transfer_params[REF_FIELD]))
+            # two ranks' partial sums are reduced in another order than one rank's
+            torch.testing.assert_close(states, files["hidden_states"][: len(prompt)])
+
+
+def test_a_sidecar_engine_captures_and_a_trainer_reads_while_kvtierd_serves(
+    tiny_models: ModelSet,
+    shared_prompts: list[list[int]],
+    reference: Reference,
+    procs: Processes,
+    daemon_files: DaemonFiles,
+) -> None:
+    daemon = procs.start_daemon(daemon_files)
+    connector = kvtier_config({"mode": "sidecar", "socket_path": str(daemon_files.socket)})
+    prompts = shared_prompts[:4]
+    with running_llm(
+        tiny_models.target, kv_transfer_config=connector, speculative_config=CAPTURE
+    ) as llm:
+        outputs = generate(llm, prompts)
+    assert kvtierd_value(daemon, "kvtier_tier_chunks", tier="cpu", pool="hidden") > 0
+    client = GrpcTierClient(daemon_files.socket, "trainer")
+    try:
+        for prompt, out, files in zip(prompts, outputs, reference.states, strict=False):
+            states, ids = load(out.kv_transfer_params[REF_FIELD], client)
+            assert ids == prompt
+            assert torch.equal(states, files["hidden_states"][: len(prompt)])
+    finally:
+        client.close()
