@@ -35,6 +35,11 @@ Servers (``servers`` in the output):
   error line.
 - ``vllm_spec``, ``kvtier_sidecar_spec``: vLLM alone and kvtier sidecar with speculative decoding
   (``draft_model``: the same build with 1 layer, 3 speculative tokens).
+- ``kvtier_embedded_capture``: kvtier embedded with hidden states captured for draft training
+  (``extract_hidden_states`` at EAGLE-3's layers 2, 6 and 9 of 12, stored in the captured
+  bf16; ``--connector-extra '{"hidden_dtype": "fp8"}'`` stores them in fp8);
+  ``capture_throughput_vs_kvtier_embedded`` is its multi-round throughput over
+  ``kvtier_embedded``'s.
 
 Workloads (kvtier/bench, token-exact prompts streamed to ``/v1/completions`` with
 ``ignore_eos``):
@@ -132,6 +137,12 @@ WARMUP = ROUNDS  # one session of its own before a server's first level
 ARENA_BYTES = 768 * MiB
 LMDB_BUDGET = 1 * GiB
 SPEC_TOKENS = 3
+CAPTURE = {
+    "method": "extract_hidden_states",
+    "num_speculative_tokens": 1,
+    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 6, 9]}},
+}
+"""EAGLE-3's auxiliary layers of a 12-layer target: low, middle and high."""
 HEADLINE_CONCURRENCY = 4
 PROFILE_USERS = 4
 PROFILE_ROUNDS = 2
@@ -157,6 +168,7 @@ SERVERS = (
     "offloading_connector",
     "vllm_spec",
     "kvtier_sidecar_spec",
+    "kvtier_embedded_capture",
 )
 
 
@@ -188,6 +200,8 @@ class Case:
     connector: str | None = None
     """None, "embedded", "sidecar", "example" or "offloading"."""
     spec: bool = False
+    capture: bool = False
+    """Capture hidden states (``extract_hidden_states``)."""
 
 
 @dataclass
@@ -413,6 +427,8 @@ class Bench:
                 "num_speculative_tokens": SPEC_TOKENS,
             }
             args += ["--speculative-config", json.dumps(spec)]
+        if case.capture:
+            args += ["--speculative-config", json.dumps(CAPTURE)]
         env = {"VLLM_SERVER_DEV_MODE": "1"}
         if plan.profile:
             args += profiler_args(tmp / "traces")
@@ -595,6 +611,15 @@ class Bench:
                 Case("kvtier_sidecar_spec", "kvtier sidecar + spec", "sidecar", spec=True),
                 Plan(no_reuse=0),
             ),
+            (
+                Case(
+                    "kvtier_embedded_capture",
+                    "kvtier embedded + hidden-state capture",
+                    "embedded",
+                    capture=True,
+                ),
+                Plan(no_reuse=0),
+            ),
         ]
         outcomes = {
             case.name: self.run_case(case, plan)
@@ -658,6 +683,9 @@ class Bench:
             ),
             "throughput_vs_example_connector": ratio(
                 tps("kvtier_sidecar"), tps("example_connector")
+            ),
+            "capture_throughput_vs_kvtier_embedded": ratio(
+                tps("kvtier_embedded_capture"), tps("kvtier_embedded")
             ),
             "kvtier_step_share": profile.get("kvtier_step_share"),
             "throughput_vs_vllm_alone_embedded": ratio(tps("kvtier_embedded"), tps("vllm")),
