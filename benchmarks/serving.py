@@ -37,7 +37,8 @@ Servers (``servers`` in the output):
   (``draft_model``: the same build with 1 layer, 3 speculative tokens).
 - ``kvtier_embedded_capture``: kvtier embedded with hidden states captured for draft training
   (``extract_hidden_states`` at EAGLE-3's layers 2, 6 and 9 of 12, stored in the captured
-  bf16; ``--connector-extra '{"hidden_dtype": "fp8"}'`` stores them in fp8);
+  bf16; ``--connector-extra '{"hidden_dtype": "fp8"}'`` stores them in fp8), with its KV memory
+  grown by the hidden-state cache's share (0.375x) so that it holds as many tokens;
   ``capture_throughput_vs_kvtier_embedded`` is its multi-round throughput over
   ``kvtier_embedded``'s.
 
@@ -137,10 +138,11 @@ WARMUP = ROUNDS  # one session of its own before a server's first level
 ARENA_BYTES = 768 * MiB
 LMDB_BUDGET = 1 * GiB
 SPEC_TOKENS = 3
+CAPTURE_LAYERS = [2, 6, 9]
 CAPTURE = {
     "method": "extract_hidden_states",
     "num_speculative_tokens": 1,
-    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 6, 9]}},
+    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": CAPTURE_LAYERS}},
 }
 """EAGLE-3's auxiliary layers of a 12-layer target: low, middle and high."""
 HEADLINE_CONCURRENCY = 4
@@ -327,6 +329,12 @@ class Bench:
         # K and V, bf16
         per_token = config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2 * 2
         self.chunk_bytes = per_token * BLOCK_SIZE * blocks_per_chunk
+        self.kv_per_token = per_token
+        self.hidden_per_token = len(CAPTURE_LAYERS) * config["hidden_size"] * 2  # bf16
+
+    def hidden_bytes(self, kv_bytes: int) -> int:
+        """The captured hidden states' cache for the tokens ``kv_bytes`` of KV hold."""
+        return kv_bytes * self.hidden_per_token // self.kv_per_token
 
     def workload(self, kind: str = "multi-round", **overrides: Any) -> WorkloadSpec:
         settings: dict[str, Any] = {
@@ -433,11 +441,13 @@ class Bench:
         if plan.profile:
             args += profiler_args(tmp / "traces")
             env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # vLLM's own ranges, forward included
+        # the hidden-state cache shares the KV memory: as much again for it, the same tokens held
+        kv_bytes = KV_CACHE_BYTES + (self.hidden_bytes(KV_CACHE_BYTES) if case.capture else 0)
         server = VllmServer(
             self.model,
             tmp,
             args=args,
-            kv_cache_bytes=KV_CACHE_BYTES,
+            kv_cache_bytes=kv_bytes,
             max_model_len=MAX_MODEL_LEN,
             block_size=BLOCK_SIZE,
             dtype="bfloat16",

@@ -168,7 +168,7 @@ class Session:
                         spec = self.draft.current_spec()  # the revision swapped to, if any
                     namespaces[plan.key] = client.register_pool(spec, plan.chunk_bytes)
                 except PoolLayoutError as exc:
-                    if plan.pool is Pool.TARGET:
+                    if plan.pool is not Pool.DRAFT:  # every hit needs the target's and hidden's
                         raise
                     # without a draft pool, draft pages of hits are filled instead of loaded
                     log.error("kvtier: no %s pool: %s", plan.pool, exc)
