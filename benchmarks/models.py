@@ -406,6 +406,15 @@ def shared_prefix_prompts(
     ]
 
 
+def capture_config(layers: Sequence[int]) -> dict[str, Any]:
+    """A ``speculative_config`` capturing the target's hidden states at ``layers``."""
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}},
+    }
+
+
 def engine_env(tmp: Path, *, multiprocess: bool = False) -> dict[str, str]:
     """Environment for one engine: offline, with caches and sockets in new dirs under `tmp`."""
     tmp = Path(tmp)

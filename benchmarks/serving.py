@@ -139,11 +139,7 @@ ARENA_BYTES = 768 * MiB
 LMDB_BUDGET = 1 * GiB
 SPEC_TOKENS = 3
 CAPTURE_LAYERS = [2, 6, 9]
-CAPTURE = {
-    "method": "extract_hidden_states",
-    "num_speculative_tokens": 1,
-    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": CAPTURE_LAYERS}},
-}
+CAPTURE = models.capture_config(CAPTURE_LAYERS)
 """EAGLE-3's auxiliary layers of a 12-layer target: low, middle and high."""
 HEADLINE_CONCURRENCY = 4
 PROFILE_USERS = 4

@@ -26,6 +26,7 @@ from kvtier.errors import (
 )
 from kvtier.keys import (
     MAX_CHUNK_HASH_BYTES,
+    MAX_KV_DTYPE_BYTES,
     NAMESPACE_BYTES,
     ChunkKey,
     NamespaceSpec,
@@ -91,7 +92,7 @@ def _pack_header(
 ) -> bytes:
     chunk_hash = chunk_hash_of(key)
     dtype = descriptor.kv_dtype.encode()
-    if len(dtype) > 16:
+    if len(dtype) > MAX_KV_DTYPE_BYTES:  # NamespaceSpec refuses these at registration
         raise ValueError(f"kv_dtype name too long for the chunk header: {descriptor.kv_dtype!r}")
     body = _BODY.pack(
         MAGIC,

@@ -11,6 +11,8 @@ those chunks and how to lay their bytes out; it travels as JSON in the request's
 from __future__ import annotations
 
 import hashlib
+import json
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,7 +21,15 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import KVTierError
-from kvtier.keys import MAX_CHUNK_HASH_BYTES, ChunkKey, NamespaceSpec, Pool, make_key
+from kvtier.keys import (
+    MAX_CHUNK_HASH_BYTES,
+    ChunkKey,
+    NamespaceSpec,
+    PageLayout,
+    Pool,
+    make_key,
+    namespace_of,
+)
 from kvtier.protocol import SlotRef, TierClient
 from kvtier.tiers.arena import ArenaMemory
 
@@ -30,14 +40,21 @@ HEADS_FIRST = "HNC"
 TOKENS_FIRST = "NHC"
 """A page as [tokens, layers, hidden]."""
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-FP8 = "fp8_e4m3"
-"""Stored as fp8 e4m3 with a float32 scale per (token, layer) row: ``fp8_e4m3:<captured>``."""
+FP8 = "e4m3"
+"""Stored as fp8 e4m3 with a float32 scale per (token, layer) row: ``e4m3:<captured>``."""
 _NUMPY = {"float32": np.float32, "float16": np.float16}
 """Dtypes numpy holds; others (bfloat16) are handed out as raw integers of their width."""
 _RAW = {2: np.uint16, 4: np.uint32}
 _TAIL_TAG = b"kvtier.hidden.tail.v1"
 HIDDEN_ATTENTION = "hidden_states"
 """The hidden pool's ``NamespaceSpec.attention``: ``hidden_states=L,..``, the layers captured."""
+
+
+MANIFEST_PART_BYTES = 16 << 10
+"""A manifest (a reference, kept in the tiers so that a pool's requests can be listed) is
+stored in parts of this size: one chunk size for every reference, however long."""
+_PART = struct.Struct("<8sIII")  # magic, index, parts, bytes of JSON in this one
+_PART_MAGIC = b"KVTHREF1"
 
 
 class HiddenStatesError(KVTierError):
@@ -251,17 +268,51 @@ class HiddenStatesReader:
     def load(self, ref: HiddenStatesRef | dict[str, Any]) -> HiddenStates:
         if not isinstance(ref, HiddenStatesRef):
             ref = HiddenStatesRef.from_json(ref)
-        if ref.namespace not in self._registered:  # the tiers serve registered pools only
-            self.client.register_pool(ref.spec, ref.chunk_bytes)
-            self._registered.add(ref.namespace)
-        keys = ref.keys()
+        self._register(ref.spec, ref.chunk_bytes)
+        return assemble(ref, self._read(ref.keys()))
+
+    def _read(self, keys: list[ChunkKey]) -> list[bytes]:
         refs = self._lease(keys)
         try:
             arena = self._memory()
-            payloads = [bytes(arena.view(r.offset, r.nbytes)) for r in refs]
+            return [bytes(arena.view(r.offset, r.nbytes)) for r in refs]
         finally:
             self.client.release(refs)
-        return assemble(ref, payloads)
+
+    def _register(self, spec: NamespaceSpec, chunk_bytes: int) -> None:
+        namespace = spec.digest()
+        if namespace not in self._registered:  # the tiers serve registered pools only
+            self.client.register_pool(spec, chunk_bytes)
+            self._registered.add(namespace)
+
+    def manifest(self, namespace: bytes, name: bytes, tenant: str = "default") -> HiddenStatesRef:
+        """The reference whose manifest is named ``name`` in hidden pool ``namespace``."""
+        spec = manifest_spec(namespace, tenant)
+        self._register(spec, MANIFEST_PART_BYTES)
+        manifests = spec.digest()
+        first = self._read([make_key(manifests, name)])[0]
+        index, parts, piece = _part(first)
+        if index != 0:
+            raise HiddenStatesError(f"{name.hex()} is part {index} of a manifest, not its first")
+        rest = self._read([make_key(manifests, _part_hash(name, i)) for i in range(1, parts)])
+        pieces = [piece] + [_part(payload)[2] for payload in rest]
+        try:
+            return HiddenStatesRef.from_json(json.loads(b"".join(pieces)))
+        except ValueError as exc:
+            raise HiddenStatesError(f"manifest {name.hex()} is not JSON: {exc}") from None
+
+    def manifest_names(self, keys: Sequence[ChunkKey]) -> list[bytes]:
+        """Of ``keys`` (a listing of a manifest pool's chunks), the names of the manifests:
+        their first parts."""
+        names = []
+        for key, payload in zip(keys, self._read(list(keys)), strict=True):
+            try:
+                index, _, _ = _part(payload)
+            except HiddenStatesError:
+                continue
+            if index == 0:
+                names.append(bytes(key[len(namespace_of(key)) :]))
+        return names
 
     def _lease(self, keys: list[ChunkKey]) -> list[SlotRef]:
         held: dict[ChunkKey, SlotRef] = {}
@@ -297,3 +348,53 @@ class HiddenStatesReader:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+
+
+def manifest_spec(namespace: bytes, tenant: str = "default") -> NamespaceSpec:
+    """The pool holding the manifests of hidden pool ``namespace``: named by that namespace
+    alone, so a node that knows nothing else can list and read them."""
+    return NamespaceSpec(
+        model="kvtier.hidden-states.manifests",
+        model_revision="",
+        pool=Pool.HIDDEN,
+        kv_dtype="json",
+        layout=PageLayout(1, 1, 1, (MANIFEST_PART_BYTES,), ("manifest",)),
+        tenant=tenant,
+        attention=f"manifests_of={namespace.hex()}",
+    )
+
+
+def manifest_name(ref: HiddenStatesRef) -> bytes:
+    """A reference's name: its chunks and tokens (equal requests share it)."""
+    digest = hashlib.blake2b(b"kvtier.hidden.manifest.v1", digest_size=32)
+    digest.update(ref.namespace + ref.tokens.to_bytes(8, "little") + b"".join(ref.chunks))
+    return digest.digest()
+
+
+def _part_hash(name: bytes, index: int) -> bytes:
+    if index == 0:
+        return name
+    return hashlib.blake2b(name + index.to_bytes(4, "little"), digest_size=32).digest()
+
+
+def manifest_parts(ref: HiddenStatesRef) -> list[tuple[bytes, bytes]]:
+    """(key hash, payload) of each part of the reference's manifest, the first one named by
+    `manifest_name`."""
+    body = json.dumps(ref.to_json(), separators=(",", ":")).encode()
+    room = MANIFEST_PART_BYTES - _PART.size
+    pieces = [body[i : i + room] for i in range(0, len(body), room)]
+    name = manifest_name(ref)
+    return [
+        (_part_hash(name, i), _PART.pack(_PART_MAGIC, i, len(pieces), len(piece)) + piece)
+        for i, piece in enumerate(pieces)
+    ]
+
+
+def _part(payload: bytes | memoryview) -> tuple[int, int, bytes]:
+    """(index, parts, JSON piece) of one manifest part."""
+    if len(payload) < _PART.size:
+        raise HiddenStatesError("a manifest part shorter than its header")
+    magic, index, parts, size = _PART.unpack_from(payload)
+    if magic != _PART_MAGIC or index >= parts or size > len(payload) - _PART.size:
+        raise HiddenStatesError("not a manifest part")
+    return index, parts, bytes(payload[_PART.size : _PART.size + size])

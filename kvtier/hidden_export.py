@@ -1,12 +1,14 @@
 """``kvtier hidden export``: captured hidden states as safetensors files, for training jobs.
 
-Its input is the references requests handed back (``kv_transfer_params["kvtier_hidden_states"]``),
-one JSON document per line, as a serving stack collects them. It reads them through tiers of its
-own, opened from a kvtier config: on a node that has only the object store, every chunk comes
-from there, verified. Each request becomes one file, ``<digest>.safetensors`` with
-``hidden_states`` [tokens, layers, hidden] in the captured dtype and ``token_ids``; a file is
-written under a temporary name and renamed, so a run cut short is resumed by running it again
-(files present are kept).
+Its input is a hidden pool's namespace: the references of its requests are listed from the
+manifests the connector stores beside the states (`kvtier.hidden.manifest_spec`); or the
+references requests handed back (``kv_transfer_params["kvtier_hidden_states"]``), one JSON
+document per line, as a serving stack collects them. It reads them through tiers of its own,
+opened from a kvtier config: on a node that has only the object store, the manifests are
+downloaded first, and every chunk comes from there, verified. Each request becomes one file,
+``<digest>.safetensors`` with ``hidden_states`` [tokens, layers, hidden] in the captured dtype
+and ``token_ids``; a file is written under a temporary name and renamed, so a run cut short is
+resumed by running it again (files present are kept).
 """
 
 from __future__ import annotations
@@ -18,12 +20,23 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvtier.errors import KVTierError
-from kvtier.hidden import HiddenStates, HiddenStatesError, HiddenStatesReader, HiddenStatesRef
+from kvtier.hidden import (
+    MANIFEST_PART_BYTES,
+    HiddenStates,
+    HiddenStatesError,
+    HiddenStatesReader,
+    HiddenStatesRef,
+    manifest_spec,
+)
+from kvtier.keys import namespace_of
+
+if TYPE_CHECKING:  # opened by the command only: the module loads no tier
+    from kvtier.manager import TierManager
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
@@ -94,6 +107,28 @@ def read_refs(path: Path, namespace: bytes | None) -> list[HiddenStatesRef]:
     return refs
 
 
+def listed_refs(
+    manager: TierManager, reader: HiddenStatesReader, namespace: bytes, tenant: str
+) -> tuple[list[HiddenStatesRef], int]:
+    """The references whose manifests the tiers hold for hidden pool ``namespace`` (those of the
+    object store downloaded into lmdb first), and how many manifests could not be read."""
+    spec = manifest_spec(namespace, tenant)
+    manifests = spec.digest()
+    manager.register_pool(spec, MANIFEST_PART_BYTES)
+    if manager.object is not None:
+        for _ in manager.warmup(manifests, object_index=True, fetch=True):
+            pass
+    stored = manager.lmdb.keys() if manager.lmdb is not None else iter(())
+    keys = [k for k in stored if namespace_of(k) == manifests]
+    refs, failed = [], 0
+    for name in reader.manifest_names(keys):
+        try:
+            refs.append(reader.manifest(namespace, name, tenant))
+        except KVTierError:
+            failed += 1
+    return refs, failed
+
+
 def export(
     reader: HiddenStatesReader, refs: list[HiddenStatesRef], to: Path
 ) -> Iterator[ExportCounts]:
@@ -126,11 +161,17 @@ def _export(args: argparse.Namespace) -> int:
     from kvtier.manager import TierManager
 
     namespace = bytes.fromhex(args.namespace) if args.namespace else None
-    refs = read_refs(args.refs, namespace)
+    if namespace is None and args.refs is None:
+        raise HiddenStatesError("give --namespace, --refs or both")
     manager = TierManager(_config(args))
     reader = HiddenStatesReader(InProcessClient(manager), timeout_s=args.timeout)
     counts = ExportCounts()
     try:
+        if args.refs is not None:
+            refs = read_refs(args.refs, namespace)
+        else:
+            assert namespace is not None
+            refs, counts.failed = listed_refs(manager, reader, namespace, args.tenant)
         with Progress(transient=True) as progress:
             task = progress.add_task("exporting", total=len(refs))
             for step in export(reader, refs, args.to):
@@ -155,12 +196,16 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="write captured hidden states as safetensors files, one per request",
     )
     p.add_argument(
+        "--namespace",
+        help="the hidden pool (16 bytes, hex; a reference's 'namespace'): every request whose "
+        "manifest the tiers hold, or with --refs, only this pool's",
+    )
+    p.add_argument(
         "--refs",
         type=Path,
-        required=True,
         help="JSON lines: each a request's kv_transfer_params['kvtier_hidden_states']",
     )
-    p.add_argument("--namespace", help="only this hidden pool's references (16 bytes, hex)")
+    p.add_argument("--tenant", default="default", help="the pool's tenant (default: default)")
     p.add_argument("--to", type=Path, required=True, help="directory of the files")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds a chunk may take to arrive")
     p.set_defaults(func=_export)

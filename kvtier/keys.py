@@ -33,6 +33,8 @@ REVISION_PATTERN = rf"[A-Za-z0-9._:+/-]{{0,{MAX_REVISION_CHARS}}}"
 MAX_MODEL_CHARS = 512
 """Models are often paths or repository ids, so any printable text is allowed."""
 MAX_LAYER_NAME_CHARS = 256
+MAX_KV_DTYPE_BYTES = 16
+"""The chunk header's field for it (`kvtier.blockfmt`)."""
 _TENANT = re.compile(TENANT_PATTERN)
 _REVISION = re.compile(REVISION_PATTERN)
 
@@ -147,6 +149,11 @@ class NamespaceSpec:
         check_tenant("tenant", self.tenant)
         check_text("model", self.model, MAX_MODEL_CHARS)
         check_text("attention", self.attention, MAX_LAYER_NAME_CHARS)
+        if len(self.kv_dtype.encode()) > MAX_KV_DTYPE_BYTES:
+            raise ValueError(
+                f"kv_dtype {self.kv_dtype!r} is longer than the chunk header's "
+                f"{MAX_KV_DTYPE_BYTES} bytes"
+            )
         check_revision("model_revision", self.model_revision)
         if self.draft_model is not None:
             check_text("draft_model", self.draft_model, MAX_MODEL_CHARS)

@@ -11,11 +11,22 @@ under ``kvtier_hidden_states``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from kvtier.hidden import HiddenStatesRef, tail_hash
+from kvtier.client import ArenaMemory
+from kvtier.errors import TierUnavailableError
+from kvtier.hidden import (
+    MANIFEST_PART_BYTES,
+    HiddenStatesRef,
+    manifest_parts,
+    manifest_spec,
+    tail_hash,
+)
 from kvtier.keys import ChunkKey, chunk_hash_bytes, make_key
+from kvtier.protocol import TierClient
 from kvtier_vllm.layout import PoolPlan
 
 
@@ -78,3 +89,52 @@ class Capture:
         name = self._hashes(request, ids)[-1]
         first, end = whole * self.plan.blocks_per_chunk, -(-len(ids) // self.tokens_per_block)
         return Tail(make_key(namespace, name), tuple(block_ids[first:end]))
+
+
+class Manifests:
+    """Writes each reference's manifest beside the states (`kvtier.hidden.manifest_parts`), so
+    that ``kvtier hidden export --namespace`` can list a pool's requests from the tiers alone.
+    The parts are written into the arena from this process, as the workers write chunks."""
+
+    def __init__(self) -> None:
+        self._client: TierClient | None = None
+        self._arena: ArenaMemory | None = None
+        self._inode = 0
+
+    def write(self, client: TierClient, ref: HiddenStatesRef) -> int:
+        """Parts written (0: present already, or no room); raises `KVTierError`."""
+        spec = manifest_spec(ref.namespace, ref.spec.tenant)
+        if client is not self._client:  # a new session: its pools are registered anew
+            client.register_pool(spec, MANIFEST_PART_BYTES)
+            self._client = client
+        parts = manifest_parts(ref)
+        manifests = spec.digest()
+        slots = client.reserve([make_key(manifests, name) for name, _ in parts])
+        written = [s for s in slots if s is not None]
+        if not written:
+            return 0
+        try:
+            arena = self._memory(client.arena_path)
+            for slot, (_, payload) in zip(slots, parts, strict=True):
+                if slot is not None:
+                    arena.view(slot.offset, len(payload))[:] = payload
+        except BaseException:
+            client.abort(written)
+            raise
+        return client.commit(written)
+
+    def _memory(self, path: Path) -> ArenaMemory:
+        try:
+            inode = os.stat(path).st_ino  # a restarted daemon's arena is a new file
+        except OSError as exc:
+            raise TierUnavailableError(f"no arena at {path}: {exc.strerror}") from None
+        if self._arena is None or self._inode != inode:
+            self.close()
+            self._arena = ArenaMemory.attach(path)
+            self._inode = inode
+        return self._arena
+
+    def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-FP8 = "fp8_e4m3"
+FP8 = "e4m3"
 _MAX = 448.0
 
 

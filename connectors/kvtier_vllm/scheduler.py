@@ -21,7 +21,7 @@ from kvtier.keys import NamespaceSpec, Pool
 from kvtier.protocol import SlotRef, TierClient
 from kvtier.rpc import DaemonStalledError
 from kvtier_vllm.adapter import eagle_block_drop, failure_policy_warning, replica_of
-from kvtier_vllm.capture import Capture
+from kvtier_vllm.capture import Capture, Manifests
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.draft import AcceptanceMeter, DraftTracker, Fill
 from kvtier_vllm.events import KVEventFeed
@@ -86,6 +86,7 @@ class KVTierScheduler:
         hidden = next((p for p in self.plans if p.pool is Pool.HIDDEN), None)
         self.capture = Capture(hidden) if hidden is not None else None
         """Hidden states captured: each finished request gets a reference to them."""
+        self.manifests = Manifests()
         self.async_loads = len(groups) > 1
         """Several groups: vLLM takes load failures only per request, after an async load."""
         draft = self.draft_plan
@@ -579,7 +580,13 @@ class KVTierScheduler:
         capture = self.capture
         if capture is None or capture.plan.key not in self.namespaces:
             return False, None
-        params = {REF_FIELD: capture.reference(request).to_json()}
+        ref = capture.reference(request)
+        params = {REF_FIELD: ref.to_json()}
+        if self.client is not None:
+            try:
+                self.manifests.write(self.client, ref)
+            except KVTierError as exc:  # the reference stands; only listing it is lost
+                self._guard("manifest", exc)
         if not capture.with_outputs(request):
             return False, params  # the prompt's tail was stored with its last token
         # vLLM asserts each request reported sent is one it keeps: the last step here
@@ -623,6 +630,7 @@ class KVTierScheduler:
 
     def shutdown(self) -> None:
         self.session.stop()
+        self.manifests.close()
         if self.client is None:
             return
         for refs in self.leases:

@@ -33,6 +33,7 @@ from kvtier.rpc import GrpcTierClient
 from tests.e2e.conftest import set_engine_env
 from tests.e2e.models import (
     ModelSet,
+    capture_config,
     counter,
     reset_env_caches,
     running_llm,
@@ -47,11 +48,7 @@ from tests.objstore.fixtures import AwsIrsa
 
 pytestmark = pytest.mark.slow
 
-CAPTURE = {
-    "method": "extract_hidden_states",
-    "num_speculative_tokens": 1,
-    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 1]}},
-}
+CAPTURE = capture_config([0, 1])
 OUTPUT_TOKENS = 6
 SHARED = 512
 REFERENCE = {
@@ -80,6 +77,14 @@ def generate(
         extra_args={"kv_transfer_params": params} if params else None,
     )
     return llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
+
+
+def capturing(model: Path, connector: dict[str, Any], multiprocess: bool = True) -> Any:
+    """An engine capturing hidden states through ``connector``; multiprocess, as in serving
+    (the engine core steps once more after the last request, which stores its tail)."""
+    return running_llm(
+        model, kv_transfer_config=connector, speculative_config=CAPTURE, multiprocess=multiprocess
+    )
 
 
 def kvtierd_value(daemon: RunningDaemon, name: str, **labels: str) -> float:
@@ -120,12 +125,7 @@ def reference(
     files = dict(REFERENCE, kv_connector_extra_config={"shared_storage_path": str(root)})
     with pytest.MonkeyPatch.context() as mp:
         set_engine_env(mp, root)
-        with running_llm(
-            tiny_models.target,
-            kv_transfer_config=files,
-            speculative_config=CAPTURE,
-            multiprocess=True,
-        ) as llm:
+        with capturing(tiny_models.target, files) as llm:
             outputs = generate(llm, shared_prompts, {"include_output_tokens": True})
             paths = [o.kv_transfer_params["hidden_states_path"] for o in outputs]
             written = [load_hidden_states(path) for path in paths]
@@ -143,12 +143,7 @@ def test_states_read_back_equal_the_reference_and_a_shared_prefix_is_stored_once
     written, expected_tokens = reference.states, reference.tokens
     config = embedded_yaml(tmp_path, shm_path)
     connector = kvtier_config({"kvtier_config": str(config)})
-    with running_llm(
-        tiny_models.target,
-        kv_transfer_config=connector,
-        speculative_config=CAPTURE,
-        multiprocess=True,
-    ) as llm:
+    with capturing(tiny_models.target, connector) as llm:
         outputs = generate(llm, shared_prompts)
         stored = counter(llm, TRANSFER_BYTES, direction="store", pool="hidden")
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected_tokens
@@ -168,12 +163,7 @@ def test_states_read_back_equal_the_reference_and_a_shared_prefix_is_stored_once
 
     # a second engine hits the prefixes (hidden states loaded with the KV), and hands its
     # outputs' states too
-    with running_llm(
-        tiny_models.target,
-        kv_transfer_config=connector,
-        speculative_config=CAPTURE,
-        multiprocess=True,
-    ) as llm:
+    with capturing(tiny_models.target, connector) as llm:
         outputs = generate(llm, shared_prompts, {"include_output_tokens": True})
         assert counter(llm, EXTERNAL_HITS) > 0
         assert counter(llm, TRANSFER_BYTES, direction="load", pool="hidden") > 0
@@ -198,9 +188,7 @@ def test_fp8_states_are_the_reference_rounded_to_fp8_in_a_quarter_of_the_bytes(
     stored: list[float] = []
     runs = []
     for _ in range(2):  # the second engine's hits load the fp8 chunks back into its cache
-        with running_llm(
-            tiny_models.target, kv_transfer_config=connector, speculative_config=CAPTURE
-        ) as llm:
+        with capturing(tiny_models.target, connector, multiprocess=False) as llm:
             runs.append(generate(llm, shared_prompts))
             stored.append(counter(llm, TRANSFER_BYTES, direction="store", pool="hidden"))
             loaded = counter(llm, TRANSFER_BYTES, direction="load", pool="hidden")
@@ -242,9 +230,7 @@ def test_an_engine_without_capture_is_unaffected_and_its_kv_never_stands_for_sta
     assert all(REF_FIELD not in (o.kv_transfer_params or {}) for o in plain)
 
     # the target's chunks are there, the hidden states' are not: no hit, they are computed
-    with running_llm(
-        tiny_models.target, kv_transfer_config=connector, speculative_config=CAPTURE
-    ) as llm:
+    with capturing(tiny_models.target, connector, multiprocess=False) as llm:
         captured = generate(llm, prompts)
         assert counter(llm, EXTERNAL_HITS) == 0
         assert counter(llm, TRANSFER_BYTES, direction="store", pool="hidden") > 0
@@ -270,13 +256,7 @@ def test_export_on_a_node_with_only_the_object_store_writes_the_same_states(
 ) -> None:
     serving = node_yaml(tmp_path / "serving", shm_path, s3_store)
     connector = kvtier_config({"kvtier_config": str(serving)})
-    # multiprocess: the engine core steps once more after the last request, storing its tail
-    with running_llm(
-        tiny_models.target,
-        kv_transfer_config=connector,
-        speculative_config=CAPTURE,
-        multiprocess=True,
-    ) as llm:
+    with capturing(tiny_models.target, connector) as llm:
         outputs = generate(llm, prompts, {"include_output_tokens": True})
     refs = [o.kv_transfer_params[REF_FIELD] for o in outputs]
     with reader(serving) as found:
@@ -288,8 +268,12 @@ def test_export_on_a_node_with_only_the_object_store_writes_the_same_states(
     training = node_yaml(tmp_path / "training", tmp_path / "training-arena", s3_store)
     out = tmp_path / "states"
     command = [sys.executable, "-m", "kvtier.cli", "hidden", "export", "--config", str(training)]
-    command += ["--refs", str(listed), "--to", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    command += ["--to", str(out)]
+    # the pool's requests, listed from the manifests in the store: nothing else is given
+    namespace = {ref["namespace"] for ref in refs}.pop()
+    done = subprocess.run(
+        [*command, "--namespace", namespace], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert f"{len(refs)} written" in done.stdout, done.stdout
     for ref, states, output in zip(refs, expected, outputs, strict=True):
@@ -298,10 +282,11 @@ def test_export_on_a_node_with_only_the_object_store_writes_the_same_states(
         tokens = output.prompt_token_ids + list(output.outputs[0].token_ids)[:-1]
         assert tensors["token_ids"].tolist() == tokens
 
-    # run again: every file is kept; a reference the store does not hold fails, and says so
+    # again, from the references the requests handed back: every file is kept, and one the
+    # store does not hold fails, and says so
     missing = dict(refs[0], chunks=[bytes(32).hex()] * len(refs[0]["chunks"]))
     listed.write_text(listed.read_text() + json.dumps(missing) + "\n")
-    command += ["--timeout", "1"]
+    command += ["--refs", str(listed), "--timeout", "1"]
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 1, again.stdout + again.stderr
     assert f"0 written (0.0 MiB of states), {len(refs)} kept" in again.stdout
@@ -344,9 +329,7 @@ def test_a_sidecar_engine_captures_and_a_trainer_reads_while_kvtierd_serves(
     daemon = procs.start_daemon(daemon_files)
     connector = kvtier_config({"mode": "sidecar", "socket_path": str(daemon_files.socket)})
     prompts = shared_prompts[:4]
-    with running_llm(
-        tiny_models.target, kv_transfer_config=connector, speculative_config=CAPTURE
-    ) as llm:
+    with capturing(tiny_models.target, connector, multiprocess=False) as llm:
         outputs = generate(llm, prompts)
     assert kvtierd_value(daemon, "kvtier_tier_chunks", tier="cpu", pool="hidden") > 0
     client = GrpcTierClient(daemon_files.socket, "trainer")

@@ -42,7 +42,7 @@ def spec(dtype: str = "float32", order: str = HEADS_FIRST, bpc: int = 2) -> Name
 def ref_of(tokens: int, **kwargs: str | int) -> HiddenStatesRef:
     s = spec(**kwargs)  # type: ignore[arg-type]
     chunk_tokens = BLOCK * s.layout.blocks_per_chunk
-    chunks = tuple(bytes([i + 1]) * 32 for i in range(-(-tokens // chunk_tokens)))
+    chunks = tuple((i + 1).to_bytes(2, "little") * 16 for i in range(-(-tokens // chunk_tokens)))
     return HiddenStatesRef(s, chunks, tokens, tuple(range(tokens)))
 
 
@@ -86,7 +86,7 @@ def test_fp8_chunks_decode_as_the_workers_codec_does(dtype: torch.dtype) -> None
     values, scales = codec.split(chunk)
     values[:], scales[:] = encode(pages)
     name = str(dtype).removeprefix("torch.")
-    got = as_tensor(assemble(ref_of(8, dtype=f"fp8_e4m3:{name}"), [chunk.numpy().tobytes()]))
+    got = as_tensor(assemble(ref_of(8, dtype=f"e4m3:{name}"), [chunk.numpy().tobytes()]))
     back = decode(values, scales, codec.page_shape, dtype).transpose(1, 2).reshape(8, LAYERS, -1)
     assert torch.equal(got, back)
     error = (got.float() - states.float()).norm(dim=-1) / states.float().norm(dim=-1)
@@ -157,3 +157,27 @@ def test_a_refs_file_names_its_bad_line_and_filters_by_namespace(tmp_path: Path)
     listed.write_text(listed.read_text() + "{}\n")
     with pytest.raises(HiddenStatesError, match=r"refs\.jsonl:4"):
         read_refs(listed, None)
+
+
+def test_a_kv_dtype_the_chunk_header_cannot_hold_is_refused_at_registration() -> None:
+    # found writing fp8 states back to lmdb: the name must fit the header's 16 bytes
+    assert spec(dtype="e4m3:bfloat16").kv_dtype == "e4m3:bfloat16"
+    with pytest.raises(ValueError, match="16 bytes"):
+        spec(dtype="fp8_e4m3:bfloat16")
+
+
+def test_a_long_reference_is_a_manifest_of_several_parts_of_one_size() -> None:
+    from kvtier.hidden import MANIFEST_PART_BYTES, _part, manifest_name, manifest_parts
+
+    ref = ref_of(6000, bpc=1)  # 1,500 chunks and 6,000 token ids: over 16 KiB of JSON
+    parts = manifest_parts(ref)
+    assert len(parts) > 1
+    assert parts[0][0] == manifest_name(ref)
+    assert len({name for name, _ in parts}) == len(parts)
+    assert all(len(payload) <= MANIFEST_PART_BYTES for _, payload in parts)
+    pieces = [_part(payload) for _, payload in parts]
+    assert [(i, n) for i, n, _ in pieces] == [(i, len(parts)) for i in range(len(parts))]
+    body = b"".join(piece for _, _, piece in pieces)
+    assert HiddenStatesRef.from_json(json.loads(body)) == ref
+    with pytest.raises(HiddenStatesError, match="manifest part"):
+        _part(b"x" * 64)
