@@ -50,9 +50,10 @@ HIDDEN_ATTENTION = "hidden_states"
 """The hidden pool's ``NamespaceSpec.attention``: ``hidden_states=L,..``, the layers captured."""
 
 
-MANIFEST_PART_BYTES = 16 << 10
+MANIFEST_PART_BYTES = 64 << 10
 """A manifest (a reference, kept in the tiers so that a pool's requests can be listed) is
-stored in parts of this size: one chunk size for every reference, however long."""
+stored in parts of this size: one chunk size for every reference, however long (the arena's
+default smallest slot)."""
 _PART = struct.Struct("<8sIII")  # magic, index, parts, bytes of JSON in this one
 _PART_MAGIC = b"KVTHREF1"
 

@@ -11,13 +11,14 @@ under ``kvtier_hidden_states``.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvtier.client import ArenaMemory
-from kvtier.errors import TierUnavailableError
+from kvtier.errors import PoolLayoutError, TierUnavailableError
 from kvtier.hidden import (
     MANIFEST_PART_BYTES,
     HiddenStatesRef,
@@ -28,6 +29,8 @@ from kvtier.hidden import (
 from kvtier.keys import ChunkKey, chunk_hash_bytes, make_key
 from kvtier.protocol import TierClient
 from kvtier_vllm.layout import PoolPlan
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,17 +101,32 @@ class Manifests:
 
     def __init__(self) -> None:
         self._client: TierClient | None = None
+        self._pools: dict[bytes, bool] = {}
+        """Per manifest pool registered with ``_client``, whether the tiers took it."""
         self._arena: ArenaMemory | None = None
         self._inode = 0
 
     def write(self, client: TierClient, ref: HiddenStatesRef) -> int:
-        """Parts written (0: present already, or no room); raises `KVTierError`."""
+        """Parts written (0: present already, no room, or the tiers refuse manifests); raises
+        `KVTierError`."""
         spec = manifest_spec(ref.namespace, ref.spec.tenant)
-        if client is not self._client:  # a new session: its pools are registered anew
-            client.register_pool(spec, MANIFEST_PART_BYTES)
-            self._client = client
-        parts = manifest_parts(ref)
         manifests = spec.digest()
+        if client is not self._client:  # a new session: its pools are registered anew
+            self._client, self._pools = client, {}
+        if manifests not in self._pools:
+            try:
+                client.register_pool(spec, MANIFEST_PART_BYTES)
+                self._pools[manifests] = True
+            except PoolLayoutError as exc:  # a setting, not a passing failure: said once
+                log.error(
+                    "kvtier: manifests of captured hidden states are not stored (%s); export "
+                    "them from the references requests hand back (kvtier hidden export --refs)",
+                    exc,
+                )
+                self._pools[manifests] = False
+        if not self._pools[manifests]:
+            return 0
+        parts = manifest_parts(ref)
         slots = client.reserve([make_key(manifests, name) for name, _ in parts])
         written = [s for s in slots if s is not None]
         if not written:

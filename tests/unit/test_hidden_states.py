@@ -169,7 +169,7 @@ def test_a_kv_dtype_the_chunk_header_cannot_hold_is_refused_at_registration() ->
 def test_a_long_reference_is_a_manifest_of_several_parts_of_one_size() -> None:
     from kvtier.hidden import MANIFEST_PART_BYTES, _part, manifest_name, manifest_parts
 
-    ref = ref_of(6000, bpc=1)  # 1,500 chunks and 6,000 token ids: over 16 KiB of JSON
+    ref = ref_of(24000, bpc=1)  # 6,000 chunks and 24,000 token ids: over 64 KiB of JSON
     parts = manifest_parts(ref)
     assert len(parts) > 1
     assert parts[0][0] == manifest_name(ref)
