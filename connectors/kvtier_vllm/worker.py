@@ -236,7 +236,7 @@ class KVTierWorker:
     def _copy(self, job: ChunkCopy, slots: torch.Tensor, into_arena: bool) -> bool:
         plan = self.plans.get(job.plan)
         if plan is not None and plan.codec is not None:
-            return self._code(job, plan, slots, into_arena)
+            return False  # coded chunks move a step's at once: `_encode_stores`, `_decode_loads`
         pairs = self._pairs(job, slots, per_layer=False)
         if pairs is None:
             return False
@@ -247,27 +247,62 @@ class KVTierWorker:
                 self.copies.copy(pages, arena)
         return True
 
-    def _code(self, job: ChunkCopy, plan: PoolPlan, slots: torch.Tensor, into_arena: bool) -> bool:
-        """A chunk stored in a narrower dtype (`PoolPlan.codec`): encoded from the pages into
-        the slot, or decoded from it into them, at once."""
-        codec = plan.codec
-        if codec is None or not self._slot_current(job, plan, slots):
-            return False
-        values, scales = codec.split(slots[job.offset : job.offset + plan.chunk_bytes])
-        at = torch.arange(job.first_block, job.first_block + len(job.block_ids))
-        pages = self.pages[job.plan][0]  # the hidden pool has one layer
-        blocks = torch.tensor(job.block_ids, device=pages.device)
-        dtype = self.dtypes[job.plan]
-        if into_arena:
-            states = pages[blocks].view(dtype).view(len(blocks), *codec.page_shape)
-            coded, scale = hidden_codec.encode(states)
-            values[at], scales[at] = coded.cpu(), scale.cpu()
-        else:
+    def _decode_loads(self, jobs: list[ChunkCopy], slots: torch.Tensor) -> list[bool]:
+        """A step's loads of coded chunks (`PoolPlan.codec`): each chunk's rows gathered from
+        its slot, then one decode per pool into the pages. Whether each was loaded."""
+        loaded = [False] * len(jobs)
+        for key in {job.plan for job in jobs}:
+            plan = self.plans[key]
+            codec = plan.codec
+            assert codec is not None
+            live = [i for i, j in enumerate(jobs) if j.plan == key]
+            live = [i for i in live if self._slot_current(jobs[i], plan, slots)]
+            if not live:
+                continue
+            parts = []
+            for i in live:
+                job = jobs[i]
+                values, scales = codec.split(slots[job.offset : job.offset + plan.chunk_bytes])
+                at = slice(job.first_block, job.first_block + len(job.block_ids))
+                parts.append((values[at], scales[at]))
+                loaded[i] = True
+            pages = self.pages[key][0]  # the hidden pool has one layer
             states = hidden_codec.decode(
-                values[at].to(pages.device), scales[at].to(pages.device), codec.page_shape, dtype
+                torch.cat([v for v, _ in parts]).to(pages.device),
+                torch.cat([c for _, c in parts]).to(pages.device),
+                codec.page_shape,
+                self.dtypes[key],
             )
-            pages[blocks] = states.reshape(len(blocks), -1).view(torch.uint8)
-        return True
+            ids = torch.tensor([b for i in live for b in jobs[i].block_ids], device=pages.device)
+            pages[ids] = states.reshape(len(ids), -1).view(torch.uint8)
+        return loaded
+
+    def _encode_stores(self, jobs: list[ChunkCopy], slots: torch.Tensor) -> list[bool]:
+        """A step's stores of coded chunks, encoded in one pass per pool (one gather, one
+        encode: per chunk, the ops would cost more than their work), then each chunk's rows
+        copied into its slot. Whether each was written."""
+        written = [False] * len(jobs)
+        for key in {job.plan for job in jobs}:
+            plan = self.plans[key]
+            codec = plan.codec
+            assert codec is not None
+            live = [i for i, j in enumerate(jobs) if j.plan == key]
+            live = [i for i in live if self._slot_current(jobs[i], plan, slots)]
+            if not live:
+                continue
+            pages = self.pages[key][0]
+            ids = torch.tensor([b for i in live for b in jobs[i].block_ids], device=pages.device)
+            states = pages[ids].view(self.dtypes[key]).view(len(ids), *codec.page_shape)
+            coded, scale = (t.cpu() for t in hidden_codec.encode(states))
+            row = 0
+            for i in live:
+                job, n = jobs[i], len(jobs[i].block_ids)
+                values, scales = codec.split(slots[job.offset : job.offset + plan.chunk_bytes])
+                at = slice(job.first_block, job.first_block + n)
+                values[at], scales[at] = coded[row : row + n], scale[row : row + n]
+                row += n
+                written[i] = True
+        return written
 
     def _slot_current(self, job: ChunkCopy, plan: PoolPlan, slots: torch.Tensor) -> bool:
         """Whether the job's slot is the one planned for, in the arena mapped here."""
@@ -375,7 +410,12 @@ class KVTierWorker:
             self._fail_loads(meta.loads, failed)
         else:
             self.copies.begin_loads()
+            coded: list[ChunkCopy] = []
             for job in meta.loads:
+                plan = self.plans.get(job.plan)
+                if plan is not None and plan.codec is not None:
+                    coded.append(job)
+                    continue
                 if self._is_draft(job) and not job.fill:
                     if not self._draft_ok:  # planned for other weights: a defined fill instead
                         self._zero(job.plan, list(job.block_ids))
@@ -389,6 +429,16 @@ class KVTierWorker:
                 else:
                     self._fail_loads([job], failed)
                     self._record("load", job, started, False)
+            if coded:
+                started = time.perf_counter()
+                decoded = self._decode_loads(coded, slots)
+                each = (time.perf_counter() - started) / len(coded)
+                for job, ok in zip(coded, decoded, strict=True):
+                    if ok:
+                        issued.append((job, each))
+                    else:
+                        self._fail_loads([job], failed)
+                        self._count("load", job, each, False)
             self.copies.end_loads()
         for key, blocks in meta.zero.items():
             self._zero(key, blocks)
@@ -487,6 +537,7 @@ class KVTierWorker:
             return
         self.copies.begin_stores()
         issued: list[tuple[int, int]] = []
+        coded: list[ChunkCopy] = []
         for job in meta.stores:
             plan = self.plans.get(job.plan)
             if plan is not None and not plan.shard.writes:
@@ -494,10 +545,20 @@ class KVTierWorker:
             if self._is_draft(job) and not self._draft_ok:
                 self._failed.append((job.slot, job.generation))  # other weights' KV: not stored
                 continue
+            if plan is not None and plan.codec is not None:
+                coded.append(job)
+                continue
             started = time.perf_counter()
             ok = self._copy(job, slots, into_arena=True)
             (issued if ok else self._failed).append((job.slot, job.generation))
             self._record("store", job, started, ok)
+        if coded:
+            started = time.perf_counter()
+            written = self._encode_stores(coded, slots)
+            each = (time.perf_counter() - started) / len(coded)
+            for job, ok in zip(coded, written, strict=True):
+                (issued if ok else self._failed).append((job.slot, job.generation))
+                self._count("store", job, each, ok)
         fence = self.copies.end_stores()
         self._landing.append((fence, issued))
         self._send_after(fence, meta.sending)
