@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import json
 import os
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,9 +116,8 @@ def listed_refs(
     spec = manifest_spec(namespace, tenant)
     manifests = spec.digest()
     manager.register_pool(spec, MANIFEST_PART_BYTES)
-    if manager.object is not None:
-        for _ in manager.warmup(manifests, object_index=True, fetch=True):
-            pass
+    if manager.object is not None:  # list the store, download the pool's manifests into lmdb
+        deque(manager.warmup(manifests, object_index=True, fetch=True), maxlen=0)
     stored = manager.lmdb.keys() if manager.lmdb is not None else iter(())
     keys = [k for k in stored if namespace_of(k) == manifests]
     refs, failed = [], 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from kvtier_vllm import hidden_codec
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.copies import CpuCopies, Fence, copies_for
 from kvtier_vllm.draft import DraftWatch, Fill, find_draft_model_source
+from kvtier_vllm.hidden_codec import Fp8Layout
 from kvtier_vllm.layout import KVGroup, PoolPlan, UnsupportedGroupError, kv_groups, plan_pools
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.shapes import HEADS_FIRST, TOKENS_FIRST, refusal
@@ -247,18 +249,24 @@ class KVTierWorker:
                 self.copies.copy(pages, arena)
         return True
 
+    def _coded(
+        self, jobs: list[ChunkCopy], slots: torch.Tensor
+    ) -> Iterator[tuple[str, PoolPlan, Fp8Layout, list[int]]]:
+        """Per coded pool among ``jobs``: its key, plan, codec and the jobs (by index) whose
+        slots are the ones planned for."""
+        for key in sorted({job.plan for job in jobs}):
+            plan = self.plans[key]
+            assert plan.codec is not None
+            mine = [i for i, job in enumerate(jobs) if job.plan == key]
+            live = [i for i in mine if self._slot_current(jobs[i], plan, slots)]
+            if live:
+                yield key, plan, plan.codec, live
+
     def _decode_loads(self, jobs: list[ChunkCopy], slots: torch.Tensor) -> list[bool]:
         """A step's loads of coded chunks (`PoolPlan.codec`): each chunk's rows gathered from
         its slot, then one decode per pool into the pages. Whether each was loaded."""
         loaded = [False] * len(jobs)
-        for key in {job.plan for job in jobs}:
-            plan = self.plans[key]
-            codec = plan.codec
-            assert codec is not None
-            live = [i for i, j in enumerate(jobs) if j.plan == key]
-            live = [i for i in live if self._slot_current(jobs[i], plan, slots)]
-            if not live:
-                continue
+        for key, plan, codec, live in self._coded(jobs, slots):
             parts = []
             for i in live:
                 job = jobs[i]
@@ -282,14 +290,7 @@ class KVTierWorker:
         encode: per chunk, the ops would cost more than their work), then each chunk's rows
         copied into its slot. Whether each was written."""
         written = [False] * len(jobs)
-        for key in {job.plan for job in jobs}:
-            plan = self.plans[key]
-            codec = plan.codec
-            assert codec is not None
-            live = [i for i, j in enumerate(jobs) if j.plan == key]
-            live = [i for i in live if self._slot_current(jobs[i], plan, slots)]
-            if not live:
-                continue
+        for key, plan, codec, live in self._coded(jobs, slots):
             pages = self.pages[key][0]
             ids = torch.tensor([b for i in live for b in jobs[i].block_ids], device=pages.device)
             states = pages[ids].view(self.dtypes[key]).view(len(ids), *codec.page_shape)
