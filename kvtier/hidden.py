@@ -342,7 +342,7 @@ class HiddenStatesReader:
         path = self.client.arena_path
         if self._arena is None or self._arena.path != path:
             self.close()
-            self._arena = ArenaMemory.attach(path)
+            self._arena = ArenaMemory.attach(path, populate=False)  # it reads a few slots
         return self._arena
 
     def close(self) -> None:

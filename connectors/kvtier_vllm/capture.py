@@ -148,7 +148,8 @@ class Manifests:
             raise TierUnavailableError(f"no arena at {path}: {exc.strerror}") from None
         if self._arena is None or self._inode != inode:
             self.close()
-            self._arena = ArenaMemory.attach(path)
+            # a few small parts per request: mapping every page would stall the scheduler
+            self._arena = ArenaMemory.attach(path, populate=False)
             self._inode = inode
         return self._arena
 
