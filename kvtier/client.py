@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Generic, Literal, TypeVar, overload
 from kvtier.journal import ChunkEvents
 from kvtier.keys import ChunkKey, NamespaceSpec
 from kvtier.protocol import Answer, DraftState, LookupResult, SlotRef
-from kvtier.tiers.arena import ArenaMemory
+from kvtier.tiers.arena import ArenaAtPath, ArenaMemory
 
 if TYPE_CHECKING:  # the manager is handed in: importing this module loads no tier
     from kvtier.manager import ManagerStats, TierManager
 
-__all__ = ["ArenaMemory", "InProcessClient"]
+__all__ = ["ArenaAtPath", "ArenaMemory", "InProcessClient"]
 
 T = TypeVar("T")
 

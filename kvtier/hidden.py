@@ -31,7 +31,7 @@ from kvtier.keys import (
     namespace_of,
 )
 from kvtier.protocol import SlotRef, TierClient
-from kvtier.tiers.arena import ArenaMemory
+from kvtier.tiers.arena import ArenaAtPath, ArenaMemory
 
 REF_FIELD = "kvtier_hidden_states"
 REF_VERSION = 1
@@ -263,7 +263,7 @@ class HiddenStatesReader:
     timeout_s: float = 30.0
     """How long a chunk may take to appear: a tail is written after its request ends."""
     poll_s: float = 0.02
-    _arena: ArenaMemory | None = field(default=None, init=False)
+    _arena: ArenaAtPath | None = field(default=None, init=False)
     _registered: set[bytes] = field(default_factory=set, init=False)
 
     def load(self, ref: HiddenStatesRef | dict[str, Any]) -> HiddenStates:
@@ -342,8 +342,8 @@ class HiddenStatesReader:
         path = self.client.arena_path
         if self._arena is None or self._arena.path != path:
             self.close()
-            self._arena = ArenaMemory.attach(path, populate=False)  # it reads a few slots
-        return self._arena
+            self._arena = ArenaAtPath(path, populate=False)  # it reads a few slots
+        return self._arena.current()
 
     def close(self) -> None:
         if self._arena is not None:

@@ -12,13 +12,12 @@ under ``kvtier_hidden_states``.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.client import ArenaMemory
-from kvtier.errors import PoolLayoutError, TierUnavailableError
+from kvtier.client import ArenaAtPath, ArenaMemory
+from kvtier.errors import PoolLayoutError
 from kvtier.hidden import (
     MANIFEST_PART_BYTES,
     HiddenStatesRef,
@@ -82,16 +81,14 @@ class Capture:
             token_ids=tuple(ids),
         )
 
-    def tail(self, request: Any, namespace: bytes, block_ids: list[int]) -> Tail | None:
-        """The chunk of the tokens past the last whole one, and the blocks holding them; None
-        where the tokens end on a whole chunk."""
-        ids = self.token_ids(request)
-        whole = len(ids) // self.chunk_tokens
-        if len(ids) == whole * self.chunk_tokens:
+    def tail(self, ref: HiddenStatesRef, namespace: bytes, block_ids: list[int]) -> Tail | None:
+        """The reference's chunk of the tokens past the last whole one, and the blocks holding
+        them; None where the tokens end on a whole chunk."""
+        whole = ref.tokens // self.chunk_tokens
+        if ref.tokens == whole * self.chunk_tokens:
             return None
-        name = self._hashes(request, ids)[-1]
-        first, end = whole * self.plan.blocks_per_chunk, -(-len(ids) // self.tokens_per_block)
-        return Tail(make_key(namespace, name), tuple(block_ids[first:end]))
+        first, end = whole * self.plan.blocks_per_chunk, -(-ref.tokens // self.tokens_per_block)
+        return Tail(make_key(namespace, ref.chunks[-1]), tuple(block_ids[first:end]))
 
 
 class Manifests:
@@ -103,8 +100,7 @@ class Manifests:
         self._client: TierClient | None = None
         self._pools: dict[bytes, bool] = {}
         """Per manifest pool registered with ``_client``, whether the tiers took it."""
-        self._arena: ArenaMemory | None = None
-        self._inode = 0
+        self._arena: ArenaAtPath | None = None
 
     def write(self, client: TierClient, ref: HiddenStatesRef) -> int:
         """Parts written (0: present already, no room, or the tiers refuse manifests); raises
@@ -142,16 +138,11 @@ class Manifests:
         return client.commit(written)
 
     def _memory(self, path: Path) -> ArenaMemory:
-        try:
-            inode = os.stat(path).st_ino  # a restarted daemon's arena is a new file
-        except OSError as exc:
-            raise TierUnavailableError(f"no arena at {path}: {exc.strerror}") from None
-        if self._arena is None or self._inode != inode:
+        if self._arena is None or self._arena.path != path:
             self.close()
             # a few small parts per request: mapping every page would stall the scheduler
-            self._arena = ArenaMemory.attach(path, populate=False)
-            self._inode = inode
-        return self._arena
+            self._arena = ArenaAtPath(path, populate=False)
+        return self._arena.current()  # mapped again for a restarted daemon's new file
 
     def close(self) -> None:
         if self._arena is not None:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvtier.errors import KVTierError
-from kvtier.hidden import REF_FIELD
+from kvtier.hidden import REF_FIELD, HiddenStatesRef
 from kvtier.keys import NamespaceSpec, Pool
 from kvtier.protocol import SlotRef, TierClient
 from kvtier.rpc import DaemonStalledError
@@ -509,7 +509,7 @@ class KVTierScheduler:
             and not capture.with_outputs(request)
         ):
             state.tail_stored = True  # the prompt's states are all computed by this step
-            self._store_tail(meta, request, state.block_ids)
+            self._store_tail(meta, request, capture.reference(request), state.block_ids)
         bpc = self.cfg.blocks_per_chunk
         blocks_known = min((len(ids) for ids in state.block_ids), default=0)
         full = min(done // self.chunk_tokens, len(request.block_hashes) // bpc, blocks_known // bpc)
@@ -590,19 +590,21 @@ class KVTierScheduler:
         if not capture.with_outputs(request):
             return False, params  # the prompt's tail was stored with its last token
         # vLLM asserts each request reported sent is one it keeps: the last step here
-        keep = self._store_tail(self._queued, request, block_ids)
+        keep = self._store_tail(self._queued, request, ref, block_ids)
         if keep:
             self._queued.sending.append(request.request_id)
         return keep, params
 
-    def _store_tail(self, meta: KVTierMetadata, request: Any, block_ids: list[list[int]]) -> bool:
+    def _store_tail(
+        self, meta: KVTierMetadata, request: Any, ref: HiddenStatesRef, block_ids: list[list[int]]
+    ) -> bool:
         """Reserve the request's hidden-state tail, copied with ``meta``'s stores; whether a
         copy was added (none: no tail, present already, no room)."""
         capture = self.capture
         namespace = self.namespaces.get(capture.plan.key) if capture is not None else None
         if capture is None or namespace is None or self.stores is None:
             return False
-        tail = capture.tail(request, namespace, block_ids[capture.plan.group])
+        tail = capture.tail(ref, namespace, block_ids[capture.plan.group])
         if tail is None:
             return False
         if not tail.blocks or not all(tail.blocks):
