@@ -5,7 +5,6 @@ Real engine (the CPU build), in-process, against a real kvtierd process."""
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -152,7 +151,7 @@ def test_a_stopped_kvtierd_costs_a_few_deadlines_then_nothing_and_hits_return_af
         client = _client(timings)
         assert client.serving
 
-        daemon.proc.send_signal(signal.SIGSTOP)
+        daemon.stop()
         try:
             # alive and silent: every call would have waited 10 s; none may wait much past
             # its deadline, and the engine computes what kvtier cannot give
@@ -182,7 +181,7 @@ def test_a_stopped_kvtierd_costs_a_few_deadlines_then_nothing_and_hits_return_af
             assert worst < bound, f"{name} took {worst:.3f} s with the breaker open"
             assert max(timings.in_steps) < bound, open_summary
         finally:
-            daemon.proc.send_signal(signal.SIGCONT)
+            daemon.resume()
 
         # the probe notices kvtierd again (in a new session if the old one lapsed meanwhile)
         resumed = time.monotonic()
@@ -226,7 +225,7 @@ def test_an_engine_started_against_a_stopped_kvtierd_connects_later_without_a_st
     connector = {**kvtier_config(extra), "kv_load_failure_policy": "recompute"}
     expected = baseline[: len(prompts)]
     bound = max(LOOKUP_MS, STORE_MS) / 1000 + MARGIN_S
-    daemon.proc.send_signal(signal.SIGSTOP)
+    daemon.stop()
     try:
         with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
             # past the connector's retry interval (5 s): a retry runs while steps go on
@@ -239,7 +238,7 @@ def test_an_engine_started_against_a_stopped_kvtierd_connects_later_without_a_st
             stopped = timings.summary()
             name, worst = timings.slowest()
             assert worst < bound, f"{name} took {worst:.3f} s, kvtierd stopped ({stopped})"
-            daemon.proc.send_signal(signal.SIGCONT)
+            daemon.resume()
             # the next retry connects; then prompts are stored, then hit
             resumed = time.monotonic()
             while True:
@@ -254,7 +253,7 @@ def test_an_engine_started_against_a_stopped_kvtierd_connects_later_without_a_st
             name, worst = timings.slowest()
             assert worst < bound, f"{name} took {worst:.3f} s ({timings.summary()})"
     finally:
-        daemon.proc.send_signal(signal.SIGCONT)
+        daemon.resume()
     print(f"\nstarted stopped: {stopped}\nhits {hit_after:.2f} s after SIGCONT")
 
 
@@ -282,7 +281,7 @@ def test_the_sidecar_client_waits_one_deadline_then_fails_at_once_until_a_probe_
         assert client.commit(refs) == len(keys)
         healthy, error = _seconds(lambda: client.lookup(keys))
         assert error is None
-        daemon.proc.send_signal(signal.SIGSTOP)
+        daemon.stop()
         try:
             # the call that meets the stopped daemon waits its deadline, no longer
             waited, error = _seconds(lambda: client.lookup(keys))
@@ -307,7 +306,7 @@ def test_the_sidecar_client_waits_one_deadline_then_fails_at_once_until_a_probe_
             assert sum(seconds for seconds, _ in failing) < 0.1, failing
             assert all(isinstance(error, DaemonStalledError) for _, error in failing[:-1]), failing
         finally:
-            daemon.proc.send_signal(signal.SIGCONT)
+            daemon.resume()
         # the probe finds it again, within a few of its intervals
         resumed = time.monotonic()
         while not client.serving:
@@ -337,23 +336,26 @@ def test_the_breaker_opens_after_misses_in_a_row_not_after_one_slow_call(
         keys = [key_of(i) for i in range(4)]
 
         def stopped_lookups(n: int) -> list[BaseException | None]:
-            daemon.proc.send_signal(signal.SIGSTOP)
+            daemon.stop()
             try:
                 return [_seconds(lambda: client.lookup(keys))[1] for _ in range(n)]
             finally:
-                daemon.proc.send_signal(signal.SIGCONT)
+                daemon.resume()
+
+        def stalled(errors: list[BaseException | None]) -> bool:
+            return all(isinstance(e, DaemonStalledError) for e in errors)
 
         # two late answers: each a miss, the breaker stays closed
-        assert all(isinstance(e, DaemonStalledError) for e in stopped_lookups(2))
+        assert stalled(stopped_lookups(2))
         assert client.serving
         # an answer in time starts the count again
         assert client.lookup(keys).hits == 0
         assert client.breaker is not None
         assert client.breaker.misses == 0
-        assert all(isinstance(e, DaemonStalledError) for e in stopped_lookups(2))
+        assert stalled(stopped_lookups(2))
         assert client.serving
         # a third in a row opens it: the next call fails at once, making none
-        assert all(isinstance(e, DaemonStalledError) for e in stopped_lookups(3))
+        assert stalled(stopped_lookups(3))
         assert not client.serving
         assert client.breaker.opened == 1
         waited, error = _seconds(lambda: client.lookup(keys))

@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -189,9 +190,40 @@ class RunningDaemon:
     def log_text(self) -> str:
         return self.files.log.read_text() if self.files.log.exists() else ""
 
+    def stop(self) -> None:
+        """SIGSTOP, returning once every thread has stopped: the signal alone lets a thread
+        that is running finish the call in hand."""
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10.0
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        while not all(_stopped(task) for task in tasks.iterdir()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"kvtierd (pid {self.proc.pid}) did not stop on SIGSTOP")
+            time.sleep(0.001)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    @contextmanager
+    def stopped(self) -> Iterator[None]:
+        self.stop()
+        try:
+            yield
+        finally:
+            self.resume()
+
     def signal_and_wait(self, signum: int, timeout_s: float) -> int:
         self.proc.send_signal(signum)
         return self.proc.wait(timeout_s)
+
+
+def _stopped(task: Path) -> bool:
+    try:
+        stat = (task / "stat").read_text()
+    except FileNotFoundError:  # the thread ended
+        return True
+    # the state follows the command name, which may hold spaces and parentheses
+    return stat[stat.rindex(")") + 2] in "tT"
 
 
 def _client_command(command: str, socket: Path, replica: str, *args: str) -> list[str]:

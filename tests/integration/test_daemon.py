@@ -622,13 +622,13 @@ def test_a_hit_the_arena_holds_whole_is_found_in_its_index_and_reported_later(
         keys, refs = _committed(client, 3)
         lookups = daemon.stats().counters["lookups"]
         # the daemon stopped: the answer cannot come from it
-        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        daemon.stop()
         try:
             started = time.monotonic()
             result, found = client.lookup(keys, lease=True)
             answered_s = time.monotonic() - started
         finally:
-            os.kill(daemon.proc.pid, signal.SIGCONT)
+            daemon.resume()
         assert answered_s < 5.0  # a call would have waited for its 10 s timeout
         assert (result.hits, result.tiers, result.pending) == (3, ["cpu"] * 3, False)
         # the committed slots, at their current generation, with no lease behind them

@@ -5,8 +5,6 @@ real SIGSTOP."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
@@ -75,12 +73,12 @@ def _refused(call: Callable[[], Any]) -> grpc.RpcError:
 @contextmanager
 def _stalled(daemon: RunningDaemon) -> Iterator[None]:
     """The daemon stopped (SIGSTOP), as a machine too busy to schedule it would."""
-    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    daemon.stop()
     try:
         yield
     finally:
         time.sleep(STALL_S)
-        os.kill(daemon.proc.pid, signal.SIGCONT)
+        daemon.resume()
 
 
 def _client(files: DaemonFiles, timeout_s: float = 10.0) -> GrpcTierClient:
