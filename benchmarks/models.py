@@ -7,6 +7,7 @@ subdirectory of a cache root named after its parameters and is reused when prese
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import random
@@ -415,16 +416,29 @@ def capture_config(layers: Sequence[int]) -> dict[str, Any]:
     }
 
 
-def engine_env(tmp: Path, *, multiprocess: bool = False) -> dict[str, str]:
-    """Environment for one engine: offline, with caches and sockets in new dirs under `tmp`."""
+def engine_env(
+    tmp: Path, *, multiprocess: bool = False, caches: Path | None = None
+) -> dict[str, str]:
+    """Environment for one engine: offline, with sockets and temp files in new dirs under `tmp`,
+    and vLLM's and torch's caches under ``caches`` (default `tmp`). What they cache is compiled
+    kernels, keyed by their source: engines may share them, and a fresh cache costs a TP=2
+    engine about 15 s of compiling."""
     tmp = Path(tmp)
+    caches = tmp if caches is None else Path(caches)
     dirs = {
-        "VLLM_CACHE_ROOT": tmp / "vllm-cache",
-        "TORCHINDUCTOR_CACHE_DIR": tmp / "inductor",
+        "VLLM_CACHE_ROOT": caches / "vllm-cache",
+        "TORCHINDUCTOR_CACHE_DIR": caches / "inductor",
         "TMPDIR": tmp / "tmp",
     }
     for d in dirs.values():
         d.mkdir(parents=True, exist_ok=True)
+    if caches != tmp:
+        # torch keeps its precompiled headers under the temp dir, whatever its cache dir says
+        headers = caches / "inductor-tmp"
+        headers.mkdir(exist_ok=True)
+        link = dirs["TMPDIR"] / f"torchinductor_{getpass.getuser()}"
+        if not link.exists():
+            link.symlink_to(headers, target_is_directory=True)
     return {
         **{k: str(v) for k, v in dirs.items()},
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",

@@ -15,6 +15,16 @@ from tests.integration.daemon_harness import Processes
 pytest_plugins = ["tests.objstore.fixtures"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def engine_caches(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """vLLM's and torch's compiled kernels, shared by every engine of the run."""
+    from tests.e2e.conftest import use_engine_caches
+
+    path = tmp_path_factory.mktemp("engine-caches")
+    use_engine_caches(path)
+    return path
+
+
 @pytest.fixture
 def shm_path() -> Iterator[Path]:
     path = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"

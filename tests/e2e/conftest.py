@@ -65,8 +65,17 @@ def deploy(build: Path, served: Path) -> None:
             shutil.copy2(file, served / file.name)
 
 
+_caches: list[Path] = []
+"""The run's one cache directory for every engine (set by `engine_caches`)."""
+
+
+def use_engine_caches(path: Path) -> None:
+    _caches[:] = [path]
+
+
 def set_engine_env(mp: pytest.MonkeyPatch, tmp: Path, *, multiprocess: bool = False) -> None:
-    for name, value in engine_env(tmp, multiprocess=multiprocess).items():
+    caches = _caches[0] if _caches else None
+    for name, value in engine_env(tmp, multiprocess=multiprocess, caches=caches).items():
         mp.setenv(name, value)
     # The KV size is given as kv_cache_memory_bytes; this variable would silently override it.
     mp.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)

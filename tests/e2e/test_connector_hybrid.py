@@ -378,9 +378,11 @@ def test_six_groups_in_a_multiprocess_engine_store_and_load_across_processes(
     set_engine_env(monkeypatch, tmp_path, multiprocess=True)
     connector = kvtier_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path))})
     runs = []
-    for _ in range(2):
+    # the second engine in-process: what the first one's worker process stored, its own
+    # worker loads (a multiprocess engine's loads are the TP tests')
+    for multiprocess in (True, False):
         with running_llm(
-            hybrid_five_to_one, kv_transfer_config=connector, multiprocess=True
+            hybrid_five_to_one, kv_transfer_config=connector, multiprocess=multiprocess
         ) as llm:
             runs.append(generate(llm, prompts))
     assert runs[0].same_tokens_and_top(baseline.cold)

@@ -143,7 +143,8 @@ def test_states_read_back_equal_the_reference_and_a_shared_prefix_is_stored_once
     written, expected_tokens = reference.states, reference.tokens
     config = embedded_yaml(tmp_path, shm_path)
     connector = kvtier_config({"kvtier_config": str(config)})
-    with capturing(tiny_models.target, connector) as llm:
+    # in-process: without the outputs' states, every tail is stored in the step that ends it
+    with capturing(tiny_models.target, connector, multiprocess=False) as llm:
         outputs = generate(llm, shared_prompts)
         stored = counter(llm, TRANSFER_BYTES, direction="store", pool="hidden")
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected_tokens
