@@ -27,7 +27,6 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,14 +202,6 @@ class RunningDaemon:
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
-
-    @contextmanager
-    def stopped(self) -> Iterator[None]:
-        self.stop()
-        try:
-            yield
-        finally:
-            self.resume()
 
     def signal_and_wait(self, signum: int, timeout_s: float) -> int:
         self.proc.send_signal(signum)
