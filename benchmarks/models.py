@@ -470,9 +470,12 @@ def make_llm(
     *,
     kv_transfer_config: Mapping[str, Any] | None = None,
     multiprocess: bool = False,
+    kv_events: bool = False,
     **kwargs: Any,
 ) -> Any:
     """A small eager vllm.LLM with a fixed KV size; `kwargs` override any engine argument.
+    ``kv_events``: vLLM's KV events on, published nowhere (the connector makes events only
+    when vLLM publishes them).
 
     Apply `engine_env` first (through monkeypatch in tests). The multiprocessing switch is set
     here because vLLM reads it while it builds the engine.
@@ -493,6 +496,10 @@ def make_llm(
     }
     if kv_transfer_config is not None:
         settings["kv_transfer_config"] = dict(kv_transfer_config)
+    if kv_events:
+        from vllm.config import KVEventsConfig
+
+        settings["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     settings.update(kwargs)
     return LLM(**settings)
 

@@ -76,6 +76,13 @@ def cache_hit_source(name: str) -> object:
     return CacheHitSource(name)
 
 
+def publishes_kv_events(vllm_config: object) -> bool:
+    """Whether vLLM publishes KV events: without a publisher the ones the connector makes are
+    dropped, so it makes none."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    return bool(config is not None and config.enable_kv_cache_events)
+
+
 def block_stored_event(
     hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int, medium: str
 ) -> object:

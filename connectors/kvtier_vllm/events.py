@@ -37,8 +37,11 @@ class _Chunk:
 
 
 class KVEventFeed:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, enabled: bool = True) -> None:
+        """``enabled`` False (vLLM publishes no events): nothing is tracked, and the tiers'
+        journal is never asked, which would cost a call every poll for events nobody reads."""
         self.block_size = block_size
+        self.enabled = enabled
         self._chunks: OrderedDict[ChunkKey, _Chunk] = OrderedDict()
         self._with_tokens: OrderedDict[ChunkKey, None] = OrderedDict()
         self._planned: dict[Handle, tuple[ChunkKey, _Chunk]] = {}
@@ -57,7 +60,8 @@ class KVEventFeed:
         parent: bytes | None,
         tokens: list[int],
     ) -> None:
-        self._planned[handle] = (key, _Chunk(hashes, parent, array("l", tokens)))
+        if self.enabled:
+            self._planned[handle] = (key, _Chunk(hashes, parent, array("l", tokens)))
 
     def store_done(self, handle: Handle) -> None:
         planned = self._planned.pop(handle, None)
@@ -81,11 +85,15 @@ class KVEventFeed:
 
     def follow(self, client: TierClient) -> None:
         """Start from the journal's end (a new connection)."""
+        if not self.enabled:
+            return
         self._answer = None
         self._cursor = client.chunk_events(-1).result().cursor
 
     def poll(self, client: TierClient) -> None:
         """Take an answer that came, and ask again when due; never waits."""
+        if not self.enabled:
+            return
         if self._answer is not None:
             if not self._answer.done():
                 return

@@ -20,7 +20,12 @@ from kvtier.hidden import REF_FIELD, HiddenStatesRef
 from kvtier.keys import NamespaceSpec, Pool
 from kvtier.protocol import SlotRef, TierClient
 from kvtier.rpc import DaemonStalledError
-from kvtier_vllm.adapter import eagle_block_drop, failure_policy_warning, replica_of
+from kvtier_vllm.adapter import (
+    eagle_block_drop,
+    failure_policy_warning,
+    publishes_kv_events,
+    replica_of,
+)
 from kvtier_vllm.capture import Capture, Manifests
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.draft import AcceptanceMeter, DraftTracker, Fill
@@ -102,7 +107,7 @@ class KVTierScheduler:
         self.namespaces: dict[str, bytes] = {}
         """Per plan key; a pool without one is not stored (a draft mid-swap)."""
         self.arena_path = ""
-        self.events = KVEventFeed(self.block_size)
+        self.events = KVEventFeed(self.block_size, publishes_kv_events(vllm_config))
         self.leases = Leases(_LEASE_STEPS)
         self.verifier = Verifier(
             cfg.verify_sample_rate, cfg.verify_max_error, self.by_key, cfg.verify_seed

@@ -143,6 +143,8 @@ class Stores:
         self._pending[(ref.slot, ref.generation)] = _PendingStore(ref, step, plan.shard.writers)
 
     def _announce(self, handle: tuple[int, int], key: ChunkKey, request: Any, chunk: int) -> None:
+        if not self.events.enabled:
+            return
         bpc = self.blocks_per_chunk
         hashes = request.block_hashes[chunk * bpc : (chunk + 1) * bpc]
         parent = request.block_hashes[chunk * bpc - 1] if chunk else None

@@ -88,7 +88,7 @@ def test_embedded_outputs_match_and_a_fresh_engine_hits_what_another_stored(
     kv_events: list[Any],
 ) -> None:
     connector = kvtier_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path))})
-    with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+    with running_llm(tiny_models.target, kv_transfer_config=connector, kv_events=True) as llm:
         first, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
         assert counter_value(llm, EXTERNAL_HITS) == 0  # nothing stored before this engine
         stored = counter(llm, TRANSFER_BYTES, direction="store", pool="target")

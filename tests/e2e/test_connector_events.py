@@ -47,7 +47,8 @@ def test_routers_hear_of_blocks_entering_the_arena_and_lmdb_and_leaving_the_aren
 ) -> None:
     extra = {"kvtier_config": str(_small_arena_yaml(tmp_path, shm_path)), "write_through": True}
     outputs = []
-    with running_llm(tiny_models.target, kv_transfer_config=kvtier_config(extra)) as llm:
+    connector = kvtier_config(extra)
+    with running_llm(tiny_models.target, kv_transfer_config=connector, kv_events=True) as llm:
         for prompt in prompts:
             outputs += generate_tokens(llm, [prompt], max_tokens=MAX_TOKENS)[0]
             time.sleep(WRITE_THROUGH_WAIT_S)  # written to lmdb: clean, so the arena may evict

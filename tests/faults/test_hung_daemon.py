@@ -139,7 +139,7 @@ def test_a_stopped_kvtierd_costs_a_few_deadlines_then_nothing_and_hits_return_af
     expected, expected_fresh = baseline[: len(prompts)], baseline[len(prompts) :]
     bound = max(LOOKUP_MS, STORE_MS) / 1000 + MARGIN_S
     caplog.set_level(logging.WARNING, logger="kvtier.rpc")
-    with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+    with running_llm(tiny_models.target, kv_transfer_config=connector, kv_events=True) as llm:
         assert generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)[0] == expected
         # healthy: stored prompts hit, in the time a step takes anyway
         timings.clear()
@@ -227,7 +227,7 @@ def test_an_engine_started_against_a_stopped_kvtierd_connects_later_without_a_st
     bound = max(LOOKUP_MS, STORE_MS) / 1000 + MARGIN_S
     daemon.stop()
     try:
-        with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+        with running_llm(tiny_models.target, kv_transfer_config=connector, kv_events=True) as llm:
             # past the connector's retry interval (5 s): a retry runs while steps go on
             stopped_until = time.monotonic() + 6.0
             while time.monotonic() < stopped_until:
