@@ -37,9 +37,9 @@ class _Chunk:
 
 
 class KVEventFeed:
-    def __init__(self, block_size: int, enabled: bool = True) -> None:
-        """``enabled`` False (vLLM publishes no events): nothing is tracked, and the tiers'
-        journal is never asked, which would cost a call every poll for events nobody reads."""
+    def __init__(self, block_size: int, enabled: bool) -> None:
+        """``enabled`` False (vLLM publishes no events): the journal is never asked, which would
+        cost a call every poll for events nobody reads, and stores are not announced."""
         self.block_size = block_size
         self.enabled = enabled
         self._chunks: OrderedDict[ChunkKey, _Chunk] = OrderedDict()
@@ -60,8 +60,7 @@ class KVEventFeed:
         parent: bytes | None,
         tokens: list[int],
     ) -> None:
-        if self.enabled:
-            self._planned[handle] = (key, _Chunk(hashes, parent, array("l", tokens)))
+        self._planned[handle] = (key, _Chunk(hashes, parent, array("l", tokens)))
 
     def store_done(self, handle: Handle) -> None:
         planned = self._planned.pop(handle, None)
