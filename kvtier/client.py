@@ -135,6 +135,9 @@ class InProcessClient:
     def report_hits(self, every_s: float = 0.0) -> None:
         pass  # every lookup here is a call
 
+    def set_busy(self, busy: bool) -> None:
+        pass  # the caller runs the engine: it decides when to flush
+
     def in_arena(self, keys: Sequence[ChunkKey]) -> list[SlotRef] | None:
         return None  # a lookup here is no dearer
 

@@ -201,8 +201,10 @@ class ManagerConfig(_Section):
         0.2,
         ge=0.0,
         le=1.0,
-        description="Share of each arena pool kept free or already in lmdb, so stores find a "
-        "victim without waiting.",
+        description="Share of the slots each arena pool can reach (free extents it may still "
+        "take included) kept free or already in lmdb, so stores find a victim without waiting. "
+        "Beside a busy engine kvtierd writes only what keeps this share; with none busy, "
+        "everything.",
     )
     draft_grace_s: float = Field(
         3600.0,

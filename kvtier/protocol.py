@@ -221,6 +221,11 @@ class TierClient(Protocol):
         waiting (a client whose answers all come from a call has none)."""
         ...
 
+    def set_busy(self, busy: bool) -> None:
+        """Whether this client's engine holds requests now. Tiers in another process write
+        the arena to lmdb while no engine is busy, so that it takes no CPU from a forward."""
+        ...
+
     def in_arena(self, keys: Sequence[ChunkKey]) -> list[SlotRef] | None:
         """The slot of each key of the longest prefix the arena holds, read without a call and
         without a lease (a hint: the slot may be reused after); None where this client cannot

@@ -43,10 +43,16 @@ class WriteBack:
         self._write_through = config.manager.demote_mode is DemoteMode.WRITE_THROUGH
         cpu.track_dirty(True)
         cpu.set_clean_reserve(1.0 if self._write_through else config.manager.clean_reserve)
+        self._idle: Callable[[], bool] = lambda: False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvtier-writeback", daemon=True)
         self._thread.start()
+
+    def write_all_when(self, idle: Callable[[], bool]) -> None:
+        """While ``idle()`` is true (no engine is running a request), write every dirty chunk,
+        not only what the clean reserve needs: the CPU time is nobody's then."""
+        self._idle = idle
 
     def wake(self) -> None:
         """Chunks were committed: write-through writes them now."""
@@ -57,7 +63,8 @@ class WriteBack:
             self._wake.wait(0.5)
             self._wake.clear()
             try:
-                while self._batch(everything=self._write_through):
+                # asked again each batch: an engine that starts a request stops the writing
+                while self._batch(everything=self._write_through or self._idle()):
                     pass
                 self._between_batches()
             except Exception:  # never let the mover die silently

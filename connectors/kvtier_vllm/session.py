@@ -209,9 +209,12 @@ class Session:
         atexit.register(at_exit)
 
     def touch(self, active: bool) -> None:
-        """The engine did something (``active``: it holds requests): the idle writer waits."""
+        """The engine did something (``active``: it holds requests): writing to lmdb waits,
+        here or in kvtierd."""
         if self.writer is not None:
             self.writer.touch(active)
+        if self.client is not None:
+            self.client.set_busy(active)
 
     def stop(self) -> None:
         """Stop the at-exit hook and the idle writer, and close a client opened but never

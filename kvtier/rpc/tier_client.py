@@ -103,6 +103,8 @@ class GrpcTierClient:
         self._reported: list[SlotRef] = []
         """The leases the report in flight ends."""
         self._next_report = 0.0
+        self._busy = False
+        """Sent with each heartbeat (see `set_busy`)."""
         self._deadlines = deadlines
         self.breaker = (
             Breaker(self.target, deadlines.misses_to_open) if deadlines is not None else None
@@ -303,7 +305,7 @@ class GrpcTierClient:
             log.debug("hit report to %s failed: %s", self.target, exc)
 
     def _heartbeat_once(self, timeout: float | None = None, in_step: bool = True) -> None:
-        request = tier_pb2.HeartbeatRequest(session_id=self.session_id)
+        request = tier_pb2.HeartbeatRequest(session_id=self.session_id, busy=self._busy)
         if in_step:
             response = self._rpc(self._stub.Heartbeat, request, timeout)
         else:  # past the breaker: this call is the one that may close it
@@ -401,6 +403,10 @@ class GrpcTierClient:
         codes = bytes([_IN_ARENA]) * len(found) + result.tier_codes
         hit = LookupResult(len(found) + result.hits, codes, result.pending)
         return hit, [*found, *leases]
+
+    def set_busy(self, busy: bool) -> None:
+        """Told to kvtierd by the next heartbeat; a lookup or reserve says busy at once."""
+        self._busy = busy
 
     def in_arena(self, keys: Sequence[ChunkKey]) -> list[SlotRef] | None:
         if self._arena is None:

@@ -172,6 +172,8 @@ class Daemon:
         self.manager = TierManager(self.config)
         try:
             self.sessions = SessionRegistry(self.manager, cfg.session_timeout_s)
+            if self.manager.writeback is not None:
+                self.manager.writeback.write_all_when(self.sessions.idle)
             self._start_data_plane(cfg)
             self._start_admin(cfg, admin_host, admin_port, admin_token, read_token)
             self._start_metrics(cfg)

@@ -62,6 +62,13 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     def _session(self, session_id: str) -> Session:
         return self.sessions.live(session_id)  # any call proves the client alive
 
+    def _busy_session(self, session_id: str) -> Session:
+        """A lookup or reserve: its engine is running a request, so idle write-back stops now
+        rather than at its next heartbeat."""
+        session = self._session(session_id)
+        session.busy = True
+        return session
+
     def _batch(self, items: Sequence[T]) -> Sequence[T]:
         check_batch(items, self.config.max_batch_keys)
         return items
@@ -128,7 +135,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     def Lookup(
         self, request: tier_pb2.LookupRequest, context: grpc.ServicerContext
     ) -> tier_pb2.LookupResponse:
-        session = self._session(request.session_id)
+        session = self._busy_session(request.session_id)
         # check everything first: a bad call changes nothing
         keys = self._own_keys(session, request.keys)
         release = self._refs(session, request.release)
@@ -150,7 +157,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     def Reserve(
         self, request: tier_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> tier_pb2.ReserveResponse:
-        session = self._session(request.session_id)
+        session = self._busy_session(request.session_id)
         # check everything first: a bad call changes nothing
         keys = self._own_keys(session, request.keys)
         refs = self._refs(session, request.commit)
@@ -232,7 +239,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self, request: tier_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> tier_pb2.HeartbeatResponse:
         return tier_pb2.HeartbeatResponse(
-            alive=self.sessions.heartbeat(request.session_id),
+            alive=self.sessions.heartbeat(request.session_id, request.busy),
             drafts=drafts_to(self.manager.draft_states()),
             quarantined=self.manager.quarantines.namespaces,
         )

@@ -61,6 +61,8 @@ class Session:
     """Each with the time it was made."""
     closed: bool = False
     """Reaped or closed: nothing is recorded in it any more."""
+    busy: bool = False
+    """Its engine holds requests: said by its heartbeats, and by a lookup or reserve."""
 
 
 class SessionRegistry:
@@ -127,13 +129,19 @@ class SessionRegistry:
             raise self._gone(session_id)
         return session
 
-    def heartbeat(self, session_id: str) -> bool:
+    def heartbeat(self, session_id: str, busy: bool = False) -> bool:
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None:
                 return False
             session.deadline = self._clock() + self.timeout_s
+            session.busy = busy
             return True
+
+    def idle(self) -> bool:
+        """No session's engine holds a request (or none is open)."""
+        with self._lock:
+            return not any(session.busy for session in self._sessions.values())
 
     def live(self, session_id: str) -> Session:
         """The session, its heartbeat refreshed (any call proves the client alive); raises

@@ -177,10 +177,14 @@ class CpuTier(Tier):
 
     # -- allocation and eviction ----------------------------------------------------------
 
-    def _grow(self, cls: SlotClass) -> bool:
+    def _growable_extents(self, cls: SlotClass) -> int:
+        """Extents ``cls`` may still take: free ones, within its pool's share."""
         pool_extents = sum(c.extents for c in self._classes.values() if c.pool == cls.pool)
         limit = self.pool_capacity_bytes(cls.pool) // self.memory.extent_bytes
-        if not self._free_extents or pool_extents >= limit:
+        return max(0, min(len(self._free_extents), limit - pool_extents))
+
+    def _grow(self, cls: SlotClass) -> bool:
+        if not self._growable_extents(cls):
             return False
         extent = self._free_extents.pop()
         self.memory.extent_slot_bytes[extent] = cls.slot_bytes
@@ -435,12 +439,16 @@ class CpuTier(Tier):
     def take_dirty(self, limit: int, everything: bool) -> list[SlotRef]:
         """Lease up to ``limit`` dirty chunks, oldest first, from classes past their clean
         reserve (or all classes with ``everything``). The caller writes them to the next tier
-        and calls `writeback_done`."""
+        and calls `writeback_done`.
+
+        A class's reserve is a share of the slots it can reach, free extents it may still take
+        included: counted over the extents it holds, a growing class is always past it, and
+        every store would be written back beside the engine's next forward."""
         out: list[SlotRef] = []
         reserve = self._clean_reserve
         with self._lock:
             for cls in self._classes.values():
-                capacity = cls.extents * cls.per_extent
+                capacity = (cls.extents + self._growable_extents(cls)) * cls.per_extent
                 while cls.dirty and len(out) < limit:
                     clean_or_free = capacity - cls.dirty_count
                     if not everything and clean_or_free >= reserve * capacity:

@@ -343,7 +343,7 @@ class Processes:
 # -- the client side ----------------------------------------------------------------------------
 
 
-class _Client:
+class ArenaClient:
     def __init__(self, socket: Path, replica: str) -> None:
         self.rpc = GrpcTierClient(socket, replica)
         self.rpc.register_pool(target_spec(), CHUNK)
@@ -393,7 +393,7 @@ def _emit(doc: object) -> None:
 
 
 def _run_client(args: argparse.Namespace) -> None:
-    client = _Client(args.socket, args.replica)
+    client = ArenaClient(args.socket, args.replica)
     out: dict[str, Any] = {"session": client.rpc.session_id}
     if args.store:
         out["stored"] = client.store(index_range(args.store))
@@ -413,7 +413,7 @@ def _run_client(args: argparse.Namespace) -> None:
 
 
 def _run_writer(args: argparse.Namespace) -> None:
-    client = _Client(args.socket, args.replica)
+    client = ArenaClient(args.socket, args.replica)
     next_index = args.start
     while True:
         batch = list(range(next_index, next_index + args.batch))
@@ -422,14 +422,14 @@ def _run_writer(args: argparse.Namespace) -> None:
         _say(" ".join(["ack", *map(str, client.store(batch))]))
 
 
-def _present(client: _Client, end: int) -> Iterator[int]:
+def _present(client: ArenaClient, end: int) -> Iterator[int]:
     for i in range(end):
         if client.rpc.lookup([key_of(i)]).hits == 1:
             yield i
 
 
 def _run_check(args: argparse.Namespace) -> None:
-    client = _Client(args.socket, args.replica)
+    client = ArenaClient(args.socket, args.replica)
     present = list(_present(client, args.end))
     mismatched: list[int] = []
     not_leased: list[int] = []

@@ -130,6 +130,27 @@ def test_a_replica_at_its_quota_never_evicts_another_replicas_chunks(
     assert stats.counters["store_over_quota"] >= 4
 
 
+def test_the_clean_reserve_counts_the_extents_a_class_can_still_take(
+    tier: CpuTier, ns: bytes
+) -> None:
+    """Write-back before eviction is needed only once the arena runs short of clean slots: a
+    class whose own extents are all dirty, with free extents behind it, is within its reserve."""
+    tier.track_dirty(True)
+    tier.set_clean_reserve(0.2)
+    per_extent = (2 * MiB) // CHUNK
+    reach = tier.pool_capacity_bytes("target") // CHUNK
+    keys = keys_for(ns, reach)
+    for key in keys[: 2 * per_extent]:  # two whole extents, every chunk dirty
+        tier.put(key, payload_for(key, CHUNK), "r")
+    assert tier.take_dirty(100, everything=False) == []
+    for key in keys[2 * per_extent :]:  # now every slot the pool can reach
+        tier.put(key, payload_for(key, CHUNK), "r")
+    taken = tier.take_dirty(4, everything=False)
+    assert [ref.key for ref in taken] == keys[:4], "past the reserve: the oldest go first"
+    tier.writeback_done(taken, ok=True)
+    assert len(tier.take_dirty(100, everything=True)) == reach - 4
+
+
 def test_chunk_stored_by_one_replica_is_a_hit_for_another_and_stored_once(
     tier: CpuTier, ns: bytes
 ) -> None:

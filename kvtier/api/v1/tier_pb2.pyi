@@ -738,15 +738,21 @@ class HeartbeatRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    BUSY_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    busy: _builtins.bool
+    """The engine holds requests. While no session is busy, kvtierd writes every arena chunk
+    to lmdb; while one is, only what the arena's clean reserve needs.
+    """
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
+        busy: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
