@@ -44,9 +44,9 @@ def open_client(cfg: ConnectorConfig, replica: str, chunk_bytes: int = 0) -> Tie
     if cfg.write_through:
         update["demote_mode"] = DemoteMode.WRITE_THROUGH
     elif chunk_bytes:
-        # the connector's idle writer decides when chunks reach lmdb (see IdleWriter); the
-        # manager's reserve counts only the extents a pool holds, so it would write while
-        # the engine is busy whenever a pool grows
+        # the connector's idle writer decides when chunks reach lmdb (see IdleWriter): it
+        # knows when the engine is busy, and a reserve of the manager's own would write beside
+        # forwards once the arena is full
         batch = max(1, _WRITE_TXN_BYTES // chunk_bytes)
         update["writeback_batch_chunks"] = min(config.manager.writeback_batch_chunks, batch)
         update["clean_reserve"] = 0.0
