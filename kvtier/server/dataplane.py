@@ -59,14 +59,12 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self.telemetry = telemetry_of(manager)
         manager.registry.limit_namespaces(config.max_namespaces)
 
-    def _session(self, session_id: str) -> Session:
-        return self.sessions.live(session_id)  # any call proves the client alive
-
-    def _busy_session(self, session_id: str) -> Session:
-        """A lookup or reserve: its engine is running a request, so idle write-back stops now
-        rather than at its next heartbeat."""
-        session = self._session(session_id)
-        session.busy = True
+    def _session(self, session_id: str, busy: bool = False) -> Session:
+        """``busy``: the call shows its engine running a request (a lookup or reserve), so
+        idle write-back stops now rather than at the session's next heartbeat."""
+        session = self.sessions.live(session_id)  # any call proves the client alive
+        if busy:
+            session.busy = True
         return session
 
     def _batch(self, items: Sequence[T]) -> Sequence[T]:
@@ -135,7 +133,8 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     def Lookup(
         self, request: tier_pb2.LookupRequest, context: grpc.ServicerContext
     ) -> tier_pb2.LookupResponse:
-        session = self._busy_session(request.session_id)
+        # a report of served hits comes from an idle engine too
+        session = self._session(request.session_id, busy=not request.served)
         # check everything first: a bad call changes nothing
         keys = self._own_keys(session, request.keys)
         release = self._refs(session, request.release)
@@ -157,7 +156,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     def Reserve(
         self, request: tier_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> tier_pb2.ReserveResponse:
-        session = self._busy_session(request.session_id)
+        session = self._session(request.session_id, busy=True)
         # check everything first: a bad call changes nothing
         keys = self._own_keys(session, request.keys)
         refs = self._refs(session, request.commit)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvtier.api.v1 import tier_pb2
+from kvtier.config import ServerConfig
 from kvtier.errors import SessionNotFoundError
 from kvtier.manager import TierManager
+from kvtier.server.dataplane import TierServicer
 from kvtier.server.sessions import SessionRegistry
 from tests.support import keys_for, manager_config, payload_for, target_spec
 
@@ -76,3 +80,35 @@ def test_a_session_can_only_end_what_it_holds(manager: TierManager) -> None:
     assert manager.cpu.memory.refcount[lease.slot] == 1
     assert sessions.release(owner, [lease]) == 1
     assert manager.cpu.memory.refcount[lease.slot] == 0
+
+
+def test_a_lookup_or_reserve_says_busy_and_a_report_of_served_hits_does_not(
+    manager: TierManager,
+) -> None:
+    """Idle write-back stops at an engine's first lookup or reserve, not at its next heartbeat;
+    a report of hits answered from the arena's index is sent by idle engines too."""
+    sessions = SessionRegistry(manager, timeout_s=5.0)
+    servicer = TierServicer(manager, sessions, ServerConfig())
+    ns = manager.register_pool(target_spec(), CHUNK)
+    session = sessions.open("r0", "e0", 0, 0)
+    session.namespaces.add(ns)
+    keys = keys_for(ns, 2)
+    batch = tier_pb2.KeyBatch(key_bytes=len(keys[0]), packed=b"".join(keys))
+    context: Any = None
+    beat = tier_pb2.HeartbeatRequest
+
+    assert sessions.idle()
+    servicer.Lookup(tier_pb2.LookupRequest(session_id=session.id, keys=batch), context)
+    assert not sessions.idle()
+    servicer.Heartbeat(beat(session_id=session.id, busy=False), context)
+    assert sessions.idle()
+    served = tier_pb2.LookupRequest(session_id=session.id, keys=batch, served=True)
+    servicer.Lookup(served, context)
+    assert sessions.idle()
+    servicer.Reserve(tier_pb2.ReserveRequest(session_id=session.id, keys=batch), context)
+    assert not sessions.idle()
+    servicer.Heartbeat(beat(session_id=session.id, busy=False), context)
+    servicer.Heartbeat(beat(session_id=session.id, busy=True), context)
+    assert not sessions.idle()
+    sessions.discard(session)
+    assert sessions.idle(), "a closed session holds nothing back"
