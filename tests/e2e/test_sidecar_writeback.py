@@ -12,15 +12,7 @@ import pytest
 from tests.e2e.models import ModelSet, generate_tokens, running_llm
 from tests.e2e.test_connector import kvtier_config
 from tests.e2e.test_counters_under_queueing import unique_prompts
-from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon
-
-
-def moved(daemon: RunningDaemon, direction: str) -> float:
-    return sum(
-        value
-        for name, labels, value in daemon.metrics()
-        if name == "kvtier_transfer_chunks_total" and labels.get("direction") == direction
-    )
+from tests.integration.daemon_harness import DaemonFiles, Processes
 
 
 def test_chunks_reach_lmdb_once_the_engine_is_idle_and_not_before(
@@ -36,19 +28,19 @@ def test_chunks_reach_lmdb_once_the_engine_is_idle_and_not_before(
     build = KVTierScheduler.build_connector_meta
 
     def watching(self: KVTierScheduler, scheduler_output: Any) -> Any:
-        during.append(moved(daemon, "demote"))  # what lmdb took by each step of the engine's
+        during.append(daemon.chunks_moved("demote"))  # at each of the engine's steps
         return build(self, scheduler_output)
 
     monkeypatch.setattr(KVTierScheduler, "build_connector_meta", watching)
     connector = kvtier_config({"mode": "sidecar", "socket_path": str(daemon_files.socket)})
     with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
         generate_tokens(llm, unique_prompts(tiny_models, 8, seed=31), max_tokens=8)
-        stored = moved(daemon, "store")
+        stored = daemon.chunks_moved("store")
         assert stored > 0
         assert len(during) > 4  # prefill and decode steps
         assert max(during) == 0, f"written to lmdb while the engine served: {during}"
         deadline = time.monotonic() + 5.0
-        while moved(daemon, "demote") < moved(daemon, "store"):
+        while daemon.chunks_moved("demote") < daemon.chunks_moved("store"):
             assert time.monotonic() < deadline, "the idle engine's chunks never reached lmdb"
             time.sleep(0.1)
-    assert moved(daemon, "demote") == moved(daemon, "store") >= stored
+    assert daemon.chunks_moved("demote") == daemon.chunks_moved("store") >= stored

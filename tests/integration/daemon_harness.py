@@ -186,6 +186,14 @@ class RunningDaemon:
             for sample in family.samples
         ]
 
+    def chunks_moved(self, direction: str) -> float:
+        """``kvtier_transfer_chunks_total`` of one direction (store, load, demote, ...)."""
+        return sum(
+            value
+            for name, labels, value in self.metrics()
+            if name == "kvtier_transfer_chunks_total" and labels.get("direction") == direction
+        )
+
     def log_text(self) -> str:
         return self.files.log.read_text() if self.files.log.exists() else ""
 

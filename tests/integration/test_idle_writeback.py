@@ -15,7 +15,6 @@ from tests.integration.daemon_harness import (
     ArenaClient,
     DaemonFiles,
     Processes,
-    RunningDaemon,
     write_config,
 )
 
@@ -25,14 +24,6 @@ HELD_S = 1.5  # three write-back wakes and five heartbeats: long enough to see n
 @pytest.fixture
 def files(tmp_path: Path, shm_path: Path) -> DaemonFiles:
     return write_config(tmp_path, shm_path)
-
-
-def demoted(daemon: RunningDaemon) -> float:
-    return sum(
-        value
-        for name, labels, value in daemon.metrics()
-        if name == "kvtier_transfer_chunks_total" and labels.get("direction") == "demote"
-    )
 
 
 def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -51,17 +42,17 @@ def test_write_back_waits_for_a_busy_engine_and_runs_once_it_is_idle(
         # 16 chunks of 256 KiB: a quarter of the 32 MiB arena, far inside its clean reserve
         assert client.store(range(16)) == list(range(16))
         time.sleep(HELD_S)
-        assert demoted(daemon) == 0, "written to lmdb beside a busy engine"
+        assert daemon.chunks_moved("demote") == 0, "written to lmdb beside a busy engine"
         client.rpc.set_busy(False)
-        wait_for(lambda: demoted(daemon) == 16, 5.0, "every chunk written once idle")
+        wait_for(lambda: daemon.chunks_moved("demote") == 16, 5.0, "every chunk written once idle")
 
         # a reserve says busy before any heartbeat does
         assert client.store(range(16, 32)) == list(range(16, 32))
         client.rpc.set_busy(True)
         time.sleep(HELD_S)
-        assert demoted(daemon) == 16, "written to lmdb beside a busy engine"
+        assert daemon.chunks_moved("demote") == 16, "written to lmdb beside a busy engine"
         client.rpc.set_busy(False)
-        wait_for(lambda: demoted(daemon) == 32, 5.0, "every chunk written once idle")
+        wait_for(lambda: daemon.chunks_moved("demote") == 32, 5.0, "every chunk written once idle")
 
 
 def test_a_busy_engine_still_gets_the_clean_slots_its_stores_need(
@@ -81,6 +72,6 @@ def test_a_busy_engine_still_gets_the_clean_slots_its_stores_need(
                 assert time.monotonic() < deadline, f"no slot for {sorted(wanted)}"
                 if wanted:
                     time.sleep(0.02)
-        assert demoted(daemon) >= chunks - (32 << 20) // (256 << 10)
+        assert daemon.chunks_moved("demote") >= chunks - (32 << 20) // (256 << 10)
         verdicts, _ = client.load(range(chunks - 8, chunks), keep=False)
         assert verdicts == [True] * 8
