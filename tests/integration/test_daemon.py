@@ -32,6 +32,7 @@ from tests.integration.daemon_harness import (
     RunningDaemon,
     key_of,
     namespace,
+    wait_for,
     write_config,
 )
 from tests.support import MiB, keys_for, target_spec
@@ -47,13 +48,6 @@ CRASH_ROUNDS = 3
 @pytest.fixture
 def files(tmp_path: Path, shm_path: Path) -> DaemonFiles:
     return write_config(tmp_path, shm_path)
-
-
-def _wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)
 
 
 def _tier(stats: admin_pb2.StatsResponse, name: str) -> admin_pb2.TierStats:
@@ -139,12 +133,12 @@ def test_killed_client_loses_its_leases_and_reservations_after_the_session_timeo
 
     holder.send_signal(signal.SIGKILL)
     assert holder.wait(EXIT_TIMEOUT_S) == -signal.SIGKILL
-    _wait_for(
+    wait_for(
         lambda: daemon.stats().leases == 0 and _reservations(daemon) == 0,
         SESSION_TIMEOUT_S + 3.0,
         "the dead client's leases and reservations reclaimed",
     )
-    _wait_for(lambda: daemon.stats().sessions == 0, SESSION_TIMEOUT_S + 3.0, "sessions reaped")
+    wait_for(lambda: daemon.stats().sessions == 0, SESSION_TIMEOUT_S + 3.0, "sessions reaped")
 
     assert procs.client(files.socket, "dp2", "--store", "100:104")["stored"] == [100, 101, 102, 103]
     with closing(daemon.admin()) as admin:
@@ -599,13 +593,13 @@ def test_the_arenas_part_of_a_hit_comes_from_its_index_and_kvtierd_answers_the_r
         # asked again (the same request, waiting): answered, not counted again
         client.lookup(keys, lease=True, again=True)
         client.report_hits()
-        _wait_for(
+        wait_for(
             lambda: daemon.stats().counters["lookup_chunks"] == after["lookup_chunks"] + 3,
             10.0,
             "the first answer's index hits reported",
         )
         client.report_hits()  # the second kind of report goes with the next one
-        _wait_for(lambda: daemon.stats().leases == 0, 10.0, "the reports' leases ended")
+        wait_for(lambda: daemon.stats().leases == 0, 10.0, "the reports' leases ended")
         counted = daemon.stats().counters
         assert counted["lookup_chunks"] - before["lookup_chunks"] == 5
         assert counted["hit_chunks_cpu"] - before["hit_chunks_cpu"] == 3
@@ -639,11 +633,11 @@ def test_a_hit_the_arena_holds_whole_is_found_in_its_index_and_reported_later(
         # the report counts the hits (and refreshes their recency) without keeping a lease
         cpu_hits = _tier(daemon.stats(), "cpu").counters["hits"]
         client.report_hits()
-        _wait_for(
+        wait_for(
             lambda: daemon.stats().counters["lookups"] == lookups + 1, 10.0, "the hits reported"
         )
-        _wait_for(lambda: _tier(daemon.stats(), "cpu").counters["hits"] == cpu_hits + 3, 10.0, "")
-        _wait_for(lambda: daemon.stats().leases == 0, 10.0, "the report's leases ended")
+        wait_for(lambda: _tier(daemon.stats(), "cpu").counters["hits"] == cpu_hits + 3, 10.0, "")
+        wait_for(lambda: daemon.stats().leases == 0, 10.0, "the report's leases ended")
         # a chunk gone from the arena is not answered from the index
         daemon.admin().evict(tier="cpu")
         result, leases = client.lookup(keys, lease=True)
@@ -720,7 +714,7 @@ def test_client_carries_on_in_a_new_session_after_the_daemon_restarts(
                 return False  # the channel is still backing off from the outage
 
         # the client opens a new session with its pools by itself; the caller does nothing
-        _wait_for(recovered, 10.0, "the client carries on against the restarted daemon")
+        wait_for(recovered, 10.0, "the client carries on against the restarted daemon")
         assert client.session_id != first
         client.register_pool(target_spec(), CHUNK)
         assert client.lookup([key_of(0)]).hits == 0
@@ -936,7 +930,7 @@ def test_metrics_follow_stored_bytes_and_sessions(procs: Processes, files: Daemo
         now = daemon.metrics()
         return all(_metric(now, name) == 0 for name in ("kvtier_sessions", "kvtier_leases"))
 
-    _wait_for(released, SESSION_TIMEOUT_S + 3.0, "metrics show the session gone")
+    wait_for(released, SESSION_TIMEOUT_S + 3.0, "metrics show the session gone")
     samples = daemon.metrics()
     assert _metric(samples, "kvtier_reservations") == 0
     assert _metric(samples, "kvtier_tier_used_bytes", tier="cpu", pool="target") == 5 * CHUNK

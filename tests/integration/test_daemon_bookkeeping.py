@@ -28,18 +28,12 @@ from tests.integration.daemon_harness import (
     RunningDaemon,
     expected,
     key_of,
+    wait_for,
     write_config,
 )
 from tests.support import target_spec
 
 STALL_S = 0.5  # well inside the session timeout (1.5 s)
-
-
-def _wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)
 
 
 def _cpu(stats: admin_pb2.StatsResponse) -> admin_pb2.TierStats:
@@ -164,7 +158,7 @@ def test_a_call_in_a_reaped_session_is_told_it_expired(
     with grpc.insecure_channel(f"unix:{files.socket}") as channel:
         stub = tier_pb2_grpc.TierServiceStub(channel)
         sid = _register(stub, _pool())
-        _wait_for(lambda: daemon.stats().sessions == 0, 5.0, "the silent session reaped")
+        wait_for(lambda: daemon.stats().sessions == 0, 5.0, "the silent session reaped")
         keys = tier_pb2.KeyBatch(key_bytes=len(key_of(0)), packed=key_of(0))
         late = _refused(lambda: stub.Reserve(tier_pb2.ReserveRequest(session_id=sid, keys=keys)))
         assert late.code() is grpc.StatusCode.NOT_FOUND
@@ -181,7 +175,7 @@ def test_a_reservation_whose_commit_never_came_is_aborted_and_its_key_stored_aga
         (ref,) = client.reserve([key_of(0)])
         assert ref is not None
         assert client.reserve([key_of(0)]) == [None]  # in flight: not storable
-        _wait_for(lambda: _reservations(daemon) == 0, 5.0, "the stuck reservation aborted")
+        wait_for(lambda: _reservations(daemon) == 0, 5.0, "the stuck reservation aborted")
         stats = daemon.stats()
         assert stats.sessions == 1, "the session itself was alive all along"
         assert _cpu(stats).counters[EXPIRED_COUNTER] == 1
@@ -195,7 +189,7 @@ def test_a_release_whose_answer_was_lost_is_sent_again_and_ends_only_its_lease(
 ) -> None:
     daemon = procs.start_daemon(files)
     assert procs.client(files.socket, "w", "--store", "0:1")["stored"] == [0]
-    _wait_for(lambda: daemon.stats().sessions == 0, 5.0, "the writer's session reaped")
+    wait_for(lambda: daemon.stats().sessions == 0, 5.0, "the writer's session reaped")
     with closing(_client(files, timeout_s=0.2)) as client:
         lost, other = (client.lease([key_of(0)])[0] for _ in range(2))  # two requests share it
         assert lost is not None
@@ -208,7 +202,7 @@ def test_a_release_whose_answer_was_lost_is_sent_again_and_ends_only_its_lease(
             unreturned.keep(Return.RELEASE, [lost])
         # kvtierd may or may not have run the release the client gave up on; sent again, it
         # ends that lease once either way
-        _wait_for(lambda: unreturned.retry(client) == 1 or not len(unreturned), 5.0, "retried")
+        wait_for(lambda: unreturned.retry(client) == 1 or not len(unreturned), 5.0, "retried")
         assert len(unreturned) == 0
         stats = daemon.stats()
         assert (stats.sessions, stats.leases) == (1, 1), "the retry ended the other lease"
@@ -235,7 +229,7 @@ def test_a_commit_lost_to_a_stalled_daemon_is_sent_again_and_the_chunk_stored(
             with pytest.raises(KVTierError):
                 client.commit([ref])
             unreturned.keep(Return.COMMIT, [ref])
-        _wait_for(lambda: unreturned.retry(client) == 1 or not len(unreturned), 5.0, "retried")
+        wait_for(lambda: unreturned.retry(client) == 1 or not len(unreturned), 5.0, "retried")
         assert len(unreturned) == 0
         assert client.lookup([key_of(0)]).hits == 1
         assert _reservations(daemon) == 0

@@ -5,7 +5,6 @@ said by the client's heartbeats, and a lookup or reserve says busy at once."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from tests.integration.daemon_harness import (
     ArenaClient,
     DaemonFiles,
     Processes,
+    wait_for,
     write_config,
 )
 
@@ -24,13 +24,6 @@ HELD_S = 1.5  # three write-back wakes and five heartbeats: long enough to see n
 @pytest.fixture
 def files(tmp_path: Path, shm_path: Path) -> DaemonFiles:
     return write_config(tmp_path, shm_path)
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)
 
 
 def test_write_back_waits_for_a_busy_engine_and_runs_once_it_is_idle(
