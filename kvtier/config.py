@@ -14,9 +14,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvtier.errors import ConfigError
+from kvtier.server.cpus import parse_cpu_list
 
 EvictionPolicyName = Literal["lru", "fifo"]
 """The eviction policies a tier can be configured with."""
@@ -405,6 +415,23 @@ class ServerConfig(_Section):
     drain_timeout_s: float = Field(
         60.0, ge=0, description="On SIGTERM, how long writing the arena back to lmdb may take."
     )
+    cpus: frozenset[NonNegativeInt] | None = Field(
+        None,
+        min_length=1,
+        description="CPUs kvtierd's threads run on, in Linux's list format ('1', '2-5,8'); "
+        "unset: those it was started with. Give it the cores the engine does not bind its "
+        "compute threads to (vLLM's CPU backend binds one thread per core), so that the "
+        "movers never preempt them. A CPU kvtierd may not use refuses the start.",
+    )
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _parse_cpus(cls, value: object) -> object:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return frozenset((value,))
+        if isinstance(value, str):
+            return parse_cpu_list(value)
+        return value
 
     @model_validator(mode="after")
     def _check_tls(self) -> ServerConfig:

@@ -27,6 +27,7 @@ from kvtier.manager import TierManager
 from kvtier.memory import keep_freed_pages
 from kvtier.metrics import build_registry
 from kvtier.server.admin import READ_ONLY_METHODS, AdminServicer
+from kvtier.server.cpus import pin_process
 from kvtier.server.dataplane import TierServicer
 from kvtier.server.interceptors import ErrorInterceptor, TokenAuthInterceptor
 from kvtier.server.sessions import SessionRegistry
@@ -161,6 +162,8 @@ class Daemon:
 
     def start(self) -> None:
         cfg = self.config.server
+        if cfg.cpus is not None:
+            pin_process(cfg.cpus)  # first: every thread started below inherits the mask
         keep_freed_pages()  # see kvtier.memory: requests of thousands of keys
         admin_token, read_token = admin_credentials(cfg)  # before anything is created
         admin_host, admin_port = split_address(cfg.admin_address, "server.admin_address")

@@ -28,7 +28,6 @@ from tests.integration.daemon_harness import (
     RunningDaemon,
     expected,
     key_of,
-    write_config,
 )
 from tests.support import keys_for, lmdb_config, manager_config, payload_for, target_spec
 
@@ -228,11 +227,6 @@ def test_with_commit_checksum_off_changed_bytes_are_written_back(
 
 
 # -- kvtierd, a process of its own -------------------------------------------------------------
-
-
-@pytest.fixture
-def files(tmp_path: Path, shm_path: Path) -> DaemonFiles:
-    return write_config(tmp_path, shm_path)
 
 
 def _integrity_failures(daemon: RunningDaemon, tier: str) -> float:

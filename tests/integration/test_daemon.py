@@ -45,11 +45,6 @@ EXIT_TIMEOUT_S = 10.0
 CRASH_ROUNDS = 3
 
 
-@pytest.fixture
-def files(tmp_path: Path, shm_path: Path) -> DaemonFiles:
-    return write_config(tmp_path, shm_path)
-
-
 def _tier(stats: admin_pb2.StatsResponse, name: str) -> admin_pb2.TierStats:
     (tier,) = [t for t in stats.tiers if t.tier == name]
     return tier

@@ -81,11 +81,6 @@ def _client(files: DaemonFiles, timeout_s: float = 10.0) -> GrpcTierClient:
     return client
 
 
-@pytest.fixture
-def files(tmp_path: Path, shm_path: Path) -> DaemonFiles:
-    return write_config(tmp_path, shm_path)
-
-
 def test_a_refused_registration_records_nothing_and_leaves_no_session(
     procs: Processes, files: DaemonFiles
 ) -> None:

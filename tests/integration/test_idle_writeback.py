@@ -6,24 +6,15 @@ from __future__ import annotations
 
 import time
 from contextlib import closing
-from pathlib import Path
-
-import pytest
 
 from tests.integration.daemon_harness import (
     ArenaClient,
     DaemonFiles,
     Processes,
     wait_for,
-    write_config,
 )
 
 HELD_S = 1.5  # three write-back wakes and five heartbeats: long enough to see nothing written
-
-
-@pytest.fixture
-def files(tmp_path: Path, shm_path: Path) -> DaemonFiles:
-    return write_config(tmp_path, shm_path)
 
 
 def test_write_back_waits_for_a_busy_engine_and_runs_once_it_is_idle(

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import closing
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,17 +24,11 @@ from tests.integration.daemon_harness import (
     RunningDaemon,
     key_of,
     namespace,
-    write_config,
 )
 from tests.support import draft_spec, keys_for, target_spec
 
 DENIED = grpc.StatusCode.PERMISSION_DENIED
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
-
-
-@pytest.fixture
-def files(tmp_path: Path, shm_path: Path) -> DaemonFiles:
-    return write_config(tmp_path, shm_path)
 
 
 def _failure(call: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:

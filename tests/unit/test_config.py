@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import KVTierConfig, describe, load_config
+from kvtier.config import KVTierConfig, describe, from_mapping, load_config
+from kvtier.server.cpus import format_cpu_list, parse_cpu_list
 
 
 def test_defaults_need_no_file() -> None:
@@ -62,3 +63,26 @@ def test_readme_documents_every_key() -> None:
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     missing = [key for key, _ in describe() if f"`{key}`" not in readme]
     assert not missing, f"README lacks {missing}"
+
+
+@pytest.mark.parametrize(
+    ("value", "cpus"),
+    [("1", {1}), ("2-5,8", {2, 3, 4, 5, 8}), (" 0 , 3-4 ", {0, 3, 4}), (3, {3}), ([0, 2], {0, 2})],
+)
+def test_server_cpus_take_linux_cpu_lists(value: object, cpus: set[int]) -> None:
+    cfg = from_mapping({"server": {"cpus": value}})
+    assert cfg.server.cpus == frozenset(cpus)
+    assert parse_cpu_list(format_cpu_list(frozenset(cpus))) == frozenset(cpus)
+
+
+def test_server_cpus_from_the_environment_and_back_as_a_list() -> None:
+    cfg = load_config(env={"KVTIER_SERVER__CPUS": "0-2,7"})
+    assert cfg.server.cpus == {0, 1, 2, 7}
+    assert format_cpu_list(cfg.server.cpus) == "0-2,7"
+    assert load_config(env={}).server.cpus is None
+
+
+@pytest.mark.parametrize("value", ["", "x", "3-1", "1,,2", "-1", [], [-1], True])
+def test_a_bad_cpu_list_names_server_cpus(value: object) -> None:
+    with pytest.raises(ValueError, match=r"^server\.cpus\b"):
+        from_mapping({"server": {"cpus": value}})
