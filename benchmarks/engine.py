@@ -115,6 +115,31 @@ def cold_read_ms(path: Path, nbytes: int, reps: int = 3) -> float:
     return median(times)
 
 
+def busy_cpu_seconds() -> float:
+    """CPU time the whole machine has spent busy since boot (/proc/stat), all CPUs together."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+            int, f.readline().split()[1:9]
+        )
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_quiet(
+    share: float = 0.1, window_s: float = 1.0, timeout_s: float = 60.0
+) -> float | None:
+    """Wait until the machine's busy share over ``window_s`` falls below ``share`` (work left
+    in the background, such as a write-back, is done); the seconds waited, None past
+    ``timeout_s``."""
+    cpus = os.cpu_count() or 1
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout_s:
+        before = busy_cpu_seconds()
+        time.sleep(window_s)
+        if (busy_cpu_seconds() - before) / (window_s * cpus) < share:
+            return time.perf_counter() - started
+    return None
+
+
 class CpuShare:
     """CPU time other processes used while a run went on, over the machine's capacity."""
 
@@ -123,12 +148,7 @@ class CpuShare:
 
     @staticmethod
     def _sample() -> tuple[float, float, float]:
-        with open("/proc/stat") as f:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = map(
-                int, f.readline().split()[1:9]
-            )
-        tick = os.sysconf("SC_CLK_TCK")
-        busy = (user + nice + system + irq + softirq + steal) / tick
+        busy = busy_cpu_seconds()
         own = os.times()
         # kvtierd is a child: counted once it has been waited for
         mine = own.user + own.system + own.children_user + own.children_system

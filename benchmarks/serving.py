@@ -13,14 +13,15 @@ layers, 127 blocks of 32 usable; 3,744 tokens when a 1-layer draft keeps its KV 
 ``--max-model-len 3744`` (what the cache holds in both cases), block size 32, eager mode, prefix
 caching on, ``--enable-prompt-tokens-details``,
 and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (otherwise a server with a connector gets a second
-compute thread that vLLM alone does not). Servers run one at a time; each is stopped (SIGTERM to
-its process group, SIGKILL after 20 s) before the next starts. Their logs go to files under the
+compute thread that vLLM alone does not). Servers run one at a time, except in the no-reuse
+phase; each is stopped (SIGTERM to its process group, SIGKILL after 20 s) before the next
+starts. Their logs go to files under the
 run's directory; a server that fails to start is reported with its log's error line and tail,
 and the run goes on with the others.
 
 Servers (``servers`` in the output):
 
-- ``vllm``: vLLM alone. ``vllm_2``: the same again at the end of the no-reuse control.
+- ``vllm``: vLLM alone.
 - ``kvtier_embedded``: ``KVTierConnector`` with the tiers in the engine process (a new arena in
   /dev/shm and a new LMDB environment). ``kvtier_sidecar``: the connector in sidecar mode
   against a real kvtierd (``python -m kvtier.cli serve --config FILE``, started fresh for that
@@ -51,11 +52,20 @@ Workloads (kvtier/bench, token-exact prompts streamed to ``/v1/completions`` wit
   concurrency level keeps that many users in flight. The full run sweeps 1, 2, 4, 8; ``--quick``
   measures concurrency 4 only. Each server's first level is preceded by a warm-up session of its
   own context (4 requests).
-- no-reuse: every prompt unique (1,696 tokens, 64 output tokens), 8 requests at concurrency 4
-  (16 in the full run). vLLM alone and kvtier are measured interleaved so that a steady drift of
-  the machine's speed cancels: ``vllm`` once, each kvtier mode twice in a row, ``vllm_2`` once
-  (A, B, B, A for each mode); ``no_reuse_throughput_vs_vllm_alone`` is the mean of B1/A1 and
-  B2/A2 (sidecar; ``..._embedded`` for embedded mode).
+- no-reuse: every prompt unique (1,696 tokens, 64 output tokens), at concurrency 4. This machine's
+  speed drifts by several per cent within minutes, more than the 2 % the figure is judged by, so
+  vLLM alone, kvtier embedded and kvtier sidecar are started together (fresh servers; an idle
+  server takes about 1 % of a core) and measured in turn, in cycles. Each cycle measures every
+  server once, in an order rotated from cycle to cycle; each of its units waits for the machine
+  to be quiet (below 10 % busy for a second: the last unit's write-back is done), runs 4
+  unmeasured requests, which leave a write-back backlog, then the measured level of 8. Each
+  server first runs one unmeasured level. ``no_reuse_throughput_vs_vllm_alone`` is the mean over
+  cycles of sidecar over vLLM alone in the same cycle (``..._embedded``: embedded mode), with
+  its standard error (``no_reuse_se``); 3 cycles with ``--quick``, 12 in the full run
+  (``--no-reuse-cycles``). ``vllm_b``, a second vLLM-alone server, is measured the same way:
+  each server started runs at a speed of its own, and ``no_reuse_second_vllm_alone`` (one
+  vLLM alone over the other) shows how far apart two identical servers are. A ratio that
+  differs from 1 by less than that is within this machine's noise.
 
 Figures per level: output tokens/s (all users; successful requests), output tokens/s per user
 (mean over requests of output tokens over end-to-end latency), TTFT and ITL percentiles,
@@ -105,18 +115,19 @@ import logging
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import models
 import yaml
-from engine import CpuShare, GiB, KiB, Kvtierd, MiB, extent_for
+from engine import CpuShare, GiB, KiB, Kvtierd, MiB, extent_for, wait_until_quiet
 from servers import ServerError, VllmServer, connector_arg, error_line, log_tail
 
 from kvtier.bench import BenchConfig, BenchError, LevelResult, WorkloadSpec, run_level
@@ -161,7 +172,7 @@ SERVERS = (
     "vllm",
     "kvtier_embedded",
     "kvtier_sidecar",
-    "vllm_2",
+    "vllm_b",
     "example_connector",
     "offloading_connector",
     "vllm_spec",
@@ -174,11 +185,14 @@ SERVERS = (
 class Mode:
     name: str
     concurrency: tuple[int, ...]
-    no_reuse_requests: int
+    no_reuse_cycles: int
 
 
-QUICK = Mode("quick", (HEADLINE_CONCURRENCY,), 8)
-FULL = Mode("full", (1, 2, 4, 8), 16)
+QUICK = Mode("quick", (HEADLINE_CONCURRENCY,), 3)
+FULL = Mode("full", (1, 2, 4, 8), 12)
+NO_REUSE_REQUESTS = 8
+NO_REUSE_BACKLOG = 4
+"""Unmeasured requests right before each measured no-reuse level: its write-back backlog."""
 
 
 @dataclass(frozen=True)
@@ -186,8 +200,6 @@ class Plan:
     """What one server runs, in order."""
 
     multi_round: bool = True
-    no_reuse: int = 1
-    """No-reuse levels, back to back."""
     profile: bool = False
 
 
@@ -200,6 +212,15 @@ class Case:
     spec: bool = False
     capture: bool = False
     """Capture hidden states (``extract_hidden_states``)."""
+
+
+VLLM = Case("vllm", "vLLM alone")
+EMBEDDED = Case("kvtier_embedded", "kvtier embedded", "embedded")
+SIDECAR = Case("kvtier_sidecar", "kvtier sidecar", "sidecar")
+VLLM_B = Case("vllm_b", "vLLM alone (a second server)")
+"""No-reuse only: one vLLM-alone server over another is the floor of what the figure resolves,
+since each server started runs at a speed of its own (several per cent apart here)."""
+NO_REUSE_CASES = {case.name: case for case in (VLLM, VLLM_B, EMBEDDED, SIDECAR)}
 
 
 @dataclass
@@ -271,6 +292,33 @@ def summary(level: LevelResult) -> dict[str, Any]:
 # -- the profiler trace -----------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Ratios:
+    """A server's no-reuse throughput over vLLM alone's in the same cycle, one per cycle."""
+
+    values: list[float]
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.values) if self.values else None
+
+    @property
+    def se(self) -> float | None:
+        """The mean's standard error."""
+        n = len(self.values)
+        return statistics.stdev(self.values) / math.sqrt(n) if n > 1 else None
+
+
+def no_reuse_ratios(cycles: list[dict[str, float]], name: str) -> Ratios:
+    """Cycles where both levels ran whole count; a cycle missing either is left out."""
+    values = [
+        row[name] / row["vllm"]
+        for row in cycles
+        if row.get("vllm") and name in row and not math.isnan(row[name] + row["vllm"])
+    ]
+    return Ratios(values)
+
+
 def profiler_args(trace_dir: Path) -> list[str]:
     config = {
         "profiler": "torch",
@@ -320,6 +368,7 @@ class Bench:
         self.root = Path(tempfile.mkdtemp(prefix="serving-", dir=cache_dir))
         self.shm_paths: list[Path] = []
         self.nr_index = 100  # no-reuse levels use indices of their own, never repeated
+        self.no_reuse_error = ""
         config = json.loads((self.model / "config.json").read_text())
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         # K and V, bf16
@@ -382,18 +431,22 @@ class Bench:
         return self.kvtier({"kvtier_config": str(path)})
 
     @contextmanager
-    def server(self, case: Case, plan: Plan) -> Iterator[tuple[VllmServer, str | None]]:
-        tmp = self.root / case.name
+    def server(
+        self, case: Case, plan: Plan, run_name: str = ""
+    ) -> Iterator[tuple[VllmServer, str | None]]:
+        """``case``'s server, its files under ``run_name`` (the case's name by default)."""
+        run_name = run_name or case.name
+        tmp = self.root / run_name
         tmp.mkdir(parents=True, exist_ok=True)
         args: list[str] = []
         daemon: Kvtierd | None = None
         metrics_url = None
         if case.connector == "embedded":
-            args += connector_arg(self.embedded_config(case.name))
+            args += connector_arg(self.embedded_config(run_name))
         elif case.connector == "sidecar":
             (tmp / "kvtierd").mkdir(exist_ok=True)
             daemon = Kvtierd(
-                tmp / "kvtierd", self.shm(case.name), ARENA_BYTES, extent_for(self.chunk_bytes)
+                tmp / "kvtierd", self.shm(run_name), ARENA_BYTES, extent_for(self.chunk_bytes)
             )
             tree = yaml.safe_load(daemon.config_path.read_text())
             tree["lmdb"]["budget_bytes"] = LMDB_BUDGET
@@ -456,8 +509,8 @@ class Bench:
             server.stop()
             if daemon is not None:
                 daemon.stop()
-            for path in self.shm_paths:
-                path.unlink(missing_ok=True)
+            # its own arena only: other servers may still be running
+            self.shm(run_name).unlink(missing_ok=True)
             # the stored KV (a preallocated LMDB file is its whole budget): keep the logs only
             for heavy in (tmp / "lmdb", tmp / "kvtierd" / "lmdb", tmp / "example-storage"):
                 shutil.rmtree(heavy, ignore_errors=True)
@@ -523,32 +576,72 @@ class Bench:
                             )
                         )
                         warmup = 0
-                for _ in range(plan.no_reuse):
-                    self.nr_index += 1
-                    out.no_reuse.append(
-                        self.level(
-                            server,
-                            metrics_url,
-                            self.workload("no-reuse"),
-                            HEADLINE_CONCURRENCY,
-                            self.mode.no_reuse_requests,
-                            self.nr_index,
-                            warmup,
-                        )
-                    )
-                    warmup = 0
                 if plan.profile:
                     out.profile = self.profile_level(server, metrics_url)
         except (ServerError, BenchError, RuntimeError, OSError) as exc:
-            out.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            log_file = self.root / case.name / "server.log"
-            if log_file.exists():
-                out.error = f"{out.error} | {error_line(log_file)}"
-                out.log_tail = log_tail(log_file, 25)
-            log.error("%s failed: %s", case.name, out.error)
+            self.failed(out, exc, case.name)
         out.wall_s = time.perf_counter() - started
         log.info("%s: done in %.0f s", case.name, out.wall_s)
         return out
+
+    def failed(self, out: Outcome, exc: BaseException, run_name: str) -> None:
+        out.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        log_file = self.root / run_name / "server.log"
+        if log_file.exists():
+            out.error = f"{out.error} | {error_line(log_file)}"
+            out.log_tail = log_tail(log_file, 25)
+        log.error("%s failed: %s", run_name, out.error)
+
+    def no_reuse_level(self, server: VllmServer, metrics_url: str | None, n: int) -> LevelResult:
+        self.nr_index += 1  # a level of prompts of its own
+        spec = self.workload("no-reuse")
+        return self.level(server, metrics_url, spec, HEADLINE_CONCURRENCY, n, self.nr_index, 0)
+
+    def no_reuse_phase(self, outcomes: dict[str, Outcome]) -> list[dict[str, float]]:
+        """The no-reuse servers up at once and measured in turn, cycle after cycle (see the
+        module's docstring); each cycle's output tokens/s by server. A server that fails to
+        start fails the phase, whose levels then go unmeasured."""
+        names = [n for n in NO_REUSE_CASES if self.only is None or n in self.only]
+        if "vllm" not in names or len(names) < 2 or not self.mode.no_reuse_cycles:
+            return []
+        cases = {n: outcomes.setdefault(n, Outcome(NO_REUSE_CASES[n])) for n in names}
+        cycles: list[dict[str, float]] = []
+        current = names[0]
+
+        def run_name(name: str) -> str:
+            return f"{name}_no_reuse"
+
+        try:
+            with ExitStack() as stack:
+                up: dict[str, tuple[VllmServer, str | None]] = {}
+                for current in names:
+                    log.info("%s: starting", run_name(current))
+                    up[current] = stack.enter_context(
+                        self.server(cases[current].case, Plan(), run_name(current))
+                    )
+                for server, url in up.values():  # the first requests of a server, unmeasured
+                    self.no_reuse_level(server, url, NO_REUSE_REQUESTS)
+                for cycle in range(self.mode.no_reuse_cycles):
+                    turn = cycle % len(names)
+                    row: dict[str, float] = {}
+                    for current in names[turn:] + names[:turn]:
+                        server, url = up[current]
+                        if wait_until_quiet() is None:
+                            log.warning("the machine stayed busy: the level runs anyway")
+                        self.no_reuse_level(server, url, NO_REUSE_BACKLOG)
+                        level = self.no_reuse_level(server, url, NO_REUSE_REQUESTS)
+                        cases[current].no_reuse.append(level)
+                        whole = level.ok == level.requests
+                        row[current] = level.output_tps if whole else math.nan
+                    cycles.append(row)
+                    log.info(
+                        "no-reuse cycle %d: %s", cycle, {k: round(v, 1) for k, v in row.items()}
+                    )
+        except (ServerError, BenchError, RuntimeError, OSError) as exc:
+            failure = Outcome(cases[current].case)
+            self.failed(failure, exc, run_name(current))
+            self.no_reuse_error = f"{run_name(current)}: {failure.error}"
+        return cycles
 
     def profile_level(self, server: VllmServer, metrics_url: str | None) -> dict[str, Any]:
         trace_dir = self.root / server.tmp.name / "traces"
@@ -601,22 +694,14 @@ class Bench:
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
         share = CpuShare()
-        nr_twice = Plan(no_reuse=2)
         cases = [
-            (Case("vllm", "vLLM alone"), Plan()),
-            (Case("kvtier_embedded", "kvtier embedded", "embedded"), nr_twice),
-            (
-                Case("kvtier_sidecar", "kvtier sidecar", "sidecar"),
-                Plan(no_reuse=2, profile=self.profile),
-            ),
-            (Case("vllm_2", "vLLM alone (again)"), Plan(multi_round=False)),
-            (Case("example_connector", "ExampleConnector", "example"), Plan(no_reuse=0)),
-            (Case("offloading_connector", "OffloadingConnector", "offloading"), Plan(no_reuse=0)),
-            (Case("vllm_spec", "vLLM alone + spec", spec=True), Plan(no_reuse=0)),
-            (
-                Case("kvtier_sidecar_spec", "kvtier sidecar + spec", "sidecar", spec=True),
-                Plan(no_reuse=0),
-            ),
+            (VLLM, Plan()),
+            (EMBEDDED, Plan()),
+            (SIDECAR, Plan(profile=self.profile)),
+            (Case("example_connector", "ExampleConnector", "example"), Plan()),
+            (Case("offloading_connector", "OffloadingConnector", "offloading"), Plan()),
+            (Case("vllm_spec", "vLLM alone + spec", spec=True), Plan()),
+            (Case("kvtier_sidecar_spec", "kvtier sidecar + spec", "sidecar", spec=True), Plan()),
             (
                 Case(
                     "kvtier_embedded_capture",
@@ -624,7 +709,7 @@ class Bench:
                     "embedded",
                     capture=True,
                 ),
-                Plan(no_reuse=0),
+                Plan(),
             ),
         ]
         outcomes = {
@@ -632,12 +717,15 @@ class Bench:
             for case, plan in cases
             if self.only is None or case.name in self.only
         }
-        result = self.result(outcomes)
+        cycles = self.no_reuse_phase(outcomes)
+        result = self.result(outcomes, cycles)
         result["wall_s"] = time.perf_counter() - started
         result["other_processes_cpu_share"] = share.others()
         return result
 
-    def result(self, outcomes: dict[str, Outcome]) -> dict[str, Any]:
+    def result(
+        self, outcomes: dict[str, Outcome], cycles: list[dict[str, float]]
+    ) -> dict[str, Any]:
         c = HEADLINE_CONCURRENCY
 
         def mr(name: str) -> LevelResult | None:
@@ -661,29 +749,15 @@ class Bench:
             level = mr(name)
             return later_rounds_ttft(level)[f"ttft_{p}_s_later_rounds"] if level else None
 
-        def no_reuse(mode: str) -> tuple[float | None, list[float | None]]:
-            a = [
-                lv.output_tps
-                for o in ("vllm", "vllm_2")
-                if o in outcomes
-                for lv in outcomes[o].no_reuse
-            ]
-            b = [lv.output_tps for lv in outcomes[mode].no_reuse] if mode in outcomes else []
-            if len(a) != 2 or len(b) != 2:
-                return None, []
-            pairs = [ratio(b[0], a[0]), ratio(b[1], a[1])]  # A B B A
-            valid = [p for p in pairs if p is not None]
-            return (sum(valid) / len(valid) if len(valid) == 2 else None), pairs
-
-        nr_side, nr_side_pairs = no_reuse("kvtier_sidecar")
-        nr_emb, nr_emb_pairs = no_reuse("kvtier_embedded")
+        nr_side = no_reuse_ratios(cycles, "kvtier_sidecar")
+        nr_emb = no_reuse_ratios(cycles, "kvtier_embedded")
         profile = outcomes["kvtier_sidecar"].profile if "kvtier_sidecar" in outcomes else {}
         headline: dict[str, Any] = {
             "throughput_vs_vllm_alone": ratio(tps("kvtier_sidecar"), tps("vllm")),
             "ttft_p50_vs_vllm_alone": ratio(ttft("kvtier_sidecar", "p50"), ttft("vllm", "p50")),
             "ttft_p99_vs_vllm_alone": ratio(ttft("kvtier_sidecar", "p99"), ttft("vllm", "p99")),
-            "no_reuse_throughput_vs_vllm_alone": nr_side,
-            "no_reuse_throughput_vs_vllm_alone_embedded": nr_emb,
+            "no_reuse_throughput_vs_vllm_alone": nr_side.mean,
+            "no_reuse_throughput_vs_vllm_alone_embedded": nr_emb.mean,
             "spec_throughput_vs_vllm_alone_spec": ratio(
                 tps("kvtier_sidecar_spec"), tps("vllm_spec")
             ),
@@ -710,7 +784,10 @@ class Bench:
             "throughput_vs_offloading_connector": ratio(
                 tps("kvtier_sidecar"), tps("offloading_connector")
             ),
-            "no_reuse_pairs": {"sidecar": nr_side_pairs, "embedded": nr_emb_pairs},
+            "no_reuse_se": {"sidecar": nr_side.se, "embedded": nr_emb.se},
+            "no_reuse_second_vllm_alone": no_reuse_ratios(cycles, "vllm_b").mean,
+            "no_reuse_cycles": cycles,
+            "no_reuse_error": self.no_reuse_error or None,
         }
         targets = {}
         for key, (op, bound) in TARGETS.items():
@@ -754,7 +831,11 @@ class Bench:
                     "working_set_tokens": USERS * self.workload().longest_request(),
                     "concurrency": list(self.concurrency),
                 },
-                "no_reuse_requests": self.mode.no_reuse_requests,
+                "no_reuse": {
+                    "cycles": self.mode.no_reuse_cycles,
+                    "requests": NO_REUSE_REQUESTS,
+                    "backlog_requests": NO_REUSE_BACKLOG,
+                },
                 "connector_extra": self.connector_extra,
                 "speculative_tokens": SPEC_TOKENS,
                 "run_dir": str(self.root),
@@ -816,19 +897,7 @@ def tables(result: dict[str, Any]) -> str:
                 f"{_pct(lv['hit_ratio'])} | {_pct(lv['daemon_hit_ratio'])} | "
                 f"{lv['ok']}/{lv['requests']} |"
             )
-    lines += [
-        "",
-        f"## No reuse (every prompt unique, concurrency {HEADLINE_CONCURRENCY}, in run order)",
-        "",
-        "| server | out tok/s | TTFT p50 ms | hit ratio |",
-        "|---|---:|---:|---:|",
-    ]
-    for s in result["servers"].values():
-        for lv in s["no_reuse"]:
-            lines.append(
-                f"| {s['label']} | {_f(lv['output_tps'], '.1f')} | "
-                f"{_ms(lv['ttft_p50_s'], '.0f')} | {_pct(lv['hit_ratio'])} |"
-            )
+    lines += ["", *no_reuse_table(result)]
     lines += ["", "## Ratios", "", "| ratio | value | target | met |", "|---|---:|---:|---|"]
     for key, t in result["targets"].items():
         met = "-" if t["met"] is None else ("yes" if t["met"] else "no")
@@ -855,6 +924,42 @@ def tables(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def no_reuse_table(result: dict[str, Any]) -> list[str]:
+    """Each cycle's output tokens/s by server, then each kvtier mode's ratios."""
+    settings = result["settings"]["no_reuse"]
+    lines = [
+        f"## No reuse (every prompt unique, concurrency {HEADLINE_CONCURRENCY}, all servers up "
+        f"at once, {settings['requests']} measured requests per level)",
+        "",
+    ]
+    if result["no_reuse_error"]:
+        lines += [f"Not measured: {result['no_reuse_error']}", ""]
+    cycles = result["no_reuse_cycles"]
+    names = [n for n in NO_REUSE_CASES if any(n in row for row in cycles)]
+    if not cycles:
+        return lines
+    labels = [NO_REUSE_CASES[n].label for n in names]
+    lines += [
+        "| cycle | " + " | ".join(f"{label} tok/s" for label in labels) + " |",
+        "|---:|" + "---:|" * len(names),
+    ]
+    for i, row in enumerate(cycles):
+        lines.append(f"| {i} | " + " | ".join(_f(row.get(n), ".1f") for n in names) + " |")
+    lines += [
+        "",
+        "| over vLLM alone | cycles | mean | se | min | max |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in names[1:]:
+        ratios = no_reuse_ratios(cycles, name)
+        values = ratios.values or [math.nan]
+        lines.append(
+            f"| {NO_REUSE_CASES[name].label} | {len(ratios.values)} | {_f(ratios.mean, '.3f')} | "
+            f"{_f(ratios.se, '.3f')} | {_f(min(values), '.3f')} | {_f(max(values), '.3f')} |"
+        )
+    return lines
+
+
 def clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -870,9 +975,9 @@ def write_docs(result: dict[str, Any], docs: Path) -> None:
 
     docs.mkdir(parents=True, exist_ok=True)
     curves = []
-    for name, o in result["_outcomes"].items():
+    for o in result["_outcomes"].values():
         levels = o.multi_round
-        if not levels or name == "vllm_2":
+        if not levels:
             continue
         curves.append(
             Curve(
@@ -915,6 +1020,9 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", action="store_true", help="record a torch profiler trace of one level"
     )
     parser.add_argument("--blocks-per-chunk", type=int, default=4)
+    parser.add_argument(
+        "--no-reuse-cycles", type=int, help="no-reuse cycles (3 quick, 12 full; 0: none)"
+    )
     parser.add_argument("--concurrency", type=parse_list, help="multi-round levels")
     parser.add_argument(
         "--cache-dir",
@@ -947,6 +1055,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown servers {sorted(unknown)} (choose from {', '.join(SERVERS)})")
     mode = QUICK if args.quick else FULL
+    if args.no_reuse_cycles is not None:
+        mode = replace(mode, no_reuse_cycles=args.no_reuse_cycles)
     concurrency = args.concurrency or mode.concurrency
     if HEADLINE_CONCURRENCY not in concurrency:
         concurrency = tuple(sorted({*concurrency, HEADLINE_CONCURRENCY}))
