@@ -609,7 +609,7 @@ class Bench:
         current = names[0]
 
         def run_name(name: str) -> str:
-            return f"{name}_no_reuse"
+            return f"{name}_nr"  # short: vLLM puts sockets under it (sun_path holds 107)
 
         try:
             with ExitStack() as stack:
