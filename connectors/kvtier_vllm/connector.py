@@ -51,7 +51,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         scheduler = self._scheduler
         assert scheduler is not None
         return contained(
-            "lookup",
+            "get_num_new_matched_tokens",
             lambda: scheduler.get_num_new_matched_tokens(request, num_computed_tokens),
             lambda: (0, False),
         )
@@ -63,7 +63,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             "update_state_after_alloc",
             lambda: scheduler.update_state_after_alloc(request, blocks, num_external_tokens),
             lambda: contained(
-                "abandoning a load",
+                "abandon_load",
                 lambda: scheduler.abandon_load(request, blocks, num_external_tokens),
                 lambda: None,
             ),
@@ -76,7 +76,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         assert scheduler is not None
         none: dict[str, int] = {}
         sources = contained(
-            "hit sources", lambda: scheduler.hit_sources(request, num_external_tokens), none.copy
+            "get_external_cache_hit_sources",
+            lambda: scheduler.hit_sources(request, num_external_tokens),
+            none.copy,
         )
         if not sources:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
@@ -89,7 +91,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             "build_connector_meta",
             lambda: scheduler.build_connector_meta(scheduler_output),
             lambda: contained(
-                "abandoning a step",
+                "abandon_step",
                 lambda: scheduler.abandon_step(scheduler_output),
                 KVTierMetadata,
             ),
@@ -185,9 +187,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         worker = self._worker
         if worker is None:
             return transfer_results(set(), set())
-        done = contained("finished loads", worker.finished_loads, worker.fail_receiving)
+        done = contained("get_transfer_results", worker.finished_loads, worker.fail_receiving)
         sent = contained(
-            "finished stores", lambda: worker.finished_sends(finished_req_ids), worker.all_sends
+            "get_transfer_results",
+            lambda: worker.finished_sends(finished_req_ids),
+            worker.all_sends,
         )
         return transfer_results(*done, sent)
 
@@ -195,15 +199,27 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         worker = self._worker
         if worker is None:
             return set()
-        return contained("load errors", worker.block_ids_with_load_errors, worker.unchecked_errors)
+        return contained(
+            "get_block_ids_with_load_errors",
+            worker.block_ids_with_load_errors,
+            worker.unchecked_errors,
+        )
 
     def build_connector_worker_meta(self) -> Any:
         worker = self._worker
-        return contained("worker metadata", worker.worker_meta, lambda: None) if worker else None
+        return (
+            contained("build_connector_worker_meta", worker.worker_meta, lambda: None)
+            if worker
+            else None
+        )
 
     def get_kv_connector_stats(self) -> Any:
         role = self._scheduler or self._worker
-        return contained("stats", role.take_stats, lambda: None) if role is not None else None
+        return (
+            contained("get_kv_connector_stats", role.take_stats, lambda: None)
+            if role is not None
+            else None
+        )
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:

@@ -42,7 +42,7 @@ from kvtier_vllm.planner import HitPlanner, Leases, LoadPlan, targets_of
 from kvtier_vllm.requests import RequestState
 from kvtier_vllm.session import Session
 from kvtier_vllm.shapes import refusal
-from kvtier_vllm.stats import KVTierStats
+from kvtier_vllm.stats import KVTierStats, take
 from kvtier_vllm.stores import Stores
 from kvtier_vllm.unreturned import Return, Unreturned
 from kvtier_vllm.verify import Sampled, Verifier
@@ -258,9 +258,7 @@ class KVTierScheduler:
             for source in self.draft.swaps:
                 self.stats.swap(source)
             self.draft.swaps.clear()
-        if self.stats.is_empty():
-            return None
-        stats, self.stats = self.stats, KVTierStats()
+        stats, self.stats = take(self.stats)
         return stats
 
     # -- guarded calls into kvtier --------------------------------------------------------

@@ -4,8 +4,9 @@ Workers count bytes, chunks and seconds per direction and pool; vLLM sums them a
 and hands them to the logger and to `KVTierPromMetrics`. The scheduler side adds what only it
 sees: speculative tokens proposed and accepted per draft revision and fill, draft fills, stale
 draft chunks served, swaps, the current draft revision, and the bytes of sliding-window chunks
-it did not store because no hit would read them. Label values come from fixed sets,
-except draft revisions, which are bounded by `MAX_REVISIONS`.
+it did not store because no hit would read them. Both sides add the seconds vLLM spent inside
+kvtier's hooks (`kvtier_vllm.guard`). Label values come from fixed sets (hooks are named in
+code), except draft revisions, which are bounded by `MAX_REVISIONS`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+from kvtier_vllm.guard import take_seconds
 
 DIRECTIONS = ("load", "store")
 FILLS = ("none", "previous", "zeros")
@@ -80,6 +83,11 @@ class KVTierStats(KVConnectorStats):
             bucket = next(i for i, bound in enumerate(ERROR_BUCKETS) if error <= bound)
             self.add(_SEP.join(("verify_error", pool, str(bucket))), 1)
 
+    def hooks(self, seconds: dict[str, float]) -> None:
+        """Seconds spent inside each of kvtier's hooks."""
+        for hook, spent in seconds.items():
+            self.add(_SEP.join(("hook", hook)), spent)
+
     def revision(self, revision: str) -> None:
         """The draft revision now current (a gauge: the last one reported wins)."""
         self.data[_SEP.join(("revision", revision))] = 1
@@ -127,6 +135,15 @@ class KVTierStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not self.data  # a zero counted is still news: the series then exists
+
+
+def take(stats: KVTierStats) -> tuple[KVTierStats | None, KVTierStats]:
+    """What a side reports (``stats`` with the hook seconds due, None when that is nothing) and
+    the stats it fills next."""
+    stats.hooks(take_seconds(due=not stats.is_empty()))
+    if stats.is_empty():
+        return None, stats
+    return stats, KVTierStats()
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
@@ -193,6 +210,14 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             "was reused first).",
             labelnames=[*base, "pool", "result"],
         )
+        self._hooks: Any = self._counter_cls(
+            name="vllm:kvtier_hook_seconds_total",
+            documentation="Seconds vLLM spent inside kvtier's connector hooks, per hook, summed "
+            "over the scheduler and every worker. vLLM waits for each on its engine loop, so "
+            "its rate is the share of serving time kvtier took (an upper bound with several "
+            "workers, whose hooks run at once).",
+            labelnames=[*base, "hook"],
+        )
         histogram: Any = self._histogram_cls
         self._errors: Any = histogram(
             name="vllm:kvtier_verify_relative_error",
@@ -245,6 +270,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             observed = bound if bound != float("inf") else 10.0
             for _ in range(int(value)):
                 self._errors.labels(*labels, parts[1]).observe(observed)
+        elif kind == "hook" and value:
+            self._hooks.labels(*labels, parts[1]).inc(value)
         elif kind == "stale":
             self._stale.labels(*labels).inc(value)
         elif kind == "swap" and parts[1] in SWAP_SOURCES and value:

@@ -32,7 +32,7 @@ from kvtier_vllm.hidden_codec import Fp8Layout
 from kvtier_vllm.layout import KVGroup, PoolPlan, UnsupportedGroupError, kv_groups, plan_pools
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.shapes import HEADS_FIRST, TOKENS_FIRST, refusal
-from kvtier_vllm.stats import KVTierStats
+from kvtier_vllm.stats import KVTierStats, take
 
 log = logging.getLogger(__name__)
 
@@ -619,9 +619,7 @@ class KVTierWorker:
         self.stats.record(direction, str(plan.pool), nbytes, seconds, ok)
 
     def take_stats(self) -> KVTierStats | None:
-        if self.stats.is_empty():
-            return None
-        stats, self.stats = self.stats, KVTierStats()
+        stats, self.stats = take(self.stats)
         return stats
 
     def block_ids_with_load_errors(self) -> set[int]:

@@ -52,6 +52,20 @@ def verified(llm: Any, pool: str = "target") -> tuple[float, float]:
     )
 
 
+def hook_seconds(hook: str | None = None) -> float:
+    """``vllm:kvtier_hook_seconds_total`` in this process's registry (vLLM's metrics reader
+    truncates counters to whole numbers), summed over engines and, without ``hook``, hooks."""
+    from prometheus_client import REGISTRY
+
+    return sum(
+        sample.value
+        for family in REGISTRY.collect()
+        for sample in family.samples
+        if sample.name == "vllm:kvtier_hook_seconds_total"
+        and (hook is None or sample.labels.get("hook") == hook)
+    )
+
+
 def kvtier_config(extra: dict[str, Any]) -> dict[str, Any]:
     return {
         "kv_connector": "KVTierConnector",
@@ -128,6 +142,11 @@ def test_multiprocess_engine_stores_and_loads_across_processes(
             tiny_models.target, kv_transfer_config=connector, multiprocess=True
         ) as llm:
             tokens, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+            # hook time from the worker's process and the engine core's
+            worker_s = hook_seconds("wait_for_save")
+            scheduler_s = hook_seconds("build_connector_meta")
+        assert worker_s > 0
+        assert scheduler_s > 0
         assert tokens == baseline[: len(prompts)]
         if run == 1:
             assert all(c >= 600 for c in cached), cached

@@ -1,9 +1,19 @@
-"""The connector's hook guard: a failure becomes the fallback, and a profiled hook is a range."""
+"""The connector's hook guard: a failure becomes the fallback, a profiled hook is a range, and
+each hook's time reaches vLLM's metrics."""
 
 from __future__ import annotations
 
+import functools
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
 import torch
+from kvtier_vllm import guard
 from kvtier_vllm.guard import contained, failures
+from kvtier_vllm.stats import KVTierPromMetrics, KVTierStats, take
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -25,3 +35,70 @@ def test_a_hook_run_under_torchs_profiler_is_a_kvtier_range() -> None:
     names = {event.name for event in prof.events()}
     assert "kvtier:start_load_kv" in names
     assert "kvtier:unprofiled" not in names
+
+
+def test_each_hooks_time_is_added_up_failures_included() -> None:
+    guard.seconds.clear()
+
+    def slow() -> int:
+        time.sleep(0.02)
+        return 1
+
+    def slow_failure() -> int:
+        time.sleep(0.03)
+        raise RuntimeError("boom")
+
+    started = time.perf_counter()
+    contained("timed_hook", slow, lambda: 0)
+    contained("timed_hook", slow, lambda: 0)
+    contained("failing_hook", slow_failure, lambda: 0)
+    elapsed = time.perf_counter() - started
+    assert 0.04 <= guard.seconds["timed_hook"] < elapsed
+    assert 0.03 <= guard.seconds["failing_hook"] < elapsed
+
+
+def test_hook_seconds_are_taken_when_due_and_only_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    guard.seconds.clear()
+    guard.take_seconds(due=True)
+    contained("timed_hook", lambda: 1, lambda: 0)
+    monkeypatch.setattr(guard, "REPORT_INTERVAL_S", 3600.0)
+    assert guard.take_seconds() == {}  # not due: they wait
+    taken = guard.take_seconds(due=True)
+    assert set(taken) == {"timed_hook"}
+    assert taken["timed_hook"] > 0
+    assert guard.take_seconds(due=True) == {}  # taken once
+    contained("timed_hook", lambda: 1, lambda: 0)
+    monkeypatch.setattr(guard, "REPORT_INTERVAL_S", 0.0)
+    assert set(guard.take_seconds()) == {"timed_hook"}  # the interval passed
+
+
+def test_a_side_reports_hook_seconds_alone_only_when_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    guard.seconds.clear()
+    guard.take_seconds(due=True)
+    monkeypatch.setattr(guard, "REPORT_INTERVAL_S", 3600.0)
+    contained("wait_for_save", lambda: 1, lambda: 0)
+    reported, fresh = take(KVTierStats())
+    assert reported is None
+    assert fresh.is_empty()
+    news = KVTierStats()
+    news.record("store", "target", 1024, 0.001, True)
+    reported, fresh = take(news)
+    assert reported is news
+    assert fresh is not news
+    assert fresh.is_empty()
+    assert reported.data["hook|wait_for_save"] > 0  # rides on the news
+
+
+def test_hook_seconds_reach_vllms_metrics() -> None:
+    registry = CollectorRegistry()
+    types: dict[Any, Any] = {
+        cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)
+    }
+    prom = KVTierPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["e"], {0: ["0"]})
+    for spent in (0.25, 0.5):
+        stats = KVTierStats()
+        stats.hooks({"build_connector_meta": spent, "start_load_kv": 0.125})
+        prom.observe(stats.data)
+    name = "vllm:kvtier_hook_seconds_total"
+    assert registry.get_sample_value(name, {"e": "0", "hook": "build_connector_meta"}) == 0.75
+    assert registry.get_sample_value(name, {"e": "0", "hook": "start_load_kv"}) == 0.25
