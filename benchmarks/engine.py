@@ -124,6 +124,12 @@ def busy_cpu_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time process ``pid`` has used, all its threads, user and system (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_until_quiet(
     share: float = 0.1, window_s: float = 1.0, timeout_s: float = 60.0
 ) -> float | None:

@@ -65,7 +65,12 @@ Workloads (kvtier/bench, token-exact prompts streamed to ``/v1/completions`` wit
   (``--no-reuse-cycles``). ``vllm_b``, a second vLLM-alone server, is measured the same way:
   each server started runs at a speed of its own, and ``no_reuse_second_vllm_alone`` (one
   vLLM alone over the other) shows how far apart two identical servers are. A ratio that
-  differs from 1 by less than that is within this machine's noise.
+  differs from 1 by less than that is within this machine's noise. What each server's speed
+  does not move is kvtier's own time, read per measured level: ``no_reuse_hook_share``
+  (``..._embedded``), the seconds vLLM's engine loop spent inside kvtier's hooks
+  (``vllm:kvtier_hook_seconds_total``) over the level's wall time, and
+  ``no_reuse_kvtierd_cpu_share``, kvtierd's CPU time (/proc) over it, a share of one core;
+  ``no_reuse_kvtier_time`` holds every level's.
 
 Figures per level: output tokens/s (all users; successful requests), output tokens/s per user
 (mean over requests of output tokens over end-to-end latency), TTFT and ITL percentiles,
@@ -127,7 +132,16 @@ from typing import Any
 
 import models
 import yaml
-from engine import CpuShare, GiB, KiB, Kvtierd, MiB, extent_for, wait_until_quiet
+from engine import (
+    CpuShare,
+    GiB,
+    KiB,
+    Kvtierd,
+    MiB,
+    extent_for,
+    process_cpu_seconds,
+    wait_until_quiet,
+)
 from servers import ServerError, VllmServer, connector_arg, error_line, log_tail
 
 from kvtier.bench import BenchConfig, BenchError, LevelResult, WorkloadSpec, run_level
@@ -319,6 +333,32 @@ def no_reuse_ratios(cycles: list[dict[str, float]], name: str) -> Ratios:
     return Ratios(values)
 
 
+def daemon_cpu_seconds(daemon: Kvtierd | None) -> float:
+    """kvtierd's CPU time so far; NaN without one."""
+    if daemon is None or daemon.proc is None:
+        return math.nan
+    return process_cpu_seconds(daemon.proc.pid)
+
+
+def kvtier_time(level: LevelResult, daemon_cpu_s: float) -> dict[str, float]:
+    """What kvtier itself took during a level, as shares of its wall time: vLLM's engine loop
+    inside kvtier's hooks (``hooks``; 0 for a server without kvtier; also in milliseconds per
+    request, which a faster or slower model does not change) and kvtierd's CPU, a share of one
+    core (``kvtierd_cpu``; NaN without kvtierd)."""
+    wall = level.duration_s or math.nan
+    hooks = sum(level.server.connector_hook_seconds.values())
+    return {
+        "hooks": hooks / wall,
+        "hooks_ms_per_request": 1000 * hooks / level.ok if level.ok else math.nan,
+        "kvtierd_cpu": daemon_cpu_s / wall,
+    }
+
+
+def mean_cost(costs: list[dict[str, float]], what: str) -> float | None:
+    values = [c[what] for c in costs if c.get(what) is not None and not math.isnan(c[what])]
+    return statistics.fmean(values) if values else None
+
+
 def profiler_args(trace_dir: Path) -> list[str]:
     config = {
         "profiler": "torch",
@@ -345,8 +385,10 @@ class Bench:
         profile: bool,
         connector_extra: dict[str, Any] | None = None,
         only: set[str] | None = None,
+        no_reuse_only: bool = False,
     ) -> None:
         self.mode = mode
+        self.no_reuse_only = no_reuse_only
         self.connector_extra = dict(connector_extra or {})
         self.only = only
         self.bpc = blocks_per_chunk
@@ -368,6 +410,8 @@ class Bench:
         self.root = Path(tempfile.mkdtemp(prefix="serving-", dir=cache_dir))
         self.shm_paths: list[Path] = []
         self.nr_index = 100  # no-reuse levels use indices of their own, never repeated
+        self.daemons: dict[str, Kvtierd] = {}  # by run name, while their servers run
+        self.nr_costs: dict[str, list[dict[str, float]]] = {}
         self.no_reuse_error = ""
         config = json.loads((self.model / "config.json").read_text())
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -457,6 +501,7 @@ class Bench:
                 daemon.stop()
                 raise
             metrics_url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
+            self.daemons[run_name] = daemon
             extra = {"mode": "sidecar", "socket_path": str(daemon.socket_path)}
             args += connector_arg(self.kvtier(extra))
         elif case.connector == "example":
@@ -509,6 +554,7 @@ class Bench:
             server.stop()
             if daemon is not None:
                 daemon.stop()
+                self.daemons.pop(run_name, None)
             # its own arena only: other servers may still be running
             self.shm(run_name).unlink(missing_ok=True)
             # the stored KV (a preallocated LMDB file is its whole budget): keep the logs only
@@ -629,8 +675,13 @@ class Bench:
                         if wait_until_quiet() is None:
                             log.warning("the machine stayed busy: the level runs anyway")
                         self.no_reuse_level(server, url, NO_REUSE_BACKLOG)
+                        daemon = self.daemons.get(run_name(current))
+                        daemon_cpu = daemon_cpu_seconds(daemon)
                         level = self.no_reuse_level(server, url, NO_REUSE_REQUESTS)
                         cases[current].no_reuse.append(level)
+                        self.nr_costs.setdefault(current, []).append(
+                            kvtier_time(level, daemon_cpu_seconds(daemon) - daemon_cpu)
+                        )
                         whole = level.ok == level.requests
                         row[current] = level.output_tps if whole else math.nan
                     cycles.append(row)
@@ -715,7 +766,7 @@ class Bench:
         outcomes = {
             case.name: self.run_case(case, plan)
             for case, plan in cases
-            if self.only is None or case.name in self.only
+            if (self.only is None or case.name in self.only) and not self.no_reuse_only
         }
         cycles = self.no_reuse_phase(outcomes)
         result = self.result(outcomes, cycles)
@@ -788,6 +839,14 @@ class Bench:
             "no_reuse_second_vllm_alone": no_reuse_ratios(cycles, "vllm_b").mean,
             "no_reuse_cycles": cycles,
             "no_reuse_error": self.no_reuse_error or None,
+            "no_reuse_hook_share": mean_cost(self.nr_costs.get("kvtier_sidecar", []), "hooks"),
+            "no_reuse_hook_share_embedded": mean_cost(
+                self.nr_costs.get("kvtier_embedded", []), "hooks"
+            ),
+            "no_reuse_kvtierd_cpu_share": mean_cost(
+                self.nr_costs.get("kvtier_sidecar", []), "kvtierd_cpu"
+            ),
+            "no_reuse_kvtier_time": self.nr_costs,
         }
         targets = {}
         for key, (op, bound) in TARGETS.items():
@@ -866,6 +925,10 @@ def _f(value: Any, fmt: str = ".2f") -> str:
 
 def _ms(seconds: float | None, fmt: str = ".0f") -> str:
     return _f(None if seconds is None else seconds * 1e3, fmt)
+
+
+def _pct3(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
 
 
 def _pct(value: Any) -> str:
@@ -957,6 +1020,22 @@ def no_reuse_table(result: dict[str, Any]) -> list[str]:
             f"| {NO_REUSE_CASES[name].label} | {len(ratios.values)} | {_f(ratios.mean, '.3f')} | "
             f"{_f(ratios.se, '.3f')} | {_f(min(values), '.3f')} | {_f(max(values), '.3f')} |"
         )
+    costs = result["no_reuse_kvtier_time"]
+    if any(costs.get(name) for name in ("kvtier_embedded", "kvtier_sidecar")):
+        lines += [
+            "",
+            "| kvtier's own time, mean over levels | levels | vLLM inside kvtier's hooks, "
+            "share of wall time | the same, ms per request | kvtierd CPU, share of a core |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for name in ("kvtier_embedded", "kvtier_sidecar"):
+            if costs.get(name):
+                lines.append(
+                    f"| {NO_REUSE_CASES[name].label} | {len(costs[name])} | "
+                    f"{_pct3(mean_cost(costs[name], 'hooks'))} | "
+                    f"{_f(mean_cost(costs[name], 'hooks_ms_per_request'), '.1f')} | "
+                    f"{_pct3(mean_cost(costs[name], 'kvtierd_cpu'))} |"
+                )
     return lines
 
 
@@ -1023,6 +1102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-reuse-cycles", type=int, help="no-reuse cycles (3 quick, 12 full; 0: none)"
     )
+    parser.add_argument(
+        "--no-reuse-only", action="store_true", help="the no-reuse phase alone: no multi-round"
+    )
     parser.add_argument("--concurrency", type=parse_list, help="multi-round levels")
     parser.add_argument(
         "--cache-dir",
@@ -1068,6 +1150,7 @@ def main(argv: list[str] | None = None) -> int:
         profile=args.profile or args.json,
         connector_extra=args.connector_extra,
         only=set(args.servers.split(",")) if args.servers else None,
+        no_reuse_only=args.no_reuse_only,
     )
     try:
         result = bench.run()

@@ -5,8 +5,10 @@ vLLM 0.32 exposes ``vllm:prompt_tokens_total`` (every prompt token), and
 ``vllm:prompt_tokens_cached_by_source_total{source}`` (device, host, disk, p2p,
 external_unspecified) for the tokens a cache supplied; ``vllm:prompt_tokens_by_source_total``
 splits them into local_compute, local_cache_hit and external_kv_transfer. kvtier's connector adds
-``vllm:kvtier_transfer_{chunks,bytes}_total{direction,pool}`` to the same page, and the daemon
-serves ``kvtier_lookup_chunks_total`` and ``kvtier_hit_chunks_total{tier}`` on its own port.
+``vllm:kvtier_transfer_{chunks,bytes}_total{direction,pool}`` and
+``vllm:kvtier_hook_seconds_total{hook}`` (vLLM's time inside its hooks) to the same page, and
+the daemon serves ``kvtier_lookup_chunks_total`` and ``kvtier_hit_chunks_total{tier}`` on its
+own port.
 
 The counters are server-wide: other traffic during a level is counted too.
 """
@@ -29,6 +31,7 @@ CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 PROMPT_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 CONNECTOR_CHUNKS = "vllm:kvtier_transfer_chunks_total"
 CONNECTOR_BYTES = "vllm:kvtier_transfer_bytes_total"
+CONNECTOR_HOOK_SECONDS = "vllm:kvtier_hook_seconds_total"
 DAEMON_LOOKUPS = "kvtier_lookup_chunks_total"
 DAEMON_HITS = "kvtier_hit_chunks_total"
 
@@ -97,6 +100,8 @@ class ServerCounters:
     connector_chunks: dict[str, float] = field(default_factory=dict)
     """kvtier connector chunks by direction (load, store)."""
     connector_bytes: dict[str, float] = field(default_factory=dict)
+    connector_hook_seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds vLLM spent inside kvtier connector hooks, by hook."""
     daemon_lookup_chunks: float | None = None
     daemon_hit_chunks_by_tier: dict[str, float] = field(default_factory=dict)
 
@@ -141,6 +146,7 @@ def server_counters(
         prompt_tokens_by_source=by_label(e, PROMPT_BY_SOURCE, "source", **labels),
         connector_chunks=by_label(e, CONNECTOR_CHUNKS, "direction", **labels),
         connector_bytes=by_label(e, CONNECTOR_BYTES, "direction", **labels),
+        connector_hook_seconds=by_label(e, CONNECTOR_HOOK_SECONDS, "hook", **labels),
         daemon_lookup_chunks=total(d, DAEMON_LOOKUPS) if has(d, DAEMON_LOOKUPS) else None,
         daemon_hit_chunks_by_tier=by_label(d, DAEMON_HITS, "tier"),
     )

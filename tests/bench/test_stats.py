@@ -52,6 +52,8 @@ vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} %
 vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 0
 # TYPE vllm:kvtier_transfer_chunks counter
 vllm:kvtier_transfer_chunks_total{engine="0",model_name="m",direction="load",pool="p"} %(load)s
+# TYPE vllm:kvtier_hook_seconds counter
+vllm:kvtier_hook_seconds_total{engine="0",model_name="m",hook="start_load_kv"} %(hook)s
 """
 
 DAEMON = """\
@@ -64,8 +66,10 @@ kvtier_hit_chunks_total{tier="lmdb",pool="p",replica="r"} %(lmdb)s
 
 
 def test_hit_ratio_by_source_from_a_before_after_delta() -> None:
-    before = parse_counters(PAGE % {"prompt": 100, "device": 10, "host": 0, "ok": 2, "load": 0})
-    after = parse_counters(PAGE % {"prompt": 500, "device": 110, "host": 200, "ok": 6, "load": 7})
+    first = {"prompt": 100, "device": 10, "host": 0, "ok": 2, "load": 0, "hook": 0.25}
+    before = parse_counters(PAGE % first)
+    second = {"prompt": 500, "device": 110, "host": 200, "ok": 6, "load": 7, "hook": 1.0}
+    after = parse_counters(PAGE % second)
     d_before = parse_counters(DAEMON % {"lookups": 10, "cpu": 1, "lmdb": 0})
     d_after = parse_counters(DAEMON % {"lookups": 30, "cpu": 11, "lmdb": 5})
     c = server_counters(delta(before, after), delta(d_before, d_after), model="m")
@@ -75,6 +79,7 @@ def test_hit_ratio_by_source_from_a_before_after_delta() -> None:
     assert c.hit_ratio == pytest.approx(0.75)
     assert c.hit_ratio_by_source == pytest.approx({"device": 0.25, "host": 0.5})
     assert c.connector_chunks == {"load": 7}
+    assert c.connector_hook_seconds == {"start_load_kv": 0.75}
     assert c.daemon_hit_chunks_by_tier == {"cpu": 10, "lmdb": 5}
     assert c.daemon_hit_ratio == pytest.approx(0.75)
 
