@@ -3,7 +3,8 @@
     python deploy/grafana/dashboards.py           # rewrite the JSON files
     python deploy/grafana/dashboards.py --check   # exit 1 when a file differs from its source
 
-Queries name only metrics kvtierd exports (and vLLM's own ``vllm:spec_decode_*``); the tests in
+Queries name only metrics kvtierd exports (and vLLM's own ``vllm:spec_decode_*`` and the
+connector's ``vllm:kvtier_*``); the tests in
 tests/operability evaluate each of them against a live Prometheus scraping a live kvtierd.
 """
 
@@ -266,6 +267,20 @@ def overview() -> Board:
             target(f"kvtier_tier_high_water_ratio{{{INST}}}", "high-water {{instance}} {{tier}}"),
         ],
         "percentunit",
+    )
+    b.panel(
+        "vLLM's time inside kvtier's hooks (vLLM)",
+        [
+            target(
+                "sum by (hook) (rate(vllm:kvtier_hook_seconds_total"
+                f'{{model_name=~"$model_name"}}[{RI}]))',
+                "{{hook}}",
+            )
+        ],
+        "percentunit",
+        description="Seconds per second vLLM's engine loop waited on kvtier's connector hooks: "
+        "the share of serving time kvtier took (summed over tensor-parallel workers, an upper "
+        "bound there).",
     )
     b.row("Object store")
     b.panel(
