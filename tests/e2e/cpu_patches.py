@@ -20,6 +20,20 @@ def is_cpu_build() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def skip_without_fp8_kv() -> None:
+    """Skip the calling test where vLLM cannot hold fp8 KV: its CPU attention does so only on
+    x86 with AVX-512 or AMX, and raises at start anywhere else."""
+    import pytest
+    import torch
+
+    if is_cpu_build() and not (
+        torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+    ):
+        pytest.skip(
+            "vLLM's CPU build keeps fp8 KV only on x86 with AVX-512 or AMX; this CPU has neither"
+        )
+
+
 @contextmanager
 def per_layer_kv_dtype_on_cpu() -> Iterator[None]:
     if not is_cpu_build():

@@ -295,8 +295,9 @@ def test_a_draft_with_its_own_kv_dtype_gets_its_own_pool_bytes(
     from kvtier.config import load_config
     from kvtier.pools import PoolRegistry
     from kvtier.tiers.lmdb_tier import LmdbTier
-    from tests.e2e.cpu_patches import per_layer_kv_dtype_on_cpu
+    from tests.e2e.cpu_patches import per_layer_kv_dtype_on_cpu, skip_without_fp8_kv
 
+    skip_without_fp8_kv()
     config = embedded_yaml(tmp_path, shm_path)
     connector = kvtier_config({"kvtier_config": str(config)})
     spec = {**_self_draft(tiny_models), "kv_cache_dtype": "fp8"}

@@ -110,8 +110,9 @@ def test_a_draft_with_its_own_kv_dtype_is_verified_in_both_pools(
     tmp_path: Path,
     shm_path: Path,
 ) -> None:
-    from tests.e2e.cpu_patches import per_layer_kv_dtype_on_cpu
+    from tests.e2e.cpu_patches import per_layer_kv_dtype_on_cpu, skip_without_fp8_kv
 
+    skip_without_fp8_kv()
     config = str(embedded_yaml(tmp_path, shm_path))
     spec = {**_self_draft(tiny_models), "kv_cache_dtype": "fp8"}
     expected = baseline[:2]
