@@ -679,8 +679,14 @@ class Bench:
                         daemon_cpu = daemon_cpu_seconds(daemon)
                         level = self.no_reuse_level(server, url, NO_REUSE_REQUESTS)
                         cases[current].no_reuse.append(level)
-                        self.nr_costs.setdefault(current, []).append(
-                            kvtier_time(level, daemon_cpu_seconds(daemon) - daemon_cpu)
+                        cost = kvtier_time(level, daemon_cpu_seconds(daemon) - daemon_cpu)
+                        self.nr_costs.setdefault(current, []).append(cost)
+                        log.info(
+                            "  kvtier's own time: hooks %.2f%% of the level (%.1f ms per "
+                            "request), kvtierd %.2f%% of a core",
+                            100 * cost["hooks"],
+                            cost["hooks_ms_per_request"],
+                            100 * cost["kvtierd_cpu"],
                         )
                         whole = level.ok == level.requests
                         row[current] = level.output_tps if whole else math.nan
