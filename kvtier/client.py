@@ -33,6 +33,9 @@ class Ready(Generic[T]):
     def done(self) -> bool:
         return True
 
+    def wait(self, timeout_s: float | None) -> bool:
+        return True
+
     def result(self) -> T:
         return self._value
 
@@ -137,6 +140,9 @@ class InProcessClient:
 
     def set_busy(self, busy: bool) -> None:
         pass  # the caller runs the engine: it decides when to flush
+
+    def lookup_behind(self, keys: Sequence[ChunkKey]) -> Answer[LookupResult]:
+        return Ready(self.manager.lookup(keys))
 
     def in_arena(self, keys: Sequence[ChunkKey]) -> list[SlotRef] | None:
         return None  # a lookup here is no dearer

@@ -123,6 +123,10 @@ class Answer(Protocol[T_co]):
 
     def done(self) -> bool: ...
 
+    def wait(self, timeout_s: float | None) -> bool:
+        """Whether the answer is there, after waiting for it at most ``timeout_s``."""
+        ...
+
     def result(self) -> T_co: ...
 
 
@@ -170,6 +174,11 @@ class TierClient(Protocol):
         """Look the keys up, first ending the leases ``release``. With ``lease``, also lease
         the found chunks when the arena holds them all, all in one call. ``again``: the same
         request asks again while it waits; its keys and hits are not counted twice."""
+        ...
+
+    def lookup_behind(self, keys: Sequence[ChunkKey]) -> Answer[LookupResult]:
+        """`lookup` without a lease, without waiting for the answer: a caller that must not
+        wait asks again later, or waits as long as it may."""
         ...
 
     @overload

@@ -135,6 +135,15 @@ class ConnectorConfig(BaseModel):
         "the engine serves without kvtier (lookups miss at once, stores are skipped) until a "
         "heartbeat every probe_interval_ms is answered again.",
     )
+    lookup_wait_ms: float = Field(
+        2,
+        ge=0,
+        description="Sidecar mode: how long the scheduler waits for kvtierd to answer a new "
+        "request's lookup while other requests run, when the arena does not hold the request's "
+        "first chunk (most likely a miss). Past it the request is asked again next step and the "
+        "running ones go on without waiting. An idle engine waits for the answer (up to "
+        "lookup_deadline_ms).",
+    )
     store_deadline_ms: float = Field(
         100,
         gt=0,

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from kvtier.errors import KVTierError
 from kvtier.keys import ChunkKey, Pool, make_key
-from kvtier.protocol import SlotRef, TierClient, TierCode
+from kvtier.protocol import Answer, LookupResult, SlotRef, TierClient, TierCode
 from kvtier_vllm.draft import DraftTracker, Fill, lease_draft
 from kvtier_vllm.layout import PoolPlan
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata
@@ -146,6 +146,8 @@ class Asked:
     """Whether it was looked up already: lookups asked again are not counted again."""
     first_tiers: dict[int, int] = field(default_factory=dict)
     """Per chunk, where it was when first asked for (promoted ones came from lmdb)."""
+    behind: tuple[list[ChunkKey], Answer[LookupResult]] | None = None
+    """The first lookup, asked in the background, and its keys: the plan takes its answer."""
 
     def may_wait(self, wait_s: float) -> bool:
         """Whether the request may still be asked again next step."""
@@ -261,12 +263,34 @@ class HitPlanner:
     def _needed(self, plan: PoolPlan, first: int, chunks: int) -> range:
         return needed(plan, first, chunks, self.chunk_tokens)
 
+    def _first_keys(self, hashes: Any, first: int, limit: int) -> list[ChunkKey]:
+        """The keys a request's first lookup asks for: every target plan's, anchor first."""
+        spans = [(plan, self._needed(plan, first, limit)) for plan in self.targets]
+        return [k for plan, span in spans for k in self.keys(plan, hashes, span)]
+
+    def answered(
+        self, asked: Asked, hashes: Any, first: int, limit: int, wait_s: float | None
+    ) -> bool:
+        """Whether `plan` may run now, having waited at most ``wait_s`` (None: as long as the
+        call may take). A first lookup whose first chunk the arena's index does not hold (most
+        likely a miss) is asked in the background: until it is answered, ask again later."""
+        if asked.behind is None:
+            if asked.looked:
+                return True
+            keys = self._first_keys(hashes, first, limit)
+            held = self.client.in_arena(keys[:1])
+            if not keys or held is None or held:
+                return True  # the index answers, or a lookup here is no dearer than a check
+            asked.behind = keys, self.client.lookup_behind(keys)
+            asked.looked = True
+        return asked.behind[1].wait(wait_s)
+
     def plan(self, asked: Asked, hashes: Any, first: int, limit: int) -> LoadPlan | None:
         """The load of the hit from chunk ``first`` (vLLM holds the ones before) up to
         ``limit``, with its leases taken; an empty plan (no chunk) for no hit, or None: ask
         again next step, chunks are on their way into the arena."""
         try:
-            found = self._find(hashes, first, limit, again=asked.looked)
+            found = self._find(asked, hashes, first, limit)
         finally:
             asked.looked = True
         chunks = found.chunks
@@ -300,31 +324,37 @@ class HitPlanner:
             return None if chunks > first else LoadPlan(first, 0, {}, [])
         return self._lease(asked, hashes, first, chunks, found.leases)
 
-    def _find(self, hashes: Any, first: int, limit: int, again: bool) -> _Found:
+    def _find(self, asked: Asked, hashes: Any, first: int, limit: int) -> _Found:
         """The longest hit every target plan holds, in chunks: per plan, the first chunk it
         needs (from ``first``: vLLM holds the ones before) and the tier of each chunk from there.
 
         Full-attention plans need every chunk of the hit. A sliding-window plan needs only the
         window before the hit's end, which moves when the hit gets shorter: its check repeats,
         a few times at most. The first lookup also leases what the arena holds (or reads it from
-        the arena's index, with no call), so that a whole hit from the arena takes one step."""
+        the arena's index, with no call), so that a whole hit from the arena takes one step;
+        one asked in the background (see `answered`) leased nothing."""
         client = self.client
         spans = [(plan, self._needed(plan, first, limit)) for plan in self.targets]
-        keys = [k for plan, span in spans for k in self.keys(plan, hashes, span)]
-        # leases the next step would release go back with this lookup
-        due = self.leases.take_due()
-        try:
-            result, leased = client.lookup(keys, release=due, lease=True, again=again)
-        except KVTierError:
-            self.unreturned.keep(Return.RELEASE, due)
-            raise
+        keys = self._first_keys(hashes, first, limit)
+        behind, asked.behind = asked.behind, None
+        early: dict[str, tuple[int, list[SlotRef | None]]] | None = None
+        if behind is not None and behind[0] == keys and behind[1].done():
+            result = behind[1].result()
+        else:
+            # leases the next step would release go back with this lookup
+            due = self.leases.take_due()
+            try:
+                result, leased = client.lookup(keys, release=due, lease=True, again=asked.looked)
+            except KVTierError:
+                self.unreturned.keep(Return.RELEASE, due)
+                raise
+            early = {
+                plan.key: (span.start, refs)
+                for (plan, span), refs in zip(spans, split(leased, spans), strict=True)
+            }
         found = {
             plan.key: (span.start, codes)
             for (plan, span), codes in zip(spans, split(result.tier_codes, spans), strict=True)
-        }
-        early = {
-            plan.key: (span.start, refs)
-            for (plan, span), refs in zip(spans, split(leased, spans), strict=True)
         }
         if len(spans) == 1 or result.hits == len(keys):
             chunks = spans[0][1].start + result.hits if len(spans) == 1 else limit

@@ -134,6 +134,8 @@ class KVTierScheduler:
         """Asynchronous loads planned since the last step, for the next step's metadata."""
         self._queued_leases: list[SlotRef] = []
         self._step = 0
+        self._idle = True
+        """The last step scheduled nothing: a lookup's wait holds up no request."""
         self._failed_loads: set[str] = set()
         """Requests whose asynchronous load failed: vLLM recomputes them, without kvtier."""
         if self.plans and (warning := failure_policy_warning(vllm_config)):
@@ -309,7 +311,11 @@ class KVTierScheduler:
         if limit <= first:
             return 0, False
         assert self.planner is not None  # made with the client
+        # while other requests run, none of them waits long for kvtierd's answer to this one
+        wait = None if self._idle else self.cfg.lookup_wait_ms / 1000
         try:
+            if not self.planner.answered(state.asked, request.block_hashes, first, limit, wait):
+                return None, False  # kvtierd's answer is on its way: ask again next step
             plan = self.planner.plan(state.asked, request.block_hashes, first, limit)
         except KVTierError as exc:
             self._guard("lookup", exc)
@@ -437,6 +443,7 @@ class KVTierScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         self._step += 1
+        self._idle = not scheduler_output.total_num_scheduled_tokens
         self.session.touch(bool(self._requests))
         meta, self._queued = self._queued, KVTierMetadata()
         if self.client is not None:  # a restarted daemon may have put its arena elsewhere

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -133,9 +134,15 @@ class Pending(Generic[R]):
     def done(self) -> bool:
         return bool(self._future.done())
 
+    def wait(self, timeout_s: float | None) -> bool:
+        return not futures.wait([self._future], timeout_s).not_done
+
     def result(self) -> R:
         try:
             response = self._future.result()
         except grpc.RpcError as exc:
             raise translate(self._target, exc) from None
+        except futures.CancelledError:
+            closed = f"{self._target}: the client closed before it answered"
+            raise TierUnavailableError(closed) from None
         return self._convert(response)

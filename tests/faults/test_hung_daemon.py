@@ -363,3 +363,53 @@ def test_the_breaker_opens_after_misses_in_a_row_not_after_one_slow_call(
         assert waited < LOOKUP_MS / 1000 / 2
     finally:
         client.close()
+
+
+def test_a_new_request_waits_for_a_stopped_kvtierd_without_holding_up_the_running_ones(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    fresh_prompts: list[list[int]],
+    baseline: list[list[int]],
+    procs: Processes,
+    daemon_files: DaemonFiles,
+    timings: Timings,
+) -> None:
+    """A miss's lookup is asked in the background: while kvtierd cannot answer, the running
+    request decodes a token every step and the lookup hook never waits for the answer (it
+    would wait up to the lookup deadline, 1 s here, were it asked in the step)."""
+    from benchmarks.models import greedy
+
+    daemon = procs.start_daemon(daemon_files)
+    connector = kvtier_config({"mode": "sidecar", "socket_path": str(daemon_files.socket)})
+    running, new = prompts[0], fresh_prompts[0]
+    stopped_steps = 4
+    with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+        engine = llm.llm_engine
+        engine.add_request("running", {"prompt_token_ids": running}, greedy(MAX_TOKENS))
+        tokens: dict[str, list[int]] = {}
+
+        def step() -> None:
+            for out in engine.step():
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+
+        while len(tokens.get("running", ())) < 2:  # prefilled, stored, committed
+            step()
+        daemon.stop()
+        try:
+            timings.clear()
+            engine.add_request("new", {"prompt_token_ids": new}, greedy(MAX_TOKENS))
+            for _ in range(stopped_steps):
+                before = len(tokens["running"])
+                step()
+                assert len(tokens["running"]) == before + 1, "a step waited for kvtierd"
+            lookups = [s for name, s in timings.hooks if name == "get_num_new_matched_tokens"]
+            assert len(lookups) >= stopped_steps, timings.hooks  # asked again each step
+            assert max(lookups) < 0.25, f"the lookup hook waited: {timings.summary()}"
+            assert not tokens.get("new"), "served before kvtierd answered"
+        finally:
+            daemon.resume()
+        while engine.has_unfinished_requests():
+            step()
+    assert tokens["running"] == baseline[0]
+    assert tokens["new"] == baseline[len(prompts)]
+    print(f"\nkvtierd stopped for {stopped_steps} steps: {timings.summary()}")

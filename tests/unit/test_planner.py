@@ -4,9 +4,12 @@ request would load."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kvtier_vllm.draft import DraftTracker, Fill
@@ -16,7 +19,8 @@ from kvtier_vllm.planner import Asked, HitPlanner, LoadPlan, keys_in
 from kvtier.client import InProcessClient
 from kvtier.keys import ChunkKey, Pool
 from kvtier.manager import TierManager
-from kvtier.protocol import TierCode
+from kvtier.protocol import LookupResult, TierCode
+from kvtier.rpc.calls import Pending
 from tests.support import draft_spec, manager_config, target_spec
 
 BPC = 4  # blocks per chunk, as in tests.support's layout
@@ -55,8 +59,9 @@ def to_lmdb_only(client: InProcessClient, namespace: bytes) -> None:
 
 
 def in_arena(client: InProcessClient, keys: list[ChunkKey]) -> None:
+    """Wait for a promotion to land, with no lookup: nothing is counted."""
     deadline = time.monotonic() + 10
-    while client.lookup(keys).tier_codes != bytes([CPU] * len(keys)):
+    while not all(client.manager.cpu.contains(keys)):
         assert time.monotonic() < deadline, "the promotion never landed"
         time.sleep(0.01)
 
@@ -206,10 +211,7 @@ def test_asking_again_while_a_promotion_lands_counts_the_lookup_once(
     p = planner(client, ns, wait_s=30)
     asked = Asked()
     assert p.plan(asked, HASHES, 0, 4) is None
-    deadline = time.monotonic() + 10
-    while not all(client.manager.cpu.contains(hit)):  # no lookup: nothing counted
-        assert time.monotonic() < deadline, "the promotion never landed"
-        time.sleep(0.01)
+    in_arena(client, hit)
     plan = p.plan(asked, HASHES, 0, 4)
     assert plan is not None
     now = client.manager.stats().counters
@@ -231,12 +233,13 @@ class ArenaReading:
         return getattr(self._client, name)
 
     def in_arena(self, keys: list[ChunkKey]) -> list[object]:
+        arena = self._client.manager.cpu  # the arena alone: a read promotes nothing
         found = []
         for key in keys:
-            (ref,) = self._client.lease([key])
+            (ref,) = arena.lease([key])
             if ref is None:
                 break
-            self._client.release([ref])
+            arena.release([ref])
             found.append(ref)
         return found
 
@@ -274,3 +277,99 @@ def test_a_miss_is_asked_again_only_once_its_first_chunk_is_in_the_arena(
     assert reading.may_have_appeared(HASHES, 1)
     assert not reading.may_have_appeared(HASHES, 2)
     assert planner(client, ns).may_have_appeared(HASHES, 2)  # cannot read the arena: ask
+
+
+class AnsweredLater(ArenaReading):
+    """An arena-reading client whose background lookups are answered once ``gate`` is set,
+    on a thread of their own, as kvtierd's are; counts the lookups the caller waits on."""
+
+    def __init__(self, client: InProcessClient) -> None:
+        super().__init__(client)
+        self.gate = threading.Event()
+        self.behind: list[list[ChunkKey]] = []
+        self.waited_on = 0
+        self._calls = ThreadPoolExecutor(1)
+
+    def lookup(self, *args: Any, **kwargs: Any) -> Any:
+        self.waited_on += 1
+        return self._client.lookup(*args, **kwargs)
+
+    def lookup_behind(self, keys: list[ChunkKey]) -> Pending[LookupResult]:
+        self.behind.append(keys)
+
+        def answer() -> LookupResult:
+            self.gate.wait()
+            return self._client.lookup(keys)
+
+        return Pending(self._calls.submit(answer), lambda r: r, "test")
+
+    def close(self) -> None:
+        self.gate.set()
+        self._calls.shutdown()
+
+
+@pytest.fixture
+def later(client: InProcessClient) -> Iterator[AnsweredLater]:
+    c = AnsweredLater(client)
+    yield c
+    c.close()
+
+
+def test_a_miss_is_asked_in_the_background_and_planned_with_no_call_once_answered(
+    client: InProcessClient, later: AnsweredLater
+) -> None:
+    ns = register(client, TARGET)
+    counted = client.manager.stats().counters
+    p = planner(later, ns)  # type: ignore[arg-type]
+    asked = Asked()
+    # nothing in the arena's index: kvtierd is asked without waiting, once
+    assert not p.answered(asked, HASHES, 0, 6, 0.0)
+    assert not p.answered(asked, HASHES, 0, 6, 0.01)
+    assert later.behind == [keys(ns["target"], range(6))]
+    assert later.waited_on == 0
+    later.gate.set()
+    assert p.answered(asked, HASHES, 0, 6, None)
+    assert p.plan(asked, HASHES, 0, 6) == LoadPlan(0, 0, {}, [])
+    assert later.waited_on == 0  # the plan took the answer
+    now = client.manager.stats().counters
+    assert now["lookups"] - counted["lookups"] == 1
+    assert now["lookup_chunks"] - counted["lookup_chunks"] == 6
+
+
+def test_a_hit_answered_in_the_background_from_lmdb_is_promoted_then_leased(
+    client: InProcessClient, later: AnsweredLater
+) -> None:
+    ns = register(client, TARGET)
+    hit = keys(ns["target"], range(4))
+    store(client, hit)
+    to_lmdb_only(client, ns["target"])
+    counted = client.manager.stats().counters
+    p = planner(later, ns, wait_s=30)  # type: ignore[arg-type]
+    asked = Asked()
+    later.gate.set()
+    assert p.answered(asked, HASHES, 0, 4, None)
+    assert p.plan(asked, HASHES, 0, 4) is None  # promoted: ask again
+    assert later.waited_on == 0
+    in_arena(client, hit)
+    assert p.answered(asked, HASHES, 0, 4, 0.0)  # asked already: planned as before
+    plan = p.plan(asked, HASHES, 0, 4)
+    assert plan is not None
+    assert (plan.chunks, plan.tiers) == (4, bytes([LMDB] * 4))
+    now = client.manager.stats().counters
+    assert now["lookups"] - counted["lookups"] == 1  # the background ask, counted once
+    assert now["hit_chunks_lmdb"] - counted["hit_chunks_lmdb"] == 4
+    client.release(plan.refs())
+
+
+def test_a_first_chunk_in_the_arena_or_a_client_without_its_index_plans_at_once(
+    client: InProcessClient, later: AnsweredLater
+) -> None:
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(2)))
+    reading = planner(later, ns)  # type: ignore[arg-type]
+    assert reading.answered(Asked(), HASHES, 0, 6, 0.0)  # a hit, most likely: no wait
+    assert planner(client, ns).answered(Asked(), HASHES, 2, 6, 0.0)  # a call is no dearer
+    assert later.behind == []
+    asked = Asked()
+    assert not reading.answered(asked, HASHES, 2, 6, 0.0)
+    assert later.behind == [keys(ns["target"], range(2, 6))]
