@@ -25,6 +25,7 @@ from kvtier_vllm.unreturned import Return, Unreturned
 
 log = logging.getLogger(__name__)
 Items = TypeVar("Items", bytes, list[Any])
+R = TypeVar("R")
 
 CPU = int(TierCode.CPU)
 # vLLM's CacheHitSource values per tier; the object store is remote, shared storage
@@ -41,6 +42,16 @@ def split(items: Items, spans: list[tuple[PoolPlan, range]]) -> list[Items]:
         out.append(items[offset : offset + len(span)])
         offset += len(span)
     return out
+
+
+def by_plan(
+    spans: list[tuple[PoolPlan, range]], refs: list[SlotRef | None]
+) -> dict[str, tuple[int, list[SlotRef | None]]]:
+    """Per plan key, the first chunk of its span and its refs, from those of consecutive spans."""
+    return {
+        plan.key: (span.start, part)
+        for (plan, span), part in zip(spans, split(refs, spans), strict=True)
+    }
 
 
 def needed(plan: PoolPlan, first: int, chunks: int, chunk_tokens: int) -> range:
@@ -341,17 +352,10 @@ class HitPlanner:
         if behind is not None and behind[0] == keys and behind[1].done():
             result = behind[1].result()
         else:
-            # leases the next step would release go back with this lookup
-            due = self.leases.take_due()
-            try:
-                result, leased = client.lookup(keys, release=due, lease=True, again=asked.looked)
-            except KVTierError:
-                self.unreturned.keep(Return.RELEASE, due)
-                raise
-            early = {
-                plan.key: (span.start, refs)
-                for (plan, span), refs in zip(spans, split(leased, spans), strict=True)
-            }
+            result, leased = self._releasing_due(
+                lambda due: client.lookup(keys, release=due, lease=True, again=asked.looked)
+            )
+            early = by_plan(spans, leased)
         found = {
             plan.key: (span.start, codes)
             for (plan, span), codes in zip(spans, split(result.tier_codes, spans), strict=True)
@@ -381,6 +385,16 @@ class HitPlanner:
             if settled:
                 return _Found(chunks, found, pending)
         return _Found(first, found, pending)
+
+    def _releasing_due(self, call: Callable[[list[SlotRef]], R]) -> R:
+        """``call`` given the leases the next step would release: they go back with it (or
+        later, when it fails)."""
+        due = self.leases.take_due()
+        try:
+            return call(due)
+        except KVTierError:
+            self.unreturned.keep(Return.RELEASE, due)
+            raise
 
     def _give_back(self, leases: dict[str, tuple[int, list[SlotRef | None]]] | None) -> None:
         for _, refs in (leases or {}).values():
@@ -421,16 +435,8 @@ class HitPlanner:
         ):
             self._give_back(early)
             keys = [k for plan, span in spans for k in self.keys(plan, hashes, span)]
-            due = self.leases.take_due()
-            try:
-                leased = client.lease(keys, release=due)  # every plan's chunks in one call
-            except KVTierError:
-                self.unreturned.keep(Return.RELEASE, due)
-                raise
-            early = {
-                plan.key: (span.start, refs)
-                for (plan, span), refs in zip(spans, split(leased, spans), strict=True)
-            }
+            # every plan's chunks in one call
+            early = by_plan(spans, self._releasing_due(lambda due: client.lease(keys, release=due)))
         offered: dict[str, tuple[int, list[SlotRef | None]]] = {}
         granted = chunks
         for plan, span in spans:

@@ -58,6 +58,15 @@ def to_lmdb_only(client: InProcessClient, namespace: bytes) -> None:
     client.manager.evict("cpu", namespace=namespace)
 
 
+def four_in_lmdb(client: InProcessClient) -> tuple[dict[str, bytes], list[ChunkKey]]:
+    """A target pool whose chunks 0-3 are in lmdb only: its namespaces and their keys."""
+    ns = register(client, TARGET)
+    hit = keys(ns["target"], range(4))
+    store(client, hit)
+    to_lmdb_only(client, ns["target"])
+    return ns, hit
+
+
 def in_arena(client: InProcessClient, keys: list[ChunkKey]) -> None:
     """Wait for a promotion to land, with no lookup: nothing is counted."""
     deadline = time.monotonic() + 10
@@ -109,10 +118,7 @@ def test_a_hit_in_the_arena_is_leased_in_one_ask(client: InProcessClient) -> Non
 
 
 def test_chunks_in_lmdb_are_promoted_and_asked_again(client: InProcessClient) -> None:
-    ns = register(client, TARGET)
-    hit = keys(ns["target"], range(4))
-    store(client, hit)
-    to_lmdb_only(client, ns["target"])
+    ns, hit = four_in_lmdb(client)
     assert client.lookup(hit).tier_codes == bytes([LMDB] * 4)
     p = planner(client, ns, wait_s=30)
     asked = Asked()
@@ -203,10 +209,7 @@ def test_draft_chunks_on_their_way_hold_the_hit_back(client: InProcessClient) ->
 def test_asking_again_while_a_promotion_lands_counts_the_lookup_once(
     client: InProcessClient,
 ) -> None:
-    ns = register(client, TARGET)
-    hit = keys(ns["target"], range(4))
-    store(client, hit)
-    to_lmdb_only(client, ns["target"])
+    ns, hit = four_in_lmdb(client)
     counted = client.manager.stats().counters
     p = planner(client, ns, wait_s=30)
     asked = Asked()
@@ -339,10 +342,7 @@ def test_a_miss_is_asked_in_the_background_and_planned_with_no_call_once_answere
 def test_a_hit_answered_in_the_background_from_lmdb_is_promoted_then_leased(
     client: InProcessClient, later: AnsweredLater
 ) -> None:
-    ns = register(client, TARGET)
-    hit = keys(ns["target"], range(4))
-    store(client, hit)
-    to_lmdb_only(client, ns["target"])
+    ns, hit = four_in_lmdb(client)
     counted = client.manager.stats().counters
     p = planner(later, ns, wait_s=30)  # type: ignore[arg-type]
     asked = Asked()
