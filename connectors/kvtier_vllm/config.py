@@ -136,13 +136,13 @@ class ConnectorConfig(BaseModel):
         "heartbeat every probe_interval_ms is answered again.",
     )
     lookup_wait_ms: float = Field(
-        2,
+        0,
         ge=0,
-        description="Sidecar mode: how long the scheduler waits for kvtierd to answer a new "
-        "request's lookup while other requests run, when the arena does not hold the request's "
-        "first chunk (most likely a miss). Past it the request is asked again next step and the "
-        "running ones go on without waiting. An idle engine waits for the answer (up to "
-        "lookup_deadline_ms).",
+        description="Sidecar mode: how long the scheduler may wait, at each ask, for kvtierd to "
+        "answer a new request's lookup, when the arena does not hold the request's first chunk "
+        "(most likely a miss). Unanswered, the request is asked again next step and the running "
+        "ones go on: with 0 they never wait for it, and a miss's first token comes a step later. "
+        "A step that schedules nothing waits for every such answer (up to lookup_deadline_ms).",
     )
     store_deadline_ms: float = Field(
         100,

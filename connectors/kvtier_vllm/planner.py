@@ -296,6 +296,15 @@ class HitPlanner:
             asked.looked = True
         return asked.behind[1].wait(wait_s)
 
+    @staticmethod
+    def wait_for_answers(asked: Iterable[Asked], timeout_s: float) -> None:
+        """Wait for the lookups these requests asked in the background, each at most
+        ``timeout_s``: all were sent before, so the engine waits once for them all, not once
+        per ask."""
+        for one in asked:
+            if one.behind is not None:
+                one.behind[1].wait(timeout_s)
+
     def plan(self, asked: Asked, hashes: Any, first: int, limit: int) -> LoadPlan | None:
         """The load of the hit from chunk ``first`` (vLLM holds the ones before) up to
         ``limit``, with its leases taken; an empty plan (no chunk) for no hit, or None: ask

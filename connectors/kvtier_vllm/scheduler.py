@@ -38,7 +38,7 @@ from kvtier_vllm.layout import (
     plan_pools,
 )
 from kvtier_vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
-from kvtier_vllm.planner import HitPlanner, Leases, LoadPlan, targets_of
+from kvtier_vllm.planner import Asked, HitPlanner, Leases, LoadPlan, targets_of
 from kvtier_vllm.requests import RequestState
 from kvtier_vllm.session import Session
 from kvtier_vllm.shapes import refusal
@@ -134,8 +134,8 @@ class KVTierScheduler:
         """Asynchronous loads planned since the last step, for the next step's metadata."""
         self._queued_leases: list[SlotRef] = []
         self._step = 0
-        self._idle = True
-        """The last step scheduled nothing: a lookup's wait holds up no request."""
+        self._unanswered: list[Asked] = []
+        """Requests asked again next step, their lookups still with kvtierd."""
         self._failed_loads: set[str] = set()
         """Requests whose asynchronous load failed: vLLM recomputes them, without kvtier."""
         if self.plans and (warning := failure_policy_warning(vllm_config)):
@@ -311,10 +311,10 @@ class KVTierScheduler:
         if limit <= first:
             return 0, False
         assert self.planner is not None  # made with the client
-        # while other requests run, none of them waits long for kvtierd's answer to this one
-        wait = None if self._idle else self.cfg.lookup_wait_ms / 1000
+        wait_s = self.cfg.lookup_wait_ms / 1000
         try:
-            if not self.planner.answered(state.asked, request.block_hashes, first, limit, wait):
+            if not self.planner.answered(state.asked, request.block_hashes, first, limit, wait_s):
+                self._unanswered.append(state.asked)
                 return None, False  # kvtierd's answer is on its way: ask again next step
             plan = self.planner.plan(state.asked, request.block_hashes, first, limit)
         except KVTierError as exc:
@@ -443,7 +443,10 @@ class KVTierScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         self._step += 1
-        self._idle = not scheduler_output.total_num_scheduled_tokens
+        unanswered, self._unanswered = self._unanswered, []
+        if not scheduler_output.total_num_scheduled_tokens:
+            # nothing runs: waiting holds up no one, and the next step schedules them all
+            HitPlanner.wait_for_answers(unanswered, self.cfg.lookup_deadline_ms / 1000)
         self.session.touch(bool(self._requests))
         meta, self._queued = self._queued, KVTierMetadata()
         if self.client is not None:  # a restarted daemon may have put its arena elsewhere

@@ -135,6 +135,8 @@ class Pending(Generic[R]):
         return bool(self._future.done())
 
     def wait(self, timeout_s: float | None) -> bool:
+        if timeout_s == 0:
+            return self.done()
         return not futures.wait([self._future], timeout_s).not_done
 
     def result(self) -> R:
