@@ -2,7 +2,7 @@
 
 Layout of the file::
 
-    [0, 4 KiB)            header: magic, version, sizes
+    [0, 4 KiB)            header: magic, version, retired word, sizes
     [4 KiB, ...)          extent table: slot size of each extent (0 = unassigned)
     slot table            per slot: generation u64, state u32, refcount u32 (separate arrays)
     key index             which slot holds each committed chunk (arena_index.py)
@@ -12,6 +12,11 @@ Only the owning process (the TierManager) writes the tables; any process may map
 slot's generation to tell whether a reference it holds is still current, and find chunks in the
 index. Every slot's generation starts at the file's random ``epoch``, so a reference into one
 daemon's arena never passes as current in its successor's at the same path.
+
+A file is marked retired (its header's retired word set) before it leaves the path: by its owner
+at close, or by the successor that takes over a dead owner's file. A process mapping it reads the
+mark from memory, so telling whether its mapping is still the arena costs no system call, which
+would give up the GIL in a busy engine loop.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ import contextlib
 import enum
 import fcntl
 import grp
+import math
 import mmap
 import os
 import secrets
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +42,8 @@ from kvtier.tiers.arena_index import ENTRY_BYTES, ArenaIndex, capacity_for
 _MAGIC = b"KVTARENA"
 _VERSION = 2
 _HEADER = struct.Struct("<8sIIQQQQQQQQQ")
+_RETIRED_AT = 12  # the u32 after magic and version; 0 in a live file
+_RETIRED = struct.Struct("<I")
 _PAGE = 4096
 _DATA_ALIGN = 2 << 20
 
@@ -83,7 +92,7 @@ class ArenaMemory:
         (
             magic,
             version,
-            _reserved,
+            _retired,
             self.size,
             self.extent_bytes,
             self.num_extents,
@@ -107,6 +116,12 @@ class ArenaMemory:
         self.index = ArenaIndex(self._view, index_off, index_capacity)
         self._state_words = self._view[table_off + 8 * n : table_off + 12 * n].cast("I")
         self._generation_words = self._view[table_off : table_off + 8 * n].cast("Q")
+        self._retired_word = self._view[_RETIRED_AT : _RETIRED_AT + 4].cast("I")
+
+    @property
+    def retired(self) -> bool:
+        """Whether this file has left its path (its owner closed it, or a successor took over)."""
+        return bool(self._retired_word[0])
 
     @classmethod
     def create(
@@ -224,7 +239,9 @@ class ArenaMemory:
 
     def close(self) -> None:
         if self.owner:
+            self._retired_word[0] = 1  # before the unlink: a mapper that sees no mark stats
             self.path.unlink(missing_ok=True)
+        self._retired_word.release()
         del self.extent_slot_bytes, self.generation, self.state, self.refcount, self.index
         self._state_words.release()
         self._generation_words.release()
@@ -276,6 +293,8 @@ def _take_over_stale(path: Path) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             raise ConfigError("arena.path", f"{path} is in use by another kvtier process") from None
+        if os.pread(fd, len(_MAGIC), 0) == _MAGIC:
+            os.pwrite(fd, _RETIRED.pack(1), _RETIRED_AT)  # its mappers move to the new file
         path.unlink()
     finally:
         os.close(fd)
@@ -283,25 +302,35 @@ def _take_over_stale(path: Path) -> None:
 
 class ArenaAtPath:
     """The arena at ``path`` as another process sees it, mapped again whenever a new file takes
-    the path (a restarted daemon), so nothing is read from or written to an arena nobody owns."""
+    the path (a restarted daemon), so nothing is read from or written to an arena nobody owns.
 
-    def __init__(self, path: Path, populate: bool) -> None:
+    A mapping whose file is not marked retired is used as is; the path is looked at again only
+    after a mark, or once ``recheck_s`` passed since the last look (a file removed by hand)."""
+
+    def __init__(self, path: Path, populate: bool, recheck_s: float = 1.0) -> None:
         self.path = path
         self._populate = populate
+        self._recheck_s = recheck_s
         self._inode = 0
+        self._looked = -math.inf
         self.memory: ArenaMemory | None = None
 
     def current(self) -> ArenaMemory:
         """The mapping of the file at the path now; raises TierUnavailableError without one."""
+        memory = self.memory
+        now = time.monotonic()
+        if memory is not None and not memory.retired and now - self._looked < self._recheck_s:
+            return memory
         try:
             inode = os.stat(self.path).st_ino
         except OSError as exc:
             raise TierUnavailableError(f"no arena at {self.path}: {exc.strerror}") from None
-        if self.memory is None or self._inode != inode:
+        if memory is None or self._inode != inode or memory.retired:
             self.close()
-            self.memory = ArenaMemory.attach(self.path, self._populate)
+            self.memory = memory = ArenaMemory.attach(self.path, self._populate)
             self._inode = inode
-        return self.memory
+        self._looked = now
+        return memory
 
     def close(self) -> None:
         if self.memory is not None:

@@ -3,16 +3,20 @@ per-replica quotas, per-pool size classes, mapping by path, and refusal of bad s
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 import tracemalloc
 from pathlib import Path
 
 import pytest
 
-from kvtier.errors import CapacityError, ConfigError, PoolLayoutError
+from kvtier.errors import CapacityError, ConfigError, PoolLayoutError, TierUnavailableError
 from kvtier.pools import PoolRegistry
-from kvtier.tiers.arena import ArenaMemory, SlotState
+from kvtier.tiers import arena
+from kvtier.tiers.arena import ArenaAtPath, ArenaMemory, SlotState
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.slots import default_arena_size
 from tests.support import MiB, arena_config, draft_spec, keys_for, payload_for, target_spec
@@ -232,6 +236,90 @@ def test_another_process_maps_the_arena_by_path(tier: CpuTier, ns: bytes) -> Non
     assert out.stdout.split() == ["True", str(lease.generation)]
     tier.commit([res])
     assert bytes(tier.view(res)) == payload_for(key, CHUNK)[::-1]
+
+
+def stats_of(path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Each look at ``path`` (os.stat) from now on."""
+    looked: list[Path] = []
+    real = os.stat
+
+    def counting(what: Path, *args: object, **kwargs: object) -> os.stat_result:
+        if what == path:
+            looked.append(what)
+        return real(what, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(arena.os, "stat", counting)
+    return looked
+
+
+def test_a_mapping_by_path_costs_no_system_call_and_follows_a_successor_at_once(
+    shm_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = CpuTier(arena_config(shm_path, 16 * MiB), PoolRegistry())
+    at = ArenaAtPath(shm_path, populate=False, recheck_s=3600)
+    looked = stats_of(shm_path, monkeypatch)
+    try:
+        mapped = at.current()
+        old_epoch = mapped.epoch
+        assert old_epoch == first.memory.epoch
+        assert all(at.current() is mapped for _ in range(100))
+        assert len(looked) == 1  # a busy engine loop never gives up the GIL for it
+        first.close()  # marks the file retired, then unlinks it
+        assert mapped.retired
+        second = CpuTier(arena_config(shm_path, 16 * MiB), PoolRegistry())
+        try:
+            assert at.current().epoch == second.memory.epoch != old_epoch
+        finally:
+            second.close()
+    finally:
+        at.close()
+        first.close()
+
+
+def test_a_successor_marks_a_killed_owners_file_for_every_process_mapping_it(
+    shm_path: Path,
+) -> None:
+    script = (
+        "import sys, time; from pathlib import Path; from kvtier.tiers.arena import ArenaMemory;"
+        "ArenaMemory.create(Path(sys.argv[1]), 16 << 20, 2 << 20, 64 << 10, prefault=False);"
+        "print('up', flush=True); time.sleep(600)"
+    )
+    at = ArenaAtPath(shm_path, populate=False, recheck_s=3600)
+    with subprocess.Popen(
+        [sys.executable, "-c", script, str(shm_path)], stdout=subprocess.PIPE, text=True
+    ) as owner:
+        try:
+            assert owner.stdout is not None
+            assert owner.stdout.readline() == "up\n"
+            dead = at.current()
+            dead_epoch = dead.epoch
+            owner.send_signal(signal.SIGKILL)
+            owner.wait(timeout=30)
+            assert at.current() is dead  # no successor yet: nowhere to move
+            assert not dead.retired
+            successor = CpuTier(arena_config(shm_path, 16 * MiB), PoolRegistry())
+            try:
+                assert dead.retired
+                assert at.current().epoch == successor.memory.epoch != dead_epoch
+            finally:
+                successor.close()
+        finally:
+            owner.kill()
+            at.close()
+
+
+def test_an_arena_file_removed_by_hand_is_noticed_after_recheck_s(shm_path: Path) -> None:
+    tier = CpuTier(arena_config(shm_path, 16 * MiB), PoolRegistry())
+    at = ArenaAtPath(shm_path, populate=False, recheck_s=0.05)
+    try:
+        at.current()
+        shm_path.unlink()  # no mark: only a look at the path tells
+        time.sleep(0.1)
+        with pytest.raises(TierUnavailableError, match="no arena at"):
+            at.current()
+    finally:
+        at.close()
+        tier.close()
 
 
 def test_second_owner_of_the_same_arena_is_refused(tier: CpuTier, shm_path: Path) -> None:
