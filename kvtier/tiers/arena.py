@@ -42,7 +42,7 @@ from kvtier.tiers.arena_index import ENTRY_BYTES, ArenaIndex, capacity_for
 _MAGIC = b"KVTARENA"
 _VERSION = 2
 _HEADER = struct.Struct("<8sIIQQQQQQQQQ")
-_RETIRED_AT = 12  # the u32 after magic and version; 0 in a live file
+_RETIRED_AT = struct.calcsize("<8sI")  # the u32 after magic and version; 0 in a live file
 _RETIRED = struct.Struct("<I")
 _PAGE = 4096
 _DATA_ALIGN = 2 << 20
