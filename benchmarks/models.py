@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import getpass
 import json
+import multiprocessing
 import os
 import random
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 MiB = 1 << 20
 
@@ -510,7 +514,11 @@ def shutdown_llm(llm: Any) -> None:
     core = getattr(engine, "engine_core", None)
     if core is None:
         return
+    processes = spawned_children()
     core.shutdown()
+    # vLLM gives an engine process 5 s to exit, then SIGKILLs it and returns at once: what the
+    # process held (an arena's lock) is free only once it has exited
+    wait_exited(processes)
     # The multiprocess client never closes its zmq context; left to the GC it warns
     # (ResourceWarning) at some later, unrelated point. Its output thread closes its own
     # socket once told to stop, so wait for that before destroying the context.
@@ -520,6 +528,38 @@ def shutdown_llm(llm: Any) -> None:
     ctx = getattr(core, "ctx", None)
     if ctx is not None and not ctx.closed:
         ctx.destroy(linger=0)
+
+
+def spawned_children() -> list[psutil.Process]:
+    """The processes this one started through multiprocessing (an engine's core or workers),
+    with their own descendants; not the resource tracker or other programs."""
+    found = []
+    for child in multiprocessing.active_children():
+        try:
+            parent = psutil.Process(child.pid)
+            found += [parent, *parent.children(recursive=True)]
+        except psutil.Error:  # gone already
+            pass
+    return found
+
+
+def wait_exited(processes: list[psutil.Process], timeout_s: float = 30.0) -> None:
+    """Until each process has exited or ``timeout_s`` passed; never reaps one, which is its
+    parent's to do. A killed process's main thread may be a zombie while its other threads
+    still hold its files: exited is gone, or a zombie with no thread left beside it."""
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        while time.monotonic() < deadline and not _exited(process.pid):
+            time.sleep(0.02)
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+        return state in "ZX" and len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except (FileNotFoundError, ProcessLookupError):
+        return True
 
 
 @contextmanager

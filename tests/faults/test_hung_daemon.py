@@ -19,7 +19,7 @@ from tests.e2e.test_connector import kvtier_config
 from tests.integration.daemon_harness import CHUNK, DaemonFiles, Processes, key_of
 from tests.support import target_spec
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # each step's wait is held to a bound
 
 LOOKUP_MS = 50
 STORE_MS = 100

@@ -265,6 +265,7 @@ def _start_timed(procs: Processes, files: DaemonFiles) -> tuple[RunningDaemon, f
     return daemon, started_s, time.monotonic() - spawned
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("fault", ["hang", "500"])
 def test_the_data_plane_is_ready_whatever_the_identity_does(
     procs: Processes,
@@ -303,6 +304,7 @@ def test_the_data_plane_is_ready_whatever_the_identity_does(
     assert daemon.signal_and_wait(signal.SIGTERM, 60) == 0
 
 
+@pytest.mark.serial
 def test_a_slow_store_check_never_delays_reaping(
     procs: Processes,
     tmp_path: Path,

@@ -360,6 +360,7 @@ def test_http_500_is_a_store_error_after_one_request(
     assert backend.get("x") == b"hello"
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_slow_server_is_a_store_error_within_the_timeout(
     scheme: str,
