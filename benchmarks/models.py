@@ -7,6 +7,7 @@ subdirectory of a cache root named after its parameters and is reused when prese
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import multiprocessing
@@ -514,11 +515,11 @@ def shutdown_llm(llm: Any) -> None:
     core = getattr(engine, "engine_core", None)
     if core is None:
         return
-    processes = spawned_children()
+    pids = spawned_children()
     core.shutdown()
     # vLLM gives an engine process 5 s to exit, then SIGKILLs it and returns at once: what the
     # process held (an arena's lock) is free only once it has exited
-    wait_exited(processes)
+    wait_exited(pids)
     # The multiprocess client never closes its zmq context; left to the GC it warns
     # (ResourceWarning) at some later, unrelated point. Its output thread closes its own
     # socket once told to stop, so wait for that before destroying the context.
@@ -530,26 +531,24 @@ def shutdown_llm(llm: Any) -> None:
         ctx.destroy(linger=0)
 
 
-def spawned_children() -> list[psutil.Process]:
-    """The processes this one started through multiprocessing (an engine's core or workers),
-    with their own descendants; not the resource tracker or other programs."""
+def spawned_children() -> list[int]:
+    """Pids of the processes this one started through multiprocessing (an engine's core or
+    workers) and of their descendants; not the resource tracker or other programs."""
     found = []
     for child in multiprocessing.active_children():
-        try:
-            parent = psutil.Process(child.pid)
-            found += [parent, *parent.children(recursive=True)]
-        except psutil.Error:  # gone already
-            pass
+        with contextlib.suppress(psutil.Error):  # gone already
+            descendants = psutil.Process(child.pid).children(recursive=True)
+            found += [child.pid, *(d.pid for d in descendants)]
     return found
 
 
-def wait_exited(processes: list[psutil.Process], timeout_s: float = 30.0) -> None:
+def wait_exited(pids: list[int], timeout_s: float = 30.0) -> None:
     """Until each process has exited or ``timeout_s`` passed; never reaps one, which is its
     parent's to do. A killed process's main thread may be a zombie while its other threads
     still hold its files: exited is gone, or a zombie with no thread left beside it."""
     deadline = time.monotonic() + timeout_s
-    for process in processes:
-        while time.monotonic() < deadline and not _exited(process.pid):
+    for pid in pids:
+        while time.monotonic() < deadline and not _exited(pid):
             time.sleep(0.02)
 
 
