@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool, make_key
+from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool, make_key
 
 KiB = 1 << 10
 PR_SET_PDEATHSIG = 1

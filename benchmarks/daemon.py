@@ -83,8 +83,8 @@ import numpy as np
 from common import filled, geomean, keys_for, no_gc, small_spec, touched
 from kvtierd import KvtierdProcess
 
-from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
-from kvtier.protocol import SlotRef
+from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
+from kvtier.core.protocol import SlotRef
 from kvtier.rpc import AdminClient, GrpcTierClient, Pending
 from kvtier.tiers.arena import ArenaMemory
 

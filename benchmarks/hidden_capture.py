@@ -85,9 +85,9 @@ def kvtier_run(model: Path, root: Path, prompts: list[list[int]], dtype: str) ->
     from kvtier_vllm.hidden_states import as_tensor
 
     from kvtier.client import InProcessClient
-    from kvtier.config import load_config
-    from kvtier.hidden import REF_FIELD, HiddenStatesReader
-    from kvtier.manager import TierManager
+    from kvtier.core.config import load_config
+    from kvtier.hidden.reader import REF_FIELD, HiddenStatesReader
+    from kvtier.tiering.manager import TierManager
 
     config = root / f"kvtier-{dtype}.yaml"
     config.write_text(

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from common import die_with_parent
 
-from kvtier.config import ENV_PREFIX
+from kvtier.core.config import ENV_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("kvtier.bench")

@@ -82,11 +82,11 @@ import boto3.session
 import botocore.config
 from common import die_with_parent, filled, keys_for, no_gc, small_spec
 
-from kvtier.config import LMDBConfig, ObjectStoreConfig, from_mapping
-from kvtier.counters import Counters
-from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
-from kvtier.manager import TierManager
-from kvtier.pools import PoolRegistry
+from kvtier.core.config import LMDBConfig, ObjectStoreConfig, from_mapping
+from kvtier.core.counters import Counters
+from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
+from kvtier.core.pools import PoolRegistry
+from kvtier.tiering.manager import TierManager
 from kvtier.tiers.lmdb_tier import LmdbTier
 from kvtier.tiers.objstore.tier import ObjectTier
 from kvtier.tiers.objstore.uploader import Uploader

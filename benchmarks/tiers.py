@@ -27,7 +27,7 @@ geometric mean over chunk sizes.
   deleted, so LMDB reuses freed pages; compared with ``disk_overwrite_gbps``.
 - ``lmdb_hot_read_gbps``: LmdbTier.read_into (checksum verified) into a destination buffer, with
   the environment in the page cache and already mapped.
-- ``verify_gbps``: kvtier.blockfmt.decode (header and payload checksum) over encoded chunks.
+- ``verify_gbps``: kvtier.core.blockfmt.decode (header and payload checksum) over encoded chunks.
 - ``lookup_8192_keys_us``: TierManager.lookup (arena and LMDB enabled) of 8192 keys all in the
   arena; ``lookup_8192_keys_arena_only_us`` is the same with LMDB disabled.
 
@@ -60,11 +60,11 @@ from typing import Any
 import numpy as np
 from common import filled, geomean, keys_for, no_gc, touched
 
-from kvtier import blockfmt
-from kvtier.config import ArenaConfig, Durability, LMDBConfig, from_mapping
-from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
-from kvtier.manager import TierManager
-from kvtier.pools import PoolRegistry, Registration
+from kvtier.core import blockfmt
+from kvtier.core.config import ArenaConfig, Durability, LMDBConfig, from_mapping
+from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
+from kvtier.core.pools import PoolRegistry, Registration
+from kvtier.tiering.manager import TierManager
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
 

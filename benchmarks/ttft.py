@@ -111,9 +111,9 @@ from engine import (
     round_up,
 )
 
-from kvtier.config import ArenaConfig
-from kvtier.keys import NamespaceSpec, PageLayout, Pool, make_key
-from kvtier.pools import PoolRegistry
+from kvtier.core.config import ArenaConfig
+from kvtier.core.keys import NamespaceSpec, PageLayout, Pool, make_key
+from kvtier.core.pools import PoolRegistry
 
 log = logging.getLogger("kvtier.bench")
 

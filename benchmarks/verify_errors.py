@@ -46,7 +46,7 @@ from benchmarks.models import (  # noqa: E402
     shared_prefix_prompts,
     vocab_size_of,
 )
-from kvtier.keys import namespace_of  # noqa: E402
+from kvtier.core.keys import namespace_of  # noqa: E402
 
 PROMPTS = 8
 SWAPS = 4

@@ -1,4 +1,4 @@
-"""`InProcessClient`: the `TierClient` protocol (`kvtier.protocol`) served by a TierManager in
+"""`InProcessClient`: the `TierClient` protocol (`kvtier.core.protocol`) served by a TierManager in
 this process (embedded mode). The daemon serves the same protocol over gRPC (`kvtier.rpc`).
 
 Chunk bytes always travel through the arena, which a client maps by path (`arena_path`) and
@@ -11,15 +11,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar, overload
 
-from kvtier.journal import ChunkEvents
-from kvtier.keys import ChunkKey, NamespaceSpec
-from kvtier.protocol import Answer, DraftState, LookupResult, SlotRef
+from kvtier.core.journal import ChunkEvents
+from kvtier.core.keys import ChunkKey, NamespaceSpec
+from kvtier.core.protocol import Answer, DraftState, LookupResult, SlotRef
 from kvtier.tiers.arena import ArenaAtPath, ArenaMemory
 
 if TYPE_CHECKING:  # the manager is handed in: importing this module loads no tier
-    from kvtier.manager import ManagerStats, TierManager
+    from kvtier.core.config import KVTierConfig
+    from kvtier.tiering.manager import ManagerStats, TierManager
 
-__all__ = ["ArenaAtPath", "ArenaMemory", "InProcessClient"]
+__all__ = ["ArenaAtPath", "ArenaMemory", "InProcessClient", "embedded"]
 
 T = TypeVar("T")
 
@@ -168,3 +169,10 @@ class InProcessClient:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def embedded(config: KVTierConfig, replica: str = "default") -> InProcessClient:
+    """Embedded mode: a client over a tier manager of its own, opened from ``config``."""
+    from kvtier.tiering.manager import TierManager  # here: importing this module loads no tier
+
+    return InProcessClient(TierManager(config), replica)

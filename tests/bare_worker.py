@@ -14,9 +14,9 @@ from kvtier_vllm.layout import PoolPlan
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.worker import KVTierWorker, _stacked
 
-from kvtier.keys import Pool
-from kvtier.pools import PoolRegistry
-from kvtier.protocol import SlotRef
+from kvtier.core.keys import Pool
+from kvtier.core.pools import PoolRegistry
+from kvtier.core.protocol import SlotRef
 from kvtier.tiers.cpu import CpuTier
 from tests.support import MiB, arena_config, draft_spec, keys_for, target_spec
 

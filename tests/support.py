@@ -5,8 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.common import keys_for as keys_for  # one copy; benchmarks never import tests/
-from kvtier.config import ArenaConfig, KVTierConfig, LMDBConfig, ObjectStoreConfig, from_mapping
-from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
+from kvtier.core.config import (
+    ArenaConfig,
+    KVTierConfig,
+    LMDBConfig,
+    ObjectStoreConfig,
+    from_mapping,
+)
+from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
 
 MiB = 1 << 20
 

@@ -5,7 +5,7 @@ with the target's. What a request adds is its tail: the tokens past its last who
 stored as one more chunk named by its content. A prompt's tail is stored in the step that
 computes the prompt's last token; with ``include_output_tokens``, the tail is known only at the
 end, and vLLM keeps the request's blocks until the workers copied it. The reference
-(`kvtier.hidden.HiddenStatesRef`) names every chunk, in the request's ``kv_transfer_params``
+(`kvtier.hidden.reader.HiddenStatesRef`) names every chunk, in the request's ``kv_transfer_params``
 under ``kvtier_hidden_states``.
 """
 
@@ -17,16 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.client import ArenaAtPath, ArenaMemory
-from kvtier.errors import PoolLayoutError
-from kvtier.hidden import (
+from kvtier.core.errors import PoolLayoutError
+from kvtier.core.keys import ChunkKey, chunk_hash_bytes, make_key
+from kvtier.core.protocol import TierClient
+from kvtier.hidden.reader import (
     MANIFEST_PART_BYTES,
     HiddenStatesRef,
     manifest_parts,
     manifest_spec,
     tail_hash,
 )
-from kvtier.keys import ChunkKey, chunk_hash_bytes, make_key
-from kvtier.protocol import TierClient
 from kvtier_vllm.layout import PoolPlan
 
 log = logging.getLogger(__name__)
@@ -92,8 +92,9 @@ class Capture:
 
 
 class Manifests:
-    """Writes each reference's manifest beside the states (`kvtier.hidden.manifest_parts`), so
-    that ``kvtier hidden export --namespace`` can list a pool's requests from the tiers alone.
+    """Writes each reference's manifest beside the states
+    (`kvtier.hidden.reader.manifest_parts`), so that ``kvtier hidden export --namespace`` can list
+    a pool's requests from the tiers alone.
     The parts are written into the arena from this process, as the workers write chunks."""
 
     def __init__(self) -> None:

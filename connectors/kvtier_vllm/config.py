@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvtier.errors import ConfigError
-from kvtier.keys import REVISION_PATTERN, TENANT_PATTERN
+from kvtier.core.errors import ConfigError
+from kvtier.core.keys import REVISION_PATTERN, TENANT_PATTERN
 from kvtier.rpc import Deadlines
 from kvtier_vllm.draft import FillPolicy
 

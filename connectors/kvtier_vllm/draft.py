@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from kvtier.errors import KVTierError
-from kvtier.keys import NamespaceSpec, make_key
-from kvtier.protocol import DraftState, SlotRef, TierClient
+from kvtier.core.errors import KVTierError
+from kvtier.core.keys import NamespaceSpec, make_key
+from kvtier.core.protocol import DraftState, SlotRef, TierClient
 
 log = logging.getLogger(__name__)
 

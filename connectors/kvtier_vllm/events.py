@@ -10,10 +10,10 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvtier.errors import KVTierError
-from kvtier.journal import ChunkEvents
-from kvtier.keys import ChunkKey
-from kvtier.protocol import Answer, TierClient
+from kvtier.core.errors import KVTierError
+from kvtier.core.journal import ChunkEvents
+from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import Answer, TierClient
 from kvtier_vllm.adapter import block_removed_event, block_stored_event
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ A chunk holds its blocks' values as fp8 e4m3, one byte each in the page's own or
 float32 scale per (token, layer) row: the row's largest magnitude over e4m3's largest finite
 value (448), so every row uses the format's whole range. Rows are a hidden state each, whose
 magnitudes differ by orders between layers and tokens; one scale per row keeps each within
-e4m3's 3-bit mantissa. `kvtier.hidden` decodes the same layout without torch.
+e4m3's 3-bit mantissa. `kvtier.hidden.reader` decodes the same layout without torch.
 """
 
 from __future__ import annotations

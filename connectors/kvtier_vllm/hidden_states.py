@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.hidden import HiddenStates, HiddenStatesReader, HiddenStatesRef
-from kvtier.protocol import TierClient
+from kvtier.core.protocol import TierClient
+from kvtier.hidden.reader import HiddenStates, HiddenStatesReader, HiddenStatesRef
 
 
 def as_tensor(states: HiddenStates) -> torch.Tensor:

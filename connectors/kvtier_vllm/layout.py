@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvtier.hidden import HIDDEN_ATTENTION
-from kvtier.keys import NamespaceSpec, PageLayout, Pool
+from kvtier.core.keys import NamespaceSpec, PageLayout, Pool
+from kvtier.hidden.reader import HIDDEN_ATTENTION
 from kvtier_vllm import weights
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.hidden_codec import FP8, Fp8Layout

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvtier.errors import KVTierError
-from kvtier.keys import ChunkKey, Pool, make_key
-from kvtier.protocol import Answer, LookupResult, SlotRef, TierClient, TierCode
+from kvtier.core.errors import KVTierError
+from kvtier.core.keys import ChunkKey, Pool, make_key
+from kvtier.core.protocol import Answer, LookupResult, SlotRef, TierClient, TierCode
 from kvtier_vllm.draft import DraftTracker, Fill, lease_draft
 from kvtier_vllm.layout import PoolPlan
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata

@@ -15,10 +15,10 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from kvtier.errors import KVTierError
-from kvtier.hidden import REF_FIELD, HiddenStatesRef
-from kvtier.keys import NamespaceSpec, Pool
-from kvtier.protocol import SlotRef, TierClient
+from kvtier.core.errors import KVTierError
+from kvtier.core.keys import NamespaceSpec, Pool
+from kvtier.core.protocol import SlotRef, TierClient
+from kvtier.hidden.reader import REF_FIELD, HiddenStatesRef
 from kvtier.rpc import DaemonStalledError
 from kvtier_vllm.adapter import (
     eagle_block_drop,

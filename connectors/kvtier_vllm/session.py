@@ -17,12 +17,11 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.client import InProcessClient
-from kvtier.config import DemoteMode, load_config
-from kvtier.errors import KVTierError, PoolLayoutError
-from kvtier.keys import Pool
-from kvtier.manager import TierManager
-from kvtier.protocol import TierClient
+from kvtier.client import InProcessClient, embedded
+from kvtier.core.config import DemoteMode, load_config
+from kvtier.core.errors import KVTierError, PoolLayoutError
+from kvtier.core.keys import Pool
+from kvtier.core.protocol import TierClient
 from kvtier.rpc import GrpcTierClient
 from kvtier_vllm.config import ConnectorConfig, Mode
 from kvtier_vllm.draft import DraftTracker
@@ -53,7 +52,7 @@ def open_client(cfg: ConnectorConfig, replica: str, chunk_bytes: int = 0) -> Tie
     if update:
         manager = config.manager.model_copy(update=update)
         config = config.model_copy(update={"manager": manager})
-    return InProcessClient(TierManager(config), replica)
+    return embedded(config, replica)
 
 
 class IdleWriter:

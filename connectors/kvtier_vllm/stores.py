@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.errors import KVTierError
-from kvtier.keys import ChunkKey, Pool
-from kvtier.protocol import SlotRef, TierClient
+from kvtier.core.errors import KVTierError
+from kvtier.core.keys import ChunkKey, Pool
+from kvtier.core.protocol import SlotRef, TierClient
 from kvtier_vllm.draft import DraftTracker
 from kvtier_vllm.events import KVEventFeed
 from kvtier_vllm.layout import PoolPlan

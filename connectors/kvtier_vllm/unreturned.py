@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvtier.errors import KVTierError
-from kvtier.protocol import SlotRef, TierClient
+from kvtier.core.errors import KVTierError
+from kvtier.core.protocol import SlotRef, TierClient
 
 log = logging.getLogger(__name__)
 

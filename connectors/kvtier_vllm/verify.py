@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvtier.keys import Pool, namespace_of
-from kvtier.protocol import SlotRef
+from kvtier.core.keys import Pool, namespace_of
+from kvtier.core.protocol import SlotRef
 from kvtier_vllm.draft import Fill
 from kvtier_vllm.layout import PoolPlan
 from kvtier_vllm.metadata import ChunkCopy

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from kvtier.client import ArenaMemory
-from kvtier.errors import KVTierError
-from kvtier.keys import Pool
+from kvtier.core.errors import KVTierError
+from kvtier.core.keys import Pool
 from kvtier_vllm import hidden_codec
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.copies import CpuCopies, Fence, copies_for

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.errors import KVTierError
+from kvtier.core.errors import KVTierError
 
 
 class BenchError(KVTierError):

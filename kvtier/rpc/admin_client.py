@@ -8,8 +8,8 @@ from typing import Any, TypeVar
 import grpc
 
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc
+from kvtier.core.status import error_from
 from kvtier.rpc.calls import CHANNEL_OPTIONS, call
-from kvtier.status import error_from
 
 R = TypeVar("R")
 

@@ -12,8 +12,8 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from kvtier.errors import KVTierError, TierUnavailableError
-from kvtier.status import error_from
+from kvtier.core.errors import KVTierError, TierUnavailableError
+from kvtier.core.status import error_from
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Any, Literal, TypeVar, overload
 import grpc
 from google.protobuf.message import Message
 
-from kvtier import quarantine, wire
 from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
-from kvtier.codec import (
+from kvtier.core import wire
+from kvtier.core.codec import (
     chunk_events_from,
     drafts_from,
     grants_from,
@@ -23,11 +23,11 @@ from kvtier.codec import (
     ref_to,
     spec_to,
 )
-from kvtier.errors import InvalidRequestError, KVTierError, SessionNotFoundError
-from kvtier.journal import ChunkEvents
-from kvtier.keys import ChunkKey, NamespaceSpec
-from kvtier.memory import keep_freed_pages
-from kvtier.protocol import DraftState, IndexedRef, LookupResult, SlotRef, TierCode
+from kvtier.core.errors import InvalidRequestError, KVTierError, SessionNotFoundError
+from kvtier.core.journal import ChunkEvents
+from kvtier.core.keys import ChunkKey, NamespaceSpec, cut_at_namespaces
+from kvtier.core.memory import keep_freed_pages
+from kvtier.core.protocol import DraftState, IndexedRef, LookupResult, SlotRef, TierCode
 from kvtier.rpc.calls import (
     CHANNEL_OPTIONS,
     STALLED,
@@ -68,14 +68,14 @@ class GrpcTierClient:
     ) -> None:
         """``timeout_s`` bounds every call, unless ``deadlines`` are given (see there)."""
         if tune_memory:
-            keep_freed_pages()  # see kvtier.memory: halves the cost of large batches here
+            keep_freed_pages()  # see kvtier.core.memory: halves the cost of large batches here
         self.target = f"unix:{socket_path}"
         self.replica = replica
         self._identity = (engine_id, tp_rank, pp_rank)
         self._timeout = timeout_s
         self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._stub = tier_pb2_grpc.TierServiceStub(self._channel)
-        # key-carrying calls send requests encoded by kvtier.wire (see there for why)
+        # key-carrying calls send requests encoded by kvtier.core.wire (see there for why)
         self._lookup = self._raw("Lookup", tier_pb2.LookupResponse)
         self._reserve = self._raw("Reserve", tier_pb2.ReserveResponse)
         self._prefetch = self._raw("Prefetch", tier_pb2.PrefetchResponse)
@@ -433,7 +433,7 @@ class GrpcTierClient:
         except KVTierError:
             return []
         refs = []
-        for key in quarantine.cut(keys, self._quarantined):
+        for key in cut_at_namespaces(keys, self._quarantined):
             found = memory.find(key)
             if found is None:
                 break

@@ -7,13 +7,13 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc
-from kvtier.codec import draft_revisions_to, tier_stats_to
-from kvtier.errors import InvalidRequestError
-from kvtier.keys import ChunkKey, check_revision
-from kvtier.maintenance import VerifyProgress, WarmupProgress
-from kvtier.manager import TierManager
+from kvtier.core.codec import draft_revisions_to, tier_stats_to
+from kvtier.core.errors import InvalidRequestError
+from kvtier.core.keys import ChunkKey, check_revision
 from kvtier.server.sessions import SessionRegistry
 from kvtier.server.validate import check_batch, keys_from, namespace_from
+from kvtier.tiering.maintenance import VerifyProgress, WarmupProgress
+from kvtier.tiering.manager import TierManager
 from kvtier.tiers.objstore.catalog import GcCounts
 
 READ_ONLY_METHODS = frozenset({"Stats"})

@@ -21,16 +21,16 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
-from kvtier.config import KVTierConfig, ServerConfig
-from kvtier.errors import ConfigError
-from kvtier.manager import TierManager
-from kvtier.memory import keep_freed_pages
-from kvtier.metrics import build_registry
+from kvtier.core.config import KVTierConfig, ServerConfig
+from kvtier.core.cpus import pin_process
+from kvtier.core.errors import ConfigError
+from kvtier.core.memory import keep_freed_pages
+from kvtier.observability.metrics import build_registry
 from kvtier.server.admin import READ_ONLY_METHODS, AdminServicer
-from kvtier.server.cpus import pin_process
 from kvtier.server.dataplane import TierServicer
 from kvtier.server.interceptors import ErrorInterceptor, TokenAuthInterceptor
 from kvtier.server.sessions import SessionRegistry
+from kvtier.tiering.manager import TierManager
 from kvtier.tiers.arena import resolve_group
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class Daemon:
         cfg = self.config.server
         if cfg.cpus is not None:
             pin_process(cfg.cpus)  # first: every thread started below inherits the mask
-        keep_freed_pages()  # see kvtier.memory: requests of thousands of keys
+        keep_freed_pages()  # see kvtier.core.memory: requests of thousands of keys
         admin_token, read_token = admin_credentials(cfg)  # before anything is created
         admin_host, admin_port = split_address(cfg.admin_address, "server.admin_address")
         self._socket_gid = resolve_group(cfg.group, "server.group")

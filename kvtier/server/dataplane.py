@@ -11,13 +11,13 @@ from typing import TypeVar
 import grpc
 
 from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
-from kvtier.codec import chunk_events_to, drafts_to, grants_to, lookup_to, ref_from, spec_from
-from kvtier.config import ServerConfig
-from kvtier.errors import InvalidRequestError, NamespaceAccessError
-from kvtier.journal import ChunkEvents
-from kvtier.keys import ChunkKey, namespace_of
-from kvtier.manager import TierManager
-from kvtier.protocol import SlotRef, arena_hit
+from kvtier.core.codec import chunk_events_to, drafts_to, grants_to, lookup_to, ref_from, spec_from
+from kvtier.core.config import ServerConfig
+from kvtier.core.errors import InvalidRequestError, NamespaceAccessError
+from kvtier.core.journal import ChunkEvents
+from kvtier.core.keys import ChunkKey, namespace_of
+from kvtier.core.protocol import SlotRef, arena_hit
+from kvtier.observability.telemetry import telemetry_of
 from kvtier.server.sessions import Session, SessionRegistry
 from kvtier.server.validate import (
     batch_namespaces,
@@ -26,7 +26,7 @@ from kvtier.server.validate import (
     namespace_from,
     unpack_keys,
 )
-from kvtier.telemetry import telemetry_of
+from kvtier.tiering.manager import TierManager
 
 _REPLICA_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _MAX_POOLS = 16

@@ -1,7 +1,7 @@
 """The daemon's gRPC server interceptors: errors to statuses, and admin authentication.
 
 Servicers raise domain errors; `ErrorInterceptor` turns them into statuses through the table in
-`kvtier.status`, so a bad request never takes a worker thread or the daemon down with it.
+`kvtier.core.status`, so a bad request never takes a worker thread or the daemon down with it.
 `TokenAuthInterceptor` checks the admin API's bearer tokens.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from kvtier.status import status_of
+from kvtier.core.status import status_of
 
 log = logging.getLogger(__name__)
 

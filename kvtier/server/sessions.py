@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvtier.errors import CapacityError, SessionNotFoundError
-from kvtier.keys import ChunkKey
-from kvtier.manager import TierManager
-from kvtier.protocol import SlotRef
+from kvtier.core.errors import CapacityError, SessionNotFoundError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import SlotRef
+from kvtier.tiering.manager import TierManager
 
 log = logging.getLogger(__name__)
 

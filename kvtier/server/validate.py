@@ -1,7 +1,7 @@
 """Checks of what a call asks before it changes anything: batch sizes, key and namespace lengths.
 
 Each raises `InvalidRequestError`, which the caller sees as INVALID_ARGUMENT naming the field.
-The conversions themselves are `kvtier.codec`'s.
+The conversions themselves are `kvtier.core.codec`'s.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import cast
 import numpy as np
 
 from kvtier.api.v1 import tier_pb2
-from kvtier.errors import InvalidRequestError
-from kvtier.keys import MAX_CHUNK_HASH_BYTES, NAMESPACE_BYTES, ChunkKey, packed_namespaces
+from kvtier.core.errors import InvalidRequestError
+from kvtier.core.keys import MAX_CHUNK_HASH_BYTES, NAMESPACE_BYTES, ChunkKey, packed_namespaces
 
 _MIN_KEY, _MAX_KEY = NAMESPACE_BYTES + 1, NAMESPACE_BYTES + MAX_CHUNK_HASH_BYTES
 

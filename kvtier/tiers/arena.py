@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.errors import CapacityError, ConfigError, TierUnavailableError
+from kvtier.core.errors import CapacityError, ConfigError, TierUnavailableError
 from kvtier.tiers.arena_index import ENTRY_BYTES, ArenaIndex, capacity_for
 
 _MAGIC = b"KVTARENA"

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 from xxhash import xxh3_64_intdigest
 
-from kvtier.keys import MAX_CHUNK_HASH_BYTES, NAMESPACE_BYTES
+from kvtier.core.keys import MAX_CHUNK_HASH_BYTES, NAMESPACE_BYTES
 
 ENTRY_BYTES = 64
 KEY_BYTES = NAMESPACE_BYTES + MAX_CHUNK_HASH_BYTES

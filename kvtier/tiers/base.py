@@ -13,34 +13,13 @@ Invariants shared by all tiers (tests/contract checks them for each one):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from kvtier.errors import PayloadSizeError
-from kvtier.journal import Journal
-from kvtier.keys import ChunkKey
-from kvtier.pools import PoolRegistry, Registration
-
-
-@dataclass(slots=True)
-class UsageStats:
-    used_bytes: int = 0
-    chunks: int = 0
-    capacity_bytes: int = 0
-
-
-@dataclass(slots=True)
-class TierStats:
-    tier: str
-    capacity_bytes: int
-    used_bytes: int
-    chunks: int
-    pools: dict[str, UsageStats] = field(default_factory=dict)
-    replicas: dict[tuple[str, str], UsageStats] = field(default_factory=dict)
-    """Keyed by (replica, pool); capacity_bytes there is the replica's quota."""
-    counters: Counter[str] = field(default_factory=Counter)
-    """hits, misses, stores, store_rejected, evictions_<reason>, corrupt, ..."""
+from kvtier.core.errors import PayloadSizeError
+from kvtier.core.journal import Journal
+from kvtier.core.keys import ChunkKey
+from kvtier.core.pools import PoolRegistry, Registration
+from kvtier.core.protocol import TierStats
 
 
 class Tier(ABC):

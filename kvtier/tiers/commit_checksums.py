@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from kvtier.counters import Counters
-from kvtier.protocol import SlotRef
+from kvtier.core.counters import Counters
+from kvtier.core.protocol import SlotRef
 
 
 class CommitChecksums:

@@ -23,15 +23,15 @@ from collections.abc import Collection, Sequence
 
 import psutil
 
-from kvtier import blockfmt
-from kvtier.config import ArenaConfig
-from kvtier.counters import Counters
-from kvtier.errors import CapacityError, PoolLayoutError
-from kvtier.keys import ChunkKey, namespace_of
-from kvtier.pools import PoolRegistry, Registration
-from kvtier.protocol import SlotRef, TierCode
+from kvtier.core import blockfmt
+from kvtier.core.config import ArenaConfig
+from kvtier.core.counters import Counters
+from kvtier.core.errors import CapacityError, PoolLayoutError
+from kvtier.core.keys import ChunkKey, namespace_of
+from kvtier.core.pools import PoolRegistry, Registration
+from kvtier.core.protocol import SlotRef, TierCode, TierStats, UsageStats
 from kvtier.tiers.arena import ArenaMemory, resolve_group
-from kvtier.tiers.base import Tier, TierStats, UsageStats
+from kvtier.tiers.base import Tier
 from kvtier.tiers.commit_checksums import CommitChecksums
 from kvtier.tiers.eviction import make_policy
 from kvtier.tiers.slots import FREE, READY, WRITING, SlotClass, SlotTable, default_arena_size

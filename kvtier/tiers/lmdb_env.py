@@ -16,8 +16,8 @@ from typing import Any
 
 import lmdb
 
-from kvtier.config import Durability, LMDBConfig
-from kvtier.errors import ConfigError
+from kvtier.core.config import Durability, LMDBConfig
+from kvtier.core.errors import ConfigError
 
 log = logging.getLogger("kvtier.tiers.lmdb_tier")  # the tier's logger, which operators filter on
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import lmdb
 
-from kvtier.keys import ChunkKey
-from kvtier.pools import Registration
+from kvtier.core.keys import ChunkKey
+from kvtier.core.pools import Registration
 
 # ``meta``: key -> tick, encoded size, pinned flag, pool and owning replica;
 # ``lru``: tick (8 bytes, big-endian) || key -> empty, oldest first, pinned chunks absent;

@@ -1,6 +1,6 @@
 """The lmdb tier: verified chunks in one LMDB environment, with an LRU index kept inside LMDB.
 
-Databases in the environment: ``chunks`` (key -> encoded chunk, see `kvtier.blockfmt`), and the
+Databases in the environment: ``chunks`` (key -> encoded chunk, see `kvtier.core.blockfmt`), and the
 index records of `kvtier.tiers.lmdb_index`: ``lru``, ``meta`` and ``pins``.
 
 The in-memory index follows LMDB only after a transaction commits, so an aborted write (map
@@ -37,14 +37,15 @@ from pathlib import Path
 
 import lmdb
 
-from kvtier import blockfmt
-from kvtier.config import Durability, LMDBConfig
-from kvtier.counters import Counters
-from kvtier.errors import ChunkFormatError, CorruptChunkError
-from kvtier.keys import ChunkKey, namespace_of
-from kvtier.memory import keep_freed_pages
-from kvtier.pools import PoolRegistry, Registration
-from kvtier.tiers.base import Tier, TierStats, UsageStats
+from kvtier.core import blockfmt
+from kvtier.core.config import Durability, LMDBConfig
+from kvtier.core.counters import Counters
+from kvtier.core.errors import ChunkFormatError, CorruptChunkError
+from kvtier.core.keys import ChunkKey, namespace_of
+from kvtier.core.memory import keep_freed_pages
+from kvtier.core.pools import PoolRegistry, Registration
+from kvtier.core.protocol import TierStats, UsageStats
+from kvtier.tiers.base import Tier
 from kvtier.tiers.lmdb_env import (
     DATA_FILE,
     DATABASES,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import lmdb
 
-from kvtier import blockfmt
-from kvtier.errors import ChunkFormatError
-from kvtier.keys import ChunkKey
+from kvtier.core import blockfmt
+from kvtier.core.errors import ChunkFormatError
+from kvtier.core.keys import ChunkKey
 
 
 def copy_payload(

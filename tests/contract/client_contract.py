@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
-from kvtier.errors import KVTierError, UnknownPoolError
-from kvtier.keys import ChunkKey
-from kvtier.protocol import SlotRef, TierClient
+from kvtier.core.errors import KVTierError, UnknownPoolError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import SlotRef, TierClient
 from kvtier.tiers.arena import ArenaMemory
 from tests.support import draft_spec, keys_for, payload_for, target_spec
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.errors import PermissionDeniedError
+from kvtier.core.errors import PermissionDeniedError
 from kvtier.rpc import GrpcTierClient
 from tests.contract.client_contract import CHUNK, ClientContract, Connect, Foreign, unregistered
 from tests.integration.daemon_harness import Processes, RunningDaemon, write_config

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.client import InProcessClient
-from kvtier.manager import TierManager
+from kvtier.tiering.manager import TierManager
 from tests.contract.client_contract import ClientContract, Connect, Foreign, unregistered
 from tests.support import manager_config
 

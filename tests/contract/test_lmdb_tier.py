@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.pools import PoolRegistry
+from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.lmdb_tier import LmdbTier
 from tests.contract.tier_contract import TierContract
 from tests.support import MiB, lmdb_config

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.errors import PayloadSizeError, UnknownPoolError
-from kvtier.keys import ChunkKey
-from kvtier.pools import PoolRegistry
+from kvtier.core.errors import PayloadSizeError, UnknownPoolError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.base import Tier
 from tests.support import draft_spec, keys_for, payload_for, target_spec
 

@@ -204,8 +204,8 @@ def test_speculative_decoding_keeps_two_pools_and_mixed_fleets_share_one_store(
     tmp_path: Path,
     shm_path: Path,
 ) -> None:
-    from kvtier.config import load_config
-    from kvtier.pools import PoolRegistry
+    from kvtier.core.config import load_config
+    from kvtier.core.pools import PoolRegistry
     from kvtier.tiers.lmdb_tier import LmdbTier
 
     config = embedded_yaml(tmp_path, shm_path)
@@ -292,8 +292,8 @@ def test_a_draft_with_its_own_kv_dtype_gets_its_own_pool_bytes(
     tmp_path: Path,
     shm_path: Path,
 ) -> None:
-    from kvtier.config import load_config
-    from kvtier.pools import PoolRegistry
+    from kvtier.core.config import load_config
+    from kvtier.core.pools import PoolRegistry
     from kvtier.tiers.lmdb_tier import LmdbTier
     from tests.e2e.cpu_patches import per_layer_kv_dtype_on_cpu, skip_without_fp8_kv
 

@@ -78,8 +78,8 @@ def test_eagle_head_gets_its_own_pool_and_a_fresh_engine_accepts_as_on_local_hit
     shm_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvtier.config import load_config
-    from kvtier.pools import PoolRegistry
+    from kvtier.core.config import load_config
+    from kvtier.core.pools import PoolRegistry
     from kvtier.tiers.lmdb_tier import LmdbTier
 
     target = eagle_models.target

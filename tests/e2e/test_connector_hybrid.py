@@ -427,8 +427,8 @@ def test_a_draft_model_the_hybrid_allocator_misplaces_is_never_cached(
 
 
 def lmdb_chunks(config: Path) -> int:
-    from kvtier.config import load_config
-    from kvtier.pools import PoolRegistry
+    from kvtier.core.config import load_config
+    from kvtier.core.pools import PoolRegistry
     from kvtier.tiers.lmdb_tier import LmdbTier
 
     tier = LmdbTier(load_config(config).lmdb, PoolRegistry())

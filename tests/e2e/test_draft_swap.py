@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from benchmarks.draft_weights import checkpoint_weights, noisy, swap_draft_weights
-from kvtier.cli import main as kvtier_cli
+from kvtier.cli.main import main as kvtier_cli
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import (
     EagleModels,

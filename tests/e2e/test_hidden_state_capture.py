@@ -24,12 +24,12 @@ from kvtier_vllm.hidden_states import as_tensor, load
 from safetensors.torch import load_file
 
 from kvtier.client import InProcessClient
-from kvtier.config import load_config
-from kvtier.hidden import REF_FIELD, HiddenStatesReader, HiddenStatesRef
-from kvtier.hidden_export import file_name
-from kvtier.keys import Pool
-from kvtier.manager import TierManager
+from kvtier.core.config import load_config
+from kvtier.core.keys import Pool
+from kvtier.hidden.export import file_name
+from kvtier.hidden.reader import REF_FIELD, HiddenStatesReader, HiddenStatesRef
 from kvtier.rpc import GrpcTierClient
+from kvtier.tiering.manager import TierManager
 from tests.e2e.conftest import set_engine_env
 from tests.e2e.models import (
     ModelSet,

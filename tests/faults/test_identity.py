@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.config import from_mapping
-from kvtier.errors import ConfigError
+from kvtier.core.config import from_mapping
+from kvtier.core.errors import ConfigError
 from kvtier.rpc import GrpcTierClient
 from kvtier.tiers.objstore.backend import open_backend
 from tests.faults.test_object_store import gauge, node, wait_for

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.errors import TierUnavailableError
-from kvtier.protocol import IndexedRef, SlotRef
+from kvtier.core.errors import TierUnavailableError
+from kvtier.core.protocol import IndexedRef, SlotRef
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import ModelSet, generate_tokens, running_llm
 from tests.e2e.test_connector import kvtier_config

@@ -11,7 +11,7 @@ import torch
 from kvtier_vllm.copies import CpuCopies, CudaCopies, copies_for
 
 from kvtier.client import ArenaMemory
-from kvtier.pools import PoolRegistry
+from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.cpu import CpuTier
 from tests.bare_worker import bare_worker
 from tests.support import arena_config, keys_for, target_spec

@@ -34,8 +34,8 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.keys import ChunkKey
-from kvtier.protocol import SlotRef
+from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import SlotRef
 from kvtier.rpc import AdminClient, GrpcTierClient
 from kvtier.tiers.arena import ArenaMemory
 from tests.support import MiB, keys_for, payload_for, target_spec

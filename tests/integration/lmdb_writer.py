@@ -12,8 +12,8 @@ import random
 import sys
 from pathlib import Path
 
-from kvtier.keys import NAMESPACE_BYTES, ChunkKey
-from kvtier.pools import PoolRegistry
+from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.lmdb_tier import LmdbTier
 from tests.support import MiB, draft_spec, keys_for, lmdb_config, payload_for, target_spec
 

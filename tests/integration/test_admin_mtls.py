@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import from_mapping
-from kvtier.errors import KVTierError
+from kvtier.core.config import from_mapping
+from kvtier.core.errors import KVTierError
 from kvtier.rpc import AdminClient
 from kvtier.server.daemon import Daemon, admin_credentials
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli import main
-from kvtier.config import from_mapping
-from kvtier.errors import PermissionDeniedError
-from kvtier.keys import ChunkKey, namespace_of
+from kvtier.cli.main import main
+from kvtier.core.config import from_mapping
+from kvtier.core.errors import PermissionDeniedError
+from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.rpc import GrpcTierClient
 from kvtier.server.daemon import Daemon
 from kvtier.tiers.arena import ArenaMemory

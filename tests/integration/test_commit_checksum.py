@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import blockfmt
-from kvtier.config import KVTierConfig
-from kvtier.keys import ChunkKey
-from kvtier.manager import TierManager
-from kvtier.pools import PoolRegistry
-from kvtier.protocol import SlotRef
+from kvtier.core import blockfmt
+from kvtier.core.config import KVTierConfig
+from kvtier.core.keys import ChunkKey
+from kvtier.core.pools import PoolRegistry
+from kvtier.core.protocol import SlotRef
 from kvtier.rpc import GrpcTierClient
+from kvtier.tiering.manager import TierManager
 from kvtier.tiers.arena import ArenaMemory
 from kvtier.tiers.lmdb_tier import LmdbTier
 from tests.integration.daemon_harness import (

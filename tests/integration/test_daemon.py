@@ -19,10 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
-from kvtier.codec import spec_to
-from kvtier.errors import KVTierError, PermissionDeniedError, TierUnavailableError
-from kvtier.keys import ChunkKey
-from kvtier.protocol import SlotRef
+from kvtier.core.codec import spec_to
+from kvtier.core.errors import KVTierError, PermissionDeniedError, TierUnavailableError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import SlotRef
 from kvtier.rpc import GrpcTierClient
 from tests.integration.daemon_harness import (
     CHUNK,

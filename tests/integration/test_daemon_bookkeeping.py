@@ -16,8 +16,8 @@ import pytest
 from kvtier_vllm.unreturned import Return, Unreturned
 
 from kvtier.api.v1 import admin_pb2, tier_pb2, tier_pb2_grpc
-from kvtier.codec import spec_to
-from kvtier.errors import KVTierError
+from kvtier.core.codec import spec_to
+from kvtier.core.errors import KVTierError
 from kvtier.rpc import GrpcTierClient
 from kvtier.server.sessions import EXPIRED_COUNTER
 from kvtier.tiers.arena import ArenaMemory

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvtier.server.cpus import format_cpu_list
+from kvtier.core.cpus import format_cpu_list
 from tests.integration.daemon_harness import ArenaClient, DaemonFiles, Processes, wait_for
 
 ALLOWED = os.sched_getaffinity(0)

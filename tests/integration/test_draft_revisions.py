@@ -10,12 +10,12 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.config import from_mapping
-from kvtier.errors import InvalidRequestError, UnknownPoolError
-from kvtier.keys import ChunkKey
-from kvtier.manager import TierManager
-from kvtier.metrics import build_registry
-from kvtier.pools import PoolRegistry
+from kvtier.core.config import from_mapping
+from kvtier.core.errors import InvalidRequestError, UnknownPoolError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.pools import PoolRegistry
+from kvtier.observability.metrics import build_registry
+from kvtier.tiering.manager import TierManager
 from kvtier.tiers.lmdb_tier import LmdbTier
 from tests.support import MiB, draft_spec, keys_for, lmdb_config, manager_config, payload_for
 from tests.support import target_spec as target

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.blockfmt import HEADER_SIZE, encoded_size
-from kvtier.keys import ChunkKey
+from kvtier.core.blockfmt import HEADER_SIZE, encoded_size
+from kvtier.core.keys import ChunkKey
 from kvtier.tiers.lmdb_tier import LmdbTier
 from tests.integration.lmdb_writer import (
     MAX_BATCH,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.pools import PoolRegistry
+from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.lmdb_tier import LmdbTier
 from tests.support import keys_for, lmdb_config, payload_for, target_spec
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvtier.pools import PoolRegistry
+from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.lmdb_tier import LmdbTier
 from tests.support import MiB, keys_for, lmdb_config, payload_for, target_spec
 

@@ -10,10 +10,10 @@ import lmdb
 import pytest
 
 from kvtier.client import InProcessClient
-from kvtier.errors import ConfigError, UnknownPoolError
-from kvtier.keys import ChunkKey
-from kvtier.manager import TierManager
-from kvtier.protocol import SlotRef, TierClient
+from kvtier.core.errors import ConfigError, UnknownPoolError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import SlotRef, TierClient
+from kvtier.tiering.manager import TierManager
 from tests.support import MiB, draft_spec, keys_for, manager_config, payload_for, target_spec
 
 CHUNK = 256 << 10

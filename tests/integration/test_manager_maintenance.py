@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.errors import InvalidRequestError, TierNotConfiguredError, UnknownTierError
-from kvtier.keys import ChunkKey
-from kvtier.maintenance import PROGRESS_EVERY, VerifyProgress
-from kvtier.manager import TierManager
+from kvtier.core.errors import InvalidRequestError, TierNotConfiguredError, UnknownTierError
+from kvtier.core.keys import ChunkKey
+from kvtier.tiering.maintenance import PROGRESS_EVERY, VerifyProgress
+from kvtier.tiering.manager import TierManager
 from tests.support import keys_for, manager_config, payload_for, target_spec
 
 CHUNK = 64 << 10

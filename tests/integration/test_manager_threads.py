@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvtier.manager import TierManager
+from kvtier.tiering.manager import TierManager
 from tests.support import keys_for, manager_config, payload_for, target_spec
 
 CHUNK = 256 << 10

@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 import pytest
 
-from kvtier import blockfmt
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc
+from kvtier.core import blockfmt
 from kvtier.tiers.objstore.tier import ObjectTier
 from tests.integration.daemon_harness import (
     CHUNK,

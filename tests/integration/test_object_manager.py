@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import KVTierConfig, from_mapping
-from kvtier.keys import ChunkKey
-from kvtier.manager import TierManager
+from kvtier.core.config import KVTierConfig, from_mapping
+from kvtier.core.keys import ChunkKey
+from kvtier.tiering.manager import TierManager
 from kvtier.tiers.objstore.tier import ObjectTier
 from tests.support import MiB, keys_for, payload_for, target_spec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.manager import TierManager
+from kvtier.tiering.manager import TierManager
 from tests.integration.test_draft_revisions import CHUNK, store
 from tests.support import draft_spec, keys_for, manager_config, target_spec
 

@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
-from kvtier.codec import spec_to
-from kvtier.errors import PermissionDeniedError
-from kvtier.keys import NamespaceSpec
+from kvtier.core.codec import spec_to
+from kvtier.core.errors import PermissionDeniedError
+from kvtier.core.keys import NamespaceSpec
 from kvtier.rpc import GrpcTierClient
 from tests.integration.daemon_harness import (
     CHUNK,

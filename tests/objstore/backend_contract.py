@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvtier.errors import ObjectNotFoundError
+from kvtier.core.errors import ObjectNotFoundError
 from kvtier.tiers.objstore.backend import (
     MAX_NAME_BYTES,
     PING_NAME,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.errors import CredentialError, ObjectStoreError
+from kvtier.core.errors import CredentialError, ObjectStoreError
 from kvtier.tiers.objstore.backend import ObjectBackend, StoreUnreachableError
 from tests.objstore.fixtures import (
     AWS_ACCOUNT,

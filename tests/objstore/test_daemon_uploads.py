@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier import blockfmt
-from kvtier.keys import NAMESPACE_BYTES, ChunkKey
+from kvtier.core import blockfmt
+from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.tiers.objstore.backend import open_backend
 from tests.integration.daemon_harness import CHUNK, DaemonFiles, Processes, key_of, write_config
 from tests.objstore.fixtures import StoreFactory

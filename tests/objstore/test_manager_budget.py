@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import from_mapping
-from kvtier.manager import TierManager
+from kvtier.core.config import from_mapping
+from kvtier.tiering.manager import TierManager
 from tests.objstore.fixtures import StoreFactory
 from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
 from tests.support import MiB, keys_for, payload_for, target_spec

@@ -10,9 +10,9 @@ from pathlib import Path
 import boto3
 import pytest
 
-from kvtier.errors import CredentialError, ObjectStoreError
-from kvtier.keys import ChunkKey
-from kvtier.pools import PoolRegistry
+from kvtier.core.errors import CredentialError, ObjectStoreError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.objstore.tier import ObjectTier
 from tests.contract.tier_contract import CHUNK, TierContract
 from tests.objstore.fixtures import AwsIrsa, StoreFactory

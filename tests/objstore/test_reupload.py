@@ -9,8 +9,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import KVTierConfig, from_mapping
-from kvtier.manager import TierManager
+from kvtier.core.config import KVTierConfig, from_mapping
+from kvtier.tiering.manager import TierManager
 from tests.support import MiB, keys_for, payload_for, target_spec
 
 CHUNK = 256 << 10

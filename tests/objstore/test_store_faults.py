@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from kvtier import blockfmt
-from kvtier.errors import ObjectStoreError
+from kvtier.core import blockfmt
+from kvtier.core.errors import ObjectStoreError
 from kvtier.tiers.objstore.backend import RequestRejectedError, StoreUnreachableError
 from kvtier.tiers.objstore.catalog import Catalog
 from kvtier.tiers.objstore.resilience import CircuitBreaker

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import from_mapping
-from kvtier.manager import TierManager
+from kvtier.core.config import from_mapping
+from kvtier.tiering.manager import TierManager
 from kvtier.tiers.objstore.tier import ObjectTier
 from tests.support import MiB, keys_for, payload_for, target_spec
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvtier.keys import ChunkKey, NamespaceSpec
+from kvtier.core.keys import ChunkKey, NamespaceSpec
 from kvtier.rpc import AdminClient, GrpcTierClient
 from kvtier.tiers.arena import ArenaMemory
 from tests.support import draft_spec, keys_for, payload_for, target_spec

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from kvtier.metric_specs import METRICS
+from kvtier.observability.metric_specs import METRICS
 from tests.integration.daemon_harness import Processes, RunningDaemon, write_config
 from tests.operability.load import Load
 

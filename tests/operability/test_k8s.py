@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvtier.config import load_config
+from kvtier.core.config import load_config
 from kvtier.server.daemon import admin_credentials
 from tests.operability.kustomize import Doc, build, normalise
 

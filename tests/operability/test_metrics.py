@@ -10,10 +10,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.keys import NAMESPACE_BYTES
-from kvtier.metric_specs import METRICS
-from kvtier.pools import PoolRegistry
-from kvtier.telemetry import MAX_REPLICAS, OTHER, Telemetry
+from kvtier.core.keys import NAMESPACE_BYTES
+from kvtier.core.pools import PoolRegistry
+from kvtier.observability.metric_specs import METRICS
+from kvtier.observability.telemetry import MAX_REPLICAS, OTHER, Telemetry
 from tests.operability.stack import Stack
 from tests.support import draft_spec, keys_for, target_spec
 
@@ -159,5 +159,5 @@ def test_draft_swaps_count_revision_changes_only() -> None:
 
 def test_top_does_not_import_the_daemon() -> None:
     # `kvtier top` runs next to a daemon, often on a small machine: keep it light
-    code = "import kvtier.top, sys; assert 'kvtier.server.daemon' not in sys.modules"
+    code = "import kvtier.observability.top, sys; assert 'kvtier.server.daemon' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

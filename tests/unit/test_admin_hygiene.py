@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import ServerConfig, from_mapping, load_config
-from kvtier.errors import ConfigError
+from kvtier.core.config import ServerConfig, from_mapping, load_config
+from kvtier.core.errors import ConfigError
 from kvtier.server.daemon import admin_credentials
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.pools import PoolRegistry
+from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.arena import ArenaMemory
 from kvtier.tiers.arena_index import ENTRY_BYTES, ArenaIndex, _home, capacity_for
 from kvtier.tiers.cpu import CpuTier

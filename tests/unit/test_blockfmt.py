@@ -6,16 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier import blockfmt
-from kvtier.blockfmt import HEADER_SIZE, ChunkDescriptor
-from kvtier.errors import (
+from kvtier.core import blockfmt
+from kvtier.core.blockfmt import HEADER_SIZE, ChunkDescriptor
+from kvtier.core.errors import (
     ChunkFormatError,
     CorruptChunkError,
     TruncatedChunkError,
     UnknownVersionError,
     WrongKeyError,
 )
-from kvtier.keys import ChunkKey, Pool, make_key
+from kvtier.core.keys import ChunkKey, Pool, make_key
 
 descriptors = st.builds(
     ChunkDescriptor,

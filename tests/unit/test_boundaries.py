@@ -1,109 +1,223 @@
-"""The dependency rules: kvtier never imports vLLM or torch; the connector uses kvtier's public
-surface only, never its tiers or server internals; the client modules never load the server, the
-manager or a tier."""
+"""The dependency rules: the layer order inside kvtier, no circle between modules, no module past
+500 lines; kvtier never imports vLLM or torch; the connector uses kvtier's public surface only;
+the client modules never load the server, the tier manager or a tier."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+SOURCES = (ROOT / "kvtier", ROOT / "connectors" / "kvtier_vllm")
+GENERATED = "kvtier.api"  # protoc's stubs
+MAX_LINES = 500
+
+# The arena file's own layout, which a client maps to reach the chunks: no tier behind it.
+ARENA = ("kvtier.tiers.arena", "kvtier.tiers.arena_index")
+
+# Which package may import which, bottom layer first; a package always imports itself. The
+# clients (rpc, client, hidden, the connector) sit beside the tier manager, not above it: they
+# reach the tiers through kvtierd or a manager handed to them, and map only the arena's file.
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "kvtier": (),  # the package itself: a docstring
+    "kvtier.api": (),
+    "kvtier.core": ("kvtier.api",),
+    "kvtier.tiers": ("kvtier.core",),
+    "kvtier.tiering": ("kvtier.core", "kvtier.tiers"),
+    "kvtier.observability": ("kvtier.core", "kvtier.tiers", "kvtier.tiering"),
+    "kvtier.rpc": ("kvtier.core", "kvtier.api", *ARENA),
+    "kvtier.client": ("kvtier.core", "kvtier.tiering", *ARENA),
+    "kvtier.hidden": ("kvtier.core", "kvtier.client", "kvtier.tiering", *ARENA),
+    "kvtier.server": (
+        "kvtier.core",
+        "kvtier.api",
+        "kvtier.tiers",
+        "kvtier.tiering",
+        "kvtier.observability",
+    ),
+    "kvtier.bench": ("kvtier.core",),
+    "kvtier.cli": ("kvtier",),  # the top: everything
+    "kvtier_vllm": ("kvtier.core", "kvtier.client", "kvtier.rpc", "kvtier.hidden.reader"),
+}
 
 
-def _imports(package: Path) -> dict[str, set[str]]:
-    found: dict[str, set[str]] = {}
-    for path in package.rglob("*.py"):
-        if "api" in path.relative_to(package).parts:
-            continue  # generated stubs
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names.add(node.module)
-        found[str(path.relative_to(ROOT))] = names
-    return found
+def _within(module: str, roots: tuple[str, ...]) -> bool:
+    return any(module == root or module.startswith(root + ".") for root in roots)
 
 
-def test_kvtier_imports_neither_vllm_nor_torch() -> None:
-    bad = {
-        path: sorted(n for n in names if n.split(".")[0] in {"vllm", "torch"})
-        for path, names in _imports(ROOT / "kvtier").items()
-    }
-    assert not {p: n for p, n in bad.items() if n}
-
-
-def test_connector_uses_only_kvtiers_public_surface() -> None:
-    internal = ("kvtier.tiers", "kvtier.server", "kvtier.api")
-    bad = {
-        path: sorted(n for n in names if n.startswith(internal))
-        for path, names in _imports(ROOT / "connectors" / "kvtier_vllm").items()
-    }
-    assert not {p: n for p, n in bad.items() if n}
-    assert any("kvtier.client" in names for names in _imports(ROOT / "connectors").values())
-
-
-CLIENT_MODULES = ("kvtier.rpc", "kvtier.client", "kvtier.protocol", "kvtier.codec")
-# the arena file's own layout, which a client maps to reach the chunks: no tier
-ARENA_MODULES = ("kvtier.tiers", "kvtier.tiers.arena", "kvtier.tiers.arena_index")
-
-
-def _forbidden_for_clients(module: str) -> bool:
-    if module in ARENA_MODULES:
-        return False
-    return any(
-        module == root or module.startswith(root + ".")
-        for root in ("kvtier.server", "kvtier.manager", "kvtier.tiers")
-    )
+def _module_name(path: Path) -> str:
+    if path.is_relative_to(ROOT / "connectors"):
+        rel = path.relative_to(ROOT / "connectors")
+    else:
+        rel = path.relative_to(ROOT)
+    parts = list(rel.with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
 
 
 def _module_path(module: str) -> Path | None:
-    base = ROOT.joinpath(*module.split("."))
+    top = ROOT / "connectors" if module.split(".")[0] == "kvtier_vllm" else ROOT
+    base = top.joinpath(*module.split("."))
     for path in (base.with_suffix(".py"), base / "__init__.py"):
         if path.is_file():
             return path
     return None
 
 
-def _type_checking(node: ast.stmt) -> bool:
+def _modules() -> Iterator[tuple[str, Path]]:
+    for source in SOURCES:
+        for path in sorted(source.rglob("*.py")):
+            name = _module_name(path)
+            if not _within(name, (GENERATED,)):
+                yield name, path
+
+
+def _type_checking(node: ast.AST) -> bool:
     test = node.test if isinstance(node, ast.If) else None
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
     )
 
 
-def _runtime_imports(path: Path) -> set[str]:
-    """kvtier modules ``path`` imports when run, at any depth, less ``if TYPE_CHECKING``."""
+def _imports(path: Path, *, when_loaded: bool = False) -> set[str]:
+    """Every module ``path`` imports, at any depth (in functions, under ``if TYPE_CHECKING``);
+    with ``when_loaded``, only what loading it imports: less functions' own imports and
+    ``if TYPE_CHECKING``. ``from a import b`` names ``a.b`` where that is a module of the tree."""
     found: set[str] = set()
     todo: list[ast.AST] = [ast.parse(path.read_text())]
     while todo:
         node = todo.pop()
-        if isinstance(node, ast.If) and _type_checking(node):
+        if when_loaded and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if when_loaded and _type_checking(node):
+            assert isinstance(node, ast.If)
             todo.extend(node.orelse)
             continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            for alias in node.names:
+                if _module_path(f"{node.module}.{alias.name}") is not None:
+                    found.add(f"{node.module}.{alias.name}")
         todo.extend(ast.iter_child_nodes(node))
-    return {m for m in found if m.split(".")[0] == "kvtier" and _module_path(m) is not None}
+    return found
+
+
+def _ours(module: str) -> bool:
+    return module.split(".")[0] in {"kvtier", "kvtier_vllm"} and _module_path(module) is not None
+
+
+def _package(module: str) -> str:
+    """The layer a module belongs to: the longest key of ALLOWED it falls within."""
+    layers = [layer for layer in ALLOWED if _within(module, (layer,))]
+    assert layers, f"{module} is in no layer: add its package to ALLOWED"
+    return max(layers, key=len)
+
+
+def test_every_package_has_a_docstring_saying_what_it_owns() -> None:
+    bare = [
+        name
+        for name, path in _modules()
+        if path.name == "__init__.py" and not ast.get_docstring(ast.parse(path.read_text()))
+    ]
+    assert not bare
+
+
+def test_imports_follow_the_layer_order() -> None:
+    against = {}
+    for name, path in _modules():
+        own = _package(name)
+        for imported in sorted(_imports(path)):
+            if not _ours(imported) or imported == "kvtier":
+                continue
+            if not _within(imported, (own, *ALLOWED[own])):
+                against.setdefault(name, []).append(imported)
+    assert not against, f"imports against the layer order (module: imported): {against}"
+
+
+def test_no_module_is_in_a_circle() -> None:
+    graph = {
+        name: {m for m in _imports(path) if _ours(m) and m != name and not m.endswith("__init__")}
+        for name, path in _modules()
+    }
+    # a package's __init__ is imported on the way to its modules: edges to packages with an
+    # empty (docstring-only) __init__ carry no code and close no circle
+    packages = {name for name, path in _modules() if path.name == "__init__.py"}
+    for name in graph:
+        graph[name] = {m for m in graph[name] if m not in packages or _imports(_module_path(m))}  # type: ignore[arg-type]
+
+    circles: list[list[str]] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                circles.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not circles, "modules that import each other: " + "; ".join(
+        " -> ".join(c) for c in circles
+    )
+
+
+def test_no_module_is_past_500_lines() -> None:
+    long = {
+        str(path.relative_to(ROOT)): n
+        for _, path in _modules()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these along a seam with a name: {long}"
+
+
+def test_kvtier_imports_neither_vllm_nor_torch() -> None:
+    bad = {
+        name: sorted(n for n in _imports(path) if n.split(".")[0] in {"vllm", "torch"})
+        for name, path in _modules()
+        if name.split(".")[0] == "kvtier"
+    }
+    assert not {p: n for p, n in bad.items() if n}
+
+
+def test_the_connector_reaches_the_tiers_through_the_client() -> None:
+    connector = [_imports(path) for name, path in _modules() if name.startswith("kvtier_vllm")]
+    assert any("kvtier.client" in names for names in connector)
+
+
+# what a process that only calls kvtier (an engine) must never load
+SERVER_SIDE = ("kvtier.server", "kvtier.tiering", "kvtier.observability", "kvtier.tiers")
+CLIENT_MODULES = ("kvtier.rpc", "kvtier.client", "kvtier.core.protocol", "kvtier.core.codec")
+
+
+def _forbidden_for_clients(module: str) -> bool:
+    return _within(module, SERVER_SIDE) and module not in (*ARENA, "kvtier.tiers")
 
 
 def test_client_modules_never_import_the_server_manager_or_tiers() -> None:
-    # static: everything the client modules import, followed to the end
+    # static: everything loading the client modules imports, followed to the end
     seen: dict[str, str] = {}
     todo = [(m, "") for m in CLIENT_MODULES]
     while todo:
         module, via = todo.pop()
-        if module in seen or module.startswith("kvtier.api"):  # generated stubs
+        if module in seen or _within(module, (GENERATED,)):
             continue
         seen[module] = via
         path = _module_path(module)
         assert path is not None, module
-        todo.extend((m, module) for m in _runtime_imports(path))
+        todo.extend((m, module) for m in _imports(path, when_loaded=True) if _ours(m))
     bad = {m: via for m, via in seen.items() if _forbidden_for_clients(m)}
     assert not bad, f"imported by client modules (module: importer): {bad}"
 
@@ -117,5 +231,5 @@ def test_importing_the_grpc_client_loads_no_server_manager_or_tier() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
     assert "kvtier.rpc" in loaded
-    assert "kvtier.protocol" in loaded
+    assert "kvtier.core.protocol" in loaded
     assert not [m for m in loaded if _forbidden_for_clients(m)]

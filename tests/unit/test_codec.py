@@ -1,12 +1,12 @@
-"""Each message pair of `kvtier.codec` decodes what it encodes; tier codes are the wire's."""
+"""Each message pair of `kvtier.core.codec` decodes what it encodes; tier codes are the wire's."""
 
 from __future__ import annotations
 
-from kvtier import codec
 from kvtier.api.v1 import tier_pb2
-from kvtier.journal import ChunkEvent, ChunkEvents
-from kvtier.keys import ChunkKey
-from kvtier.protocol import DraftState, LookupResult, SlotRef, TierCode, arena_hit
+from kvtier.core import codec
+from kvtier.core.journal import ChunkEvent, ChunkEvents
+from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import DraftState, LookupResult, SlotRef, TierCode, arena_hit
 from tests.support import draft_spec, target_spec
 
 KEY = ChunkKey(bytes(range(48)))

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import KVTierConfig, describe, from_mapping, load_config
-from kvtier.server.cpus import format_cpu_list, parse_cpu_list
+from kvtier.core.config import KVTierConfig, describe, from_mapping, load_config
+from kvtier.core.cpus import format_cpu_list, parse_cpu_list
 
 
 def test_defaults_need_no_file() -> None:

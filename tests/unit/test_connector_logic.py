@@ -8,8 +8,8 @@ import pytest
 from kvtier_vllm.config import Mode, parse
 from kvtier_vllm.layout import is_draft_layer, split_layers
 
-from kvtier.errors import ConfigError
-from kvtier.keys import Pool
+from kvtier.core.errors import ConfigError
+from kvtier.core.keys import Pool
 
 
 def test_draft_layers_by_prefix_and_by_numbering() -> None:

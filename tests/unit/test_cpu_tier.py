@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.errors import CapacityError, ConfigError, PoolLayoutError, TierUnavailableError
-from kvtier.pools import PoolRegistry
+from kvtier.core.errors import CapacityError, ConfigError, PoolLayoutError, TierUnavailableError
+from kvtier.core.pools import PoolRegistry
 from kvtier.tiers import arena
 from kvtier.tiers.arena import ArenaAtPath, ArenaMemory, SlotState
 from kvtier.tiers.cpu import CpuTier

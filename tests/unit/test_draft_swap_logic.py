@@ -22,10 +22,10 @@ from kvtier_vllm.stats import KVTierPromMetrics, KVTierStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvtier.client import InProcessClient
-from kvtier.errors import TierUnavailableError
-from kvtier.keys import NamespaceSpec, make_key, namespace_of
-from kvtier.manager import TierManager
-from kvtier.protocol import DraftState
+from kvtier.core.errors import TierUnavailableError
+from kvtier.core.keys import NamespaceSpec, make_key, namespace_of
+from kvtier.core.protocol import DraftState
+from kvtier.tiering.manager import TierManager
 from tests.support import draft_spec, manager_config
 
 

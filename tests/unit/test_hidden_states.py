@@ -14,7 +14,9 @@ from kvtier_vllm.hidden_codec import Fp8Layout, decode, encode
 from kvtier_vllm.hidden_states import as_tensor
 from safetensors.torch import load_file
 
-from kvtier.hidden import (
+from kvtier.core.keys import NamespaceSpec, PageLayout, Pool
+from kvtier.hidden.export import file_name, read_refs, write_states
+from kvtier.hidden.reader import (
     HEADS_FIRST,
     TOKENS_FIRST,
     HiddenStatesError,
@@ -22,8 +24,6 @@ from kvtier.hidden import (
     assemble,
     tail_hash,
 )
-from kvtier.hidden_export import file_name, read_refs, write_states
-from kvtier.keys import NamespaceSpec, PageLayout, Pool
 
 BLOCK, LAYERS, HIDDEN = 4, 3, 8
 
@@ -94,7 +94,7 @@ def test_fp8_chunks_decode_as_the_workers_codec_does(dtype: torch.dtype) -> None
 
 
 def test_every_fp8_byte_decodes_as_torch_reads_it() -> None:
-    from kvtier.hidden import _FP8_VALUES
+    from kvtier.hidden.reader import _FP8_VALUES
 
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     expected = codes.view(torch.float8_e4m3fn).float().numpy()
@@ -167,7 +167,7 @@ def test_a_kv_dtype_the_chunk_header_cannot_hold_is_refused_at_registration() ->
 
 
 def test_a_long_reference_is_a_manifest_of_several_parts_of_one_size() -> None:
-    from kvtier.hidden import MANIFEST_PART_BYTES, _part, manifest_name, manifest_parts
+    from kvtier.hidden.reader import MANIFEST_PART_BYTES, _part, manifest_name, manifest_parts
 
     ref = ref_of(24000, bpc=1)  # 6,000 chunks and 24,000 token ids: over 64 KiB of JSON
     parts = manifest_parts(ref)

@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvtier.keys import Pool
+from kvtier.core.keys import Pool
 from tests.support import target_spec
 
 BLOCK = 32

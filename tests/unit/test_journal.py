@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.journal import ChunkEvent, Journal
-from kvtier.keys import ChunkKey
-from kvtier.manager import TierManager
+from kvtier.core.journal import ChunkEvent, Journal
+from kvtier.core.keys import ChunkKey
+from kvtier.tiering.manager import TierManager
 from tests.support import keys_for, manager_config, payload_for, target_spec
 
 CHUNK = 256 << 10

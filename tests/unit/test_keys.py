@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from kvtier.keys import (
+from kvtier.core.keys import (
     NAMESPACE_BYTES,
     ChunkKey,
     NamespaceSpec,

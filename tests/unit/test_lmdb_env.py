@@ -12,7 +12,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from kvtier.pools import PoolRegistry
+from kvtier.core.pools import PoolRegistry
 from kvtier.tiers import lmdb_env
 from kvtier.tiers.lmdb_env import DATA_FILE, allocated_bytes, preallocate
 from kvtier.tiers.lmdb_tier import LmdbTier
@@ -104,7 +104,7 @@ def test_allocated_bytes_leaves_out_holes(tmp_path: Path) -> None:
 _FULL_DISK = """
 import json, resource, signal, sys
 from pathlib import Path
-from kvtier.pools import PoolRegistry
+from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.lmdb_tier import LmdbTier
 from tests.support import keys_for, lmdb_config, payload_for, target_spec
 

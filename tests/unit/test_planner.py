@@ -17,10 +17,10 @@ from kvtier_vllm.layout import PoolPlan
 from kvtier_vllm.planner import Asked, HitPlanner, LoadPlan, keys_in
 
 from kvtier.client import InProcessClient
-from kvtier.keys import ChunkKey, Pool
-from kvtier.manager import TierManager
-from kvtier.protocol import LookupResult, TierCode
+from kvtier.core.keys import ChunkKey, Pool
+from kvtier.core.protocol import LookupResult, TierCode
 from kvtier.rpc.calls import Pending
+from kvtier.tiering.manager import TierManager
 from tests.support import draft_spec, manager_config, target_spec
 
 BPC = 4  # blocks per chunk, as in tests.support's layout

@@ -3,7 +3,7 @@ quarantines its namespace rather than stopping the tiers from starting."""
 
 from __future__ import annotations
 
-from kvtier.quarantine import RECORD_PREFIX, Quarantines
+from kvtier.tiering.quarantine import RECORD_PREFIX, Quarantines
 
 
 class Records:

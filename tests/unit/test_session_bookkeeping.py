@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from kvtier.errors import CapacityError, SessionNotFoundError
-from kvtier.keys import ChunkKey
-from kvtier.manager import TierManager
+from kvtier.core.errors import CapacityError, SessionNotFoundError
+from kvtier.core.keys import ChunkKey
 from kvtier.server.sessions import EXPIRED_COUNTER, EXPIRED_LEASES_COUNTER, SessionRegistry
+from kvtier.tiering.manager import TierManager
 from tests.support import keys_for, manager_config, payload_for, target_spec
 
 CHUNK = 256 << 10

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from kvtier.api.v1 import tier_pb2
-from kvtier.config import ServerConfig
-from kvtier.errors import SessionNotFoundError
-from kvtier.manager import TierManager
+from kvtier.core.config import ServerConfig
+from kvtier.core.errors import SessionNotFoundError
 from kvtier.server.dataplane import TierServicer
 from kvtier.server.sessions import SessionRegistry
+from kvtier.tiering.manager import TierManager
 from tests.support import keys_for, manager_config, payload_for, target_spec
 
 CHUNK = 256 << 10

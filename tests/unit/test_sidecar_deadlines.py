@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from kvtier_vllm.config import parse
 
-from kvtier.errors import ConfigError
+from kvtier.core.errors import ConfigError
 from kvtier.rpc import Deadlines
 
 

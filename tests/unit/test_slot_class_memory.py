@@ -6,7 +6,7 @@ import gc
 import tracemalloc
 from pathlib import Path
 
-from kvtier.pools import PoolRegistry, Registration
+from kvtier.core.pools import PoolRegistry, Registration
 from kvtier.tiers.cpu import CpuTier
 from tests.support import MiB, arena_config, keys_for, payload_for, target_spec
 

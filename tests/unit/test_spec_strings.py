@@ -10,9 +10,9 @@ import pytest
 from kvtier_vllm.config import parse
 
 from kvtier.api.v1 import tier_pb2
-from kvtier.codec import spec_from, spec_to
-from kvtier.errors import ConfigError, InvalidRequestError
-from kvtier.keys import (
+from kvtier.core.codec import spec_from, spec_to
+from kvtier.core.errors import ConfigError, InvalidRequestError
+from kvtier.core.keys import (
     MAX_MODEL_CHARS,
     MAX_TENANT_CHARS,
     PageLayout,

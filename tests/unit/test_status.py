@@ -3,8 +3,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvtier import errors
-from kvtier.status import STATUS_OF, error_from, status_of
+from kvtier.core import errors
+from kvtier.core.status import STATUS_OF, error_from, status_of
 
 
 @pytest.mark.parametrize(

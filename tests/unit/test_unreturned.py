@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 from kvtier_vllm.unreturned import Return, Unreturned
 
-from kvtier.errors import TierUnavailableError
-from kvtier.keys import ChunkKey
-from kvtier.protocol import SlotRef
+from kvtier.core.errors import TierUnavailableError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import SlotRef
 
 
 class Clock:

@@ -8,8 +8,8 @@ from kvtier_vllm.planner import LoadPlan
 from kvtier_vllm.stats import KVTierStats
 from kvtier_vllm.verify import Sampled, Verifier
 
-from kvtier.keys import make_key
-from kvtier.protocol import SlotRef
+from kvtier.core.keys import make_key
+from kvtier.core.protocol import SlotRef
 from tests.unit.test_planner import BPC, DRAFT, TARGET
 
 BY_KEY = {TARGET.key: TARGET, DRAFT.key: DRAFT}

@@ -3,8 +3,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier import wire
 from kvtier.api.v1 import tier_pb2
+from kvtier.core import wire
 
 refs = st.lists(
     st.builds(

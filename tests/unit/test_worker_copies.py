@@ -15,7 +15,7 @@ from kvtier_vllm.copies import DeferredCopies, Pair
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.worker import _pages, _runs, _stacked
 
-from kvtier.protocol import SlotRef
+from kvtier.core.protocol import SlotRef
 from tests.bare_worker import BareWorker, bare_worker
 from tests.support import keys_for
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvtier.errors import ConfigError, ObjectStoreError
+from kvtier.core.errors import ConfigError, ObjectStoreError
 
 PING_NAME = ".kvtier-ping"
 """Never written; `ObjectBackend.ping` asks for it and expects "not found"."""

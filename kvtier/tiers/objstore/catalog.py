@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TypeVar
 
-from kvtier import blockfmt
-from kvtier.errors import (
+from kvtier.core import blockfmt
+from kvtier.core.errors import (
     ChunkFormatError,
     CorruptChunkError,
     ObjectNotFoundError,
     ObjectStoreError,
     UnknownVersionError,
 )
-from kvtier.keys import ChunkKey, namespace_of
+from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.tiers.objstore.backend import ObjectInfo
 from kvtier.tiers.objstore.index import ChunkLocation
 from kvtier.tiers.objstore.tier import REMOTE_REPLICA, FetchedChunk, ObjectTier

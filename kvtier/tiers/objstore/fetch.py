@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence, Sized
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from kvtier.counters import Counters
-from kvtier.errors import KVTierError
-from kvtier.keys import ChunkKey
+from kvtier.core.counters import Counters
+from kvtier.core.errors import KVTierError
+from kvtier.core.keys import ChunkKey
 from kvtier.tiers.objstore.tier import REMOTE_REPLICA, FetchedChunk, ObjectTier
 
 log = logging.getLogger(__name__)

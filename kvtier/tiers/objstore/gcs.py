@@ -31,7 +31,7 @@ from google.api_core import exceptions as api_exceptions
 from google.cloud import storage
 from google.cloud.storage import exceptions as storage_exceptions
 
-from kvtier.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
+from kvtier.core.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
 from kvtier.tiers.objstore.backend import (
     ObjectBackend,
     ObjectInfo,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import lmdb
 
-from kvtier.keys import ChunkKey
+from kvtier.core.keys import ChunkKey
 
 _LOC = struct.Struct("<QQ")
 _OBJ = struct.Struct("<QQ")

@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from kvtier.errors import ObjectNotFoundError, ObjectStoreError
+from kvtier.core.errors import ObjectNotFoundError, ObjectStoreError
 from kvtier.tiers.objstore.backend import (
     ObjectBackend,
     ObjectInfo,

@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from kvtier.counters import Counters
-from kvtier.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
+from kvtier.core.counters import Counters
+from kvtier.core.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
 from kvtier.tiers.objstore.backend import RequestRejectedError, StoreUnreachableError
 
 T = TypeVar("T")

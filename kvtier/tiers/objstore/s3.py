@@ -23,7 +23,7 @@ import botocore.configloader
 import botocore.exceptions
 import botocore.session
 
-from kvtier.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
+from kvtier.core.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
 from kvtier.tiers.objstore.backend import (
     ObjectBackend,
     ObjectInfo,

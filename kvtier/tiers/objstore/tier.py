@@ -24,20 +24,20 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier import blockfmt
-from kvtier.config import ObjectStoreConfig
-from kvtier.counters import Counters
-from kvtier.errors import (
+from kvtier.core import blockfmt
+from kvtier.core.config import ObjectStoreConfig
+from kvtier.core.counters import Counters
+from kvtier.core.errors import (
     ChunkFormatError,
     ConfigError,
     ObjectNotFoundError,
     ObjectStoreError,
     UnknownVersionError,
 )
-from kvtier.keys import NAMESPACE_BYTES, ChunkKey, namespace_of
-from kvtier.pools import PoolRegistry
-from kvtier.protocol import TierCode
-from kvtier.tiers.base import Tier, TierStats, UsageStats
+from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey, namespace_of
+from kvtier.core.pools import PoolRegistry
+from kvtier.core.protocol import TierCode, TierStats, UsageStats
+from kvtier.tiers.base import Tier
 from kvtier.tiers.objstore.backend import ObjectBackend, open_backend
 from kvtier.tiers.objstore.index import ChunkLocation, ObjectIndex
 from kvtier.tiers.objstore.resilience import CircuitBreaker, RequestGuard

@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvtier import blockfmt
-from kvtier.config import ObjectStoreConfig
-from kvtier.counters import Counters
-from kvtier.keys import ChunkKey, namespace_of
+from kvtier.core import blockfmt
+from kvtier.core.config import ObjectStoreConfig
+from kvtier.core.counters import Counters
+from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.tiers.objstore.tier import ObjectTier
 
 log = logging.getLogger(__name__)

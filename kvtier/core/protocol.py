@@ -10,13 +10,14 @@ path (`TierClient.arena_path`) and addresses it with the offsets in each `SlotRe
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar, overload, runtime_checkable
 
-from kvtier.journal import ChunkEvents
-from kvtier.keys import ChunkKey, NamespaceSpec
+from kvtier.core.journal import ChunkEvents
+from kvtier.core.keys import ChunkKey, NamespaceSpec
 
 __all__ = [
     "Answer",
@@ -247,3 +248,26 @@ class TierClient(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+# What a tier reports of itself: the admin API's stats and the metrics read these.
+
+
+@dataclass(slots=True)
+class UsageStats:
+    used_bytes: int = 0
+    chunks: int = 0
+    capacity_bytes: int = 0
+
+
+@dataclass(slots=True)
+class TierStats:
+    tier: str
+    capacity_bytes: int
+    used_bytes: int
+    chunks: int
+    pools: dict[str, UsageStats] = field(default_factory=dict)
+    replicas: dict[tuple[str, str], UsageStats] = field(default_factory=dict)
+    """Keyed by (replica, pool); capacity_bytes there is the replica's quota."""
+    counters: Counter[str] = field(default_factory=Counter)
+    """hits, misses, stores, store_rejected, evictions_<reason>, corrupt, ..."""

@@ -18,13 +18,13 @@ from typing import Any
 
 import xxhash
 
-from kvtier.errors import (
+from kvtier.core.errors import (
     CorruptChunkError,
     TruncatedChunkError,
     UnknownVersionError,
     WrongKeyError,
 )
-from kvtier.keys import (
+from kvtier.core.keys import (
     MAX_CHUNK_HASH_BYTES,
     MAX_KV_DTYPE_BYTES,
     NAMESPACE_BYTES,

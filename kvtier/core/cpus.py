@@ -12,7 +12,7 @@ import logging
 import os
 import re
 
-from kvtier.errors import ConfigError
+from kvtier.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

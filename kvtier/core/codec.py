@@ -1,21 +1,25 @@
 """Protobuf <-> domain conversions, in pairs (``x_to`` encodes, ``x_from`` decodes), shared by the
 gRPC client and kvtierd's servicers. Checks of what a caller may ask are the servicers' own
-(`kvtier.server.validate`); the key-carrying requests are encoded by `kvtier.wire`.
+(`kvtier.server.validate`); the key-carrying requests are encoded by `kvtier.core.wire`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from kvtier.api.v1 import admin_pb2, tier_pb2
-from kvtier.errors import InvalidRequestError
-from kvtier.journal import ChunkEvent, ChunkEvents
-from kvtier.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
-from kvtier.protocol import DraftRevision, DraftState, LookupResult, SlotRef, TierCode
-
-if TYPE_CHECKING:  # only read here: the client never loads the tiers
-    from kvtier.tiers.base import TierStats, UsageStats
+from kvtier.core.errors import InvalidRequestError
+from kvtier.core.journal import ChunkEvent, ChunkEvents
+from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
+from kvtier.core.protocol import (
+    DraftRevision,
+    DraftState,
+    LookupResult,
+    SlotRef,
+    TierCode,
+    TierStats,
+    UsageStats,
+)
 
 _POOLS = {
     tier_pb2.POOL_TARGET: Pool.TARGET,

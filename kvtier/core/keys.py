@@ -34,7 +34,7 @@ MAX_MODEL_CHARS = 512
 """Models are often paths or repository ids, so any printable text is allowed."""
 MAX_LAYER_NAME_CHARS = 256
 MAX_KV_DTYPE_BYTES = 16
-"""The chunk header's field for it (`kvtier.blockfmt`)."""
+"""The chunk header's field for it (`kvtier.core.blockfmt`)."""
 _TENANT = re.compile(TENANT_PATTERN)
 _REVISION = re.compile(REVISION_PATTERN)
 
@@ -251,3 +251,13 @@ def validate_key(key: bytes) -> ChunkKey:
     if not NAMESPACE_BYTES < len(key) <= NAMESPACE_BYTES + MAX_CHUNK_HASH_BYTES:
         raise ValueError(f"malformed chunk key of {len(key)} bytes")
     return ChunkKey(key)
+
+
+def cut_at_namespaces(keys: Sequence[ChunkKey], held: frozenset[bytes]) -> Sequence[ChunkKey]:
+    """The keys before the first one of a namespace in ``held``: a prefix lookup stops there."""
+    if not held:
+        return keys
+    for i, key in enumerate(keys):
+        if namespace_of(key) in held:
+            return keys[:i]
+    return keys

@@ -16,11 +16,11 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from kvtier.keys import NAMESPACE_BYTES, NamespaceSpec, Pool, namespace_of
-from kvtier.manager import TierManager
-from kvtier.metric_specs import histogram
-from kvtier.pools import PoolRegistry
-from kvtier.protocol import SlotRef, TierCode
+from kvtier.core.keys import NAMESPACE_BYTES, NamespaceSpec, Pool, namespace_of
+from kvtier.core.pools import PoolRegistry
+from kvtier.core.protocol import SlotRef, TierCode
+from kvtier.observability.metric_specs import histogram
+from kvtier.tiering.manager import TierManager
 
 MAX_REPLICAS = 64
 MAX_DRAFTS = 16

@@ -6,9 +6,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtier.blockfmt import ChunkDescriptor
-from kvtier.errors import CapacityError, PoolLayoutError, UnknownPoolError
-from kvtier.keys import NamespaceSpec, namespace_of
+from kvtier.core.blockfmt import ChunkDescriptor
+from kvtier.core.errors import CapacityError, PoolLayoutError, UnknownPoolError
+from kvtier.core.keys import NamespaceSpec, namespace_of
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@ data plane's `Telemetry` at scrape time, and the registry that serves them.
 
 Every metric is built against a registry passed in (no module-level Prometheus registry), so
 tests and several daemons in one process never share state. The metrics themselves are
-declared in `kvtier.metric_specs`.
+declared in `kvtier.observability.metric_specs`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from kvtier.manager import ManagerStats, TierManager
-from kvtier.metric_specs import info_family, metric_family
-from kvtier.protocol import TierCode
-from kvtier.telemetry import telemetry_of
+from kvtier.core.protocol import TierCode
+from kvtier.observability.metric_specs import info_family, metric_family
+from kvtier.observability.telemetry import telemetry_of
+from kvtier.tiering.manager import ManagerStats, TierManager
 
 CPU, LMDB, OBJECT = (code.tier for code in TierCode)
 

@@ -26,9 +26,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtier.api.v1 import admin_pb2
-from kvtier.config import KVTierConfig, describe, load_config
-from kvtier.errors import ConfigError, KVTierError
-from kvtier.protocol import TierCode
+from kvtier.core.config import KVTierConfig, describe, load_config
+from kvtier.core.errors import ConfigError, KVTierError
+from kvtier.core.protocol import TierCode
 
 _BYTES = TypeAdapter(ByteSize)
 
@@ -410,8 +410,8 @@ def _parser() -> argparse.ArgumentParser:
         "quarantine", _quarantine, "namespaces an engine found wrong KV in; --lift one"
     )
     quarantine.add_argument("--lift", metavar="NAMESPACE", help="16-byte namespace, hex")
-    from kvtier.hidden_export import add_parser as add_hidden
-    from kvtier.top import add_parser as add_top
+    from kvtier.cli.hidden import add_parser as add_hidden
+    from kvtier.observability.top import add_parser as add_top
 
     add_hidden(sub, common)
     add_top(sub, common)

@@ -1,7 +1,7 @@
-"""``kvtier hidden export``: captured hidden states as safetensors files, for training jobs.
+"""Captured hidden states as safetensors files, for training jobs.
 
 Its input is a hidden pool's namespace: the references of its requests are listed from the
-manifests the connector stores beside the states (`kvtier.hidden.manifest_spec`); or the
+manifests the connector stores beside the states (`kvtier.hidden.reader.manifest_spec`); or the
 references requests handed back (``kv_transfer_params["kvtier_hidden_states"]``), one JSON
 document per line, as a serving stack collects them. It reads them through tiers of its own,
 opened from a kvtier config: on a node that has only the object store, the manifests are
@@ -13,7 +13,6 @@ resumed by running it again (files present are kept).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -25,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier.errors import KVTierError
-from kvtier.hidden import (
+from kvtier.core.errors import KVTierError
+from kvtier.core.keys import namespace_of
+from kvtier.hidden.reader import (
     MANIFEST_PART_BYTES,
     HiddenStates,
     HiddenStatesError,
@@ -34,10 +34,9 @@ from kvtier.hidden import (
     HiddenStatesRef,
     manifest_spec,
 )
-from kvtier.keys import namespace_of
 
 if TYPE_CHECKING:  # opened by the command only: the module loads no tier
-    from kvtier.manager import TierManager
+    from kvtier.tiering.manager import TierManager
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
@@ -151,61 +150,3 @@ def export(
                 counts.written += 1
                 counts.bytes += states.states.nbytes
         yield counts
-
-
-def _export(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
-
-    from kvtier.cli import _config
-    from kvtier.client import InProcessClient
-    from kvtier.manager import TierManager
-
-    namespace = bytes.fromhex(args.namespace) if args.namespace else None
-    if namespace is None and args.refs is None:
-        raise HiddenStatesError("give --namespace, --refs or both")
-    manager = TierManager(_config(args))
-    reader = HiddenStatesReader(InProcessClient(manager), timeout_s=args.timeout)
-    counts = ExportCounts()
-    try:
-        if args.refs is not None:
-            refs = read_refs(args.refs, namespace)
-        else:
-            assert namespace is not None
-            refs, counts.failed = listed_refs(manager, reader, namespace, args.tenant)
-        with Progress(transient=True) as progress:
-            task = progress.add_task("exporting", total=len(refs))
-            for step in export(reader, refs, args.to):
-                counts = step
-                progress.advance(task)
-    finally:
-        reader.close()
-        manager.close()
-    print(
-        f"{counts.written} written ({counts.bytes / 2**20:.1f} MiB of states), {counts.kept} "
-        f"kept from an earlier run, {counts.failed} failed, in {args.to}"
-    )
-    return 1 if counts.failed else 0
-
-
-def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
-    hidden = sub.add_parser("hidden", help="captured hidden states")
-    verbs = hidden.add_subparsers(dest="hidden_command", required=True)
-    p = verbs.add_parser(
-        "export",
-        parents=[common],
-        help="write captured hidden states as safetensors files, one per request",
-    )
-    p.add_argument(
-        "--namespace",
-        help="the hidden pool (16 bytes, hex; a reference's 'namespace'): every request whose "
-        "manifest the tiers hold, or with --refs, only this pool's",
-    )
-    p.add_argument(
-        "--refs",
-        type=Path,
-        help="JSON lines: each a request's kv_transfer_params['kvtier_hidden_states']",
-    )
-    p.add_argument("--tenant", default="default", help="the pool's tenant (default: default)")
-    p.add_argument("--to", type=Path, required=True, help="directory of the files")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds a chunk may take to arrive")
-    p.set_defaults(func=_export)

@@ -14,9 +14,9 @@
   becomes current, the old revision's chunks are evicted first and, after
   ``manager.draft_grace_s``, deleted from every tier. Target chunks are never touched.
 
-The manager composes the parts: `kvtier.drafts` keeps the draft revisions,
-`kvtier.tiers.objstore.fetch` probes and downloads objects, and `kvtier.maintenance` runs drain,
-verify, warmup and gc.
+The manager composes the parts: `kvtier.tiering.drafts` keeps the draft revisions,
+`kvtier.tiers.objstore.fetch` probes and downloads objects, and `kvtier.tiering.maintenance` runs
+drain, verify, warmup and gc.
 """
 
 from __future__ import annotations
@@ -29,32 +29,33 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, overload
 
-from kvtier.config import Admission, KVTierConfig
-from kvtier.counters import Counters
-from kvtier.drafts import DraftRevisions
-from kvtier.errors import ConfigError, UnknownTierError
-from kvtier.journal import ChunkEvents, Journal
-from kvtier.keys import ChunkKey, NamespaceSpec, Pool, namespace_of, namespaces_of
-from kvtier.maintenance import DrainResult, Maintenance, VerifyProgress, WarmupProgress
-from kvtier.pools import PoolRegistry
-from kvtier.promotion import Promoter
-from kvtier.protocol import (
+from kvtier.core.config import Admission, KVTierConfig
+from kvtier.core.counters import Counters
+from kvtier.core.errors import ConfigError, UnknownTierError
+from kvtier.core.journal import ChunkEvents, Journal
+from kvtier.core.keys import ChunkKey, NamespaceSpec, Pool, namespace_of, namespaces_of
+from kvtier.core.pools import PoolRegistry
+from kvtier.core.protocol import (
     DraftRevision,
     DraftState,
     LookupResult,
     SlotRef,
     TierCode,
+    TierStats,
     arena_hit,
 )
-from kvtier.quarantine import Quarantines
-from kvtier.tiers.base import Tier, TierStats
+from kvtier.tiering.drafts import DraftRevisions
+from kvtier.tiering.maintenance import DrainResult, Maintenance, VerifyProgress, WarmupProgress
+from kvtier.tiering.promotion import Promoter
+from kvtier.tiering.quarantine import Quarantines
+from kvtier.tiering.writeback import WriteBack
+from kvtier.tiers.base import Tier
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
 from kvtier.tiers.objstore.catalog import GcCounts
 from kvtier.tiers.objstore.fetch import ObjectFetcher
 from kvtier.tiers.objstore.tier import REMOTE_REPLICA, ObjectTier
 from kvtier.tiers.objstore.uploader import Uploader
-from kvtier.writeback import WriteBack
 
 log = logging.getLogger(__name__)
 

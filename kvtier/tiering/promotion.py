@@ -9,9 +9,9 @@ import queue
 import threading
 from collections.abc import Sequence
 
-from kvtier.counters import Counters
-from kvtier.keys import ChunkKey
-from kvtier.protocol import SlotRef
+from kvtier.core.counters import Counters
+from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import SlotRef
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
 

@@ -25,8 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-from kvtier.errors import ConfigError
-from kvtier.server.cpus import parse_cpu_list
+from kvtier.core.cpus import parse_cpu_list
+from kvtier.core.errors import ConfigError
 
 EvictionPolicyName = Literal["lru", "fifo"]
 """The eviction policies a tier can be configured with."""

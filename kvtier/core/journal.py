@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from kvtier.keys import ChunkKey
+from kvtier.core.keys import ChunkKey
 
 DEFAULT_CAPACITY = 1 << 16
 

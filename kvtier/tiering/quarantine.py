@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier.keys import ChunkKey, namespace_of
+from kvtier.core.keys import ChunkKey, cut_at_namespaces
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +106,4 @@ class Quarantines:
             return list(self._held.values())
 
     def cut(self, keys: Sequence[ChunkKey]) -> Sequence[ChunkKey]:
-        return cut(keys, self.namespaces)
-
-
-def cut(keys: Sequence[ChunkKey], held: frozenset[bytes]) -> Sequence[ChunkKey]:
-    """The keys before the first one of a namespace in ``held``: a prefix lookup stops there."""
-    if not held:
-        return keys
-    for i, key in enumerate(keys):
-        if namespace_of(key) in held:
-            return keys[:i]
-    return keys
+        return cut_at_namespaces(keys, self.namespaces)

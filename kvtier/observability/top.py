@@ -24,8 +24,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kvtier.config import load_config
-from kvtier.protocol import TierCode
+from kvtier.core.config import load_config
+from kvtier.core.protocol import TierCode
 
 TIERS = tuple(code.tier for code in TierCode)
 DIRECTIONS = ("store", "load", "demote", "promote", "upload", "download")

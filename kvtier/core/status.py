@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvtier.errors import (
+from kvtier.core.errors import (
     CapacityError,
     ChunkFormatError,
     ConfigError,

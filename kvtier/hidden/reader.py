@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.errors import KVTierError
-from kvtier.keys import (
+from kvtier.core.errors import KVTierError
+from kvtier.core.keys import (
     MAX_CHUNK_HASH_BYTES,
     ChunkKey,
     NamespaceSpec,
@@ -30,7 +30,7 @@ from kvtier.keys import (
     make_key,
     namespace_of,
 )
-from kvtier.protocol import SlotRef, TierClient
+from kvtier.core.protocol import SlotRef, TierClient
 from kvtier.tiers.arena import ArenaAtPath, ArenaMemory
 
 REF_FIELD = "kvtier_hidden_states"
@@ -45,7 +45,7 @@ FP8 = "e4m3"
 _NUMPY = {"float32": np.float32, "float16": np.float16}
 """Dtypes numpy holds; others (bfloat16) are handed out as raw integers of their width."""
 _RAW = {2: np.uint16, 4: np.uint32}
-_TAIL_TAG = b"kvtier.hidden.tail.v1"
+_TAIL_TAG = b"kvtier.hidden.reader.tail.v1"
 HIDDEN_ATTENTION = "hidden_states"
 """The hidden pool's ``NamespaceSpec.attention``: ``hidden_states=L,..``, the layers captured."""
 
@@ -355,7 +355,7 @@ def manifest_spec(namespace: bytes, tenant: str = "default") -> NamespaceSpec:
     """The pool holding the manifests of hidden pool ``namespace``: named by that namespace
     alone, so a node that knows nothing else can list and read them."""
     return NamespaceSpec(
-        model="kvtier.hidden-states.manifests",
+        model="kvtier.hidden.reader-states.manifests",
         model_revision="",
         pool=Pool.HIDDEN,
         kv_dtype="json",
@@ -367,7 +367,7 @@ def manifest_spec(namespace: bytes, tenant: str = "default") -> NamespaceSpec:
 
 def manifest_name(ref: HiddenStatesRef) -> bytes:
     """A reference's name: its chunks and tokens (equal requests share it)."""
-    digest = hashlib.blake2b(b"kvtier.hidden.manifest.v1", digest_size=32)
+    digest = hashlib.blake2b(b"kvtier.hidden.reader.manifest.v1", digest_size=32)
     digest.update(ref.namespace + ref.tokens.to_bytes(8, "little") + b"".join(ref.chunks))
     return digest.digest()
 

@@ -14,11 +14,11 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.counters import Counters
-from kvtier.errors import InvalidRequestError, UnknownPoolError
-from kvtier.keys import NamespaceSpec
-from kvtier.pools import PoolRegistry
-from kvtier.protocol import DraftRevision, DraftState
+from kvtier.core.counters import Counters
+from kvtier.core.errors import InvalidRequestError, UnknownPoolError
+from kvtier.core.keys import NamespaceSpec
+from kvtier.core.pools import PoolRegistry
+from kvtier.core.protocol import DraftRevision, DraftState
 from kvtier.tiers.base import Tier
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from kvtier.errors import InvalidRequestError, TierNotConfiguredError, UnknownPoolError
-from kvtier.keys import ChunkKey, namespace_of
-from kvtier.pools import PoolRegistry
-from kvtier.protocol import SlotRef, TierCode
+from kvtier.core.errors import InvalidRequestError, TierNotConfiguredError, UnknownPoolError
+from kvtier.core.keys import ChunkKey, namespace_of
+from kvtier.core.pools import PoolRegistry
+from kvtier.core.protocol import SlotRef, TierCode
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
 from kvtier.tiers.objstore.catalog import Catalog, GcCounts, WarmupCounts

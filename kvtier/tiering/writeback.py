@@ -9,10 +9,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvtier.config import Admission, DemoteMode, KVTierConfig
-from kvtier.counters import Counters
-from kvtier.keys import ChunkKey, namespace_of
-from kvtier.protocol import SlotRef
+from kvtier.core.config import Admission, DemoteMode, KVTierConfig
+from kvtier.core.counters import Counters
+from kvtier.core.keys import ChunkKey, namespace_of
+from kvtier.core.protocol import SlotRef
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
 from kvtier.tiers.objstore.uploader import Uploader
