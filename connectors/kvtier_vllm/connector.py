@@ -13,7 +13,7 @@ from kvtier_vllm.adapter import (
     transfer_results,
 )
 from kvtier_vllm.config import parse
-from kvtier_vllm.guard import contained
+from kvtier_vllm.guard import contained, report_with_next_stats
 from kvtier_vllm.metadata import KVTierMetadata
 from kvtier_vllm.stats import KVTierPromMetrics, KVTierStats
 
@@ -136,11 +136,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         hidden states end in a partial chunk keeps them until that tail is stored."""
         scheduler = self._scheduler
         assert scheduler is not None
-        return contained(
+        finished = contained(
             "request_finished",
             lambda: scheduler.request_finished(request, block_ids),
             lambda: (False, None),
         )
+        report_with_next_stats()
+        return finished
 
     # -- worker side ----------------------------------------------------------------------
 

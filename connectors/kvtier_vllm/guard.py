@@ -27,6 +27,7 @@ failures: Counter[str] = Counter()
 seconds: defaultdict[str, float] = defaultdict(float)
 """Seconds spent inside each hook, fallbacks included, since `take_seconds` last took them."""
 _taken_at = time.monotonic()
+_due = False
 
 
 def contained(hook: str, call: Callable[[], T], fallback: Callable[[], T]) -> T:
@@ -48,14 +49,24 @@ def contained(hook: str, call: Callable[[], T], fallback: Callable[[], T]) -> T:
         seconds[hook] += time.perf_counter() - started
 
 
+def report_with_next_stats() -> None:
+    """Makes the next take due. A request finished: vLLM reads the stats of the step that
+    finished it before the request's caller hears of it, so the time spent on its behalf is
+    reported then, not a report interval later (never, for a run shorter than one)."""
+    global _due
+    _due = True
+
+
 def take_seconds(due: bool = False) -> dict[str, float]:
-    """The hook seconds added up since the last take, when ``due`` or `REPORT_INTERVAL_S` has
-    passed since then; otherwise nothing (they wait for the next take)."""
-    global _taken_at
+    """The hook seconds added up since the last take, when ``due``, a request finished
+    (`report_with_next_stats`) or `REPORT_INTERVAL_S` has passed since then; otherwise nothing
+    (they wait for the next take)."""
+    global _taken_at, _due
     now = time.monotonic()
-    if not seconds or not (due or now - _taken_at >= REPORT_INTERVAL_S):
+    if not seconds or not (due or _due or now - _taken_at >= REPORT_INTERVAL_S):
         return {}
     _taken_at = now
+    _due = False
     taken = dict(seconds)
     seconds.clear()
     return taken

@@ -24,15 +24,12 @@ from kvtier_vllm import weights
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.hidden_codec import FP8, Fp8Layout
 from kvtier_vllm.shapes import HEADS_FIRST, TOKENS_FIRST, Shard, layout_name, page_order, tp_shard
+from kvtier_vllm.shapes import UnsupportedGroupError as UnsupportedGroupError
 
 DRAFT_PREFIX = "draft_model."
 HIDDEN_PREFIX = "cache_only_layers."
 """``extract_hidden_states``' layer caching the target's hidden states."""
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
-
-
-class UnsupportedGroupError(ValueError):
-    """A KV-cache group kvtier cannot store (state-space or chunked-local layers)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+
+class UnsupportedGroupError(ValueError):
+    """A KV-cache group kvtier cannot store (state-space or chunked-local layers), or weights it
+    cannot name."""
+
+
 HEADS_FIRST = "HNC"
 """Pages as [heads, tokens, K‖V]: a rank's heads are one run of each page."""
 TOKENS_FIRST = "NHC"

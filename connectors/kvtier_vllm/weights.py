@@ -43,6 +43,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvtier_vllm.shapes import UnsupportedGroupError
+
 log = logging.getLogger(__name__)
 
 PREFIX = "fp-"
@@ -373,8 +375,6 @@ def weights_fingerprint(model_config: Any, load_config: Any) -> str:
 
 
 def _refuse(model_config: Any, exc: Exception) -> NoReturn:
-    from kvtier_vllm.layout import UnsupportedGroupError  # layout imports this module
-
     raise UnsupportedGroupError(
         f"kvtier cannot fingerprint the weights of {model_config.model} ({exc}); chunks are "
         "named after the weights that computed them, so set kv_connector_extra_config."
@@ -384,7 +384,7 @@ def _refuse(model_config: Any, exc: Exception) -> NoReturn:
 
 def target_revision(vllm_config: Any, explicit: str = "") -> str:
     """The target pool's revision: ``model_revision`` when set (the operator's word), else the
-    fingerprint of the checkpoint loaded; raises `layout.UnsupportedGroupError` when there is
+    fingerprint of the checkpoint loaded; raises `shapes.UnsupportedGroupError` when there is
     neither."""
     if explicit:
         return explicit

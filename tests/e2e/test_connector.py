@@ -53,8 +53,8 @@ def verified(llm: Any, pool: str = "target") -> tuple[float, float]:
 
 
 def hook_seconds(hook: str | None = None) -> float:
-    """``vllm:kvtier_hook_seconds_total`` in this process's registry (vLLM's metrics reader
-    truncates counters to whole numbers), summed over engines and, without ``hook``, hooks."""
+    """``vllm:kvtier_hook_seconds_total`` in this process's registry, read whole (vLLM's metrics
+    reader truncates counters to integers), summed over engines and, without ``hook``, hooks."""
     from prometheus_client import REGISTRY
 
     return sum(
@@ -142,7 +142,8 @@ def test_multiprocess_engine_stores_and_loads_across_processes(
             tiny_models.target, kv_transfer_config=connector, multiprocess=True
         ) as llm:
             tokens, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
-            # hook time from the worker's process and the engine core's
+            # hook time from the worker's process and the engine core's: a finished request
+            # reports it with the step that finished it, however fast the run
             worker_s = hook_seconds("wait_for_save")
             scheduler_s = hook_seconds("build_connector_meta")
         assert worker_s > 0

@@ -72,6 +72,20 @@ def test_hook_seconds_are_taken_when_due_and_only_once(monkeypatch: pytest.Monke
     assert set(guard.take_seconds()) == {"timed_hook"}  # the interval passed
 
 
+def test_a_finished_request_makes_the_next_take_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    guard.seconds.clear()
+    guard.take_seconds(due=True)
+    monkeypatch.setattr(guard, "REPORT_INTERVAL_S", 3600.0)
+    contained("build_connector_meta", lambda: 1, lambda: 0)
+    assert take(KVTierStats())[0] is None  # no news, the interval has not passed
+    guard.report_with_next_stats()
+    reported, _ = take(KVTierStats())
+    assert reported is not None
+    assert reported.data["hook|build_connector_meta"] > 0
+    contained("build_connector_meta", lambda: 1, lambda: 0)
+    assert take(KVTierStats())[0] is None  # due once, for the take that followed
+
+
 def test_a_side_reports_hook_seconds_alone_only_when_due(monkeypatch: pytest.MonkeyPatch) -> None:
     guard.seconds.clear()
     guard.take_seconds(due=True)
