@@ -102,6 +102,7 @@ STORE_BATCH = 64
 STORE_CHUNK = 64 * KiB
 LMDB_BUDGET = 1 << 30
 SYNC_INTERVAL_S = 3600.0
+DROP_TIMEOUT_S = 10.0
 CLIENT_TIMEOUT_S = 120.0
 HEARTBEAT = "HeartbeatRequest"
 
@@ -395,9 +396,16 @@ class Bench:
         """Drop a pool's chunks from the arena (untimed), so the next repetition stores anew."""
         admin = admin or self.admin
         assert admin is not None
+        # a lease or commit answered to a client may still be ending in the daemon: ask again
+        deadline = time.monotonic() + DROP_TIMEOUT_S
         dropped = admin.evict(namespace=namespace).get("cpu", 0)
+        while dropped < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+            dropped += admin.evict(namespace=namespace).get("cpu", 0)
         if dropped != n:
-            raise RuntimeError(f"evicted {dropped} of {n} chunks; some are still leased")
+            raise RuntimeError(
+                f"evicted {dropped} of {n} chunks in {DROP_TIMEOUT_S:.0f} s; some are still leased"
+            )
 
     # -- lookup ---------------------------------------------------------------------------
 
