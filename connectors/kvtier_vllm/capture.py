@@ -12,16 +12,18 @@ under ``kvtier_hidden_states``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvtier.client import ArenaAtPath, ArenaMemory
-from kvtier.core.errors import PoolLayoutError
+from kvtier.core.errors import KVTierError, PoolLayoutError
 from kvtier.core.keys import ChunkKey, chunk_hash_bytes, make_key
 from kvtier.core.protocol import TierClient
 from kvtier.hidden.reader import (
     MANIFEST_PART_BYTES,
+    REF_FIELD,
     HiddenStatesRef,
     manifest_parts,
     manifest_spec,
@@ -90,6 +92,19 @@ class Capture:
         first, end = whole * self.plan.blocks_per_chunk, -(-ref.tokens // self.tokens_per_block)
         return Tail(make_key(namespace, ref.chunks[-1]), tuple(block_ids[first:end]))
 
+    def stored_tail(
+        self, request: Any, ref: HiddenStatesRef, namespace: bytes, block_ids: list[int]
+    ) -> Tail | None:
+        """`tail`, when the blocks holding it are all still there to copy from."""
+        tail = self.tail(ref, namespace, block_ids)
+        if tail is not None and (not tail.blocks or not all(tail.blocks)):
+            log.warning(
+                "kvtier: request %s's last blocks are gone: its hidden-state tail is not stored",
+                request.request_id,
+            )
+            return None
+        return tail
+
 
 class Manifests:
     """Writes each reference's manifest beside the states
@@ -102,6 +117,23 @@ class Manifests:
         self._pools: dict[bytes, bool] = {}
         """Per manifest pool registered with ``_client``, whether the tiers took it."""
         self._arena: ArenaAtPath | None = None
+
+    def reference(
+        self,
+        capture: Capture,
+        request: Any,
+        client: TierClient | None,
+        on_error: Callable[[str, KVTierError], None],
+    ) -> tuple[HiddenStatesRef, dict[str, Any]]:
+        """A finished request's reference, as its ``kv_transfer_params``; its manifest is
+        written beside the states (a failure loses only the listing, the reference stands)."""
+        ref = capture.reference(request)
+        if client is not None:
+            try:
+                self.write(client, ref)
+            except KVTierError as exc:
+                on_error("manifest", exc)
+        return ref, {REF_FIELD: ref.to_json()}
 
     def write(self, client: TierClient, ref: HiddenStatesRef) -> int:
         """Parts written (0: present already, no room, or the tiers refuse manifests); raises

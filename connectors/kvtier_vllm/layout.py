@@ -13,6 +13,7 @@ refuses a plan whose pages differ, rather than guess.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -23,8 +24,18 @@ from kvtier.hidden.reader import HIDDEN_ATTENTION
 from kvtier_vllm import weights
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.hidden_codec import FP8, Fp8Layout
-from kvtier_vllm.shapes import HEADS_FIRST, TOKENS_FIRST, Shard, layout_name, page_order, tp_shard
+from kvtier_vllm.shapes import (
+    HEADS_FIRST,
+    TOKENS_FIRST,
+    Shard,
+    layout_name,
+    page_order,
+    refusal,
+    tp_shard,
+)
 from kvtier_vllm.shapes import UnsupportedGroupError as UnsupportedGroupError
+
+log = logging.getLogger(__name__)
 
 DRAFT_PREFIX = "draft_model."
 HIDDEN_PREFIX = "cache_only_layers."
@@ -198,6 +209,23 @@ def misplaced_draft(vllm_config: Any, groups: list[KVGroup]) -> str:
                 "deployment, or use an EAGLE or DFlash drafter."
             )
     return ""
+
+
+def engine_plans(
+    vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig
+) -> tuple[list[PoolPlan], list[KVGroup], str]:
+    """The pools this engine stores, its KV-cache groups, and why it stores none ("" when it
+    does): a shape kvtier has not proven is refused at start, with a log line, for good."""
+    try:
+        groups = kv_groups(kv_cache_config)
+        why = refusal(vllm_config) or misplaced_draft(vllm_config, groups)
+        plans = [] if why else plan_pools(vllm_config, groups, cfg)
+    except UnsupportedGroupError as exc:
+        why = str(exc)
+    if why:
+        log.error("kvtier is off for this engine: %s", why)
+        return [], [], why
+    return plans, groups, ""
 
 
 def plan_pools(

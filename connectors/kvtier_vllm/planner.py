@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -20,6 +19,7 @@ from kvtier.core.keys import ChunkKey, Pool, make_key
 from kvtier.core.protocol import Answer, LookupResult, SlotRef, TierClient, TierCode
 from kvtier_vllm.draft import DraftTracker, Fill, lease_draft
 from kvtier_vllm.layout import PoolPlan
+from kvtier_vllm.leases import Leases
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.unreturned import Return, Unreturned
 
@@ -166,36 +166,6 @@ class Asked:
         if self.since is None:
             self.since = now
         return now - self.since < wait_s
-
-
-class Leases:
-    """Leases of planned loads, by the step that took them: given back a few steps later, as a
-    load's leases outlive the step that copies it. The oldest step's go back with the next call
-    that releases (a lookup takes them along)."""
-
-    def __init__(self, steps: int) -> None:
-        self._steps: deque[list[SlotRef]] = deque([[] for _ in range(steps)])
-
-    def __iter__(self) -> Iterator[list[SlotRef]]:
-        return iter(self._steps)
-
-    @property
-    def newest(self) -> list[SlotRef]:
-        return self._steps[-1]
-
-    def step(self, taken: list[SlotRef]) -> list[SlotRef]:
-        """A new step whose loads hold ``taken``; returns the oldest step's, due now."""
-        due = self._steps.popleft()
-        self._steps.append(taken)
-        return due
-
-    def take_due(self) -> list[SlotRef]:
-        due, self._steps[0] = self._steps[0], []
-        return due
-
-    def give_back(self, refs: Iterable[SlotRef]) -> None:
-        """Leases not used: they go back with the next call that releases."""
-        self._steps[0].extend(refs)
 
 
 def _log_error(what: str, error: KVTierError) -> None:

@@ -16,10 +16,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvtier.core.errors import KVTierError
-from kvtier.core.keys import NamespaceSpec, Pool
+from kvtier.core.keys import Pool
 from kvtier.core.protocol import SlotRef, TierClient
-from kvtier.hidden.reader import REF_FIELD, HiddenStatesRef
+from kvtier.hidden.reader import HiddenStatesRef
 from kvtier.rpc import DaemonStalledError
+from kvtier_vllm.abandon import AbandonedLoads
 from kvtier_vllm.adapter import (
     eagle_block_drop,
     failure_policy_warning,
@@ -28,24 +29,20 @@ from kvtier_vllm.adapter import (
 )
 from kvtier_vllm.capture import Capture, Manifests
 from kvtier_vllm.config import ConnectorConfig
-from kvtier_vllm.draft import AcceptanceMeter, DraftTracker, Fill
+from kvtier_vllm.draft import Fill
+from kvtier_vllm.draft_pool import DraftPool
 from kvtier_vllm.events import KVEventFeed
-from kvtier_vllm.layout import (
-    PoolPlan,
-    UnsupportedGroupError,
-    kv_groups,
-    misplaced_draft,
-    plan_pools,
-)
+from kvtier_vllm.layout import engine_plans
+from kvtier_vllm.leases import Leases
+from kvtier_vllm.lookups import Lookups
 from kvtier_vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
-from kvtier_vllm.planner import Asked, HitPlanner, Leases, LoadPlan, targets_of
+from kvtier_vllm.planner import Asked, HitPlanner, LoadPlan, targets_of
 from kvtier_vllm.requests import RequestState
 from kvtier_vllm.session import Session
-from kvtier_vllm.shapes import refusal
 from kvtier_vllm.stats import KVTierStats, take
 from kvtier_vllm.stores import Stores
 from kvtier_vllm.unreturned import Return, Unreturned
-from kvtier_vllm.verify import Sampled, Verifier
+from kvtier_vllm.verify import Verifier
 from kvtier_vllm.weights import adapter_uncached
 
 log = logging.getLogger(__name__)
@@ -53,7 +50,7 @@ _LEASE_STEPS = 2  # a load's leases outlive the step that copies it
 _REPORT_EVERY_S = 0.25  # hits answered from the arena index reach kvtierd this often
 
 
-class KVTierScheduler:
+class KVTierScheduler(Lookups, AbandonedLoads):
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> None:
         self.cfg = cfg
         self.block_size = vllm_config.cache_config.block_size
@@ -68,17 +65,7 @@ class KVTierScheduler:
         self.refusal = ""
         """Why this engine's KV is never cached (set at start, for good)."""
         cfg = self._stable(cfg, vllm_config)
-        self.plans: list[PoolPlan] = []
-        try:
-            groups = kv_groups(kv_cache_config)
-            self.refusal = refusal(vllm_config) or misplaced_draft(vllm_config, groups)
-            if not self.refusal:
-                self.plans = plan_pools(vllm_config, groups, cfg)
-        except UnsupportedGroupError as exc:
-            groups, self.refusal = [], str(exc)
-        if self.refusal:
-            log.error("kvtier is off for this engine: %s", self.refusal)
-            groups = []
+        self.plans, groups, self.refusal = engine_plans(vllm_config, kv_cache_config, cfg)
         self.by_key = {plan.key: plan for plan in self.plans}
         self.targets = targets_of(self.plans)
         self.anchor = self.targets[0] if self.targets else None
@@ -94,18 +81,15 @@ class KVTierScheduler:
         self.manifests = Manifests()
         self.async_loads = len(groups) > 1
         """Several groups: vLLM takes load failures only per request, after an async load."""
-        draft = self.draft_plan
-        self.draft = (
-            DraftTracker(draft.spec, self._register_draft, cfg.draft_fill, cfg.draft_check_steps)
-            if draft is not None
-            else None
-        )
         self.stats = KVTierStats()
-        self._acceptance = AcceptanceMeter()
-        self._followed = -1
-        self._revision_reported = ""
         self.namespaces: dict[str, bytes] = {}
         """Per plan key; a pool without one is not stored (a draft mid-swap)."""
+        self.draft_pool = (
+            DraftPool(self.draft_plan, cfg, self.namespaces, lambda: self.client, self._guard)
+            if self.draft_plan is not None
+            else None
+        )
+        self.draft = self.draft_pool.tracker if self.draft_pool is not None else None
         self.arena_path = ""
         self.events = KVEventFeed(self.block_size, publishes_kv_events(vllm_config))
         self.leases = Leases(_LEASE_STEPS)
@@ -160,8 +144,8 @@ class KVTierScheduler:
         client = self.session.client
         if self.planner is None and client is not None:
             self.arena_path = str(client.arena_path)
-            if self.draft is not None and self.draft_plan is not None:
-                self.draft.namespace = self.namespaces.get(self.draft_plan.key)
+            if self.draft_pool is not None:
+                self.draft_pool.connected()
             self.planner = HitPlanner(
                 client,
                 self.plans,
@@ -204,62 +188,17 @@ class KVTierScheduler:
             )
         return cfg
 
-    # -- the draft pool through swaps -----------------------------------------------------
-
-    def _register_draft(self, spec: NamespaceSpec) -> bytes:
-        """Register a draft revision with kvtier; returns its namespace."""
-        if self.client is None or self.draft_plan is None:
-            raise KVTierError("kvtier is not connected")
-        return self.client.register_pool(spec, self.draft_plan.chunk_bytes)
-
-    def _sync_draft(self, follow: bool) -> None:
-        """Follow kvtier's view of the draft pool (``follow``), then use its namespace."""
-        if self.draft is None or self.draft_plan is None or self.client is None:
-            return
-        if follow:
-            self._followed = self._step
-            try:
-                self.draft.follow(self.client.draft_states())
-            except KVTierError as exc:
-                self._guard("draft state", exc)
-        if self.draft.namespace is None:
-            self.namespaces.pop(self.draft_plan.key, None)
-        else:
-            self.namespaces[self.draft_plan.key] = self.draft.namespace
-
     def reset_cache(self) -> None:
         """vLLM dropped its prefix cache (pause_generation(clear_cache=True), around weight
         updates): drop the draft pool until its weights are fingerprinted again or kvtier names
         the revision; the target pool is kept."""
-        if self.draft is None:
-            return
-        self.draft.reset()
-        if self.client is not None:
-            try:
-                self.draft.follow(self.client.draft_states(refresh=True))
-            except KVTierError as exc:
-                self._guard("draft state", exc)
-            self._sync_draft(follow=False)
-
-    def _count_acceptance(self, req_id: str, computed: int, state: RequestState, out: Any) -> None:
-        settled = self._acceptance.progressed(req_id, computed)
-        if settled is not None:
-            self.stats.spec(*settled)
-        drafts = getattr(out, "scheduled_spec_decode_tokens", {}).get(req_id)
-        if drafts and self.draft is not None:
-            self._acceptance.scheduled(
-                req_id, computed, len(drafts), self.draft.revision, state.fill
-            )
+        if self.draft_pool is not None:
+            self.draft_pool.reset()
 
     def take_stats(self) -> KVTierStats | None:
         """Acceptance per draft revision and fill, fills, swaps and the revision in use."""
-        if self.draft is not None:
-            if self.draft.revision != self._revision_reported:
-                self._revision_reported = self.draft.revision
-                self.stats.revision(self.draft.revision)
-            for source in self.draft.swaps:
-                self.stats.swap(source)
-            self.draft.swaps.clear()
+        if self.draft_pool is not None:
+            self.draft_pool.report(self.stats)
         stats, self.stats = take(self.stats)
         return stats
 
@@ -269,93 +208,6 @@ class KVTierScheduler:
         if not self._failing and not isinstance(error, DaemonStalledError):  # the client said
             log.error("kvtier %s failed; serving without it until it is back: %s", what, error)
         self._failing = True
-
-    # -- lookups --------------------------------------------------------------------------
-
-    def state(self, request: Any) -> RequestState:
-        state = self._requests.get(request.request_id)
-        if state is None:
-            state = self._requests[request.request_id] = RequestState(request)
-        return state
-
-    def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        if request.request_id in self._failed_loads or not self._connect():
-            return 0, False  # a load that failed once is recomputed, not tried again
-        if self.client is not None and not self.client.serving:
-            return 0, False  # kvtierd does not answer in time: no call, no wait
-        if adapter_uncached(request):
-            return 0, False
-        state = self.state(request)
-        if state.sampled is not None:
-            return 0, False  # vLLM computes it: the hit is compared with what it computes
-        assert self.client is not None  # connected above
-        if self.verifier.refuses(self.namespaces.values(), self.client.quarantined()):
-            return 0, False  # a chunk of these pools was wrong: none is trusted
-        state.local_hit = num_computed_tokens
-        if self._followed != self._step:
-            self._sync_draft(follow=True)
-        self.session.touch(True)
-        held = self._held_answer(state, request, num_computed_tokens)
-        if held is not None:
-            return held, self.async_loads  # asked again while it waits for room: no call
-        if self._still_missing(state, request, num_computed_tokens):
-            return 0, False
-        self._drop_plan(state)
-        wait_s = self.cfg.promote_wait_ms / 1000
-        if self.draft is not None and self.draft.awaiting and state.asked.may_wait(wait_s):
-            return None, False  # one step: the workers fingerprint the draft weights in it
-        limit = self._hit_limit(request)
-        first = num_computed_tokens // self.chunk_tokens
-        if limit <= first:
-            return 0, False
-        assert self.planner is not None  # made with the client
-        wait_s = self.cfg.lookup_wait_ms / 1000
-        try:
-            if not self.planner.answered(state.asked, request.block_hashes, first, limit, wait_s):
-                self._unanswered.append(state.asked)
-                return None, False  # kvtierd's answer is on its way: ask again next step
-            plan = self.planner.plan(state.asked, request.block_hashes, first, limit)
-        except KVTierError as exc:
-            self._guard("lookup", exc)
-            return 0, False
-        self._failing = False
-        if plan is None:
-            return None, False  # chunks are on their way into the arena: ask again
-        if plan.chunks == 0:
-            state.missed = (num_computed_tokens, self._draft_revision())
-            return 0, False
-        state.missed = None
-        if self.verifier.sample(self._step):
-            state.sampled = Sampled(plan)
-            return 0, False
-        state.plan = plan
-        state.plan_revision = self._draft_revision()
-        state.local_tokens = num_computed_tokens
-        tokens = (first + plan.chunks) * self.chunk_tokens - num_computed_tokens
-        return tokens, self.async_loads
-
-    def _draft_revision(self) -> str | None:
-        return self.draft.revision if self.draft is not None else None
-
-    def _held_answer(self, state: RequestState, request: Any, computed: int) -> int | None:
-        """The tokens of the load answered last time, when nothing it rests on has changed."""
-        assert self.planner is not None  # made with the client
-        limit = self._hit_limit(request)
-        return state.held_tokens(self.planner, computed, self._draft_revision(), limit)
-
-    def _still_missing(self, state: RequestState, request: Any, computed: int) -> bool:
-        assert self.planner is not None  # made with the client
-        return state.still_missing(self.planner, computed, self._draft_revision())
-
-    def _hit_limit(self, request: Any) -> int:
-        """The most chunks a lookup may find: at least one prompt token is always computed, to
-        produce the first output (with ``drop_last``, the chunk dropped from the hit ensures it)."""
-        prompt = len(request.prompt_token_ids or ())
-        hashed = len(request.block_hashes) // self.cfg.blocks_per_chunk
-        readable = prompt if self.drop_last else prompt - 1
-        return int(min(readable // self.chunk_tokens, hashed))
 
     def _drop_plan(self, state: RequestState) -> None:
         if state.plan is not None:
@@ -389,46 +241,6 @@ class KVTierScheduler:
         self._queued_leases.extend(self._add_load(self._queued, state, plan))
         self._queued.receiving.append(request.request_id)
 
-    def abandon_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Planning a granted load failed: the blocks vLLM allocated for it are reported as
-        load errors (a request waiting for an asynchronous load: failed), never left as if
-        they held the prefix."""
-        req_id = request.request_id
-        self._ready_loads.pop(req_id, None)
-        state = self._requests.get(req_id)
-        local = state.local_hit if state is not None else 0
-        first = local // self.block_size
-        end = (local + num_external_tokens + self.block_size - 1) // self.block_size
-        if self.async_loads:
-            self._queued.failed_requests.append(req_id)
-            return
-        for ids in blocks.get_block_ids():
-            self._queued.invalid_blocks.extend(b for b in ids[first:end] if b)
-
-    def abandon_step(self, scheduler_output: Any) -> KVTierMetadata:
-        """The metadata of a step whose planning failed: every load granted for it is
-        reported failed, and nothing is stored."""
-        meta, self._queued = self._queued, KVTierMetadata()
-        failed = KVTierMetadata(
-            arena_path=self.arena_path,
-            invalid_blocks=meta.invalid_blocks,
-            failed_requests=meta.failed_requests + meta.receiving,
-            sending=meta.sending,  # their tails are not stored: their blocks may go
-        )
-        self._release(self._queued_leases)
-        self._queued_leases = []
-        for new in scheduler_output.scheduled_new_reqs:
-            plan = self._ready_loads.pop(new.req_id, None)
-            state = self._requests.get(new.req_id)
-            if plan is None or state is None:
-                continue
-            first = state.local_tokens // self.block_size
-            end = (plan.first_chunk + plan.chunks) * self.cfg.blocks_per_chunk
-            for ids in new.block_ids:
-                failed.invalid_blocks.extend(b for b in ids[first:end] if b)
-            self._release(plan.refs())
-        return failed
-
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """External tokens by the tier that held them: "host" (arena), "disk" (lmdb) or
         "external_unspecified" (the object store)."""
@@ -455,8 +267,8 @@ class KVTierScheduler:
         if self.client is None:
             return meta
         self.unreturned.retry(self.client)
-        self._sync_draft(follow=True)
-        self._followed = -1  # the next step's first lookup follows kvtier again
+        if self.draft_pool is not None:
+            self.draft_pool.follow_next_step()
         if self.draft is not None:
             meta.draft_check = self.draft.check_due()
             meta.draft_fingerprints = dict(self.draft.bound)
@@ -476,7 +288,11 @@ class KVTierScheduler:
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            self._count_acceptance(req_id, cached.num_computed_tokens[i], state, scheduler_output)
+            if self.draft_pool is not None:
+                computed = cached.num_computed_tokens[i]
+                self.draft_pool.scheduled(
+                    self.stats, req_id, computed, state.fill, scheduler_output
+                )
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 state.block_ids = [list(ids) for ids in new_ids] if new_ids else []
@@ -556,9 +372,8 @@ class KVTierScheduler:
                 self._failed_loads.add(req_id)
         if self.client is None or not isinstance(worker_meta, KVTierWorkerMetadata):
             return
-        if self.draft is not None and worker_meta.draft_fingerprints:
-            self.draft.reported(worker_meta.draft_fingerprints)
-            self._sync_draft(follow=False)
+        if self.draft_pool is not None and worker_meta.draft_fingerprints:
+            self.draft_pool.reported(worker_meta.draft_fingerprints)
         assert self.stores is not None  # made with the client
         self.stores.reported(worker_meta.stored, worker_meta.failed)
         self.verifier.reported(worker_meta.checked, self.stats)
@@ -593,13 +408,7 @@ class KVTierScheduler:
         capture = self.capture
         if capture is None or capture.plan.key not in self.namespaces:
             return False, None
-        ref = capture.reference(request)
-        params = {REF_FIELD: ref.to_json()}
-        if self.client is not None:
-            try:
-                self.manifests.write(self.client, ref)
-            except KVTierError as exc:  # the reference stands; only listing it is lost
-                self._guard("manifest", exc)
+        ref, params = self.manifests.reference(capture, request, self.client, self._guard)
         if not capture.with_outputs(request):
             return False, params  # the prompt's tail was stored with its last token
         # vLLM asserts each request reported sent is one it keeps: the last step here
@@ -617,22 +426,15 @@ class KVTierScheduler:
         namespace = self.namespaces.get(capture.plan.key) if capture is not None else None
         if capture is None or namespace is None or self.stores is None:
             return False
-        tail = capture.tail(ref, namespace, block_ids[capture.plan.group])
+        tail = capture.stored_tail(request, ref, namespace, block_ids[capture.plan.group])
         if tail is None:
-            return False
-        if not tail.blocks or not all(tail.blocks):
-            log.warning(
-                "kvtier: request %s's last blocks are gone: its hidden-state tail is not stored",
-                request.request_id,
-            )
             return False
         return self.stores.reserve_one(meta, capture.plan, tail.key, tail.blocks, self._step)
 
     def _forget(self, request: Any) -> None:
         self._failed_loads.discard(request.request_id)
-        settled = self._acceptance.progressed(request.request_id, request.num_computed_tokens)
-        if settled is not None:
-            self.stats.spec(*settled)
+        if self.draft_pool is not None:
+            self.draft_pool.settle(self.stats, request.request_id, request.num_computed_tokens)
         state = self._requests.pop(request.request_id, None)
         if state is not None:
             self._drop_plan(state)
