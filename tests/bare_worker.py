@@ -12,7 +12,8 @@ import torch
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.layout import PoolPlan
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata
-from kvtier_vllm.worker import KVTierWorker, _stacked
+from kvtier_vllm.pages import stacked
+from kvtier_vllm.worker import KVTierWorker
 
 from kvtier.core.keys import Pool
 from kvtier.core.pools import PoolRegistry
@@ -93,7 +94,7 @@ def bare_worker(shm_path: Path, device: torch.device) -> BareWorker:
         names = tuple(name.format(i) for i in range(LAYERS))
         worker.plans[key] = PoolPlan(pool, names, PAGE, spec, BLOCKS_PER_CHUNK, key)
         worker.pages[key] = [buffer[i] for i in range(LAYERS)]
-        stack = _stacked(worker.pages[key])
+        stack = stacked(worker.pages[key])
         assert stack is not None
         worker.stacks[key] = stack
         pages[key] = buffer

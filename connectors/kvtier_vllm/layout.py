@@ -28,12 +28,12 @@ from kvtier_vllm.shapes import (
     HEADS_FIRST,
     TOKENS_FIRST,
     Shard,
+    UnsupportedGroupError,
     layout_name,
     page_order,
     refusal,
     tp_shard,
 )
-from kvtier_vllm.shapes import UnsupportedGroupError as UnsupportedGroupError
 
 log = logging.getLogger(__name__)
 

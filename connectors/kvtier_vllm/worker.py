@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,106 +23,17 @@ import torch
 from kvtier.client import ArenaMemory
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import Pool
-from kvtier_vllm import hidden_codec
+from kvtier_vllm.chunk_views import ChunkViews
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.copies import CpuCopies, Fence, copies_for
 from kvtier_vllm.draft import DraftWatch, Fill, find_draft_model_source
-from kvtier_vllm.hidden_codec import Fp8Layout
-from kvtier_vllm.layout import KVGroup, PoolPlan, UnsupportedGroupError, kv_groups, plan_pools
+from kvtier_vllm.layout import kv_groups, plan_pools
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
-from kvtier_vllm.shapes import HEADS_FIRST, TOKENS_FIRST, refusal
+from kvtier_vllm.pages import own_caches, pages_of, stacked
+from kvtier_vllm.shapes import UnsupportedGroupError, refusal
 from kvtier_vllm.stats import KVTierStats, take
 
 log = logging.getLogger(__name__)
-
-
-def _pages(tensor: torch.Tensor) -> tuple[torch.Tensor, str] | None:
-    """A layer's cache as [blocks, page bytes] in physical order, and the order of a page's
-    elements (`shapes.HEADS_FIRST`, `shapes.TOKENS_FIRST`, "" for either); None for a layout
-    whose pages are not contiguous per block. vLLM hands a layer over as [blocks, heads,
-    tokens, K‖V] (MLA: [blocks, tokens, latent]), in whatever physical order its backend
-    keeps."""
-    if tensor.dim() == 3:
-        tensor = tensor.unsqueeze(1)
-    if tensor.dim() != 4:
-        return None
-    heads_first = tensor.stride(1) >= tensor.stride(2) or tensor.shape[1] == 1
-    page = tensor if heads_first else tensor.permute(0, 2, 1, 3)
-    if not page.shape[0] or not page[0].is_contiguous():
-        return None
-    try:
-        flat = page.view(torch.uint8).view(page.shape[0], -1)
-    except RuntimeError:
-        return None
-    if tensor.shape[1] == 1:
-        return flat, ""  # one head: the same bytes in either order
-    return flat, HEADS_FIRST if heads_first else TOKENS_FIRST
-
-
-def _stacked(pages: list[torch.Tensor]) -> torch.Tensor | None:
-    """All layers of a pool as one [layers, blocks, page bytes] view, when they sit at one
-    stride in one allocation (vLLM allocates a single buffer): a chunk's pages then move in
-    one copy per run of blocks instead of one per page."""
-    first = pages[0]
-    if first.stride() != (first.shape[1], 1):
-        return None
-    base = first.data_ptr()
-    stride = pages[1].data_ptr() - base if len(pages) > 1 else first.numel()
-    if stride < first.numel():
-        return None
-    storage = first.untyped_storage().data_ptr()
-    for i, page in enumerate(pages):
-        if (
-            page.shape != first.shape
-            or page.stride() != first.stride()
-            or page.untyped_storage().data_ptr() != storage
-            or page.data_ptr() != base + i * stride
-        ):
-            return None
-    return first.as_strided((len(pages), *first.shape), (stride, *first.stride()))
-
-
-def _runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(index in the chunk, first block id, length) of each run of consecutive block ids;
-    vLLM's null block (id 0, where a sliding window needs nothing) is never copied."""
-    runs: list[tuple[int, int, int]] = []
-    start = 0
-    for i in range(1, len(block_ids) + 1):
-        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1 or not block_ids[i - 1]:
-            if block_ids[start]:
-                runs.append((start, block_ids[start], i - start))
-            start = i
-    return runs
-
-
-def _page_dims(plan: PoolPlan) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """A page's shape as this rank holds it and as a chunk holds it, in bytes, and the axis of
-    the KV heads in both."""
-    count, heads = plan.shard.count, plan.shard.heads
-    if plan.order == TOKENS_FIRST:
-        tokens = plan.spec.layout.tokens_per_block
-        rest = plan.page_bytes // (tokens * count)
-        return (tokens, count, rest), (tokens, heads, rest), 1
-    rest = plan.page_bytes // count
-    return (count, rest), (heads, rest), 0
-
-
-def own_caches(groups: list[KVGroup], kv_caches: dict[str, torch.Tensor]) -> list[KVGroup]:
-    """Each group's layers less those reading another layer's cache: with cross-layer KV
-    sharing, vLLM adds such layers to their target's group on the worker side only. Their KV
-    is the target's, stored once (and the scheduler side plans without them)."""
-    out = []
-    for group in groups:
-        seen: set[tuple[int, tuple[int, ...]]] = set()
-        names = []
-        for name in group.layer_names:
-            tensor = kv_caches[name]
-            cache = (tensor.data_ptr(), tuple(tensor.shape))
-            if cache not in seen:
-                seen.add(cache)
-                names.append(name)
-        out.append(replace(group, layer_names=tuple(names)))
-    return out
 
 
 @dataclass(slots=True)
@@ -142,12 +52,12 @@ class KVTierWorker:
         self.vllm_config = vllm_config
         self.cfg = cfg
         self.kv_cache_config = kv_cache_config
-        self.plans: dict[str, PoolPlan] = {}
-        self.pages: dict[str, list[torch.Tensor]] = {}
-        self.dtypes: dict[str, torch.dtype] = {}
+        self.views = ChunkViews()
+        self.plans = self.views.plans
+        self.pages = self.views.pages
+        self.dtypes = self.views.dtypes
         """Each plan's KV dtype, to compare chunks in."""
-        self.stacks: dict[str, torch.Tensor] = {}
-        self._arena: ArenaMemory | None = None
+        self.stacks = self.views.stacks
         self._arena_bytes: torch.Tensor | None = None
         self._arena_inode = 0
         self._announced = ""
@@ -171,6 +81,15 @@ class KVTierWorker:
         self._draft_ok = True
         self._fingerprints: dict[int, str] = {}
 
+    @property
+    def _arena(self) -> ArenaMemory | None:
+        """The arena mapped here: the views check their slots' generations against it."""
+        return self.views.arena
+
+    @_arena.setter
+    def _arena(self, arena: ArenaMemory | None) -> None:
+        self.views.arena = arena
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
             groups = own_caches(kv_groups(self.kv_cache_config, kv_caches), kv_caches)
@@ -183,7 +102,7 @@ class KVTierWorker:
         except UnsupportedGroupError:
             return  # the scheduler side says why, and plans nothing
         for plan in plans:
-            held = [_pages(kv_caches[name]) for name in plan.layer_names]
+            held = [pages_of(kv_caches[name]) for name in plan.layer_names]
             pages = [p for p, _ in filter(None, held)]
             orders = {order for _, order in filter(None, held)} - {""}
             actual = {p.shape[1] for p in pages}
@@ -203,7 +122,7 @@ class KVTierWorker:
             self.dtypes[plan.key] = kv_caches[plan.layer_names[0]].dtype
             if pages[0].device != self.copies.device:
                 self.copies = copies_for(pages[0].device)
-            stack = _stacked(pages)
+            stack = stacked(pages)
             if stack is not None:
                 self.stacks[plan.key] = stack
         if any(plan.pool is Pool.DRAFT for plan in self.plans.values()):
@@ -239,7 +158,7 @@ class KVTierWorker:
         plan = self.plans.get(job.plan)
         if plan is not None and plan.codec is not None:
             return False  # coded chunks move a step's at once: `_encode_stores`, `_decode_loads`
-        pairs = self._pairs(job, slots, per_layer=False)
+        pairs = self.views.pairs(job, slots, per_layer=False)
         if pairs is None:
             return False
         for arena, pages in pairs:
@@ -248,122 +167,6 @@ class KVTierWorker:
             else:
                 self.copies.copy(pages, arena)
         return True
-
-    def _coded(
-        self, jobs: list[ChunkCopy], slots: torch.Tensor
-    ) -> Iterator[tuple[str, PoolPlan, Fp8Layout, list[int]]]:
-        """Per coded pool among ``jobs``: its key, plan, codec and the jobs (by index) whose
-        slots are the ones planned for."""
-        for key in sorted({job.plan for job in jobs}):
-            plan = self.plans[key]
-            assert plan.codec is not None
-            mine = [i for i, job in enumerate(jobs) if job.plan == key]
-            live = [i for i in mine if self._slot_current(jobs[i], plan, slots)]
-            if live:
-                yield key, plan, plan.codec, live
-
-    def _decode_loads(self, jobs: list[ChunkCopy], slots: torch.Tensor) -> list[bool]:
-        """A step's loads of coded chunks (`PoolPlan.codec`): each chunk's rows gathered from
-        its slot, then one decode per pool into the pages. Whether each was loaded."""
-        loaded = [False] * len(jobs)
-        for key, plan, codec, live in self._coded(jobs, slots):
-            parts = []
-            for i in live:
-                job = jobs[i]
-                values, scales = codec.split(slots[job.offset : job.offset + plan.chunk_bytes])
-                at = slice(job.first_block, job.first_block + len(job.block_ids))
-                parts.append((values[at], scales[at]))
-                loaded[i] = True
-            pages = self.pages[key][0]  # the hidden pool has one layer
-            states = hidden_codec.decode(
-                torch.cat([v for v, _ in parts]).to(pages.device),
-                torch.cat([c for _, c in parts]).to(pages.device),
-                codec.page_shape,
-                self.dtypes[key],
-            )
-            ids = torch.tensor([b for i in live for b in jobs[i].block_ids], device=pages.device)
-            pages[ids] = states.reshape(len(ids), -1).view(torch.uint8)
-        return loaded
-
-    def _encode_stores(self, jobs: list[ChunkCopy], slots: torch.Tensor) -> list[bool]:
-        """A step's stores of coded chunks, encoded in one pass per pool (one gather, one
-        encode: per chunk, the ops would cost more than their work), then each chunk's rows
-        copied into its slot. Whether each was written."""
-        written = [False] * len(jobs)
-        for key, plan, codec, live in self._coded(jobs, slots):
-            pages = self.pages[key][0]
-            ids = torch.tensor([b for i in live for b in jobs[i].block_ids], device=pages.device)
-            states = pages[ids].view(self.dtypes[key]).view(len(ids), *codec.page_shape)
-            coded, scale = (t.cpu() for t in hidden_codec.encode(states))
-            row = 0
-            for i in live:
-                job, n = jobs[i], len(jobs[i].block_ids)
-                values, scales = codec.split(slots[job.offset : job.offset + plan.chunk_bytes])
-                at = slice(job.first_block, job.first_block + n)
-                values[at], scales[at] = coded[row : row + n], scale[row : row + n]
-                row += n
-                written[i] = True
-        return written
-
-    def _slot_current(self, job: ChunkCopy, plan: PoolPlan, slots: torch.Tensor) -> bool:
-        """Whether the job's slot is the one planned for, in the arena mapped here."""
-        if not 0 <= job.offset <= slots.numel() - plan.chunk_bytes:
-            return False  # a slot outside the mapping: an arena other than the one planned for
-        mapped = self._arena
-        # planned in another arena (a restarted daemon's, whose epoch differs) or reused
-        # since: writing it would overwrite a chunk someone else holds
-        return (
-            mapped is not None
-            and 0 <= job.slot < len(mapped.generation)
-            and mapped.is_current(job.slot, job.generation)
-        )
-
-    def _pairs(
-        self, job: ChunkCopy, slots: torch.Tensor, per_layer: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """(arena, pages) views of the job's chunk, all layers at once where they sit at one
-        stride (unless ``per_layer``); None where the slot is not the one planned for."""
-        plan = self.plans.get(job.plan)
-        if plan is None or not self._slot_current(job, plan, slots):
-            return None
-        layers, bpc = len(plan.layer_names), plan.blocks_per_chunk
-        # the slot as [layers, blocks of the chunk, page], as `PoolPlan.layer_offset` lays the
-        # payload out; this rank's part of a page is its heads
-        chunk = slots[job.offset : job.offset + plan.chunk_bytes]
-        ours, whole, heads = _page_dims(plan)
-        chunk = chunk.view(layers, bpc, *whole)
-        stack = None if per_layer else self.stacks.get(job.plan)
-        pairs = []
-        for index, block, n in _runs(job.block_ids):
-            part = chunk[:, job.first_block + index : job.first_block + index + n]
-            part = part.narrow(2 + heads, plan.shard.first, plan.shard.count)
-            if stack is not None:
-                pairs.append((part, stack[:, block : block + n].view(layers, n, *ours)))
-            else:
-                pairs.extend(
-                    (part[i], p[block : block + n].view(n, *ours))
-                    for i, p in enumerate(self.pages[job.plan])
-                )
-        return pairs
-
-    def _compare(self, job: ChunkCopy, slots: torch.Tensor) -> float:
-        """The chunk's largest relative error over its layers (the norm of the difference over
-        the norm of vLLM's own KV); negative where the slot is not the one planned for."""
-        pairs = self._pairs(job, slots, per_layer=True)
-        dtype = self.dtypes.get(job.plan)
-        if pairs is None or dtype is None:
-            return -1.0
-        layers = len(self.pages[job.plan])
-        diff, norm = [0.0] * layers, [0.0] * layers
-        for i, (arena, pages) in enumerate(pairs):
-            kept = arena.to(pages.device).contiguous().view(dtype).float()
-            computed = pages.contiguous().view(dtype).float()
-            diff[i % layers] += float(torch.sum((kept - computed) ** 2))
-            norm[i % layers] += float(torch.sum(computed**2))
-        return max(
-            (d / n) ** 0.5 if n else (0.0 if d == 0 else float("inf"))
-            for d, n in zip(diff, norm, strict=True)
-        )
 
     def _check_draft(self, meta: KVTierMetadata) -> str:
         """Whether the draft weights are still those the scheduler planned for; the
@@ -432,7 +235,7 @@ class KVTierWorker:
                     self._record("load", job, started, False)
             if coded:
                 started = time.perf_counter()
-                decoded = self._decode_loads(coded, slots)
+                decoded = self.views.decode_loads(coded, slots)
                 each = (time.perf_counter() - started) / len(coded)
                 for job, ok in zip(coded, decoded, strict=True):
                     if ok:
@@ -555,7 +358,7 @@ class KVTierWorker:
             self._record("store", job, started, ok)
         if coded:
             started = time.perf_counter()
-            written = self._encode_stores(coded, slots)
+            written = self.views.encode_stores(coded, slots)
             each = (time.perf_counter() - started) / len(coded)
             for job, ok in zip(coded, written, strict=True):
                 (issued if ok else self._failed).append((job.slot, job.generation))
@@ -603,7 +406,7 @@ class KVTierWorker:
             error = -1.0
             # other weights' draft KV than the chunk's: no comparison says anything
             if slots is not None and (self._draft_ok or not self._is_draft(job)):
-                error = self._compare(job, slots)
+                error = self.views.compare(job, slots)
             self._compared.append((job.slot, job.generation, error))
 
     def _record(self, direction: str, job: ChunkCopy, started: float, ok: bool) -> None:

@@ -57,9 +57,15 @@ def test_each_hooks_time_is_added_up_failures_included() -> None:
     assert 0.03 <= guard.seconds["failing_hook"] < elapsed
 
 
-def test_hook_seconds_are_taken_when_due_and_only_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    guard.seconds.clear()
+def nothing_due() -> None:
+    """No hook seconds waiting, no report due, and the interval restarted now. A take with
+    nothing to take changes neither its clock nor a report left due by an earlier test."""
+    contained("reset", lambda: 1, lambda: 0)
     guard.take_seconds(due=True)
+
+
+def test_hook_seconds_are_taken_when_due_and_only_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    nothing_due()
     contained("timed_hook", lambda: 1, lambda: 0)
     monkeypatch.setattr(guard, "REPORT_INTERVAL_S", 3600.0)
     assert guard.take_seconds() == {}  # not due: they wait
@@ -73,8 +79,7 @@ def test_hook_seconds_are_taken_when_due_and_only_once(monkeypatch: pytest.Monke
 
 
 def test_a_finished_request_makes_the_next_take_due(monkeypatch: pytest.MonkeyPatch) -> None:
-    guard.seconds.clear()
-    guard.take_seconds(due=True)
+    nothing_due()
     monkeypatch.setattr(guard, "REPORT_INTERVAL_S", 3600.0)
     contained("build_connector_meta", lambda: 1, lambda: 0)
     assert take(KVTierStats())[0] is None  # no news, the interval has not passed
@@ -87,8 +92,7 @@ def test_a_finished_request_makes_the_next_take_due(monkeypatch: pytest.MonkeyPa
 
 
 def test_a_side_reports_hook_seconds_alone_only_when_due(monkeypatch: pytest.MonkeyPatch) -> None:
-    guard.seconds.clear()
-    guard.take_seconds(due=True)
+    nothing_due()
     monkeypatch.setattr(guard, "REPORT_INTERVAL_S", 3600.0)
     contained("wait_for_save", lambda: 1, lambda: 0)
     reported, fresh = take(KVTierStats())

@@ -13,7 +13,7 @@ import pytest
 import torch
 from kvtier_vllm.copies import DeferredCopies, Pair
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata
-from kvtier_vllm.worker import _pages, _runs, _stacked
+from kvtier_vllm.pages import block_runs, pages_of, stacked
 
 from kvtier.core.protocol import SlotRef
 from tests.bare_worker import BareWorker, bare_worker
@@ -29,37 +29,37 @@ def cache() -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 
 def page_bytes(layer: torch.Tensor) -> torch.Tensor:
-    held = _pages(layer)
+    held = pages_of(layer)
     assert held is not None
     return held[0]
 
 
 def test_runs_cover_every_block_once_in_order() -> None:
-    assert _runs((4, 5, 6, 9, 10, 2)) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
-    assert _runs((7,)) == [(0, 7, 1)]
+    assert block_runs((4, 5, 6, 9, 10, 2)) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
+    assert block_runs((7,)) == [(0, 7, 1)]
 
 
 def test_runs_leave_out_the_null_block() -> None:
     # a sliding-window group's positions before the window are vLLM's null block, id 0
-    assert _runs((0, 0, 0, 5, 6)) == [(3, 5, 2)]
-    assert _runs((0, 1, 2, 0)) == [(1, 1, 2)]
-    assert _runs((0,)) == []
+    assert block_runs((0, 0, 0, 5, 6)) == [(3, 5, 2)]
+    assert block_runs((0, 1, 2, 0)) == [(1, 1, 2)]
+    assert block_runs((0,)) == []
 
 
 def test_the_stacked_view_is_the_layers_pages() -> None:
     _buffer, pages = cache()
-    stack = _stacked(pages)
+    stack = stacked(pages)
     assert stack is not None
     for i, page in enumerate(pages):
         assert torch.equal(stack[i], page)
-    assert _stacked([pages[0], pages[2]]) is not None  # any fixed stride
-    assert _stacked([pages[1], pages[0]]) is None  # not increasing: no single view
+    assert stacked([pages[0], pages[2]]) is not None  # any fixed stride
+    assert stacked([pages[1], pages[0]]) is None  # not increasing: no single view
 
 
 def test_run_copies_equal_page_by_page_copies() -> None:
     rng = random.Random(7)
     _buffer, pages = cache()
-    stack = _stacked(pages)
+    stack = stacked(pages)
     assert stack is not None
     for _ in range(50):
         blocks = tuple(rng.sample(range(1, BLOCKS), rng.randint(1, 8)))
@@ -67,7 +67,7 @@ def test_run_copies_equal_page_by_page_copies() -> None:
             start = rng.randrange(1, BLOCKS - len(blocks))
             blocks = tuple(range(start, start + len(blocks)))
         slot = torch.empty((LAYERS, len(blocks), pages[0].shape[1]), dtype=torch.uint8)
-        for index, block, n in _runs(blocks):
+        for index, block, n in block_runs(blocks):
             slot[:, index : index + n].copy_(stack[:, block : block + n])
         expected = torch.stack([p[list(blocks)] for p in pages])
         assert torch.equal(slot, expected)
@@ -75,7 +75,7 @@ def test_run_copies_equal_page_by_page_copies() -> None:
 
 def test_a_layer_reading_another_layers_cache_is_not_stored_twice() -> None:
     from kvtier_vllm.layout import KVGroup
-    from kvtier_vllm.worker import own_caches
+    from kvtier_vllm.pages import own_caches
 
     buffer, _ = cache()
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
