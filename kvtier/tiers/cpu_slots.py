@@ -1,0 +1,311 @@
+"""The arena's slots as the cpu tier keeps them: one slot size class per pool and chunk size,
+growing by whole extents up to its pool's share of the arena (a small draft pool wastes nothing
+on target-sized slots), per-replica quotas, and eviction.
+
+Eviction takes the best victim of a replica over its quota first, else the best victim of any
+replica, by the configured policy; a retired draft revision's chunks go before either. Slots
+that are leased, pinned or not yet written to the next tier (dirty) are never evicted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import Counter
+
+import psutil
+
+from kvtier.core import blockfmt
+from kvtier.core.config import ArenaConfig
+from kvtier.core.counters import Counters
+from kvtier.core.errors import CapacityError, PoolLayoutError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.pools import PoolRegistry, Registration
+from kvtier.core.protocol import SlotRef
+from kvtier.tiers.arena import ArenaMemory, resolve_group
+from kvtier.tiers.base import Tier
+from kvtier.tiers.commit_checksums import CommitChecksums
+from kvtier.tiers.eviction import make_policy
+from kvtier.tiers.slots import FREE, READY, SlotClass, SlotTable, default_arena_size
+
+log = logging.getLogger("kvtier.tiers.cpu")  # the tier's logger, which operators filter on
+
+_SCAN_LIMIT = 256  # slots inspected per queue when looking for a victim
+
+
+class ArenaSlots(Tier):
+    """The slot bookkeeping under `cpu.CpuTier`: classes, owners, quotas, victims."""
+
+    def __init__(self, config: ArenaConfig, registry: PoolRegistry) -> None:
+        super().__init__(registry)
+        self.config = config
+        if config.size_bytes is None:
+            size = default_arena_size(config.auto_fraction, config.path.parent)
+        else:
+            size = int(config.size_bytes)
+        self._check_memory(size)
+        self.memory = ArenaMemory.create(
+            config.path,
+            size,
+            config.extent_bytes,
+            config.min_slot_bytes,
+            config.prefault,
+            mode=config.file_mode,
+            gid=resolve_group(config.group, "arena.group"),
+        )
+        mem = self.memory
+        n = mem.num_extents * mem.max_slots_per_extent
+        self._slots = SlotTable(mem)
+        self._lock = threading.RLock()
+        self._free_extents = list(range(mem.num_extents - 1, -1, -1))
+        self._classes: dict[tuple[str, int], SlotClass] = {}
+        self._class_of_extent: list[SlotClass | None] = [None] * mem.num_extents
+        self._policy_node = [0] * n  # slot -> its node in its class's eviction policy
+        self._index: dict[ChunkKey, int] = {}  # committed chunks
+        self._writing: dict[ChunkKey, int] = {}  # reserved, not yet committed
+        self._key: list[ChunkKey | None] = [None] * n
+        self._owner = [0] * n
+        self._dirty = [False] * n
+        self._pinned = [False] * n
+        self._pinned_keys: set[ChunkKey] = set()
+        self._hidden = [False] * n  # dropped while leased: out of the index, freed on release
+        self._replicas: dict[str, int] = {}
+        self._replica_names: list[str] = []
+        self._used: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> bytes
+        self._inflight: Counter[tuple[int, str]] = Counter()  # reserved, not committed
+        self._chunks: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> chunks
+        self._quota_override: dict[tuple[str, str], int] = {}
+        self._retired: set[bytes] = set()  # namespaces whose chunks go first
+        self._counters = Counters()
+        self._checksums = CommitChecksums(
+            n,
+            self._lock,
+            lambda ref: self._current(ref, READY),
+            self._payload_checksum,
+            self._counters,
+        )
+        self._track_dirty = False
+        self._clean_reserve = 0.2
+        self._closed = False
+        registry.admit_with(self.accept)  # a pool the arena refuses is never registered
+        log.info(
+            "arena %s: %.2f GiB, %d extents of %d MiB",
+            config.path,
+            mem.size / 2**30,
+            mem.num_extents,
+            mem.extent_bytes >> 20,
+        )
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _check_memory(self, size: int) -> None:
+        total = psutil.virtual_memory().total
+        if size > total:
+            raise CapacityError(
+                f"arena.size_bytes: {size} bytes exceeds this machine's {total} bytes of memory"
+            )
+
+    def track_dirty(self, enabled: bool) -> None:
+        """Mark committed chunks dirty until `writeback_done`; set when a next tier exists."""
+        self._track_dirty = enabled
+
+    def _replica(self, name: str) -> int:
+        q = self._replicas.get(name)
+        if q is None:
+            q = self._replicas[name] = len(self._replica_names)
+            self._replica_names.append(name)
+        return q
+
+    def accept(self, reg: Registration) -> None:
+        """Check that the arena can hold this pool's chunks (raises `PoolLayoutError`)."""
+        with self._lock:
+            self._class_for(reg)
+
+    def _class_for(self, reg: Registration) -> SlotClass:
+        cls = self._classes.get((reg.pool, reg.chunk_bytes))
+        if cls is None:
+            if reg.pool not in self.config.pools:
+                known = sorted(self.config.pools)
+                raise PoolLayoutError(f"pool {reg.pool!r} has no arena budget; configured: {known}")
+            if reg.chunk_bytes > self.memory.extent_bytes:
+                raise PoolLayoutError(
+                    f"chunks of {reg.chunk_bytes} bytes exceed arena.extent_bytes "
+                    f"({self.memory.extent_bytes}); raise arena.extent_bytes"
+                )
+            if reg.chunk_bytes < self.memory.extent_bytes // self.memory.max_slots_per_extent:
+                raise PoolLayoutError(
+                    f"chunks of {reg.chunk_bytes} bytes are below arena.min_slot_bytes"
+                )
+            if len(self._classes) >= self.config.max_slot_classes:
+                raise CapacityError(
+                    f"the arena has {len(self._classes)} slot classes, the most "
+                    f"arena.max_slot_classes allows; a pool of {reg.chunk_bytes}-byte chunks "
+                    "needs one more: raise arena.max_slot_classes"
+                )
+            policy = make_policy(self.config.eviction_policy, self._policy_node)
+            per_extent = self.memory.extent_bytes // reg.chunk_bytes
+            cls = self._classes[(reg.pool, reg.chunk_bytes)] = SlotClass(
+                reg.pool, reg.chunk_bytes, policy, per_extent
+            )
+        return cls
+
+    def pool_capacity_bytes(self, pool: str) -> int:
+        share = self.config.pools[pool].max_share
+        return max(1, int(self.memory.num_extents * share)) * self.memory.extent_bytes
+
+    def quota_bytes(self, replica: str, pool: str) -> int:
+        override = self._quota_override.get((replica, pool))
+        if override is not None:
+            return override
+        return int(self.pool_capacity_bytes(pool) * self.config.pools[pool].replica_share)
+
+    def set_quota(self, replica: str, pool: str, nbytes: int | None) -> None:
+        with self._lock:
+            if nbytes is None:
+                self._quota_override.pop((replica, pool), None)
+            else:
+                self._quota_override[(replica, pool)] = nbytes
+
+    # -- allocation and eviction ----------------------------------------------------------
+
+    def _growable_extents(self, cls: SlotClass) -> int:
+        """Extents ``cls`` may still take: free ones, within its pool's share."""
+        pool_extents = sum(c.extents for c in self._classes.values() if c.pool == cls.pool)
+        limit = self.pool_capacity_bytes(cls.pool) // self.memory.extent_bytes
+        return max(0, min(len(self._free_extents), limit - pool_extents))
+
+    def _grow(self, cls: SlotClass) -> bool:
+        if not self._growable_extents(cls):
+            return False
+        extent = self._free_extents.pop()
+        self.memory.extent_slot_bytes[extent] = cls.slot_bytes
+        self._class_of_extent[extent] = cls
+        cls.extents += 1
+        first = self.memory.slot_id(extent, 0)
+        cls.free.extend(range(first + cls.per_extent - 1, first - 1, -1))
+        cls.policy.add_slots(range(first, first + cls.per_extent))
+        return True
+
+    def _evictable(self, slot: int) -> bool:
+        return not self._dirty[slot] and self._slots.refcount[slot] == 0
+
+    def _first_victim(self, cls: SlotClass, queue: int) -> int | None:
+        for scanned, slot in enumerate(cls.policy.candidates(queue)):
+            if scanned >= _SCAN_LIMIT:
+                break
+            if self._evictable(slot):
+                return slot
+        return None
+
+    def _retired_victim(self, cls: SlotClass, q: int | None, reason: str) -> tuple[int, str] | None:
+        """A chunk of a retired draft revision (of replica ``q``, when given): these go first."""
+        for slot in itertools.islice(cls.retired, _SCAN_LIMIT):
+            if self._evictable(slot) and (q is None or self._owner[slot] == q):
+                self._counters.add("retired_evicted", 1)
+                return slot, reason
+        return None
+
+    def _victim(self, cls: SlotClass) -> tuple[int, str] | None:
+        retired = self._retired_victim(cls, None, "capacity")
+        if retired is not None:
+            return retired
+        over = []
+        for name, q in self._replicas.items():
+            excess = self._used[(q, cls.pool)] - self.quota_bytes(name, cls.pool)
+            if excess > 0:
+                over.append((excess, q))
+        for _excess, q in sorted(over, reverse=True):
+            slot = self._first_victim(cls, q)
+            if slot is not None:
+                return slot, "quota"
+        best: int | None = None
+        for q in range(cls.policy.queues):
+            slot = self._first_victim(cls, q)
+            if slot is not None and (best is None or cls.policy.rank(slot) < cls.policy.rank(best)):
+                best = slot
+        return None if best is None else (best, "capacity")
+
+    def _over_quota(self, q: int, cls: SlotClass) -> bool:
+        name = self._replica_names[q]
+        held = self._used[(q, cls.pool)] + self._inflight[(q, cls.pool)]
+        return held + cls.slot_bytes > self.quota_bytes(name, cls.pool)
+
+    def _allocate(self, cls: SlotClass, q: int) -> int | None:
+        if cls.free or self._grow(cls):
+            return cls.free.pop()
+        if self._over_quota(q, cls):
+            # a replica at its quota makes room from its own chunks only, or stores nothing
+            victim = self._retired_victim(cls, q, "quota")
+            if victim is None:
+                slot = self._first_victim(cls, q)
+                victim = None if slot is None else (slot, "quota")
+                if victim is None:
+                    self._counters.add("store_over_quota", 1)
+        else:
+            victim = self._victim(cls)
+        if victim is None:
+            return None
+        slot, reason = victim
+        self._release_slot(slot)
+        self._counters.add(f"evictions_{reason}", 1)
+        return cls.free.pop()
+
+    def _release_slot(self, slot: int) -> None:
+        """Return a READY or WRITING slot to its class's free list and bump its generation."""
+        mem = self.memory
+        cls = self._class_of_extent[slot // mem.max_slots_per_extent]
+        assert cls is not None
+        key = self._key[slot]
+        if self._slots.state[slot] == READY:
+            assert key is not None
+            if self._hidden[slot]:
+                self._hidden[slot] = False
+            else:
+                self._unpublish(key)
+            cls.policy.remove(slot)
+            cls.retired.discard(slot)
+            cls.ready -= 1
+            self._used[(self._owner[slot], cls.pool)] -= cls.slot_bytes
+            self._chunks[(self._owner[slot], cls.pool)] -= 1
+            if self._dirty[slot]:
+                self._dirty[slot] = False
+                cls.dirty_count -= 1
+        elif key is not None and self._writing.pop(key, None) is not None:
+            self._inflight[(self._owner[slot], cls.pool)] -= cls.slot_bytes
+        self._key[slot] = None
+        self._pinned[slot] = False
+        self._checksums.forget(slot)
+        self._slots.bump_generation(slot)
+        self._slots.set_state(slot, FREE)
+        cls.free.append(slot)
+
+    def _unpublish(self, key: ChunkKey) -> None:
+        del self._index[key]
+        self.memory.index.remove(key)  # before the generation moves: see arena_index.py
+        self._tell(False, [key])
+
+    def _ref(self, key: ChunkKey, slot: int, nbytes: int) -> SlotRef:
+        mem = self.memory
+        return SlotRef(key, slot, mem.slot_offset(slot), nbytes, self._slots.generation[slot])
+
+    def _current(self, ref: SlotRef, state: int) -> bool:
+        return (
+            0 <= ref.slot < len(self._key)
+            and self._key[ref.slot] == ref.key
+            and self._slots.state[ref.slot] == state
+            and self._slots.generation[ref.slot] == ref.generation
+        )
+
+    def _payload_checksum(self, ref: SlotRef) -> bytes:
+        """The slot's bytes hashed in place in the mapping (the hash drops the GIL), over the
+        length write-back copies."""
+        nbytes = self._class_of(ref.slot).slot_bytes
+        return blockfmt.payload_checksum(
+            self.memory.view(self.memory.slot_offset(ref.slot), nbytes)
+        )
+
+    def _class_of(self, slot: int) -> SlotClass:
+        cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
+        assert cls is not None
+        return cls
