@@ -33,32 +33,21 @@ import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from pathlib import Path
 
 import lmdb
 
 from kvtier.core import blockfmt
 from kvtier.core.config import Durability, LMDBConfig
-from kvtier.core.counters import Counters
 from kvtier.core.errors import ChunkFormatError, CorruptChunkError
 from kvtier.core.keys import ChunkKey, namespace_of
-from kvtier.core.memory import keep_freed_pages
 from kvtier.core.pools import PoolRegistry, Registration
 from kvtier.core.protocol import TierStats, UsageStats
-from kvtier.tiers.base import Tier
 from kvtier.tiers.lmdb_env import (
-    DATA_FILE,
-    DATABASES,
-    MAP_HEADROOM,
     UNREADABLE_ERRORS,
-    adopt_map_size,
-    budget,
     move_aside,
-    open_or_set_aside,
-    prepare_dir,
-    walk,
 )
-from kvtier.tiers.lmdb_index import TICK_BYTES, Entry, Pending, lru_key, read_index
+from kvtier.tiers.lmdb_index import TICK_BYTES, Entry, Pending, lru_key
+from kvtier.tiers.lmdb_store import LmdbStore
 from kvtier.tiers.lmdb_values import copy_encoded, copy_payload, verify
 
 __all__ = ["UNREADABLE_ERRORS", "LmdbTier", "move_aside"]
@@ -69,35 +58,12 @@ _MAX_PENDING_TOUCHES = 1 << 16
 _PUT_RETRIES = 4
 
 
-class LmdbTier(Tier):
+class LmdbTier(LmdbStore):
     name = "lmdb"
     persistent = True
 
     def __init__(self, config: LMDBConfig, registry: PoolRegistry) -> None:
-        super().__init__(registry)
-        self.config = config
-        prepare_dir(config.path)
-        if config.keep_freed_pages:
-            keep_freed_pages()
-        self.budget = budget(config)
-        self._high = int(self.budget * config.high_water)
-        self._low = int(self.budget * config.low_water)
-        self._map_size = self.budget + self.budget // 4 + MAP_HEADROOM
-        self._lock = threading.Lock()
-        self._index: dict[ChunkKey, Entry] = {}
-        self._pinned_keys: set[ChunkKey] = set()
-        self._touched: dict[ChunkKey, None] = {}
-        self._retired: set[bytes] = set()  # old draft revisions: evicted before anything else
-        self._scratch = bytearray()
-        self._counters = Counters()
-        self._clock = 0
-        self.env, aside = open_or_set_aside(config, self._map_size, self._load)
-        self.set_aside: Path | None = aside
-        """Where an unreadable environment found at open was moved to."""
-        if self.set_aside is not None:
-            self._counters.add("environments_set_aside", 1)
-        self._open_dbs()  # the checked environment was reopened to write through its map
-        self._track_access = config.eviction_policy == "lru"
+        super().__init__(config, registry)
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
         if config.sync_interval_s > 0:
@@ -105,50 +71,6 @@ class LmdbTier(Tier):
                 target=self._sync_loop, name="kvtier-lmdb-sync", daemon=True
             )
             self._syncer.start()
-
-    def _load(self, env: lmdb.Environment) -> None:
-        self.env = env
-        self._open_dbs()
-        walk(env, (self._chunks, self._lru))
-        self._index, self._pinned_keys = read_index(env, self._meta, self._pins)
-        self._clock = max((e.tick for e in self._index.values()), default=0)
-        self._used = sum(e.nbytes for e in self._index.values())
-        log.info(
-            "lmdb %s: %d chunks, %.2f GiB of %.2f GiB",
-            self.config.path,
-            len(self._index),
-            self._used / 2**30,
-            self.budget / 2**30,
-        )
-
-    def _open_dbs(self) -> None:
-        self._chunks, self._lru, self._meta, self._pins, self._records = (
-            self.env.open_db(name) for name in DATABASES
-        )
-
-    def records(self) -> dict[bytes, bytes]:
-        """The small records kept beside the chunks (quarantines), by key."""
-        with self.env.begin(db=self._records) as txn:
-            return {bytes(k): bytes(v) for k, v in txn.cursor()}
-
-    def write_record(self, key: bytes, value: bytes | None) -> None:
-        """Keep ``value`` under ``key`` (None: drop it), flushed at once: a record is rare and
-        must outlive a crash as the chunks it speaks of do."""
-        with self.env.begin(write=True, db=self._records) as txn:
-            if value is None:
-                txn.delete(key)
-            else:
-                txn.put(key, value)
-        self.env.sync(True)
-
-    def _adopt_map_size(self) -> None:
-        """Another process grew the map: adopt it (see `adopt_map_size`)."""
-        if adopt_map_size(self.env, self.config.path / DATA_FILE) is not None:
-            self._counters.add("preallocate_failed", 1)
-
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
 
     # -- writes ---------------------------------------------------------------------------
 
