@@ -6,40 +6,28 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
 import grpc
-from google.protobuf.message import Message
 
-from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
+from kvtier.api.v1 import tier_pb2
 from kvtier.core import wire
 from kvtier.core.codec import (
     chunk_events_from,
-    drafts_from,
     grants_from,
     lookup_from,
     ref_to,
-    spec_to,
 )
 from kvtier.core.errors import InvalidRequestError, KVTierError, SessionNotFoundError
 from kvtier.core.journal import ChunkEvents
-from kvtier.core.keys import ChunkKey, NamespaceSpec, cut_at_namespaces
-from kvtier.core.memory import keep_freed_pages
-from kvtier.core.protocol import DraftState, IndexedRef, LookupResult, SlotRef, TierCode
+from kvtier.core.keys import ChunkKey, cut_at_namespaces
+from kvtier.core.protocol import IndexedRef, LookupResult, SlotRef, TierCode
 from kvtier.rpc.calls import (
-    CHANNEL_OPTIONS,
-    STALLED,
-    Breaker,
-    DaemonStalledError,
     Deadlines,
     Pending,
-    call,
-    translate,
 )
-from kvtier.tiers.arena import ArenaAtPath
-from kvtier.tiers.arena_index import readable_here
+from kvtier.rpc.session import DaemonSession
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +37,9 @@ _LOOKUP_AGAIN = tier_pb2.LookupRequest.AGAIN_FIELD_NUMBER
 _LOOKUP_SERVED = tier_pb2.LookupRequest.SERVED_FIELD_NUMBER
 _IN_ARENA = int(TierCode.CPU)
 _MAX_REPORT = 4096  # keys per report, under the daemon's batch limit
-_TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
 
 
-class GrpcTierClient:
+class GrpcTierClient(DaemonSession):
     """The TierClient protocol served by kvtierd over its unix socket."""
 
     def __init__(
@@ -67,30 +54,14 @@ class GrpcTierClient:
         deadlines: Deadlines | None = None,
     ) -> None:
         """``timeout_s`` bounds every call, unless ``deadlines`` are given (see there)."""
-        if tune_memory:
-            keep_freed_pages()  # see kvtier.core.memory: halves the cost of large batches here
-        self.target = f"unix:{socket_path}"
-        self.replica = replica
-        self._identity = (engine_id, tp_rank, pp_rank)
-        self._timeout = timeout_s
-        self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
-        self._stub = tier_pb2_grpc.TierServiceStub(self._channel)
+        super().__init__(
+            socket_path, replica, engine_id, tp_rank, pp_rank, timeout_s, tune_memory, deadlines
+        )
         # key-carrying calls send requests encoded by kvtier.core.wire (see there for why)
         self._lookup = self._raw("Lookup", tier_pb2.LookupResponse)
         self._reserve = self._raw("Reserve", tier_pb2.ReserveResponse)
         self._prefetch = self._raw("Prefetch", tier_pb2.PrefetchResponse)
         self._promote = self._raw("Promote", tier_pb2.PromoteResponse)
-        self.session_id = ""
-        self._pools: list[tier_pb2.PoolRegistration] = []
-        self._reopen_lock = threading.Lock()
-        self._arena_path: Path | None = None
-        self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
-        self._drafts: dict[bytes, DraftState] = {}
-        self._quarantined: frozenset[bytes] = frozenset()
-        self._caller: ThreadPoolExecutor | None = None
-        self._arena: ArenaAtPath | None = None
-        """The arena, mapped to read its key index (where `readable_here`)."""
         self._reporting = threading.Lock()
         """Guards what reports carry: the heartbeat thread sends one an idle engine left."""
         self._hits: list[ChunkKey] = []
@@ -103,46 +74,6 @@ class GrpcTierClient:
         self._reported: list[SlotRef] = []
         """The leases the report in flight ends."""
         self._next_report = 0.0
-        self._busy = False
-        """Sent with each heartbeat (see `set_busy`)."""
-        self._deadlines = deadlines
-        self.breaker = (
-            Breaker(self.target, deadlines.misses_to_open) if deadlines is not None else None
-        )
-        d = deadlines
-        self._lookup_s = d.lookup_s if d is not None else timeout_s
-        self._store_s = d.store_s if d is not None else timeout_s
-        self._register_s = d.register_s if d is not None else timeout_s
-
-    @property
-    def serving(self) -> bool:
-        """False while the breaker is open: every call would fail at once."""
-        return self.breaker is None or not self.breaker.why
-
-    def _rpc(self, method: Callable[..., R], request: Any, timeout: float | None = None) -> R:
-        breaker = self.breaker
-        if breaker is None:
-            return call(self.target, method, request, timeout=timeout or self._timeout)
-        breaker.check()
-        try:
-            answer = method(request, timeout=timeout or self._store_s)
-        except grpc.RpcError as exc:
-            if exc.code() not in STALLED:
-                raise translate(self.target, exc) from None
-            code = exc.code().name.lower()
-            why = f"{code} after {timeout or self._store_s:.3f} s"
-            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                breaker.missed(why)
-            else:  # unreachable: no use waiting out more deadlines
-                breaker.trip(why)
-            raise DaemonStalledError(f"{self.target}: {code} ({exc.details()})") from None
-        breaker.answered()
-        return answer
-
-    def _raw(self, name: str, response: type[Message]) -> grpc.UnaryUnaryMultiCallable[bytes, Any]:
-        return self._channel.unary_unary(
-            f"/{_TIER_SERVICE}/{name}", response_deserializer=response.FromString
-        )
 
     def _encode(
         self, keys: Sequence[ChunkKey], refs: Sequence[SlotRef], flags: Sequence[int] = ()
@@ -177,157 +108,6 @@ class GrpcTierClient:
         flags: Sequence[int] = (),
     ) -> Pending[R]:
         return self._behind(method, self._encode(keys, refs, flags), convert)
-
-    def _behind(
-        self,
-        method: Callable[..., Any],
-        request: Any,
-        convert: Callable[[Any], R] = lambda response: response,
-    ) -> Pending[R]:
-        """The call made on this client's own thread: grpc's ``future()`` starts a thread per
-        call when none is spinning, which took longer here (0.9 ms) than the call itself."""
-        if self.breaker is None:
-            future = self._calls().submit(method, request, timeout=self._timeout)
-        else:
-            self.breaker.check()  # nothing queues behind a daemon that does not answer
-            future = self._calls().submit(self._rpc, method, request, self._store_s)
-        return Pending(future, convert, self.target)
-
-    def _calls(self) -> ThreadPoolExecutor:
-        if self._caller is None:
-            self._caller = ThreadPoolExecutor(1, thread_name_prefix="kvtier-call")
-        return self._caller
-
-    @property
-    def arena_path(self) -> Path:
-        if self._arena_path is None:
-            raise KVTierError("register a pool first: the arena path comes with the session")
-        return self._arena_path
-
-    def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes:
-        """Add a pool to this client's session (opening one if needed); returns its namespace."""
-        registration = tier_pb2.PoolRegistration(spec=spec_to(spec), chunk_bytes=chunk_bytes)
-        if self.breaker is not None:
-            self.breaker.check()  # a draft revision registered mid-run waits for kvtierd too
-        try:
-            response = self._register([registration], self.session_id)
-        except SessionNotFoundError:
-            response = self._reopen()
-            response = self._register([registration], self.session_id)
-        self._pools.append(registration)
-        return bytes(response.namespaces[0])
-
-    def _register(
-        self, pools: list[tier_pb2.PoolRegistration], session_id: str
-    ) -> tier_pb2.RegisterSessionResponse:
-        engine_id, tp_rank, pp_rank = self._identity
-        request = tier_pb2.RegisterSessionRequest(
-            replica_id=self.replica,
-            engine_id=engine_id,
-            tp_rank=tp_rank,
-            pp_rank=pp_rank,
-            pools=pools,
-            session_id=session_id,
-        )
-        if self.breaker is None:
-            response = self._rpc(self._stub.RegisterSession, request, self._register_s)
-        else:  # the breaker does not stop a registration: the probe's own is one
-            try:
-                response = self._stub.RegisterSession(request, timeout=self._register_s)
-            except grpc.RpcError as exc:
-                raise translate(self.target, exc) from None
-        self.session_id = response.session_id
-        self._arena_path = Path(response.arena_path)
-        if readable_here() and (self._arena is None or self._arena.path != self._arena_path):
-            self._arena = ArenaAtPath(self._arena_path, populate=False)
-        self._drafts = drafts_from(response.drafts)
-        self._quarantined = frozenset(response.quarantined)
-        if self._heartbeat is None:
-            interval = response.heartbeat_interval_ms / 1000
-            if self._deadlines is not None:
-                interval = min(interval, self._deadlines.probe_every_s)
-            self._heartbeat = threading.Thread(
-                target=self._beat, args=(interval,), name="kvtier-heartbeat", daemon=True
-            )
-            self._heartbeat.start()
-        return response
-
-    def _reopen(self) -> tier_pb2.RegisterSessionResponse:
-        """A new session with every pool registered so far: after the daemon restarted, or
-        after this client's session expired. Leases and reservations of the old one are gone."""
-        log.warning("session %s is gone at %s; opening a new one", self.session_id, self.target)
-        with self._reopen_lock:
-            return self._register(list(self._pools), "")
-
-    def _in_session(self, call: Callable[[], R]) -> R:
-        try:
-            return call()
-        except SessionNotFoundError:
-            self._session_lost()
-            return call()
-
-    def _session_lost(self) -> None:
-        """Open a new session now, or (with a breaker) leave that to the probe: registering
-        takes longer than any call may wait."""
-        if self.breaker is None:
-            self._reopen()
-            return
-        self.breaker.trip("its session is gone")
-        self.breaker.check()
-
-    def _beat(self, interval: float) -> None:
-        """Heartbeats; with a breaker, also its probe: a heartbeat that fails opens it, one
-        answered while it is open closes it."""
-        while not self._stop.wait(interval):
-            breaker = self.breaker
-            if breaker is None:
-                try:
-                    self._heartbeat_once()
-                except KVTierError as exc:
-                    log.warning("heartbeat to %s failed: %s", self.target, exc)
-                else:
-                    self._report_idle()
-                continue
-            probing = bool(breaker.why)
-            assert self._deadlines is not None
-            timeout = self._deadlines.probe_s if probing else self._register_s
-            try:
-                self._heartbeat_once(timeout, in_step=False)
-            except KVTierError as exc:
-                breaker.trip(f"missed a heartbeat ({exc})")
-                continue
-            breaker.reset()
-            self._report_idle()
-
-    def _report_idle(self) -> None:
-        """What the last steps of an engine gone idle left to report goes now, not with its
-        next request."""
-        try:
-            self.report_hits()
-        except KVTierError as exc:
-            log.debug("hit report to %s failed: %s", self.target, exc)
-
-    def _heartbeat_once(self, timeout: float | None = None, in_step: bool = True) -> None:
-        request = tier_pb2.HeartbeatRequest(session_id=self.session_id, busy=self._busy)
-        if in_step:
-            response = self._rpc(self._stub.Heartbeat, request, timeout)
-        else:  # past the breaker: this call is the one that may close it
-            try:
-                response = self._stub.Heartbeat(request, timeout=timeout)
-            except grpc.RpcError as exc:
-                raise translate(self.target, exc) from None
-        self._drafts = drafts_from(response.drafts)
-        self._quarantined = frozenset(response.quarantined)
-        if not response.alive:  # expired, or the daemon restarted: carry on in a new session
-            if in_step and self.breaker is not None:
-                self._session_lost()
-            self._reopen()
-
-    def draft_states(self, refresh: bool = False) -> dict[bytes, DraftState]:
-        """The daemon's draft pools, as of the last heartbeat; ``refresh`` asks now."""
-        if refresh:
-            self._heartbeat_once()
-        return dict(self._drafts)
 
     def quarantine_namespace(self, namespace: bytes, reason: str) -> None:
         request = tier_pb2.QuarantineNamespaceRequest(
