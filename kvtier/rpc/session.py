@@ -18,9 +18,9 @@ from google.protobuf.message import Message
 from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
 from kvtier.core.codec import drafts_from, spec_to
 from kvtier.core.errors import KVTierError, SessionNotFoundError
-from kvtier.core.keys import NamespaceSpec
+from kvtier.core.keys import ChunkKey, NamespaceSpec
 from kvtier.core.memory import keep_freed_pages
-from kvtier.core.protocol import DraftState
+from kvtier.core.protocol import DraftState, SlotRef
 from kvtier.rpc.calls import (
     CHANNEL_OPTIONS,
     STALLED,
@@ -75,6 +75,23 @@ class DaemonSession:
         self._caller: ThreadPoolExecutor | None = None
         self._arena: ArenaAtPath | None = None
         """The arena, mapped to read its key index (where `readable_here`)."""
+        # key-carrying calls send requests encoded by kvtier.core.wire (see there for why)
+        self._lookup = self._raw("Lookup", tier_pb2.LookupResponse)
+        self._reserve = self._raw("Reserve", tier_pb2.ReserveResponse)
+        self._prefetch = self._raw("Prefetch", tier_pb2.PrefetchResponse)
+        self._promote = self._raw("Promote", tier_pb2.PromoteResponse)
+        self._reporting = threading.Lock()
+        """Guards what reports carry: the heartbeat thread sends one an idle engine left."""
+        self._hits: list[ChunkKey] = []
+        """Keys the index answered since the last `report_hits`."""
+        self._hits_again: list[ChunkKey] = []
+        """The same, for requests that asked again: counted as loads only."""
+        self._due: list[SlotRef] = []
+        """Leases to end with the next report."""
+        self._report: Pending[None] | None = None
+        self._reported: list[SlotRef] = []
+        """The leases the report in flight ends."""
+        self._next_report = 0.0
         self._busy = False
         """Sent with each heartbeat (see `set_busy`)."""
         self._deadlines = deadlines

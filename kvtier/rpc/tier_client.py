@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
 import grpc
@@ -24,7 +22,6 @@ from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, cut_at_namespaces
 from kvtier.core.protocol import IndexedRef, LookupResult, SlotRef, TierCode
 from kvtier.rpc.calls import (
-    Deadlines,
     Pending,
 )
 from kvtier.rpc.session import DaemonSession
@@ -41,39 +38,6 @@ _MAX_REPORT = 4096  # keys per report, under the daemon's batch limit
 
 class GrpcTierClient(DaemonSession):
     """The TierClient protocol served by kvtierd over its unix socket."""
-
-    def __init__(
-        self,
-        socket_path: Path,
-        replica: str,
-        engine_id: str = "",
-        tp_rank: int = 0,
-        pp_rank: int = 0,
-        timeout_s: float = 10.0,
-        tune_memory: bool = True,
-        deadlines: Deadlines | None = None,
-    ) -> None:
-        """``timeout_s`` bounds every call, unless ``deadlines`` are given (see there)."""
-        super().__init__(
-            socket_path, replica, engine_id, tp_rank, pp_rank, timeout_s, tune_memory, deadlines
-        )
-        # key-carrying calls send requests encoded by kvtier.core.wire (see there for why)
-        self._lookup = self._raw("Lookup", tier_pb2.LookupResponse)
-        self._reserve = self._raw("Reserve", tier_pb2.ReserveResponse)
-        self._prefetch = self._raw("Prefetch", tier_pb2.PrefetchResponse)
-        self._promote = self._raw("Promote", tier_pb2.PromoteResponse)
-        self._reporting = threading.Lock()
-        """Guards what reports carry: the heartbeat thread sends one an idle engine left."""
-        self._hits: list[ChunkKey] = []
-        """Keys the index answered since the last `report_hits`."""
-        self._hits_again: list[ChunkKey] = []
-        """The same, for requests that asked again: counted as loads only."""
-        self._due: list[SlotRef] = []
-        """Leases to end with the next report."""
-        self._report: Pending[None] | None = None
-        self._reported: list[SlotRef] = []
-        """The leases the report in flight ends."""
-        self._next_report = 0.0
 
     def _encode(
         self, keys: Sequence[ChunkKey], refs: Sequence[SlotRef], flags: Sequence[int] = ()

@@ -87,6 +87,19 @@ def revision_info(llm: Any) -> dict[str, float]:
     }
 
 
+def heard_of(llm: Any, revision: str) -> None:
+    """Until the engine's client has heard, by a heartbeat, that ``revision`` is committed:
+    its next step follows that. A fixed wait would count on heartbeats arriving on time."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    deadline = time.monotonic() + 30.0
+    while not any(
+        state.revision == revision and not state.swapping
+        for state in scheduler.client.draft_states().values()
+    ):
+        assert time.monotonic() < deadline, f"the engine never heard {revision} committed"
+        time.sleep(0.05)
+
+
 def connector_acceptance(llm: Any, revision: str) -> tuple[float, float]:
     """(drafted, accepted) the connector recorded for one draft revision."""
     return (
@@ -108,7 +121,6 @@ def test_an_admin_swap_keeps_the_target_pool_and_a_swap_back_restores_acceptance
     daemon = procs.start_daemon(daemon_files)
     connector = kvtier_config({"mode": "sidecar", "socket_path": str(daemon_files.socket)})
     spec = spec_config(tiny_models)
-    heartbeat = 0.3  # daemon_harness's heartbeat_interval_s: engines hear of a commit by then
     # one engine stores both pools of every prefix (the draft checkpoint's fingerprint)
     with running_llm(
         tiny_models.target, kv_transfer_config=connector, speculative_config=spec
@@ -132,7 +144,7 @@ def test_an_admin_swap_keeps_the_target_pool_and_a_swap_back_restores_acceptance
         swap_draft_weights(llm, weights["noisy"])
         done = kvtier(capsys, daemon.admin_address, "draft-swap", "--commit", begun["swapId"])
         assert done["revision"] == "d2"
-        time.sleep(3 * heartbeat)
+        heard_of(llm, "d2")
 
         after = Round(llm, prompts)  # vLLM's own cache was reset: hits come from kvtier
         assert after.tokens == baseline[: len(prompts)]
@@ -158,7 +170,7 @@ def test_an_admin_swap_keeps_the_target_pool_and_a_swap_back_restores_acceptance
         assert llm.reset_prefix_cache(reset_connector=True)
         swap_draft_weights(llm, weights["original"])
         kvtier(capsys, daemon.admin_address, "draft-swap", "--commit", begun["swapId"])
-        time.sleep(3 * heartbeat)
+        heard_of(llm, original)
         back = Round(llm, prompts)
         assert back.tokens == baseline[: len(prompts)]
         assert back.acceptance >= 0.95 * before.acceptance

@@ -131,6 +131,7 @@ def _miss_s(client: GrpcTierClient, index: int) -> float:
     return elapsed
 
 
+@pytest.mark.serial  # holds single lookups to a few milliseconds
 def test_the_first_miss_after_the_store_dies_is_as_quick_as_a_healthy_miss(
     procs: Processes,
     tmp_path: Path,

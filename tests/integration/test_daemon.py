@@ -153,9 +153,8 @@ def test_sigterm_drains_the_arena_and_a_warm_restart_serves_it_from_lmdb(
     assert _tier(stats, "cpu").usage.chunks == 4
     assert _tier(stats, "lmdb").usage.chunks == 0  # below the clean reserve: not written back yet
 
-    start = time.monotonic()
+    # within EXIT_TIMEOUT_S, half the drain timeout: the holder's leases did not hold it up
     assert daemon.signal_and_wait(signal.SIGTERM, EXIT_TIMEOUT_S) == 0, daemon.log_text()
-    assert time.monotonic() - start < 5.0
     assert holder.poll() is None
     assert not files.socket.exists()
     assert not files.arena.exists()

@@ -33,7 +33,11 @@ from tests.integration.daemon_harness import (
 )
 from tests.support import target_spec
 
-STALL_S = 0.5  # well inside the session timeout (1.5 s)
+STALL_S = 0.5
+# a stalled test's daemon: its session outlives the stall (call timeout, then STALL_S) by far,
+# and a call that is not stalled has room on a loaded machine
+STALLED_SESSION_S = 30.0
+STALLED_CALL_S = 1.0
 
 
 def _cpu(stats: admin_pb2.StatsResponse) -> admin_pb2.TierStats:
@@ -79,6 +83,10 @@ def _client(files: DaemonFiles, timeout_s: float = 10.0) -> GrpcTierClient:
     client = GrpcTierClient(files.socket, "dp0", timeout_s=timeout_s, tune_memory=False)
     client.register_pool(target_spec(), CHUNK)
     return client
+
+
+def _stallable(tmp_path: Path, shm_path: Path) -> DaemonFiles:
+    return write_config(tmp_path, shm_path, {"server": {"session_timeout_s": STALLED_SESSION_S}})
 
 
 def test_a_refused_registration_records_nothing_and_leaves_no_session(
@@ -180,12 +188,16 @@ def test_a_reservation_whose_commit_never_came_is_aborted_and_its_key_stored_aga
 
 
 def test_a_release_whose_answer_was_lost_is_sent_again_and_ends_only_its_lease(
-    procs: Processes, files: DaemonFiles
+    procs: Processes, tmp_path: Path, shm_path: Path
 ) -> None:
+    files = _stallable(tmp_path, shm_path)
     daemon = procs.start_daemon(files)
-    assert procs.client(files.socket, "w", "--store", "0:1")["stored"] == [0]
-    wait_for(lambda: daemon.stats().sessions == 0, 5.0, "the writer's session reaped")
-    with closing(_client(files, timeout_s=0.2)) as client:
+    with closing(_client(files, timeout_s=STALLED_CALL_S)) as client:
+        with closing(ArenaMemory.attach(daemon.arena)) as arena:
+            (ref,) = client.reserve([key_of(0)])
+            assert ref is not None
+            arena.view(ref.offset, ref.nbytes)[:] = expected(key_of(0))
+            assert client.commit([ref]) == 1
         lost, other = (client.lease([key_of(0)])[0] for _ in range(2))  # two requests share it
         assert lost is not None
         assert other is not None
@@ -197,7 +209,7 @@ def test_a_release_whose_answer_was_lost_is_sent_again_and_ends_only_its_lease(
             unreturned.keep(Return.RELEASE, [lost])
         # kvtierd may or may not have run the release the client gave up on; sent again, it
         # ends that lease once either way
-        wait_for(lambda: unreturned.retry(client) == 1 or not len(unreturned), 5.0, "retried")
+        wait_for(lambda: unreturned.retry(client) == 1 or not len(unreturned), 20.0, "retried")
         assert len(unreturned) == 0
         stats = daemon.stats()
         assert (stats.sessions, stats.leases) == (1, 1), "the retry ended the other lease"
@@ -211,11 +223,12 @@ def test_a_release_whose_answer_was_lost_is_sent_again_and_ends_only_its_lease(
 
 
 def test_a_commit_lost_to_a_stalled_daemon_is_sent_again_and_the_chunk_stored(
-    procs: Processes, files: DaemonFiles
+    procs: Processes, tmp_path: Path, shm_path: Path
 ) -> None:
+    files = _stallable(tmp_path, shm_path)
     daemon = procs.start_daemon(files)
     arena = ArenaMemory.attach(daemon.arena)
-    with closing(_client(files, timeout_s=0.2)) as client:
+    with closing(_client(files, timeout_s=STALLED_CALL_S)) as client:
         (ref,) = client.reserve([key_of(0)])
         assert ref is not None
         arena.view(ref.offset, ref.nbytes)[:] = expected(key_of(0))
@@ -224,7 +237,7 @@ def test_a_commit_lost_to_a_stalled_daemon_is_sent_again_and_the_chunk_stored(
             with pytest.raises(KVTierError):
                 client.commit([ref])
             unreturned.keep(Return.COMMIT, [ref])
-        wait_for(lambda: unreturned.retry(client) == 1 or not len(unreturned), 5.0, "retried")
+        wait_for(lambda: unreturned.retry(client) == 1 or not len(unreturned), 20.0, "retried")
         assert len(unreturned) == 0
         assert client.lookup([key_of(0)]).hits == 1
         assert _reservations(daemon) == 0

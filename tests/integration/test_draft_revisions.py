@@ -179,8 +179,14 @@ def test_the_background_mover_collects_with_no_grace(shm_path: Path, tmp_path: P
         d1 = m.register_pool(draft_spec(), CHUNK)
         assert store(m, keys_for(d1, 2)) == 2
         m.register_pool(draft_spec(draft_revision="d2"), CHUNK)
+
+        # the mover counts what it collected after it left every tier: wait for both
+        def collected() -> bool:
+            gone = not any(m.cpu.contains(keys_for(d1, 2)))
+            return gone and m.stats().counters["draft_gc_chunks"] >= 2
+
         deadline = time.monotonic() + 10
-        while any(m.cpu.contains(keys_for(d1, 2))) and time.monotonic() < deadline:
+        while not collected() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(m.cpu.contains(keys_for(d1, 2)))
         assert m.stats().counters["draft_gc_chunks"] >= 2

@@ -28,15 +28,16 @@ def test_write_back_waits_for_a_busy_engine_and_runs_once_it_is_idle(
         time.sleep(HELD_S)
         assert daemon.chunks_moved("demote") == 0, "written to lmdb beside a busy engine"
         client.rpc.set_busy(False)
-        wait_for(lambda: daemon.chunks_moved("demote") == 16, 5.0, "every chunk written once idle")
+        wait_for(lambda: daemon.chunks_moved("demote") == 16, 20.0, "every chunk written once idle")
 
-        # a reserve says busy before any heartbeat does
-        assert client.store(range(16, 32)) == list(range(16, 32))
+        # a reserve says busy before any heartbeat does; the client says so first as well, or
+        # a heartbeat sent between the reserve and set_busy would say idle again
         client.rpc.set_busy(True)
+        assert client.store(range(16, 32)) == list(range(16, 32))
         time.sleep(HELD_S)
         assert daemon.chunks_moved("demote") == 16, "written to lmdb beside a busy engine"
         client.rpc.set_busy(False)
-        wait_for(lambda: daemon.chunks_moved("demote") == 32, 5.0, "every chunk written once idle")
+        wait_for(lambda: daemon.chunks_moved("demote") == 32, 20.0, "every chunk written once idle")
 
 
 def test_a_busy_engine_still_gets_the_clean_slots_its_stores_need(

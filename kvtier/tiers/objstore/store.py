@@ -1,6 +1,7 @@
 """The store as the object tier reaches it: its backend and local index, the identity it runs
 as (static keys are refused unless allowed, loudly), whether it is counted on (identity resolved,
-breaker closed), and the names of its objects. `tier.ObjectTier` writes and reads over it."""
+breaker closed; a thread of its own resolves the identity and sends trials), and the names of
+its objects. `tier.ObjectTier` writes and reads over it."""
 
 from __future__ import annotations
 
@@ -67,6 +68,10 @@ class ObjectStore(Tier):
         self._identity_known = False
         self._pins_dirty = threading.Event()
         self._closing = threading.Event()
+        self._checker = threading.Thread(
+            target=self._check_loop, name="kvtier-object-check", daemon=True
+        )
+        self._checker.start()
 
     def _refuse_static_keys(self) -> None:
         source = self.backend.static_credentials()
@@ -88,6 +93,21 @@ class ObjectStore(Tier):
             f"{_IDENTITY_FIX.get(scheme, 'use a workload identity')}. "
             "To run with them anyway, set object.allow_static_keys: true",
         )
+
+    def _check_loop(self) -> None:
+        """Resolves the identity, then sends trials while the store is not sound; on its own
+        thread, so a slow identity or store never holds up a caller."""
+        self._resolve_principal()
+        interval = max(0.05, min(1.0, self.config.breaker_reset_s / 4))
+        while not self._closing.wait(interval):
+            try:
+                self.check()
+                if self._pins_dirty.is_set():
+                    self.publish_pins()
+            except Exception:  # never let the checker die silently
+                if self._closing.is_set():
+                    return  # the backend was closed under a trial
+                log.exception("object store check failed")
 
     def _resolve_principal(self) -> None:
         try:
@@ -155,3 +175,6 @@ class ObjectStore(Tier):
     def close_index_and_backend(self) -> None:
         self.index.close()
         self.backend.close()
+
+    def publish_pins(self) -> bool:
+        raise NotImplementedError

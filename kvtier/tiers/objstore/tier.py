@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +22,6 @@ from dataclasses import dataclass
 import xxhash
 
 from kvtier.core import blockfmt
-from kvtier.core.config import ObjectStoreConfig
 from kvtier.core.errors import (
     ChunkFormatError,
     ObjectNotFoundError,
@@ -31,9 +29,7 @@ from kvtier.core.errors import (
     UnknownVersionError,
 )
 from kvtier.core.keys import ChunkKey, namespace_of
-from kvtier.core.pools import PoolRegistry
 from kvtier.core.protocol import TierCode, TierStats, UsageStats
-from kvtier.tiers.objstore.backend import ObjectBackend
 from kvtier.tiers.objstore.index import ChunkLocation
 from kvtier.tiers.objstore.store import ObjectStore
 
@@ -59,35 +55,6 @@ class FetchedChunk:
 class ObjectTier(ObjectStore):
     name = TierCode.OBJECT.tier
     persistent = True
-
-    def __init__(
-        self,
-        config: ObjectStoreConfig,
-        registry: PoolRegistry,
-        backend: ObjectBackend | None = None,
-    ) -> None:
-        super().__init__(config, registry, backend)
-        self._checker = threading.Thread(
-            target=self._check_loop, name="kvtier-object-check", daemon=True
-        )
-        self._checker.start()
-
-    # -- health ---------------------------------------------------------------------------
-
-    def _check_loop(self) -> None:
-        """Resolves the identity, then sends trials while the store is not sound; on its own
-        thread, so a slow identity or store never holds up a caller."""
-        self._resolve_principal()
-        interval = max(0.05, min(1.0, self.config.breaker_reset_s / 4))
-        while not self._closing.wait(interval):
-            try:
-                self.check()
-                if self._pins_dirty.is_set():
-                    self.publish_pins()
-            except Exception:  # never let the checker die silently
-                if self._closing.is_set():
-                    return  # the backend was closed under a trial
-                log.exception("object store check failed")
 
     # -- writes ---------------------------------------------------------------------------
 
