@@ -30,6 +30,7 @@ from kvtier_vllm.draft import DraftWatch, Fill, find_draft_model_source
 from kvtier_vllm.layout import kv_groups, plan_pools
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.pages import own_caches, pages_of, stacked
+from kvtier_vllm.sends import PendingSends
 from kvtier_vllm.shapes import UnsupportedGroupError, refusal
 from kvtier_vllm.stats import KVTierStats, take
 
@@ -72,10 +73,7 @@ class KVTierWorker:
         """Synchronous loads issued, checked when vLLM asks for load errors."""
         self._receiving: list[tuple[_Issued, set[str], set[str]]] = []
         """Asynchronous loads issued: (loads, requests, failed requests)."""
-        self._sending: list[tuple[Fence, set[str]]] = []
-        """Finished requests whose blocks wait for stores issued behind a fence."""
-        self._finished_ids: set[str] = set()
-        """Requests vLLM said finished, not yet reported sent (it takes only those)."""
+        self.sends = PendingSends()
         self.stats = KVTierStats()
         self._draft_watch: DraftWatch | None = None
         self._draft_ok = True
@@ -157,7 +155,8 @@ class KVTierWorker:
     def _copy(self, job: ChunkCopy, slots: torch.Tensor, into_arena: bool) -> bool:
         plan = self.plans.get(job.plan)
         if plan is not None and plan.codec is not None:
-            return False  # coded chunks move a step's at once: `_encode_stores`, `_decode_loads`
+            # coded chunks move a step's at once: `ChunkViews.encode_stores`, `.decode_loads`
+            return False
         pairs = self.views.pairs(job, slots, per_layer=False)
         if pairs is None:
             return False
@@ -278,7 +277,7 @@ class KVTierWorker:
         vLLM recomputes those blocks and no slot is committed from half a copy."""
         if not loads:
             self._failed.extend((job.slot, job.generation) for job in meta.stores)
-            self._send_after(Fence(), meta.sending)
+            self.sends.after(Fence(), meta.sending)
             return
         self._load_errors.update(meta.invalid_blocks)
         failed = set(meta.receiving) | set(meta.failed_requests)
@@ -332,12 +331,12 @@ class KVTierWorker:
         if meta.checks:
             self._compare_checks(meta)
         if not meta.stores:
-            self._send_after(Fence(), meta.sending)
+            self.sends.after(Fence(), meta.sending)
             return
         slots = self._slots(meta.arena_path)
         if slots is None:
             self._failed.extend((job.slot, job.generation) for job in meta.stores)
-            self._send_after(Fence(), meta.sending)
+            self.sends.after(Fence(), meta.sending)
             return
         self.copies.begin_stores()
         issued: list[tuple[int, int]] = []
@@ -365,37 +364,14 @@ class KVTierWorker:
                 self._count("store", job, each, ok)
         fence = self.copies.end_stores()
         self._landing.append((fence, issued))
-        self._send_after(fence, meta.sending)
-
-    def _send_after(self, fence: Fence, requests: list[str]) -> None:
-        # once each: vLLM frees a request's blocks at its first report, and fails on a second
-        fresh = set(requests).difference(*(reqs for _, reqs in self._sending))
-        if fresh:
-            self._sending.append((fence, fresh))
+        self.sends.after(fence, meta.sending)
 
     def finished_sends(self, finished: set[str]) -> set[str]:
-        """Finished requests whose last stores landed: their blocks may go."""
-        self._finished_ids |= finished
-        sent: set[str] = set()
-        waiting = []
-        for fence, requests in self._sending:
-            ready = requests & self._finished_ids
-            if ready and fence():
-                sent |= ready
-                requests -= ready
-            if requests:
-                waiting.append((fence, requests))
-        self._sending = waiting
-        self._finished_ids -= sent
-        self._finished_ids &= {r for _, reqs in waiting for r in reqs} | finished
-        return sent
+        return self.sends.sent(finished)
 
     def all_sends(self) -> set[str]:
-        """Every request waiting for its stores, as sent: when checking them failed (a store
-        that did not land is never committed, so its blocks may go)."""
-        sent = {r for _, reqs in self._sending for r in reqs}
-        self._sending = []
-        return sent
+        """Every request waiting for its stores, as sent: when checking them failed."""
+        return self.sends.release_all()
 
     def _compare_checks(self, meta: KVTierMetadata) -> None:
         slots = self._slots(meta.arena_path)
