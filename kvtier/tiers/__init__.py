@@ -1,6 +1,7 @@
-"""The storage media, each behind the `base.Tier` contract: the shared-memory arena (`cpu`, with
-its file layout in `arena` and `arena_index`, its slot classes and eviction), lmdb (`lmdb_tier`
-over its environment, index and values) and the object store (`objstore`).
+"""The storage media, each behind the `base.Tier` contract: the shared-memory arena (`cpu`, over
+its slot bookkeeping in `cpu_slots`, with its file layout in `arena` and `arena_index`, slot
+tables in `slots`, eviction policies and commit checksums), lmdb (`lmdb_tier` over `lmdb_store`,
+with its environment, index and values) and the object store (`objstore`).
 
 It may import `kvtier.core` only; the tier manager (`kvtier.tiering`) moves chunks between them.
 Clients map the arena's file (`arena`, `arena_index`) and import nothing else from here.
