@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar, overload
@@ -11,22 +10,13 @@ import grpc
 
 from kvtier.api.v1 import tier_pb2
 from kvtier.core import wire
-from kvtier.core.codec import (
-    chunk_events_from,
-    grants_from,
-    lookup_from,
-    ref_to,
-)
+from kvtier.core.codec import chunk_events_from, grants_from, lookup_from, ref_to
 from kvtier.core.errors import InvalidRequestError, KVTierError, SessionNotFoundError
 from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, cut_at_namespaces
 from kvtier.core.protocol import IndexedRef, LookupResult, SlotRef, TierCode
-from kvtier.rpc.calls import (
-    Pending,
-)
+from kvtier.rpc.calls import Pending
 from kvtier.rpc.session import DaemonSession
-
-log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 _LOOKUP_LEASE = tier_pb2.LookupRequest.LEASE_FIELD_NUMBER
