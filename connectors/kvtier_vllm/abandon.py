@@ -4,6 +4,7 @@ left as if they held the prefix, and their leases go back."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 from kvtier.core.protocol import SlotRef
@@ -13,7 +14,7 @@ from kvtier_vllm.planner import LoadPlan
 from kvtier_vllm.requests import RequestState
 
 
-class AbandonedLoads:
+class AbandonedLoads(ABC):
     """The scheduler's failure path, over the bookkeeping it keeps of granted loads."""
 
     cfg: ConnectorConfig
@@ -25,8 +26,9 @@ class AbandonedLoads:
     _queued: KVTierMetadata
     _queued_leases: list[SlotRef]
 
+    @abstractmethod
     def _release(self, refs: list[SlotRef]) -> None:
-        raise NotImplementedError
+        """Hand leases back to the tiers (the scheduler's, guarded)."""
 
     def abandon_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Planning a granted load failed: the blocks vLLM allocated for it are reported as

@@ -4,6 +4,7 @@ asked again while it waits for room is answered from what it was told, with no c
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 from kvtier.core.errors import KVTierError
@@ -17,7 +18,7 @@ from kvtier_vllm.verify import Sampled, Verifier
 from kvtier_vllm.weights import adapter_uncached
 
 
-class Lookups:
+class Lookups(ABC):
     """`get_num_new_matched_tokens`, over the scheduler's requests and planner."""
 
     cfg: ConnectorConfig
@@ -36,14 +37,17 @@ class Lookups:
     _failing: bool
     _step: int
 
+    @abstractmethod
     def _connect(self, wait: bool = False) -> bool:
-        raise NotImplementedError
+        """Whether the tiers are open (the scheduler's)."""
 
+    @abstractmethod
     def _guard(self, what: str, error: KVTierError) -> None:
-        raise NotImplementedError
+        """Note a failed call into kvtier (the scheduler's)."""
 
+    @abstractmethod
     def _drop_plan(self, state: RequestState) -> None:
-        raise NotImplementedError
+        """Give back the leases of a request's planned load (the scheduler's)."""
 
     def state(self, request: Any) -> RequestState:
         state = self._requests.get(request.request_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,7 +42,7 @@ R = TypeVar("R")
 _TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
 
 
-class DaemonSession:
+class DaemonSession(ABC):
     """The session under `tier_client.GrpcTierClient`."""
 
     def __init__(
@@ -284,5 +285,7 @@ class DaemonSession:
             self._heartbeat_once()
         return dict(self._drafts)
 
+    @abstractmethod
     def report_hits(self, every_s: float = 0.0) -> None:
-        raise NotImplementedError
+        """Send what the data plane has to report (the client's); the heartbeat thread sends
+        what an idle engine left."""

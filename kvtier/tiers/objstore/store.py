@@ -9,6 +9,7 @@ import logging
 import socket
 import threading
 import uuid
+from abc import abstractmethod
 
 from kvtier.core.config import ObjectStoreConfig
 from kvtier.core.counters import Counters
@@ -176,5 +177,7 @@ class ObjectStore(Tier):
         self.index.close()
         self.backend.close()
 
+    @abstractmethod
     def publish_pins(self) -> bool:
-        raise NotImplementedError
+        """Publish this node's pins for the fleet's gc (the tier's); the checker thread calls
+        it when they changed."""
