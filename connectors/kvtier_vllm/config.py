@@ -1,10 +1,11 @@
-"""The connector's own settings, from ``kv_connector_extra_config``, validated once."""
+"""The connectors' own settings, from ``kv_connector_extra_config`` and
+``ec_connector_extra_config``, validated once."""
 
 from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -13,13 +14,18 @@ from kvtier.core.keys import REVISION_PATTERN, TENANT_PATTERN
 from kvtier.rpc import Deadlines
 from kvtier_vllm.draft import FillPolicy
 
+Settings = TypeVar("Settings", bound="TiersConfig")
+
 
 class Mode(StrEnum):
     EMBEDDED = "embedded"
     SIDECAR = "sidecar"
 
 
-class ConnectorConfig(BaseModel):
+class TiersConfig(BaseModel):
+    """What every kvtier connector of vLLM (KV and encoder cache) sets the same way: how it
+    reaches the tiers, names its tenant and replica, verifies its hits and waits for them."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     mode: Mode = Field(
@@ -53,19 +59,6 @@ class ConnectorConfig(BaseModel):
     socket_path: Path | None = Field(
         None, description="Sidecar mode: kvtierd's socket (default: server.socket_path)."
     )
-    blocks_per_chunk: int = Field(1, ge=1, description="vLLM blocks per stored chunk.")
-    hidden_dtype: Literal["auto", "fp8"] = Field(
-        "auto",
-        description="Captured hidden states (extract_hidden_states): stored in the dtype "
-        "captured (auto), or as fp8 e4m3 with a float32 scale per token and layer (fp8: about "
-        "half the bytes of bf16, a quarter of float32). Read back in the captured dtype.",
-    )
-    model_revision: str = Field(
-        "",
-        pattern=f"^{REVISION_PATTERN}$",
-        description="Names the weights (target and draft) in the namespace; change it whenever "
-        "they change. Unset: a fingerprint of the checkpoints vLLM loaded.",
-    )
     tenant: str = Field(
         "default",
         pattern=f"^{TENANT_PATTERN}$",
@@ -74,32 +67,6 @@ class ConnectorConfig(BaseModel):
     )
     replica_id: str = Field(
         "", description="Replica id (default: dp<data_parallel_index>), for budgets and metrics."
-    )
-    draft_fill: FillPolicy = Field(
-        FillPolicy.PREVIOUS,
-        description="Draft pages of a target hit that the current draft revision has no chunk "
-        "for: previous (the last revision's chunk, zeros where it has none) or zeros.",
-    )
-    draft_check_steps: int = Field(
-        16,
-        ge=0,
-        description="Fingerprint the draft weights every this many steps, to notice a draft "
-        "swap made without kvtier (0: only at start, after reset_cache() and before draft "
-        "transfers).",
-    )
-    draft_check_transfers: bool = Field(
-        True,
-        description="Fingerprint the draft weights before every step that loads or stores "
-        "draft chunks, so that none is used under the wrong draft revision.",
-    )
-    window_checkpoint_tokens: int = Field(
-        0,
-        ge=0,
-        description="Hybrid models: also store the sliding window before every multiple of "
-        "this many tokens (rounded down to whole chunks), so that a prompt sharing only a "
-        "prefix of a stored one (a system prompt) hits at the last such boundary. Each "
-        "boundary costs one window of sliding-window chunks; 0: only the window before the "
-        "end of each prompt's hit.",
     )
     promote_wait_ms: int = Field(
         1000,
@@ -184,10 +151,59 @@ class ConnectorConfig(BaseModel):
         )
 
 
-def parse(extra: dict[str, Any] | None) -> ConnectorConfig:
+class ConnectorConfig(TiersConfig):
+    """``kv_connector_extra_config`` of `KVTierConnector`."""
+
+    blocks_per_chunk: int = Field(1, ge=1, description="vLLM blocks per stored chunk.")
+    hidden_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="Captured hidden states (extract_hidden_states): stored in the dtype "
+        "captured (auto), or as fp8 e4m3 with a float32 scale per token and layer (fp8: about "
+        "half the bytes of bf16, a quarter of float32). Read back in the captured dtype.",
+    )
+    model_revision: str = Field(
+        "",
+        pattern=f"^{REVISION_PATTERN}$",
+        description="Names the weights (target and draft) in the namespace; change it whenever "
+        "they change. Unset: a fingerprint of the checkpoints vLLM loaded.",
+    )
+    draft_fill: FillPolicy = Field(
+        FillPolicy.PREVIOUS,
+        description="Draft pages of a target hit that the current draft revision has no chunk "
+        "for: previous (the last revision's chunk, zeros where it has none) or zeros.",
+    )
+    draft_check_steps: int = Field(
+        16,
+        ge=0,
+        description="Fingerprint the draft weights every this many steps, to notice a draft "
+        "swap made without kvtier (0: only at start, after reset_cache() and before draft "
+        "transfers).",
+    )
+    draft_check_transfers: bool = Field(
+        True,
+        description="Fingerprint the draft weights before every step that loads or stores "
+        "draft chunks, so that none is used under the wrong draft revision.",
+    )
+    window_checkpoint_tokens: int = Field(
+        0,
+        ge=0,
+        description="Hybrid models: also store the sliding window before every multiple of "
+        "this many tokens (rounded down to whole chunks), so that a prompt sharing only a "
+        "prefix of a stored one (a system prompt) hits at the last such boundary. Each "
+        "boundary costs one window of sliding-window chunks; 0: only the window before the "
+        "end of each prompt's hit.",
+    )
+
+
+def parse_section(model: type[Settings], extra: dict[str, Any] | None, section: str) -> Settings:
+    """``extra`` validated as ``model``; a `ConfigError` names ``section``'s first bad key."""
     try:
-        return ConnectorConfig.model_validate(extra or {})
+        return model.model_validate(extra or {})
     except ValidationError as exc:
         first = exc.errors()[0]
         key = ".".join(str(p) for p in first["loc"]) or "<root>"
-        raise ConfigError(f"kv_connector_extra_config.{key}", first["msg"]) from exc
+        raise ConfigError(f"{section}.{key}", first["msg"]) from exc
+
+
+def parse(extra: dict[str, Any] | None) -> ConnectorConfig:
+    return parse_section(ConnectorConfig, extra, "kv_connector_extra_config")

@@ -15,26 +15,38 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier.client import InProcessClient, embedded
 from kvtier.core.config import DemoteMode, load_config
 from kvtier.core.errors import KVTierError, PoolLayoutError
-from kvtier.core.keys import Pool
+from kvtier.core.keys import NamespaceSpec, Pool
 from kvtier.core.protocol import TierClient
 from kvtier.rpc import GrpcTierClient
-from kvtier_vllm.config import ConnectorConfig, Mode
+from kvtier_vllm.config import Mode, TiersConfig
 from kvtier_vllm.draft import DraftTracker
 from kvtier_vllm.events import KVEventFeed
-from kvtier_vllm.layout import PoolPlan
 
 log = logging.getLogger(__name__)
+
+
+class Registered(Protocol):
+    """A pool a session registers (`layout.PoolPlan`, or the encoder cache's)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def pool(self) -> Pool: ...
+    @property
+    def spec(self) -> NamespaceSpec: ...
+    @property
+    def chunk_bytes(self) -> int: ...
 
 RECONNECT_S = 5
 _WRITE_TXN_BYTES = 16 << 20  # per lmdb transaction: a request arriving mid-write waits for one
 
 
-def open_client(cfg: ConnectorConfig, replica: str, chunk_bytes: int = 0) -> TierClient:
+def open_client(cfg: TiersConfig, replica: str, chunk_bytes: int = 0) -> TierClient:
     if cfg.mode is Mode.SIDECAR:
         socket = cfg.socket_path or load_config(cfg.kvtier_config).server.socket_path
         return GrpcTierClient(socket, replica, deadlines=cfg.deadlines())
@@ -105,9 +117,9 @@ class Session:
 
     def __init__(
         self,
-        cfg: ConnectorConfig,
+        cfg: TiersConfig,
         replica: str,
-        plans: Sequence[PoolPlan],
+        plans: Sequence[Registered],
         namespaces: dict[str, bytes],
         on_exit: Callable[[], None],
         draft: DraftTracker | None = None,

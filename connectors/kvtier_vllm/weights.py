@@ -147,20 +147,20 @@ def checkpoint_files(path: Path, *, code: bool = False) -> Checkpoint:
 # -- what else decides the values -----------------------------------------------------------
 
 
-def _plain(value: Any) -> Any:
+def plain_json(value: Any) -> Any:
     """``value`` as JSON types, the same in every process (no object addresses)."""
     if value is None or isinstance(value, str | int | float | bool):
         return value
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain_json(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
-        items = [_plain(v) for v in value]
+        items = [plain_json(v) for v in value]
         return sorted(items, key=repr) if isinstance(value, set | frozenset) else items
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _plain(dataclasses.asdict(value))
+        return plain_json(dataclasses.asdict(value))
     for method in ("to_dict", "model_dump"):
         if callable(getattr(value, method, None)):
-            return _plain(getattr(value, method)())
+            return plain_json(getattr(value, method)())
     if callable(value):
         return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
     return str(value) if " at 0x" not in repr(value) else type(value).__qualname__
@@ -171,19 +171,19 @@ def settings_of(model_config: Any, load_config: Any) -> dict[str, Any]:
     hf_config = getattr(model_config, "hf_config", None)
     return {
         "quantization": getattr(model_config, "quantization", None),
-        "quantization_config": _plain(getattr(model_config, "quantization_config", None)),
-        "hf_quantization_config": _plain(getattr(hf_config, "quantization_config", None)),
+        "quantization_config": plain_json(getattr(model_config, "quantization_config", None)),
+        "hf_quantization_config": plain_json(getattr(hf_config, "quantization_config", None)),
         "dtype": str(getattr(model_config, "dtype", "")),
         "load_format": str(getattr(load_config, "load_format", "auto")),
-        "hf_overrides": _plain(getattr(model_config, "hf_overrides", None)),
-        "model_class_overrides": _plain(getattr(model_config, "model_class_overrides", None)),
+        "hf_overrides": plain_json(getattr(model_config, "hf_overrides", None)),
+        "model_class_overrides": plain_json(getattr(model_config, "model_class_overrides", None)),
     }
 
 
 # -- reading ----------------------------------------------------------------------------------
 
 
-def _read(fd: int, offset: int, length: int) -> bytes:
+def read_exact(fd: int, offset: int, length: int) -> bytes:
     out = bytearray()
     while len(out) < length:
         got = os.pread(fd, length - len(out), offset + len(out))
@@ -220,10 +220,10 @@ def _safetensors_parts(fd: int, size: int) -> tuple[bytes, list[tuple[int, int]]
     """The header and every tensor's (offset, length), or None if not a safetensors file."""
     if size < 8:
         return None
-    (length,) = struct.unpack("<Q", _read(fd, 0, 8))
+    (length,) = struct.unpack("<Q", read_exact(fd, 0, 8))
     if not 2 <= length <= min(_SAFETENSORS_HEADER_MAX, size - 8):
         return None
-    header = _read(fd, 8, length)
+    header = read_exact(fd, 8, length)
     try:
         entries = json.loads(header)
     except ValueError:
@@ -273,7 +273,7 @@ def _file_digest(path: Path, tensors_most: int) -> tuple[bytes, int]:
                 spots += [_middle(*r) for r in _pick(regions, tensors_most)]
         for offset, length in spots:
             digest.update(struct.pack("<QQ", offset, length))
-            digest.update(_read(fd, offset, length))
+            digest.update(read_exact(fd, offset, length))
             read += length
     return digest.digest(), read
 
@@ -300,7 +300,7 @@ def fingerprint(checkpoint: Checkpoint, settings: Mapping[str, Any] | None = Non
 def _fingerprint(checkpoint: Checkpoint, settings: Mapping[str, Any]) -> tuple[str, int]:
     digest = hashlib.blake2b(digest_size=16)
     digest.update(b"kvtier-weights-1;")
-    digest.update(json.dumps(_plain(settings), sort_keys=True).encode() + b";")
+    digest.update(json.dumps(plain_json(settings), sort_keys=True).encode() + b";")
     read = 0
     try:
         for path in checkpoint.configs:
@@ -350,7 +350,7 @@ def weights_fingerprint(model_config: Any, load_config: Any) -> str:
     checkpoint = checkpoint_files(path, code=bool(getattr(model_config, "trust_remote_code", 0)))
     settings = settings_of(model_config, load_config)
     try:
-        key = (json.dumps(_plain(settings), sort_keys=True), _state(checkpoint))
+        key = (json.dumps(plain_json(settings), sort_keys=True), _state(checkpoint))
     except OSError as exc:
         raise WeightsUnknownError(f"cannot read the checkpoint at {path}: {exc}") from exc
     with _lock:

@@ -41,7 +41,7 @@ _BODY = struct.Struct(f"<4sHH{NAMESPACE_BYTES}sBB2x{MAX_CHUNK_HASH_BYTES}s16sIII
 _TAIL = struct.Struct("<Q")
 HEADER_SIZE = _BODY.size + _TAIL.size
 _PIECE = 256 << 10  # copy-and-hash granule of decode_into; fits L2
-_POOL_CODES = {Pool.TARGET: 0, Pool.DRAFT: 1, Pool.HIDDEN: 2}
+_POOL_CODES = {Pool.TARGET: 0, Pool.DRAFT: 1, Pool.HIDDEN: 2, Pool.ENCODER: 3}
 _POOLS_BY_CODE = {code: pool for pool, code in _POOL_CODES.items()}
 
 

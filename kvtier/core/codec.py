@@ -25,6 +25,7 @@ _POOLS = {
     tier_pb2.POOL_TARGET: Pool.TARGET,
     tier_pb2.POOL_DRAFT: Pool.DRAFT,
     tier_pb2.POOL_HIDDEN: Pool.HIDDEN,
+    tier_pb2.POOL_ENCODER: Pool.ENCODER,
 }
 _POOL_CODES = {pool: code for code, pool in _POOLS.items()}
 _TIER_CODES = {code.tier: tier_pb2.Tier.ValueType(code) for code in TierCode}
@@ -61,7 +62,9 @@ def spec_to(spec: NamespaceSpec) -> tier_pb2.NamespaceSpec:
 def spec_from(pb: tier_pb2.NamespaceSpec) -> NamespaceSpec:
     """Raises `InvalidRequestError`, naming the field, for a spec `NamespaceSpec` refuses."""
     if pb.pool not in _POOLS:
-        raise InvalidRequestError("pool must be POOL_TARGET, POOL_DRAFT or POOL_HIDDEN")
+        raise InvalidRequestError(
+            "pool must be POOL_TARGET, POOL_DRAFT, POOL_HIDDEN or POOL_ENCODER"
+        )
     layout = pb.layout
     try:
         return NamespaceSpec(

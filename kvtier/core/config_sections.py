@@ -57,6 +57,7 @@ def _default_pools() -> dict[str, PoolConfig]:
         "target": PoolConfig(),
         "draft": PoolConfig(max_share=0.5),
         "hidden": PoolConfig(max_share=0.25),
+        "encoder": PoolConfig(max_share=0.25),
     }
 
 

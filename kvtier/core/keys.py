@@ -82,6 +82,8 @@ class Pool(enum.StrEnum):
     DRAFT = "draft"
     HIDDEN = "hidden"
     """Hidden states an engine captures for draft training (not attention KV)."""
+    ENCODER = "encoder"
+    """A multimodal encoder's outputs, per item (`kvtier.core.encoder`)."""
 
 
 @dataclass(frozen=True, slots=True)

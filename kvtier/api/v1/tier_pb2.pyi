@@ -32,6 +32,7 @@ class _PoolEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Pool.ValueType],
     POOL_TARGET: _Pool.ValueType  # 1
     POOL_DRAFT: _Pool.ValueType  # 2
     POOL_HIDDEN: _Pool.ValueType  # 3
+    POOL_ENCODER: _Pool.ValueType  # 4
 
 class Pool(_Pool, metaclass=_PoolEnumTypeWrapper): ...
 
@@ -39,6 +40,7 @@ POOL_UNSPECIFIED: Pool.ValueType  # 0
 POOL_TARGET: Pool.ValueType  # 1
 POOL_DRAFT: Pool.ValueType  # 2
 POOL_HIDDEN: Pool.ValueType  # 3
+POOL_ENCODER: Pool.ValueType  # 4
 Global___Pool: _TypeAlias = Pool  # noqa: Y015
 
 class _Tier:

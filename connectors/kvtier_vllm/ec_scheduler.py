@@ -1,0 +1,385 @@
+"""The encoder-cache connector's scheduler side: which items are loaded from the tiers, which
+are stored, and the leases and reservations behind them.
+
+An item is a hit only when the arena holds every part of it: the parts are leased when vLLM
+asks (`has_cache_item`), so they stay until the workers read them, and given back at the end of
+a step that did not schedule the item. An item only lmdb or the object store holds is promoted
+in the background; its request waits for it (vLLM skips it for the step) up to
+``promote_wait_ms``, since reading a part back takes far less than encoding the item again,
+then runs the encoder. A miss never waits: the arena is read without a call (sidecar) or with a
+function call (embedded), and the slower tiers are asked without waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.core.encoder import PartLayout, item_keys
+from kvtier.core.errors import KVTierError
+from kvtier.core.keys import ChunkKey, NamespaceSpec, Pool, namespace_of
+from kvtier.core.protocol import Answer, LookupResult, SlotRef, TierClient, arena_hit
+from kvtier_vllm.ec_config import EncoderCacheConfig
+from kvtier_vllm.ec_metadata import ECReport, ECStepPlan, ItemSlots
+from kvtier_vllm.session import Session
+
+log = logging.getLogger(__name__)
+
+ARENA, PROMOTING, ABSENT = "arena", "promoting", "absent"
+RETRY_S = 5.0
+"""An item given up on (nowhere, or promoted too slowly) is looked up again after this."""
+MAX_ITEMS = 8192
+"""Items whose keys are remembered (a request asks about its items every step it waits)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderPlan:
+    """The encoder pool of one modality, as a session registers it."""
+
+    key: str
+    spec: NamespaceSpec
+    chunk_bytes: int
+    pool: Pool = Pool.ENCODER
+
+
+@dataclass(slots=True)
+class Item:
+    identifier: str
+    rows: int
+    plan: str
+    keys: list[ChunkKey]
+    layout: PartLayout
+
+
+@dataclass(slots=True)
+class Promotion:
+    deadline: float
+    asked: Answer[LookupResult] | None = None
+
+
+@dataclass
+class ECCounters:
+    """What the scheduler side saw, since the stats last took it."""
+
+    hits: int = 0
+    misses: int = 0
+    promotions: int = 0
+    stores: int = 0
+    sampled: int = 0
+    seen: dict[str, int] = field(default_factory=dict)
+
+
+class EncoderCacheScheduler:
+    def __init__(
+        self,
+        cfg: EncoderCacheConfig,
+        specs: dict[str, NamespaceSpec],
+        replica: str,
+        *,
+        producer: bool,
+        consumer: bool,
+    ) -> None:
+        self.cfg = cfg
+        self.producer = producer
+        self.consumer = consumer
+        self.plans = {
+            modality: EncoderPlan(f"encoder:{modality}", spec, PartLayout.of(spec).part_bytes)
+            for modality, spec in specs.items()
+        }
+        self.namespaces: dict[str, bytes] = {}
+        self.session = Session(cfg, replica, list(self.plans.values()), self.namespaces, self.close)
+        self.counters = ECCounters()
+        self._random = random.Random(cfg.verify_seed)
+        self._items: OrderedDict[str, Item] = OrderedDict()
+        self._promoting: dict[str, Promotion] = {}
+        self._leased: dict[str, ItemSlots] = {}
+        """Hits answered this step, their parts leased."""
+        self._sampled: dict[str, ItemSlots] = {}
+        """Hits served as misses this step, to compare with what the encoder computes."""
+        self._loads: dict[str, ItemSlots] = {}
+        self._stores: dict[str, Item] = {}
+        self._in_flight: dict[str, list[tuple[str, ItemSlots]]] = {}
+        """Per step plan sent (by arena path and identifier): what its report settles."""
+        self._pending: list[tuple[str, ItemSlots]] = []
+        self._readers: dict[str, set[str]] = {}
+        """Requests of each item loaded and not yet reported."""
+        self._unavailable: set[str] = set()
+        self.quarantined: dict[bytes, str] = {}
+        self.session.connect(wait=True)
+
+    # -- the tiers ---------------------------------------------------------------------------
+
+    def client(self) -> TierClient | None:
+        if not self.session.connect():
+            return None
+        client = self.session.client
+        return client if client is not None and client.serving else None
+
+    def _item(self, identifier: str, modality: str, rows: int) -> Item | None:
+        item = self._items.get(identifier)
+        if item is not None and item.rows == rows:
+            self._items.move_to_end(identifier)
+            return item
+        plan = self.plans.get(modality)
+        namespace = self.namespaces.get(plan.key) if plan is not None else None
+        if plan is None or namespace is None or namespace in self.quarantined:
+            return None
+        layout = PartLayout.of(plan.spec)
+        item = Item(
+            identifier, rows, plan.key, item_keys(namespace, identifier, rows, layout), layout
+        )
+        self._items[identifier] = item
+        if len(self._items) > MAX_ITEMS:
+            self._items.popitem(last=False)
+        return item
+
+    def _in_arena(self, client: TierClient, item: Item) -> bool | None:
+        """Whether the arena holds every part; None where only a call can tell."""
+        refs = client.in_arena(item.keys)
+        if refs is None:
+            return None
+        return len(refs) == len(item.keys)
+
+    def _where(self, client: TierClient, item: Item) -> str:
+        """ "arena", "promoting" (the request waits) or "absent" (the encoder runs)."""
+        in_arena = self._in_arena(client, item)
+        if in_arena:
+            self._promoting.pop(item.identifier, None)
+            return ARENA
+        now = time.monotonic()
+        promotion = self._promoting.get(item.identifier)
+        if promotion is not None and now >= promotion.deadline + RETRY_S:
+            promotion = None  # given up on long ago: another engine may have stored it since
+        if promotion is None:
+            promotion = Promotion(now + self.cfg.promote_wait_ms / 1000)
+            promotion.asked = client.lookup_behind(item.keys)
+            self._promoting[item.identifier] = promotion
+            promotion.asked.wait(self.cfg.lookup_wait_ms / 1000)
+        elif now >= promotion.deadline:
+            return ABSENT  # waited long enough: the encoder runs
+        return self._follow(client, item, promotion, embedded=in_arena is None)
+
+    def _follow(self, client: TierClient, item: Item, promotion: Promotion, embedded: bool) -> str:
+        """A lookup of the slower tiers under way, or a promotion: follow it one step."""
+        asked = promotion.asked
+        if asked is None:  # promoting
+            if embedded and arena_hit(client.lookup(item.keys)) == len(item.keys):
+                self._promoting.pop(item.identifier, None)
+                return ARENA
+            return PROMOTING
+        if not asked.done():
+            return PROMOTING
+        found = asked.result()
+        if found.hits < len(item.keys):
+            if found.pending:  # the object store is still being probed
+                promotion.asked = client.lookup_behind(item.keys)
+                return PROMOTING
+            promotion.deadline = time.monotonic()  # nowhere: never waited for again soon
+            return ABSENT
+        if arena_hit(found):
+            self._promoting.pop(item.identifier, None)
+            return ARENA
+        promotion.asked = None
+        client.promote(item.keys)
+        self.counters.promotions += 1
+        return PROMOTING
+
+    # -- vLLM's scheduler hooks --------------------------------------------------------------
+
+    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+        """False while an item of ``request`` is promoted into the arena (vLLM asks again next
+        step); True otherwise."""
+        if not self.consumer:
+            return True
+        client = self.client()
+        if client is None:
+            return True
+        ready = True
+        for index, feature in enumerate(request.mm_features):
+            position = feature.mm_position
+            if position.offset + position.length <= num_computed_tokens:
+                continue  # its KV is there: vLLM runs no encoder for it
+            item = self._item_of(request, index)
+            if item is not None and self._where(client, item) == PROMOTING:
+                ready = False
+        return ready
+
+    def _item_of(self, request: Any, index: int) -> Item | None:
+        feature = request.mm_features[index]
+        if tagged(feature):
+            return None
+        rows = request.get_num_encoder_embeds(index)
+        return self._item(feature.identifier, feature.modality, rows)
+
+    def has_cache_item(self, identifier: str) -> bool:
+        """True only with every part leased: they stay until the workers read them."""
+        if identifier in self._leased:
+            return True
+        item = self._items.get(identifier)
+        client = self.client()
+        if not self.consumer or item is None or client is None:
+            return False
+        if self._in_arena(client, item) is False:
+            self.counters.misses += 1
+            return False
+        try:
+            refs = client.lease(item.keys)
+        except KVTierError as exc:
+            log.warning("kvtier: encoder cache lease failed, the encoder runs: %s", exc)
+            return False
+        granted = [ref for ref in refs if ref is not None]
+        if len(granted) < len(refs):
+            if granted:
+                client.release(granted)
+            self.counters.misses += 1
+            return False
+        slots = ItemSlots(identifier, item.rows, item.layout, tuple(granted))
+        if self._sample():
+            self._sampled[identifier] = slots
+            self.counters.sampled += 1
+            return False
+        self._leased[identifier] = slots
+        self.counters.hits += 1
+        return True
+
+    def _sample(self) -> bool:
+        rate = self.cfg.verify_sample_rate
+        return rate > 0 and self._random.random() < rate
+
+    def update_state_after_alloc(self, request: Any, index: int) -> None:
+        identifier = request.mm_features[index].identifier
+        leased = self._leased.pop(identifier, None)
+        if leased is not None:
+            self._loads[identifier] = leased
+        if identifier in self._loads:
+            self._readers.setdefault(identifier, set()).add(request.request_id)
+        elif self.producer and identifier not in self._sampled:
+            item = self._item_of(request, index)
+            if item is not None:
+                self._stores[identifier] = item
+
+    def build_plan(self) -> ECStepPlan:
+        """This step's plan for the workers; what vLLM asked about and did not schedule is
+        given back."""
+        client = self.session.client
+        unused = [ref for slots in self._leased.values() for ref in slots.refs]
+        self._leased.clear()
+        plan = ECStepPlan(arena_path=str(client.arena_path) if client is not None else "")
+        plan.loads = list(self._loads.values())
+        self._loads.clear()
+        plan.checks = list(self._sampled.values())
+        self._sampled.clear()
+        stores = list(self._stores.values())
+        self._stores.clear()
+        if client is not None:
+            if unused:
+                self._quietly(client.release, unused)
+            if stores:
+                plan.stores = self._reserve(client, stores)
+        self._pending.extend(
+            (kind, slots)
+            for kind, items in (
+                ("load", plan.loads),
+                ("store", plan.stores),
+                ("check", plan.checks),
+            )
+            for slots in items
+        )
+        return plan
+
+    def _reserve(self, client: TierClient, items: list[Item]) -> list[ItemSlots]:
+        """Slots for every part of each item; an item the arena holds already, or has no
+        room for whole, is not stored."""
+        try:
+            refs = client.reserve([key for item in items for key in item.keys])
+        except KVTierError as exc:
+            log.warning("kvtier: encoder outputs not stored this step: %s", exc)
+            return []
+        out, partial, start = [], [], 0
+        for item in items:
+            got = refs[start : start + len(item.keys)]
+            start += len(item.keys)
+            granted = [ref for ref in got if ref is not None]
+            if len(granted) == len(got):
+                out.append(ItemSlots(item.identifier, item.rows, item.layout, tuple(granted)))
+                self.counters.stores += 1
+            else:
+                partial += granted
+        if partial:
+            self._quietly(client.abort, partial)
+        return out
+
+    def settle(self, report: ECReport | None) -> None:
+        """A step's report: commit what was stored, give back what was read, judge samples."""
+        client = self.session.client
+        pending, self._pending = self._pending, []
+        if client is None:
+            return
+        report = report or ECReport()
+        for identifier in report.load_failed:
+            self._unavailable |= self._readers.get(identifier, set())
+        for kind, slots in pending:
+            if kind == "load":
+                self._readers.pop(slots.identifier, None)
+        release: list[SlotRef] = []
+        commit: list[SlotRef] = []
+        abort: list[SlotRef] = []
+        for kind, slots in pending:
+            if kind == "store":
+                (commit if slots.identifier in report.stored else abort).extend(slots.refs)
+            else:
+                release.extend(slots.refs)
+                if kind == "check" and slots.identifier in report.errors:
+                    self._judge(slots, report.errors[slots.identifier])
+        if commit:
+            self._quietly(client.commit, commit)
+        if abort:
+            self._quietly(client.abort, abort)
+        if release:
+            self._quietly(client.release, release)
+
+    def take_unavailable(self) -> set[str]:
+        """Requests an output could not be read for (vLLM fails them: their encoder input is
+        zeros)."""
+        out, self._unavailable = self._unavailable, set()
+        return out
+
+    def _judge(self, slots: ItemSlots, error: float) -> None:
+        if error <= self.cfg.verify_max_error:
+            return
+        namespace = namespace_of(slots.refs[0].key)
+        most = self.cfg.verify_max_error
+        why = f"encoder output {slots.identifier} off by {error:.3g} (max {most})"
+        log.error("kvtier: quarantining encoder namespace %s: %s", namespace.hex(), why)
+        self.quarantined[namespace] = why
+        client = self.session.client
+        if client is not None:
+            self._quietly(lambda: client.quarantine_namespace(namespace, why))
+
+    @staticmethod
+    def _quietly(call: Any, *args: Any) -> None:
+        try:
+            call(*args)
+        except KVTierError as exc:
+            log.warning("kvtier: encoder cache call failed: %s", exc)
+
+    def close(self) -> None:
+        self.session.stop()
+        client = self.session.detach()
+        if client is not None:
+            held = [ref for slots in self._leased.values() for ref in slots.refs]
+            if held:
+                self._quietly(client.release, held)
+            client.close()
+
+
+def tagged(feature: Any) -> bool:
+    """Whether vLLM tagged the item's identifier with a LoRA adapter (``enable_tower_connector_
+    lora``): the output depends on adapter weights named only by the adapter's name, so it is
+    not cached (as the KV connector does for LoRA requests)."""
+    mm_hash = getattr(feature, "mm_hash", None)
+    return mm_hash is not None and feature.identifier != mm_hash
