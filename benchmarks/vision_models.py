@@ -141,9 +141,9 @@ def image_bytes(image: Any) -> bytes:
     return out.getvalue()
 
 
-def image_prompt(question: str) -> str:
-    """A prompt that places one image after ``question``'s text."""
-    return f"{question}{IMAGE_TOKEN}Describe it.{END_TOKEN}"
+def image_prompt(question: str, after: str = "Describe it.") -> str:
+    """A prompt that places one image after ``question``'s text, and ``after`` after it."""
+    return f"{question}{IMAGE_TOKEN}{after}{END_TOKEN}"
 
 
 def processor_settings(path: Path) -> dict[str, Any]:

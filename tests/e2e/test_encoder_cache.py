@@ -1,0 +1,250 @@
+"""KVTierECConnector on a real vLLM engine: a tiny Idefics3 built locally, its encoder outputs
+stored in kvtier's tiers and loaded back by fresh engines, with the greedy outputs of vLLM
+alone.
+
+Each image is asked about after a text the engine has not seen, so no KV covers the image and
+the encoder would run: only the encoder cache spares it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+
+from benchmarks.vision_models import build_idefics3, colour_blocks, image_prompt
+from kvtier.core.blockfmt import peek_header
+from kvtier.core.errors import ConfigError
+from kvtier.core.keys import Pool
+from kvtier.tiers.lmdb_env import DATABASES
+from tests.e2e.conftest import deploy, set_engine_env
+from tests.e2e.models import BLOCK_SIZE, greedy, running_llm
+from tests.e2e.test_connector import embedded_yaml, kvtier_config
+from tests.e2e.test_connector_objstore import node_yaml
+from tests.integration.daemon_harness import DaemonFiles, Processes
+from tests.objstore.fixtures import AwsIrsa
+
+MAX_TOKENS = 8
+MM_LIMITS = {"image": 1}
+Case = tuple[str, int]
+"""A question and the seed of the image asked about after it."""
+
+FIRST: list[Case] = [("Tell me what you see here.", 1), ("A picture:", 2)]
+LATER: list[Case] = [("Something else entirely, please look", 1), ("Again, now", 2)]
+LONG_QUESTION = " ".join(["Look closely at the colours and the shapes in it."] * 8)
+"""Whole blocks of text before the image: their KV is shared by any image after them."""
+ASKED, SWAPPED = (LONG_QUESTION, 1), (LONG_QUESTION, 2)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_idefics3(tmp_path_factory.mktemp("vlm"))
+
+
+@pytest.fixture(scope="module")
+def vlm_other_build(vlm: Path) -> Path:
+    """The same config with other random weights (another encoder)."""
+    return build_idefics3(vlm.parent, seed=1)
+
+
+def request(case: Case) -> dict[str, Any]:
+    """The question, the image, and the question again (text on both sides of the image)."""
+    question, seed = case
+    return {
+        "prompt": image_prompt(question, after=question),
+        "multi_modal_data": {"image": colour_blocks(seed, 96)},
+    }
+
+
+def ask(llm: Any, cases: Sequence[Case]) -> list[list[int]]:
+    """Greedy tokens for each case, one request at a time (each image is new to the request)."""
+    tokens = []
+    for case in cases:
+        out = llm.generate([request(case)], greedy(MAX_TOKENS), use_tqdm=False)
+        tokens.append(list(out[0].outputs[0].token_ids))
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def alone(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[Case, list[int]]:
+    """vLLM alone: every case's tokens."""
+    with pytest.MonkeyPatch.context() as mp:
+        set_engine_env(mp, tmp_path_factory.mktemp("alone"))
+        with running_llm(vlm, limit_mm_per_prompt=MM_LIMITS) as llm:
+            cases = [*FIRST, *LATER, ASKED, SWAPPED]
+            return dict(zip(cases, ask(llm, cases), strict=True))
+
+
+def ec_config(extra: dict[str, Any], role: str = "ec_both") -> dict[str, Any]:
+    return {
+        "ec_connector": "KVTierECConnector",
+        "ec_connector_module_path": "kvtier_vllm.ec_connector",
+        "ec_role": role,
+        "ec_connector_extra_config": extra,
+    }
+
+
+def counters(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler.ec_connector._scheduler.counters
+
+
+def run_engine(
+    model: Path, ec: dict[str, Any], cases: Sequence[Case], **kwargs: Any
+) -> tuple[list[list[int]], Any]:
+    with running_llm(model, limit_mm_per_prompt=MM_LIMITS, ec_transfer_config=ec, **kwargs) as llm:
+        tokens = ask(llm, cases)
+        return tokens, counters(llm)
+
+
+def expected(alone: dict[Case, list[int]], cases: Sequence[Case]) -> list[list[int]]:
+    return [alone[case] for case in cases]
+
+
+@pytest.fixture
+def embedded(tmp_path: Path, shm_path: Path) -> dict[str, Any]:
+    # 4 KiB parts: an output of 16 rows of 128 float32 is two parts
+    return ec_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path)), "part_kib": 4})
+
+
+def test_embedded_a_fresh_engine_loads_what_another_stored(
+    vlm: Path, alone: dict[Case, list[int]], embedded: dict[str, Any]
+) -> None:
+    tokens, seen = run_engine(vlm, embedded, FIRST)
+    assert tokens == expected(alone, FIRST)
+    assert seen.stores == 2
+    assert seen.hits == 0
+    # the arena ended with the engine: its outputs wait in lmdb, promoted while requests wait
+    tokens, seen = run_engine(vlm, embedded, LATER)
+    assert tokens == expected(alone, LATER)
+    assert seen.hits == 2
+    assert seen.promotions == 2
+    assert seen.stores == 0
+
+
+def test_a_corrupt_part_is_never_served(
+    vlm: Path, alone: dict[Case, list[int]], embedded: dict[str, Any], tmp_path: Path
+) -> None:
+    run_engine(vlm, embedded, FIRST[:1])
+    damaged = garble_encoder_chunks(tmp_path / "lmdb")
+    assert damaged == 2  # both parts of the one output
+    tokens, seen = run_engine(vlm, embedded, LATER[:1])
+    assert tokens == expected(alone, LATER[:1])
+    assert seen.hits == 0
+    assert seen.stores == 1
+
+
+def garble_encoder_chunks(path: Path) -> int:
+    """Flip a payload byte of every encoder chunk in lmdb; how many were flipped."""
+    env = lmdb.open(str(path), max_dbs=len(DATABASES))
+    chunks = env.open_db(b"chunks")
+    flipped = 0
+    with env.begin(write=True, db=chunks) as txn:
+        for key, value in list(txn.cursor()):
+            if peek_header(value).pool is not Pool.ENCODER:
+                continue
+            data = bytearray(value)
+            data[-1] ^= 0xFF
+            txn.put(key, bytes(data))
+            flipped += 1
+    env.close()
+    return flipped
+
+
+def test_another_encoder_build_under_the_same_path_misses(
+    vlm: Path, vlm_other_build: Path, embedded: dict[str, Any], tmp_path: Path
+) -> None:
+    served = tmp_path / "served"
+    deploy(vlm, served)
+    run_engine(served, embedded, FIRST[:1])
+    deploy(vlm_other_build, served)
+    _, seen = run_engine(served, embedded, LATER[:1])
+    assert seen.hits == 0
+    assert seen.stores == 1
+
+
+def test_a_second_engine_on_kvtierd_hits_the_first_ones_outputs(
+    vlm: Path, alone: dict[Case, list[int]], procs: Processes, daemon_files: DaemonFiles
+) -> None:
+    procs.start_daemon(daemon_files)
+    sidecar = ec_config(
+        {"mode": "sidecar", "socket_path": str(daemon_files.socket), "part_kib": 64}
+    )
+    tokens, seen = run_engine(vlm, sidecar, FIRST)
+    assert tokens == expected(alone, FIRST)
+    assert seen.stores == 2
+    # the daemon's arena outlived the first engine: straight hits, nothing to promote
+    tokens, seen = run_engine(vlm, sidecar, LATER)
+    assert tokens == expected(alone, LATER)
+    assert seen.hits == 2
+    assert seen.promotions == 0
+
+
+def test_without_kvtierd_the_encoder_runs(
+    vlm: Path, alone: dict[Case, list[int]], daemon_files: DaemonFiles
+) -> None:
+    sidecar = ec_config({"mode": "sidecar", "socket_path": str(daemon_files.socket)})
+    tokens, seen = run_engine(vlm, sidecar, FIRST)
+    assert tokens == expected(alone, FIRST)
+    assert seen.hits == 0
+    assert seen.stores == 0
+
+
+@pytest.mark.slow
+def test_a_node_with_lmdb_wiped_gets_outputs_from_the_object_store(
+    vlm: Path,
+    alone: dict[Case, list[int]],
+    tmp_path: Path,
+    shm_path: Path,
+    s3_store: str,
+    aws_irsa: AwsIrsa,
+) -> None:
+    first = ec_config(
+        {"kvtier_config": str(node_yaml(tmp_path / "a", shm_path, s3_store)), "part_kib": 4}
+    )
+    run_engine(vlm, first, FIRST)
+    shutil.rmtree(tmp_path / "a" / "lmdb")
+    other = ec_config(
+        {"kvtier_config": str(node_yaml(tmp_path / "b", shm_path, s3_store)), "part_kib": 4}
+    )
+    tokens, seen = run_engine(vlm, other, LATER)
+    assert tokens == expected(alone, LATER)
+    assert seen.hits == 2
+    assert seen.promotions == 2
+
+
+def test_the_same_text_with_another_image_never_hits_the_first_images_kv(
+    vlm: Path, tmp_path: Path, shm_path: Path, alone: dict[Case, list[int]]
+) -> None:
+    kv = kvtier_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path))})
+    with running_llm(vlm, limit_mm_per_prompt=MM_LIMITS, kv_transfer_config=kv) as llm:
+        assert ask(llm, [ASKED]) == [alone[ASKED]]
+    for case in (SWAPPED, ASKED):  # a fresh engine each: every hit is kvtier's
+        with running_llm(vlm, limit_mm_per_prompt=MM_LIMITS, kv_transfer_config=kv) as llm:
+            out = llm.generate([request(case)], greedy(MAX_TOKENS), use_tqdm=False)[0]
+            image_token = llm.get_tokenizer().convert_tokens_to_ids("<image>")
+            image_at = out.prompt_token_ids.index(image_token)
+            cached = out.num_cached_tokens or 0
+        assert list(out.outputs[0].token_ids) == alone[case]
+        if case == SWAPPED:  # the text's whole blocks hit, nothing from the image on
+            assert BLOCK_SIZE <= cached <= image_at
+        else:  # the same image: the hit runs past it
+            assert cached > image_at
+
+
+def test_a_wrong_setting_is_named(vlm: Path, tmp_path: Path, shm_path: Path) -> None:
+    bad = ec_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path)), "parts_kib": 4})
+    with pytest.raises(Exception, match=r"ec_connector_extra_config\.parts_kib"):
+        run_engine(vlm, bad, [])
+    with pytest.raises(ValueError, match="ec_sender"):
+        run_engine(vlm, ec_config({}, role="ec_sender"), [])
+
+
+def test_config_errors_are_config_errors() -> None:
+    from kvtier_vllm.ec_config import parse
+
+    with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.part_kib"):
+        parse({"part_kib": 1})
