@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.core.encoder import PartLayout, item_keys
@@ -70,7 +70,7 @@ class ECCounters:
     promotions: int = 0
     stores: int = 0
     sampled: int = 0
-    seen: dict[str, int] = field(default_factory=dict)
+    compared: int = 0
 
 
 class EncoderCacheScheduler:
@@ -334,6 +334,7 @@ class EncoderCacheScheduler:
             else:
                 release.extend(slots.refs)
                 if kind == "check" and slots.identifier in report.errors:
+                    self.counters.compared += 1
                     self._judge(slots, report.errors[slots.identifier])
         if commit:
             self._quietly(client.commit, commit)

@@ -171,5 +171,3 @@ def relative_error(stored: torch.Tensor, computed: Any) -> float:
         return float("inf")
     scale = float(torch.linalg.vector_norm(computed)) or 1.0
     return float(torch.linalg.vector_norm(stored - computed)) / scale
-
-

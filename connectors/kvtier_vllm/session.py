@@ -42,6 +42,7 @@ class Registered(Protocol):
     @property
     def chunk_bytes(self) -> int: ...
 
+
 RECONNECT_S = 5
 _WRITE_TXN_BYTES = 16 << 20  # per lmdb transaction: a request arriving mid-write waits for one
 

@@ -169,13 +169,17 @@ def test_another_encoder_build_under_the_same_path_misses(
 def test_a_second_engine_on_kvtierd_hits_the_first_ones_outputs(
     vlm: Path, alone: dict[Case, list[int]], procs: Processes, daemon_files: DaemonFiles
 ) -> None:
-    procs.start_daemon(daemon_files)
+    daemon = procs.start_daemon(daemon_files)
     sidecar = ec_config(
         {"mode": "sidecar", "socket_path": str(daemon_files.socket), "part_kib": 64}
     )
     tokens, seen = run_engine(vlm, sidecar, FIRST)
     assert tokens == expected(alone, FIRST)
     assert seen.stores == 2
+    # what `kvtier stats` shows: the pool, in the arena
+    (cpu,) = [tier for tier in daemon.stats().tiers if tier.tier == "cpu"]
+    pools = {pool.pool: pool.usage.chunks for pool in cpu.pools}
+    assert pools["encoder"] == 2  # one 64 KiB part per output
     # the daemon's arena outlived the first engine: straight hits, nothing to promote
     tokens, seen = run_engine(vlm, sidecar, LATER)
     assert tokens == expected(alone, LATER)
@@ -248,3 +252,20 @@ def test_config_errors_are_config_errors() -> None:
 
     with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.part_kib"):
         parse({"part_kib": 1})
+
+
+def test_sampled_hits_are_encoded_and_compared(
+    vlm: Path, alone: dict[Case, list[int]], tmp_path: Path, shm_path: Path
+) -> None:
+    path = str(embedded_yaml(tmp_path, shm_path))
+    run_engine(vlm, ec_config({"kvtier_config": path, "part_kib": 4}), FIRST)
+    checked = ec_config({"kvtier_config": path, "part_kib": 4, "verify_sample_rate": 1.0})
+    with running_llm(vlm, limit_mm_per_prompt=MM_LIMITS, ec_transfer_config=checked) as llm:
+        tokens = ask(llm, LATER)
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.ec_connector._scheduler
+        seen, quarantined = scheduler.counters, dict(scheduler.quarantined)
+    assert tokens == expected(alone, LATER)
+    assert seen.sampled == 2  # every hit encoded anyway and compared: the same output
+    assert seen.compared == 2
+    assert seen.hits == 0
+    assert quarantined == {}
