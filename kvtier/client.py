@@ -7,7 +7,9 @@ addresses with the offsets in each `SlotRef`; `ArenaMemory` maps it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar, overload
 
@@ -20,7 +22,14 @@ if TYPE_CHECKING:  # the manager is handed in: importing this module loads no ti
     from kvtier.core.config import KVTierConfig
     from kvtier.tiering.manager import ManagerStats, TierManager
 
-__all__ = ["ArenaAtPath", "ArenaMemory", "InProcessClient", "embedded"]
+__all__ = [
+    "ArenaAtPath",
+    "ArenaMemory",
+    "InProcessClient",
+    "SharedClient",
+    "embedded",
+    "shared_embedded",
+]
 
 T = TypeVar("T")
 
@@ -171,8 +180,55 @@ class InProcessClient:
         self.manager.close()
 
 
+class SharedClient(InProcessClient):
+    """An embedded client over the one tier manager of its arena in this process, which the
+    connectors of one engine share (its KV and its encoder cache): an arena has one owner. The
+    manager closes with the last of its clients."""
+
+    def __init__(self, manager: TierManager, replica: str, arena: Path) -> None:
+        super().__init__(manager, replica)
+        self._arena = arena
+        self._closed = False
+
+    def close(self) -> None:
+        with _shared_lock:
+            if self._closed:
+                return
+            self._closed = True
+            held = _shared[self._arena]
+            held.users -= 1
+            if held.users:
+                return
+            del _shared[self._arena]
+        self.manager.close()
+
+
+@dataclass
+class _Held:
+    manager: TierManager
+    users: int
+
+
+_shared_lock = threading.Lock()
+_shared: dict[Path, _Held] = {}
+
+
 def embedded(config: KVTierConfig, replica: str = "default") -> InProcessClient:
     """Embedded mode: a client over a tier manager of its own, opened from ``config``."""
     from kvtier.tiering.manager import TierManager  # here: importing this module loads no tier
 
     return InProcessClient(TierManager(config), replica)
+
+
+def shared_embedded(config: KVTierConfig, replica: str = "default") -> SharedClient:
+    """Embedded mode: a client over this process's tier manager of ``config``'s arena, opened
+    from ``config`` by the first caller (later callers' other settings are not applied)."""
+    from kvtier.tiering.manager import TierManager
+
+    arena = config.arena.path.resolve()
+    with _shared_lock:
+        held = _shared.get(arena)
+        if held is None:
+            held = _shared[arena] = _Held(TierManager(config), 0)
+        held.users += 1
+        return SharedClient(held.manager, replica, arena)

@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvtier.client import InProcessClient, embedded
+from kvtier.client import InProcessClient, shared_embedded
 from kvtier.core.config import DemoteMode, load_config
 from kvtier.core.errors import KVTierError, PoolLayoutError
 from kvtier.core.keys import NamespaceSpec, Pool
@@ -65,7 +65,7 @@ def open_client(cfg: TiersConfig, replica: str, chunk_bytes: int = 0) -> TierCli
     if update:
         manager = config.manager.model_copy(update=update)
         config = config.model_copy(update={"manager": manager})
-    return embedded(config, replica)
+    return shared_embedded(config, replica)  # the engine's other connector may hold it
 
 
 class IdleWriter:

@@ -269,3 +269,20 @@ def test_sampled_hits_are_encoded_and_compared(
     assert seen.compared == 2
     assert seen.hits == 0
     assert quarantined == {}
+
+
+def test_both_connectors_embedded_share_one_arena(
+    vlm: Path, alone: dict[Case, list[int]], tmp_path: Path, shm_path: Path
+) -> None:
+    path = str(embedded_yaml(tmp_path, shm_path))
+    both = {
+        "kv_transfer_config": kvtier_config({"kvtier_config": path}),
+        "ec_transfer_config": ec_config({"kvtier_config": path, "part_kib": 4}),
+    }
+    for cases, stores in ((FIRST, 2), (LATER, 0)):
+        with running_llm(vlm, limit_mm_per_prompt=MM_LIMITS, **both) as llm:
+            tokens = ask(llm, cases)
+            seen = counters(llm)
+        assert tokens == expected(alone, cases)
+        assert seen.stores == stores
+    assert seen.hits == 2  # the encoder cache's tiers opened beside the KV connector's
