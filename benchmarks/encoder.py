@@ -7,35 +7,37 @@ The model is a random-weight Idefics3 built locally into ``--cache-dir``
 (benchmarks/vision_models.py, ``BENCHMARK_VISION``: a 448-pixel, 6-layer vision tower of hidden
 384 whose 256 output rows feed a 2-layer text model of hidden 128, fp32); nothing is downloaded.
 Every engine is an in-process, eager vLLM engine with prefix caching on, shut down before the
-next one starts. A TTFT is the wall time of one ``llm.generate()`` of one request with
-``max_tokens=1``. Each request puts one image after a question no other request asks (a number
-and eight words), so vLLM's prefix cache never covers the image's tokens; before every request
-vLLM's multimodal processor cache is emptied (``reset_mm_cache``), so that every case pays the
-same image preprocessing, in fresh engines as in warm ones. Every engine serves two untimed
-warm-up images down the same path as its timed ones first.
+next one starts (two cannot share a process: vLLM's worker-side encoder connector is global). A
+TTFT is the wall time of one ``llm.generate()`` of one request with ``max_tokens=1``. Each
+request puts one image after a question no other request asked (a number and eight words), so
+vLLM's prefix cache never covers the image's tokens; before each one vLLM's multimodal processor
+cache is emptied (``reset_mm_cache``), so that every case pays the same image preprocessing, in
+fresh engines as in warm ones. Each engine's first two images are an untimed warm-up down the
+path of its timed ones.
 
 - ``encoder_run``: no connector, an image new to the engine: the encoder runs.
 - ``in_engine_hit``: right after, the same image again in that engine: vLLM's own encoder cache
   (the floor). ``encoder_share``: the median over images of (encoder_run - in_engine_hit) /
-  encoder_run, both requests of the same length with the same preprocessing: the encoder's part
-  of a cold TTFT, which must be at least 0.5 for the other figures to mean anything.
+  encoder_run, two requests alike but for the encoder: its part of a cold TTFT, which must be at
+  least 0.5 for the other figures to mean anything.
 - ``kvtier_miss``: kvtier embedded (arena and lmdb in the engine process), an image it never
-  saw: the encoder runs and its output is stored. Against ``encoder_run`` (the same images).
+  saw: the encoder runs and its output is stored. Against ``encoder_run``.
 - ``kvtier_arena_hit``: right after each miss, in that engine, vLLM's encoder cache emptied
   (``reset_encoder_cache``), the same image again: served from kvtier's arena. Embedded mode
   keeps this to one engine; a fresh engine would need kvtierd in sidecar mode, and the load is
   the same read of arena slots either way.
-- ``kvtier_lmdb_cold_hit``: a fresh embedded engine on the same lmdb (the previous engine wrote
-  its arena there when it shut down) and a new arena; before each request the page cache is
+- ``kvtier_lmdb_cold_hit``: a fresh embedded engine with a new arena on the lmdb the last
+  kvtier engine wrote its arena to as it shut down; before each request the page cache is
   dropped (``/proc/sys/vm/drop_caches`` where writable, else ``posix_fadvise(DONTNEED)`` on every
-  lmdb file), each image once: kvtier promotes it from lmdb, then loads it.
-- ``example_connector_hit``: ``ECExampleConnector``; one engine stores the images, a fresh one
-  loads them from its files (in the page cache), vLLM's encoder cache emptied before each.
+  lmdb file): kvtier promotes the image's output from lmdb, then loads it.
+- ``example_connector_hit``: ``ECExampleConnector``; one engine stores the images first, then
+  fresh ones load them from its files (in the page cache), vLLM's encoder cache emptied first.
 
-Each sample's path is checked: no prefix-cache tokens, a new entry in vLLM's encoder cache for
-a run and none for an in-engine hit, kvtier's scheduler counters for its cases (a hit, and a
-promotion for lmdb), ``has_cache_item`` answers for ECExampleConnector. The targets are ratios
-of medians; missing one is printed, never an error.
+The machine is noisy, so the four timed engines run in passes, every other pass in reverse order
+(ABBA), each on new images. Each sample's path is checked: no prefix-cache tokens, a new entry in
+vLLM's encoder cache for a run and none for an in-engine hit, kvtier's scheduler counters for
+its cases (a hit, and a promotion for lmdb), ``has_cache_item`` answers for ECExampleConnector.
+The targets are ratios of medians; missing one is printed, never an error.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from typing import Any
 
 import yaml
 from common import no_gc
-from engine import PAGE, KiB, drop_page_cache, median, resident
+from engine import PAGE, CpuShare, KiB, drop_page_cache, median, resident
 
 ROOT = Path(__file__).resolve().parents[1]
 for _path in (ROOT, ROOT / "connectors"):
@@ -76,7 +78,8 @@ log = logging.getLogger("kvtier.bench")
 VISION = vision.BENCHMARK_VISION
 SIDE = VISION.image_size  # the processor keeps it as it is
 MAX_MODEL_LEN = 4096
-WARMUPS = (10_001, 10_002)
+WARMUP = 2
+"""Untimed requests that start each engine."""
 QUESTION_WORDS = 8
 MIN_ENCODER_SHARE = 0.5
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
@@ -104,13 +107,12 @@ TARGETS: dict[str, tuple[str, str, float]] = {
 class Mode:
     name: str
     images: int
-    """Images of ECExampleConnector's case, each loaded once a round."""
-    rounds: int
-    """New images for the other cases: ``images * rounds``, each once."""
+    """Timed images of each engine."""
+    passes: int
 
 
-QUICK = Mode("quick", 4, 2)
-FULL = Mode("full", 6, 4)
+QUICK = Mode("quick", 5, 2)
+FULL = Mode("full", 8, 4)
 
 
 def p90(values: list[float]) -> float:
@@ -199,8 +201,9 @@ class Bench:
         self.storage.mkdir()
         self.shm_prefix = f"/dev/shm/kvtier-encoder-{os.getpid()}"
         self.shm_paths: list[Path] = []
-        self.seeds = list(range(1, mode.images * mode.rounds + 1))
-        self.images = {s: vision.colour_blocks(s, SIDE) for s in (*WARMUPS, *self.seeds)}
+        self.seed = 0
+        self.in_lmdb: list[int] = []
+        self.in_files: list[int] = []
         self.sentences = models.english_like_text(2000, seed=23)
         self.asked = 0
         self.cases = {name: Case(name) for name in CASES}
@@ -209,6 +212,11 @@ class Bench:
         self.drop_method = ""
         self.read_in: list[int] = []
         self.resident_before: list[float] = []
+
+    def new_images(self) -> list[int]:
+        """Seeds of images no engine saw yet, enough for one engine."""
+        self.seed += WARMUP + self.mode.images
+        return list(range(self.seed - WARMUP - self.mode.images, self.seed))
 
     def question(self) -> str:
         """A question no earlier request asked: its first tokens already differ."""
@@ -268,7 +276,7 @@ class Bench:
             llm.llm_engine.reset_encoder_cache()
         request = {
             "prompt": vision.image_prompt(self.question()),
-            "multi_modal_data": {"image": self.images[seed]},
+            "multi_modal_data": {"image": vision.colour_blocks(seed, SIDE)},
         }
         params = models.greedy(1)
         with no_gc():
@@ -279,81 +287,81 @@ class Bench:
 
     # -- cases ------------------------------------------------------------------------------
 
-    def case_vllm(self) -> None:
+    def vllm_alone(self) -> None:
         run, hit = self.cases["encoder_run"], self.cases["in_engine_hit"]
         with self.engine() as llm:
-            for seed in WARMUPS:
-                self.ask(llm, seed)
-                self.ask(llm, seed)
-            for seed in self.seeds:
+            for k, seed in enumerate(self.new_images()):
                 before = encoder_entries(llm)
                 cold_ms, cached = self.ask(llm, seed)
                 ran = encoder_entries(llm) - before
-                run.add(cold_ms, cached == 0 and len(ran) == 1)
-                before = encoder_entries(llm)
-                hit_ms, cached = self.ask(llm, seed)
-                hit.add(hit_ms, cached == 0 and not encoder_entries(llm) - before)
-                self.shares.append((cold_ms - hit_ms) / cold_ms)
+                hit_ms, hit_cached = self.ask(llm, seed)
+                if k >= WARMUP:
+                    run.add(cold_ms, cached == 0 and len(ran) == 1)
+                    hit.add(hit_ms, hit_cached == 0 and not encoder_entries(llm) - before - ran)
+                    self.shares.append((cold_ms - hit_ms) / cold_ms)
 
-    def case_kvtier(self) -> None:
+    def kvtier_store(self) -> None:
         miss, arena = self.cases["kvtier_miss"], self.cases["kvtier_arena_hit"]
-        with self.engine(self.kvtier("store")) as llm:
-            for seed in WARMUPS:
-                self.ask(llm, seed)
-                self.ask(llm, seed, forget=True)
-            for seed in self.seeds:
+        self.in_lmdb = self.new_images()
+        with self.engine(self.kvtier(f"store{self.seed}")) as llm:
+            for k, seed in enumerate(self.in_lmdb):
                 hits, _, stores = kvtier_counters(llm)
-                ms, cached = self.ask(llm, seed)
+                miss_ms, cached = self.ask(llm, seed)
                 after = kvtier_counters(llm)
-                miss.add(ms, cached == 0 and after[0] == hits and after[2] > stores)
-                ms, cached = self.ask(llm, seed, forget=True)
+                hit_ms, hit_cached = self.ask(llm, seed, forget=True)
                 again = kvtier_counters(llm)
-                arena.add(ms, cached == 0 and again[0] > after[0] and again[1] == after[1])
-        # the engine wrote its arena to lmdb as it shut down
-        lmdb = self.cases["kvtier_lmdb_cold_hit"]
-        with self.engine(self.kvtier("load")) as llm:
-            for seed in WARMUPS:
-                self.ask(llm, seed)
-            files = sorted(p for p in self.lmdb.rglob("*") if p.is_file())
-            for seed in self.seeds:
+                if k >= WARMUP:
+                    miss.add(miss_ms, cached == 0 and after[0] == hits and after[2] > stores)
+                    ok = hit_cached == 0 and again[0] > after[0] and again[1] == after[1]
+                    arena.add(hit_ms, ok)
+        # the arena went to lmdb as the engine shut down
+
+    def lmdb_load(self) -> None:
+        case = self.cases["kvtier_lmdb_cold_hit"]
+        files = sorted(p for p in self.lmdb.rglob("*") if p.is_file())
+        with self.engine(self.kvtier(f"load{self.seed}-{len(case.ms)}")) as llm:
+            for k, seed in enumerate(self.in_lmdb):
                 self.drop_method = drop_files(files)
                 in_cache, pages = resident(files)
                 hits, promotions, _ = kvtier_counters(llm)
                 ms, cached = self.ask(llm, seed, forget=True)
                 now = kvtier_counters(llm)
-                lmdb.add(ms, cached == 0 and now[0] > hits and now[1] > promotions)
-                self.resident_before.append(in_cache / pages if pages else 0.0)
-                self.read_in.append(max(0, resident(files)[0] - in_cache) * PAGE)
+                if k >= WARMUP:
+                    case.add(ms, cached == 0 and now[0] > hits and now[1] > promotions)
+                    self.resident_before.append(in_cache / pages if pages else 0.0)
+                    self.read_in.append(max(0, resident(files)[0] - in_cache) * PAGE)
 
-    def case_example(self) -> None:
-        case = self.cases["example_connector_hit"]
-        stored = self.seeds[: self.mode.images]
+    def example_store(self) -> None:
+        self.in_files = self.new_images()
         with self.engine(self.example()) as llm:
-            for seed in (*WARMUPS, *stored):
+            for seed in self.in_files:
                 self.ask(llm, seed)
+
+    def example_load(self) -> None:
+        case = self.cases["example_connector_hit"]
         with self.engine(self.example()) as llm:
             found = count_found(llm)
-            for seed in WARMUPS:
-                self.ask(llm, seed, forget=True)
-            for _ in range(self.mode.rounds):
-                for seed in stored:
-                    before = found[0]
-                    ms, cached = self.ask(llm, seed, forget=True)
+            for k, seed in enumerate(self.in_files):
+                before = found[0]
+                ms, cached = self.ask(llm, seed, forget=True)
+                if k >= WARMUP:
                     case.add(ms, cached == 0 and found[0] > before)
 
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
-        self.case_vllm()
-        self.case_kvtier()
-        self.case_example()
+        others = CpuShare()
+        self.example_store()
+        order = [self.vllm_alone, self.kvtier_store, self.lmdb_load, self.example_load]
+        for n in range(self.mode.passes):
+            for case in order if n % 2 == 0 else order[::-1]:
+                case()
         cases = {name: case.summary() for name, case in self.cases.items()}
         result: dict[str, Any] = {
             "mode": self.mode.name,
             "model": self.model.name,
             "encoder_rows": VISION.embeds,
-            "images": len(self.seeds),
-            "example_connector_images": self.mode.images,
-            "rounds": self.mode.rounds,
+            "images_per_engine": self.mode.images,
+            "passes": self.mode.passes,
             "cases": cases,
             "encoder_share": median(self.shares),
             "encoder_share_each": [round(s, 3) for s in self.shares],
@@ -363,6 +371,7 @@ class Bench:
             "lmdb_resident_before_load": [round(r, 4) for r in self.resident_before],
             "engine_start_s": [round(s, 2) for s in self.engine_starts],
             "elapsed_s": round(time.perf_counter() - started, 1),
+            "other_processes_cpu_share": round(others.others(), 3),
         }
         for key, (num, den, _) in TARGETS.items():
             result[key] = cases[num]["median_ms"] / cases[den]["median_ms"]
@@ -381,9 +390,8 @@ class Bench:
 def table(result: dict[str, Any]) -> str:
     lines = [
         f"kvtier encoder cache TTFT, {result['mode']} mode: {result['model']} "
-        f"({result['encoder_rows']} encoder rows an image), {result['images']} new images "
-        f"(ECExampleConnector: {result['example_connector_images']} x {result['rounds']} "
-        "rounds), ms",
+        f"({result['encoder_rows']} encoder rows an image), {result['passes']} passes of "
+        f"{result['images_per_engine']} images an engine, ms",
         f"{'case':26}{'median':>9}{'p90':>9}{'n':>4}  path",
         "-" * 56,
     ]
@@ -409,8 +417,10 @@ def table(result: dict[str, Any]) -> str:
         f"{median(result['lmdb_resident_before_load']):.1%} (median)"
     )
     starts = result["engine_start_s"]
+    other = result["other_processes_cpu_share"]
     lines.append(
-        f"engines: {len(starts)}, start {median(starts):.1f} s median; "
+        f"engines: {len(starts)}, start {median(starts):.1f} s median; other processes used "
+        f"{other:.0%} of the CPUs{' (figures disturbed)' if other > 0.1 else ''}; "
         f"elapsed: {result['elapsed_s']:.1f} s"
     )
     return "\n".join(lines)
@@ -418,7 +428,7 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer images and rounds")
+    parser.add_argument("--quick", action="store_true", help="fewer images and passes")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument(
         "--cache-dir",

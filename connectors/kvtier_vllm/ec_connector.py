@@ -19,10 +19,14 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
     ECConnectorWorkerMetadata,
 )
+from vllm.distributed.ec_transfer.ec_connector.metrics import (
+    ECConnectorPromMetrics,
+    ECConnectorStats,
+)
 
-from kvtier.core.errors import ConfigError
 from kvtier_vllm.ec_config import parse
 from kvtier_vllm.ec_metadata import ECReport, ECStepPlan
+from kvtier_vllm.ec_stats import Deltas, KVTierECPromMetrics, KVTierECStats
 from kvtier_vllm.guard import contained
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,7 @@ class KVTierECConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         transfer = vllm_config.ec_transfer_config
         cfg = parse(transfer.ec_connector_extra_config)
+        self._deltas = Deltas()
         if role == ECConnectorRole.SCHEDULER:
             from kvtier_vllm.ec_identity import encoder_specs
             from kvtier_vllm.ec_scheduler import EncoderCacheScheduler
@@ -108,6 +113,26 @@ class KVTierECConnector(ECConnectorBase):
         report = meta.report if isinstance(meta, KVTierECReport) else None
         contained("ec_update_connector_output", lambda: scheduler.settle(report), _nothing)
 
+    def get_ec_connector_stats(self) -> ECConnectorStats | None:
+        scheduler = self._scheduler
+        if scheduler is None:
+            return None  # the scheduler side reports the workers' figures too
+        return self._deltas.take(scheduler.counters)
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECConnectorStats:
+        return KVTierECStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> ECConnectorPromMetrics:
+        return KVTierECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def take_unavailable_requests(self) -> set[str]:
         scheduler = self._scheduler
         return scheduler.take_unavailable() if scheduler is not None else set()
@@ -153,4 +178,3 @@ def _nothing() -> None:
     return None
 
 
-__all__ = ["ConfigError", "KVTierECConnector"]

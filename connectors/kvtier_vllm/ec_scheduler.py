@@ -63,14 +63,23 @@ class Promotion:
 
 @dataclass
 class ECCounters:
-    """What the scheduler side saw, since the stats last took it."""
+    """What the connector saw since it started; the workers' part comes in their reports."""
 
     hits: int = 0
     misses: int = 0
     promotions: int = 0
     stores: int = 0
+    """Items whose parts were reserved, to be written once encoded."""
     sampled: int = 0
     compared: int = 0
+    mismatched: int = 0
+    load_failed: int = 0
+    loaded_bytes: int = 0
+    stored_bytes: int = 0
+    load_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(vars(self))
 
 
 class EncoderCacheScheduler:
@@ -315,16 +324,20 @@ class EncoderCacheScheduler:
 
     def settle(self, report: ECReport | None) -> None:
         """A step's report: commit what was stored, give back what was read, judge samples."""
-        client = self.session.client
         pending, self._pending = self._pending, []
-        if client is None:
-            return
         report = report or ECReport()
+        self.counters.loaded_bytes += report.loaded_bytes
+        self.counters.stored_bytes += report.stored_bytes
+        self.counters.load_seconds += report.load_seconds
+        self.counters.load_failed += len(report.load_failed)
         for identifier in report.load_failed:
             self._unavailable |= self._readers.get(identifier, set())
         for kind, slots in pending:
             if kind == "load":
                 self._readers.pop(slots.identifier, None)
+        client = self.session.client
+        if client is None:
+            return
         release: list[SlotRef] = []
         commit: list[SlotRef] = []
         abort: list[SlotRef] = []
@@ -352,6 +365,7 @@ class EncoderCacheScheduler:
     def _judge(self, slots: ItemSlots, error: float) -> None:
         if error <= self.cfg.verify_max_error:
             return
+        self.counters.mismatched += 1
         namespace = namespace_of(slots.refs[0].key)
         most = self.cfg.verify_max_error
         why = f"encoder output {slots.identifier} off by {error:.3g} (max {most})"

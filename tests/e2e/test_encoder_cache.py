@@ -22,7 +22,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import Pool
 from kvtier.tiers.lmdb_env import DATABASES
 from tests.e2e.conftest import deploy, set_engine_env
-from tests.e2e.models import BLOCK_SIZE, greedy, running_llm
+from tests.e2e.models import BLOCK_SIZE, counter, greedy, running_llm
 from tests.e2e.test_connector import embedded_yaml, kvtier_config
 from tests.e2e.test_connector_objstore import node_yaml
 from tests.integration.daemon_harness import DaemonFiles, Processes
@@ -117,12 +117,19 @@ def test_embedded_a_fresh_engine_loads_what_another_stored(
     assert tokens == expected(alone, FIRST)
     assert seen.stores == 2
     assert seen.hits == 0
+    assert seen.stored_bytes == 2 * 16 * 128 * 4  # two outputs of 16 rows of 128 float32
     # the arena ended with the engine: its outputs wait in lmdb, promoted while requests wait
-    tokens, seen = run_engine(vlm, embedded, LATER)
+    with running_llm(vlm, limit_mm_per_prompt=MM_LIMITS, ec_transfer_config=embedded) as llm:
+        tokens = ask(llm, LATER)
+        seen = counters(llm)
+        hits = counter(llm, "vllm:kvtier_encoder_items", pool="encoder", result="hit")
+        loaded = counter(llm, "vllm:kvtier_encoder_bytes", pool="encoder", direction="load")
     assert tokens == expected(alone, LATER)
     assert seen.hits == 2
     assert seen.promotions == 2
     assert seen.stores == 0
+    assert hits == 2  # vLLM's own /metrics
+    assert loaded == seen.loaded_bytes == 2 * 16 * 128 * 4
 
 
 def test_a_corrupt_part_is_never_served(
