@@ -409,6 +409,50 @@ def overview() -> Board:
         ],
         description="Right chunks sit far below verify_max_error (0.05 by default).",
     )
+    b.row("Encoder cache (multimodal)")
+    items = "vllm:kvtier_encoder_items_total"
+    b.panel(
+        "Encoder outputs by result",
+        [target(f"sum by (result) (rate({items}{{{m}}}[{RI}]))", "{{result}}")],
+        "ops",
+        description="hit: loaded instead of encoded; miss: encoded; promoted: read back from "
+        "lmdb or the object store while its request waited; stored; sampled: a hit encoded "
+        "anyway and compared; load_failed: its request failed.",
+    )
+    b.panel(
+        "Encoder cache hit ratio",
+        [
+            target(
+                f'sum(rate({items}{{{m},result="hit"}}[{RI}])) / '
+                f'sum(rate({items}{{{m},result=~"hit|miss"}}[{RI}]))',
+                "hit ratio",
+            )
+        ],
+        "percentunit",
+        description="Of the items vLLM would have encoded, the share loaded from kvtier.",
+    )
+    b.panel(
+        "Encoder output bytes",
+        [
+            target(
+                f"sum by (direction) (rate(vllm:kvtier_encoder_bytes_total{{{m}}}[{RI}]))",
+                "{{direction}}",
+            )
+        ],
+        "Bps",
+    )
+    b.panel(
+        "Encoder output load time per hit",
+        [
+            target(
+                f"sum(rate(vllm:kvtier_encoder_load_seconds_total{{{m}}}[{RI}])) / "
+                f'sum(rate({items}{{{m},result="hit"}}[{RI}]))',
+                "seconds per hit",
+            )
+        ],
+        "s",
+        description="What a hit costs the worker; an encoder's forward is what it spares.",
+    )
     return b
 
 

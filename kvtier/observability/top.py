@@ -169,6 +169,8 @@ class View:
         )
         out.append(Text(f"looked up {lookups_now / dt:.1f} chunks/s"))
         out.append(Text())
+        out.append(self._pools(now))
+        out.append(Text())
         out.append(
             _table(
                 ("DIRECTION", "BYTES/s", "CHUNKS/s", "FAILED/s"),
@@ -207,6 +209,22 @@ class View:
         else:
             out.append(Text("(none)"))
         return Group(*out)
+
+    @staticmethod
+    def _pools(now: Scrape) -> Table:
+        """What each pool (target, draft, hidden, encoder) holds in each tier."""
+        pools = sorted({labels.get("pool", "") for labels in now.labels("kvtier_tier_chunks")})
+        tiers = [t for t in TIERS if now.has("kvtier_tier_capacity_bytes", tier=t)]
+        rows = [
+            (
+                pool,
+                *(_size(now.total("kvtier_tier_used_bytes", tier=t, pool=pool)) for t in tiers),
+                f"{now.total('kvtier_tier_chunks', pool=pool):.0f}",
+            )
+            for pool in pools
+            if pool
+        ]
+        return _table(("POOL", *(t.upper() for t in tiers), "CHUNKS"), rows)
 
     def _note_evictions(self, before: Scrape, now: Scrape) -> None:
         stamp = time.strftime("%H:%M:%S")

@@ -113,6 +113,9 @@ class _FakeVllm(BaseHTTPRequestHandler):
             if name.endswith("_per_pos_total"):
                 for pos in range(3):
                     lines.append(f'{name}{{{labels},position="{pos}"}} {n * (3 - pos) // 3}')
+            elif name == "vllm:kvtier_encoder_items_total":
+                for result, share in (("hit", 3), ("miss", 1)):
+                    lines.append(f'{name}{{{labels},pool="encoder",result="{result}"}} {n * share}')
             elif name.endswith("_bucket"):  # a histogram: every observation in its first bucket
                 for le in ("0.001", "0.01", "+Inf"):
                     lines.append(f'{name}{{{labels},pool="target",le="{le}"}} {n}')

@@ -38,7 +38,10 @@ def _vllm_source_names() -> set[str]:
     source = (Path(spec.origin).parent / "v1" / "spec_decode" / "metrics.py").read_text()
     names = {f"{name}_total" for name in re.findall(r'"(vllm:spec_decode_[a-z_]+)"', source)}
     # the connector's own series in vLLM's /metrics, as its source declares them
-    ours = (ROOT / "connectors" / "kvtier_vllm" / "stats.py").read_text()
+    ours = "".join(
+        (ROOT / "connectors" / "kvtier_vllm" / name).read_text()
+        for name in ("stats.py", "ec_stats.py")
+    )
     for name in re.findall(r'name="(vllm:kvtier_[a-z_]+)"', ours):
         names |= {name} if name.endswith("_total") else {f"{name}_bucket", f"{name}_count"}
     return names

@@ -42,6 +42,10 @@ def test_top_renders_tiers_hit_ratios_bandwidth_and_evictions(stack: Stack) -> N
     assert set(rows) == {"cpu", "lmdb", "object", "all"}
     assert re.search(r"\d+\.\d%", rows["all"]), rows["all"]  # hit ratios, now and in total
     assert re.search(r"looked up [1-9][\d.]* chunks/s", frame), frame
+    pools = next(i for i, line in enumerate(lines) if line.startswith("POOL"))
+    assert lines[pools].split() == ["POOL", "CPU", "LMDB", "OBJECT", "CHUNKS"]
+    target = next(line for line in lines[pools + 1 :] if line.startswith("target "))
+    assert re.search(r"[1-9][\d.]* (KiB|MiB)", target), target  # what each pool holds, per tier
     store = next(line for line in lines if line.startswith("store "))
     assert re.search(r"[1-9][\d.]* (KiB|MiB)/s", store), store
     assert "queues  writeback" in frame
