@@ -176,5 +176,3 @@ def _yes() -> bool:
 
 def _nothing() -> None:
     return None
-
-

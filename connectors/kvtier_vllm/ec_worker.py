@@ -65,31 +65,37 @@ class EncoderCacheWorker:
                 tensor = None
             if tensor is None:
                 self._report.load_failed.add(slots.identifier)
-                tensor = torch.zeros(slots.rows, slots.layout.width, dtype=self._dtype(slots))
+                shape = (slots.rows, slots.layout.width)
+                tensor = torch.zeros(shape, dtype=self._dtype(slots), device=self.device)
             else:
                 self._report.loaded.add(slots.identifier)
                 self._report.loaded_bytes += slots.nbytes
-            encoder_cache[slots.identifier] = tensor.to(self.device)
+            encoder_cache[slots.identifier] = tensor
         self._report.load_seconds += time.perf_counter() - started
 
     @staticmethod
     def _dtype(slots: ItemSlots) -> torch.dtype:
         return _torch_dtype(slots.layout.dtype)
 
-    def _read(self, slots: ItemSlots) -> torch.Tensor | None:
-        """The stored output, or None where a slot changed while it was read."""
+    def _read(self, slots: ItemSlots, device: torch.device | None = None) -> torch.Tensor | None:
+        """The stored output on ``device`` (the worker's), or None where a slot changed while
+        it was read. Each part is copied from the arena straight to the device: one copy, at
+        the arena's pinned bandwidth where the KV connector registered it with CUDA."""
         try:
             arena = self._memory()
         except KVTierError as exc:
             self._say("arena", f"kvtier: encoder outputs cannot be read: {exc}")
             return None
         layout = slots.layout
-        out = torch.empty(slots.rows * layout.row_bytes, dtype=torch.uint8)
+        out = torch.empty(
+            slots.rows * layout.row_bytes, dtype=torch.uint8, device=device or self.device
+        )
         for part, ref in enumerate(slots.refs):
             rows = layout.rows_of(part, slots.rows)
             start = part * layout.part_bytes
             view = arena.view(ref.offset, rows * layout.row_bytes)
-            out[start : start + len(view)] = torch.frombuffer(view, dtype=torch.uint8)
+            out[start : start + len(view)].copy_(torch.frombuffer(view, dtype=torch.uint8))
+        # a synchronous copy has landed: the bytes read are those the generation vouches for
         if not all(arena.is_current(ref.slot, ref.generation) for ref in slots.refs):
             self._say("reused", "kvtier: an encoder output's slot was reused while read")
             return None
@@ -102,7 +108,7 @@ class EncoderCacheWorker:
         compared where its hit was sampled."""
         for slots in self._plan.checks:
             if slots.identifier == identifier:
-                stored = self._read(slots)
+                stored = self._read(slots, torch.device("cpu"))
                 if stored is not None:
                     computed = encoder_cache[identifier]
                     self._report.errors[identifier] = relative_error(stored, computed)
@@ -132,13 +138,14 @@ class EncoderCacheWorker:
         except KVTierError as exc:
             self._say("arena", f"kvtier: encoder outputs cannot be written: {exc}")
             return False
-        raw = output.detach().contiguous().to("cpu").view(torch.uint8).reshape(-1)
+        # each part straight from the device into its slot; a synchronous copy, done on return
+        raw = output.detach().contiguous().view(torch.uint8).reshape(-1)
         for part, ref in enumerate(slots.refs):
             rows = layout.rows_of(part, slots.rows)
             start = part * layout.part_bytes
             dest = torch.frombuffer(arena.view(ref.offset, layout.part_bytes), dtype=torch.uint8)
             used = rows * layout.row_bytes
-            dest[:used] = raw[start : start + used]
+            dest[:used].copy_(raw[start : start + used])
             dest[used:] = 0  # the last part's padding: every copy of an item is the same bytes
         return True
 
