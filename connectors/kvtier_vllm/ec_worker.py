@@ -17,6 +17,7 @@ import torch
 
 from kvtier.client import ArenaAtPath, ArenaMemory
 from kvtier.core.errors import KVTierError
+from kvtier_vllm.copies import copies_for
 from kvtier_vllm.ec_metadata import ECReport, ECStepPlan, ItemSlots
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,10 @@ class EncoderCacheWorker:
     def __init__(self, device: torch.device, writes: bool) -> None:
         self.device = device
         self.writes = writes
+        self.copies = copies_for(device)
+        """Pins the arena for a CUDA device (cudaHostRegister): parts copy at DMA speed."""
         self._arena: ArenaAtPath | None = None
+        self._pinned: ArenaMemory | None = None
         self._plan = ECStepPlan()
         self._report = ECReport()
         self._said: set[str] = set()
@@ -46,7 +50,11 @@ class EncoderCacheWorker:
         if self._arena is None or self._arena.path != path:
             self.close()
             self._arena = ArenaAtPath(path, populate=False)
-        return self._arena.current()
+        memory = self._arena.current()
+        if memory is not self._pinned:  # mapped anew (a restarted daemon's file)
+            self.copies.attach(torch.frombuffer(memory.view(0, memory.size), dtype=torch.uint8))
+            self._pinned = memory
+        return memory
 
     # -- loads -------------------------------------------------------------------------------
 
@@ -165,6 +173,8 @@ class EncoderCacheWorker:
             log.error(message)
 
     def close(self) -> None:
+        self.copies.detach()
+        self._pinned = None
         if self._arena is not None:
             self._arena.close()
             self._arena = None
