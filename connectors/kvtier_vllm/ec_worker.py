@@ -102,8 +102,9 @@ class EncoderCacheWorker:
             rows = layout.rows_of(part, slots.rows)
             start = part * layout.part_bytes
             view = arena.view(ref.offset, rows * layout.row_bytes)
-            out[start : start + len(view)].copy_(torch.frombuffer(view, dtype=torch.uint8))
-        # a synchronous copy has landed: the bytes read are those the generation vouches for
+            src = torch.frombuffer(view, dtype=torch.uint8)
+            out[start : start + len(view)].copy_(src, non_blocking=True)
+        _landed(out)  # the bytes read are those the generations below vouch for
         if not all(arena.is_current(ref.slot, ref.generation) for ref in slots.refs):
             self._say("reused", "kvtier: an encoder output's slot was reused while read")
             return None
@@ -146,15 +147,16 @@ class EncoderCacheWorker:
         except KVTierError as exc:
             self._say("arena", f"kvtier: encoder outputs cannot be written: {exc}")
             return False
-        # each part straight from the device into its slot; a synchronous copy, done on return
+        # each part straight from the device into its slot, all queued before one wait
         raw = output.detach().contiguous().view(torch.uint8).reshape(-1)
         for part, ref in enumerate(slots.refs):
             rows = layout.rows_of(part, slots.rows)
             start = part * layout.part_bytes
             dest = torch.frombuffer(arena.view(ref.offset, layout.part_bytes), dtype=torch.uint8)
             used = rows * layout.row_bytes
-            dest[:used].copy_(raw[start : start + used])
+            dest[:used].copy_(raw[start : start + used], non_blocking=True)
             dest[used:] = 0  # the last part's padding: every copy of an item is the same bytes
+        _landed(raw)  # in the slots before the scheduler side commits them
         return True
 
     def report(self) -> ECReport:
@@ -178,6 +180,12 @@ class EncoderCacheWorker:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+
+
+def _landed(tensor: torch.Tensor) -> None:
+    """Wait for the copies queued on the tensor's device (none to wait for on the CPU)."""
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
 
 
 def relative_error(stored: torch.Tensor, computed: Any) -> float:
