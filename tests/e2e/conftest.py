@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.vision_models import build_idefics3
 from tests.e2e.models import (
     EagleModels,
     ModelSet,
@@ -137,6 +138,18 @@ def hybrid_five_to_one(models_dir: Path, tiny_models: ModelSet) -> Path:
     """Five sliding layers to one full: six one-layer KV-cache groups."""
     kinds = ("S",) * 5 + ("F",)
     return build_gemma3_hybrid(models_dir, layer_types=kinds, tokenizer_dir=tiny_models.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def vlm(models_dir: Path) -> Path:
+    """A tiny Idefics3 (`benchmarks.vision_models`)."""
+    return build_idefics3(models_dir)
+
+
+@pytest.fixture(scope="session")
+def vlm_other_build(vlm: Path, models_dir: Path) -> Path:
+    """The same config with other random weights (another encoder)."""
+    return build_idefics3(models_dir, seed=1)
 
 
 @pytest.fixture(scope="module")

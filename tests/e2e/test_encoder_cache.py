@@ -16,7 +16,7 @@ from typing import Any
 import lmdb
 import pytest
 
-from benchmarks.vision_models import build_idefics3, colour_blocks, image_prompt
+from benchmarks.vision_models import colour_blocks, image_prompt
 from kvtier.core.blockfmt import peek_header
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import Pool
@@ -38,17 +38,6 @@ LATER: list[Case] = [("Something else entirely, please look", 1), ("Again, now",
 LONG_QUESTION = " ".join(["Look closely at the colours and the shapes in it."] * 8)
 """Whole blocks of text before the image: their KV is shared by any image after them."""
 ASKED, SWAPPED = (LONG_QUESTION, 1), (LONG_QUESTION, 2)
-
-
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_idefics3(tmp_path_factory.mktemp("vlm"))
-
-
-@pytest.fixture(scope="module")
-def vlm_other_build(vlm: Path) -> Path:
-    """The same config with other random weights (another encoder)."""
-    return build_idefics3(vlm.parent, seed=1)
 
 
 def request(case: Case) -> dict[str, Any]:
