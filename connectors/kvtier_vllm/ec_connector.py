@@ -139,12 +139,15 @@ class KVTierECConnector(ECConnectorBase):
 
     # -- worker side ----------------------------------------------------------------------
 
+    def bind_connector_metadata(self, connector_metadata: ECConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # every role's step starts here (a producer's loads nothing, and saves)
+        if self._worker is not None and isinstance(connector_metadata, KVTierECMetadata):
+            self._worker.bind(connector_metadata.plan)
+
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         worker = self._worker
         assert worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVTierECMetadata)
-        worker.bind(meta.plan)
         worker.load(encoder_cache)
 
     def save_caches(

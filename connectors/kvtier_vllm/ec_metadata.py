@@ -30,6 +30,7 @@ class ECStepPlan:
     hits, served as misses)."""
 
     arena_path: str = ""
+    step: int = -1
     loads: list[ItemSlots] = field(default_factory=list)
     stores: list[ItemSlots] = field(default_factory=list)
     checks: list[ItemSlots] = field(default_factory=list)
@@ -39,6 +40,7 @@ class ECStepPlan:
 class ECReport:
     """A worker's account of one step's plan: every item of it, in one of these."""
 
+    step: int = -1
     loaded: set[str] = field(default_factory=set)
     load_failed: set[str] = field(default_factory=set)
     stored: set[str] = field(default_factory=set)
@@ -52,6 +54,7 @@ class ECReport:
     def merge(self, other: ECReport) -> ECReport:
         """Two workers' reports as one: an item failed if it failed on any worker."""
         return ECReport(
+            step=max(self.step, other.step),
             loaded=(self.loaded | other.loaded) - self.load_failed - other.load_failed,
             load_failed=self.load_failed | other.load_failed,
             stored=(self.stored | other.stored) - self.store_failed - other.store_failed,

@@ -22,9 +22,10 @@ from typing import Any
 from kvtier.core.encoder import PartLayout, item_keys
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import ChunkKey, NamespaceSpec, Pool, namespace_of
-from kvtier.core.protocol import Answer, LookupResult, SlotRef, TierClient, arena_hit
+from kvtier.core.protocol import Answer, LookupResult, TierClient, arena_hit
 from kvtier_vllm.ec_config import EncoderCacheConfig
 from kvtier_vllm.ec_metadata import ECReport, ECStepPlan, ItemSlots
+from kvtier_vllm.ec_steps import Settlement, StepLedger
 from kvtier_vllm.session import Session
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class EncoderCacheScheduler:
         self._stores: dict[str, Item] = {}
         self._in_flight: dict[str, list[tuple[str, ItemSlots]]] = {}
         """Per step plan sent (by arena path and identifier): what its report settles."""
-        self._pending: list[tuple[str, ItemSlots]] = []
+        self._steps = StepLedger()
         self._readers: dict[str, set[str]] = {}
         """Requests of each item loaded and not yet reported."""
         self._unavailable: set[str] = set()
@@ -289,15 +290,9 @@ class EncoderCacheScheduler:
                 self._quietly(client.release, unused)
             if stores:
                 plan.stores = self._reserve(client, stores)
-        self._pending.extend(
-            (kind, slots)
-            for kind, items in (
-                ("load", plan.loads),
-                ("store", plan.stores),
-                ("check", plan.checks),
-            )
-            for slots in items
-        )
+        self._steps.record(plan)
+        if client is not None:
+            self._apply(client, self._steps.expire())
         return plan
 
     def _reserve(self, client: TierClient, items: list[Item]) -> list[ItemSlots]:
@@ -324,37 +319,31 @@ class EncoderCacheScheduler:
 
     def settle(self, report: ECReport | None) -> None:
         """A step's report: commit what was stored, give back what was read, judge samples."""
-        pending, self._pending = self._pending, []
-        report = report or ECReport()
+        if report is None:
+            return
         self.counters.loaded_bytes += report.loaded_bytes
         self.counters.stored_bytes += report.stored_bytes
         self.counters.load_seconds += report.load_seconds
         self.counters.load_failed += len(report.load_failed)
         for identifier in report.load_failed:
             self._unavailable |= self._readers.get(identifier, set())
-        for kind, slots in pending:
-            if kind == "load":
-                self._readers.pop(slots.identifier, None)
+        settled = self._steps.settle(report)
+        for slots, error in settled.checked:
+            self.counters.compared += 1
+            self._judge(slots, error)
         client = self.session.client
-        if client is None:
-            return
-        release: list[SlotRef] = []
-        commit: list[SlotRef] = []
-        abort: list[SlotRef] = []
-        for kind, slots in pending:
-            if kind == "store":
-                (commit if slots.identifier in report.stored else abort).extend(slots.refs)
-            else:
-                release.extend(slots.refs)
-                if kind == "check" and slots.identifier in report.errors:
-                    self.counters.compared += 1
-                    self._judge(slots, report.errors[slots.identifier])
-        if commit:
-            self._quietly(client.commit, commit)
-        if abort:
-            self._quietly(client.abort, abort)
-        if release:
-            self._quietly(client.release, release)
+        if client is not None:
+            self._apply(client, settled)
+
+    def _apply(self, client: TierClient, settled: Settlement) -> None:
+        for identifier in settled.read:
+            self._readers.pop(identifier, None)
+        if settled.commit:
+            self._quietly(client.commit, settled.commit)
+        if settled.abort:
+            self._quietly(client.abort, settled.abort)
+        if settled.release:
+            self._quietly(client.release, settled.release)
 
     def take_unavailable(self) -> set[str]:
         """Requests an output could not be read for (vLLM fails them: their encoder input is
@@ -389,6 +378,7 @@ class EncoderCacheScheduler:
             held = [ref for slots in self._leased.values() for ref in slots.refs]
             if held:
                 self._quietly(client.release, held)
+            self._apply(client, self._steps.drain())
             client.close()
 
 

@@ -43,7 +43,7 @@ class EncoderCacheWorker:
 
     def bind(self, plan: ECStepPlan) -> None:
         self._plan = plan
-        self._report = ECReport()
+        self._report = ECReport(step=plan.step)
 
     def _memory(self) -> ArenaMemory:
         path = Path(self._plan.arena_path)

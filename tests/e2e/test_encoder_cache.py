@@ -282,3 +282,25 @@ def test_both_connectors_embedded_share_one_arena(
         assert tokens == expected(alone, cases)
         assert seen.stores == stores
     assert seen.hits == 2  # the encoder cache's tiers opened beside the KV connector's
+
+
+def test_a_consumer_loads_and_stores_nothing_a_producer_on_this_runner_stores_nothing(
+    vlm: Path, alone: dict[Case, list[int]], tmp_path: Path, shm_path: Path
+) -> None:
+    extra = {"kvtier_config": str(embedded_yaml(tmp_path, shm_path)), "part_kib": 4}
+    # vLLM's V1 model runner (the CPU build's) drops an encode-only engine's worker reports:
+    # what it wrote is never committed unseen, so it stores nothing (and says so)
+    with running_llm(
+        vlm, limit_mm_per_prompt=MM_LIMITS, ec_transfer_config=ec_config(extra, "ec_producer")
+    ) as llm:
+        for case in FIRST:
+            llm.generate([request(case)], greedy(MAX_TOKENS), use_tqdm=False)
+        produced = counters(llm)
+    assert produced.stored_bytes == 0
+    _, seen = run_engine(vlm, ec_config(extra, "ec_consumer"), FIRST[:1])
+    assert seen.hits == 0
+    assert seen.stores == 0  # a consumer never stores
+    run_engine(vlm, ec_config(extra), FIRST)  # ec_both stores
+    tokens, seen = run_engine(vlm, ec_config(extra, "ec_consumer"), LATER)
+    assert tokens == expected(alone, LATER)
+    assert seen.hits == 2

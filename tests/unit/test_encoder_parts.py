@@ -7,14 +7,16 @@ from typing import Any
 
 import pytest
 import torch
-from kvtier_vllm.ec_metadata import ECReport
+from kvtier_vllm.ec_metadata import ECReport, ECStepPlan, ItemSlots
 from kvtier_vllm.ec_scheduler import tagged
+from kvtier_vllm.ec_steps import MAX_UNREPORTED_STEPS, StepLedger
 from kvtier_vllm.ec_worker import relative_error
 
 from kvtier.core.blockfmt import ChunkDescriptor, decode, encode
 from kvtier.core.codec import spec_from, spec_to
 from kvtier.core.encoder import PartLayout, encoder_spec, item_keys, rows_per_part
-from kvtier.core.keys import NamespaceSpec, Pool
+from kvtier.core.keys import ChunkKey, NamespaceSpec, Pool
+from kvtier.core.protocol import SlotRef
 
 
 def spec(**changes: Any) -> NamespaceSpec:
@@ -107,3 +109,45 @@ def test_relative_error() -> None:
     assert relative_error(computed.clone(), computed) == 0.0
     assert relative_error(computed * 1.1, computed) == pytest.approx(0.1, rel=1e-4)
     assert relative_error(torch.ones(3, 8), computed) == float("inf")
+
+
+def _slots(name: str, slot: int) -> ItemSlots:
+    ref = SlotRef(ChunkKey(bytes(16) + name.encode()), slot, slot * 4096, 4096, 1)
+    return ItemSlots(name, 8, PartLayout(width=8, dtype="float32", rows_per_part=8), (ref,))
+
+
+def test_a_report_settles_its_own_step_while_the_next_is_in_flight() -> None:
+    ledger = StepLedger()
+    first = ECStepPlan(loads=[_slots("a", 0)], stores=[_slots("b", 1)])
+    second = ECStepPlan(loads=[_slots("c", 2)], stores=[_slots("d", 3)])
+    ledger.record(first)
+    ledger.record(second)  # asynchronous scheduling: planned before the first one's report
+    done = ledger.settle(ECReport(step=first.step, loaded={"a"}, stored={"b"}))
+    assert [r.slot for r in done.commit] == [1]
+    assert [r.slot for r in done.release] == [0]
+    assert done.abort == []
+    assert done.read == ["a"]
+    # the second step's leases and reservation stay until its own report
+    left = ledger.drain()
+    assert [r.slot for r in left.release] == [2]
+    assert [r.slot for r in left.abort] == [3]
+
+
+def test_unreported_steps_expire_their_writes_are_never_committed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ledger = StepLedger()
+    plan = ECStepPlan(stores=[_slots("b", 1)], loads=[_slots("a", 0)])
+    ledger.record(plan)
+    for _ in range(MAX_UNREPORTED_STEPS - 1):
+        ledger.record(ECStepPlan())
+        assert ledger.expire().abort == []
+    ledger.record(ECStepPlan())
+    with caplog.at_level("ERROR", logger="kvtier_vllm.ec_steps"):
+        gone = ledger.expire()
+    assert [r.slot for r in gone.abort] == [1]
+    assert [r.slot for r in gone.release] == [0]
+    assert gone.commit == []
+    assert "not stored" in caplog.text
+    # a later report of a step it never planned settles nothing
+    assert ledger.settle(ECReport(step=99, stored={"b"})).commit == []
