@@ -6,8 +6,9 @@ asks (`has_cache_item`), so they stay until the workers read them, and given bac
 a step that did not schedule the item. An item only lmdb or the object store holds is promoted
 in the background; its request waits for it (vLLM skips it for the step) up to
 ``promote_wait_ms``, since reading a part back takes far less than encoding the item again,
-then runs the encoder. A miss never waits: the arena is read without a call (sidecar) or with a
-function call (embedded), and the slower tiers are asked without waiting.
+then runs the encoder. A miss never waits on the slower tiers: the arena is read without a call
+(sidecar) or by a function call into the tiers' indexes (embedded), and lmdb and the object
+store are asked in the background.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kvtier_vllm.session import Session
 log = logging.getLogger(__name__)
 
 ARENA, PROMOTING, ABSENT = "arena", "promoting", "absent"
-RETRY_S = 5.0
+RETRY_S = 1.0
 """An item given up on (nowhere, or promoted too slowly) is looked up again after this."""
 MAX_ITEMS = 8192
 """Items whose keys are remembered (a request asks about its items every step it waits)."""
@@ -234,7 +235,6 @@ class EncoderCacheScheduler:
         if not self.consumer or item is None or client is None:
             return False
         if self._in_arena(client, item) is False:
-            self.counters.misses += 1
             return False
         try:
             refs = client.lease(item.keys)
@@ -245,7 +245,6 @@ class EncoderCacheScheduler:
         if len(granted) < len(refs):
             if granted:
                 client.release(granted)
-            self.counters.misses += 1
             return False
         slots = ItemSlots(identifier, item.rows, item.layout, tuple(granted))
         if self._sample():
@@ -265,6 +264,8 @@ class EncoderCacheScheduler:
         leased = self._leased.pop(identifier, None)
         if leased is not None:
             self._loads[identifier] = leased
+        elif identifier not in self._loads and identifier not in self._sampled and self.consumer:
+            self.counters.misses += 1  # the encoder runs for it
         if identifier in self._loads:
             self._readers.setdefault(identifier, set()).add(request.request_id)
         elif self.producer and identifier not in self._sampled:
