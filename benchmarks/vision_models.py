@@ -22,6 +22,18 @@ FAKE_TOKEN = "<fake_token_around_image>"
 GLOBAL_TOKEN = "<global-img>"
 END_TOKEN = "<end_of_utterance>"
 IMAGE_TOKENS = (IMAGE_TOKEN, FAKE_TOKEN, GLOBAL_TOKEN, END_TOKEN)
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- else -%}"
+    + IMAGE_TOKEN
+    + "{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}{{ '" + END_TOKEN + "' }}"
+    "{%- endfor -%}"
+)
+"""Chat messages as the text and image placeholders of each part, in order (served models need
+one for ``/v1/chat/completions``)."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +72,7 @@ def build_idefics3(
     `LLM(model=)`. ``seed`` draws the weights: two seeds are two builds of one config."""
     name = name or (
         f"idefics3-v{vision.image_size}-p{vision.patch_size}-h{vision.hidden}-l{vision.layers}"
-        f"-t{text_layers}x{text_hidden}-s{seed}"
+        f"-t{text_layers}x{text_hidden}-s{seed}-c1"
     )
     path = Path(root) / name
     if _is_built(path):
@@ -114,7 +126,9 @@ def build_idefics3(
     image_processor = Idefics3ImageProcessorPil(
         do_image_splitting=False, size=side, max_image_size=side, do_resize=True
     )
-    processor = Idefics3Processor(image_processor, tokenizer, image_seq_len=vision.embeds)
+    processor = Idefics3Processor(
+        image_processor, tokenizer, image_seq_len=vision.embeds, chat_template=CHAT_TEMPLATE
+    )
     model.save_pretrained(str(path), safe_serialization=True)
     processor.save_pretrained(str(path))  # the tokenizer with it
     (path / _DONE).touch()

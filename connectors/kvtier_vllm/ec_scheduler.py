@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 ARENA, PROMOTING, ABSENT = "arena", "promoting", "absent"
 RETRY_S = 1.0
+PROMOTER_TURN_S = 0.0002
 """An item given up on (nowhere, or promoted too slowly) is looked up again after this."""
 MAX_ITEMS = 8192
 """Items whose keys are remembered (a request asks about its items every step it waits)."""
@@ -178,9 +179,13 @@ class EncoderCacheScheduler:
         """A lookup of the slower tiers under way, or a promotion: follow it one step."""
         asked = promotion.asked
         if asked is None:  # promoting
-            if embedded and arena_hit(client.lookup(item.keys)) == len(item.keys):
-                self._promoting.pop(item.identifier, None)
-                return ARENA
+            if embedded:
+                # the promoting thread is this process's: a step that only asks again holds
+                # the interpreter, and would let it run once a switch interval (5 ms)
+                time.sleep(PROMOTER_TURN_S)
+                if arena_hit(client.lookup(item.keys)) == len(item.keys):
+                    self._promoting.pop(item.identifier, None)
+                    return ARENA
             return PROMOTING
         if not asked.done():
             return PROMOTING

@@ -64,6 +64,9 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         suffix_tokens=args.suffix_tokens,
         vocab_size=args.vocab_size,
         min_token_id=args.min_token_id,
+        images=args.images,
+        image_side=args.image_side,
+        image_tokens=args.image_tokens,
         seed=args.seed,
     )
     config: BenchConfig = make(
@@ -170,7 +173,21 @@ def add_bench_parser(subparsers: Any) -> None:
         default=d.answer_tokens,
         help="max_tokens of every request (sent with ignore_eos)",
     )
-    serve.add_argument("--rounds", type=int, default=d.rounds, help="multi-round: per user")
+    serve.add_argument(
+        "--rounds", type=int, default=d.rounds, help="multi-round, multimodal: per user"
+    )
+    serve.add_argument(
+        "--images", type=int, default=d.images, help="multimodal: the shared set of images"
+    )
+    serve.add_argument(
+        "--image-side", type=int, default=d.image_side, help="multimodal: pixels a side"
+    )
+    serve.add_argument(
+        "--image-tokens",
+        type=int,
+        default=d.image_tokens,
+        help="multimodal: the model's tokens of one image (checks the fit only)",
+    )
     serve.add_argument(
         "--system-tokens",
         type=int,

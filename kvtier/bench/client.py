@@ -36,6 +36,8 @@ class RequestResult:
     chunk_tokens: list[int] = field(default_factory=list)
     token_ids: list[int] | None = None
     """The output token ids, when the server returns them."""
+    text: str = ""
+    """The output text."""
     prompt_tokens: int = 0
     """From the server's usage; 0 when it sent none."""
     output_tokens: int = 0
@@ -82,10 +84,26 @@ async def server_info(client: httpx.AsyncClient, url: str, model: str | None) ->
     return ServerInfo(str(entry["id"]), int(limit) if limit is not None else None)
 
 
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
 def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    return {"prompt": prompt, **_sampling(model, max_tokens)}
+
+
+def chat_body(model: str, text: str, image_url: str, max_tokens: int) -> dict[str, Any]:
+    """One user message: ``text``, then the image."""
+    content = [
+        {"type": "text", "text": text},
+        {"type": "image_url", "image_url": {"url": image_url}},
+    ]
+    return {"messages": [{"role": "user", "content": content}], **_sampling(model, max_tokens)}
+
+
+def _sampling(model: str, max_tokens: int) -> dict[str, Any]:
     return {
         "model": model,
-        "prompt": prompt,
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "temperature": 0.0,
@@ -97,16 +115,22 @@ def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str,
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], result: RequestResult
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    result: RequestResult,
+    path: str = COMPLETIONS,
 ) -> RequestResult:
-    """Send one streamed completion, filling ``result``. Failures are recorded, not raised."""
+    """Send one streamed completion (or chat completion, at ``path``), filling ``result``.
+    Failures are recorded, not raised."""
     ids: list[int] = []
+    text: list[str] = []
     has_ids = False
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        async with client.stream("POST", f"{url}{path}", json=body) as response:
             if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace").strip()
-                result.error = f"HTTP {response.status_code}: {text[:200]}"
+                why = (await response.aread()).decode(errors="replace").strip()
+                result.error = f"HTTP {response.status_code}: {why[:200]}"
                 return result
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
@@ -121,12 +145,15 @@ async def stream_completion(
                     return result
                 tokens = 0
                 for choice in chunk.get("choices") or []:
+                    said = choice.get("text") or (choice.get("delta") or {}).get("content")
+                    if said:
+                        text.append(said)
                     got = choice.get("token_ids")
                     if got is not None:
                         has_ids = True
                         ids += got
                         tokens += len(got)
-                    elif choice.get("text"):
+                    elif said:
                         tokens += 1  # without ids, a chunk is taken to carry one token
                 if tokens:
                     result.chunk_times.append(now)
@@ -146,6 +173,7 @@ async def stream_completion(
     if not result.output_tokens:
         result.output_tokens = sum(result.chunk_tokens)
     result.token_ids = ids if has_ids else None
+    result.text = "".join(text)
     if not result.chunk_times:
         result.error = "the stream carried no output tokens"
         return result

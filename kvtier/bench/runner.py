@@ -12,19 +12,22 @@ from typing import Any
 import httpx
 
 from kvtier.bench.client import (
+    CHAT,
     RequestResult,
     ServerInfo,
     base_url,
+    chat_body,
     completion_body,
     server_info,
     stream_completion,
 )
 from kvtier.bench.errors import BenchError
+from kvtier.bench.images import data_url, png
 from kvtier.bench.scrape import REQUEST_SUCCESS, Samples, ServerCounters, delta, has, scrape
 from kvtier.bench.scrape import server_counters as read_counters
 from kvtier.bench.scrape import total as metric_total
 from kvtier.bench.stats import Percentiles, inter_token_gaps, rate
-from kvtier.bench.workloads import Session, WorkloadSpec
+from kvtier.bench.workloads import ChatSession, Session, WorkloadSpec
 
 Progress = Callable[[str, int, int], None]
 """Called with (phase, requests done, requests in the phase) as requests complete."""
@@ -147,21 +150,32 @@ async def _run_sessions(
     concurrency: int,
     on_done: Callable[[], None],
 ) -> list[RequestResult]:
+    chat = spec.kind == "multimodal"
     queue: asyncio.Queue[Session] = asyncio.Queue()
     for s in sessions:
         queue.put_nowait(s)
     results: list[RequestResult] = []
 
+    images = [data_url(png(i, spec.image_side)) for i in range(spec.images)] if chat else []
+
     async def user() -> None:
         while not queue.empty():
             session = queue.get_nowait()
-            for r in range(len(session.questions)):
-                prompt = session.prompt(r)
-                result = RequestResult(session.name, r, len(prompt), time.perf_counter())
-                body = completion_body(model, prompt, spec.answer_tokens)
-                await stream_completion(client, url, body, result)
+            for r in range(session.rounds):
+                if isinstance(session, ChatSession):
+                    text, image = session.chat_prompt(r)
+                    sent = len(text.split()) + spec.image_tokens
+                    result = RequestResult(session.name, r, sent, time.perf_counter())
+                    body = chat_body(model, text, images[image], spec.answer_tokens)
+                    await stream_completion(client, url, body, result, CHAT)
+                    session.record_text(r, result.text if result.ok else None)
+                else:
+                    prompt = session.prompt(r)
+                    result = RequestResult(session.name, r, len(prompt), time.perf_counter())
+                    body = completion_body(model, prompt, spec.answer_tokens)
+                    await stream_completion(client, url, body, result)
+                    session.record(r, result.token_ids if result.ok else None)
                 results.append(result)
-                session.record(r, result.token_ids if result.ok else None)
                 on_done()
 
     await asyncio.gather(*(user() for _ in range(min(concurrency, len(sessions)))))

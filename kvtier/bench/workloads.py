@@ -11,6 +11,11 @@ repeats. Concurrency is the number of sessions in flight.
   private suffix of ``suffix_tokens``; one round per session.
 - ``no-reuse``: one round per session and every prompt unique (``doc_tokens`` +
   ``question_tokens`` tokens), so a cache can only miss.
+- ``multimodal``: users of a vision-language model asking, in conversations of their own, about
+  images from one shared set of ``images``: each round is the user's history, a question and
+  one image of the set (``image_side`` pixels a side), sent to ``/v1/chat/completions``. The
+  text before the image is the user's own, so no KV covers the image: only an encoder cache
+  spares its encoder. Chat prompts are text, so this workload counts words, not token ids.
 
 Ids are drawn uniformly from ``[min_token_id, vocab_size)``, which skips the special tokens most
 tokenizers put first. Sessions come from a seeded generator keyed by the phase (warm-up or the
@@ -24,8 +29,12 @@ import random
 from dataclasses import dataclass, field
 from typing import Literal
 
-WorkloadKind = Literal["multi-round", "shared-prefix", "no-reuse"]
-WORKLOADS: tuple[WorkloadKind, ...] = ("multi-round", "shared-prefix", "no-reuse")
+WorkloadKind = Literal["multi-round", "shared-prefix", "no-reuse", "multimodal"]
+WORKLOADS: tuple[WorkloadKind, ...] = ("multi-round", "shared-prefix", "no-reuse", "multimodal")
+WORDS = (
+    "red", "blue", "green", "square", "corner", "left", "right", "above", "below", "bright",
+    "dark", "colour", "block", "edge", "middle", "pattern", "shade", "tile", "row", "column",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,11 @@ class WorkloadSpec:
     suffix_tokens: int = 64
     vocab_size: int = 2000
     min_token_id: int = 3
+    images: int = 8
+    """multimodal: the shared set of images users ask about."""
+    image_side: int = 448
+    image_tokens: int = 256
+    """multimodal: the model's placeholder tokens of one image (only to check the fit)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -50,7 +64,7 @@ class WorkloadSpec:
         for name in ("doc_tokens", "question_tokens", "system_tokens", "suffix_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 0")
-        if self.answer_tokens < 1 or self.rounds < 1:
+        if self.answer_tokens < 1 or self.rounds < 1 or self.images < 1:
             raise ValueError("answer-tokens and rounds must be >= 1")
         if not 0 <= self.min_token_id < self.vocab_size:
             raise ValueError(
@@ -62,13 +76,14 @@ class WorkloadSpec:
 
     @property
     def rounds_per_session(self) -> int:
-        return self.rounds if self.kind == "multi-round" else 1
+        return self.rounds if self.kind in ("multi-round", "multimodal") else 1
 
     def prompt_tokens(self, round_index: int) -> int:
         """Prompt length of a session's round ``round_index`` (0-based)."""
-        if self.kind == "multi-round":
+        if self.kind in ("multi-round", "multimodal"):
             turn = self.question_tokens + self.answer_tokens
-            return self.doc_tokens + round_index * turn + self.question_tokens
+            image = self.image_tokens if self.kind == "multimodal" else 0
+            return self.doc_tokens + round_index * turn + self.question_tokens + image
         if self.kind == "shared-prefix":
             return self.system_tokens + self.suffix_tokens
         return self.doc_tokens + self.question_tokens
@@ -78,10 +93,11 @@ class WorkloadSpec:
         return self.prompt_tokens(self.rounds_per_session - 1) + self.answer_tokens
 
     def describe_longest(self) -> str:
-        if self.kind == "multi-round":
+        if self.kind in ("multi-round", "multimodal"):
+            image = f" + image {self.image_tokens}" if self.kind == "multimodal" else ""
             return (
                 f"doc {self.doc_tokens} + {self.rounds} rounds x (question "
-                f"{self.question_tokens} + answer {self.answer_tokens})"
+                f"{self.question_tokens} + answer {self.answer_tokens}){image}"
             )
         if self.kind == "shared-prefix":
             return (
@@ -112,10 +128,24 @@ class WorkloadSpec:
         """Shared by every phase: warming it up is the point of the shared-prefix workload."""
         return self.tokens(random.Random(f"{self.seed}/system"), self.system_tokens)
 
+    def words(self, rng: random.Random, n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
     def tokens(self, rng: random.Random, n: int) -> list[int]:
         return [rng.randrange(self.min_token_id, self.vocab_size) for _ in range(n)]
 
     def _session(self, rng: random.Random, name: str, n_rounds: int) -> Session:
+        if self.kind == "multimodal":
+            return ChatSession(
+                name,
+                [],
+                [],
+                [],
+                text=self.words(rng, self.doc_tokens),
+                asked=[self.words(rng, self.question_tokens) for _ in range(n_rounds)],
+                images=[rng.randrange(self.images) for _ in range(n_rounds)],
+                stand_in_text=[self.words(rng, self.answer_tokens) for _ in range(n_rounds)],
+            )
         if self.kind == "multi-round":
             context = self.tokens(rng, self.doc_tokens)
             questions = [self.tokens(rng, self.question_tokens) for _ in range(n_rounds)]
@@ -143,6 +173,10 @@ class Session:
     def __post_init__(self) -> None:
         self.history = list(self.context)
 
+    @property
+    def rounds(self) -> int:
+        return len(self.questions)
+
     def prompt(self, round_index: int) -> list[int]:
         return self.history + self.questions[round_index]
 
@@ -150,3 +184,27 @@ class Session:
         """Append round ``round_index``'s question and answer (its stand-in when None)."""
         tokens = answer if answer is not None else self.stand_in_answers[round_index]
         self.history += self.questions[round_index] + tokens
+
+
+@dataclass
+class ChatSession(Session):
+    """A multimodal user: text, not token ids, and an image of the shared set each round."""
+
+    text: str = ""
+    """The history: the context, then each round's question and answer."""
+    asked: list[str] = field(default_factory=list)
+    images: list[int] = field(default_factory=list)
+    """Per round, which image of the shared set."""
+    stand_in_text: list[str] = field(default_factory=list)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.asked)
+
+    def chat_prompt(self, round_index: int) -> tuple[str, int]:
+        """The round's text (history and question) and the image asked about after it."""
+        return f"{self.text} {self.asked[round_index]}", self.images[round_index]
+
+    def record_text(self, round_index: int, answer: str | None) -> None:
+        said = answer if answer is not None else self.stand_in_text[round_index]
+        self.text = f"{self.text} {self.asked[round_index]} {said}"
