@@ -61,6 +61,7 @@ def workload(quick: bool) -> WorkloadSpec:
 
 
 def connector_args(name: str, root: Path) -> list[str]:
+    root.mkdir(parents=True, exist_ok=True)
     if name == "vllm_alone":
         return []
     if name == "kvtier":
@@ -90,9 +91,10 @@ def serve(model: Path, name: str, root: Path, spec: WorkloadSpec, requests: int)
     args = [*connector_args(name, root), "--limit-mm-per-prompt", '{"image": 1}']
     # every image of the set, asked about once: what a cache keeps for the next server
     warm = dataclasses.replace(spec, rounds=1)
-    with vllm_server(model, root / "first", max_model_len=MAX_MODEL_LEN, args=args) as url:
+    # short paths: vLLM's sockets live under them
+    with vllm_server(model, root / "1", max_model_len=MAX_MODEL_LEN, args=args) as url:
         run_level(BenchConfig(url=url, workload=warm, requests=spec.images * 2), USERS, index=99)
-    with vllm_server(model, root / "second", max_model_len=MAX_MODEL_LEN, args=args) as url:
+    with vllm_server(model, root / "2", max_model_len=MAX_MODEL_LEN, args=args) as url:
         level = run_level(BenchConfig(url=url, workload=spec, requests=requests), USERS)
         hits = encoder_hits(url) if name == "kvtier" else None
     return summary(level, hits)
@@ -144,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     requests = USERS * spec.rounds * (2 if args.quick else 4)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     model = vision.build_idefics3(args.cache_dir, vision=vision.BENCHMARK_VISION)
-    root = Path(tempfile.mkdtemp(prefix="encoder-serving-", dir=args.cache_dir))
+    root = Path(tempfile.mkdtemp(prefix="ecs-", dir=args.cache_dir))
     try:
-        configs = {name: serve(model, name, root / name, spec, requests) for name in CONFIGS}
+        configs = {
+            name: serve(model, name, root / str(i), spec, requests)
+            for i, name in enumerate(CONFIGS)
+        }
     finally:
         shutil.rmtree(root, ignore_errors=True)
         ARENA.unlink(missing_ok=True)

@@ -304,3 +304,27 @@ def test_a_consumer_loads_and_stores_nothing_a_producer_on_this_runner_stores_no
     tokens, seen = run_engine(vlm, ec_config(extra, "ec_consumer"), LATER)
     assert tokens == expected(alone, LATER)
     assert seen.hits == 2
+
+
+def test_a_sampled_hit_of_other_weights_quarantines_the_namespace(
+    vlm: Path, vlm_other_build: Path, tmp_path: Path, shm_path: Path
+) -> None:
+    served = tmp_path / "served"
+    path = str(embedded_yaml(tmp_path, shm_path))
+    # an operator names the encoder and forgets to rename it when its weights change
+    named = {"kvtier_config": path, "part_kib": 4, "encoder_revision": "vision-r1"}
+    deploy(vlm, served)
+    run_engine(served, ec_config(named), FIRST)
+    deploy(vlm_other_build, served)
+    with running_llm(vlm_other_build, limit_mm_per_prompt=MM_LIMITS) as llm:
+        alone = ask(llm, LATER)
+    checked = ec_config({**named, "verify_sample_rate": 1.0})
+    with running_llm(served, limit_mm_per_prompt=MM_LIMITS, ec_transfer_config=checked) as llm:
+        tokens = ask(llm, LATER)
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.ec_connector._scheduler
+        seen, quarantined = scheduler.counters, dict(scheduler.quarantined)
+    assert tokens == alone  # sampled: encoded, never served
+    assert seen.compared >= 1
+    assert seen.mismatched >= 1
+    assert len(quarantined) == 1
+    assert seen.hits == 0  # past the first mismatch, nothing more is loaded from it
