@@ -68,7 +68,11 @@ def test_a_restarted_server_loads_the_outputs_the_first_one_stored(
         "ec_connector": "KVTierECConnector",
         "ec_connector_module_path": "kvtier_vllm.ec_connector",
         "ec_role": "ec_both",
-        "ec_connector_extra_config": {"kvtier_config": str(config), "part_kib": 4},
+        "ec_connector_extra_config": {
+            "kvtier_config": str(config),
+            "part_kib": 4,
+            "verify_sample_rate": 0,  # a sampled hit is encoded: hits stay countable
+        },
     }
     args = ["--ec-transfer-config", json.dumps(ec), "--limit-mm-per-prompt", '{"image": 1}']
     for run, (requests, result) in enumerate(((6, "stored"), (6, "hit"))):

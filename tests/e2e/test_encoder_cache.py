@@ -23,7 +23,7 @@ from kvtier.core.keys import Pool
 from kvtier.tiers.lmdb_env import DATABASES
 from tests.e2e.conftest import deploy, set_engine_env
 from tests.e2e.models import BLOCK_SIZE, counter, greedy, running_llm
-from tests.e2e.test_connector import embedded_yaml, kvtier_config
+from tests.e2e.test_connector import NO_VERIFICATION, embedded_yaml, kvtier_config
 from tests.e2e.test_connector_objstore import node_yaml
 from tests.integration.daemon_harness import DaemonFiles, Processes
 from tests.objstore.fixtures import AwsIrsa
@@ -69,11 +69,13 @@ def alone(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[Case, lis
 
 
 def ec_config(extra: dict[str, Any], role: str = "ec_both") -> dict[str, Any]:
+    """No hit is sampled (served as a miss) unless ``extra`` says otherwise: counts of hits
+    stay exact."""
     return {
         "ec_connector": "KVTierECConnector",
         "ec_connector_module_path": "kvtier_vllm.ec_connector",
         "ec_role": role,
-        "ec_connector_extra_config": extra,
+        "ec_connector_extra_config": {**NO_VERIFICATION, **extra},
     }
 
 
