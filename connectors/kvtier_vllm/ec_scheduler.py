@@ -235,6 +235,8 @@ class EncoderCacheScheduler:
         """True only with every part leased: they stay until the workers read them."""
         if identifier in self._leased:
             return True
+        if identifier in self._sampled:
+            return False  # asked again in the step that samples it: still encoded
         item = self._items.get(identifier)
         client = self.client()
         if not self.consumer or item is None or client is None:
