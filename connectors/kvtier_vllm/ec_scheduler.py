@@ -53,7 +53,6 @@ class EncoderPlan:
 class Item:
     identifier: str
     rows: int
-    plan: str
     keys: list[ChunkKey]
     layout: PartLayout
 
@@ -107,15 +106,14 @@ class EncoderCacheScheduler:
         self.counters = ECCounters()
         self._random = random.Random(cfg.verify_seed)
         self._items: OrderedDict[str, Item] = OrderedDict()
-        self._promoting: dict[str, Promotion] = {}
+        self._promoting: OrderedDict[str, Promotion] = OrderedDict()
+        """Items looked up in the slower tiers, bounded as ``_items`` (every miss leaves one)."""
         self._leased: dict[str, ItemSlots] = {}
         """Hits answered this step, their parts leased."""
         self._sampled: dict[str, ItemSlots] = {}
         """Hits served as misses this step, to compare with what the encoder computes."""
         self._loads: dict[str, ItemSlots] = {}
         self._stores: dict[str, Item] = {}
-        self._in_flight: dict[str, list[tuple[str, ItemSlots]]] = {}
-        """Per step plan sent (by arena path and identifier): what its report settles."""
         self._steps = StepLedger()
         self._readers: dict[str, set[str]] = {}
         """Requests of each item loaded and not yet reported."""
@@ -141,9 +139,7 @@ class EncoderCacheScheduler:
         if plan is None or namespace is None or namespace in self.quarantined:
             return None
         layout = PartLayout.of(plan.spec)
-        item = Item(
-            identifier, rows, plan.key, item_keys(namespace, identifier, rows, layout), layout
-        )
+        item = Item(identifier, rows, item_keys(namespace, identifier, rows, layout), layout)
         self._items[identifier] = item
         if len(self._items) > MAX_ITEMS:
             self._items.popitem(last=False)
@@ -170,6 +166,8 @@ class EncoderCacheScheduler:
             promotion = Promotion(now + self.cfg.promote_wait_ms / 1000)
             promotion.asked = client.lookup_behind(item.keys)
             self._promoting[item.identifier] = promotion
+            if len(self._promoting) > MAX_ITEMS:
+                self._promoting.popitem(last=False)
             promotion.asked.wait(self.cfg.lookup_wait_ms / 1000)
         elif now >= promotion.deadline:
             return ABSENT  # waited long enough: the encoder runs

@@ -21,9 +21,9 @@ def tp2(model: Path, ec: dict[str, Any] | None, cases: list[tuple[str, int]]) ->
         return tokens, counters(llm) if ec is not None else None
 
 
-def test_tp2_engines_store_and_load_encoder_outputs(
-    vlm: Path, tmp_path: Path, shm_path: Path
-) -> None:
+def test_tp2_round_trip(vlm: Path, tmp_path: Path, shm_path: Path) -> None:
+    """TP=2 engines store and load encoder outputs. (A short name: vLLM's sockets live under
+    the test's temp dir, and a socket path has at most 107 characters.)"""
     alone, _ = tp2(vlm, None, LATER)
     ec = ec_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path)), "part_kib": 4})
     _, seen = tp2(vlm, ec, FIRST)
