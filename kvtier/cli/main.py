@@ -25,6 +25,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from kvtier._version import __version__
 from kvtier.api.v1 import admin_pb2
 from kvtier.core.config import KVTierConfig, describe, load_config
 from kvtier.core.errors import ConfigError, KVTierError
@@ -337,6 +338,7 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", type=Path, help="YAML file; KVTIER_ variables override it")
     parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache offload.")
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     config = sub.add_parser(
