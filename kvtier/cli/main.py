@@ -96,6 +96,7 @@ def _stats(args: argparse.Namespace) -> int:
     stats = _admin(args).stats()
 
     def table() -> None:
+        print(f"kvtierd {stats.version or 'unknown'}")
         _rows(
             ("tier", "used", "capacity", "chunks"),
             [

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
-from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from kvtier._version import __version__
 from kvtier.core.protocol import TierCode
 from kvtier.observability.metric_specs import info_family, metric_family
 from kvtier.observability.telemetry import telemetry_of
@@ -24,23 +24,15 @@ from kvtier.tiering.manager import ManagerStats, TierManager
 CPU, LMDB, OBJECT = (code.tier for code in TierCode)
 
 
-def _kvtier_version() -> str:
-    try:
-        return version("kvtier")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 class TierCollector(Collector):
     def __init__(self, manager: TierManager, session_counts: Callable[[], tuple[int, int, int]]):
         self.manager = manager
         self.session_counts = session_counts
         self.telemetry = telemetry_of(manager)
-        self.version = _kvtier_version()
 
     def collect(self) -> Iterator[Metric]:
         build = info_family("build")
-        build.add_metric([], {"version": self.version})
+        build.add_metric([], {"version": __version__})
         yield build
         stats = self.manager.stats()
         yield from self._tiers(stats)

@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from kvtier._version import __version__
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
 from kvtier.core.codec import spec_to
 from kvtier.core.errors import KVTierError, PermissionDeniedError, TierUnavailableError
@@ -100,6 +101,10 @@ def test_chunks_stored_by_one_process_load_byte_exact_in_another(
     assert cpu.counters["store_duplicate"] == 6
     assert stats.counters["hit_chunks_cpu"] == 6
     assert stats.leases == 0
+    # an operator can tell which build serves, from the admin API and from the metrics
+    assert stats.version == __version__
+    builds = [labels for name, labels, _ in daemon.metrics() if name == "kvtier_build_info"]
+    assert builds == [{"version": __version__}]
 
 
 def test_killed_client_loses_its_leases_and_reservations_after_the_session_timeout(

@@ -193,8 +193,11 @@ class StatsResponse(_message.Message):
     SESSIONS_FIELD_NUMBER: _builtins.int
     LEASES_FIELD_NUMBER: _builtins.int
     DRAFT_REVISIONS_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     sessions: _builtins.int
     leases: _builtins.int
+    version: _builtins.str
+    """the kvtier version serving, as `kvtier --version` prints it"""
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStats]: ...
     @_builtins.property
@@ -209,10 +212,11 @@ class StatsResponse(_message.Message):
         sessions: _builtins.int = ...,
         leases: _builtins.int = ...,
         draft_revisions: _abc.Iterable[Global___DraftRevisionStats] | None = ...,
+        version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "draft_revisions", b"draft_revisions", "leases", b"leases", "sessions", b"sessions", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "draft_revisions", b"draft_revisions", "leases", b"leases", "sessions", b"sessions", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
