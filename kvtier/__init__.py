@@ -1,1 +1,5 @@
 """kvtier: tiered KV-cache offload for vLLM."""
+
+from kvtier._version import __version__
+
+__all__ = ["__version__"]

@@ -12,6 +12,7 @@ from kvtier_vllm.adapter import (
     cache_hit_source,
     transfer_results,
 )
+from kvtier_vllm.build_check import say_build_once
 from kvtier_vllm.config import parse
 from kvtier_vllm.guard import contained, report_with_next_stats
 from kvtier_vllm.metadata import KVTierMetadata
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        say_build_once()
         cfg = parse(self._kv_transfer_config.kv_connector_extra_config)
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None

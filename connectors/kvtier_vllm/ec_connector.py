@@ -24,6 +24,7 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
     ECConnectorStats,
 )
 
+from kvtier_vllm.build_check import say_build_once
 from kvtier_vllm.ec_config import parse
 from kvtier_vllm.ec_metadata import ECReport, ECStepPlan
 from kvtier_vllm.ec_stats import Deltas, KVTierECPromMetrics, KVTierECStats
@@ -49,6 +50,7 @@ class KVTierECReport(ECConnectorWorkerMetadata):
 class KVTierECConnector(ECConnectorBase):
     def __init__(self, vllm_config: Any, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
+        say_build_once()
         transfer = vllm_config.ec_transfer_config
         cfg = parse(transfer.ec_connector_extra_config)
         self._deltas = Deltas()
