@@ -25,7 +25,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from kvtier._version import __version__
+from kvtier import __version__
 from kvtier.api.v1 import admin_pb2
 from kvtier.core.config import KVTierConfig, describe, load_config
 from kvtier.core.errors import ConfigError, KVTierError
@@ -413,11 +413,13 @@ def _parser() -> argparse.ArgumentParser:
         "quarantine", _quarantine, "namespaces an engine found wrong KV in; --lift one"
     )
     quarantine.add_argument("--lift", metavar="NAMESPACE", help="16-byte namespace, hex")
+    from kvtier.cli.health import add_parser as add_health
     from kvtier.cli.hidden import add_parser as add_hidden
     from kvtier.observability.top import add_parser as add_top
 
     add_hidden(sub, common)
     add_top(sub, common)
+    add_health(sub, common)
     from kvtier.bench.cli import add_bench_parser
 
     add_bench_parser(sub)

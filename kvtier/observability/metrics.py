@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from kvtier._version import __version__
+from kvtier import __version__
 from kvtier.core.protocol import TierCode
 from kvtier.observability.metric_specs import info_family, metric_family
 from kvtier.observability.telemetry import telemetry_of

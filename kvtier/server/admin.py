@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from kvtier._version import __version__
+from kvtier import __version__
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc
 from kvtier.core.codec import draft_revisions_to, tier_stats_to
 from kvtier.core.errors import InvalidRequestError

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvtier._version import __version__
+from kvtier import __version__
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
 from kvtier.core.codec import spec_to
 from kvtier.core.errors import KVTierError, PermissionDeniedError, TierUnavailableError

@@ -22,7 +22,7 @@ ARENA = ("kvtier.tiers.arena", "kvtier.tiers.arena_index")
 # clients (rpc, client, hidden, the connector) sit beside the tier manager, not above it: they
 # reach the tiers through kvtierd or a manager handed to them, and map only the arena's file.
 ALLOWED: dict[str, tuple[str, ...]] = {
-    "kvtier": (),  # the package itself: a docstring
+    "kvtier": (),  # the package itself: its docstring and version
     "kvtier.api": (),
     "kvtier.core": ("kvtier.api",),
     "kvtier.tiers": ("kvtier.core",),
