@@ -23,7 +23,9 @@ ROOT=$PWD
 OUT=${OUT:-$ROOT/gpu-check-out}
 VLLM_VERSION=${KVTIER_GPU_VLLM:-0.32.0}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT/steps"
+# the environment it installs: large, and nothing a reader of the results needs
+WORK=${KVTIER_GPU_WORK:-/tmp/kvtier-gpu-check}
+mkdir -p "$OUT/steps" "$WORK"
 LOG=$OUT/gpu-check.log
 : >"$LOG"
 export PYTHONUNBUFFERED=1
@@ -50,19 +52,19 @@ step() {
 
 install_vllm() {
   # a machine with no index reachable fails here in seconds, not after every retry below
-  "$PY" -m pip download --quiet --no-deps --retries 0 --timeout 10 -d "$OUT/probe" \
-    "vllm==$VLLM_VERSION" --only-binary=:all: --no-cache-dir >/dev/null 2>&1 || {
-    echo "no package index reachable: vllm==$VLLM_VERSION cannot be downloaded"
+  "$PY" -m pip index versions vllm --retries 0 --timeout 10 2>/dev/null |
+    grep -q "\b$VLLM_VERSION\b" || {
+    echo "no package index reachable here lists vllm $VLLM_VERSION"
     return 1
   }
-  "$PY" -m venv "$OUT/venv" &&
-    "$OUT/venv/bin/python" -m pip install --quiet --disable-pip-version-check --retries 1 \
+  "$PY" -m venv "$WORK/venv" &&
+    "$WORK/venv/bin/python" -m pip install --quiet --disable-pip-version-check --retries 1 \
       --timeout 20 "$ROOT[vllm,s3]" "vllm==$VLLM_VERSION" pytest pytest-timeout pyyaml
 }
 
 # the machine's own python with the carried wheels and the checkout on the path
 fallback_env() {
-  local site=$OUT/site
+  local site=$WORK/site
   rm -rf "$site" && mkdir -p "$site"
   if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
@@ -72,9 +74,9 @@ fallback_env() {
 }
 
 export -f install_vllm
-export OUT PY ROOT VLLM_VERSION
+export OUT PY ROOT VLLM_VERSION WORK
 if step install-vllm 300 install_vllm; then
-  RUN=$OUT/venv/bin/python
+  RUN=$WORK/venv/bin/python
   VLLM=installed
 else
   fallback_env
