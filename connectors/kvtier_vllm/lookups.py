@@ -14,6 +14,7 @@ from kvtier_vllm.draft_pool import DraftPool
 from kvtier_vllm.planner import Asked, HitPlanner
 from kvtier_vllm.requests import RequestState
 from kvtier_vllm.session import Session
+from kvtier_vllm.stats import KVTierStats
 from kvtier_vllm.verify import Sampled, Verifier
 from kvtier_vllm.weights import adapter_uncached
 
@@ -27,6 +28,7 @@ class Lookups(ABC):
     async_loads: bool
     session: Session
     verifier: Verifier
+    stats: KVTierStats
     namespaces: dict[str, bytes]
     draft: DraftTracker | None
     draft_pool: DraftPool | None
@@ -104,9 +106,14 @@ class Lookups(ABC):
             state.missed = (num_computed_tokens, self._draft_revision())
             return 0, False
         state.missed = None
-        if self.verifier.sample(self._step):
-            state.sampled = Sampled(plan)
-            return 0, False
+        if not state.drawn:
+            # once per request with a hit, however often vLLM asks: the realized rate is the rate
+            state.drawn = True
+            sampled = self.verifier.sample(self._step)
+            self.stats.drawn(sampled)
+            if sampled:
+                state.sampled = Sampled(plan)
+                return 0, False
         state.plan = plan
         state.plan_revision = self._draft_revision()
         state.local_tokens = num_computed_tokens

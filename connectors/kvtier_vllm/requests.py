@@ -32,6 +32,8 @@ class RequestState:
     fill: Fill = Fill.NONE
     sampled: Sampled | None = None
     """Its hit, served as a miss to be compared with what vLLM computes."""
+    drawn: bool = False
+    """The sampler drew for it once: a request asked again while it waits is not drawn again."""
     tail_stored: bool = False
     """Its prompt's hidden-state tail was reserved (captured hidden states)."""
 

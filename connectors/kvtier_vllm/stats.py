@@ -27,6 +27,8 @@ FILLS = ("none", "previous", "zeros")
 SWAP_SOURCES = ("admin", "fingerprint")
 VERIFY_RESULTS = ("match", "mismatch", "unchecked")
 """Compared chunks: within verify_max_error, past it, or reused before they were compared."""
+DRAW_OUTCOMES = ("sampled", "served")
+"""What the verification sampler made of a request with a hit."""
 ERROR_BUCKETS = (1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, float("inf"))
 """Upper bounds of the relative-error histogram's buckets."""
 POOLS = ("target", "draft", "hidden")
@@ -82,6 +84,10 @@ class KVTierStats(KVConnectorStats):
         if error is not None:
             bucket = next(i for i, bound in enumerate(ERROR_BUCKETS) if error <= bound)
             self.add(_SEP.join(("verify_error", pool, str(bucket))), 1)
+
+    def drawn(self, sampled: bool) -> None:
+        """The sampler drew for a request with a hit: verified (sampled) or served."""
+        self.add(_SEP.join(("draw", "sampled" if sampled else "served")), 1)
 
     def hooks(self, seconds: dict[str, float]) -> None:
         """Seconds spent inside each of kvtier's hooks."""
@@ -210,6 +216,13 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             "was reused first).",
             labelnames=[*base, "pool", "result"],
         )
+        self._draws: Any = self._counter_cls(
+            name="vllm:kvtier_verify_requests_total",
+            documentation="Requests with a hit, drawn once each by the verification sampler: "
+            "sampled (served as a miss and compared) or served. sampled over the sum is the "
+            "realized verify_sample_rate.",
+            labelnames=[*base, "outcome"],
+        )
         self._hooks: Any = self._counter_cls(
             name="vllm:kvtier_hook_seconds_total",
             documentation="Seconds vLLM spent inside kvtier's connector hooks, per hook, summed "
@@ -270,6 +283,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             observed = bound if bound != float("inf") else 10.0
             for _ in range(int(value)):
                 self._errors.labels(*labels, parts[1]).observe(observed)
+        elif kind == "draw" and parts[1] in DRAW_OUTCOMES:
+            self._draws.labels(*labels, parts[1]).inc(value)
         elif kind == "hook" and value:
             self._hooks.labels(*labels, parts[1]).inc(value)
         elif kind == "stale":

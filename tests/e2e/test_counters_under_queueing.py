@@ -142,3 +142,50 @@ def test_tiny_model_kv_is_the_size_this_test_assumes(tiny_models: ModelSet) -> N
     per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * 32 * 4
     dtype = config.get("dtype", config.get("torch_dtype"))
     assert (config["head_dim"], dtype, per_token) == (32, "float32", 1024)
+
+
+@pytest.fixture
+def replanning_asks(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """How often vLLM asked about each request, with the load planned anew at every ask (as
+    when vLLM's own cache grew, the arena lost a chunk or the request was preempted)."""
+    from kvtier_vllm.scheduler import KVTierScheduler
+
+    seen: Counter[str] = Counter()
+    original = KVTierScheduler.get_num_new_matched_tokens
+
+    def replanning(self: KVTierScheduler, request: Any, computed: int) -> tuple[int | None, bool]:
+        seen[request.request_id] += 1
+        self._drop_plan(self.state(request))
+        return original(self, request, computed)
+
+    monkeypatch.setattr(KVTierScheduler, "get_num_new_matched_tokens", replanning)
+    return seen
+
+
+def test_a_request_asked_while_it_waits_is_drawn_once_by_the_sampler(
+    tiny_models: ModelSet,
+    procs: Processes,
+    daemon_files: DaemonFiles,
+    replanning_asks: Counter[str],
+) -> None:
+    procs.start_daemon(daemon_files)
+    sidecar = {"mode": "sidecar", "socket_path": str(daemon_files.socket)}
+    stored = unique_prompts(tiny_models, 8, seed=23)
+    with running_llm(tiny_models.target, kv_transfer_config=kvtier_config(sidecar)) as llm:
+        generate_tokens(llm, stored, max_tokens=MAX_TOKENS)
+
+    replanning_asks.clear()
+    sampling = kvtier_config({**sidecar, "verify_sample_rate": 0.25, "verify_seed": 5})
+    with running_llm(tiny_models.target, kv_transfer_config=sampling, **ENGINE) as llm:
+        _, cached = generate_tokens(llm, stored, max_tokens=MAX_TOKENS)
+        draws = {
+            outcome: counter(llm, "vllm:kvtier_verify_requests", outcome=outcome)
+            for outcome in ("sampled", "served")
+        }
+    asks = sum(replanning_asks.values())
+    assert asks >= 3 * len(stored), replanning_asks  # each waited, and was planned anew
+    # each request had a hit and was drawn once, however often it was asked: a sampled one is
+    # served as a miss
+    assert draws["sampled"] + draws["served"] == len(stored), (draws, asks)
+    assert draws["sampled"] == cached.count(0), (draws, cached)
+    assert draws["served"] == cached.count(CHUNKS * BLOCK), (draws, cached)
