@@ -7,6 +7,7 @@ addresses with the offsets in each `SlotRef`; `ArenaMemory` maps it.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -140,7 +141,8 @@ class InProcessClient:
         return self.manager.draft_states()
 
     def quarantine_namespace(self, namespace: bytes, reason: str) -> None:
-        self.manager.quarantines.add(namespace, reason)
+        source = f"replica {self.replica}, embedded in pid {os.getpid()}"
+        self.manager.quarantines.add(namespace, reason, source)
 
     def quarantined(self) -> frozenset[bytes]:
         return self.manager.quarantines.namespaces

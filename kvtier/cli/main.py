@@ -327,7 +327,7 @@ def _quarantine(args: argparse.Namespace) -> int:
     def lines() -> None:  # whole lines: a namespace is copied from here to --lift
         for q in listed.quarantined:
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(q.since_unix_s))
-            print(f"{q.namespace.hex()}  since {since} UTC  {q.reason}")
+            print(f"{q.namespace.hex()}  since {since} UTC  by {q.source or '?'}  {q.reason}")
         if not listed.quarantined:
             print("no namespace is quarantined")
 

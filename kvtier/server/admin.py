@@ -131,7 +131,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.ListQuarantinesResponse(
             quarantined=[
                 admin_pb2.QuarantinedNamespace(
-                    namespace=q.namespace, reason=q.reason, since_unix_s=q.since_unix_s
+                    namespace=q.namespace,
+                    reason=q.reason,
+                    since_unix_s=q.since_unix_s,
+                    source=q.source,
                 )
                 for q in self.manager.quarantines.listed()
             ]

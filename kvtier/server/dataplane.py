@@ -251,5 +251,6 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         if namespace is None:
             raise InvalidRequestError("name the namespace to quarantine")
         self._own(session, [namespace])  # an engine speaks only for its own pools
-        self.manager.quarantines.add(namespace, request.reason[:_MAX_REASON])
+        source = f"replica {session.replica}, engine {session.engine_id}"
+        self.manager.quarantines.add(namespace, request.reason[:_MAX_REASON], source[:_MAX_REASON])
         return tier_pb2.QuarantineNamespaceResponse()

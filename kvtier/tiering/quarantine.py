@@ -23,6 +23,8 @@ class Quarantine:
     namespace: bytes
     reason: str
     since_unix_s: float
+    source: str = ""
+    """Who found it: the engine (replica, engine id) or the process that reported it."""
 
 
 RECORD_PREFIX = b"quarantine/"
@@ -40,7 +42,12 @@ def _read(namespace: bytes, value: bytes) -> Quarantine:
     """A kept quarantine; one whose record cannot be read still holds, saying so."""
     try:
         record = json.loads(value)
-        return Quarantine(namespace, str(record["reason"]), float(record["since_unix_s"]))
+        return Quarantine(
+            namespace,
+            str(record["reason"]),
+            float(record["since_unix_s"]),
+            str(record.get("source", "")),  # records kept before sources were
+        )
     except (ValueError, KeyError, TypeError) as exc:
         return Quarantine(namespace, f"kept record unreadable ({exc}); lift it to serve it", 0.0)
 
@@ -64,15 +71,15 @@ class Quarantines:
         """The quarantined namespaces, replaced (never changed) on each add or lift: read on
         every lookup without the lock."""
 
-    def add(self, namespace: bytes, reason: str) -> bool:
+    def add(self, namespace: bytes, reason: str, source: str = "") -> bool:
         """Quarantine ``namespace``; False when it was already."""
         with self._lock:
             if namespace in self._held:
                 return False
-            held = self._held[namespace] = Quarantine(namespace, reason, time.time())
+            held = self._held[namespace] = Quarantine(namespace, reason, time.time(), source)
             self.namespaces = frozenset(self._held)  # in force before it is written down
             self._keep(namespace, held)
-        log.error("namespace %s quarantined: %s", namespace.hex(), reason)
+        log.error("namespace %s quarantined by %s: %s", namespace.hex(), source or "?", reason)
         return True
 
     def lift(self, namespace: bytes) -> bool:
@@ -92,7 +99,9 @@ class Quarantines:
             return
         value = None
         if held is not None:
-            value = json.dumps({"reason": held.reason, "since_unix_s": held.since_unix_s}).encode()
+            value = json.dumps(
+                {"reason": held.reason, "since_unix_s": held.since_unix_s, "source": held.source}
+            ).encode()
         try:
             self._kept.write_record(RECORD_PREFIX + namespace, value)
         except Exception:

@@ -203,6 +203,7 @@ def test_other_weights_under_one_revision_are_quarantined_for_every_engine_on_th
     [held] = admin.quarantines()
     assert held.namespace == namespace
     assert "differs from the recomputed KV" in held.reason
+    assert held.source.startswith("replica dp0, engine ")  # the engine that found it
 
     # another engine, which verifies nothing itself, gets no hit from the daemon
     assert serve(old)[:2] == (old_tokens, 0)
@@ -211,7 +212,7 @@ def test_other_weights_under_one_revision_are_quarantined_for_every_engine_on_th
     assert daemon.signal_and_wait(signal.SIGTERM, 60) == 0
     daemon = procs.start_daemon(daemon_files)
     admin = daemon.admin()
-    assert [q.namespace for q in admin.quarantines()] == [namespace]
+    assert [(q.namespace, q.source) for q in admin.quarantines()] == [(namespace, held.source)]
     assert serve(old)[:2] == (old_tokens, 0)
     # lifted: the old weights' chunks are served again
     assert admin.lift_quarantine(namespace)

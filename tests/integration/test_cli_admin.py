@@ -194,9 +194,11 @@ def test_a_quarantine_reaches_every_session_until_an_admin_lifts_it(
         assert rc == 0
         assert ns.hex() in out
         assert "by 1.41" in out
+        assert "by replica dp0, engine " in out  # where it came from: the finder's session
         rc, out, _ = run(capsys, daemon, "quarantine", "--json")
         (listed,) = json.loads(out)["quarantined"]
         assert "1.41" in listed["reason"]
+        assert listed["source"].startswith("replica dp0, engine ")
         assert run(capsys, daemon, "quarantine", "--lift", ns.hex())[0] == 0
         assert other.lookup(keys).hits == 8  # its chunks stayed: served again
         other.draft_states(refresh=True)

@@ -23,13 +23,14 @@ class Records:
 def test_kept_quarantines_are_read_back_and_a_lift_is_kept_too() -> None:
     kept = Records()
     first = Quarantines(kept)
-    assert first.add(b"n" * 16, "a target chunk differs by 1.41")
+    assert first.add(b"n" * 16, "a target chunk differs by 1.41", "replica dp1, engine e-7")
     assert first.add(b"m" * 16, "a draft chunk differs by 1.40")
     assert first.lift(b"m" * 16)
     again = Quarantines(kept)
     assert again.namespaces == {b"n" * 16}
     [held] = again.listed()
     assert held.reason == "a target chunk differs by 1.41"
+    assert held.source == "replica dp1, engine e-7"  # who found it, kept too
     assert held.since_unix_s == first.listed()[0].since_unix_s
 
 

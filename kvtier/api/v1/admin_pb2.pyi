@@ -774,20 +774,24 @@ class QuarantinedNamespace(_message.Message):
     NAMESPACE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     SINCE_UNIX_S_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
     namespace: _builtins.bytes
     reason: _builtins.str
     since_unix_s: _builtins.float
     """When it was quarantined, in seconds since the epoch."""
+    source: _builtins.str
+    """Who found it: the reporting engine's replica and engine id, or the embedded process."""
     def __init__(
         self,
         *,
         namespace: _builtins.bytes = ...,
         reason: _builtins.str = ...,
         since_unix_s: _builtins.float = ...,
+        source: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "reason", b"reason", "since_unix_s", b"since_unix_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "reason", b"reason", "since_unix_s", b"since_unix_s", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
