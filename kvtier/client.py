@@ -77,6 +77,7 @@ class InProcessClient:
         release: Sequence[SlotRef] = ...,
         lease: Literal[False] = ...,
         again: bool = ...,
+        verify: bool = ...,
     ) -> LookupResult: ...
 
     @overload
@@ -87,6 +88,7 @@ class InProcessClient:
         release: Sequence[SlotRef] = ...,
         lease: Literal[True],
         again: bool = ...,
+        verify: bool = ...,
     ) -> tuple[LookupResult, list[SlotRef | None]]: ...
 
     def lookup(
@@ -96,12 +98,13 @@ class InProcessClient:
         release: Sequence[SlotRef] = (),
         lease: bool = False,
         again: bool = False,
+        verify: bool = False,
     ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
         if release or lease:
             self.manager.release(release)
         if lease:
-            return self.manager.lookup(keys, self.replica, lease=True, again=again)
-        return self.manager.lookup(keys, again=again)
+            return self.manager.lookup(keys, self.replica, lease=True, again=again, verify=verify)
+        return self.manager.lookup(keys, again=again, verify=verify)
 
     @overload
     def reserve(self, keys: Sequence[ChunkKey], *, commit: None = ...) -> list[SlotRef | None]: ...
@@ -153,8 +156,8 @@ class InProcessClient:
     def set_busy(self, busy: bool) -> None:
         pass  # the caller runs the engine: it decides when to flush
 
-    def lookup_behind(self, keys: Sequence[ChunkKey]) -> Answer[LookupResult]:
-        return Ready(self.manager.lookup(keys))
+    def lookup_behind(self, keys: Sequence[ChunkKey], verify: bool = False) -> Answer[LookupResult]:
+        return Ready(self.manager.lookup(keys, verify=verify))
 
     def in_arena(self, keys: Sequence[ChunkKey]) -> list[SlotRef] | None:
         return None  # a lookup here is no dearer

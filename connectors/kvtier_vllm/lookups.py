@@ -89,6 +89,11 @@ class Lookups(ABC):
         first = num_computed_tokens // self.chunk_tokens
         if limit <= first:
             return 0, False
+        if not state.drawn:
+            # once per request, before its first lookup, however often vLLM asks: the realized
+            # rate is the rate, and kvtierd counts what a sampled request finds as verified
+            state.drawn = True
+            state.asked.verify = self.verifier.sample(self._step)
         assert self.planner is not None  # made with the client
         wait_s = self.cfg.lookup_wait_ms / 1000
         try:
@@ -106,14 +111,12 @@ class Lookups(ABC):
             state.missed = (num_computed_tokens, self._draft_revision())
             return 0, False
         state.missed = None
-        if not state.drawn:
-            # once per request with a hit, however often vLLM asks: the realized rate is the rate
-            state.drawn = True
-            sampled = self.verifier.sample(self._step)
-            self.stats.drawn(sampled)
-            if sampled:
-                state.sampled = Sampled(plan)
-                return 0, False
+        if not state.had_hit:
+            state.had_hit = True
+            self.stats.drawn(state.asked.verify)
+        if state.asked.verify:
+            state.sampled = Sampled(plan)
+            return 0, False
         state.plan = plan
         state.plan_revision = self._draft_revision()
         state.local_tokens = num_computed_tokens

@@ -155,6 +155,8 @@ class Asked:
     """When it was first asked again."""
     looked: bool = False
     """Whether it was looked up already: lookups asked again are not counted again."""
+    verify: bool = False
+    """Sampled for verification: what its lookups find is counted as verified, not hits."""
     first_tiers: dict[int, int] = field(default_factory=dict)
     """Per chunk, where it was when first asked for (promoted ones came from lmdb)."""
     behind: tuple[list[ChunkKey], Answer[LookupResult]] | None = None
@@ -262,7 +264,7 @@ class HitPlanner:
             held = self.client.in_arena(keys[:1])
             if not keys or held is None or held:
                 return True  # the index answers, or a lookup here is no dearer than a check
-            asked.behind = keys, self.client.lookup_behind(keys)
+            asked.behind = keys, self.client.lookup_behind(keys, verify=asked.verify)
             asked.looked = True
         return asked.behind[1].wait(wait_s)
 
@@ -332,7 +334,9 @@ class HitPlanner:
             result = behind[1].result()
         else:
             result, leased = self._releasing_due(
-                lambda due: client.lookup(keys, release=due, lease=True, again=asked.looked)
+                lambda due: client.lookup(
+                    keys, release=due, lease=True, again=asked.looked, verify=asked.verify
+                )
             )
             early = by_plan(spans, leased)
         found = {
@@ -452,7 +456,7 @@ class HitPlanner:
         within the wait): loading them now would find them mid-promotion and zero them."""
         client = self.client
         keys = self.keys(draft, hashes, self._needed(draft, hit.start, hit.stop))
-        found = client.lookup(keys, again=asked.since is not None)
+        found = client.lookup(keys, again=asked.since is not None, verify=asked.verify)
         below = [k for k, c in zip(keys, found.tier_codes, strict=False) if c != CPU]
         if not below and not found.pending:
             return False

@@ -33,7 +33,10 @@ class RequestState:
     sampled: Sampled | None = None
     """Its hit, served as a miss to be compared with what vLLM computes."""
     drawn: bool = False
-    """The sampler drew for it once: a request asked again while it waits is not drawn again."""
+    """The sampler drew for it, before its first lookup (`asked.verify` holds the outcome): a
+    request asked again while it waits is not drawn again."""
+    had_hit: bool = False
+    """A lookup found it a hit: its draw is counted among the draws of requests with a hit."""
     tail_stored: bool = False
     """Its prompt's hidden-state tail was reserved (captured hidden states)."""
 

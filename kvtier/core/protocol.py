@@ -152,6 +152,7 @@ class TierClient(Protocol):
         release: Sequence[SlotRef] = ...,
         lease: Literal[False] = ...,
         again: bool = ...,
+        verify: bool = ...,
     ) -> LookupResult: ...
 
     @overload
@@ -162,6 +163,7 @@ class TierClient(Protocol):
         release: Sequence[SlotRef] = ...,
         lease: Literal[True],
         again: bool = ...,
+        verify: bool = ...,
     ) -> tuple[LookupResult, list[SlotRef | None]]: ...
 
     def lookup(
@@ -171,13 +173,16 @@ class TierClient(Protocol):
         release: Sequence[SlotRef] = (),
         lease: bool = False,
         again: bool = False,
+        verify: bool = False,
     ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
         """Look the keys up, first ending the leases ``release``. With ``lease``, also lease
         the found chunks when the arena holds them all, all in one call. ``again``: the same
-        request asks again while it waits; its keys and hits are not counted twice."""
+        request asks again while it waits; its keys and hits are not counted twice.
+        ``verify``: the request is sampled for verification, so what is found is counted as
+        verified, not as hits: none of it is served."""
         ...
 
-    def lookup_behind(self, keys: Sequence[ChunkKey]) -> Answer[LookupResult]:
+    def lookup_behind(self, keys: Sequence[ChunkKey], verify: bool = False) -> Answer[LookupResult]:
         """`lookup` without a lease, without waiting for the answer: a caller that must not
         wait asks again later, or waits as long as it may."""
         ...

@@ -81,6 +81,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "tier pool replica",
         "Chunks lookups found, by the fastest tier holding each; summed over tier, all hits.",
     ),
+    _spec(
+        "counter",
+        "verified_chunks",
+        "pool replica",
+        "Chunks lookups found for requests sampled for verification: the engine computes them "
+        "and compares, and serves none, so they are not in hit_chunks.",
+    ),
     # calls and transfers
     _spec("counter", "requests", "op result", "Data-plane calls, by outcome (ok, error)."),
     _spec("histogram", "request_duration_seconds", "op", "Time to serve one data-plane call."),

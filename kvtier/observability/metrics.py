@@ -96,13 +96,17 @@ class TierCollector(Collector):
     def _lookups(self) -> Iterator[Metric]:
         lookups = metric_family("lookup_chunks")
         hits = metric_family("hit_chunks")
+        verified = metric_family("verified_chunks")
         for key, value in sorted(self.telemetry.counts().items()):
             if key[0] == "lookup":
                 lookups.add_metric(list(key[1:]), value)
+            elif key[0] == "verified":
+                verified.add_metric(list(key[1:]), value)
             elif key[0] == "hit" and key[1] in self.manager.tiers:
                 hits.add_metric(list(key[1:]), value)
         yield lookups
         yield hits
+        yield verified
 
     def _transfers(self, stats: ManagerStats) -> Iterator[Metric]:
         counts = self.telemetry.counts()

@@ -74,9 +74,12 @@ class Telemetry:
             with self._lock:
                 self._counts["requests", op, result] += 1
 
-    def looked_up(self, replica: str, packed: bytes, key_bytes: int, tier_codes: bytes) -> None:
+    def looked_up(
+        self, replica: str, packed: bytes, key_bytes: int, tier_codes: bytes, verify: bool = False
+    ) -> None:
         """Count one lookup's chunks and hits per pool; ``packed`` holds the keys asked for,
-        ``tier_codes`` the tier of each hit of the prefix found."""
+        ``tier_codes`` the tier of each hit of the prefix found. ``verify``: the request is
+        sampled for verification, and what it found is counted as verified, not as hits."""
         if not packed:
             return
         replica = self._replica(replica)
@@ -99,6 +102,9 @@ class Telemetry:
             for namespace, asked, hits in groups:
                 pool = self._pool(namespace)
                 self._counts["lookup", pool, replica] += asked
+                if verify:
+                    self._counts["verified", pool, replica] += len(hits)
+                    continue
                 for code, tier in TIER_BY_CODE.items():
                     self._counts["hit", tier, pool, replica] += hits.count(code)
 

@@ -83,10 +83,10 @@ class DaemonSession(ABC):
         self._promote = self._raw("Promote", tier_pb2.PromoteResponse)
         self._reporting = threading.Lock()
         """Guards what reports carry: the heartbeat thread sends one an idle engine left."""
-        self._hits: list[ChunkKey] = []
-        """Keys the index answered since the last `report_hits`."""
-        self._hits_again: list[ChunkKey] = []
-        """The same, for requests that asked again: counted as loads only."""
+        self._hits: dict[tuple[int, ...], list[ChunkKey]] = {}
+        """Keys the index answered since the last `report_hits`, by how their lookups were
+        counted (their flags: asked again, counted as loads only; sampled for verification,
+        counted as verified)."""
         self._due: list[SlotRef] = []
         """Leases to end with the next report."""
         self._report: Pending[None] | None = None

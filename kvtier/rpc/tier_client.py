@@ -22,6 +22,7 @@ R = TypeVar("R")
 _LOOKUP_LEASE = tier_pb2.LookupRequest.LEASE_FIELD_NUMBER
 _LOOKUP_AGAIN = tier_pb2.LookupRequest.AGAIN_FIELD_NUMBER
 _LOOKUP_SERVED = tier_pb2.LookupRequest.SERVED_FIELD_NUMBER
+_LOOKUP_VERIFY = tier_pb2.LookupRequest.VERIFY_FIELD_NUMBER
 _IN_ARENA = int(TierCode.CPU)
 _MAX_REPORT = 4096  # keys per report, under the daemon's batch limit
 
@@ -81,6 +82,7 @@ class GrpcTierClient(DaemonSession):
         release: Sequence[SlotRef] = ...,
         lease: Literal[False] = ...,
         again: bool = ...,
+        verify: bool = ...,
     ) -> LookupResult: ...
 
     @overload
@@ -91,6 +93,7 @@ class GrpcTierClient(DaemonSession):
         release: Sequence[SlotRef] = ...,
         lease: Literal[True],
         again: bool = ...,
+        verify: bool = ...,
     ) -> tuple[LookupResult, list[SlotRef | None]]: ...
 
     def lookup(
@@ -100,16 +103,21 @@ class GrpcTierClient(DaemonSession):
         release: Sequence[SlotRef] = (),
         lease: bool = False,
         again: bool = False,
+        verify: bool = False,
     ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
-        flags = (_LOOKUP_AGAIN,) if again else ()
+        flags = _counting(again, verify)
         if not lease:
             return lookup_from(self._keys_call(self._lookup, keys, self._leased(release), flags))
         return self._lookup_leasing(release, keys, flags)
 
-    def lookup_behind(self, keys: Sequence[ChunkKey]) -> Pending[LookupResult]:
+    def lookup_behind(
+        self, keys: Sequence[ChunkKey], verify: bool = False
+    ) -> Pending[LookupResult]:
         if self.breaker is not None:
             self.breaker.check()  # nothing queues behind a daemon that does not answer
-        future = self._calls().submit(self._keys_call, self._lookup, keys)
+        future = self._calls().submit(
+            self._keys_call, self._lookup, keys, (), _counting(False, verify)
+        )
         return Pending(future, lookup_from, self.target)
 
     def _lookup_leasing(
@@ -122,11 +130,10 @@ class GrpcTierClient(DaemonSession):
         if self.breaker is not None:
             self.breaker.check()  # no hit, at once; ``refs`` stay the caller's
         found = self._in_arena(keys)
-        again = bool(flags)
         if keys and len(found) == len(keys):
             with self._reporting:
                 self._due += self._leased(refs)  # with the next report: no call now
-                (self._hits_again if again else self._hits).extend(keys)
+                self._hits.setdefault(tuple(flags), []).extend(keys)
             return LookupResult(len(found), bytes([_IN_ARENA]) * len(found)), list(found)
         with self._reporting:
             owned, self._due = self._due, []
@@ -142,7 +149,7 @@ class GrpcTierClient(DaemonSession):
         if not found:
             return result, leases
         with self._reporting:
-            (self._hits_again if again else self._hits).extend(keys[: len(found)])
+            self._hits.setdefault(tuple(flags), []).extend(keys[: len(found)])
         codes = bytes([_IN_ARENA]) * len(found) + result.tier_codes
         hit = LookupResult(len(found) + result.hits, codes, result.pending)
         return hit, [*found, *leases]
@@ -203,12 +210,13 @@ class GrpcTierClient(DaemonSession):
             except KVTierError:
                 self._due = self._reported + self._due  # they end with the next report
                 raise
-        flags: tuple[int, ...] = (_LOOKUP_SERVED,)
-        if self._hits or not self._hits_again:
-            keys, self._hits = self._hits[:_MAX_REPORT], self._hits[_MAX_REPORT:]
-        else:  # one kind per report: the other goes with the next
-            keys, self._hits_again = self._hits_again[:_MAX_REPORT], self._hits_again[_MAX_REPORT:]
-            flags = (_LOOKUP_SERVED, _LOOKUP_AGAIN)
+        # one kind per report, first asked first: the others go with the next
+        counting = next((kind for kind, held in self._hits.items() if held), ())
+        held = self._hits.pop(counting, [])
+        keys = held[:_MAX_REPORT]
+        if held[_MAX_REPORT:]:
+            self._hits[counting] = held[_MAX_REPORT:]
+        flags = (_LOOKUP_SERVED, *counting)
         release, self._due = self._due, []
         if not keys and not release:
             return
@@ -302,3 +310,9 @@ class GrpcTierClient(DaemonSession):
         self._channel.close()
         if self._arena is not None:
             self._arena.close()
+
+
+def _counting(again: bool, verify: bool) -> tuple[int, ...]:
+    """The flags that say how kvtierd counts a lookup: not again (asked again while it waits),
+    or as verified rather than hit (sampled for verification)."""
+    return (*((_LOOKUP_AGAIN,) if again else ()), *((_LOOKUP_VERIFY,) if verify else ()))

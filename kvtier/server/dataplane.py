@@ -140,10 +140,14 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         release = self._refs(session, request.release)
         if release:
             self.sessions.release(session, release)
-        result = self.manager.lookup(keys, again=request.again)
+        result = self.manager.lookup(keys, again=request.again, verify=request.verify)
         if not request.again:
             self.telemetry.looked_up(
-                session.replica, request.keys.packed, request.keys.key_bytes, result.tier_codes
+                session.replica,
+                request.keys.packed,
+                request.keys.key_bytes,
+                result.tier_codes,
+                verify=request.verify,
             )
         response = lookup_to(result)
         if request.served:

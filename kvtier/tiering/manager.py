@@ -234,10 +234,13 @@ class TierManager:
                     self.uploader.follows(keys[first : first + 8192])
         return LookupResult(len(codes), bytes(codes), pending)
 
-    def _count_lookup(self, asked: int, codes: bytes) -> None:
+    def _count_lookup(self, asked: int, codes: bytes, verify: bool) -> None:
         counters = self._counters
         counters.add("lookups", 1)
         counters.add("lookup_chunks", asked)
+        if verify:
+            counters.add("verified_chunks", len(codes))
+            return
         n_cpu = codes.count(_CPU)
         n_object = codes.count(_OBJECT)
         counters.add("hit_chunks_cpu", n_cpu)
@@ -252,6 +255,7 @@ class TierManager:
         *,
         lease: Literal[False] = ...,
         again: bool = ...,
+        verify: bool = ...,
     ) -> LookupResult: ...
 
     @overload
@@ -262,6 +266,7 @@ class TierManager:
         *,
         lease: Literal[True],
         again: bool = ...,
+        verify: bool = ...,
     ) -> tuple[LookupResult, list[SlotRef | None]]: ...
 
     def lookup(
@@ -271,14 +276,17 @@ class TierManager:
         *,
         lease: bool = False,
         again: bool = False,
+        verify: bool = False,
     ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
         """The tier of each chunk of the longest stored prefix. With ``lease``, also lease the
         found chunks when the arena holds them all: a hit served from the arena then takes one
-        call. ``again``: a request asking again while it waits, not counted as a lookup."""
+        call. ``again``: a request asking again while it waits, not counted as a lookup.
+        ``verify``: a request sampled for verification, whose found chunks are counted as
+        verified, not hits (none is served)."""
         keys = self.quarantines.cut(keys)
         result = self._lookup(keys)
         if not again:
-            self._count_lookup(len(keys), result.tier_codes)
+            self._count_lookup(len(keys), result.tier_codes, verify)
         if not lease:
             return result
         return result, self.lease(keys[: arena_hit(result)], replica)

@@ -50,6 +50,8 @@ class DaemonCounts:
                 out["hits"] += value
             elif name == "kvtier_lookup_chunks_total":
                 out["asked"] += value
+            elif name == "kvtier_verified_chunks_total":
+                out["verified"] += value
             elif name == "kvtier_transfer_chunks_total" and labels.get("direction") == "load":
                 out["loads"] += value
             elif name == "kvtier_requests_total":
@@ -189,3 +191,34 @@ def test_a_request_asked_while_it_waits_is_drawn_once_by_the_sampler(
     assert draws["sampled"] + draws["served"] == len(stored), (draws, asks)
     assert draws["sampled"] == cached.count(0), (draws, cached)
     assert draws["served"] == cached.count(CHUNKS * BLOCK), (draws, cached)
+
+
+def test_hit_counters_stay_exact_when_every_hit_is_verified(
+    tiny_models: ModelSet,
+    procs: Processes,
+    daemon_files: DaemonFiles,
+    asks: Counter[str],
+) -> None:
+    daemon = procs.start_daemon(daemon_files)
+    counts = DaemonCounts(daemon)
+    sidecar = {"mode": "sidecar", "socket_path": str(daemon_files.socket)}
+    stored = unique_prompts(tiny_models, 8, seed=24)
+    with running_llm(tiny_models.target, kv_transfer_config=kvtier_config(sidecar)) as llm:
+        generate_tokens(llm, stored, max_tokens=MAX_TOKENS)
+
+    asks.clear()
+    before = counts.now()
+    every = kvtier_config({**sidecar, "verify_sample_rate": 1.0})
+    with running_llm(tiny_models.target, kv_transfer_config=every, **ENGINE) as llm:
+        _, cached = generate_tokens(llm, stored, max_tokens=MAX_TOKENS)
+        sampled = counter(llm, "vllm:kvtier_verify_requests", outcome="sampled")
+        delta = counts.settled(before, lambda d: d["verified"] >= CHUNKS * len(stored))
+    assert max(asks.values()) >= 4, asks  # they waited, and were asked about again
+    assert cached == [0] * len(stored)  # every one sampled: computed, none loaded
+    assert sampled == len(stored)
+    # kvtierd counts what they asked for and found as verified: no hit was served
+    assert (delta["asked"], delta["verified"], delta["hits"]) == (
+        CHUNKS * len(stored),
+        CHUNKS * len(stored),
+        0,
+    ), delta

@@ -219,3 +219,48 @@ def test_a_session_quarantines_only_its_own_pools(daemon: Daemon, stored: list[b
         assert stranger.quarantined() == frozenset()
     finally:
         stranger.close()
+
+
+def test_a_sampled_requests_lookups_count_as_verified_not_as_hits(
+    daemon: Daemon, stored: list[bytes]
+) -> None:
+    from kvtier.observability.telemetry import telemetry_of
+    from tests.integration.daemon_harness import wait_for
+
+    def counts() -> tuple[int, int, int, int, int]:
+        manager = daemon.manager.stats().counters
+        seen = telemetry_of(daemon.manager).counts()
+        return (
+            manager["lookup_chunks"],
+            manager["hit_chunks_cpu"],
+            manager["verified_chunks"],
+            seen["hit", "cpu", "target", "dp0"],
+            seen["verified", "target", "dp0"],
+        )
+
+    client = GrpcTierClient(daemon.config.server.socket_path, "dp0")
+    try:
+        client.register_pool(target_spec(), CHUNK)
+        keys = [ChunkKey(k) for k in stored]
+        start = counts()
+
+        def reported(asked: int) -> bool:
+            client.report_hits()  # sent once the report before it was answered
+            return counts()[0] == start[0] + asked
+
+        # a call: kvtierd counts the 8 chunks asked for, and the 8 found as verified
+        assert client.lookup(keys, verify=True).hits == 8
+        assert [a - b for a, b in zip(counts(), start, strict=True)] == [8, 0, 8, 0, 8]
+        # answered from the arena's key index, then reported: counted the same way
+        hit, refs = client.lookup(keys, lease=True, verify=True)
+        assert hit.hits == 8
+        client.release([r for r in refs if r is not None])
+        wait_for(lambda: reported(16), 10.0, "the verified hits reported")
+        assert [a - b for a, b in zip(counts(), start, strict=True)] == [16, 0, 16, 0, 16]
+        # a request that is served: hits, as before
+        hit, refs = client.lookup(keys, lease=True)
+        client.release([r for r in refs if r is not None])
+        wait_for(lambda: reported(24), 10.0, "the served hits reported")
+        assert [a - b for a, b in zip(counts(), start, strict=True)] == [24, 8, 16, 8, 16]
+    finally:
+        client.close()

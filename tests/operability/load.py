@@ -29,6 +29,7 @@ class Load(threading.Thread):
         self.admin_address = admin_address
         self.asked = 0
         self.hits = 0
+        self.verified = 0
         self.rounds = 0
         self.error: BaseException | None = None
         self._halt = threading.Event()
@@ -93,6 +94,9 @@ class Load(threading.Thread):
             leases = [ref for ref in client.lease(asked[: max(1, found.hits // 2)]) if ref]
             client.release(leases)
             client.promote(asked[: found.hits])
+            if r % 4 == 1:  # a request sampled for verification: what it finds is not a hit
+                self.asked += len(asked)
+                self.verified += client.lookup(asked, verify=True).hits
         if r % 6 == 3:
             admin.evict(tier="cpu")  # next lookups hit lmdb
         if r % 6 == 5:

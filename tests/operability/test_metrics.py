@@ -97,7 +97,7 @@ def test_hits_per_tier_add_up_to_all_hits(stack: Stack) -> None:
     _wait_for_load(stack)
     with stack.load.paused():
         samples = _scrape(stack)
-        asked, hits = stack.load.asked, stack.load.hits
+        asked, hits, verified = stack.load.asked, stack.load.hits, stack.load.verified
         stats = stack.daemon.stats()
     per_tier: dict[str, float] = {}
     for name, labels, value in samples:
@@ -106,6 +106,9 @@ def test_hits_per_tier_add_up_to_all_hits(stack: Stack) -> None:
     lookups = sum(v for n, _, v in samples if n == "kvtier_lookup_chunks_total")
     assert lookups == asked
     assert sum(per_tier.values()) == hits
+    # a sampled request's lookups: counted as asked, and what they found as verified, not hit
+    assert sum(v for n, _, v in samples if n == "kvtier_verified_chunks_total") == verified > 0
+    assert stats.counters["verified_chunks"] == verified
     assert all(per_tier[t] > 0 for t in ("cpu", "lmdb", "object")), per_tier
     # the manager counts the same hits on its own
     for tier, value in per_tier.items():

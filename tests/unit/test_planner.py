@@ -297,12 +297,12 @@ class AnsweredLater(ArenaReading):
         self.waited_on += 1
         return self._client.lookup(*args, **kwargs)
 
-    def lookup_behind(self, keys: list[ChunkKey]) -> Pending[LookupResult]:
+    def lookup_behind(self, keys: list[ChunkKey], verify: bool = False) -> Pending[LookupResult]:
         self.behind.append(keys)
 
         def answer() -> LookupResult:
             self.gate.wait()
-            return self._client.lookup(keys)
+            return self._client.lookup(keys, verify=verify)
 
         return Pending(self._calls.submit(answer), lambda r: r, "test")
 

@@ -335,6 +335,7 @@ class LookupRequest(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     AGAIN_FIELD_NUMBER: _builtins.int
     SERVED_FIELD_NUMBER: _builtins.int
+    VERIFY_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     lease: _builtins.bool
     """Also lease the found chunks when the arena holds every one of them, as Prefetch would: a
@@ -347,6 +348,11 @@ class LookupRequest(_message.Message):
     served: _builtins.bool
     """The keys are hits the client answered from the arena's key index and served: each is
     counted as a load and moved up the eviction order, and nothing is leased.
+    """
+    verify: _builtins.bool
+    """The caller's request is sampled for verification: the engine computes these chunks and
+    compares what is found with them, serving none. Counted as a lookup whose found chunks are
+    verified, not hits.
     """
     @_builtins.property
     def keys(self) -> Global___KeyBatch: ...
@@ -363,10 +369,11 @@ class LookupRequest(_message.Message):
         lease: _builtins.bool = ...,
         again: _builtins.bool = ...,
         served: _builtins.bool = ...,
+        verify: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["again", b"again", "keys", b"keys", "lease", b"lease", "release", b"release", "served", b"served", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["again", b"again", "keys", b"keys", "lease", b"lease", "release", b"release", "served", b"served", "session_id", b"session_id", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
