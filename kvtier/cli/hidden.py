@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.config import load_config
-from kvtier.hidden.export import ExportCounts, export, listed_refs, read_refs
+from kvtier.hidden.export import ExportCounts, export, from_lmdb, listed_refs, read_refs
 from kvtier.hidden.reader import HiddenStatesError, HiddenStatesReader
 
 
@@ -21,7 +21,10 @@ def _export(args: argparse.Namespace) -> int:
     if namespace is None and args.refs is None:
         raise HiddenStatesError("give --namespace, --refs or both")
     manager = TierManager(load_config(args.config))
-    reader = HiddenStatesReader(InProcessClient(manager), timeout_s=args.timeout)
+    # manifests straight from lmdb: the arena's hidden pool is left to the states
+    reader = HiddenStatesReader(
+        InProcessClient(manager), timeout_s=args.timeout, below=from_lmdb(manager)
+    )
     counts = ExportCounts()
     try:
         if args.refs is not None:

@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.core.errors import KVTierError
-from kvtier.core.keys import namespace_of
+from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.hidden.reader import (
     MANIFEST_PART_BYTES,
     HiddenStates,
@@ -105,6 +105,19 @@ def read_refs(path: Path, namespace: bytes | None) -> list[HiddenStatesRef]:
         if namespace is None or ref.namespace == namespace:
             refs.append(ref)
     return refs
+
+
+def from_lmdb(manager: TierManager) -> Callable[[ChunkKey, int], bytes | None]:
+    """A reader of chunks straight from ``manager``'s lmdb, verified (None: absent, or corrupt
+    and then quarantined), for `HiddenStatesReader.below`."""
+
+    def read(key: ChunkKey, nbytes: int) -> bytes | None:
+        if manager.lmdb is None:
+            return None
+        payload = bytearray(nbytes)
+        return bytes(payload) if manager.lmdb.read_into(key, memoryview(payload)) else None
+
+    return read
 
 
 def listed_refs(

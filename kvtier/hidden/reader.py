@@ -14,7 +14,7 @@ import hashlib
 import json
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -263,6 +263,10 @@ class HiddenStatesReader:
     timeout_s: float = 30.0
     """How long a chunk may take to appear: a tail is written after its request ends."""
     poll_s: float = 0.02
+    below: Callable[[ChunkKey, int], bytes | None] | None = None
+    """Reads a chunk, verified, from the tiers below the arena (an exporter's own lmdb), or
+    None: manifests, read once each, are read so and take no arena slot, which a small arena's
+    hidden pool needs for the states."""
     _arena: ArenaAtPath | None = field(default=None, init=False)
     _registered: set[bytes] = field(default_factory=set, init=False)
 
@@ -273,6 +277,8 @@ class HiddenStatesReader:
         return assemble(ref, self._read(ref.keys()))
 
     def _read(self, keys: list[ChunkKey]) -> list[bytes]:
+        if not keys:
+            return []
         refs = self._lease(keys)
         try:
             arena = self._memory()
@@ -291,11 +297,13 @@ class HiddenStatesReader:
         spec = manifest_spec(namespace, tenant)
         self._register(spec, MANIFEST_PART_BYTES)
         manifests = spec.digest()
-        first = self._read([make_key(manifests, name)])[0]
+        first = self._read_manifests([make_key(manifests, name)])[0]
         index, parts, piece = _part(first)
         if index != 0:
             raise HiddenStatesError(f"{name.hex()} is part {index} of a manifest, not its first")
-        rest = self._read([make_key(manifests, _part_hash(name, i)) for i in range(1, parts)])
+        rest = self._read_manifests(
+            [make_key(manifests, _part_hash(name, i)) for i in range(1, parts)]
+        )
         pieces = [piece] + [_part(payload)[2] for payload in rest]
         try:
             return HiddenStatesRef.from_json(json.loads(b"".join(pieces)))
@@ -306,7 +314,7 @@ class HiddenStatesReader:
         """Of ``keys`` (a listing of a manifest pool's chunks), the names of the manifests:
         their first parts."""
         names = []
-        for key, payload in zip(keys, self._read(list(keys)), strict=True):
+        for key, payload in zip(keys, self._read_manifests(list(keys)), strict=True):
             try:
                 index, _, _ = _part(payload)
             except HiddenStatesError:
@@ -314,6 +322,13 @@ class HiddenStatesReader:
             if index == 0:
                 names.append(bytes(key[len(namespace_of(key)) :]))
         return names
+
+    def _read_manifests(self, keys: list[ChunkKey]) -> list[bytes]:
+        """Manifest parts: from below the arena where the reader can, else through it."""
+        found = [self.below(k, MANIFEST_PART_BYTES) if self.below else None for k in keys]
+        rest = self._read([k for k, got in zip(keys, found, strict=True) if got is None])
+        fill = iter(rest)
+        return [got if got is not None else next(fill) for got in found]
 
     def _lease(self, keys: list[ChunkKey]) -> list[SlotRef]:
         held: dict[ChunkKey, SlotRef] = {}
@@ -328,15 +343,28 @@ class HiddenStatesReader:
                 return [held[k] for k in keys]
             if time.monotonic() >= deadline:
                 self.client.release(list(held.values()))
-                raise HiddenStatesError(
-                    f"{len(missing)} of {len(keys)} chunks are in no tier after "
-                    f"{self.timeout_s:g} s (evicted, or never stored); first missing: "
-                    f"{missing[0].hex()}"
-                )
+                raise HiddenStatesError(self._why_missing(missing, len(keys)))
             # a lookup probes the object store for chunks no index knows (a fresh node)
             self.client.lookup(missing, again=True)
             self.client.promote(missing)
             time.sleep(self.poll_s)
+
+    def _why_missing(self, missing: list[ChunkKey], asked: int) -> str:
+        """Chunks a lower tier holds but that never reached the arena are told apart from
+        chunks no tier holds: they need room in the arena, not a capture."""
+        below = [k for k in missing if self.client.lookup([k], again=True).hits]
+        if not below:
+            return (
+                f"{len(missing)} of {asked} chunks are in no tier after {self.timeout_s:g} s "
+                f"(evicted, or never stored); first missing: {missing[0].hex()}"
+            )
+        return (
+            f"{len(below)} of {asked} chunks are in lmdb or the object store but were not "
+            f"promoted into the arena within {self.timeout_s:g} s: their pool has no free arena "
+            "slot of their size (a small arena gives the hidden pool one extent, which another "
+            "slot class may hold); read with a larger arena.size_bytes, a smaller "
+            f"arena.extent_bytes or a larger pool share; first: {below[0].hex()}"
+        )
 
     def _memory(self) -> ArenaMemory:
         path = self.client.arena_path
