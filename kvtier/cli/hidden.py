@@ -6,43 +6,87 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from kvtier.core.config import load_config
-from kvtier.hidden.export import ExportCounts, export, from_lmdb, listed_refs, read_refs
-from kvtier.hidden.reader import HiddenStatesError, HiddenStatesReader
+from kvtier.core.config import KVTierConfig, load_config
+from kvtier.hidden.export import (
+    ExportCounts,
+    export,
+    from_lmdb,
+    listed_refs,
+    read_refs,
+    refs_of_manifests,
+)
+from kvtier.hidden.reader import (
+    HiddenStatesError,
+    HiddenStatesReader,
+    HiddenStatesRef,
+    manifest_spec,
+)
 
 
 def _export(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
-
-    from kvtier.client import InProcessClient
-    from kvtier.tiering.manager import TierManager
-
     namespace = bytes.fromhex(args.namespace) if args.namespace else None
     if namespace is None and args.refs is None:
         raise HiddenStatesError("give --namespace, --refs or both")
-    manager = TierManager(load_config(args.config))
+    config = load_config(args.config)
+    if args.through_daemon:
+        return _export_through_daemon(args, config, namespace)
+    from kvtier.client import InProcessClient
+    from kvtier.tiering.manager import TierManager
+
+    manager = TierManager(config)
     # manifests straight from lmdb: the arena's hidden pool is left to the states
     reader = HiddenStatesReader(
         InProcessClient(manager), timeout_s=args.timeout, below=from_lmdb(manager)
     )
-    counts = ExportCounts()
     try:
         if args.refs is not None:
-            refs = read_refs(args.refs, namespace)
+            refs, failed = read_refs(args.refs, namespace), 0
         else:
             assert namespace is not None
-            refs, counts.failed = listed_refs(manager, reader, namespace, args.tenant)
-        with Progress(transient=True) as progress:
-            task = progress.add_task("exporting", total=len(refs))
-            for step in export(reader, refs, args.to):
-                counts = step
-                progress.advance(task)
+            refs, failed = listed_refs(manager, reader, namespace, args.tenant)
+        return _write(reader, refs, failed, args.to)
     finally:
         reader.close()
         manager.close()
+
+
+def _export_through_daemon(
+    args: argparse.Namespace, config: KVTierConfig, namespace: bytes | None
+) -> int:
+    """Beside a running kvtierd: every chunk is read through it (its arena, leased), and a
+    pool's manifests are listed from its lmdb, opened to read only."""
+    from kvtier.rpc import GrpcTierClient
+    from kvtier.tiers.lmdb_env import stored_keys_read_only
+
+    client = GrpcTierClient(config.server.socket_path, "export")
+    reader = HiddenStatesReader(client, timeout_s=args.timeout)
+    try:
+        if args.refs is not None:
+            refs, failed = read_refs(args.refs, namespace), 0
+        else:
+            assert namespace is not None
+            manifests = manifest_spec(namespace, args.tenant).digest()
+            keys = stored_keys_read_only(config.lmdb.path, manifests)
+            refs, failed = refs_of_manifests(reader, namespace, keys, args.tenant)
+        return _write(reader, refs, failed, args.to)
+    finally:
+        reader.close()
+        client.close()
+
+
+def _write(reader: HiddenStatesReader, refs: list[HiddenStatesRef], failed: int, to: Path) -> int:
+    from rich.progress import Progress
+
+    counts = ExportCounts()
+    with Progress(transient=True) as progress:
+        task = progress.add_task("exporting", total=len(refs))
+        for step in export(reader, refs, to):
+            counts = step
+            progress.advance(task)
+    counts.failed += failed  # manifests that could not be read
     print(
         f"{counts.written} written ({counts.bytes / 2**20:.1f} MiB of states), {counts.kept} "
-        f"kept from an earlier run, {counts.failed} failed, in {args.to}"
+        f"kept from an earlier run, {counts.failed} failed, in {to}"
     )
     return 1 if counts.failed else 0
 
@@ -68,4 +112,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant", default="default", help="the pool's tenant (default: default)")
     p.add_argument("--to", type=Path, required=True, help="directory of the files")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds a chunk may take to arrive")
+    p.add_argument(
+        "--through-daemon",
+        action="store_true",
+        help="beside a running kvtierd with this --config: read through it (server.socket_path), "
+        "listing manifests from its lmdb opened to read only",
+    )
     p.set_defaults(func=_export)

@@ -131,9 +131,18 @@ def listed_refs(
     if manager.object is not None:  # list the store, download the pool's manifests into lmdb
         deque(manager.warmup(manifests, object_index=True, fetch=True), maxlen=0)
     stored = manager.lmdb.keys() if manager.lmdb is not None else iter(())
-    keys = [k for k in stored if namespace_of(k) == manifests]
+    return refs_of_manifests(
+        reader, namespace, [k for k in stored if namespace_of(k) == manifests], tenant
+    )
+
+
+def refs_of_manifests(
+    reader: HiddenStatesReader, namespace: bytes, keys: list[ChunkKey], tenant: str
+) -> tuple[list[HiddenStatesRef], int]:
+    """The references whose manifests are among ``keys`` (a listing of hidden pool
+    ``namespace``'s manifest chunks), and how many manifests could not be read."""
     refs, failed = [], 0
-    for name in reader.manifest_names(keys):
+    for name in reader.manifest_names(namespace, keys, tenant):
         try:
             refs.append(reader.manifest(namespace, name, tenant))
         except KVTierError:

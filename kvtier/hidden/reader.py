@@ -310,9 +310,12 @@ class HiddenStatesReader:
         except ValueError as exc:
             raise HiddenStatesError(f"manifest {name.hex()} is not JSON: {exc}") from None
 
-    def manifest_names(self, keys: Sequence[ChunkKey]) -> list[bytes]:
-        """Of ``keys`` (a listing of a manifest pool's chunks), the names of the manifests:
-        their first parts."""
+    def manifest_names(
+        self, namespace: bytes, keys: Sequence[ChunkKey], tenant: str = "default"
+    ) -> list[bytes]:
+        """Of ``keys`` (a listing of hidden pool ``namespace``'s manifest chunks), the names of
+        the manifests: their first parts."""
+        self._register(manifest_spec(namespace, tenant), MANIFEST_PART_BYTES)
         names = []
         for key, payload in zip(keys, self._read_manifests(list(keys)), strict=True):
             try:

@@ -18,6 +18,7 @@ import lmdb
 
 from kvtier.core.config import Durability, LMDBConfig
 from kvtier.core.errors import ConfigError
+from kvtier.core.keys import ChunkKey
 
 log = logging.getLogger("kvtier.tiers.lmdb_tier")  # the tier's logger, which operators filter on
 
@@ -271,3 +272,23 @@ def adopt_map_size(env: lmdb.Environment, data: Path) -> str | None:
     if why is not None:
         log.error("lmdb: the grown map is not preallocated, a full disk can stop it (%s)", why)
     return why
+
+
+def stored_keys_read_only(path: Path, namespace: bytes) -> list[ChunkKey]:
+    """The keys of ``namespace`` stored in the environment at ``path``, read beside the process
+    that writes it (kvtierd): LMDB admits readers beside its writer, and nothing is written."""
+    env = lmdb.open(str(path), readonly=True, max_dbs=len(DATABASES), lock=True, subdir=True)
+    try:
+        meta = env.open_db(b"meta", create=False)
+        with env.begin(db=meta) as txn:
+            cursor = txn.cursor()
+            keys: list[ChunkKey] = []
+            if not cursor.set_range(namespace):
+                return keys
+            for key in cursor.iternext(keys=True, values=False):
+                if not bytes(key).startswith(namespace):
+                    break
+                keys.append(ChunkKey(bytes(key)))
+            return keys
+    finally:
+        env.close()

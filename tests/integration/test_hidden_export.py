@@ -1,9 +1,12 @@
 """``kvtier hidden export --namespace`` on a node whose arena gives the hidden pool a single
 extent: the manifests are read straight from lmdb, so the states get the extent, and a chunk
-lmdb holds that cannot reach the arena is said to be so, not "in no tier"."""
+lmdb holds that cannot reach the arena is said to be so, not "in no tier". And beside a running
+kvtierd: through it, its lmdb listed read-only."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ from kvtier.hidden.reader import (
     manifest_spec,
 )
 from kvtier.tiering.manager import TierManager
+from tests.integration.daemon_harness import Processes, write_config
 
 MiB = 1 << 20
 BLOCK, BLOCKS_PER_CHUNK, LAYERS, HIDDEN = 32, 2, 2, 512
@@ -128,3 +132,27 @@ def test_a_chunk_lmdb_holds_but_the_arena_cannot_take_is_said_to_be_so(
     assert message.startswith("2 of 2 chunks are in lmdb or the object store but were not promoted")
     assert "no free arena slot of their size" in message
     assert "in no tier" not in message
+
+
+def test_export_beside_a_running_kvtierd_reads_through_it(
+    captured: tuple[Path, list[HiddenStatesRef]], shm_path: Path, tmp_path: Path, procs: Processes
+) -> None:
+    lmdb, refs = captured
+    (tmp_path / "node").mkdir()
+    files = write_config(tmp_path / "node", shm_path, {"lmdb": {"path": str(lmdb)}})
+    daemon = procs.start_daemon(files)
+    out = tmp_path / "states"
+    command = [sys.executable, "-m", "kvtier.cli", "hidden", "export", "--config"]
+    command += [str(files.config), "--namespace", refs[0].namespace.hex(), "--to", str(out)]
+    # the node's own config opens tiers of its own: kvtierd holds its arena
+    alone = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert alone.returncode != 0
+    assert "in use by another kvtier process" in alone.stderr
+    beside = subprocess.run(
+        [*command, "--through-daemon"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert beside.returncode == 0, beside.stdout + beside.stderr
+    assert f"{REQUESTS} written" in beside.stdout
+    assert len(list(out.glob("*.safetensors"))) == REQUESTS
+    # kvtierd served them: its lmdb was read, nothing of it was written by the export
+    assert daemon.stats().counters["promotions"] >= REQUESTS * 2
