@@ -133,9 +133,13 @@ class ArenaSlots(Tier):
                     f"chunks of {reg.chunk_bytes} bytes exceed arena.extent_bytes "
                     f"({self.memory.extent_bytes}); raise arena.extent_bytes"
                 )
-            if reg.chunk_bytes < self.memory.extent_bytes // self.memory.max_slots_per_extent:
+            smallest = self.memory.extent_bytes // self.memory.max_slots_per_extent
+            if reg.chunk_bytes < smallest:
+                # small models' chunks (fp8 hidden states, a few layers) fall below the default
                 raise PoolLayoutError(
-                    f"chunks of {reg.chunk_bytes} bytes are below arena.min_slot_bytes"
+                    f"{reg.pool} chunks of {reg.chunk_bytes} bytes are below arena.min_slot_bytes "
+                    f"({smallest}): set arena.min_slot_bytes to {reg.chunk_bytes} or less, or "
+                    "put more blocks in a chunk (blocks_per_chunk)"
                 )
             if len(self._classes) >= self.config.max_slot_classes:
                 raise CapacityError(

@@ -200,6 +200,16 @@ def test_chunks_larger_than_an_extent_are_refused(tier: CpuTier, registry: PoolR
     assert registry.register(spec, CHUNK).chunk_bytes == CHUNK
 
 
+def test_chunks_below_the_smallest_slot_are_refused_saying_what_to_set(
+    tier: CpuTier, registry: PoolRegistry
+) -> None:
+    spec = target_spec(model="small")
+    with pytest.raises(PoolLayoutError) as refused:
+        registry.register(spec, 24_960)  # an fp8 hidden-state chunk of a small model
+    assert "set arena.min_slot_bytes to 24960 or less" in str(refused.value)
+    assert registry.get(spec.digest()) is None
+
+
 def test_another_process_maps_the_arena_by_path(tier: CpuTier, ns: bytes) -> None:
     key, other = keys_for(ns, 2)
     tier.put(key, payload_for(key, CHUNK))
