@@ -297,6 +297,8 @@ def summary(level: LevelResult) -> dict[str, Any]:
         "prompt_tokens_cached_by_source": server.cached_tokens_by_source,
         "prompt_tokens_by_source": server.prompt_tokens_by_source,
         "connector_chunks": server.connector_chunks,
+        "verify_draws": server.verify_draws,
+        "realized_sample_rate": server.realized_sample_rate,
         "daemon_hit_ratio": server.daemon_hit_ratio,
         "daemon_lookup_chunks": server.daemon_lookup_chunks,
         "daemon_hit_chunks_by_tier": server.daemon_hit_chunks_by_tier,

@@ -32,6 +32,7 @@ PROMPT_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 CONNECTOR_CHUNKS = "vllm:kvtier_transfer_chunks_total"
 CONNECTOR_BYTES = "vllm:kvtier_transfer_bytes_total"
 CONNECTOR_HOOK_SECONDS = "vllm:kvtier_hook_seconds_total"
+CONNECTOR_DRAWS = "vllm:kvtier_verify_requests_total"
 DAEMON_LOOKUPS = "kvtier_lookup_chunks_total"
 DAEMON_HITS = "kvtier_hit_chunks_total"
 
@@ -102,6 +103,8 @@ class ServerCounters:
     connector_bytes: dict[str, float] = field(default_factory=dict)
     connector_hook_seconds: dict[str, float] = field(default_factory=dict)
     """Seconds vLLM spent inside kvtier connector hooks, by hook."""
+    verify_draws: dict[str, float] = field(default_factory=dict)
+    """Requests with a hit the verification sampler drew for, by outcome (sampled, served)."""
     daemon_lookup_chunks: float | None = None
     daemon_hit_chunks_by_tier: dict[str, float] = field(default_factory=dict)
 
@@ -117,6 +120,12 @@ class ServerCounters:
         if not self.prompt_tokens:
             return {}
         return {k: v / self.prompt_tokens for k, v in self.cached_tokens_by_source.items()}
+
+    @property
+    def realized_sample_rate(self) -> float | None:
+        """Sampled requests over the requests with a hit: `verify_sample_rate`, as realized."""
+        drawn = sum(self.verify_draws.values())
+        return self.verify_draws.get("sampled", 0.0) / drawn if drawn else None
 
     @property
     def daemon_hit_ratio(self) -> float | None:
@@ -147,6 +156,7 @@ def server_counters(
         connector_chunks=by_label(e, CONNECTOR_CHUNKS, "direction", **labels),
         connector_bytes=by_label(e, CONNECTOR_BYTES, "direction", **labels),
         connector_hook_seconds=by_label(e, CONNECTOR_HOOK_SECONDS, "hook", **labels),
+        verify_draws=by_label(e, CONNECTOR_DRAWS, "outcome", **labels),
         daemon_lookup_chunks=total(d, DAEMON_LOOKUPS) if has(d, DAEMON_LOOKUPS) else None,
         daemon_hit_chunks_by_tier=by_label(d, DAEMON_HITS, "tier"),
     )

@@ -54,6 +54,9 @@ vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 0
 vllm:kvtier_transfer_chunks_total{engine="0",model_name="m",direction="load",pool="p"} %(load)s
 # TYPE vllm:kvtier_hook_seconds counter
 vllm:kvtier_hook_seconds_total{engine="0",model_name="m",hook="start_load_kv"} %(hook)s
+# TYPE vllm:kvtier_verify_requests counter
+vllm:kvtier_verify_requests_total{engine="0",model_name="m",outcome="sampled"} %(sampled)s
+vllm:kvtier_verify_requests_total{engine="0",model_name="m",outcome="served"} %(served)s
 """
 
 DAEMON = """\
@@ -67,8 +70,10 @@ kvtier_hit_chunks_total{tier="lmdb",pool="p",replica="r"} %(lmdb)s
 
 def test_hit_ratio_by_source_from_a_before_after_delta() -> None:
     first = {"prompt": 100, "device": 10, "host": 0, "ok": 2, "load": 0, "hook": 0.25}
+    first |= {"sampled": 1, "served": 9}
     before = parse_counters(PAGE % first)
     second = {"prompt": 500, "device": 110, "host": 200, "ok": 6, "load": 7, "hook": 1.0}
+    second |= {"sampled": 2, "served": 48}
     after = parse_counters(PAGE % second)
     d_before = parse_counters(DAEMON % {"lookups": 10, "cpu": 1, "lmdb": 0})
     d_after = parse_counters(DAEMON % {"lookups": 30, "cpu": 11, "lmdb": 5})
@@ -80,6 +85,8 @@ def test_hit_ratio_by_source_from_a_before_after_delta() -> None:
     assert c.hit_ratio_by_source == pytest.approx({"device": 0.25, "host": 0.5})
     assert c.connector_chunks == {"load": 7}
     assert c.connector_hook_seconds == {"start_load_kv": 0.75}
+    assert c.verify_draws == {"sampled": 1, "served": 39}
+    assert c.realized_sample_rate == pytest.approx(1 / 40)
     assert c.daemon_hit_chunks_by_tier == {"cpu": 10, "lmdb": 5}
     assert c.daemon_hit_ratio == pytest.approx(0.75)
 
@@ -89,3 +96,4 @@ def test_a_server_without_the_metrics_gives_none() -> None:
     assert c.prompt_tokens is None
     assert c.hit_ratio is None
     assert c.daemon_hit_ratio is None
+    assert c.realized_sample_rate is None
