@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from kvtier_vllm.hidden_codec import decode, encode
 from kvtier_vllm.hidden_states import as_tensor, load
 from safetensors.torch import load_file
@@ -341,3 +342,31 @@ def test_a_sidecar_engine_captures_and_a_trainer_reads_while_kvtierd_serves(
             assert torch.equal(states, files["hidden_states"][: len(prompt)])
     finally:
         client.close()
+
+
+def test_export_by_namespace_from_a_256_mib_arena_writes_every_request(
+    tiny_models: ModelSet, prompts: list[list[int]], tmp_path: Path, shm_path: Path
+) -> None:
+    serving = embedded_yaml(tmp_path, shm_path)
+    with capturing(tiny_models.target, kvtier_config({"kvtier_config": str(serving)})) as llm:
+        outputs = generate(llm, prompts, {"include_output_tokens": True})
+    refs = [o.kv_transfer_params[REF_FIELD] for o in outputs]
+    # the training node's arena: 7 extents of 32 MiB, so the hidden pool's share is one extent,
+    # which a slot class keeps once it takes it
+    training = tmp_path / "training.yaml"
+    arena = {"path": f"{shm_path}-training", "size_bytes": "256MiB", "min_slot_bytes": "4KiB"}
+    training.write_text(
+        yaml.safe_dump({"arena": arena, "lmdb": load_config(serving).lmdb.model_dump(mode="json")})
+    )
+    out = tmp_path / "states"
+    command = [sys.executable, "-m", "kvtier.cli", "hidden", "export", "--config", str(training)]
+    command += ["--namespace", {ref["namespace"] for ref in refs}.pop(), "--to", str(out)]
+    try:
+        done = subprocess.run(
+            [*command, "--timeout", "5"], capture_output=True, text=True, timeout=300, check=False
+        )
+    finally:
+        Path(arena["path"]).unlink(missing_ok=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{len(refs)} written" in done.stdout, done.stdout
+    assert len(list(out.glob("*.safetensors"))) == len(refs)
