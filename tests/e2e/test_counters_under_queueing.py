@@ -72,9 +72,10 @@ class DaemonCounts:
             time.sleep(0.2)
 
 
-@pytest.fixture
-def asks(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """How often vLLM asked the connector about each request."""
+def counted_asks(monkeypatch: pytest.MonkeyPatch, replan: bool) -> Counter[str]:
+    """How often vLLM asks the connector about each request; with ``replan``, the load is
+    planned anew at every ask (as when vLLM's own cache grew, the arena lost a chunk or the
+    request was preempted)."""
     from kvtier_vllm.scheduler import KVTierScheduler
 
     seen: Counter[str] = Counter()
@@ -82,10 +83,22 @@ def asks(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
     def counting(self: KVTierScheduler, request: Any, computed: int) -> tuple[int | None, bool]:
         seen[request.request_id] += 1
+        if replan:
+            self._drop_plan(self.state(request))
         return original(self, request, computed)
 
     monkeypatch.setattr(KVTierScheduler, "get_num_new_matched_tokens", counting)
     return seen
+
+
+@pytest.fixture
+def asks(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    return counted_asks(monkeypatch, replan=False)
+
+
+@pytest.fixture
+def replanning_asks(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    return counted_asks(monkeypatch, replan=True)
 
 
 def test_waiting_requests_are_counted_once_and_cost_few_calls(
@@ -144,24 +157,6 @@ def test_tiny_model_kv_is_the_size_this_test_assumes(tiny_models: ModelSet) -> N
     per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * 32 * 4
     dtype = config.get("dtype", config.get("torch_dtype"))
     assert (config["head_dim"], dtype, per_token) == (32, "float32", 1024)
-
-
-@pytest.fixture
-def replanning_asks(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """How often vLLM asked about each request, with the load planned anew at every ask (as
-    when vLLM's own cache grew, the arena lost a chunk or the request was preempted)."""
-    from kvtier_vllm.scheduler import KVTierScheduler
-
-    seen: Counter[str] = Counter()
-    original = KVTierScheduler.get_num_new_matched_tokens
-
-    def replanning(self: KVTierScheduler, request: Any, computed: int) -> tuple[int | None, bool]:
-        seen[request.request_id] += 1
-        self._drop_plan(self.state(request))
-        return original(self, request, computed)
-
-    monkeypatch.setattr(KVTierScheduler, "get_num_new_matched_tokens", replanning)
-    return seen
 
 
 def test_a_request_asked_while_it_waits_is_drawn_once_by_the_sampler(
