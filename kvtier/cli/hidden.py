@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +40,9 @@ def _export(args: argparse.Namespace) -> int:
         InProcessClient(manager), timeout_s=args.timeout, below=from_lmdb(manager)
     )
     try:
-        if args.refs is not None:
-            refs, failed = read_refs(args.refs, namespace), 0
-        else:
-            assert namespace is not None
-            refs, failed = listed_refs(manager, reader, namespace, args.tenant)
-        return _write(reader, refs, failed, args.to)
+        return _write(
+            reader, args, namespace, lambda ns: listed_refs(manager, reader, ns, args.tenant)
+        )
     finally:
         reader.close()
         manager.close()
@@ -60,23 +58,34 @@ def _export_through_daemon(
 
     client = GrpcTierClient(config.server.socket_path, "export")
     reader = HiddenStatesReader(client, timeout_s=args.timeout)
+
+    def listed(namespace: bytes) -> tuple[list[HiddenStatesRef], int]:
+        manifests = manifest_spec(namespace, args.tenant).digest()
+        keys = stored_keys_read_only(config.lmdb.path, manifests)
+        return refs_of_manifests(reader, namespace, keys, args.tenant)
+
     try:
-        if args.refs is not None:
-            refs, failed = read_refs(args.refs, namespace), 0
-        else:
-            assert namespace is not None
-            manifests = manifest_spec(namespace, args.tenant).digest()
-            keys = stored_keys_read_only(config.lmdb.path, manifests)
-            refs, failed = refs_of_manifests(reader, namespace, keys, args.tenant)
-        return _write(reader, refs, failed, args.to)
+        return _write(reader, args, namespace, listed)
     finally:
         reader.close()
         client.close()
 
 
-def _write(reader: HiddenStatesReader, refs: list[HiddenStatesRef], failed: int, to: Path) -> int:
+def _write(
+    reader: HiddenStatesReader,
+    args: argparse.Namespace,
+    namespace: bytes | None,
+    listed: Callable[[bytes], tuple[list[HiddenStatesRef], int]],
+) -> int:
+    """Export the references of ``--refs``, or those ``listed`` for ``--namespace``."""
     from rich.progress import Progress
 
+    if args.refs is not None:
+        refs, failed = read_refs(args.refs, namespace), 0
+    else:
+        assert namespace is not None  # checked by _export
+        refs, failed = listed(namespace)
+    to: Path = args.to
     counts = ExportCounts()
     with Progress(transient=True) as progress:
         task = progress.add_task("exporting", total=len(refs))
