@@ -21,6 +21,7 @@ drain, verify, warmup and gc.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import Counter
@@ -33,7 +34,7 @@ from kvtier.core.config import Admission, KVTierConfig
 from kvtier.core.counters import Counters
 from kvtier.core.errors import ConfigError, UnknownTierError
 from kvtier.core.journal import ChunkEvents, Journal
-from kvtier.core.keys import ChunkKey, NamespaceSpec, Pool, namespace_of, namespaces_of
+from kvtier.core.keys import ChunkKey, NamespaceSpec, Pool, namespaces_of
 from kvtier.core.pools import PoolRegistry
 from kvtier.core.protocol import (
     DraftRevision,
@@ -194,14 +195,9 @@ class TierManager:
 
     def draft_revisions(self) -> list[DraftRevision]:
         """Every draft revision still known, with its chunks per tier."""
-        counts: dict[str, Counter[bytes]] = {CpuTier.name: self.cpu.namespace_chunks()}
-        if self.lmdb is not None:
-            counts[LmdbTier.name] = self.lmdb.namespace_chunks()
-        if self.object is not None:
-            counts[ObjectTier.name] = Counter(
-                namespace_of(k) for k in list(self.object.index.chunks)
-            )
-        return self.drafts.revisions(counts)
+        tiers: dict[str, CpuTier | LmdbTier | ObjectTier] = {CpuTier.name: self.cpu}
+        tiers.update({t.name: t for t in (self.lmdb, self.object) if t is not None})
+        return self.drafts.revisions({name: t.namespace_chunks() for name, t in tiers.items()})
 
     def gc_draft_revisions(self, grace_s: float | None = None) -> int:
         """Delete, from every tier, the chunks of draft revisions retired longer than the
@@ -431,10 +427,12 @@ class TierManager:
             self.flush()
         # the object store is shared by the fleet: only an explicit tier="object" touches it
         names = [tier] if tier is not None else [n for n in self.tiers if n != ObjectTier.name]
-        return {
-            name: self.tiers[name].evict(pool=pool, namespace=namespace, replica=replica)
-            for name in names
-        }
+        # a write-back batch in flight holds its chunks: they are not a client's to keep
+        with self.writeback.paused() if self.writeback is not None else contextlib.nullcontext():
+            return {
+                name: self.tiers[name].evict(pool=pool, namespace=namespace, replica=replica)
+                for name in names
+            }
 
     def flush_uploads(self, timeout: float = 30.0) -> bool:
         """Wait until every queued upload is done; True when none is left."""

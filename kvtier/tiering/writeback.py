@@ -44,6 +44,8 @@ class WriteBack:
         cpu.track_dirty(True)
         cpu.set_clean_reserve(1.0 if self._write_through else config.manager.clean_reserve)
         self._idle: Callable[[], bool] = lambda: False
+        # held while a batch holds its chunks' slots, so an admin eviction can wait for it
+        self._batching = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvtier-writeback", daemon=True)
@@ -71,7 +73,15 @@ class WriteBack:
                 self._counters.add("writeback_errors", 1)
                 log.exception("write-back batch failed")
 
+    def paused(self) -> threading.Lock:
+        """Held, no batch is in flight: the arena's chunks are leased by clients only."""
+        return self._batching
+
     def _batch(self, everything: bool) -> int:
+        with self._batching:
+            return self._write_batch(everything)
+
+    def _write_batch(self, everything: bool) -> int:
         cpu = self._cpu
         refs = cpu.take_dirty(self._batch_chunks, everything)
         if not refs:

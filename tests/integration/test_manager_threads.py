@@ -62,3 +62,45 @@ def test_concurrent_store_and_load_never_serve_wrong_bytes(shm_path: Path, tmp_p
         assert stats.tiers["lmdb"].counters["corrupt"] == 0
     finally:
         m.close()
+
+
+def test_admin_evict_waits_for_the_write_back_batch_in_flight(
+    shm_path: Path, tmp_path: Path
+) -> None:
+    """A chunk the write-back thread is copying to lmdb is nobody's lease: an admin eviction of
+    its namespace waits for that batch and drops it with the rest, instead of skipping it."""
+    m = TierManager(manager_config(shm_path, tmp_path, arena_mib=8, lmdb_mib=32))
+    writing, go_on = threading.Event(), threading.Event()
+    try:
+        assert m.lmdb is not None
+        ns = m.register_pool(target_spec(), CHUNK)
+        keys = keys_for(ns, 8)
+        put = m.lmdb.put_many_checked
+
+        def held_put(*args: object, **kwargs: object) -> object:
+            writing.set()
+            assert go_on.wait(30), "the test never let the write-back go on"
+            return put(*args, **kwargs)  # type: ignore[arg-type]
+
+        m.lmdb.put_many_checked = held_put  # type: ignore[method-assign]
+        refs = [r for r in m.reserve(keys) if r is not None]
+        for ref in refs:
+            m.cpu.view(ref)[:] = payload_for(ref.key, CHUNK)
+        assert m.commit(refs) == len(keys)
+        flushing = threading.Thread(target=m.flush)  # idle: writes every dirty chunk
+        flushing.start()
+        assert writing.wait(30), "no write-back batch started"
+        evicted: list[dict[str, int]] = []
+        evicting = threading.Thread(target=lambda: evicted.append(m.evict(namespace=ns)))
+        evicting.start()
+        evicting.join(0.2)
+        assert evicting.is_alive(), "the eviction did not wait for the batch in flight"
+        go_on.set()
+        evicting.join(30)
+        flushing.join(30)
+        assert evicted and evicted[0]["cpu"] == len(keys), evicted
+        assert m.lookup(keys).hits == 0
+        assert int(m.cpu.memory.refcount.sum()) == 0
+    finally:
+        go_on.set()
+        m.close()

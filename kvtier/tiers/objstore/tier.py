@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -319,6 +320,10 @@ class ObjectTier(ObjectStore):
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ObjectStoreError(f"pins {info.name} cannot be read: {exc}") from exc
         return names, keys
+
+    def namespace_chunks(self) -> Counter[bytes]:
+        """Chunks the index knows per namespace."""
+        return Counter(namespace_of(k) for k in list(self.index.chunks))
 
     def evict(
         self, *, pool: str | None = None, namespace: bytes | None = None, replica: str | None = None
