@@ -41,10 +41,19 @@ class KvtierdProcess:
         self.start_s = math.nan
         self.stop_s = math.nan
         self.exit_code: int | None = None
+        self.env: dict[str, str] = {}
+        """Set in the daemon's environment (an object store's identity, say)."""
+        self.env_drop: tuple[str, ...] = ()
+        """Left out of it."""
 
     def start(self) -> None:
         # only the file configures the daemon: KVTIER_ variables would override it
-        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(ENV_PREFIX) and k not in self.env_drop
+        }
+        env.update(self.env)
         argv = [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(self.config_path)]
         started = time.perf_counter()
         with open(self.log_path, "wb") as stderr:

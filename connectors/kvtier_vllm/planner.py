@@ -32,6 +32,10 @@ CPU = int(TierCode.CPU)
 _HIT_SOURCES = {CPU: "host", int(TierCode.LMDB): "disk"}
 _REMOTE_SOURCE = "external_unspecified"
 _WINDOW_TRIES = 4  # sliding-window checks of one lookup, each with a shorter hit
+PROMOTE_WAIT_ASKS = 3
+"""Asks a request may wait for its promotions however long its steps take: where a step
+outlasts ``promote_wait_ms`` (a long prefill beside it), waiting only by time would give up at
+the first ask after queuing them, before the daemon had room to hold them."""
 
 
 def split(items: Items, spans: list[tuple[PoolPlan, range]]) -> list[Items]:
@@ -155,6 +159,8 @@ class Asked:
     """When it was first asked again."""
     looked: bool = False
     """Whether it was looked up already: lookups asked again are not counted again."""
+    plans: int = 0
+    """Times a load was planned for it (`HitPlanner.plan`)."""
     verify: bool = False
     """Sampled for verification: what its lookups find is counted as verified, not hits."""
     first_tiers: dict[int, int] = field(default_factory=dict)
@@ -162,12 +168,13 @@ class Asked:
     behind: tuple[list[ChunkKey], Answer[LookupResult]] | None = None
     """The first lookup, asked in the background, and its keys: the plan takes its answer."""
 
-    def may_wait(self, wait_s: float) -> bool:
-        """Whether the request may still be asked again next step."""
+    def may_wait(self, wait_s: float, plans: int = 0) -> bool:
+        """Whether the request may still be asked again next step: for ``wait_s``, and until
+        more than ``plans`` loads were planned for it; never with no wait."""
         now = time.monotonic()
         if self.since is None:
             self.since = now
-        return now - self.since < wait_s
+        return wait_s > 0 and (now - self.since < wait_s or self.plans <= plans)
 
 
 def _log_error(what: str, error: KVTierError) -> None:
@@ -281,6 +288,7 @@ class HitPlanner:
         """The load of the hit from chunk ``first`` (vLLM holds the ones before) up to
         ``limit``, with its leases taken; an empty plan (no chunk) for no hit, or None: ask
         again next step, chunks are on their way into the arena."""
+        asked.plans += 1
         try:
             found = self._find(asked, hashes, first, limit)
         finally:
@@ -299,7 +307,7 @@ class HitPlanner:
         }
         if any(below.values()) or found.pending:
             self._give_back(found.leases)
-            if asked.may_wait(self.wait_s):
+            if asked.may_wait(self.wait_s, PROMOTE_WAIT_ASKS):
                 self._promote(hashes, below)
                 return None
             if self.windowed and any(below.values()):

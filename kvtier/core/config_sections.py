@@ -203,6 +203,20 @@ class ManagerConfig(ConfigSection):
     writeback_batch_chunks: int = Field(
         16, ge=1, description="Chunks written per LMDB transaction."
     )
+    promote_hold_s: float = Field(
+        10.0,
+        ge=0.0,
+        description="How long a chunk promoted ahead of a load (an engine asked for it, or its "
+        "object was fetched) is held in the arena for that load: other promotions cannot evict "
+        "it until a lease takes it or this passes. 0: not held.",
+    )
+    promote_hold_share: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Most of an arena pool's slots held that way at once; promotions past it "
+        "are not held, so stores always find room.",
+    )
     clean_reserve: float = Field(
         0.2,
         ge=0.0,

@@ -118,16 +118,14 @@ class TierManager:
         self._counters = Counters()
         self.promoter: Promoter | None = None
         if self.lmdb is not None:
-            self.promoter = Promoter(
-                self.cpu, self.lmdb, config.manager.promote_queue_chunks, self._counters
-            )
+            self.promoter = Promoter(self.cpu, self.lmdb, config.manager, self._counters)
         self.fetcher: ObjectFetcher | None = None
         if self.object is not None and self.lmdb is not None:
             assert self.promoter is not None
             self.fetcher = ObjectFetcher(
                 self.object,
                 self.lmdb.put_many,
-                partial(self.promoter.promote, lease=False),
+                self.promoter.promote_ahead,
                 self._counters,
             )
         self.drafts = DraftRevisions(
@@ -365,9 +363,9 @@ class TierManager:
         for i, lease in enumerate(leases):
             if lease is None:
                 leases[i] = self.promoter.promote(keys[i], replica)
-        self._count_hits(
-            [k for k, ref in zip(keys, leases, strict=True) if ref is not None], replica
-        )
+        leased = [k for k, ref in zip(keys, leases, strict=True) if ref is not None]
+        self.promoter.claimed(leased)
+        self._count_hits(leased, replica)
         return leases
 
     def promote(self, keys: Sequence[ChunkKey], replica: str = "default") -> int:

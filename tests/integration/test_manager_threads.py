@@ -98,7 +98,8 @@ def test_admin_evict_waits_for_the_write_back_batch_in_flight(
         go_on.set()
         evicting.join(30)
         flushing.join(30)
-        assert evicted and evicted[0]["cpu"] == len(keys), evicted
+        assert len(evicted) == 1, "the eviction did not return"
+        assert evicted[0]["cpu"] == len(keys), evicted
         assert m.lookup(keys).hits == 0
         assert int(m.cpu.memory.refcount.sum()) == 0
     finally:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from kvtier_vllm.draft import DraftTracker, Fill
 from kvtier_vllm.layout import PoolPlan
-from kvtier_vllm.planner import Asked, HitPlanner, LoadPlan, keys_in
+from kvtier_vllm.planner import PROMOTE_WAIT_ASKS, Asked, HitPlanner, LoadPlan, keys_in
 
 from kvtier.client import InProcessClient
 from kvtier.core.keys import ChunkKey, Pool
@@ -144,6 +144,20 @@ def test_past_the_wait_a_hit_shrinks_to_the_arenas_prefix(client: InProcessClien
     client.release(plan.refs())
     # nothing of the hit in the arena: no hit at all
     assert p.plan(Asked(), HASHES, 2, 4) == LoadPlan(2, 0, {}, [])
+
+
+def test_a_request_waits_some_asks_for_promotions_however_long_its_steps(
+    client: InProcessClient,
+) -> None:
+    """A step longer than the wait (a long prefill beside it) does not end the wait at the
+    first ask after the promotions were queued."""
+    ns, _ = four_in_lmdb(client)
+    client.promote = lambda keys: 0  # type: ignore[method-assign]  # the daemon has no room
+    p = planner(client, ns, wait_s=1e-9)  # every ask comes after the wait
+    asked = Asked()
+    for _ in range(PROMOTE_WAIT_ASKS):
+        assert p.plan(asked, HASHES, 0, 4) is None
+    assert p.plan(asked, HASHES, 0, 4) == LoadPlan(0, 0, {}, [])  # then it gives up
 
 
 def test_the_last_chunk_is_dropped_for_eagle_style_drafters(client: InProcessClient) -> None:
