@@ -140,6 +140,20 @@ METRICS: tuple[MetricSpec, ...] = (
         "queue",
         "Work dropped because a queue was full (the chunks stay where they were).",
     ),
+    _spec(
+        "gauge",
+        "promotion_held_chunks",
+        "",
+        "Chunks promoted ahead of a load and held in the arena until its lease takes them "
+        "(manager.promote_hold_s).",
+    ),
+    _spec(
+        "counter",
+        "promotion_holds",
+        "outcome",
+        "Promotions ahead of a load, by outcome: deferred (the held share was full: left in "
+        "lmdb, the engine asks again) or expired (no lease took the chunk in time).",
+    ),
     # sessions
     _spec("gauge", "sessions", "", "Open data-plane sessions."),
     _spec("gauge", "leases", "", "Read leases held by sessions."),

@@ -155,6 +155,12 @@ class TierCollector(Collector):
             depth.add_metric(["promote"], manager.promoter.pending())
             capacity.add_metric(["promote"], config.manager.promote_queue_chunks)
             dropped.add_metric(["promote"], stats.counters["promotions_dropped"])
+            held = metric_family("promotion_held_chunks")
+            held.add_metric([], manager.promoter.held())
+            holds = metric_family("promotion_holds")
+            for outcome in ("deferred", "expired"):
+                holds.add_metric([outcome], stats.counters[f"promotion_holds_{outcome}"])
+            yield from (held, holds)
         if manager.uploader is not None and manager.object is not None:
             depth.add_metric(["upload"], manager.uploader.pending())
             capacity.add_metric(["upload"], config.object.upload_queue_chunks)

@@ -78,7 +78,7 @@ class Promoter:
             held = self._held_bytes.get(reg.pool, 0)
             room = self._hold_share * self._cpu.pool_capacity_bytes(reg.pool) - held
             if key in self._holds or room < reg.chunk_bytes:
-                self._counters.add("promotions_deferred", 1)
+                self._counters.add("promotion_holds_deferred", 1)
                 return
             self._held_bytes[reg.pool] = held + reg.chunk_bytes  # taken before the copy
         ref = self.promote(key, replica, lease=True)

@@ -93,14 +93,14 @@ def test_holds_take_at_most_their_share_and_end_in_time(
     m.promote(asked, "r0")
     deadline = time.monotonic() + 30
     counters = m.stats().counters
-    while counters["promotions"] + counters["promotions_deferred"] < 12:
+    while counters["promotions"] + counters["promotion_holds_deferred"] < 12:
         assert time.monotonic() < deadline, counters
         time.sleep(0.005)
         counters = m.stats().counters
     assert m.promoter is not None
     # half of 16 slots held; the other 4 left in lmdb, not promoted to be evicted
     assert m.promoter.held() == 8
-    assert (counters["promotions"], counters["promotions_deferred"]) == (8, 4)
+    assert (counters["promotions"], counters["promotion_holds_deferred"]) == (8, 4)
     assert m.lookup(asked, again=True).tiers == ["cpu"] * 8 + ["lmdb"] * 4
     assert int(m.cpu.memory.refcount.sum()) == 8
     assert m.promoter.expire(time.monotonic()) == 0  # not yet
