@@ -42,6 +42,20 @@ Servers (``servers`` in the output):
   grown by the hidden-state cache's share (0.375x) so that it holds as many tokens;
   ``capture_throughput_vs_kvtier_embedded`` is its multi-round throughput over
   ``kvtier_embedded``'s.
+- Past the arena, sidecar servers whose tiers hold less than the working set (every user's
+  history in chunks, ``settings.working_set_bytes``): ``kvtier_sidecar_lmdb``, an arena of a
+  quarter of it (extents of 8 chunks, so that a quarter is whole extents) with lmdb (1 GiB)
+  holding the rest; ``kvtier_sidecar_object``, an arena and an lmdb budget of a quarter each,
+  and the object store holding everything: moto's S3 server, started for the run, reached
+  through IRSA (a role and a web identity token in kvtierd's environment, no keys),
+  ``object.admission: all``. ``lmdb_backed_vs_arena_backed`` (target >= 0.9) and
+  ``object_backed_vs_arena_backed`` (>= 0.75) are their throughputs over ``kvtier_sidecar``'s;
+  ``past_the_arena`` gives each one's TTFTs and kvtierd's hits by tier, and every sidecar
+  server's ``daemon_counters`` are kvtierd's counters over its levels (promotions, holds,
+  evictions, rejected stores).
+- ``vllm_more_hbm``: vLLM alone with six times the KV cache (24,576 tokens): every user's
+  history fits. A reference for what GPU memory buys, not a target:
+  ``throughput_vs_more_hbm`` is ``kvtier_sidecar``'s throughput over it.
 
 Workloads (kvtier/bench, token-exact prompts streamed to ``/v1/completions`` with
 ``ignore_eos``):
@@ -130,6 +144,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import boto3.session
 import models
 import yaml
 from engine import (
@@ -142,6 +157,7 @@ from engine import (
     process_cpu_seconds,
     wait_until_quiet,
 )
+from s3_local import SCRUBBED_ENV, MotoServer, irsa_env, patched_env
 from servers import ServerError, VllmServer, connector_arg, error_line, log_tail
 
 from kvtier.bench import BenchConfig, BenchError, LevelResult, WorkloadSpec, run_level
@@ -162,6 +178,7 @@ USERS = 8
 WARMUP = ROUNDS  # one session of its own before a server's first level
 ARENA_BYTES = 768 * MiB
 LMDB_BUDGET = 1 * GiB
+BUCKET = "kvtier-serving"
 SPEC_TOKENS = 3
 CAPTURE_LAYERS = [2, 6, 9]
 CAPTURE = models.capture_config(CAPTURE_LAYERS)
@@ -179,7 +196,10 @@ TARGETS: dict[str, tuple[str, float]] = {
     "no_reuse_throughput_vs_vllm_alone_embedded": (">=", 0.98),
     "spec_throughput_vs_vllm_alone_spec": (">=", 2.0),
     "throughput_vs_example_connector": (">=", 1.5),
+    "lmdb_backed_vs_arena_backed": (">=", 0.9),
+    "object_backed_vs_arena_backed": (">=", 0.75),
 }
+PAST_THE_ARENA = ("kvtier_sidecar", "kvtier_sidecar_lmdb", "kvtier_sidecar_object", "vllm_more_hbm")
 
 
 SERVERS = (
@@ -192,6 +212,9 @@ SERVERS = (
     "vllm_spec",
     "kvtier_sidecar_spec",
     "kvtier_embedded_capture",
+    "kvtier_sidecar_lmdb",
+    "kvtier_sidecar_object",
+    "vllm_more_hbm",
 )
 
 
@@ -226,6 +249,11 @@ class Case:
     spec: bool = False
     capture: bool = False
     """Capture hidden states (``extract_hidden_states``)."""
+    below: str = ""
+    """Past the arena (sidecar): "lmdb" (an arena of a quarter of the working set, lmdb the
+    rest) or "object" (arena and lmdb a quarter each, the object store all)."""
+    kv_cache_scale: int = 1
+    """The KV cache over every other server's (``vllm_more_hbm``)."""
 
 
 VLLM = Case("vllm", "vLLM alone")
@@ -235,6 +263,17 @@ VLLM_B = Case("vllm_b", "vLLM alone (a second server)")
 """No-reuse only: one vLLM-alone server over another is the floor of what the figure resolves,
 since each server started runs at a speed of its own (several per cent apart here)."""
 NO_REUSE_CASES = {case.name: case for case in (VLLM, VLLM_B, EMBEDDED, SIDECAR)}
+LMDB_BACKED = Case(
+    "kvtier_sidecar_lmdb", "kvtier sidecar, arena 1/4, lmdb", "sidecar", below="lmdb"
+)
+OBJECT_BACKED = Case(
+    "kvtier_sidecar_object",
+    "kvtier sidecar, arena 1/4, lmdb 1/4, S3",
+    "sidecar",
+    below="object",
+)
+MORE_HBM = Case("vllm_more_hbm", "vLLM alone, 6x the KV cache", kv_cache_scale=6)
+"""6 x 4,096 tokens: every user's history (16,384 tokens) with room for the batch."""
 
 
 @dataclass
@@ -248,6 +287,8 @@ class Outcome:
     error: str = ""
     log_tail: str = ""
     log_path: str = ""
+    daemon_counters: dict[str, int] = field(default_factory=dict)
+    """kvtierd's counters over the multi-round levels (moves, promotions, evictions)."""
 
     def at(self, concurrency: int) -> LevelResult | None:
         return next((lv for lv in self.multi_round if lv.concurrency == concurrency), None)
@@ -414,6 +455,7 @@ class Bench:
         self.nr_index = 100  # no-reuse levels use indices of their own, never repeated
         self.daemons: dict[str, Kvtierd] = {}  # by run name, while their servers run
         self.nr_costs: dict[str, list[dict[str, float]]] = {}
+        self.moto: MotoServer | None = None
         self.no_reuse_error = ""
         config = json.loads((self.model / "config.json").read_text())
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -476,6 +518,40 @@ class Bench:
         path.write_text(yaml.safe_dump(tree))
         return self.kvtier({"kvtier_config": str(path)})
 
+    @property
+    def working_set_bytes(self) -> int:
+        """Every user's whole history, in the chunks it is stored as."""
+        chunk_tokens = BLOCK_SIZE * self.bpc
+        return USERS * (self.workload().longest_request() // chunk_tokens) * self.chunk_bytes
+
+    def past_the_arena(self, tree: dict[str, Any], below: str, daemon: Kvtierd) -> None:
+        """Tiers that hold less than the working set: an arena of a quarter of it (extents of
+        8 chunks, so that a quarter is whole extents), then lmdb the rest, or lmdb a quarter
+        and the object store (moto, reached through IRSA) everything."""
+        extent = 8 * self.chunk_bytes
+        quarter = max(extent, round(self.working_set_bytes / 4 / extent) * extent)
+        tree["arena"].update(size_bytes=quarter, extent_bytes=extent)
+        if below == "object":
+            moto = self.s3()
+            tree["lmdb"]["budget_bytes"] = quarter
+            tree["object"] = {
+                "url": f"s3://{BUCKET}/{daemon.root.parent.name}",
+                "index_path": str(daemon.root / "objindex"),
+            }
+            daemon.env = irsa_env(self.root, moto.url)
+            daemon.env_drop = SCRUBBED_ENV
+        daemon.config_path.write_text(yaml.safe_dump(tree))
+
+    def s3(self) -> MotoServer:
+        """moto's S3, started at first use, with the run's bucket."""
+        if self.moto is None:
+            self.moto = MotoServer(self.root / "moto.log").start()
+            with patched_env(irsa_env(self.root, self.moto.url), drop=SCRUBBED_ENV):
+                client = boto3.session.Session().client("s3")
+                client.create_bucket(Bucket=BUCKET)
+                client.close()
+        return self.moto
+
     @contextmanager
     def server(
         self, case: Case, plan: Plan, run_name: str = ""
@@ -496,7 +572,10 @@ class Bench:
             )
             tree = yaml.safe_load(daemon.config_path.read_text())
             tree["lmdb"]["budget_bytes"] = LMDB_BUDGET
-            daemon.config_path.write_text(yaml.safe_dump(tree))
+            if case.below:
+                self.past_the_arena(tree, case.below, daemon)
+            if not case.below:
+                daemon.config_path.write_text(yaml.safe_dump(tree))
             try:
                 daemon.start()
             except BaseException:
@@ -538,7 +617,8 @@ class Bench:
             args += profiler_args(tmp / "traces")
             env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # vLLM's own ranges, forward included
         # the hidden-state cache shares the KV memory: as much again for it, the same tokens held
-        kv_bytes = KV_CACHE_BYTES + (self.hidden_bytes(KV_CACHE_BYTES) if case.capture else 0)
+        kv_bytes = KV_CACHE_BYTES * case.kv_cache_scale
+        kv_bytes += self.hidden_bytes(KV_CACHE_BYTES) if case.capture else 0
         server = VllmServer(
             self.model,
             tmp,
@@ -610,6 +690,8 @@ class Bench:
                 out.log_path = str(server.log)
                 log.info("%s: healthy in %.1f s", case.name, server.start_s)
                 warmup = WARMUP
+                daemon = self.daemons.get(case.name)
+                before = daemon.counters() if daemon is not None else {}
                 if plan.multi_round:
                     for i, c in enumerate(self.concurrency):
                         out.multi_round.append(
@@ -624,6 +706,13 @@ class Bench:
                             )
                         )
                         warmup = 0
+                if daemon is not None:
+                    after = daemon.counters()
+                    out.daemon_counters = {
+                        k: v - before.get(k, 0)
+                        for k, v in sorted(after.items())
+                        if v != before.get(k, 0)
+                    }
                 if plan.profile:
                     out.profile = self.profile_level(server, metrics_url)
         except (ServerError, BenchError, RuntimeError, OSError) as exc:
@@ -770,6 +859,9 @@ class Bench:
                 ),
                 Plan(),
             ),
+            (LMDB_BACKED, Plan()),
+            (OBJECT_BACKED, Plan()),
+            (MORE_HBM, Plan()),
         ]
         outcomes = {
             case.name: self.run_case(case, plan)
@@ -843,6 +935,21 @@ class Bench:
             "throughput_vs_offloading_connector": ratio(
                 tps("kvtier_sidecar"), tps("offloading_connector")
             ),
+            "lmdb_backed_vs_arena_backed": ratio(tps(LMDB_BACKED.name), tps("kvtier_sidecar")),
+            "object_backed_vs_arena_backed": ratio(tps(OBJECT_BACKED.name), tps("kvtier_sidecar")),
+            "throughput_vs_more_hbm": ratio(tps("kvtier_sidecar"), tps(MORE_HBM.name)),
+            "past_the_arena": {
+                name: {
+                    "output_tps": tps(name),
+                    "ttft_p50_s": ttft(name, "p50"),
+                    "ttft_p99_s": ttft(name, "p99"),
+                    "ttft_p50_s_later_rounds": later(name, "p50"),
+                    "hit_chunks_by_tier": (level := mr(name))
+                    and level.server.daemon_hit_chunks_by_tier,
+                }
+                for name in PAST_THE_ARENA
+                if mr(name) is not None
+            },
             "no_reuse_se": {"sidecar": nr_side.se, "embedded": nr_emb.se},
             "no_reuse_second_vllm_alone": no_reuse_ratios(cycles, "vllm_b").mean,
             "no_reuse_cycles": cycles,
@@ -870,6 +977,7 @@ class Bench:
                 "error": o.error or None,
                 "log": o.log_path or str(self.root / name / "server.log"),
                 "multi_round": [summary(lv) for lv in o.multi_round],
+                "daemon_counters": o.daemon_counters,
                 "no_reuse": [summary(lv) for lv in o.no_reuse],
             }
             if o.error:
@@ -889,6 +997,7 @@ class Bench:
                 "block_size": BLOCK_SIZE,
                 "blocks_per_chunk": self.bpc,
                 "arena_bytes": ARENA_BYTES,
+                "working_set_bytes": self.working_set_bytes,
                 "multi_round": {
                     "users": USERS,
                     "doc_tokens": DOC_TOKENS,
@@ -911,6 +1020,8 @@ class Bench:
         }
 
     def close(self) -> None:
+        if self.moto is not None:
+            self.moto.stop()
         for path in self.shm_paths:
             path.unlink(missing_ok=True)
 
@@ -968,6 +1079,7 @@ def tables(result: dict[str, Any]) -> str:
                 f"{_pct(lv['hit_ratio'])} | {_pct(lv['daemon_hit_ratio'])} | "
                 f"{lv['ok']}/{lv['requests']} |"
             )
+    lines += past_the_arena_table(result)
     lines += ["", *no_reuse_table(result)]
     lines += ["", "## Ratios", "", "| ratio | value | target | met |", "|---|---:|---:|---|"]
     for key, t in result["targets"].items():
@@ -980,6 +1092,7 @@ def tables(result: dict[str, Any]) -> str:
         "ttft_p50_vs_vllm_alone_later_rounds",
         "ttft_p99_vs_vllm_alone_later_rounds",
         "throughput_vs_offloading_connector",
+        "throughput_vs_more_hbm",
         "kvtier_step_share",
     ):
         lines.append(f"| {key} | {_f(result.get(key), '.3f')} | | |")
@@ -993,6 +1106,36 @@ def tables(result: dict[str, Any]) -> str:
             f"({profile['kvtier_outside_steps_s']:.3f} s of kvtier outside steps).",
         ]
     return "\n".join(lines)
+
+
+def past_the_arena_table(result: dict[str, Any]) -> list[str]:
+    """The servers whose tiers hold less than the working set, beside the one whose arena holds
+    it all and vLLM alone with the KV cache that holds it."""
+    past = result.get("past_the_arena") or {}
+    if not past:
+        return []
+    base = (past.get("kvtier_sidecar") or {}).get("output_tps")
+    working_set = result["settings"]["working_set_bytes"]
+    lines = [
+        "",
+        f"## Past the arena (concurrency {HEADLINE_CONCURRENCY}; working set "
+        f"{working_set / MiB:.0f} MiB of chunks)",
+        "",
+        "| server | out tok/s | vs arena-backed | TTFT p50 ms | TTFT p99 ms | "
+        "TTFT p50 ms, rounds 2-4 | kvtierd hits by tier (chunks) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, row in past.items():
+        tiers = row.get("hit_chunks_by_tier") or {}
+        lines.append(
+            f"| {result['servers'][name]['label']} | {_f(row['output_tps'], '.1f')} | "
+            f"{_f(row['output_tps'] / base if base and row['output_tps'] else None, '.3f')} | "
+            f"{_ms(row['ttft_p50_s'])} | {_ms(row['ttft_p99_s'])} | "
+            f"{_ms(row['ttft_p50_s_later_rounds'])} | "
+            + (", ".join(f"{t} {int(n)}" for t, n in sorted(tiers.items())) or "-")
+            + " |"
+        )
+    return lines
 
 
 def no_reuse_table(result: dict[str, Any]) -> list[str]:
