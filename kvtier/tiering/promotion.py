@@ -43,6 +43,7 @@ class Promoter:
         self._held_bytes: dict[str, int] = {}
         """Per pool, bytes held."""
         self._holds_lock = threading.Lock()
+        cpu.count_held(self.held_slots)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvtier-promote", daemon=True)
         self._thread.start()
@@ -122,6 +123,10 @@ class Promoter:
     def held(self) -> int:
         """Chunks held for loads."""
         return len(self._holds)
+
+    def held_slots(self, pool: str, slot_bytes: int) -> int:
+        """Slots of ``slot_bytes`` a pool's holds take (one chunk size per pool, as a rule)."""
+        return self._held_bytes.get(pool, 0) // slot_bytes
 
     def queue(self, keys: Sequence[ChunkKey], replica: str) -> int:
         """Queue lmdb chunks for the promoting thread, without waiting; returns how many were

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.core.protocol import SlotRef, TierCode, TierStats, UsageStats
@@ -165,8 +165,10 @@ class CpuTier(ArenaSlots):
         with self._lock:
             for cls in self._classes.values():
                 capacity = (cls.extents + self._growable_extents(cls)) * cls.per_extent
+                # slots held for loads are neither free nor evictable
+                held = self._held_slots(cls.pool, cls.slot_bytes)
                 while cls.dirty and len(out) < limit:
-                    clean_or_free = capacity - cls.dirty_count
+                    clean_or_free = capacity - cls.dirty_count - held
                     if not everything and clean_or_free >= reserve * capacity:
                         break
                     slot, gen = cls.dirty.popleft()
@@ -179,6 +181,11 @@ class CpuTier(ArenaSlots):
 
     def set_clean_reserve(self, share: float) -> None:
         self._clean_reserve = share
+
+    def count_held(self, held_slots: Callable[[str, int], int]) -> None:
+        """How many slots of a pool's class (its pool, its slot bytes) are held for loads
+        (promoted ahead of them): write-back keeps its clean reserve beside them."""
+        self._held_slots = held_slots
 
     def writeback_pending(self) -> int:
         with self._lock:

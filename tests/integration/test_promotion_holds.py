@@ -108,3 +108,22 @@ def test_holds_take_at_most_their_share_and_end_in_time(
     assert int(m.cpu.memory.refcount.sum()) == 0
     assert m.stats().counters["promotion_holds_expired"] == 8
     assert m.promoter.expire(math.inf) == 0
+
+
+def test_write_back_keeps_its_clean_reserve_beside_the_holds(
+    open_manager: Callable[..., TierManager],
+) -> None:
+    """Held slots can be neither evicted nor stored into: the chunks written back while an
+    engine is busy are counted beside them, or stores and promotions find no room."""
+    m = open_manager(clean_reserve=0.25)
+    ns = m.register_pool(target_spec(), CHUNK)
+    asked, fresh = keys_for(ns, 14)[:8], keys_for(ns, 14)[8:]
+    in_lmdb_only(m, asked)
+    promoted(m, asked)  # 8 of 16 slots held
+    assert store(m, fresh) == 6
+    # free or clean must stay at 4 of 16 (0.25) with 8 held: at most 4 dirty
+    deadline = time.monotonic() + 30
+    while m.cpu.writeback_pending() > 4:
+        assert time.monotonic() < deadline, f"{m.cpu.writeback_pending()} dirty beside 8 held"
+        time.sleep(0.005)
+    assert m.lookup(asked, again=True).tiers == ["cpu"] * 8
