@@ -2,17 +2,16 @@
 
 - ``lookup`` answers with the longest present prefix and the tier of each of its chunks (and,
   with ``lease=True``, leases them when the arena holds them all);
-- stores are reserve -> write (into the arena slot) -> commit, or abort; uncommitted chunks are
-  invisible;
+- stores are reserve -> write into the slot -> commit, or abort; uncommitted chunks are unseen;
 - ``lease`` leases arena chunks, promoting lmdb chunks into the arena first;
 - committed arena chunks are written back to lmdb by a background thread before they can be
   evicted (write-back), or right after commit (write-through); the data plane never waits on it;
 - with an object store, chunks written to lmdb are uploaded from a bounded queue, object chunks are
   promoted on request, and a lookup probes the store for chunks other nodes uploaded, waiting no
   longer than ``object.lookup_budget_ms``;
-- draft pools are versioned: a new draft revision (an admin swap, or an engine registering one)
-  becomes current, the old revision's chunks are evicted first and, after
-  ``manager.draft_grace_s``, deleted from every tier. Target chunks are never touched.
+- draft pools are versioned: an old revision's chunks are evicted first, and deleted from every
+  tier after ``manager.draft_grace_s``; target chunks are never touched;
+- what a killed owner committed to the arena reaches lmdb once its namespace registers again.
 
 The manager composes the parts: `kvtier.tiering.drafts` keeps the draft revisions,
 `kvtier.tiers.objstore.fetch` probes and downloads objects, and `kvtier.tiering.maintenance` runs
@@ -50,6 +49,7 @@ from kvtier.tiering.maintenance import DrainResult, Maintenance, VerifyProgress,
 from kvtier.tiering.promotion import Promoter
 from kvtier.tiering.quarantine import Quarantines
 from kvtier.tiering.writeback import WriteBack
+from kvtier.tiers.arena_salvage import StaleArena, keep
 from kvtier.tiers.base import Tier
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
@@ -78,6 +78,8 @@ class TierManager:
     def __init__(self, config: KVTierConfig) -> None:
         self.config = config
         self.registry = PoolRegistry()
+        # read before the new arena takes the path: what a killed owner committed there
+        self.stale = StaleArena.at(config.arena.path) if config.lmdb.enabled else None
         self.cpu = CpuTier(config.arena, self.registry)
         self.lmdb: LmdbTier | None = None
         try:
@@ -171,6 +173,7 @@ class TierManager:
         """Register a namespace and its chunk size; returns the 16-byte namespace."""
         registration = self.registry.register(spec, chunk_bytes)
         self.cpu.accept(registration)  # refuse now what the arena could never hold
+        self.stale = keep(self.stale, self.lmdb, registration.namespace, chunk_bytes)
         if spec.pool is Pool.DRAFT:
             self.drafts.registered(spec, registration.namespace)
         return registration.namespace
@@ -491,4 +494,6 @@ class TierManager:
                 self.object.close()
             if self.lmdb is not None:
                 self.lmdb.close()
+            if self.stale is not None:
+                self.stale.close()
             self.cpu.close()

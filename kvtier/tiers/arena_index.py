@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import platform
 import struct
+from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -120,6 +121,15 @@ class ArenaIndex:
             at = (at + 1) & self._mask
 
     # -- any process ----------------------------------------------------------------------
+
+    def entries(self) -> Iterator[tuple[bytes, int]]:
+        """Every whole entry, as (key, slot): a scan for when no owner writes (one that died).
+        A key may come twice (a shift cut short), each time with its slot."""
+        for at in np.flatnonzero(self._meta):
+            if int(self._seq[at]) & 1:
+                continue  # being written when the owner stopped
+            meta = int(self._meta[at])
+            yield bytes(self._keys[at, : meta >> 32]), meta & 0xFFFFFFFF
 
     def find(self, key: bytes, state: memoryview, generation: memoryview) -> tuple[int, int] | None:
         """(slot, generation) of ``key`` if a READY slot holds it now, else None (also when an
