@@ -391,6 +391,14 @@ def vocab_size_of(model_path: Path) -> int:
     return int(config["vocab_size"])
 
 
+def kv_bytes_per_token(model_path: Path, dtype_bytes: int = 2) -> int:
+    """K and V of every layer for one token (2 bytes: bf16)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    return int(layers * kv_heads * head_dim * 2 * dtype_bytes)
+
+
 def shared_prefix_prompts(
     num_prompts: int,
     *,

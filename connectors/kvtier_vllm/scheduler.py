@@ -38,7 +38,7 @@ from kvtier_vllm.lookups import Lookups
 from kvtier_vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.planner import Asked, HitPlanner, LoadPlan, targets_of
 from kvtier_vllm.requests import RequestState
-from kvtier_vllm.session import Session
+from kvtier_vllm.session import Session, close_client
 from kvtier_vllm.stats import KVTierStats, take
 from kvtier_vllm.stores import Stores
 from kvtier_vllm.unreturned import Return, Unreturned
@@ -458,4 +458,4 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         client = self.session.detach()
         self.planner = self.stores = None
         assert client is not None
-        client.close()  # embedded: writes what the arena holds to lmdb
+        close_client(client)
