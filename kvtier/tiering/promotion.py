@@ -130,7 +130,9 @@ class Promoter:
 
     def queue(self, keys: Sequence[ChunkKey], replica: str) -> int:
         """Queue lmdb chunks for the promoting thread, without waiting; returns how many were
-        queued (none once the queue is full)."""
+        queued (none once the queue is full). Their reads from disk start at once, all
+        together, where the thread would fault them in one after another."""
+        self._lmdb.read_ahead([k for k in keys if k not in self._queued])
         queued = 0
         for key in keys:
             if key in self._queued:

@@ -48,7 +48,7 @@ from kvtier.tiers.lmdb_env import (
 )
 from kvtier.tiers.lmdb_index import TICK_BYTES, Entry, Pending, lru_key
 from kvtier.tiers.lmdb_store import LmdbStore
-from kvtier.tiers.lmdb_values import copy_encoded, copy_payload, verify
+from kvtier.tiers.lmdb_values import copy_encoded, copy_payload, verify, will_need
 
 __all__ = ["UNREADABLE_ERRORS", "LmdbTier", "move_aside"]
 
@@ -238,6 +238,13 @@ class LmdbTier(LmdbStore):
         if self._track_access and len(self._touched) < _MAX_PENDING_TOUCHES:
             self._touched[key] = None
         return True
+
+    def read_ahead(self, keys: Sequence[ChunkKey]) -> None:
+        """Start reading these chunks from disk now (they are about to be promoted)."""
+        try:
+            will_need(self.env, self._chunks, [k for k in keys if k in self._index])
+        except lmdb.Error as exc:  # a hint only: the reads themselves report failures
+            log.debug("lmdb: read-ahead failed: %s", exc)
 
     def copy_encoded(self, key: ChunkKey, dst: memoryview) -> bool:
         """Copy the stored chunk, header included, verified, into ``dst`` (exactly its encoded

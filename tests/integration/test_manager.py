@@ -14,6 +14,7 @@ from kvtier.core.errors import ConfigError, UnknownPoolError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import SlotRef, TierClient
 from kvtier.tiering.manager import TierManager
+from kvtier.tiers.lmdb_values import will_need
 from tests.support import MiB, draft_spec, keys_for, manager_config, payload_for, target_spec
 
 CHUNK = 256 << 10
@@ -309,3 +310,18 @@ def test_promote_moves_lmdb_chunks_into_the_arena_without_waiting(manager: TierM
     assert int(sum(manager.cpu.memory.refcount)) == 6
     manager.release([r for r in manager.lease(keys, "r0") if r is not None])
     assert int(sum(manager.cpu.memory.refcount)) == 0
+
+
+def test_read_ahead_finds_the_stored_chunks_and_reads_nothing_itself(
+    manager: TierManager,
+) -> None:
+    ns = manager.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 6)
+    store(manager, keys[:4])
+    assert manager.flush()
+    lmdb_tier = manager.lmdb
+    assert lmdb_tier is not None
+    hits = lmdb_tier.stats().counters["hits"]
+    assert will_need(lmdb_tier.env, lmdb_tier._chunks, keys) == 4
+    lmdb_tier.read_ahead(keys)  # absent keys are skipped, not errors
+    assert lmdb_tier.stats().counters["hits"] == hits  # a hint, not a read
