@@ -48,24 +48,31 @@ def promoted(m: TierManager, keys: list[ChunkKey]) -> None:
         time.sleep(0.005)
 
 
-def test_stores_do_not_evict_what_a_load_is_about_to_lease(
-    open_manager: Callable[..., TierManager],
-) -> None:
-    m = open_manager()
+def promoted_then_stores(m: TierManager, held: int) -> list[ChunkKey]:
+    """8 chunks promoted from lmdb (``held`` of them held), then 16 stores into the 16 slots:
+    the 8 free ones, then whatever may be evicted. The 8 promoted keys."""
     ns = m.register_pool(target_spec(), CHUNK)
     asked, others = keys_for(ns, 8), keys_for(ns, 24)[8:]
     in_lmdb_only(m, asked)
     promoted(m, asked)
     assert m.promoter is not None
-    assert m.promoter.held() == 8
-    # 16 stores into the 16 slots: the 8 free ones, then whatever may be evicted
+    assert m.promoter.held() == held
     store(m, others)
+    return asked
+
+
+def test_stores_do_not_evict_what_a_load_is_about_to_lease(
+    open_manager: Callable[..., TierManager],
+) -> None:
+    m = open_manager()
+    asked = promoted_then_stores(m, held=8)
     assert m.lookup(asked, again=True).tiers == ["cpu"] * 8, "a held chunk was evicted"
     leases = m.lease(asked, "r0")
     assert all(ref is not None for ref in leases)
     assert [bytes(m.cpu.view(r)) for r in leases if r is not None] == [
         payload_for(k, CHUNK) for k in asked
     ]
+    assert m.promoter is not None
     assert m.promoter.held() == 0, "the lease did not take over the holds"
     m.release([r for r in leases if r is not None])
     assert int(m.cpu.memory.refcount.sum()) == 0
@@ -73,13 +80,7 @@ def test_stores_do_not_evict_what_a_load_is_about_to_lease(
 
 def test_without_holds_the_same_stores_evict_them(open_manager: Callable[..., TierManager]) -> None:
     m = open_manager(promote_hold_s=0)
-    ns = m.register_pool(target_spec(), CHUNK)
-    asked, others = keys_for(ns, 8), keys_for(ns, 24)[8:]
-    in_lmdb_only(m, asked)
-    promoted(m, asked)
-    assert m.promoter is not None
-    assert m.promoter.held() == 0
-    store(m, others)
+    asked = promoted_then_stores(m, held=0)
     assert m.lookup(asked, again=True).tiers[0] != "cpu"
 
 
