@@ -102,10 +102,21 @@ def complete(url: str, model: str, prompt: list[int], max_tokens: int) -> dict[s
 
 
 def gone(procs: list[psutil.Process], timeout: float) -> float | None:
-    """Seconds until every one of ``procs`` has exited; None past ``timeout``."""
+    """Seconds until every one of ``procs`` has exited (a zombie nobody reaped yet counts:
+    an engine's workers are not the API server's children); None past ``timeout``."""
     started = time.monotonic()
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    return None if alive else time.monotonic() - started
+    while time.monotonic() - started < timeout:
+        if not any(_running(p) for p in procs):
+            return time.monotonic() - started
+        time.sleep(0.01)
+    return None
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return bool(proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
 
 
 class Run:

@@ -28,6 +28,7 @@ LABELS = {
     "queue": {"writeback", "promote", "upload"},
     "state": {"closed", "open", "half_open"},
     "policy": {"lru", "fifo"},
+    "outcome": {"deferred", "expired"},
 }
 FREE_LABELS = {"replica", "event", "le", "version", "url", "principal", "model"}
 FREE_LABELS |= {"draft_model", "draft_revision"}
