@@ -19,7 +19,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from common import die_with_parent
+try:
+    from benchmarks.common import die_with_parent
+except ImportError:  # run as a script from benchmarks/
+    from common import die_with_parent  # type: ignore[no-redef]
 
 LOOPBACK = "127.0.0.1"
 READY_TIMEOUT_S = 30.0
@@ -97,20 +100,8 @@ class MotoServer:
         raise RuntimeError(f"moto_server did not start; log:\n{tail}")
 
     def _wait_ready(self) -> bool:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(self.url + "/moto-api/", timeout=1.0):
-                    return True
-            except urllib.error.HTTPError as exc:
-                exc.close()
-                return True
-            except OSError:
-                time.sleep(0.05)
-        return False
+        assert self.proc is not None
+        return http_ready(self.url + "/moto-api/", self.proc, READY_TIMEOUT_S)
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
@@ -124,6 +115,24 @@ class MotoServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def http_ready(url: str, proc: subprocess.Popen[Any], timeout_s: float) -> bool:
+    """Whether ``url`` answers HTTP (any status) within ``timeout_s``; False at once when
+    ``proc``, the server, exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=1.0):
+                return True
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            return True
+        except OSError:
+            time.sleep(0.05)
+    return False
 
 
 @contextlib.contextmanager

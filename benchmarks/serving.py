@@ -540,7 +540,6 @@ class Bench:
             }
             daemon.env = irsa_env(self.root, moto.url)
             daemon.env_drop = SCRUBBED_ENV
-        daemon.config_path.write_text(yaml.safe_dump(tree))
 
     def s3(self) -> MotoServer:
         """moto's S3, started at first use, with the run's bucket."""
@@ -574,8 +573,7 @@ class Bench:
             tree["lmdb"]["budget_bytes"] = LMDB_BUDGET
             if case.below:
                 self.past_the_arena(tree, case.below, daemon)
-            if not case.below:
-                daemon.config_path.write_text(yaml.safe_dump(tree))
+            daemon.config_path.write_text(yaml.safe_dump(tree))
             try:
                 daemon.start()
             except BaseException:

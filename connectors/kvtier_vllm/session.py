@@ -70,7 +70,8 @@ def open_client(cfg: TiersConfig, replica: str, chunk_bytes: int = 0) -> TierCli
 
 def close_client(client: TierClient) -> None:
     """Close a client; an embedded one first writes what the arena holds to lmdb, and says how
-    long that took: vLLM kills an engine process 5 s after its SIGTERM."""
+    long that took (where vLLM kills the engine process first, the next start at the arena's
+    path keeps what it held: kvtier.tiers.arena_salvage)."""
     if isinstance(client, InProcessClient):
         pending = client.writeback_pending()
         started = time.monotonic()

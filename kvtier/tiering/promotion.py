@@ -116,9 +116,8 @@ class Promoter:
 
     def _unhold(self, ended: Sequence[tuple[SlotRef, float]]) -> None:
         for ref, _ in ended:
-            self._held_bytes[self._cpu.pool_of(ref)] -= self._cpu.registry.resolve(
-                ref.key
-            ).chunk_bytes
+            reg = self._cpu.registry.resolve(ref.key)  # as promote_ahead counted it
+            self._held_bytes[reg.pool] -= reg.chunk_bytes
 
     def held(self) -> int:
         """Chunks held for loads."""

@@ -81,9 +81,6 @@ class StaleArena:
         """Namespaces with chunks still to be kept."""
         return [ns for ns, chunks in self._chunks.items() if chunks]
 
-    def chunks(self) -> int:
-        return sum(len(c) for c in self._chunks.values())
-
     def take(self, namespace: bytes, chunk_bytes: int) -> Iterator[tuple[ChunkKey, memoryview]]:
         """Each committed chunk of ``namespace`` whose slot holds ``chunk_bytes``; a namespace
         is taken once."""
@@ -113,7 +110,6 @@ def keep(
             batch.clear()
     if batch:
         kept += sum(lmdb.put_many(batch))
-    del batch
     if kept:
         log.info(
             "arena: kept %d chunks of namespace %s that the previous owner left in the arena",

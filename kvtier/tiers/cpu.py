@@ -144,9 +144,6 @@ class CpuTier(ArenaSlots):
     def owner_of(self, ref: SlotRef) -> str:
         return self._replica_names[self._owner[ref.slot]]
 
-    def pool_of(self, ref: SlotRef) -> str:
-        return self._class_of(ref.slot).pool
-
     def view(self, ref: SlotRef) -> memoryview:
         return self.memory.view(ref.offset, ref.nbytes)
 

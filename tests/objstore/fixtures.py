@@ -55,6 +55,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.s3_local import SCRUBBED_ENV
 from kvtier.tiers.objstore.backend import ObjectBackend, open_backend
 from tests.objstore.servers import (
     FakeGceMetadata,
@@ -76,22 +77,7 @@ AWS_ROLE_NAME = "kvtier-test-role"
 GCS_ENDPOINT_ENV = "GCS_ENDPOINT_URL"  # what kvtier.tiers.objstore.gcs reads
 
 # Env vars that would give the SDKs another identity or endpoint than the one a fixture sets.
-_AWS_CLEAR = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_SECURITY_TOKEN",
-    "AWS_PROFILE",
-    "AWS_DEFAULT_PROFILE",
-    "AWS_DEFAULT_REGION",
-    "AWS_ROLE_SESSION_NAME",
-    "AWS_ENDPOINT_URL_S3",
-    "AWS_ENDPOINT_URL_STS",
-    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-    "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
-    "AWS_CA_BUNDLE",
-)
+_AWS_CLEAR = (*SCRUBBED_ENV, "AWS_ROLE_SESSION_NAME", "AWS_CA_BUNDLE")
 _GCP_CLEAR = (
     "GOOGLE_APPLICATION_CREDENTIALS",
     "GOOGLE_CLOUD_PROJECT",

@@ -31,6 +31,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from benchmarks.s3_local import http_ready
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -112,20 +114,8 @@ class ServerProcess:
         raise RuntimeError(f"{self.name} did not start; log:\n{self.log_tail()}")
 
     def _wait_ready(self) -> bool:
-        deadline = time.monotonic() + self._start_timeout_s
-        while time.monotonic() < deadline:
-            assert self._proc is not None
-            if self._proc.poll() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(self.url + self._ready_path, timeout=1.0):
-                    return True
-            except urllib.error.HTTPError as exc:
-                exc.close()
-                return True
-            except OSError:
-                time.sleep(0.05)
-        return False
+        assert self._proc is not None
+        return http_ready(self.url + self._ready_path, self._proc, self._start_timeout_s)
 
     def log_tail(self, nbytes: int = 4000) -> str:
         try:
