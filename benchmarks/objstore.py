@@ -587,7 +587,7 @@ class Bench:
         n = self.up_threads if warm_up else self.mode.objects
         up_waves = self.waves(n, self.up_threads)
         down_waves = self.waves(n, self.down_threads)
-        uploader = Uploader(tier, self.lmdb.copy_encoded, self.config, Counters())
+        uploader = Uploader(tier, self.lmdb, self.config, Counters())
         try:
             raw_put, tier_put, up_put = self.interleaved(
                 [

@@ -6,7 +6,8 @@ the right bytes to begin with (the right shard, layout and weights). A sampled r
 its hit's leases while vLLM computes the prefix; each chunk is compared by the workers after
 the forward that computed it (the draft's too), where stores are copied, and its lease given
 back. A chunk off by more than ``max_error`` quarantines its namespace: this engine loads
-nothing from it again.
+nothing from it again. A pool the tiers below the arena store in fp8 (`coded`) is held to
+``max_error`` plus the codec's own bound: its rounding is expected, never a reason to quarantine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvtier.core.fp8 import ERROR_BOUND
 from kvtier.core.keys import Pool, namespace_of
 from kvtier.core.protocol import SlotRef
 from kvtier_vllm.draft import Fill
@@ -51,6 +53,7 @@ class Sampled:
 class _Check:
     ref: SlotRef
     pool: str
+    limit: float
 
 
 class Verifier:
@@ -75,6 +78,25 @@ class Verifier:
         """Ours the tiers listed: gone from their list, an admin lifted them."""
         self.errors: deque[tuple[str, float]] = deque(maxlen=MAX_CHECKS)
         """(pool, relative error) of the latest comparisons."""
+        self.coded: frozenset[str] = frozenset()
+        """Plan keys whose pools the tiers store coded, held to `limit`."""
+
+    def codes(self, keys: Iterable[str]) -> None:
+        """The plan keys whose pools the tiers below the arena store in fp8."""
+        self.coded = frozenset(keys)
+        for key in sorted(self.coded):
+            log.info(
+                "kvtier: pool %s is stored in fp8 below the arena; a verified chunk of it "
+                "matches within %.3g (verify_max_error %g + fp8's bound %.3g)",
+                key,
+                self.limit(key),
+                self.max_error,
+                ERROR_BOUND,
+            )
+
+    def limit(self, key: str) -> float:
+        """The largest error a chunk of plan ``key`` may show and still match."""
+        return self.max_error + (ERROR_BOUND if key in self.coded else 0.0)
 
     def sample(self, step: int) -> bool:
         """Whether a request with a hit, asked in ``step``, is verified instead of served."""
@@ -126,7 +148,8 @@ class Verifier:
         once the workers compared them)."""
         jobs, self._next = self._next, []
         for job, ref in jobs:
-            self._checks[(job.slot, job.generation)] = _Check(ref, str(self.by_key[job.plan].pool))
+            pool = str(self.by_key[job.plan].pool)
+            self._checks[(job.slot, job.generation)] = _Check(ref, pool, self.limit(job.plan))
         while len(self._checks) > MAX_CHECKS:  # reports that never came (a failed step)
             self._checks.pop(next(iter(self._checks)))
         return [job for job, _ in jobs], [ref for _, ref in jobs]
@@ -145,7 +168,7 @@ class Verifier:
             if error < 0:
                 stats.verified(check.pool, "unchecked", None)
                 continue
-            matched = error <= self.max_error
+            matched = error <= check.limit
             self.errors.append((check.pool, error))
             stats.verified(check.pool, "match" if matched else "mismatch", error)
             if not matched:
@@ -157,7 +180,8 @@ class Verifier:
             return
         why = (
             f"a {check.pool} chunk differs from the recomputed KV by {error:.3g} "
-            f"(verify_max_error {self.max_error:g})"
+            f"(it may differ by {check.limit:.3g}: verify_max_error {self.max_error:g}"
+            f"{', plus fp8 below the arena' if check.limit > self.max_error else ''})"
         )
         self.quarantined[namespace] = why
         self.to_report.append((namespace, why))

@@ -29,6 +29,7 @@ from kvtier.core.config_sections import (
     default_state_dir,
 )
 from kvtier.core.errors import ConfigError
+from kvtier.core.fp8 import Codec
 
 __all__ = [
     "ENV_PREFIX",
@@ -59,6 +60,12 @@ class KVTierConfig(ConfigSection):
         default_factory=ObjectStoreConfig, description="The object tier."
     )
     server: ServerConfig = Field(default_factory=ServerConfig, description="kvtierd's APIs.")
+
+    @property
+    def lower_codecs(self) -> tuple[Codec, ...]:
+        """The codecs of the tiers below the arena that run."""
+        lmdb = (self.lmdb.codec,) if self.lmdb.enabled else ()
+        return lmdb + ((self.object.codec,) if self.object.url is not None else ())
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:

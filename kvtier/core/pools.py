@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvtier.core.blockfmt import ChunkDescriptor
 from kvtier.core.errors import CapacityError, PoolLayoutError, UnknownPoolError
+from kvtier.core.fp8 import Codec
 from kvtier.core.keys import NamespaceSpec, namespace_of
 
 
@@ -86,6 +87,16 @@ class PoolRegistry:
 
     def get(self, namespace: bytes) -> Registration | None:
         return self._by_namespace.get(namespace)
+
+    def coded(self, codecs: Iterable[Codec]) -> frozenset[bytes]:
+        """The registered namespaces a tier with one of ``codecs`` stores coded."""
+        wanted = [codec for codec in set(codecs) if codec is not Codec.NONE]
+        return frozenset(
+            reg.namespace
+            for reg in self.registrations()
+            for codec in wanted
+            if reg.descriptor.codec_for(reg.chunk_bytes, codec) is codec
+        )
 
     def registrations(self) -> list[Registration]:
         with self._lock:

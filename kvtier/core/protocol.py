@@ -144,6 +144,11 @@ class TierClient(Protocol):
 
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes: ...
 
+    def coded(self) -> frozenset[bytes]:
+        """Registered namespaces that the tiers below the arena store coded (fp8): a hit of
+        theirs may be off by the codec's bound (`kvtier.core.fp8.ERROR_BOUND`)."""
+        ...
+
     @overload
     def lookup(
         self,

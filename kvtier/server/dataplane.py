@@ -127,6 +127,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
             session_timeout_ms=int(self.config.session_timeout_s * 1000),
             drafts=drafts_to(self.manager.draft_states()),
             quarantined=self.manager.quarantines.namespaces,
+            coded=self.manager.registry.coded(self.manager.config.lower_codecs),
         )
 
     @_timed("lookup")

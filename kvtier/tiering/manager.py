@@ -100,9 +100,7 @@ class TierManager:
                 self.lmdb.close()
                 self.cpu.close()
                 raise
-            self.uploader = Uploader(
-                self.object, self.lmdb.copy_encoded, config.object, self.object.counters
-            )
+            self.uploader = Uploader(self.object, self.lmdb, config.object, self.object.counters)
             if config.object.admission is Admission.ALL:
                 lmdb_tier, registry = self.lmdb, self.registry
                 # uploads queued or failed when the process last stopped

@@ -112,8 +112,11 @@ class LmdbTier(LmdbStore):
     ) -> tuple[list[bool], list[ChunkKey]]:
         changed: list[ChunkKey] = []
         with self._lock:
+            codec = self.config.codec
             new = {
-                k: blockfmt.encoded_size(len(p)) for k, p, _, _ in values if k not in self._index
+                k: reg.descriptor.stored_size(len(p), codec)
+                for k, p, reg, _ in values
+                if k not in self._index
             }
             added: dict[ChunkKey, Entry] = {}
             with self.env.begin(write=True) as txn:
@@ -125,7 +128,7 @@ class LmdbTier(LmdbStore):
                     if (key in self._index and key not in evicted) or key in added:
                         results.append(True)
                         continue
-                    size = blockfmt.encoded_size(len(payload))
+                    size = reg.descriptor.stored_size(len(payload), codec)
                     if used + size > self.budget:
                         results.append(False)
                         continue
@@ -133,6 +136,10 @@ class LmdbTier(LmdbStore):
                         value = self._encode(key, payload, reg, expect)
                     except CorruptChunkError:
                         changed.append(key)
+                        results.append(False)
+                        continue
+                    if value is None:  # a value fp8 cannot stand for: not stored coded
+                        self._counters.add("codec_refused", 1)
                         results.append(False)
                         continue
                     used += size
@@ -170,14 +177,22 @@ class LmdbTier(LmdbStore):
 
     def _encode(
         self, key: ChunkKey, payload: memoryview | bytes, reg: Registration, expect: bytes | None
-    ) -> memoryview:
-        """The encoded chunk in one reused buffer (LMDB takes a single value); raises
-        `CorruptChunkError` when ``expect`` is given and the payload's checksum differs."""
-        total = blockfmt.encoded_size(len(payload))
+    ) -> memoryview | None:
+        """The encoded chunk (in ``lmdb.codec``) in one reused buffer (LMDB takes a single
+        value); None where the codec cannot code it. Raises `CorruptChunkError` when ``expect``
+        is given and the payload's checksum differs."""
+        total = reg.descriptor.stored_size(len(payload), self.config.codec)
         if len(self._scratch) < total:
             self._scratch = bytearray(total)
-        blockfmt.encode_into(self._scratch, key, reg.descriptor, payload, expect_checksum=expect)
-        return memoryview(self._scratch)[:total]
+        written = blockfmt.encode_into(
+            self._scratch,
+            key,
+            reg.descriptor,
+            payload,
+            expect_checksum=expect,
+            codec=self.config.codec,
+        )
+        return None if written is None else memoryview(self._scratch)[:written]
 
     def _evict_for(self, txn: lmdb.Transaction, incoming: int) -> list[ChunkKey]:
         """Delete oldest unpinned chunks, inside ``txn``, until ``incoming`` fits under the
@@ -245,6 +260,11 @@ class LmdbTier(LmdbStore):
             will_need(self.env, self._chunks, [k for k in keys if k in self._index])
         except lmdb.Error as exc:  # a hint only: the reads themselves report failures
             log.debug("lmdb: read-ahead failed: %s", exc)
+
+    def encoded_length(self, key: ChunkKey) -> int | None:
+        """The stored chunk's size, header included (coded, in ``lmdb.codec``); None when absent."""
+        entry = self._index.get(key)
+        return None if entry is None else entry.nbytes
 
     def copy_encoded(self, key: ChunkKey, dst: memoryview) -> bool:
         """Copy the stored chunk, header included, verified, into ``dst`` (exactly its encoded

@@ -43,7 +43,9 @@ def stored_keys(url: str) -> set[ChunkKey]:
     """Every chunk in the store, each object read whole and verified."""
     backend = open_backend(url, 10.0)
     try:
-        return {key for info in backend.list() for key, _ in blockfmt.split(backend.get(info.name))}
+        return {
+            key for info in backend.list() for key, *_ in blockfmt.split(backend.get(info.name))
+        }
     finally:
         backend.close()
 

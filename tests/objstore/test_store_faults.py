@@ -141,8 +141,8 @@ def test_an_object_of_a_newer_chunk_format_is_a_miss_left_in_the_store(
     name = writer.object_name(key)
     body = bytearray(writer.backend.get(name))
     newer = bytearray(body)
-    _set_version(newer, blockfmt.VERSION + 1)  # as a node of the next release writes it
-    meta = {"kvtier-format": str(blockfmt.VERSION + 1), "kvtier-chunks": "1"}
+    _set_version(newer, blockfmt.CODED_VERSION + 1)  # as a node of the next release writes it
+    meta = {"kvtier-format": str(blockfmt.CODED_VERSION + 1), "kvtier-chunks": "1"}
     writer.backend.put(name, bytes(newer), meta)
 
     assert reader.probe(key) is None

@@ -112,7 +112,7 @@ def test_specific_errors() -> None:
     with pytest.raises(CorruptChunkError, match="magic"):
         blockfmt.decode(b"JUNK" + value[4:], key)
     future = bytearray(value)
-    struct.pack_into("<H", future, 4, 2)
+    struct.pack_into("<H", future, 4, blockfmt.CODED_VERSION + 1)
     with pytest.raises(UnknownVersionError):
         blockfmt.decode(future, key)
     with pytest.raises(WrongKeyError):

@@ -230,6 +230,7 @@ class RegisterSessionResponse(_message.Message):
     SESSION_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     DRAFTS_FIELD_NUMBER: _builtins.int
     QUARANTINED_FIELD_NUMBER: _builtins.int
+    CODED_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     arena_path: _builtins.str
     heartbeat_interval_ms: _builtins.int
@@ -246,6 +247,12 @@ class RegisterSessionResponse(_message.Message):
     def quarantined(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """The namespaces quarantined now, so an engine loads nothing from them from its first step."""
 
+    @_builtins.property
+    def coded(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Of the registered namespaces, those the tiers below the arena store coded
+        (lmdb.codec or object.codec fp8): their hits may be off by the codec's bound.
+        """
+
     def __init__(
         self,
         *,
@@ -256,10 +263,11 @@ class RegisterSessionResponse(_message.Message):
         session_timeout_ms: _builtins.int = ...,
         drafts: _abc.Iterable[Global___DraftState] | None = ...,
         quarantined: _abc.Iterable[_builtins.bytes] | None = ...,
+        coded: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_path", b"arena_path", "drafts", b"drafts", "heartbeat_interval_ms", b"heartbeat_interval_ms", "namespaces", b"namespaces", "quarantined", b"quarantined", "session_id", b"session_id", "session_timeout_ms", b"session_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_path", b"arena_path", "coded", b"coded", "drafts", b"drafts", "heartbeat_interval_ms", b"heartbeat_interval_ms", "namespaces", b"namespaces", "quarantined", b"quarantined", "session_id", b"session_id", "session_timeout_ms", b"session_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

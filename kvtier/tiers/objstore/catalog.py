@@ -173,9 +173,12 @@ class Catalog:
                     f"{size} bytes is not a whole number of {length}-byte chunks"
                 )
             reg = self.tier.registry.get(namespace_of(first))
-            if reg is not None and length != blockfmt.encoded_size(reg.chunk_bytes):
+            expected = (
+                None if reg is None else reg.descriptor.stored_size(reg.chunk_bytes, head.codec)
+            )
+            if expected is not None and length != expected:
                 raise CorruptChunkError(
-                    f"chunks of {length} bytes, the pool's are {reg.chunk_bytes}"
+                    f"chunks of {length} bytes, the pool's are {expected} ({head.codec})"
                 )
             locations = [(head.key, ChunkLocation(name, 0, length, str(head.pool), REMOTE_REPLICA))]
             for offset in range(length, size, length):

@@ -29,6 +29,7 @@ from kvtier.core.errors import (
     ObjectStoreError,
     UnknownVersionError,
 )
+from kvtier.core.fp8 import Codec
 from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.core.protocol import TierCode, TierStats, UsageStats
 from kvtier.tiers.objstore.index import ChunkLocation
@@ -75,12 +76,32 @@ class ObjectTier(ObjectStore):
         ]
         if not todo:
             return len(items)
-        body = bytearray(sum(blockfmt.encoded_size(len(payload)) for _, payload, _ in todo))
+        codec = self.config.codec
+        body = bytearray(
+            sum(reg.descriptor.stored_size(len(payload), codec) for _, payload, reg in todo)
+        )
         offset = 0
+        coded: list[ChunkKey] = []
         for key, payload, reg in todo:
-            offset += blockfmt.encode_into(memoryview(body)[offset:], key, reg.descriptor, payload)
-        done = self.put_encoded([key for key, _, _ in todo], memoryview(body), replica)
-        return len(items) if done else 0
+            written = blockfmt.encode_into(
+                memoryview(body)[offset:], key, reg.descriptor, payload, codec=codec
+            )
+            if written is None:  # a value fp8 cannot stand for: not stored
+                self.counters.add("codec_refused", 1)
+                continue
+            offset += written
+            coded.append(key)
+        done = self.put_encoded(coded, memoryview(body)[:offset], replica)
+        return len(items) - (len(todo) - len(coded)) if done else 0
+
+    def in_store_codec(self, key: ChunkKey, encoded: memoryview) -> memoryview | bytes | None:
+        """An encoded chunk as this store keeps it (``object.codec``): ``encoded`` itself where
+        it already is, else stored again in that codec; None where it cannot be coded."""
+        head = blockfmt.peek_header(encoded)
+        reg = self.registry.resolve(key)
+        if head.codec is reg.descriptor.codec_for(reg.chunk_bytes, self.config.codec):
+            return encoded
+        return blockfmt.recode(encoded, key, self.config.codec)
 
     def put_encoded(self, keys: Sequence[ChunkKey], body: memoryview, replica: str) -> int:
         """Upload chunks already in the chunk format, back to back in ``body``, as one object
@@ -90,9 +111,15 @@ class ObjectTier(ObjectStore):
         name = self.object_name(keys[0])
         locations: list[tuple[ChunkKey, ChunkLocation]] = []
         offset = 0
+        version = blockfmt.VERSION
         for key in keys:
             reg = self.registry.resolve(key)
-            length = blockfmt.encoded_size(reg.chunk_bytes)
+            head = blockfmt.peek_header(body[offset:])
+            if head.key != key:
+                raise ValueError(f"the chunk at {offset} of the body is not {key.hex()}")
+            length = head.encoded_len
+            if head.codec is not Codec.NONE:
+                version = blockfmt.CODED_VERSION
             locations.append((key, ChunkLocation(name, offset, length, reg.pool, replica)))
             offset += length
         if offset != len(body):
@@ -101,7 +128,7 @@ class ObjectTier(ObjectStore):
             self.counters.add("store_rejected", len(keys))
             return 0
         metadata = {
-            META_FORMAT: str(blockfmt.VERSION),
+            META_FORMAT: str(version),
             META_CHUNKS: str(len(keys)),
             META_CHECKSUM: xxhash.xxh3_128_hexdigest(body),
         }
@@ -201,7 +228,7 @@ class ObjectTier(ObjectStore):
             chunks = blockfmt.split(body)
             if not chunks or self.object_name(chunks[0][0]) != name:
                 raise ChunkFormatError(f"object {name} does not start with the chunk it names")
-            regs = [self._check_payload(key, len(payload)) for key, payload in chunks]
+            regs = [self._check_payload(key, len(payload)) for key, payload, _ in chunks]
         except UnknownVersionError as exc:
             self.unknown_format(name, exc)
             return None
@@ -212,8 +239,7 @@ class ObjectTier(ObjectStore):
         if name not in self.index.objects:
             locations = []
             offset = 0
-            for (key, payload), reg in zip(chunks, regs, strict=True):
-                length = blockfmt.encoded_size(len(payload))
+            for (key, _, length), reg in zip(chunks, regs, strict=True):
                 locations.append(
                     (key, ChunkLocation(name, offset, length, reg.pool, REMOTE_REPLICA))
                 )
@@ -221,7 +247,7 @@ class ObjectTier(ObjectStore):
             self.index.add(name, len(body), locations)
         self.index.touch(name)
         self.counters.add("hits", len(chunks))
-        return [FetchedChunk(key, payload) for key, payload in chunks]
+        return [FetchedChunk(key, payload) for key, payload, _ in chunks]
 
     def probe(self, key: ChunkKey) -> list[FetchedChunk] | None:
         """Look for an object another node uploaded that starts with ``key``."""

@@ -27,8 +27,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
-from kvtier.core import blockfmt
 from kvtier.core.config import ObjectStoreConfig
 from kvtier.core.counters import Counters
 from kvtier.core.keys import ChunkKey, namespace_of
@@ -36,9 +36,18 @@ from kvtier.tiers.objstore.tier import ObjectTier
 
 log = logging.getLogger(__name__)
 
-CopyEncoded = Callable[[ChunkKey, memoryview], bool]
-"""Copies a chunk, in the chunk format and verified, into a buffer of its encoded size; False
-when it is gone."""
+
+class EncodedSource(Protocol):
+    """Where uploads come from (the lmdb tier): chunks in the chunk format, verified."""
+
+    def encoded_length(self, key: ChunkKey) -> int | None:
+        """The chunk's stored size, header included; None when it is not held."""
+        ...
+
+    def copy_encoded(self, key: ChunkKey, dst: memoryview) -> bool:
+        """Copy the chunk into a buffer of its stored size; False when it is gone."""
+        ...
+
 
 _STOP = (ChunkKey(b""), "")
 _MAX_FOLLOWS = 1 << 16  # bound on remembered predecessors; past it packs are only smaller
@@ -62,10 +71,14 @@ class _Pack:
 
 class Uploader:
     def __init__(
-        self, tier: ObjectTier, copy: CopyEncoded, config: ObjectStoreConfig, counters: Counters
+        self,
+        tier: ObjectTier,
+        source: EncodedSource,
+        config: ObjectStoreConfig,
+        counters: Counters,
     ) -> None:
         self.tier = tier
-        self.copy = copy
+        self.source = source
         self.config = config
         self.counters = counters
         self._queue: queue.Queue[tuple[ChunkKey, str]] = queue.Queue(config.upload_queue_chunks)
@@ -192,18 +205,29 @@ class Uploader:
     def _upload(self, keys: list[ChunkKey], replica: str) -> None:
         try:
             todo = [k for k in keys if k not in self.tier]
-            sizes = [blockfmt.encoded_size(self.tier.registry.resolve(k).chunk_bytes) for k in todo]
-            body = bytearray(sum(sizes))
+            sizes = [self.source.encoded_length(k) for k in todo]
+            body = bytearray(sum(size or 0 for size in sizes))
             view = memoryview(body)
             copied: list[ChunkKey] = []
+            pieces: list[memoryview | bytes] = []
+            in_place = True  # every piece is the bytes copied, back to back in body
             offset = 0
             for key, size in zip(todo, sizes, strict=True):
-                if self.copy(key, view[offset : offset + size]):
-                    copied.append(key)
-                    offset += size
-                else:
+                piece = view[offset : offset + (size or 0)]
+                if size is None or not self.source.copy_encoded(key, piece):
                     self.counters.add("uploads_source_missing", 1)
-            if copied and self.tier.put_encoded(copied, view[:offset], replica) == 0:
+                    continue
+                offset += size
+                stored = self.tier.in_store_codec(key, piece)
+                in_place = in_place and stored is piece
+                if stored is None:
+                    self.counters.add("uploads_codec_refused", 1)
+                    continue
+                copied.append(key)
+                pieces.append(stored)
+            # a chunk stored again in the store's codec is a buffer of its own: join them
+            upload = view[:offset] if in_place else memoryview(b"".join(pieces))
+            if copied and self.tier.put_encoded(copied, upload, replica) == 0:
                 self.counters.add("uploads_failed", len(copied))
         except Exception:  # an upload thread must survive anything
             self.counters.add("uploads_failed", len(keys))
