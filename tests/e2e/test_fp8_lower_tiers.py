@@ -1,0 +1,67 @@
+"""fp8 below the arena in a real engine (the CPU build): one engine stores its prompts' KV into
+lmdb coded; a fresh engine, whose arena starts empty, finds them in lmdb and, with every hit
+sampled, compares each decoded chunk with what vLLM computes in its place. Every chunk is off
+(it came through the codec), none by more than verify_max_error plus the codec's bound, and
+no namespace is quarantined for the codec's own rounding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from benchmarks.verify_errors import scheduler_of
+from kvtier.core.fp8 import ERROR_BOUND
+from tests.e2e.conftest import MAX_TOKENS
+from tests.e2e.models import ModelSet, counter_value, generate_tokens, running_llm
+from tests.e2e.test_connector import (
+    EVERY_HIT,
+    EXTERNAL_HITS,
+    embedded_yaml,
+    kvtier_config,
+    verified,
+)
+
+VERIFY_MAX_ERROR = 0.05  # the connector's default
+
+
+def coded_lmdb(tmp: Path, shm_path: Path) -> Path:
+    path = embedded_yaml(tmp, shm_path)
+    config = yaml.safe_load(path.read_text())
+    config["lmdb"]["codec"] = "fp8"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_hits_decoded_from_fp8_are_verified_against_the_codecs_bound_and_never_quarantined(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    tmp_path: Path,
+    shm_path: Path,
+) -> None:
+    expected = baseline[: len(prompts)]
+    config = str(coded_lmdb(tmp_path, shm_path))
+    with running_llm(
+        tiny_models.target, kv_transfer_config=kvtier_config({"kvtier_config": config})
+    ) as llm:
+        assert generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)[0] == expected
+        assert counter_value(llm, EXTERNAL_HITS) == 0
+    verifying = kvtier_config({"kvtier_config": config, **EVERY_HIT})
+    with running_llm(tiny_models.target, kv_transfer_config=verifying) as llm:
+        tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+        matched, mismatched = verified(llm)
+        verifier = scheduler_of(llm).verifier
+        assert verifier.coded == {"target"}
+        assert verifier.quarantined == {}
+        errors = sorted(e for _, e in verifier.errors)
+    assert tokens == expected  # every hit was computed instead
+    assert matched >= 20  # the 640-token shared prefixes: 20 chunks held in lmdb
+    assert mismatched == 0
+    # every chunk came through the codec: off, and within what it may be off by
+    assert errors[0] > 1e-3, errors[:3]
+    assert errors[-1] <= VERIFY_MAX_ERROR + ERROR_BOUND
+    median = errors[len(errors) // 2]
+    print(
+        f"fp8 chunks' relative errors: min {errors[0]:.3g} median {median:.3g} max {errors[-1]:.3g}"
+    )
