@@ -50,6 +50,8 @@ Servers (``servers`` in the output):
   through IRSA (a role and a web identity token in kvtierd's environment, no keys),
   ``object.admission: all``. ``lmdb_backed_vs_arena_backed`` (target >= 0.9) and
   ``object_backed_vs_arena_backed`` (>= 0.75) are their throughputs over ``kvtier_sidecar``'s;
+  ``kvtier_sidecar_lmdb_fp8`` is ``kvtier_sidecar_lmdb`` with ``lmdb.codec: fp8``
+  (``lmdb_fp8_backed_vs_arena_backed``);
   ``past_the_arena`` gives each one's TTFTs and kvtierd's hits by tier, and every sidecar
   server's ``daemon_counters`` are kvtierd's counters over its levels (promotions, holds,
   evictions, rejected stores).
@@ -199,7 +201,13 @@ TARGETS: dict[str, tuple[str, float]] = {
     "lmdb_backed_vs_arena_backed": (">=", 0.9),
     "object_backed_vs_arena_backed": (">=", 0.75),
 }
-PAST_THE_ARENA = ("kvtier_sidecar", "kvtier_sidecar_lmdb", "kvtier_sidecar_object", "vllm_more_hbm")
+PAST_THE_ARENA = (
+    "kvtier_sidecar",
+    "kvtier_sidecar_lmdb",
+    "kvtier_sidecar_lmdb_fp8",
+    "kvtier_sidecar_object",
+    "vllm_more_hbm",
+)
 
 
 SERVERS = (
@@ -213,6 +221,7 @@ SERVERS = (
     "kvtier_sidecar_spec",
     "kvtier_embedded_capture",
     "kvtier_sidecar_lmdb",
+    "kvtier_sidecar_lmdb_fp8",
     "kvtier_sidecar_object",
     "vllm_more_hbm",
 )
@@ -254,6 +263,8 @@ class Case:
     rest) or "object" (arena and lmdb a quarter each, the object store all)."""
     kv_cache_scale: int = 1
     """The KV cache over every other server's (``vllm_more_hbm``)."""
+    codec: str = "none"
+    """``lmdb.codec`` and ``object.codec`` below the arena."""
 
 
 VLLM = Case("vllm", "vLLM alone")
@@ -265,6 +276,13 @@ since each server started runs at a speed of its own (several per cent apart her
 NO_REUSE_CASES = {case.name: case for case in (VLLM, VLLM_B, EMBEDDED, SIDECAR)}
 LMDB_BACKED = Case(
     "kvtier_sidecar_lmdb", "kvtier sidecar, arena 1/4, lmdb", "sidecar", below="lmdb"
+)
+LMDB_FP8_BACKED = Case(
+    "kvtier_sidecar_lmdb_fp8",
+    "kvtier sidecar, arena 1/4, lmdb in fp8",
+    "sidecar",
+    below="lmdb",
+    codec="fp8",
 )
 OBJECT_BACKED = Case(
     "kvtier_sidecar_object",
@@ -573,6 +591,9 @@ class Bench:
             tree["lmdb"]["budget_bytes"] = LMDB_BUDGET
             if case.below:
                 self.past_the_arena(tree, case.below, daemon)
+                tree["lmdb"]["codec"] = case.codec
+                if "object" in tree:
+                    tree["object"]["codec"] = case.codec
             daemon.config_path.write_text(yaml.safe_dump(tree))
             try:
                 daemon.start()
@@ -858,6 +879,7 @@ class Bench:
                 Plan(),
             ),
             (LMDB_BACKED, Plan()),
+            (LMDB_FP8_BACKED, Plan()),
             (OBJECT_BACKED, Plan()),
             (MORE_HBM, Plan()),
         ]
@@ -935,6 +957,9 @@ class Bench:
             ),
             "lmdb_backed_vs_arena_backed": ratio(tps(LMDB_BACKED.name), tps("kvtier_sidecar")),
             "object_backed_vs_arena_backed": ratio(tps(OBJECT_BACKED.name), tps("kvtier_sidecar")),
+            "lmdb_fp8_backed_vs_arena_backed": ratio(
+                tps(LMDB_FP8_BACKED.name), tps("kvtier_sidecar")
+            ),
             "throughput_vs_more_hbm": ratio(tps("kvtier_sidecar"), tps(MORE_HBM.name)),
             "past_the_arena": {
                 name: {

@@ -1,0 +1,237 @@
+"""fp8 below the arena (``lmdb.codec: fp8``): what it costs in accuracy, bytes and time.
+
+On the benchmarks' 12-layer bf16 llama, with embedded tiers whose arena starts empty in each
+engine (so every hit is read from lmdb):
+
+- the error: an engine stores ``PROMPTS`` prompts into a coded lmdb; a fresh engine with every
+  hit sampled computes them again, one at a time, and compares each decoded chunk with what it
+  computed (the relative error verified reuse measures: the norm of the difference over the
+  norm of vLLM's own KV, per layer, the worst layer per chunk). The same is measured with an
+  exact lmdb, whose chunks differ only by being computed in another batch;
+- greedy outputs: a fresh engine serves the prompts from the coded lmdb, another from the exact
+  one, ``MAX_TOKENS`` tokens each; prompts whose outputs differ, and the first token where
+  they do. For scale, the same between the exact hits and an engine with no connector, which
+  computes every prompt in its own batch (bf16 KV computed in another batch differs too);
+- bytes: what lmdb holds per chunk in each codec;
+- speed: coding and decoding a chunk against a memcpy of its bytes, timed in the same run.
+
+    python benchmarks/codec.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.models import (  # noqa: E402
+    apply_engine_env,
+    build_benchmark_llama,
+    build_tokenizer,
+    engine_env,
+    generate_tokens,
+    running_llm,
+    shared_prefix_prompts,
+    vocab_size_of,
+)
+from benchmarks.verify_errors import connector, scheduler_of, summary  # noqa: E402
+from kvtier.core import fp8  # noqa: E402
+from kvtier.core.fp8 import ERROR_BOUND  # noqa: E402
+
+PROMPTS = 16
+MAX_TOKENS = 32
+PREFIX_TOKENS = 1024
+CHUNK_BYTES = 12 * 2 * 4 * 64 * 2 * 32  # the benchmark model's chunk: 32 tokens, 393,216 bytes
+HEAD = 64
+
+
+def tiers_config(tmp: Path, codec: str) -> Path:
+    path = tmp / "kvtier.yaml"
+    tree = {
+        "arena": {
+            "path": f"/dev/shm/kvtier-codec-{tmp.name}",
+            "size_bytes": "256MiB",
+            "extent_bytes": "2MiB",
+            "min_slot_bytes": "4KiB",
+        },
+        "lmdb": {"path": str(tmp / "lmdb"), "budget_bytes": "1GiB", "codec": codec},
+    }
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def lmdb_bytes_per_chunk(tmp: Path) -> float:
+    """What the closed lmdb holds per chunk, headers included."""
+    import lmdb
+
+    env = lmdb.open(str(tmp / "lmdb"), readonly=True, lock=False, max_dbs=8)
+    try:
+        chunks = env.open_db(b"chunks", create=False)
+        with env.begin(db=chunks) as txn:
+            sizes = [len(value) for _, value in txn.cursor()]
+    finally:
+        env.close()
+    return statistics.mean(sizes) if sizes else float("nan")
+
+
+def measure(model: Path, codec: str, tmp: Path, prompts: list[list[int]]) -> dict[str, Any]:
+    """Store the prompts, verify every hit, then serve them: errors, outputs and bytes."""
+    config = tiers_config(tmp, codec)
+    engine = {"dtype": "bfloat16", "kv_cache_memory_bytes": 256 << 20}
+    with running_llm(model, kv_transfer_config=connector(config), **engine) as llm:
+        generate_tokens(llm, prompts, max_tokens=1)
+    with running_llm(
+        model, kv_transfer_config=connector(config, verify_sample_rate=1.0), **engine
+    ) as llm:
+        for prompt in prompts:  # one at a time: another batch than the one that stored them
+            generate_tokens(llm, [prompt], max_tokens=1)
+        verifier = scheduler_of(llm).verifier
+        errors = [e for _, e in verifier.errors]
+        quarantined = len(verifier.quarantined)
+        coded = sorted(verifier.coded)
+    with running_llm(model, kv_transfer_config=connector(config), **engine) as llm:
+        outputs, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+    return {
+        "codec": codec,
+        "coded_pools": coded,
+        "errors": summary(errors),
+        "quarantined": quarantined,
+        "outputs": outputs,
+        "cached_tokens": sum(cached),
+        "lmdb_bytes_per_chunk": lmdb_bytes_per_chunk(tmp),
+    }
+
+
+def divergence(coded: list[list[int]], exact: list[list[int]]) -> dict[str, Any]:
+    firsts = [
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        for a, b in zip(coded, exact, strict=True)
+    ]
+    differ = [i for i in firsts if i is not None]
+    return {
+        "prompts": len(firsts),
+        "outputs_differ": len(differ),
+        "share_differ": len(differ) / len(firsts),
+        "first_differing_token_median": statistics.median(differ) if differ else None,
+        "tokens_equal_share": sum(
+            x == y for a, b in zip(coded, exact, strict=True) for x, y in zip(a, b, strict=True)
+        )
+        / sum(len(a) for a in exact),
+    }
+
+
+def speed(rounds: int = 20) -> dict[str, float]:
+    """Median GB/s (of the raw chunk's bytes) of coding, decoding and a memcpy, interleaved."""
+    dtype = fp8.element_dtype("bfloat16")
+    assert dtype is not None
+    rng = np.random.default_rng(0)
+    raw = rng.standard_normal(CHUNK_BYTES // 2).astype(np.float32).astype(dtype).tobytes()
+    coded = bytearray(CHUNK_BYTES)
+    back = bytearray(CHUNK_BYTES)
+    copy = np.empty(CHUNK_BYTES, np.uint8)
+    src = np.frombuffer(raw, np.uint8)
+    times: dict[str, list[float]] = {"encode": [], "decode": [], "memcpy": []}
+    for _ in range(rounds):
+        start = time.perf_counter()
+        length = fp8.encode_into(raw, dtype, HEAD, memoryview(coded))
+        times["encode"].append(time.perf_counter() - start)
+        assert length is not None
+        start = time.perf_counter()
+        fp8.decode_into(memoryview(coded)[:length], dtype, HEAD, memoryview(back))
+        times["decode"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        np.copyto(copy, src)
+        times["memcpy"].append(time.perf_counter() - start)
+    gbps = {name: CHUNK_BYTES / statistics.median(t) / 1e9 for name, t in times.items()}
+    return {
+        **{f"{name}_gbps": value for name, value in gbps.items()},
+        "encode_vs_memcpy": gbps["encode"] / gbps["memcpy"],
+        "decode_vs_memcpy": gbps["decode"] / gbps["memcpy"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=Path.home() / ".cache" / "kvtier-bench", help="models"
+    )
+    args = parser.parse_args(argv)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    model = build_benchmark_llama(args.cache_dir, tokenizer_dir=build_tokenizer(args.cache_dir))
+    prompts = shared_prefix_prompts(
+        PROMPTS,
+        vocab_size=vocab_size_of(model),
+        prefix_len=PREFIX_TOKENS,
+        suffix_len=48,
+        num_prefixes=PROMPTS,
+    )
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvtier-codec-") as root:
+        apply_engine_env(engine_env(Path(root)))
+        for codec in ("none", "fp8"):
+            tmp = Path(root) / codec
+            tmp.mkdir()
+            results[codec] = measure(model, codec, tmp, prompts)
+        engine = {"dtype": "bfloat16", "kv_cache_memory_bytes": 256 << 20}
+        with running_llm(model, **engine) as llm:
+            recomputed, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+    exact = results["none"].pop("outputs")
+    outputs = divergence(results["fp8"].pop("outputs"), exact)
+    batch_noise = divergence(exact, recomputed)
+    out = {
+        "model": "llama 12 layers, 4 KV heads of 64, bf16",
+        "error_bound": ERROR_BOUND,
+        "cases": results,
+        "greedy": outputs,
+        "greedy_exact_vs_recomputed": batch_noise,
+        "bytes_ratio": results["fp8"]["lmdb_bytes_per_chunk"]
+        / results["none"]["lmdb_bytes_per_chunk"],
+        "speed": speed(),
+    }
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print("| lmdb codec | chunks verified | min | median | p99 | max | quarantined | bytes/chunk |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for codec, r in results.items():
+        e = r["errors"]
+        print(
+            f"| {codec} | {e['chunks']} | {e.get('min', 0):.3g} | {e.get('median', 0):.3g} | "
+            f"{e.get('p99', 0):.3g} | {e.get('max', 0):.3g} | {r['quarantined']} | "
+            f"{r['lmdb_bytes_per_chunk']:,.0f} |"
+        )
+    print()
+    print(
+        f"greedy ({MAX_TOKENS} tokens, {outputs['prompts']} prompts, fp8 hits vs exact hits): "
+        f"{outputs['outputs_differ']} differ, first at token "
+        f"{outputs['first_differing_token_median']} (median); "
+        f"{outputs['tokens_equal_share']:.1%} of tokens equal"
+    )
+    print(
+        f"for scale, exact hits vs recomputed: {batch_noise['outputs_differ']} differ, "
+        f"{batch_noise['tokens_equal_share']:.1%} of tokens equal"
+    )
+    s = out["speed"]
+    print(
+        f"encode {s['encode_gbps']:.2f} GB/s ({s['encode_vs_memcpy']:.3f} of memcpy), "
+        f"decode {s['decode_gbps']:.2f} GB/s ({s['decode_vs_memcpy']:.3f}), "
+        f"memcpy {s['memcpy_gbps']:.2f} GB/s; bytes {out['bytes_ratio']:.3f} of exact"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
