@@ -123,6 +123,7 @@ class LmdbTier(LmdbStore):
                 touched = self._flush_touches(txn)  # recency first, so eviction sees it
                 evicted = set(self._evict_for(txn, sum(new.values()) + extra_room))
                 results = []
+                uncodable = 0
                 used = self._used - sum(self._index[k].nbytes for k in evicted)
                 for key, payload, reg, expect in values:
                     if (key in self._index and key not in evicted) or key in added:
@@ -139,7 +140,7 @@ class LmdbTier(LmdbStore):
                         results.append(False)
                         continue
                     if value is None:  # a value fp8 cannot stand for: not stored coded
-                        self._counters.add("codec_refused", 1)
+                        uncodable += 1
                         results.append(False)
                         continue
                     used += size
@@ -163,7 +164,8 @@ class LmdbTier(LmdbStore):
                 retired = sum(namespace_of(k) in self._retired for k in evicted)
                 self._counters.add("retired_evicted", retired)
             self._counters.add("stores", len(added))
-            self._counters.add("store_rejected", results.count(False) - len(changed))
+            self._counters.add("codec_refused", uncodable)
+            self._counters.add("store_rejected", results.count(False) - len(changed) - uncodable)
         if self.config.sync_interval_s == 0 and self.config.durability is not Durability.FULL:
             self.env.sync(True)
         return results, changed
