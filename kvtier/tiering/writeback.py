@@ -42,12 +42,11 @@ class WriteBack:
         self._between_batches = between_batches
         self._write_through = config.manager.demote_mode is DemoteMode.WRITE_THROUGH
         cpu.track_dirty(True)
+        cpu.set_clean_reserve(1.0 if self._write_through else config.manager.clean_reserve)
         self._idle: Callable[[], bool] = lambda: False
         # held while a batch holds its chunks' slots, so an admin eviction can wait for it
         self._batching = threading.Lock()
         self._wake = threading.Event()
-        reserve = 1.0 if self._write_through else config.manager.clean_reserve
-        cpu.set_clean_reserve(reserve, short=self._wake.set)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvtier-writeback", daemon=True)
         self._thread.start()

@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Sequence
 from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.core.protocol import SlotRef, TierCode, TierStats, UsageStats
 from kvtier.tiers.cpu_slots import ArenaSlots
-from kvtier.tiers.slots import READY, WRITING, SlotClass
+from kvtier.tiers.slots import READY, WRITING
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,6 @@ class CpuTier(ArenaSlots):
         done = 0
         committed: list[ChunkKey] = []
         hashing = self._track_dirty and not clean and self.config.commit_checksum
-        short = False
         with self._lock:
             for ref in refs:
                 if not self._current(ref, WRITING):
@@ -86,7 +85,6 @@ class CpuTier(ArenaSlots):
                     self._dirty[slot] = True
                     cls.dirty_count += 1
                     cls.dirty.append((slot, ref.generation))
-                    short = short or self._short_of_clean(cls)
                     if hashing:
                         self._checksums.later(ref)
                 if lease:
@@ -95,8 +93,6 @@ class CpuTier(ArenaSlots):
                 done += 1
                 committed.append(ref.key)
             self._tell(True, committed)
-        if short:  # write back now, not at the next poll: the next stores need victims
-            self._reserve_short()
         return done
 
     def abort(self, refs: Sequence[SlotRef], counter: str = "store_aborted") -> int:
@@ -162,10 +158,15 @@ class CpuTier(ArenaSlots):
         included: counted over the extents it holds, a growing class is always past it, and
         every store would be written back beside the engine's next forward."""
         out: list[SlotRef] = []
+        reserve = self._clean_reserve
         with self._lock:
             for cls in self._classes.values():
+                capacity = (cls.extents + self._growable_extents(cls)) * cls.per_extent
+                # slots held for loads are neither free nor evictable
+                held = self._held_slots(cls.pool, cls.slot_bytes)
                 while cls.dirty and len(out) < limit:
-                    if not everything and not self._short_of_clean(cls):
+                    clean_or_free = capacity - cls.dirty_count - held
+                    if not everything and clean_or_free >= reserve * capacity:
                         break
                     slot, gen = cls.dirty.popleft()
                     key = self._key[slot]
@@ -175,19 +176,8 @@ class CpuTier(ArenaSlots):
                     out.append(self._ref(key, slot, cls.slot_bytes))
         return out
 
-    def _short_of_clean(self, cls: SlotClass) -> bool:
-        """Whether fewer of the class's slots than its clean reserve are free or clean (slots
-        held for loads are neither)."""
-        capacity = (cls.extents + self._growable_extents(cls)) * cls.per_extent
-        held = self._held_slots(cls.pool, cls.slot_bytes)
-        return capacity - cls.dirty_count - held < self._clean_reserve * capacity
-
-    def set_clean_reserve(self, share: float, short: Callable[[], None] | None = None) -> None:
-        """Keep ``share`` of each class free or clean; ``short`` is called when a commit takes
-        a class below it (write-back wakes)."""
+    def set_clean_reserve(self, share: float) -> None:
         self._clean_reserve = share
-        if short is not None:
-            self._reserve_short = short
 
     def count_held(self, held_slots: Callable[[str, int], int]) -> None:
         """How many slots of a pool's class (its pool, its slot bytes) are held for loads

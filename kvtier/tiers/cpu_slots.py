@@ -89,7 +89,6 @@ class ArenaSlots(Tier):
         self._track_dirty = False
         self._clean_reserve = 0.2
         self._held_slots: Callable[[str, int], int] = lambda pool, slot_bytes: 0
-        self._reserve_short: Callable[[], None] = lambda: None
         self._closed = False
         registry.admit_with(self.accept)  # a pool the arena refuses is never registered
         log.info(
