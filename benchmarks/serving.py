@@ -50,8 +50,9 @@ Servers (``servers`` in the output):
   through IRSA (a role and a web identity token in kvtierd's environment, no keys),
   ``object.admission: all``. ``lmdb_backed_vs_arena_backed`` (target >= 0.9) and
   ``object_backed_vs_arena_backed`` (>= 0.75) are their throughputs over ``kvtier_sidecar``'s;
-  ``kvtier_sidecar_lmdb_fp8`` is ``kvtier_sidecar_lmdb`` with ``lmdb.codec: fp8``
-  (``lmdb_fp8_backed_vs_arena_backed``);
+  ``kvtier_sidecar_lmdb_fp8`` and ``kvtier_sidecar_object_fp8`` are the same servers with
+  ``lmdb.codec`` and ``object.codec`` fp8 (``lmdb_fp8_backed_vs_arena_backed``,
+  ``object_fp8_backed_vs_arena_backed``);
   ``past_the_arena`` gives each one's TTFTs and kvtierd's hits by tier, and every sidecar
   server's ``daemon_counters`` are kvtierd's counters over its levels (promotions, holds,
   evictions, rejected stores).
@@ -206,6 +207,7 @@ PAST_THE_ARENA = (
     "kvtier_sidecar_lmdb",
     "kvtier_sidecar_lmdb_fp8",
     "kvtier_sidecar_object",
+    "kvtier_sidecar_object_fp8",
     "vllm_more_hbm",
 )
 
@@ -223,6 +225,7 @@ SERVERS = (
     "kvtier_sidecar_lmdb",
     "kvtier_sidecar_lmdb_fp8",
     "kvtier_sidecar_object",
+    "kvtier_sidecar_object_fp8",
     "vllm_more_hbm",
 )
 
@@ -289,6 +292,13 @@ OBJECT_BACKED = Case(
     "kvtier sidecar, arena 1/4, lmdb 1/4, S3",
     "sidecar",
     below="object",
+)
+OBJECT_FP8_BACKED = Case(
+    "kvtier_sidecar_object_fp8",
+    "kvtier sidecar, arena 1/4, lmdb 1/4, S3, both in fp8",
+    "sidecar",
+    below="object",
+    codec="fp8",
 )
 MORE_HBM = Case("vllm_more_hbm", "vLLM alone, 6x the KV cache", kv_cache_scale=6)
 """6 x 4,096 tokens: every user's history (16,384 tokens) with room for the batch."""
@@ -881,6 +891,7 @@ class Bench:
             (LMDB_BACKED, Plan()),
             (LMDB_FP8_BACKED, Plan()),
             (OBJECT_BACKED, Plan()),
+            (OBJECT_FP8_BACKED, Plan()),
             (MORE_HBM, Plan()),
         ]
         outcomes = {
@@ -959,6 +970,9 @@ class Bench:
             "object_backed_vs_arena_backed": ratio(tps(OBJECT_BACKED.name), tps("kvtier_sidecar")),
             "lmdb_fp8_backed_vs_arena_backed": ratio(
                 tps(LMDB_FP8_BACKED.name), tps("kvtier_sidecar")
+            ),
+            "object_fp8_backed_vs_arena_backed": ratio(
+                tps(OBJECT_FP8_BACKED.name), tps("kvtier_sidecar")
             ),
             "throughput_vs_more_hbm": ratio(tps("kvtier_sidecar"), tps(MORE_HBM.name)),
             "past_the_arena": {
