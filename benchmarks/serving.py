@@ -50,7 +50,7 @@ Servers (``servers`` in the output):
   through IRSA (a role and a web identity token in kvtierd's environment, no keys),
   ``object.admission: all``. ``lmdb_backed_vs_arena_backed`` (target >= 0.9) and
   ``object_backed_vs_arena_backed`` (>= 0.75) are their throughputs over ``kvtier_sidecar``'s;
-  ``kvtier_sidecar_lmdb_fp8`` and ``kvtier_sidecar_object_fp8`` are the same servers with
+  ``kvtier_sidecar_lmdb_fp8`` and ``kvtier_sidecar_obj_fp8`` are the same servers with
   ``lmdb.codec`` and ``object.codec`` fp8 (``lmdb_fp8_backed_vs_arena_backed``,
   ``object_fp8_backed_vs_arena_backed``);
   ``past_the_arena`` gives each one's TTFTs and kvtierd's hits by tier, and every sidecar
@@ -207,7 +207,7 @@ PAST_THE_ARENA = (
     "kvtier_sidecar_lmdb",
     "kvtier_sidecar_lmdb_fp8",
     "kvtier_sidecar_object",
-    "kvtier_sidecar_object_fp8",
+    "kvtier_sidecar_obj_fp8",
     "vllm_more_hbm",
 )
 
@@ -225,7 +225,7 @@ SERVERS = (
     "kvtier_sidecar_lmdb",
     "kvtier_sidecar_lmdb_fp8",
     "kvtier_sidecar_object",
-    "kvtier_sidecar_object_fp8",
+    "kvtier_sidecar_obj_fp8",
     "vllm_more_hbm",
 )
 
@@ -294,7 +294,7 @@ OBJECT_BACKED = Case(
     below="object",
 )
 OBJECT_FP8_BACKED = Case(
-    "kvtier_sidecar_object_fp8",
+    "kvtier_sidecar_obj_fp8",
     "kvtier sidecar, arena 1/4, lmdb 1/4, S3, both in fp8",
     "sidecar",
     below="object",

@@ -75,7 +75,14 @@ def kvtier_config(extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def embedded_yaml(tmp: Path, shm_path: Path) -> Path:
+def embedded_yaml(
+    tmp: Path,
+    shm_path: Path,
+    *,
+    arena: dict[str, Any] | None = None,
+    lmdb: dict[str, Any] | None = None,
+) -> Path:
+    """The embedded tiers' config, with ``arena`` and ``lmdb`` keys set over the defaults."""
     path = tmp / "kvtier.yaml"
     path.write_text(
         yaml.safe_dump(
@@ -85,8 +92,9 @@ def embedded_yaml(tmp: Path, shm_path: Path) -> Path:
                     "size_bytes": "64MiB",
                     "extent_bytes": "2MiB",
                     "min_slot_bytes": "4KiB",
+                    **(arena or {}),
                 },
-                "lmdb": {"path": str(tmp / "lmdb"), "budget_bytes": "256MiB"},
+                "lmdb": {"path": str(tmp / "lmdb"), "budget_bytes": "256MiB", **(lmdb or {})},
             }
         )
     )

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from benchmarks.verify_errors import scheduler_of
 from kvtier.core.fp8 import ERROR_BOUND
 from tests.e2e.conftest import MAX_TOKENS
@@ -25,14 +23,6 @@ from tests.e2e.test_connector import (
 VERIFY_MAX_ERROR = 0.05  # the connector's default
 
 
-def coded_lmdb(tmp: Path, shm_path: Path) -> Path:
-    path = embedded_yaml(tmp, shm_path)
-    config = yaml.safe_load(path.read_text())
-    config["lmdb"]["codec"] = "fp8"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
 def test_hits_decoded_from_fp8_are_verified_against_the_codecs_bound_and_never_quarantined(
     tiny_models: ModelSet,
     prompts: list[list[int]],
@@ -41,7 +31,7 @@ def test_hits_decoded_from_fp8_are_verified_against_the_codecs_bound_and_never_q
     shm_path: Path,
 ) -> None:
     expected = baseline[: len(prompts)]
-    config = str(coded_lmdb(tmp_path, shm_path))
+    config = str(embedded_yaml(tmp_path, shm_path, lmdb={"codec": "fp8"}))
     with running_llm(
         tiny_models.target, kv_transfer_config=kvtier_config({"kvtier_config": config})
     ) as llm:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-import yaml
-
 from benchmarks.verify_errors import scheduler_of, swap_chunks
 from tests.e2e.conftest import MAX_TOKENS, deploy
 from tests.e2e.models import ModelSet, counter, counter_value, generate_tokens, running_llm
@@ -34,11 +32,7 @@ RIGHT_CHUNK_BOUND = 0.05 / 5  # right chunks sit far below the default verify_ma
 
 
 def unchecked_arena(tmp: Path, shm_path: Path) -> Path:
-    path = embedded_yaml(tmp, shm_path)
-    config = yaml.safe_load(path.read_text())
-    config["arena"]["commit_checksum"] = False
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return embedded_yaml(tmp, shm_path, arena={"commit_checksum": False})
 
 
 def test_every_hit_recomputed_matches_and_costs_only_a_miss(
