@@ -1,14 +1,15 @@
-"""fp8 below the arena (``lmdb.codec: fp8``): what it costs in accuracy, bytes and time.
+"""Coded tiers below the arena (``lmdb.codec``: int8, fp8): what each costs in accuracy, bytes
+and time.
 
 On the benchmarks' 12-layer bf16 llama, with embedded tiers whose arena starts empty in each
 engine (so every hit is read from lmdb):
 
-- the error: an engine stores ``PROMPTS`` prompts into a coded lmdb; a fresh engine with every
+- the error: an engine stores ``PROMPTS`` prompts into lmdb in each codec; a fresh engine with every
   hit sampled computes them again, one at a time, and compares each decoded chunk with what it
   computed (the relative error verified reuse measures: the norm of the difference over the
   norm of vLLM's own KV, per layer, the worst layer per chunk). The same is measured with an
   exact lmdb, whose chunks differ only by being computed in another batch;
-- greedy outputs: a fresh engine serves the prompts from the coded lmdb, another from the exact
+- greedy outputs: a fresh engine serves the prompts from each coded lmdb, another from the exact
   one, ``MAX_TOKENS`` tokens each; prompts whose outputs differ, and the first token where
   they do. For scale, the same between the exact hits and an engine with no connector, which
   computes every prompt in its own batch (bf16 KV computed in another batch differs too);
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -47,8 +49,8 @@ from benchmarks.models import (  # noqa: E402
     vocab_size_of,
 )
 from benchmarks.verify_errors import connector, scheduler_of, summary  # noqa: E402
-from kvtier.core import fp8  # noqa: E402
-from kvtier.core.fp8 import ERROR_BOUND  # noqa: E402
+from kvtier.core import kvcodec  # noqa: E402
+from kvtier.core.kvcodec import Codec, error_bound  # noqa: E402
 
 PROMPTS = 16
 MAX_TOKENS = 32
@@ -132,9 +134,9 @@ def divergence(coded: list[list[int]], exact: list[list[int]]) -> dict[str, Any]
     }
 
 
-def speed(rounds: int = 20) -> dict[str, float]:
+def speed(codec: Codec, rounds: int = 20) -> dict[str, float]:
     """Median GB/s (of the raw chunk's bytes) of coding, decoding and a memcpy, interleaved."""
-    dtype = fp8.element_dtype("bfloat16")
+    dtype = kvcodec.element_dtype("bfloat16")
     assert dtype is not None
     rng = np.random.default_rng(0)
     raw = rng.standard_normal(CHUNK_BYTES // 2).astype(np.float32).astype(dtype).tobytes()
@@ -145,11 +147,11 @@ def speed(rounds: int = 20) -> dict[str, float]:
     times: dict[str, list[float]] = {"encode": [], "decode": [], "memcpy": []}
     for _ in range(rounds):
         start = time.perf_counter()
-        length = fp8.encode_into(raw, dtype, HEAD, memoryview(coded))
+        length = kvcodec.encode_into(codec, raw, dtype, HEAD, memoryview(coded))
         times["encode"].append(time.perf_counter() - start)
         assert length is not None
         start = time.perf_counter()
-        fp8.decode_into(memoryview(coded)[:length], dtype, HEAD, memoryview(back))
+        kvcodec.decode_into(codec, memoryview(coded)[:length], dtype, HEAD, memoryview(back))
         times["decode"].append(time.perf_counter() - start)
         start = time.perf_counter()
         np.copyto(copy, src)
@@ -181,54 +183,46 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-codec-") as root:
         apply_engine_env(engine_env(Path(root)))
-        for codec in ("none", "fp8"):
+        for codec in Codec:
             tmp = Path(root) / codec
             tmp.mkdir()
             results[codec] = measure(model, codec, tmp, prompts)
         engine = {"dtype": "bfloat16", "kv_cache_memory_bytes": 256 << 20}
         with running_llm(model, **engine) as llm:
             recomputed, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
-    exact = results["none"].pop("outputs")
-    outputs = divergence(results["fp8"].pop("outputs"), exact)
-    batch_noise = divergence(exact, recomputed)
-    out = {
-        "model": "llama 12 layers, 4 KV heads of 64, bf16",
-        "error_bound": ERROR_BOUND,
-        "cases": results,
-        "greedy": outputs,
-        "greedy_exact_vs_recomputed": batch_noise,
-        "bytes_ratio": results["fp8"]["lmdb_bytes_per_chunk"]
-        / results["none"]["lmdb_bytes_per_chunk"],
-        "speed": speed(),
-    }
+    outputs = {codec: results[codec].pop("outputs") for codec in Codec}
+    exact = outputs[Codec.NONE]
+    for codec in (Codec.INT8, Codec.FP8):
+        r = results[codec]
+        r["error_bound"] = error_bound(codec, HEAD)
+        r["greedy_vs_exact_hits"] = divergence(outputs[codec], exact)
+        r["bytes_ratio"] = r["lmdb_bytes_per_chunk"] / results[Codec.NONE]["lmdb_bytes_per_chunk"]
+        r["speed"] = speed(codec)
+    results[Codec.NONE]["greedy_vs_recomputed"] = divergence(exact, recomputed)
+    out = {"model": "llama 12 layers, 4 KV heads of 64, bf16", "cases": results}
     if args.json:
         print(json.dumps(out))
         return 0
-    print("| lmdb codec | chunks verified | min | median | p99 | max | quarantined | bytes/chunk |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| lmdb codec | bytes/chunk | chunks verified | median | p99 | max | bound | quarantined "
+        "| greedy: prompts that differ | tokens equal | encode GB/s | decode GB/s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for codec, r in results.items():
         e = r["errors"]
+        greedy = r.get("greedy_vs_exact_hits") or r["greedy_vs_recomputed"]
+        s = r.get("speed", {})
         print(
-            f"| {codec} | {e['chunks']} | {e.get('min', 0):.3g} | {e.get('median', 0):.3g} | "
-            f"{e.get('p99', 0):.3g} | {e.get('max', 0):.3g} | {r['quarantined']} | "
-            f"{r['lmdb_bytes_per_chunk']:,.0f} |"
+            f"| {codec} | {r['lmdb_bytes_per_chunk']:,.0f} | {e['chunks']} | "
+            f"{e.get('median', 0):.3g} | {e.get('p99', 0):.3g} | {e.get('max', 0):.3g} | "
+            f"{r.get('error_bound', 0):.3g} | {r['quarantined']} | "
+            f"{greedy['outputs_differ']} of {greedy['prompts']} | "
+            f"{greedy['tokens_equal_share']:.1%} | {s.get('encode_gbps', math.nan):.2f} | "
+            f"{s.get('decode_gbps', math.nan):.2f} |"
         )
-    print()
     print(
-        f"greedy ({MAX_TOKENS} tokens, {outputs['prompts']} prompts, fp8 hits vs exact hits): "
-        f"{outputs['outputs_differ']} differ, first at token "
-        f"{outputs['first_differing_token_median']} (median); "
-        f"{outputs['tokens_equal_share']:.1%} of tokens equal"
-    )
-    print(
-        f"for scale, exact hits vs recomputed: {batch_noise['outputs_differ']} differ, "
-        f"{batch_noise['tokens_equal_share']:.1%} of tokens equal"
-    )
-    s = out["speed"]
-    print(
-        f"encode {s['encode_gbps']:.2f} GB/s ({s['encode_vs_memcpy']:.3f} of memcpy), "
-        f"decode {s['decode_gbps']:.2f} GB/s ({s['decode_vs_memcpy']:.3f}), "
-        f"memcpy {s['memcpy_gbps']:.2f} GB/s; bytes {out['bytes_ratio']:.3f} of exact"
+        f"greedy: {MAX_TOKENS} tokens; the coded rows against exact hits, the exact row against "
+        "an engine without the connector (each prompt computed in its own batch)"
     )
     return 0
 

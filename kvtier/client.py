@@ -150,7 +150,7 @@ class InProcessClient:
     def quarantined(self) -> frozenset[bytes]:
         return self.manager.quarantines.namespaces
 
-    def coded(self) -> frozenset[bytes]:
+    def coded(self) -> dict[bytes, float]:
         return self.manager.registry.coded(self.manager.config.lower_codecs)
 
     def report_hits(self, every_s: float = 0.0) -> None:

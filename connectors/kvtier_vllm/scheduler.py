@@ -145,7 +145,7 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         if self.planner is None and client is not None:
             self.arena_path = str(client.arena_path)
             coded = client.coded()
-            self.verifier.codes(k for k, ns in self.namespaces.items() if ns in coded)
+            self.verifier.codes({k: coded[ns] for k, ns in self.namespaces.items() if ns in coded})
             if self.draft_pool is not None:
                 self.draft_pool.connected()
             self.planner = HitPlanner(

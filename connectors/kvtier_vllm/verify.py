@@ -6,8 +6,9 @@ the right bytes to begin with (the right shard, layout and weights). A sampled r
 its hit's leases while vLLM computes the prefix; each chunk is compared by the workers after
 the forward that computed it (the draft's too), where stores are copied, and its lease given
 back. A chunk off by more than ``max_error`` quarantines its namespace: this engine loads
-nothing from it again. A pool the tiers below the arena store in fp8 (`coded`) is held to
-``max_error`` plus the codec's own bound: its rounding is expected, never a reason to quarantine.
+nothing from it again. A pool the tiers below the arena store coded (int8, fp8: `coded`) is held
+to ``max_error`` plus the codec's own bound: its rounding is expected, never a reason to
+quarantine.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvtier.core.fp8 import ERROR_BOUND
 from kvtier.core.keys import Pool, namespace_of
 from kvtier.core.protocol import SlotRef
 from kvtier_vllm.draft import Fill
@@ -78,25 +78,26 @@ class Verifier:
         """Ours the tiers listed: gone from their list, an admin lifted them."""
         self.errors: deque[tuple[str, float]] = deque(maxlen=MAX_CHECKS)
         """(pool, relative error) of the latest comparisons."""
-        self.coded: frozenset[str] = frozenset()
-        """Plan keys whose pools the tiers store coded, held to `limit`."""
+        self.coded: dict[str, float] = {}
+        """Plan keys whose pools the tiers store coded, with the codec's bound: see `limit`."""
 
-    def codes(self, keys: Iterable[str]) -> None:
-        """The plan keys whose pools the tiers below the arena store in fp8."""
-        self.coded = frozenset(keys)
-        for key in sorted(self.coded):
+    def codes(self, bounds: dict[str, float]) -> None:
+        """The plan keys whose pools the tiers below the arena store coded, with the largest
+        error the codec makes."""
+        self.coded = dict(bounds)
+        for key, bound in sorted(self.coded.items()):
             log.info(
-                "kvtier: pool %s is stored in fp8 below the arena; a verified chunk of it "
-                "matches within %.3g (verify_max_error %g + fp8's bound %.3g)",
+                "kvtier: pool %s is stored coded below the arena; a verified chunk of it "
+                "matches within %.3g (verify_max_error %g + the codec's bound %.3g)",
                 key,
                 self.limit(key),
                 self.max_error,
-                ERROR_BOUND,
+                bound,
             )
 
     def limit(self, key: str) -> float:
         """The largest error a chunk of plan ``key`` may show and still match."""
-        return self.max_error + (ERROR_BOUND if key in self.coded else 0.0)
+        return self.max_error + self.coded.get(key, 0.0)
 
     def sample(self, step: int) -> bool:
         """Whether a request with a hit, asked in ``step``, is verified instead of served."""
@@ -181,7 +182,7 @@ class Verifier:
         why = (
             f"a {check.pool} chunk differs from the recomputed KV by {error:.3g} "
             f"(it may differ by {check.limit:.3g}: verify_max_error {self.max_error:g}"
-            f"{', plus fp8 below the arena' if check.limit > self.max_error else ''})"
+            f"{', plus the codec below the arena' if check.limit > self.max_error else ''})"
         )
         self.quarantined[namespace] = why
         self.to_report.append((namespace, why))

@@ -7,9 +7,10 @@ Header (little-endian, ``HEADER_SIZE`` bytes)::
     layers u32 | kv_heads u32 | head_size u32 | payload_len u64 | payload xxh3-128 16s
     header xxh3-64 u64
 
-The payload is the pool's pages, layer after layer, or with ``codec`` 1 those pages coded in fp8
-(`kvtier.core.fp8`); the lengths and the checksum are the stored payload's. A coded chunk is
-version 2, so that a build which reads only version 1 leaves it alone instead of misreading it.
+The payload is the pool's pages, layer after layer, or with ``codec`` 1 (fp8) or 2 (int8)
+those pages coded (`kvtier.core.kvcodec`); the lengths and the checksum are the stored
+payload's. A coded chunk is version 2, so that a build which reads only version 1 leaves it
+alone instead of misreading it.
 Decoding verifies the header checksum, the key, the length and the payload checksum, and raises
 a specific `ChunkFormatError` on any mismatch; a coded payload is decoded after its checksum.
 """
@@ -22,14 +23,13 @@ from typing import Any
 
 import xxhash
 
-from kvtier.core import fp8
+from kvtier.core import kvcodec
 from kvtier.core.errors import (
     CorruptChunkError,
     TruncatedChunkError,
     UnknownVersionError,
     WrongKeyError,
 )
-from kvtier.core.fp8 import Codec
 from kvtier.core.keys import (
     MAX_CHUNK_HASH_BYTES,
     MAX_KV_DTYPE_BYTES,
@@ -40,6 +40,7 @@ from kvtier.core.keys import (
     chunk_hash_of,
     namespace_of,
 )
+from kvtier.core.kvcodec import Codec
 
 MAGIC = b"KVTC"
 VERSION = 1
@@ -51,7 +52,7 @@ HEADER_SIZE = _BODY.size + _TAIL.size
 _PIECE = 256 << 10  # copy-and-hash granule of decode_into; fits L2
 _POOL_CODES = {Pool.TARGET: 0, Pool.DRAFT: 1, Pool.HIDDEN: 2, Pool.ENCODER: 3}
 _POOLS_BY_CODE = {code: pool for pool, code in _POOL_CODES.items()}
-_CODEC_CODES = {Codec.NONE: 0, Codec.FP8: 1}
+_CODEC_CODES = {Codec.NONE: 0, Codec.FP8: 1, Codec.INT8: 2}
 _CODECS_BY_CODE = {code: codec for codec, code in _CODEC_CODES.items()}
 _CODED_POOLS = (Pool.TARGET, Pool.DRAFT)
 
@@ -83,12 +84,12 @@ class ChunkDescriptor:
 
     def codec_for(self, payload_len: int, codec: Codec) -> Codec:
         """The codec a ``payload_len``-byte payload of this namespace is stored with, where a
-        tier asks for ``codec``: fp8 codes the target's and the draft's KV in bf16, fp16 or
+        tier asks for ``codec``: codecs code the target's and the draft's KV in bf16, fp16 or
         fp32 only; anything else is stored as it is."""
         if codec is Codec.NONE or self.pool not in _CODED_POOLS:
             return Codec.NONE
-        dtype = fp8.element_dtype(self.kv_dtype)
-        if dtype is None or fp8.coded_length(payload_len, dtype, self.head_size) is None:
+        dtype = kvcodec.element_dtype(self.kv_dtype)
+        if dtype is None or kvcodec.coded_length(payload_len, dtype, self.head_size) is None:
             return Codec.NONE
         return codec
 
@@ -96,9 +97,9 @@ class ChunkDescriptor:
         """Header and stored payload of a ``payload_len``-byte chunk in a ``codec`` tier."""
         if self.codec_for(payload_len, codec) is Codec.NONE:
             return HEADER_SIZE + payload_len
-        dtype = fp8.element_dtype(self.kv_dtype)
+        dtype = kvcodec.element_dtype(self.kv_dtype)
         assert dtype is not None
-        coded = fp8.coded_length(payload_len, dtype, self.head_size)
+        coded = kvcodec.coded_length(payload_len, dtype, self.head_size)
         assert coded is not None
         return HEADER_SIZE + coded
 
@@ -106,9 +107,9 @@ class ChunkDescriptor:
         """The payload's own length, from its stored length."""
         if codec is Codec.NONE:
             return stored_len
-        dtype = fp8.element_dtype(self.kv_dtype)
+        dtype = kvcodec.element_dtype(self.kv_dtype)
         if dtype is None:
-            raise CorruptChunkError(f"an fp8-coded chunk of {self.kv_dtype!r}")
+            raise CorruptChunkError(f"a {codec}-coded chunk of {self.kv_dtype!r}")
         rows, rest = divmod(stored_len, self.head_size + 4)
         if rest:
             raise CorruptChunkError(f"{stored_len} coded bytes are not whole rows")
@@ -206,9 +207,9 @@ def encode_into(
 
     With ``expect_checksum`` (the payload's checksum taken earlier), bytes that changed since
     raise `CorruptChunkError` and no header is written: the checksum is of the copy, so what
-    would be stored is exactly what was checked. With ``codec`` fp8 where the namespace can be
-    coded (`ChunkDescriptor.codec_for`), the payload is stored coded; None when a value in it
-    cannot be coded (inf, NaN): such a chunk is not stored in that tier.
+    would be stored is exactly what was checked. With a ``codec`` where the namespace can be coded
+    (`ChunkDescriptor.codec_for`), the payload is stored coded; None when a value in it cannot
+    be coded (inf, NaN): such a chunk is not stored in that tier.
     """
     view = memoryview(out)
     src = memoryview(payload)
@@ -220,9 +221,9 @@ def encode_into(
         if expect_checksum is not None and payload_checksum(src) != expect_checksum:
             raise CorruptChunkError("payload checksum differs from the one expected")
         expect_checksum = None
-        dtype = fp8.element_dtype(descriptor.kv_dtype)
+        dtype = kvcodec.element_dtype(descriptor.kv_dtype)
         assert dtype is not None
-        coded = fp8.encode_into(src, dtype, descriptor.head_size, view[HEADER_SIZE:])
+        coded = kvcodec.encode_into(codec, src, dtype, descriptor.head_size, view[HEADER_SIZE:])
         if coded is None:
             return None
         stored = coded
@@ -403,6 +404,6 @@ def decode_into(
 
 
 def _decode_payload(header: ChunkHeader, coded: memoryview, dst: memoryview) -> None:
-    dtype = fp8.element_dtype(header.descriptor.kv_dtype)
+    dtype = kvcodec.element_dtype(header.descriptor.kv_dtype)
     assert dtype is not None  # raw_len checked it
-    fp8.decode_into(coded, dtype, header.descriptor.head_size, dst)
+    kvcodec.decode_into(header.codec, coded, dtype, header.descriptor.head_size, dst)

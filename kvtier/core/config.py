@@ -29,7 +29,7 @@ from kvtier.core.config_sections import (
     default_state_dir,
 )
 from kvtier.core.errors import ConfigError
-from kvtier.core.fp8 import Codec
+from kvtier.core.kvcodec import Codec
 
 __all__ = [
     "ENV_PREFIX",

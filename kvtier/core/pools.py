@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from kvtier.core.blockfmt import ChunkDescriptor
 from kvtier.core.errors import CapacityError, PoolLayoutError, UnknownPoolError
-from kvtier.core.fp8 import Codec
 from kvtier.core.keys import NamespaceSpec, namespace_of
+from kvtier.core.kvcodec import Codec, error_bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,15 +88,17 @@ class PoolRegistry:
     def get(self, namespace: bytes) -> Registration | None:
         return self._by_namespace.get(namespace)
 
-    def coded(self, codecs: Iterable[Codec]) -> frozenset[bytes]:
-        """The registered namespaces a tier with one of ``codecs`` stores coded."""
-        wanted = [codec for codec in set(codecs) if codec is not Codec.NONE]
-        return frozenset(
-            reg.namespace
-            for reg in self.registrations()
-            for codec in wanted
-            if reg.descriptor.codec_for(reg.chunk_bytes, codec) is codec
-        )
+    def coded(self, codecs: Iterable[Codec]) -> dict[bytes, float]:
+        """The registered namespaces that tiers with ``codecs`` store coded, each with the
+        largest error its codecs can make (`kvtier.core.kvcodec.error_bound`)."""
+        out: dict[bytes, float] = {}
+        for reg in self.registrations():
+            for codec in set(codecs):
+                stored = reg.descriptor.codec_for(reg.chunk_bytes, codec)
+                if stored is not Codec.NONE:
+                    bound = error_bound(codec, reg.descriptor.head_size)
+                    out[reg.namespace] = max(bound, out.get(reg.namespace, 0.0))
+        return out
 
     def registrations(self) -> list[Registration]:
         with self._lock:

@@ -144,9 +144,10 @@ class TierClient(Protocol):
 
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes: ...
 
-    def coded(self) -> frozenset[bytes]:
-        """Registered namespaces that the tiers below the arena store coded (fp8): a hit of
-        theirs may be off by the codec's bound (`kvtier.core.fp8.ERROR_BOUND`)."""
+    def coded(self) -> dict[bytes, float]:
+        """Registered namespaces that the tiers below the arena store coded (int8, fp8), each
+        with the largest relative error a hit of theirs may show for it
+        (`kvtier.core.kvcodec.error_bound`)."""
         ...
 
     @overload

@@ -73,7 +73,7 @@ class DaemonSession(ABC):
         self._heartbeat: threading.Thread | None = None
         self._drafts: dict[bytes, DraftState] = {}
         self._quarantined: frozenset[bytes] = frozenset()
-        self._coded: frozenset[bytes] = frozenset()
+        self._coded: dict[bytes, float] = {}
         self._caller: ThreadPoolExecutor | None = None
         self._arena: ArenaAtPath | None = None
         """The arena, mapped to read its key index (where `readable_here`)."""
@@ -199,7 +199,7 @@ class DaemonSession(ABC):
             self._arena = ArenaAtPath(self._arena_path, populate=False)
         self._drafts = drafts_from(response.drafts)
         self._quarantined = frozenset(response.quarantined)
-        self._coded = frozenset(response.coded)
+        self._coded = {bytes(c.namespace): c.error_bound for c in response.coded}
         if self._heartbeat is None:
             interval = response.heartbeat_interval_ms / 1000
             if self._deadlines is not None:

@@ -74,9 +74,10 @@ class GrpcTierClient(DaemonSession):
         """The daemon's quarantined namespaces, as of the last heartbeat."""
         return self._quarantined
 
-    def coded(self) -> frozenset[bytes]:
-        """The registered namespaces the daemon's tiers below the arena store coded."""
-        return self._coded
+    def coded(self) -> dict[bytes, float]:
+        """The registered namespaces the daemon's tiers below the arena store coded, with each
+        one's error bound."""
+        return dict(self._coded)
 
     @overload
     def lookup(

@@ -127,7 +127,12 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
             session_timeout_ms=int(self.config.session_timeout_s * 1000),
             drafts=drafts_to(self.manager.draft_states()),
             quarantined=self.manager.quarantines.namespaces,
-            coded=self.manager.registry.coded(self.manager.config.lower_codecs),
+            coded=[
+                tier_pb2.CodedNamespace(namespace=namespace, error_bound=bound)
+                for namespace, bound in self.manager.registry.coded(
+                    self.manager.config.lower_codecs
+                ).items()
+            ],
         )
 
     @_timed("lookup")

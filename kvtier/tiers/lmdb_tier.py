@@ -139,7 +139,7 @@ class LmdbTier(LmdbStore):
                         changed.append(key)
                         results.append(False)
                         continue
-                    if value is None:  # a value fp8 cannot stand for: not stored coded
+                    if value is None:  # a value no code stands for: not stored coded
                         uncodable += 1
                         results.append(False)
                         continue

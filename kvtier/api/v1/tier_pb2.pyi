@@ -248,9 +248,9 @@ class RegisterSessionResponse(_message.Message):
         """The namespaces quarantined now, so an engine loads nothing from them from its first step."""
 
     @_builtins.property
-    def coded(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+    def coded(self) -> _containers.RepeatedCompositeFieldContainer[Global___CodedNamespace]:
         """Of the registered namespaces, those the tiers below the arena store coded
-        (lmdb.codec or object.codec fp8): their hits may be off by the codec's bound.
+        (lmdb.codec or object.codec int8 or fp8): their hits may be off by the codec's bound.
         """
 
     def __init__(
@@ -263,7 +263,7 @@ class RegisterSessionResponse(_message.Message):
         session_timeout_ms: _builtins.int = ...,
         drafts: _abc.Iterable[Global___DraftState] | None = ...,
         quarantined: _abc.Iterable[_builtins.bytes] | None = ...,
-        coded: _abc.Iterable[_builtins.bytes] | None = ...,
+        coded: _abc.Iterable[Global___CodedNamespace] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -272,6 +272,31 @@ class RegisterSessionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterSessionResponse: _TypeAlias = RegisterSessionResponse  # noqa: Y015
+
+@_typing.final
+class CodedNamespace(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    ERROR_BOUND_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.bytes
+    error_bound: _builtins.float
+    """The largest relative error (norm of the difference over the norm of the original, per
+    row and so per layer) that the codecs storing this namespace can make.
+    """
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.bytes = ...,
+        error_bound: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_bound", b"error_bound", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CodedNamespace: _TypeAlias = CodedNamespace  # noqa: Y015
 
 @_typing.final
 class DraftState(_message.Message):

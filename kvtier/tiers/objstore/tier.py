@@ -29,8 +29,8 @@ from kvtier.core.errors import (
     ObjectStoreError,
     UnknownVersionError,
 )
-from kvtier.core.fp8 import Codec
 from kvtier.core.keys import ChunkKey, namespace_of
+from kvtier.core.kvcodec import Codec
 from kvtier.core.protocol import TierCode, TierStats, UsageStats
 from kvtier.tiers.objstore.index import ChunkLocation
 from kvtier.tiers.objstore.store import ObjectStore
@@ -86,7 +86,7 @@ class ObjectTier(ObjectStore):
             written = blockfmt.encode_into(
                 memoryview(body)[offset:], key, reg.descriptor, payload, codec=codec
             )
-            if written is None:  # a value fp8 cannot stand for: not stored
+            if written is None:  # a value no code stands for: not stored
                 self.counters.add("codec_refused", 1)
                 continue
             offset += written

@@ -1,15 +1,17 @@
-"""fp8 below the arena in a real engine (the CPU build): one engine stores its prompts' KV into
-lmdb coded; a fresh engine, whose arena starts empty, finds them in lmdb and, with every hit
-sampled, compares each decoded chunk with what vLLM computes in its place. Every chunk is off
-(it came through the codec), none by more than verify_max_error plus the codec's bound, and
-no namespace is quarantined for the codec's own rounding."""
+"""Coded tiers below the arena in a real engine (the CPU build): one engine stores its prompts'
+KV into lmdb coded (int8, fp8); a fresh engine, whose arena starts empty, finds them in lmdb
+and, with every hit sampled, compares each decoded chunk with what vLLM computes in its place.
+Every chunk is off (it came through the codec), none by more than verify_max_error plus the
+codec's bound, and no namespace is quarantined for the codec's own rounding."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks.verify_errors import scheduler_of
-from kvtier.core.fp8 import ERROR_BOUND
+from kvtier.core.kvcodec import Codec, error_bound
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import ModelSet, counter_value, generate_tokens, running_llm
 from tests.e2e.test_connector import (
@@ -23,7 +25,9 @@ from tests.e2e.test_connector import (
 VERIFY_MAX_ERROR = 0.05  # the connector's default
 
 
-def test_hits_decoded_from_fp8_are_verified_against_the_codecs_bound_and_never_quarantined(
+@pytest.mark.parametrize("codec", [Codec.FP8, Codec.INT8])
+def test_decoded_hits_are_verified_against_the_codecs_bound_and_never_quarantined(
+    codec: Codec,
     tiny_models: ModelSet,
     prompts: list[list[int]],
     baseline: list[list[int]],
@@ -31,7 +35,7 @@ def test_hits_decoded_from_fp8_are_verified_against_the_codecs_bound_and_never_q
     shm_path: Path,
 ) -> None:
     expected = baseline[: len(prompts)]
-    config = str(embedded_yaml(tmp_path, shm_path, lmdb={"codec": "fp8"}))
+    config = str(embedded_yaml(tmp_path, shm_path, lmdb={"codec": codec.value}))
     with running_llm(
         tiny_models.target, kv_transfer_config=kvtier_config({"kvtier_config": config})
     ) as llm:
@@ -42,7 +46,9 @@ def test_hits_decoded_from_fp8_are_verified_against_the_codecs_bound_and_never_q
         tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
         matched, mismatched = verified(llm)
         verifier = scheduler_of(llm).verifier
-        assert verifier.coded == {"target"}
+        bound = verifier.coded["target"]
+        head = verifier.by_key["target"].spec.layout.head_sizes[0]
+        assert set(verifier.coded) == {"target"}
         assert verifier.quarantined == {}
         errors = sorted(e for _, e in verifier.errors)
     assert tokens == expected  # every hit was computed instead
@@ -50,7 +56,8 @@ def test_hits_decoded_from_fp8_are_verified_against_the_codecs_bound_and_never_q
     assert mismatched == 0
     # every chunk came through the codec: off, and within what it may be off by
     assert errors[0] > 1e-3, errors[:3]
-    assert errors[-1] <= VERIFY_MAX_ERROR + ERROR_BOUND
+    assert bound == error_bound(codec, head)
+    assert errors[-1] <= VERIFY_MAX_ERROR + bound
     median = errors[len(errors) // 2]
     print(
         f"fp8 chunks' relative errors: min {errors[0]:.3g} median {median:.3g} max {errors[-1]:.3g}"

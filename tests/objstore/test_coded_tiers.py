@@ -1,7 +1,7 @@
-"""fp8 below the arena, end to end through real tiers: a node writes KV through its arena into
-lmdb and S3 (moto, reached through IRSA) in each pairing of codecs, the bytes kept and uploaded
-are the coded size where a tier codes, and another node, whatever its own codecs, reads every
-chunk back into its arena within the codec's bound."""
+"""Coded tiers below the arena (int8, fp8), end to end through real tiers: a node writes KV
+through its arena into lmdb and S3 (moto, reached through IRSA) in pairings of codecs, the bytes
+kept and uploaded are the coded size where a tier codes, and another node, whatever its own
+codecs, reads every chunk back into its arena within the codec's bound."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 
 from kvtier.core import blockfmt
 from kvtier.core.config import from_mapping
-from kvtier.core.fp8 import ERROR_BOUND, Codec
 from kvtier.core.keys import ChunkKey
+from kvtier.core.kvcodec import Codec, error_bound
 from kvtier.tiering.manager import TierManager
 from tests.objstore.fixtures import StoreFactory
 from tests.support import MiB, keys_for, target_spec
@@ -80,8 +80,13 @@ def node(tmp_path: Path) -> Iterator[Callable[[str, str, Codec, Codec], TierMana
 
 @pytest.mark.parametrize(
     ("lmdb", "store"),
-    [(Codec.FP8, Codec.FP8), (Codec.NONE, Codec.FP8), (Codec.FP8, Codec.NONE)],
-    ids=["both-fp8", "store-fp8", "lmdb-fp8"],
+    [
+        (Codec.FP8, Codec.FP8),
+        (Codec.NONE, Codec.FP8),
+        (Codec.FP8, Codec.NONE),
+        (Codec.INT8, Codec.INT8),
+    ],
+    ids=["both-fp8", "store-fp8", "lmdb-fp8", "both-int8"],
 )
 def test_coded_tiers_keep_half_the_bytes_and_any_node_reads_them_back_within_the_bound(
     node: Callable[[str, str, Codec, Codec], TierManager],
@@ -92,7 +97,8 @@ def test_coded_tiers_keep_half_the_bytes_and_any_node_reads_them_back_within_the
     url = store_factory("s3")
     writer = node(url, "writer", lmdb, store)
     ns = writer.register_pool(target_spec(), CHUNK)
-    assert writer.registry.coded(writer.config.lower_codecs) == {ns}
+    bound = max(error_bound(lmdb, HEAD), error_bound(store, HEAD))
+    assert writer.registry.coded(writer.config.lower_codecs) == {ns: bound}
     keys = keys_for(ns, CHUNKS)
     kv = {key: kv_for(key) for key in keys}
     refs = [r for r in writer.reserve(keys, "r0") if r is not None]
@@ -104,15 +110,15 @@ def test_coded_tiers_keep_half_the_bytes_and_any_node_reads_them_back_within_the
 
     assert writer.lmdb is not None
     assert writer.object is not None
-    assert writer.lmdb.stats().used_bytes == CHUNKS * (CODED if lmdb is Codec.FP8 else RAW)
+    assert writer.lmdb.stats().used_bytes == CHUNKS * (RAW if lmdb is Codec.NONE else CODED)
     uploaded = sum(info.size for info in writer.object.backend.list())
-    assert uploaded == CHUNKS * (CODED if store is Codec.FP8 else RAW)
+    assert uploaded == CHUNKS * (RAW if store is Codec.NONE else CODED)
     assert writer.object.counters.snapshot().get("uploads_codec_refused", 0) == 0
 
     # a node that codes nothing reads what the other coded: each chunk's header says how
     reader = node(url, "reader", Codec.NONE, Codec.NONE)
     reader.register_pool(target_spec(), CHUNK)
-    assert reader.registry.coded(reader.config.lower_codecs) == frozenset()
+    assert reader.registry.coded(reader.config.lower_codecs) == {}
     assert reader.object is not None
     assert reader.object.principal_resolved.wait(10)
     deadline = time.monotonic() + 20.0
@@ -126,14 +132,14 @@ def test_coded_tiers_keep_half_the_bytes_and_any_node_reads_them_back_within_the
         assert ref is not None
         loaded = bytes(reader.cpu.view(ref))
         errors = row_errors(kv[ref.key], loaded)
-        assert errors.max() <= ERROR_BOUND
+        assert errors.max() <= bound
         worst.append(errors.max())
     reader.release([ref for ref in leased if ref is not None])
     # the bytes came through the codec (off, within the bound), not around it
     assert min(worst) > 1e-3, worst
 
 
-def test_a_chunk_with_a_value_fp8_cannot_stand_for_stays_out_of_a_coded_lmdb(
+def test_a_chunk_with_a_value_no_code_stands_for_stays_out_of_a_coded_lmdb(
     node: Callable[[str, str, Codec, Codec], TierManager], store_factory: StoreFactory
 ) -> None:
     writer = node(store_factory("file"), "writer", Codec.FP8, Codec.FP8)
