@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         for codec in Codec:
             tmp = Path(root) / codec
             tmp.mkdir()
-            results[codec] = measure(model, codec, tmp, prompts)
+            results[codec] = measure(model, codec.value, tmp, prompts)
         engine = {"dtype": "bfloat16", "kv_cache_memory_bytes": 256 << 20}
         with running_llm(model, **engine) as llm:
             recomputed, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
