@@ -50,8 +50,9 @@ Servers (``servers`` in the output):
   through IRSA (a role and a web identity token in kvtierd's environment, no keys),
   ``object.admission: all``. ``lmdb_backed_vs_arena_backed`` (target >= 0.9) and
   ``object_backed_vs_arena_backed`` (>= 0.75) are their throughputs over ``kvtier_sidecar``'s;
-  ``kvtier_sidecar_lmdb_fp8`` and ``kvtier_sidecar_obj_fp8`` are the same servers with
-  ``lmdb.codec`` and ``object.codec`` fp8 (``lmdb_fp8_backed_vs_arena_backed``,
+  ``kvtier_sidecar_lmdb_fp8``, ``kvtier_sidecar_lmdb_int8`` and ``kvtier_sidecar_obj_fp8`` are
+  the same servers with ``lmdb.codec`` (and ``object.codec``) fp8 or int8
+  (``lmdb_fp8_backed_vs_arena_backed``, ``lmdb_int8_backed_vs_arena_backed``,
   ``object_fp8_backed_vs_arena_backed``);
   ``past_the_arena`` gives each one's TTFTs and kvtierd's hits by tier, and every sidecar
   server's ``daemon_counters`` are kvtierd's counters over its levels (promotions, holds,
@@ -206,6 +207,7 @@ PAST_THE_ARENA = (
     "kvtier_sidecar",
     "kvtier_sidecar_lmdb",
     "kvtier_sidecar_lmdb_fp8",
+    "kvtier_sidecar_lmdb_int8",
     "kvtier_sidecar_object",
     "kvtier_sidecar_obj_fp8",
     "vllm_more_hbm",
@@ -224,6 +226,7 @@ SERVERS = (
     "kvtier_embedded_capture",
     "kvtier_sidecar_lmdb",
     "kvtier_sidecar_lmdb_fp8",
+    "kvtier_sidecar_lmdb_int8",
     "kvtier_sidecar_object",
     "kvtier_sidecar_obj_fp8",
     "vllm_more_hbm",
@@ -286,6 +289,13 @@ LMDB_FP8_BACKED = Case(
     "sidecar",
     below="lmdb",
     codec="fp8",
+)
+LMDB_INT8_BACKED = Case(
+    "kvtier_sidecar_lmdb_int8",
+    "kvtier sidecar, arena 1/4, lmdb in int8",
+    "sidecar",
+    below="lmdb",
+    codec="int8",
 )
 OBJECT_BACKED = Case(
     "kvtier_sidecar_object",
@@ -890,6 +900,7 @@ class Bench:
             ),
             (LMDB_BACKED, Plan()),
             (LMDB_FP8_BACKED, Plan()),
+            (LMDB_INT8_BACKED, Plan()),
             (OBJECT_BACKED, Plan()),
             (OBJECT_FP8_BACKED, Plan()),
             (MORE_HBM, Plan()),
@@ -970,6 +981,9 @@ class Bench:
             "object_backed_vs_arena_backed": ratio(tps(OBJECT_BACKED.name), tps("kvtier_sidecar")),
             "lmdb_fp8_backed_vs_arena_backed": ratio(
                 tps(LMDB_FP8_BACKED.name), tps("kvtier_sidecar")
+            ),
+            "lmdb_int8_backed_vs_arena_backed": ratio(
+                tps(LMDB_INT8_BACKED.name), tps("kvtier_sidecar")
             ),
             "object_fp8_backed_vs_arena_backed": ratio(
                 tps(OBJECT_FP8_BACKED.name), tps("kvtier_sidecar")
