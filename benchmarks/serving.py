@@ -50,7 +50,7 @@ Servers (``servers`` in the output):
   through IRSA (a role and a web identity token in kvtierd's environment, no keys),
   ``object.admission: all``. ``lmdb_backed_vs_arena_backed`` (target >= 0.9) and
   ``object_backed_vs_arena_backed`` (>= 0.75) are their throughputs over ``kvtier_sidecar``'s;
-  ``kvtier_sidecar_lmdb_fp8``, ``kvtier_sidecar_lmdb_int8`` and ``kvtier_sidecar_obj_fp8`` are
+  ``kvtier_sidecar_lmdb_fp8``, ``kvtier_sidecar_lmdb_i8`` and ``kvtier_sidecar_obj_fp8`` are
   the same servers with ``lmdb.codec`` (and ``object.codec``) fp8 or int8
   (``lmdb_fp8_backed_vs_arena_backed``, ``lmdb_int8_backed_vs_arena_backed``,
   ``object_fp8_backed_vs_arena_backed``);
@@ -207,7 +207,7 @@ PAST_THE_ARENA = (
     "kvtier_sidecar",
     "kvtier_sidecar_lmdb",
     "kvtier_sidecar_lmdb_fp8",
-    "kvtier_sidecar_lmdb_int8",
+    "kvtier_sidecar_lmdb_i8",
     "kvtier_sidecar_object",
     "kvtier_sidecar_obj_fp8",
     "vllm_more_hbm",
@@ -226,7 +226,7 @@ SERVERS = (
     "kvtier_embedded_capture",
     "kvtier_sidecar_lmdb",
     "kvtier_sidecar_lmdb_fp8",
-    "kvtier_sidecar_lmdb_int8",
+    "kvtier_sidecar_lmdb_i8",
     "kvtier_sidecar_object",
     "kvtier_sidecar_obj_fp8",
     "vllm_more_hbm",
@@ -291,7 +291,7 @@ LMDB_FP8_BACKED = Case(
     codec="fp8",
 )
 LMDB_INT8_BACKED = Case(
-    "kvtier_sidecar_lmdb_int8",
+    "kvtier_sidecar_lmdb_i8",
     "kvtier sidecar, arena 1/4, lmdb in int8",
     "sidecar",
     below="lmdb",
