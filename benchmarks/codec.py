@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -48,7 +47,12 @@ from benchmarks.models import (  # noqa: E402
     shared_prefix_prompts,
     vocab_size_of,
 )
-from benchmarks.verify_errors import connector, scheduler_of, summary  # noqa: E402
+from benchmarks.verify_errors import (  # noqa: E402
+    connector,
+    embedded_config,
+    scheduler_of,
+    summary,
+)
 from kvtier.core import kvcodec  # noqa: E402
 from kvtier.core.kvcodec import Codec, error_bound  # noqa: E402
 
@@ -57,21 +61,6 @@ MAX_TOKENS = 32
 PREFIX_TOKENS = 1024
 CHUNK_BYTES = 12 * 2 * 4 * 64 * 2 * 32  # the benchmark model's chunk: 32 tokens, 393,216 bytes
 HEAD = 64
-
-
-def tiers_config(tmp: Path, codec: str) -> Path:
-    path = tmp / "kvtier.yaml"
-    tree = {
-        "arena": {
-            "path": f"/dev/shm/kvtier-codec-{tmp.name}",
-            "size_bytes": "256MiB",
-            "extent_bytes": "2MiB",
-            "min_slot_bytes": "4KiB",
-        },
-        "lmdb": {"path": str(tmp / "lmdb"), "budget_bytes": "1GiB", "codec": codec},
-    }
-    path.write_text(yaml.safe_dump(tree))
-    return path
 
 
 def lmdb_bytes_per_chunk(tmp: Path) -> float:
@@ -90,7 +79,7 @@ def lmdb_bytes_per_chunk(tmp: Path) -> float:
 
 def measure(model: Path, codec: str, tmp: Path, prompts: list[list[int]]) -> dict[str, Any]:
     """Store the prompts, verify every hit, then serve them: errors, outputs and bytes."""
-    config = tiers_config(tmp, codec)
+    config = embedded_config(tmp, codec=codec)
     engine = {"dtype": "bfloat16", "kv_cache_memory_bytes": 256 << 20}
     with running_llm(model, kv_transfer_config=connector(config), **engine) as llm:
         generate_tokens(llm, prompts, max_tokens=1)

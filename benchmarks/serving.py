@@ -224,12 +224,7 @@ SERVERS = (
     "vllm_spec",
     "kvtier_sidecar_spec",
     "kvtier_embedded_capture",
-    "kvtier_sidecar_lmdb",
-    "kvtier_sidecar_lmdb_fp8",
-    "kvtier_sidecar_lmdb_i8",
-    "kvtier_sidecar_object",
-    "kvtier_sidecar_obj_fp8",
-    "vllm_more_hbm",
+    *PAST_THE_ARENA[1:],
 )
 
 

@@ -94,7 +94,8 @@ def connector(config: Path, **extra: Any) -> dict[str, Any]:
     }
 
 
-def embedded_config(tmp: Path) -> Path:
+def embedded_config(tmp: Path, **lmdb: Any) -> Path:
+    """Embedded tiers under ``tmp``, with ``lmdb`` keys set over the defaults."""
     path = tmp / "kvtier.yaml"
     tree = {
         "arena": {
@@ -105,7 +106,7 @@ def embedded_config(tmp: Path) -> Path:
             # the swapped chunks must reach the comparison, not be caught on the way to lmdb
             "commit_checksum": False,
         },
-        "lmdb": {"path": str(tmp / "lmdb"), "budget_bytes": "1GiB"},
+        "lmdb": {"path": str(tmp / "lmdb"), "budget_bytes": "1GiB", **lmdb},
     }
     path.write_text(yaml.safe_dump(tree))
     return path
