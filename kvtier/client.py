@@ -18,6 +18,7 @@ from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, NamespaceSpec
 from kvtier.core.protocol import Answer, DraftState, LookupResult, SlotRef
 from kvtier.tiers.arena import ArenaAtPath, ArenaMemory
+from kvtier.tiers.lmdb_reader import LmdbReader, reader_at
 
 if TYPE_CHECKING:  # the manager is handed in: importing this module loads no tier
     from kvtier.core.config import KVTierConfig
@@ -27,8 +28,10 @@ __all__ = [
     "ArenaAtPath",
     "ArenaMemory",
     "InProcessClient",
+    "LmdbReader",
     "SharedClient",
     "embedded",
+    "reader_at",
     "shared_embedded",
 ]
 
@@ -61,6 +64,11 @@ class InProcessClient:
     @property
     def arena_path(self) -> Path:
         return self.manager.cpu.memory.path
+
+    @property
+    def lmdb_path(self) -> Path | None:
+        lmdb = self.manager.lmdb
+        return None if lmdb is None else lmdb.config.path
 
     @property
     def serving(self) -> bool:
@@ -128,11 +136,11 @@ class InProcessClient:
         self.manager.abort(refs)
 
     def lease(
-        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = ()
+        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = (), in_lmdb: bool = False
     ) -> list[SlotRef | None]:
         if release:
             self.manager.release(release)
-        return self.manager.lease(keys, self.replica)
+        return self.manager.lease(keys, self.replica, in_lmdb=in_lmdb)
 
     def release(self, refs: Sequence[SlotRef]) -> None:
         self.manager.release(refs)

@@ -86,7 +86,10 @@ class ChunkViews:
         return written
 
     def slot_current(self, job: ChunkCopy, plan: PoolPlan, slots: torch.Tensor) -> bool:
-        """Whether the job's slot is the one planned for, in the arena mapped here."""
+        """Whether the job's slot is the one planned for, in the arena mapped here (for a
+        chunk read from lmdb, ``slots`` is that chunk)."""
+        if job.key:
+            return job.offset == 0 and slots.numel() == plan.chunk_bytes
         if not 0 <= job.offset <= slots.numel() - plan.chunk_bytes:
             return False  # a slot outside the mapping: an arena other than the one planned for
         mapped = self.arena

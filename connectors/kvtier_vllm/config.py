@@ -184,6 +184,14 @@ class ConnectorConfig(TiersConfig):
         description="Fingerprint the draft weights before every step that loads or stores "
         "draft chunks, so that none is used under the wrong draft revision.",
     )
+    lmdb_loads: bool = Field(
+        True,
+        description="Load hits held in lmdb straight from lmdb's map in vLLM's workers, "
+        "verified and decoded there, with no arena slot; they are promoted into the arena "
+        "first otherwise. Sidecar mode needs lmdb's directory (lmdb.path) mounted here as "
+        "kvtierd sees it, readable and its lock file writable; where it cannot be opened, the "
+        "connector logs why at start and promotes instead.",
+    )
     window_checkpoint_tokens: int = Field(
         0,
         ge=0,

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.core.protocol import SlotRef, in_lmdb
 from kvtier_vllm.adapter import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+def lmdb_key(ref: SlotRef) -> bytes:
+    """`ChunkCopy.key` for a lease: its chunk's key where it was granted in lmdb, else none."""
+    return bytes(ref.key) if in_lmdb(ref) else b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,11 +33,16 @@ class ChunkCopy:
     load is never mistaken for the current revision's."""
     request: str = ""
     """Asynchronous loads: the request whose load this copy is part of."""
+    key: bytes = b""
+    """A chunk leased in lmdb (`kvtier.core.protocol.in_lmdb`): its key, read from lmdb's map
+    (`KVTierMetadata.lmdb_path`) instead of an arena slot."""
 
 
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
     arena_path: str = ""
+    lmdb_path: str = ""
+    """Where loads leased in lmdb read from ("": none is)."""
     loads: list[ChunkCopy] = field(default_factory=list)
     stores: list[ChunkCopy] = field(default_factory=list)
     zero: dict[str, list[int]] = field(default_factory=dict)

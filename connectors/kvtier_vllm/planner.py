@@ -1,9 +1,10 @@
 """Hit planning: how much of a prompt the tiers hold, and the leases that load it.
 
 A hit is the longest prefix every target plan holds. Its chunks must all be in the arena to be
-loaded: those in lmdb or the object store are promoted in the background and the request is asked
-again next step, for up to ``wait_s``; past that the hit shrinks to what the arena holds. The
-draft pool's chunks come with their target's, or the draft pages are filled.
+loaded (or in lmdb, with ``in_lmdb``: the worker reads those from lmdb's map): the others are
+promoted in the background and the request is asked again next step, for up to ``wait_s``; past
+that the hit shrinks to what the arena holds. The draft pool's chunks come with their target's,
+or the draft pages are filled.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from typing import Any, TypeVar
 
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import ChunkKey, Pool, make_key
-from kvtier.core.protocol import Answer, LookupResult, SlotRef, TierClient, TierCode
+from kvtier.core.protocol import Answer, LookupResult, SlotRef, TierClient, TierCode, in_lmdb
 from kvtier_vllm.draft import DraftTracker, Fill, lease_draft
 from kvtier_vllm.layout import PoolPlan
 from kvtier_vllm.leases import Leases
-from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata
+from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, lmdb_key
 from kvtier_vllm.unreturned import Return, Unreturned
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ Items = TypeVar("Items", bytes, list[Any])
 R = TypeVar("R")
 
 CPU = int(TierCode.CPU)
+LMDB = int(TierCode.LMDB)
 # vLLM's CacheHitSource values per tier; the object store is remote, shared storage
 _HIT_SOURCES = {CPU: "host", int(TierCode.LMDB): "disk"}
 _REMOTE_SOURCE = "external_unspecified"
@@ -127,11 +129,8 @@ class LoadPlan:
             for chunk, ref in enumerate(refs, start):
                 first = max(0, skip - chunk * bpc)
                 blocks = tuple(ids[chunk * bpc + first : (chunk + 1) * bpc])
-                meta.loads.append(
-                    ChunkCopy(
-                        key, ref.slot, ref.offset, ref.generation, blocks, first, fill, request
-                    )
-                )
+                args = (key, ref.slot, ref.offset, ref.generation, blocks, first, fill, request)
+                meta.loads.append(ChunkCopy(*args, lmdb_key(ref)))
         end = (self.first_chunk + self.chunks) * bpc
         for key in self.zero_plans:
             span = self.first_chunk, self.first_chunk + self.chunks
@@ -204,8 +203,12 @@ class HitPlanner:
         leases: Leases | None = None,
         unreturned: Unreturned | None = None,
         on_error: Callable[[str, KVTierError], None] = _log_error,
+        in_lmdb: bool = False,
     ) -> None:
         self.client = client
+        self.in_lmdb = in_lmdb
+        """Chunks lmdb holds load from there (`TierClient.lease`), with no promotion."""
+        self.loadable = bytes([CPU, LMDB] if in_lmdb else [CPU])
         self.namespaces = namespaces
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = blocks_per_chunk
@@ -239,7 +242,7 @@ class HitPlanner:
         """Whether a plan made at an earlier ask still stands, read from the arena without a
         call: every chunk it leased is in the same slot, and the arena holds no chunk past its
         hit (a lookup now would find a longer one). False where the arena cannot be read so."""
-        refs = plan.refs()
+        refs = [r for r in plan.refs() if not in_lmdb(r)]
         end = plan.first_chunk + plan.chunks
         past = self.keys(self.anchor, hashes, [end]) if end < limit else []
         found = self.client.in_arena([r.key for r in refs] + past)
@@ -299,9 +302,12 @@ class HitPlanner:
         anchor_start, anchor_codes = found.tiers[self.anchor.key]
         for chunk, code in enumerate(anchor_codes, anchor_start):
             asked.first_tiers.setdefault(chunk, code)
-        # per plan, the chunks of the hit not in the arena
+        # per plan, the chunks of the hit to bring up first
+        loadable = self.loadable
         below = {
-            plan.key: [c for c, code in enumerate(codes[: chunks - start], start) if code != CPU]
+            plan.key: [
+                c for c, code in enumerate(codes[: chunks - start], start) if code not in loadable
+            ]
             for plan in self.targets
             for start, codes in (found.tiers[plan.key],)
         }
@@ -427,7 +433,12 @@ class HitPlanner:
             self._give_back(early)
             keys = [k for plan, span in spans for k in self.keys(plan, hashes, span)]
             # every plan's chunks in one call
-            early = by_plan(spans, self._releasing_due(lambda due: client.lease(keys, release=due)))
+            early = by_plan(
+                spans,
+                self._releasing_due(
+                    lambda due: client.lease(keys, release=due, in_lmdb=self.in_lmdb)
+                ),
+            )
         offered: dict[str, tuple[int, list[SlotRef | None]]] = {}
         granted = chunks
         for plan, span in spans:

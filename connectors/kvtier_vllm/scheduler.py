@@ -34,6 +34,7 @@ from kvtier_vllm.draft_pool import DraftPool
 from kvtier_vllm.events import KVEventFeed
 from kvtier_vllm.layout import engine_plans
 from kvtier_vllm.leases import Leases
+from kvtier_vllm.lmdb_loads import readable_lmdb
 from kvtier_vllm.lookups import Lookups
 from kvtier_vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.planner import Asked, HitPlanner, LoadPlan, targets_of
@@ -91,6 +92,8 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         )
         self.draft = self.draft_pool.tracker if self.draft_pool is not None else None
         self.arena_path = ""
+        self.lmdb_path = ""
+        """Where the workers read loads leased in lmdb ("": none is leased there)."""
         self.events = KVEventFeed(self.block_size, publishes_kv_events(vllm_config))
         self.leases = Leases(_LEASE_STEPS)
         self.verifier = Verifier(
@@ -144,6 +147,7 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         client = self.session.client
         if self.planner is None and client is not None:
             self.arena_path = str(client.arena_path)
+            self.lmdb_path = readable_lmdb(client, self.cfg.lmdb_loads)
             coded = client.coded()
             self.verifier.codes({k: coded[ns] for k, ns in self.namespaces.items() if ns in coded})
             if self.draft_pool is not None:
@@ -161,6 +165,7 @@ class KVTierScheduler(Lookups, AbandonedLoads):
                 leases=self.leases,
                 unreturned=self.unreturned,
                 on_error=self._guard,
+                in_lmdb=bool(self.lmdb_path),
             )
             self.stores = Stores(
                 client,
@@ -266,6 +271,7 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         if self.client is not None:  # a restarted daemon may have put its arena elsewhere
             self.arena_path = str(self.client.arena_path)
         meta.arena_path = self.arena_path
+        meta.lmdb_path = self.lmdb_path
         if self.client is None:
             return meta
         self.unreturned.retry(self.client)

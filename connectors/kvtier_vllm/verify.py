@@ -23,7 +23,7 @@ from kvtier.core.keys import Pool, namespace_of
 from kvtier.core.protocol import SlotRef
 from kvtier_vllm.draft import Fill
 from kvtier_vllm.layout import PoolPlan
-from kvtier_vllm.metadata import ChunkCopy
+from kvtier_vllm.metadata import ChunkCopy, lmdb_key
 from kvtier_vllm.planner import LoadPlan
 from kvtier_vllm.stats import KVTierStats
 
@@ -141,7 +141,9 @@ class Verifier:
                 if len(blocks) < bpc or not all(blocks):
                     continue  # a block vLLM let go of already: nothing to compare with
                 sampled.compared.add((key, chunk))
-                job = ChunkCopy(key, ref.slot, ref.offset, ref.generation, blocks)
+                job = ChunkCopy(
+                    key, ref.slot, ref.offset, ref.generation, blocks, key=lmdb_key(ref)
+                )
                 self._next.append((job, ref))
 
     def hand_out(self) -> tuple[list[ChunkCopy], list[SlotRef]]:

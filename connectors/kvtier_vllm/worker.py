@@ -6,7 +6,8 @@ slot that was reused meanwhile (its generation moved) is reported as a load erro
 recomputes those blocks instead of using them: per block with one KV-cache group, per request
 (an asynchronous load) with several. The generation is checked once the copy landed, never when
 it is queued: on a device the bytes are read later, and an arena-index hit holds no lease, so
-its slot may be evicted and rewritten in between.
+its slot may be evicted and rewritten in between. A chunk leased in lmdb is read from lmdb's map
+into a buffer of its own first (`kvtier_vllm.lmdb_loads`), verified there, and copied from it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.copies import CpuCopies, Fence, copies_for
 from kvtier_vllm.draft import DraftWatch, Fill, find_draft_model_source
 from kvtier_vllm.layout import kv_groups, plan_pools
+from kvtier_vllm.lmdb_loads import LmdbStaging
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.pages import own_caches, pages_of, stacked
 from kvtier_vllm.sends import PendingSends
@@ -46,6 +48,8 @@ class _Issued:
     """The mapping they were read from; a remapped arena fails them."""
     copies: list[tuple[ChunkCopy, float]]
     """Each load, with the seconds its copy took to issue."""
+    read: list[torch.Tensor]
+    """The chunks read from lmdb that the copies read from: kept until they landed."""
 
 
 class KVTierWorker:
@@ -78,6 +82,7 @@ class KVTierWorker:
         self._draft_watch: DraftWatch | None = None
         self._draft_ok = True
         self._fingerprints: dict[int, str] = {}
+        self.staging = LmdbStaging()
 
     @property
     def _arena(self) -> ArenaMemory | None:
@@ -208,16 +213,33 @@ class KVTierWorker:
             return
         failed: set[str] = set()
         issued: list[tuple[ChunkCopy, float]] = []
+        read: list[torch.Tensor] = []
         slots = self._slots(meta.arena_path)
         if slots is None or self._arena is None:
             self._fail_loads(meta.loads, failed)
         else:
             self.copies.begin_loads()
+            self.staging.read_ahead(meta.lmdb_path, [job for job in meta.loads if job.key])
             coded: list[ChunkCopy] = []
             for job in meta.loads:
                 plan = self.plans.get(job.plan)
+                source = slots
+                if job.key and plan is not None:
+                    started = time.perf_counter()
+                    chunk = self.staging.stage(meta.lmdb_path, job, plan.chunk_bytes)
+                    if chunk is None:
+                        self._fail_loads([job], failed)
+                        self._record("load", job, started, False)
+                        continue
+                    read.append(source := chunk)
                 if plan is not None and plan.codec is not None:
-                    coded.append(job)
+                    if not job.key:
+                        coded.append(job)
+                        continue
+                    if self.views.decode_loads([job], source)[0]:
+                        issued.append((job, 0.0))
+                    else:
+                        self._fail_loads([job], failed)
                     continue
                 if self._is_draft(job) and not job.fill:
                     if not self._draft_ok:  # planned for other weights: a defined fill instead
@@ -227,7 +249,7 @@ class KVTierWorker:
                     if not checked and self._draft_watch is not None:
                         self._draft_watch.unverified += 1
                 started = time.perf_counter()
-                if self._copy(job, slots, into_arena=False):
+                if self._copy(job, source, into_arena=False):
                     issued.append((job, time.perf_counter() - started))
                 else:
                     self._fail_loads([job], failed)
@@ -251,10 +273,10 @@ class KVTierWorker:
         fence = self.copies.fence()
         sync = [c for c in issued if not c[0].request]
         if sync:
-            self._loads.append(_Issued(fence, self._arena, sync))
+            self._loads.append(_Issued(fence, self._arena, sync, read))
         if meta.receiving:
             asynchronous = [c for c in issued if c[0].request]
-            loads = _Issued(fence, self._arena, asynchronous)
+            loads = _Issued(fence, self._arena, asynchronous, read)
             self._receiving.append((loads, set(meta.receiving), failed))
 
     def _check_landed(self, loads: _Issued, failed: set[str]) -> None:
@@ -263,7 +285,7 @@ class KVTierWorker:
         rewritten); any other slot is a load error."""
         arena = loads.arena
         for job, seconds in loads.copies:
-            ok = (
+            ok = bool(job.key) or (  # read from lmdb, verified: no slot to check
                 arena is not None
                 and arena is self._arena
                 and arena.is_current(job.slot, job.generation)
@@ -287,7 +309,7 @@ class KVTierWorker:
     def _fail_requests(self, requests: set[str]) -> None:
         """Asynchronous loads that will not come: reported finished and failed at once."""
         if requests:
-            self._receiving.append((_Issued(Fence(), None, []), requests, requests))
+            self._receiving.append((_Issued(Fence(), None, [], []), requests, requests))
 
     def unchecked_errors(self) -> set[int]:
         """Every block loaded since vLLM last asked: what it must recompute when the check
@@ -380,9 +402,12 @@ class KVTierWorker:
             if plan is not None and not plan.shard.writes:
                 continue  # another rank holding the same heads compares them
             error = -1.0
+            source = slots
+            if job.key and plan is not None:
+                source = self.staging.stage(meta.lmdb_path, job, plan.chunk_bytes)
             # other weights' draft KV than the chunk's: no comparison says anything
-            if slots is not None and (self._draft_ok or not self._is_draft(job)):
-                error = self.views.compare(job, slots)
+            if source is not None and (self._draft_ok or not self._is_draft(job)):
+                error = self.views.compare(job, source)
             self._compared.append((job.slot, job.generation, error))
 
     def _record(self, direction: str, job: ChunkCopy, started: float, ok: bool) -> None:

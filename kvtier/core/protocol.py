@@ -4,7 +4,8 @@ it (a TierManager in this process, or kvtierd over gRPC).
 
 Both sides import this module; it imports nothing of kvtier but keys and the journal, so a client
 never loads the tiers or the server. Chunk bytes never travel here: a client maps the arena by
-path (`TierClient.arena_path`) and addresses it with the offsets in each `SlotRef`.
+path (`TierClient.arena_path`) and addresses it with the offsets in each `SlotRef`, and reads a
+chunk leased in lmdb from lmdb's map (`TierClient.lmdb_path`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, NamespaceSpec
 
 __all__ = [
+    "LMDB_SLOT",
     "Answer",
     "DraftRevision",
     "DraftState",
@@ -29,6 +31,7 @@ __all__ = [
     "TierClient",
     "TierCode",
     "arena_hit",
+    "in_lmdb",
 ]
 
 T_co = TypeVar("T_co", covariant=True)
@@ -88,6 +91,16 @@ class LookupResult:
         return [_NAMES[c] for c in self.tier_codes]
 
 
+LMDB_SLOT = (1 << 64) - 1
+"""The slot of a lease granted in lmdb (`TierClient.lease` with ``in_lmdb``): no arena slot holds
+the chunk, the client reads it from lmdb's map by its key (`kvtier.tiers.lmdb_reader`)."""
+
+
+def in_lmdb(ref: SlotRef) -> bool:
+    """Whether ``ref`` is a lease granted in lmdb rather than on an arena slot."""
+    return ref.slot == LMDB_SLOT
+
+
 def arena_hit(result: LookupResult) -> int:
     """How many chunks a lookup found, when the arena holds every one of them; else 0 (part
     of the hit is still to be promoted, and leases now would only be given back)."""
@@ -135,6 +148,12 @@ class Answer(Protocol[T_co]):
 class TierClient(Protocol):
     @property
     def arena_path(self) -> Path: ...
+
+    @property
+    def lmdb_path(self) -> Path | None:
+        """lmdb's environment, for leases granted there (None: no lmdb tier, or one not to be
+        read beside its writer)."""
+        ...
 
     @property
     def serving(self) -> bool:
@@ -213,9 +232,11 @@ class TierClient(Protocol):
     def abort(self, refs: Sequence[SlotRef]) -> None: ...
 
     def lease(
-        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = ()
+        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = (), in_lmdb: bool = False
     ) -> list[SlotRef | None]:
-        """Lease the keys' chunks, first ending the leases ``release``, in one call."""
+        """Lease the keys' chunks, first ending the leases ``release``, in one call. With
+        ``in_lmdb``, a chunk lmdb holds and the arena does not is leased there (`in_lmdb`): the
+        caller reads it from `lmdb_path` itself, and it takes no arena slot."""
         ...
 
     def release(self, refs: Sequence[SlotRef]) -> None: ...

@@ -69,6 +69,7 @@ class DaemonSession(ABC):
         self._pools: list[tier_pb2.PoolRegistration] = []
         self._reopen_lock = threading.Lock()
         self._arena_path: Path | None = None
+        self._lmdb_path: Path | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._drafts: dict[bytes, DraftState] = {}
@@ -161,6 +162,10 @@ class DaemonSession(ABC):
             raise KVTierError("register a pool first: the arena path comes with the session")
         return self._arena_path
 
+    @property
+    def lmdb_path(self) -> Path | None:
+        return self._lmdb_path
+
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes:
         """Add a pool to this client's session (opening one if needed); returns its namespace."""
         registration = tier_pb2.PoolRegistration(spec=spec_to(spec), chunk_bytes=chunk_bytes)
@@ -195,6 +200,7 @@ class DaemonSession(ABC):
                 raise translate(self.target, exc) from None
         self.session_id = response.session_id
         self._arena_path = Path(response.arena_path)
+        self._lmdb_path = Path(response.lmdb_path) if response.lmdb_path else None
         if readable_here() and (self._arena is None or self._arena.path != self._arena_path):
             self._arena = ArenaAtPath(self._arena_path, populate=False)
         self._drafts = drafts_from(response.drafts)

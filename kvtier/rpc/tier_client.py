@@ -23,6 +23,7 @@ _LOOKUP_LEASE = tier_pb2.LookupRequest.LEASE_FIELD_NUMBER
 _LOOKUP_AGAIN = tier_pb2.LookupRequest.AGAIN_FIELD_NUMBER
 _LOOKUP_SERVED = tier_pb2.LookupRequest.SERVED_FIELD_NUMBER
 _LOOKUP_VERIFY = tier_pb2.LookupRequest.VERIFY_FIELD_NUMBER
+_PREFETCH_IN_LMDB = tier_pb2.PrefetchRequest.IN_LMDB_FIELD_NUMBER
 _IN_ARENA = int(TierCode.CPU)
 _MAX_REPORT = 4096  # keys per report, under the daemon's batch limit
 
@@ -251,10 +252,12 @@ class GrpcTierClient(DaemonSession):
         return response.committed, grants_from(response.grants)
 
     def lease(
-        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = ()
+        self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = (), in_lmdb: bool = False
     ) -> list[SlotRef | None]:
         """Lease the keys' chunks; with ``release``, end those leases first, in one call."""
-        return grants_from(self._keys_call(self._prefetch, keys, self._leased(release)).leases)
+        flags = (_PREFETCH_IN_LMDB,) if in_lmdb else ()
+        response = self._keys_call(self._prefetch, keys, self._leased(release), flags)
+        return grants_from(response.leases)
 
     def reserve_async(
         self, keys: Sequence[ChunkKey], *, commit: Sequence[SlotRef]

@@ -133,6 +133,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
                     self.manager.config.lower_codecs
                 ).items()
             ],
+            lmdb_path=str(lmdb.config.path) if (lmdb := self.manager.lmdb) is not None else "",
         )
 
     @_timed("lookup")
@@ -203,15 +204,16 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         # check everything first: a bad call changes nothing
         keys = self._own_keys(session, request.keys)
         self.sessions.release(session, self._refs(session, request.release))
-        return tier_pb2.PrefetchResponse(leases=grants_to(self._lease(session, keys)))
+        leases = self._lease(session, keys, in_lmdb=request.in_lmdb)
+        return tier_pb2.PrefetchResponse(leases=grants_to(leases))
 
     def _lease(
-        self, session: Session, keys: list[ChunkKey], hold: bool = True
+        self, session: Session, keys: list[ChunkKey], hold: bool = True, in_lmdb: bool = False
     ) -> list[SlotRef | None]:
         """Lease the keys' chunks for a load; without ``hold``, end the leases at once (the
         client loaded them already: the lease only moves them up the eviction order)."""
         started = time.perf_counter()
-        leases = self.sessions.lease(session, keys)
+        leases = self.sessions.lease(session, keys, in_lmdb)
         held = [lease for lease in leases if lease is not None]
         if not hold:
             self.sessions.release(session, held)

@@ -192,14 +192,16 @@ class SessionRegistry:
     def abort(self, session: Session, refs: Sequence[SlotRef]) -> None:
         self.manager.abort(self._take_reservations(session, refs))
 
-    def lease(self, session: Session, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
+    def lease(
+        self, session: Session, keys: Sequence[ChunkKey], in_lmdb: bool = False
+    ) -> list[SlotRef | None]:
         held = len(session.leases)
         if held + len(keys) > self.max_session_leases:
             raise CapacityError(
                 f"this session holds {held} leases and asks for {len(keys)} more, past "
                 f"server.max_session_leases ({self.max_session_leases}); release leases first"
             )
-        leases = self.manager.lease(keys, session.replica)
+        leases = self.manager.lease(keys, session.replica, in_lmdb=in_lmdb)
         with self._lock:
             if not session.closed:
                 now = self._clock()

@@ -3,7 +3,8 @@
 - ``lookup`` answers with the longest present prefix and the tier of each of its chunks (and,
   with ``lease=True``, leases them when the arena holds them all);
 - stores are reserve -> write into the slot -> commit, or abort; uncommitted chunks are unseen;
-- ``lease`` leases arena chunks, promoting lmdb chunks into the arena first;
+- ``lease`` leases arena chunks, promoting lmdb chunks into the arena first (or, for a client that
+  reads lmdb's map itself, leasing them in lmdb);
 - committed arena chunks are written back to lmdb by a background thread before they can be
   evicted (write-back), or right after commit (write-through); the data plane never waits on it;
 - with an object store, chunks written to lmdb are uploaded from a bounded queue, object chunks are
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +43,9 @@ from kvtier.core.protocol import (
     TierCode,
     TierStats,
     arena_hit,
+    in_lmdb,
 )
+from kvtier.tiering.admission import HitAdmission
 from kvtier.tiering.drafts import DraftRevisions
 from kvtier.tiering.maintenance import DrainResult, Maintenance, VerifyProgress, WarmupProgress
 from kvtier.tiering.promotion import Promoter
@@ -64,7 +66,6 @@ log = logging.getLogger(__name__)
 _CPU = int(TierCode.CPU)
 _LMDB = int(TierCode.LMDB)
 _OBJECT = int(TierCode.OBJECT)
-_MAX_TRACKED = 1 << 17  # bound on per-key hit counts
 
 
 @dataclass(slots=True)
@@ -108,8 +109,9 @@ class TierManager:
                     lambda limit: lmdb_tier.newest_chunks(limit, REMOTE_REPLICA),
                     lambda: [reg.namespace for reg in registry.registrations()],
                 )
-        self._hit_counts: Counter[ChunkKey] = Counter()
-        self._hits_lock = threading.Lock()
+        self.admission: HitAdmission | None = None
+        if self.uploader is not None and config.object.admission is Admission.HITS:
+            self.admission = HitAdmission(self.uploader, config.object)
         self.quarantines = Quarantines(self.lmdb)
         self.journal = Journal()
         for local in (self.cpu, self.lmdb):
@@ -303,24 +305,6 @@ class TierManager:
             else:
                 break
 
-    # -- object-store admission ----------------------------------------------------------
-
-    def _count_hits(self, keys: Sequence[ChunkKey], replica: str) -> None:
-        """Admission by hits: offer a chunk for upload once it was loaded often enough."""
-        if self.uploader is None or self.config.object.admission is not Admission.HITS:
-            return
-        threshold = self.config.object.admission_min_hits
-        hot = []
-        with self._hits_lock:
-            if len(self._hit_counts) > _MAX_TRACKED:
-                self._hit_counts.clear()
-            for key in keys:
-                self._hit_counts[key] += 1
-                if self._hit_counts[key] == threshold:
-                    hot.append(key)
-        if hot:
-            self.uploader.offer(hot, replica)
-
     # -- store ----------------------------------------------------------------------------
 
     def reserve(self, keys: Sequence[ChunkKey], replica: str = "default") -> list[SlotRef | None]:
@@ -352,21 +336,28 @@ class TierManager:
 
     # -- lease ----------------------------------------------------------------------------
 
-    def lease(self, keys: Sequence[ChunkKey], replica: str = "default") -> list[SlotRef | None]:
-        """Leases on arena slots holding each key, promoting from lmdb where needed.
+    def lease(
+        self, keys: Sequence[ChunkKey], replica: str = "default", *, in_lmdb: bool = False
+    ) -> list[SlotRef | None]:
+        """Leases on arena slots holding each key, promoting from lmdb where needed; with
+        ``in_lmdb``, a chunk lmdb holds is leased there instead (`kvtier.tiers.lmdb_loads`).
 
         None where a key is nowhere, or failed verification (it is then quarantined).
         """
         self._check_pools(keys)
         leases = self.cpu.lease(keys)
-        if self.promoter is None:
+        if self.promoter is None or self.lmdb is None:
             return leases
         for i, lease in enumerate(leases):
             if lease is None:
-                leases[i] = self.promoter.promote(keys[i], replica)
+                key = keys[i]
+                leases[i] = (
+                    self.lmdb.loads.lease(key) if in_lmdb else self.promoter.promote(key, replica)
+                )
         leased = [k for k, ref in zip(keys, leases, strict=True) if ref is not None]
         self.promoter.claimed(leased)
-        self._count_hits(leased, replica)
+        if self.admission is not None:
+            self.admission.loaded(leased, replica)
         return leases
 
     def promote(self, keys: Sequence[ChunkKey], replica: str = "default") -> int:
@@ -390,6 +381,9 @@ class TierManager:
         return queued
 
     def release(self, refs: Sequence[SlotRef]) -> None:
+        if self.lmdb is not None and any(map(in_lmdb, refs)):
+            self.lmdb.loads.release(refs)
+            refs = [ref for ref in refs if not in_lmdb(ref)]
         self.cpu.release(refs)
 
     def chunk_events(self, cursor: int, limit: int = 4096) -> ChunkEvents:

@@ -19,6 +19,10 @@ from kvtier.tiers.objstore.uploader import Uploader
 
 log = logging.getLogger(__name__)
 
+PRESSED_S = 10.0
+"""After a store is refused for want of a clean slot, how long write-back keeps every chunk
+written (about a round of prefills): a refused store is a later miss, dearer than the writing."""
+
 
 class WriteBack:
     def __init__(
@@ -44,6 +48,7 @@ class WriteBack:
         cpu.track_dirty(True)
         cpu.set_clean_reserve(1.0 if self._write_through else config.manager.clean_reserve)
         self._idle: Callable[[], bool] = lambda: False
+        self._pressed_until = 0.0
         # held while a batch holds its chunks' slots, so an admin eviction can wait for it
         self._batching = threading.Lock()
         self._wake = threading.Event()
@@ -65,8 +70,14 @@ class WriteBack:
             self._wake.wait(0.5)
             self._wake.clear()
             try:
+                # stores refused lately: the reserve does not keep up with them, so every
+                # dirty chunk is written, busy engines or not, until none was for a while
+                if self._cpu.take_refused():
+                    self._counters.add("writeback_pressed", 1)
+                    self._pressed_until = time.monotonic() + PRESSED_S
+                pressed = self._write_through or time.monotonic() < self._pressed_until
                 # asked again each batch: an engine that starts a request stops the writing
-                while self._batch(everything=self._write_through or self._idle()):
+                while self._batch(everything=pressed or self._idle()):
                     pass
                 self._between_batches()
             except Exception:  # never let the mover die silently

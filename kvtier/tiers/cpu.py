@@ -43,6 +43,7 @@ class CpuTier(ArenaSlots):
                 slot = self._allocate(cls, q)
                 if slot is None:
                     self._counters.add("store_rejected", 1)
+                    self._refused += 1
                     out.append(None)
                     continue
                 self._key[slot] = key
@@ -178,6 +179,13 @@ class CpuTier(ArenaSlots):
 
     def set_clean_reserve(self, share: float) -> None:
         self._clean_reserve = share
+
+    def take_refused(self) -> int:
+        """Stores refused for want of a free or clean slot since last asked: the clean reserve
+        was too small for the stores coming in, and each one refused is a later miss."""
+        with self._lock:
+            refused, self._refused = self._refused, 0
+        return refused
 
     def count_held(self, held_slots: Callable[[str, int], int]) -> None:
         """How many slots of a pool's class (its pool, its slot bytes) are held for loads

@@ -88,6 +88,8 @@ class ArenaSlots(Tier):
         )
         self._track_dirty = False
         self._clean_reserve = 0.2
+        self._refused = 0
+        """Stores refused for want of room since write-back last asked (`CpuTier.take_refused`)."""
         self._held_slots: Callable[[str, int], int] = lambda pool, slot_bytes: 0
         self._closed = False
         registry.admit_with(self.accept)  # a pool the arena refuses is never registered

@@ -19,13 +19,13 @@ import lmdb
 from kvtier.core.config import Durability, LMDBConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
+from kvtier.tiers.lmdb_reader import DATABASES
 
 log = logging.getLogger("kvtier.tiers.lmdb_tier")  # the tier's logger, which operators filter on
 
 MAP_HEADROOM = 64 << 20
 DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"
-DATABASES = (b"chunks", b"lru", b"meta", b"pins", b"records")
 # what LMDB raises on pages or headers it cannot make sense of (an environment to move aside)
 UNREADABLE_ERRORS = (
     lmdb.InvalidError,

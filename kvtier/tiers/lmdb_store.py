@@ -19,7 +19,6 @@ from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.base import Tier
 from kvtier.tiers.lmdb_env import (
     DATA_FILE,
-    DATABASES,
     MAP_HEADROOM,
     adopt_map_size,
     budget,
@@ -28,6 +27,7 @@ from kvtier.tiers.lmdb_env import (
     walk,
 )
 from kvtier.tiers.lmdb_index import Entry, read_index
+from kvtier.tiers.lmdb_reader import DATABASES
 
 log = logging.getLogger("kvtier.tiers.lmdb_tier")  # the tier's logger, which operators filter on
 

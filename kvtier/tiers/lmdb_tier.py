@@ -42,11 +42,13 @@ from kvtier.core.errors import ChunkFormatError, CorruptChunkError
 from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.core.pools import PoolRegistry, Registration
 from kvtier.core.protocol import TierStats, UsageStats
+from kvtier.tiers import lmdb_reader
 from kvtier.tiers.lmdb_env import (
     UNREADABLE_ERRORS,
     move_aside,
 )
 from kvtier.tiers.lmdb_index import TICK_BYTES, Entry, Pending, lru_key
+from kvtier.tiers.lmdb_loads import LmdbLoads
 from kvtier.tiers.lmdb_store import LmdbStore
 from kvtier.tiers.lmdb_values import copy_encoded, copy_payload, verify, will_need
 
@@ -64,6 +66,8 @@ class LmdbTier(LmdbStore):
 
     def __init__(self, config: LMDBConfig, registry: PoolRegistry) -> None:
         super().__init__(config, registry)
+        self.loads = LmdbLoads(self.touch, registry, self._counters)
+        lmdb_reader.adopt(config.path, self.env, self._chunks)
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
         if config.sync_interval_s > 0:
@@ -208,7 +212,7 @@ class LmdbTier(LmdbStore):
             for key, old in list(self._index.items()):
                 if self._used - freed <= target:
                     return evicted
-                if old.pinned or namespace_of(key) not in self._retired:
+                if old.pinned or namespace_of(key) not in self._retired or key in self.loads:
                     continue
                 txn.delete(lru_key(old.tick, key), db=self._lru)
                 txn.delete(key, db=self._chunks)
@@ -223,6 +227,8 @@ class LmdbTier(LmdbStore):
             key = ChunkKey(bytes(raw[TICK_BYTES:]))
             if key in gone:  # a retired one, deleted above under an older tick
                 cursor.delete()
+                continue
+            if key in self.loads:  # an engine reads it from the map (`lmdb_loads`)
                 continue
             entry = self._index.get(key)
             cursor.delete()
@@ -252,6 +258,13 @@ class LmdbTier(LmdbStore):
             self.quarantine(key, failure)
             return False
         self._counters.add("hits", 1)
+        self.touch(key)
+        return True
+
+    def touch(self, key: ChunkKey) -> bool:
+        """Whether lmdb holds ``key``, moved up the eviction order if so (it is being read)."""
+        if key not in self._index:
+            return False
         if self._track_access and len(self._touched) < _MAX_PENDING_TOUCHES:
             self._touched[key] = None
         return True
@@ -474,6 +487,7 @@ class LmdbTier(LmdbStore):
         self._stop.set()
         if self._syncer is not None:
             self._syncer.join()
+        lmdb_reader.disown(self.config.path)
         try:
             self.sync()
         finally:

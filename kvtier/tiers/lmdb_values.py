@@ -2,33 +2,14 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import mmap
-from collections.abc import Sequence
-
 import lmdb
-import numpy as np
 
 from kvtier.core import blockfmt
 from kvtier.core.errors import ChunkFormatError
 from kvtier.core.keys import ChunkKey
+from kvtier.tiers.lmdb_reader import copy_payload, will_need
 
-
-def copy_payload(
-    env: lmdb.Environment, chunks: lmdb._Database, key: ChunkKey, dst: memoryview
-) -> tuple[bool, ChunkFormatError | None]:
-    """Copy a chunk's payload out, verified: whether it is stored, and how it failed if it
-    did (then ``dst`` holds garbage). LMDB's buffer is invalid once the transaction ends."""
-    with env.begin(db=chunks, buffers=True) as txn:
-        value = txn.get(key)
-        if value is None:
-            return False, None
-        try:
-            blockfmt.decode_into(value, key, dst)
-        except ChunkFormatError as exc:
-            return True, exc
-    return True, None
+__all__ = ["copy_encoded", "copy_payload", "verify", "will_need"]
 
 
 def copy_encoded(
@@ -57,27 +38,3 @@ def verify(
         except ChunkFormatError as exc:
             return exc
     return True
-
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_MADV_WILLNEED = 3
-
-
-def will_need(env: lmdb.Environment, chunks: lmdb._Database, keys: Sequence[ChunkKey]) -> int:
-    """Ask the kernel to read the stored chunks of ``keys`` ahead (madvise WILLNEED on their
-    pages of the map), so that reads of several cold chunks overlap on the disk instead of
-    faulting in one after another; returns how many were found. Nothing is read here."""
-    found = 0
-    page = mmap.PAGESIZE
-    with env.begin(db=chunks, buffers=True) as txn:
-        for key in keys:
-            value = txn.get(key)
-            if value is None:
-                continue
-            found += 1
-            start = int(np.frombuffer(value, np.uint8).ctypes.data)
-            first = start - start % page
-            _libc.madvise(
-                ctypes.c_void_p(first), ctypes.c_size_t(start + len(value) - first), _MADV_WILLNEED
-            )
-    return found

@@ -20,7 +20,7 @@ from benchmarks.vision_models import colour_blocks, image_prompt
 from kvtier.core.blockfmt import peek_header
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import Pool
-from kvtier.tiers.lmdb_env import DATABASES
+from kvtier.tiers.lmdb_reader import DATABASES
 from tests.e2e.conftest import deploy, set_engine_env
 from tests.e2e.models import BLOCK_SIZE, counter, greedy, running_llm
 from tests.e2e.test_connector import NO_VERIFICATION, embedded_yaml, kvtier_config

@@ -14,7 +14,7 @@ from kvtier.core.errors import ConfigError, UnknownPoolError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import SlotRef, TierClient
 from kvtier.tiering.manager import TierManager
-from kvtier.tiers.lmdb_values import will_need
+from kvtier.tiers.lmdb_reader import will_need
 from tests.support import MiB, draft_spec, keys_for, manager_config, payload_for, target_spec
 
 CHUNK = 256 << 10

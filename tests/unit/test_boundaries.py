@@ -15,12 +15,14 @@ SOURCES = (ROOT / "kvtier", ROOT / "connectors" / "kvtier_vllm")
 GENERATED = "kvtier.api"  # protoc's stubs
 MAX_LINES = 500
 
-# The arena file's own layout, which a client maps to reach the chunks: no tier behind it.
-ARENA = ("kvtier.tiers.arena", "kvtier.tiers.arena_index")
+# The arena file's own layout, which a client maps to reach the chunks, and the reader of lmdb's
+# file for loads leased there: no tier behind either.
+ARENA = ("kvtier.tiers.arena", "kvtier.tiers.arena_index", "kvtier.tiers.lmdb_reader")
 
 # Which package may import which, bottom layer first; a package always imports itself. The
 # clients (rpc, client, hidden, the connector) sit beside the tier manager, not above it: they
-# reach the tiers through kvtierd or a manager handed to them, and map only the arena's file.
+# reach the tiers through kvtierd or a manager handed to them, and map only the arena's file (and
+# read lmdb's).
 ALLOWED: dict[str, tuple[str, ...]] = {
     "kvtier": (),  # the package itself: its docstring and version
     "kvtier.api": (),

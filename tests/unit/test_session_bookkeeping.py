@@ -70,8 +70,8 @@ def _reaping_midway(
     real: Callable[..., Any] = getattr(manager, name)
     reaped: list[int] = []
 
-    def racing(*args: Any) -> Any:
-        out = real(*args)
+    def racing(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
         clock.now += 10
         reaped.append(sessions.reap())
         return out

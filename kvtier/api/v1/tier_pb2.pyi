@@ -231,10 +231,15 @@ class RegisterSessionResponse(_message.Message):
     DRAFTS_FIELD_NUMBER: _builtins.int
     QUARANTINED_FIELD_NUMBER: _builtins.int
     CODED_FIELD_NUMBER: _builtins.int
+    LMDB_PATH_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     arena_path: _builtins.str
     heartbeat_interval_ms: _builtins.int
     session_timeout_ms: _builtins.int
+    lmdb_path: _builtins.str
+    """lmdb's environment directory, for leases granted in lmdb (PrefetchRequest.in_lmdb); empty
+    where the daemon has no lmdb tier.
+    """
     @_builtins.property
     def namespaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """The 16-byte namespace of each registered pool, in request order."""
@@ -264,10 +269,11 @@ class RegisterSessionResponse(_message.Message):
         drafts: _abc.Iterable[Global___DraftState] | None = ...,
         quarantined: _abc.Iterable[_builtins.bytes] | None = ...,
         coded: _abc.Iterable[Global___CodedNamespace] | None = ...,
+        lmdb_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_path", b"arena_path", "coded", b"coded", "drafts", b"drafts", "heartbeat_interval_ms", b"heartbeat_interval_ms", "namespaces", b"namespaces", "quarantined", b"quarantined", "session_id", b"session_id", "session_timeout_ms", b"session_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_path", b"arena_path", "coded", b"coded", "drafts", b"drafts", "heartbeat_interval_ms", b"heartbeat_interval_ms", "lmdb_path", b"lmdb_path", "namespaces", b"namespaces", "quarantined", b"quarantined", "session_id", b"session_id", "session_timeout_ms", b"session_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -653,7 +659,12 @@ class PrefetchRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     KEYS_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
+    IN_LMDB_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    in_lmdb: _builtins.bool
+    """The client reads chunks from lmdb's map itself: a chunk lmdb holds and the arena does not
+    is leased in lmdb (its ref's slot is 2^64-1) instead of promoted into an arena slot.
+    """
     @_builtins.property
     def keys(self) -> Global___KeyBatch: ...
     @_builtins.property
@@ -666,10 +677,11 @@ class PrefetchRequest(_message.Message):
         session_id: _builtins.str = ...,
         keys: Global___KeyBatch | None = ...,
         release: _abc.Iterable[Global___SlotRef] | None = ...,
+        in_lmdb: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "release", b"release", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_lmdb", b"in_lmdb", "keys", b"keys", "release", b"release", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

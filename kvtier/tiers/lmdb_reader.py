@@ -1,0 +1,157 @@
+"""Reading chunks held in lmdb from another process than the one that writes them.
+
+A load granted in lmdb (`kvtier.core.protocol.in_lmdb`) is read by the engine's worker itself,
+straight from the environment's map: the hit needs no arena slot, so an arena smaller than
+what the engines load at once stops capping how much of the working set they can serve.
+LMDB admits readers beside its one writer: each read is one short read transaction, whose
+snapshot stays whole even if the writer deletes the chunk meanwhile, and every read is verified
+(and decoded, for a coded lmdb) as the tier's own reads are.
+
+An environment must be opened once per process: where the tiers run in this process (embedded
+mode), their open environment is adopted (`adopt`) instead of opening it a second time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from kvtier.core import blockfmt
+from kvtier.core.errors import ChunkFormatError, TierUnavailableError
+from kvtier.core.keys import ChunkKey
+
+__all__ = [
+    "DATABASES",
+    "LmdbReader",
+    "adopt",
+    "copy_payload",
+    "disown",
+    "reader_at",
+    "will_need",
+]
+
+log = logging.getLogger(__name__)
+
+DATABASES = (b"chunks", b"lru", b"meta", b"pins", b"records")
+"""The environment's databases (`kvtier.tiers.lmdb_tier`); a reader opens ``chunks`` only."""
+
+
+def copy_payload(
+    env: lmdb.Environment, chunks: lmdb._Database, key: ChunkKey, dst: memoryview
+) -> tuple[bool, ChunkFormatError | None]:
+    """Copy a chunk's payload out, verified: whether it is stored, and how it failed if it
+    did (then ``dst`` holds garbage). LMDB's buffer is invalid once the transaction ends."""
+    with env.begin(db=chunks, buffers=True) as txn:
+        value = txn.get(key)
+        if value is None:
+            return False, None
+        try:
+            blockfmt.decode_into(value, key, dst)
+        except ChunkFormatError as exc:
+            return True, exc
+    return True, None
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_MADV_WILLNEED = 3
+
+
+def will_need(env: lmdb.Environment, chunks: lmdb._Database, keys: Sequence[ChunkKey]) -> int:
+    """Ask the kernel to read the stored chunks of ``keys`` ahead (madvise WILLNEED on their
+    pages of the map), so that reads of several cold chunks overlap on the disk instead of
+    faulting in one after another; returns how many were found. Nothing is read here."""
+    found = 0
+    page = mmap.PAGESIZE
+    with env.begin(db=chunks, buffers=True) as txn:
+        for key in keys:
+            value = txn.get(key)
+            if value is None:
+                continue
+            found += 1
+            start = int(np.frombuffer(value, np.uint8).ctypes.data)
+            first = start - start % page
+            _libc.madvise(
+                ctypes.c_void_p(first), ctypes.c_size_t(start + len(value) - first), _MADV_WILLNEED
+            )
+    return found
+
+
+class LmdbReader:
+    """Verified reads of one lmdb environment's chunks."""
+
+    def __init__(self, env: lmdb.Environment, chunks: lmdb._Database) -> None:
+        self.env = env
+        self._chunks = chunks
+
+    @classmethod
+    def open(cls, path: Path) -> LmdbReader:
+        env = lmdb.open(str(path), readonly=True, lock=True, subdir=True, max_dbs=len(DATABASES))
+        try:
+            return cls(env, env.open_db(b"chunks", create=False))
+        except BaseException:
+            env.close()
+            raise
+
+    def read_into(self, key: ChunkKey, dst: memoryview) -> ChunkFormatError | bool:
+        """Copy a chunk, verified and decoded, into ``dst`` (its raw size): True when done,
+        False when lmdb no longer holds it (or cannot be read), or how it failed verification."""
+        try:
+            try:
+                found, failure = copy_payload(self.env, self._chunks, key, dst)
+            except lmdb.MapResizedError:  # the writer grew the map: adopt its size, read again
+                self.env.set_mapsize(0)
+                found, failure = copy_payload(self.env, self._chunks, key, dst)
+        except lmdb.Error as exc:
+            log.error("lmdb: cannot read chunk %s here: %s", key.hex(), exc)
+            return False
+        return failure if failure is not None else found
+
+    def read_ahead(self, keys: Sequence[ChunkKey]) -> None:
+        """Start reading these chunks from disk, all together (`will_need`)."""
+        try:
+            will_need(self.env, self._chunks, keys)
+        except lmdb.Error as exc:  # a hint only: the reads themselves report failures
+            log.debug("lmdb: read-ahead failed: %s", exc)
+
+
+_readers: dict[str, LmdbReader] = {}
+_lock = threading.Lock()
+
+
+def _canonical(path: Path) -> str:
+    return os.path.realpath(path)
+
+
+def adopt(path: Path, env: lmdb.Environment, chunks: lmdb._Database) -> None:
+    """The tiers of this process opened the environment at ``path``: readers here use it."""
+    with _lock:
+        _readers[_canonical(path)] = LmdbReader(env, chunks)
+
+
+def disown(path: Path) -> None:
+    """The tiers of this process close the environment at ``path``."""
+    with _lock:
+        _readers.pop(_canonical(path), None)
+
+
+def reader_at(path: str | Path) -> LmdbReader:
+    """This process's reader of the environment at ``path``, opened read-only on first use;
+    raises `TierUnavailableError` where it cannot be read from here."""
+    name = _canonical(Path(path))
+    with _lock:
+        reader = _readers.get(name)
+        if reader is None:
+            try:
+                reader = _readers[name] = LmdbReader.open(Path(name))
+            except (lmdb.Error, OSError) as exc:
+                raise TierUnavailableError(f"lmdb at {path} cannot be read here: {exc}") from exc
+        return reader

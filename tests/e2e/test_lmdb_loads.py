@@ -1,0 +1,136 @@
+"""Hits held in lmdb, loaded by a real engine beside a real kvtierd straight from lmdb's map
+(``lmdb_loads``): no promotion, no arena slot, outputs vLLM's own; with it off, the same hits are
+promoted into the arena first. A chunk corrupted in lmdb is recomputed, never served."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.rpc import AdminClient
+from tests.e2e.conftest import MAX_TOKENS
+from tests.e2e.models import ModelSet, counter, generate_tokens, running_llm
+from tests.e2e.test_connector import cached_by_source, kvtier_config
+from tests.integration.daemon_harness import DaemonFiles, Processes
+
+LOAD_ERRORS = "vllm:kvtier_transfer_errors"
+
+
+def _stored_in_lmdb_only(
+    models: ModelSet,
+    prompts: list[list[int]],
+    procs: Processes,
+    files: DaemonFiles,
+    extra: dict[str, Any],
+) -> tuple[dict[str, Any], AdminClient]:
+    """kvtierd started, ``prompts`` served by a first engine, and every chunk it stored written to
+    lmdb and dropped from the arena; the connector's config (``extra`` set) and an admin
+    client."""
+    daemon = procs.start_daemon(files)
+    connector = {
+        **kvtier_config({"mode": "sidecar", "socket_path": str(files.socket), **extra}),
+        "kv_load_failure_policy": "recompute",  # a load error is recomputed, not failed
+    }
+    admin = AdminClient(daemon.admin_address)
+    with running_llm(models.target, kv_transfer_config=connector) as llm:
+        generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+    assert admin.drain().complete
+    admin.evict(tier="cpu")
+    cpu = next(t for t in admin.stats().tiers if t.tier == "cpu")
+    assert cpu.usage.chunks == 0
+    return connector, admin
+
+
+def _lmdb_counters(admin: AdminClient) -> dict[str, int]:
+    tier = next(t for t in admin.stats().tiers if t.tier == "lmdb")
+    return dict(tier.counters)
+
+
+_CORRUPT_EVERY_CHUNK = """
+import sys
+import lmdb
+from kvtier.tiers.lmdb_reader import DATABASES
+env = lmdb.open(sys.argv[1], max_dbs=len(DATABASES), subdir=True)
+chunks = env.open_db(b"chunks", create=False)
+with env.begin(write=True, db=chunks) as txn:
+    stored = [(bytes(k), bytearray(v)) for k, v in txn.cursor()]
+    for key, value in stored:
+        value[-1] ^= 0xFF
+        txn.put(key, bytes(value))
+print(len(stored))
+"""
+
+
+def _corrupt_every_chunk(path: Path) -> int:
+    """Flip the last payload byte of every stored chunk, as a failing disk would; returns how
+    many. Another process does it (this one has the environment open to read, through the
+    engines' connector): LMDB takes its writer beside kvtierd's, one transaction at a time."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CORRUPT_EVERY_CHUNK, str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout)
+
+
+@pytest.mark.parametrize("lmdb_loads", [True, False], ids=["from-lmdb", "promoted"])
+def test_hits_held_only_in_lmdb_load_from_its_map_without_promotion(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    procs: Processes,
+    daemon_files: DaemonFiles,
+    lmdb_loads: bool,
+) -> None:
+    connector, admin = _stored_in_lmdb_only(
+        tiny_models, prompts, procs, daemon_files, {"lmdb_loads": lmdb_loads}
+    )
+    try:
+        before = admin.stats().counters
+        with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+            tokens, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+            from_disk = cached_by_source(llm, "disk")
+            errors = counter(llm, LOAD_ERRORS, direction="load")
+        after = admin.stats().counters
+        lmdb_counters = _lmdb_counters(admin)
+        arena_hits = next(t for t in admin.stats().tiers if t.tier == "cpu").counters["hits"]
+    finally:
+        admin.close()
+    assert tokens == baseline[: len(prompts)]
+    assert all(c >= 600 for c in cached), cached
+    assert from_disk >= 600 * len(prompts)
+    assert errors == 0
+    promoted = after["promotions"] - before["promotions"]
+    if lmdb_loads:
+        assert promoted == 0
+        assert arena_hits == 0  # nothing came up into the arena to be loaded
+        assert lmdb_counters.get("load_leases", 0) >= 600 * len(prompts) // 32
+    else:
+        assert promoted > 0
+        assert lmdb_counters.get("load_leases", 0) == 0
+
+
+def test_a_chunk_corrupted_in_lmdb_is_recomputed_never_served(
+    tiny_models: ModelSet,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    procs: Processes,
+    daemon_files: DaemonFiles,
+) -> None:
+    connector, admin = _stored_in_lmdb_only(tiny_models, prompts, procs, daemon_files, {})
+    try:
+        assert _corrupt_every_chunk(daemon_files.lmdb) > 0
+        with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+            tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+            errors = counter(llm, LOAD_ERRORS, direction="load")
+        leased = _lmdb_counters(admin).get("load_leases", 0)
+    finally:
+        admin.close()
+    assert leased > 0  # the hits were leased in lmdb and read there
+    assert errors > 0  # they failed verification, and vLLM recomputed them
+    assert tokens == baseline[: len(prompts)]
