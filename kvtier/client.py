@@ -129,8 +129,8 @@ class InProcessClient:
             return self.manager.reserve(keys, self.replica)
         return self.manager.commit(commit), self.manager.reserve(keys, self.replica)
 
-    def commit(self, refs: Sequence[SlotRef]) -> int:
-        return self.manager.commit(refs)
+    def commit(self, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()) -> int:
+        return self.manager.commit(refs, lineages)
 
     def abort(self, refs: Sequence[SlotRef]) -> None:
         self.manager.abort(refs)

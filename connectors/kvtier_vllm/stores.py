@@ -15,6 +15,7 @@ from typing import Any
 
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import ChunkKey, Pool
+from kvtier.core.lineage import BlockLineage, lineage_of
 from kvtier.core.protocol import SlotRef, TierClient
 from kvtier_vllm.draft import DraftTracker
 from kvtier_vllm.events import KVEventFeed
@@ -36,6 +37,8 @@ class _PendingStore:
     ref: SlotRef
     step: int
     waiting: int
+    lineage: bytes = b""
+    """Encoded, for a chunk of the anchor plan: sent with its commit, for routers."""
 
 
 class Stores:
@@ -112,9 +115,16 @@ class Stores:
             for chunk, ref in zip(storable, refs, strict=True):
                 if ref is None:
                     continue  # present already, or no room right now
-                if plan is self.anchor:
-                    self._announce((ref.slot, ref.generation), ref.key, request, chunk)
-                self._queue(meta, plan, ref, span_blocks[chunk], step)
+                lineage = self._lineage(request, chunk) if plan is self.anchor else None
+                if lineage is not None and self.events.enabled:
+                    self.events.store_planned(
+                        (ref.slot, ref.generation),
+                        ref.key,
+                        list(lineage.block_hashes),
+                        lineage.parent,
+                        list(lineage.token_ids),
+                    )
+                self._queue(meta, plan, ref, span_blocks[chunk], step, lineage)
 
     def reserve_one(
         self,
@@ -137,19 +147,29 @@ class Stores:
         return ref is not None
 
     def _queue(
-        self, meta: KVTierMetadata, plan: PoolPlan, ref: SlotRef, blocks: tuple[int, ...], step: int
+        self,
+        meta: KVTierMetadata,
+        plan: PoolPlan,
+        ref: SlotRef,
+        blocks: tuple[int, ...],
+        step: int,
+        lineage: BlockLineage | None = None,
     ) -> None:
         meta.stores.append(ChunkCopy(plan.key, ref.slot, ref.offset, ref.generation, blocks))
-        self._pending[(ref.slot, ref.generation)] = _PendingStore(ref, step, plan.shard.writers)
+        encoded = lineage.encode() if lineage is not None else b""
+        self._pending[(ref.slot, ref.generation)] = _PendingStore(
+            ref, step, plan.shard.writers, encoded
+        )
 
-    def _announce(self, handle: tuple[int, int], key: ChunkKey, request: Any, chunk: int) -> None:
-        if not self.events.enabled:
-            return
-        bpc = self.blocks_per_chunk
-        hashes = request.block_hashes[chunk * bpc : (chunk + 1) * bpc]
-        parent = request.block_hashes[chunk * bpc - 1] if chunk else None
+    def _lineage(self, request: Any, chunk: int) -> BlockLineage:
         tokens = request.all_token_ids[chunk * self.chunk_tokens : (chunk + 1) * self.chunk_tokens]
-        self.events.store_planned(handle, key, list(hashes), parent, list(tokens))
+        return lineage_of(
+            request.block_hashes,
+            chunk,
+            self.blocks_per_chunk,
+            tokens,
+            self.chunk_tokens // self.blocks_per_chunk,
+        )
 
     def expire(self, step: int) -> None:
         """Abort what no worker confirmed within `STORE_STEPS` steps."""
@@ -169,18 +189,21 @@ class Stores:
         spoiled = [self._pending.pop(h).ref for h in failed if h in self._pending]
         for handle in failed:
             self.events.store_dropped(handle)
-        done = []
+        done: list[SlotRef] = []
+        lineages: list[bytes] = []
         for handle in stored:
             pending = self._pending.get(handle)
             if pending is None:
                 continue
             pending.waiting -= 1
             if pending.waiting <= 0:  # every rank that writes a part has written it
-                done.append(self._pending.pop(handle).ref)
+                del self._pending[handle]
+                done.append(pending.ref)
+                lineages.append(pending.lineage)
                 self.events.store_done(handle)
         try:
             if done:
-                self.client.commit(done)
+                self.client.commit(done, lineages if any(lineages) else ())
         except KVTierError as exc:
             self.unreturned.keep(Return.COMMIT, done)
             self.on_error("commit", exc)

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
+from kvtier.core.config_fleet import EventsConfig
 from kvtier.core.config_sections import (
     Admission,
     ArenaConfig,
@@ -37,6 +38,7 @@ __all__ = [
     "ArenaConfig",
     "DemoteMode",
     "Durability",
+    "EventsConfig",
     "KVTierConfig",
     "LMDBConfig",
     "ManagerConfig",
@@ -60,6 +62,9 @@ class KVTierConfig(ConfigSection):
         default_factory=ObjectStoreConfig, description="The object tier."
     )
     server: ServerConfig = Field(default_factory=ServerConfig, description="kvtierd's APIs.")
+    events: EventsConfig = Field(
+        default_factory=EventsConfig, description="The object tier's KV events, for routers."
+    )
 
     @property
     def lower_codecs(self) -> tuple[Codec, ...]:

@@ -286,8 +286,10 @@ class GrpcTierClient(DaemonSession):
                 self.breaker.trip("its session is gone")
             return None
 
-    def commit(self, refs: Sequence[SlotRef]) -> int:
-        request = tier_pb2.CommitRequest(session_id=self.session_id, refs=[ref_to(r) for r in refs])
+    def commit(self, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()) -> int:
+        request = tier_pb2.CommitRequest(
+            session_id=self.session_id, refs=[ref_to(r) for r in refs], lineage=lineages
+        )
         response = self._old_refs_call(lambda: self._rpc(self._stub.Commit, request))
         return response.committed if response is not None else 0
 

@@ -184,7 +184,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         session = self._session(request.session_id)
         refs = self._refs(session, request.refs)
         started = time.perf_counter()
-        committed = self.sessions.commit(session, refs)
+        committed = self.sessions.commit(session, refs, request.lineage)
         self.telemetry.moved("store", refs, committed, time.perf_counter() - started)
         return tier_pb2.CommitResponse(committed=committed)
 

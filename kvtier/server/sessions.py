@@ -186,8 +186,14 @@ class SessionRegistry:
                     taken.append(held[0])
         return taken
 
-    def commit(self, session: Session, refs: Sequence[SlotRef]) -> int:
-        return self.manager.commit(self._take_reservations(session, refs))
+    def commit(
+        self, session: Session, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()
+    ) -> int:
+        taken = self._take_reservations(session, refs)
+        if not lineages:
+            return self.manager.commit(taken)
+        by_key = {ref.key: lineage for ref, lineage in zip(refs, lineages, strict=False)}
+        return self.manager.commit(taken, [by_key.get(ref.key, b"") for ref in taken])
 
     def abort(self, session: Session, refs: Sequence[SlotRef]) -> None:
         self.manager.abort(self._take_reservations(session, refs))

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, overload
 
-from kvtier.core.config import Admission, KVTierConfig
+from kvtier.core.config import KVTierConfig
 from kvtier.core.counters import Counters
-from kvtier.core.errors import ConfigError, UnknownTierError
+from kvtier.core.errors import UnknownTierError
 from kvtier.core.journal import ChunkEvents, Journal
 from kvtier.core.keys import ChunkKey, NamespaceSpec, Pool, namespaces_of
 from kvtier.core.pools import PoolRegistry
@@ -48,6 +48,7 @@ from kvtier.core.protocol import (
 from kvtier.tiering.admission import HitAdmission
 from kvtier.tiering.drafts import DraftRevisions
 from kvtier.tiering.maintenance import DrainResult, Maintenance, VerifyProgress, WarmupProgress
+from kvtier.tiering.object_side import open_object_side
 from kvtier.tiering.promotion import Promoter
 from kvtier.tiering.quarantine import Quarantines
 from kvtier.tiering.writeback import WriteBack
@@ -57,7 +58,7 @@ from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
 from kvtier.tiers.objstore.catalog import GcCounts
 from kvtier.tiers.objstore.fetch import ObjectFetcher
-from kvtier.tiers.objstore.tier import REMOTE_REPLICA, ObjectTier
+from kvtier.tiers.objstore.tier import ObjectTier
 from kvtier.tiers.objstore.uploader import Uploader
 
 log = logging.getLogger(__name__)
@@ -89,29 +90,17 @@ class TierManager:
         except BaseException:
             self.cpu.close()
             raise
-        self.object: ObjectTier | None = None
-        self.uploader: Uploader | None = None
-        if config.object.url is not None:
-            if self.lmdb is None:
-                self.cpu.close()
-                raise ConfigError("object.url", "the object tier needs the lmdb tier enabled")
-            try:
-                self.object = ObjectTier(config.object, self.registry)
-            except BaseException:
+        try:
+            self.objects = open_object_side(config, self.lmdb, self.registry)
+        except BaseException:
+            if self.lmdb is not None:
                 self.lmdb.close()
-                self.cpu.close()
-                raise
-            self.uploader = Uploader(self.object, self.lmdb, config.object, self.object.counters)
-            if config.object.admission is Admission.ALL:
-                lmdb_tier, registry = self.lmdb, self.registry
-                # uploads queued or failed when the process last stopped
-                self.uploader.resume(
-                    lambda limit: lmdb_tier.newest_chunks(limit, REMOTE_REPLICA),
-                    lambda: [reg.namespace for reg in registry.registrations()],
-                )
-        self.admission: HitAdmission | None = None
-        if self.uploader is not None and config.object.admission is Admission.HITS:
-            self.admission = HitAdmission(self.uploader, config.object)
+            self.cpu.close()
+            raise
+        side = self.objects
+        self.object: ObjectTier | None = side.tier if side else None
+        self.uploader: Uploader | None = side.uploader if side else None
+        self.admission: HitAdmission | None = side.admission if side else None
         self.quarantines = Quarantines(self.lmdb)
         self.journal = Journal()
         for local in (self.cpu, self.lmdb):
@@ -325,7 +314,11 @@ class TierManager:
                 return out
         return self.cpu.reserve(keys, replica)
 
-    def commit(self, refs: Sequence[SlotRef]) -> int:
+    def commit(self, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()) -> int:
+        """``lineages``: each chunk's encoded `kvtier.core.lineage.BlockLineage` (empty: none),
+        kept for the object tier's announcements."""
+        if lineages and self.objects is not None and self.objects.events is not None:
+            self.objects.events.remember([r.key for r in refs], lineages)
         done = self.cpu.commit(refs)
         if done and self.writeback is not None:
             self.writeback.wake()
@@ -478,8 +471,8 @@ class TierManager:
                 self.writeback.stop()
             if self.promoter is not None:
                 self.promoter.stop()
-            if self.uploader is not None:
-                self.uploader.close(flush_timeout)
+            if self.objects is not None:
+                self.objects.close(flush_timeout)
             if self.fetcher is not None:
                 self.fetcher.close()
             if self.object is not None:

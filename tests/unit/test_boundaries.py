@@ -28,7 +28,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "kvtier.api": (),
     "kvtier.core": ("kvtier.api",),
     "kvtier.tiers": ("kvtier.core",),
-    "kvtier.tiering": ("kvtier.core", "kvtier.tiers"),
+    "kvtier.fleet": ("kvtier.core",),  # what routers are told: encodings and the publisher
+    "kvtier.tiering": ("kvtier.core", "kvtier.tiers", "kvtier.fleet"),
     "kvtier.observability": ("kvtier.core", "kvtier.tiers", "kvtier.tiering"),
     "kvtier.rpc": ("kvtier.core", "kvtier.api", *ARENA),
     "kvtier.client": ("kvtier.core", "kvtier.tiering", *ARENA),

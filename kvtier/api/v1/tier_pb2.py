@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvtier/v1/tier.proto\x12\tkvtier.v1\"\x91\x01\n\nPageLayout\x12\x18\n\x10tokens_per_block\x18\x01 \x01(\r\x12\x18\n\x10\x62locks_per_chunk\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x12\n\nhead_sizes\x18\x04 \x03(\r\x12\x13\n\x0blayer_names\x18\x05 \x03(\t\x12\x10\n\x08kv_order\x18\x06 \x01(\t\"\xb5\x02\n\rNamespaceSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\x1d\n\x04pool\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Pool\x12\x10\n\x08kv_dtype\x18\x04 \x01(\t\x12%\n\x06layout\x18\x05 \x01(\x0b\x32\x15.kvtier.v1.PageLayout\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x0f\n\x07pp_rank\x18\x08 \x01(\r\x12\x0f\n\x07pp_size\x18\t \x01(\r\x12\x11\n\thash_algo\x18\n \x01(\t\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x0c \x01(\t\x12\x16\n\x0e\x64raft_revision\x18\r \x01(\t\x12\x11\n\tattention\x18\x0e \x01(\t\"O\n\x10PoolRegistration\x12&\n\x04spec\x18\x01 \x01(\x0b\x32\x18.kvtier.v1.NamespaceSpec\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\"\xa1\x01\n\x16RegisterSessionRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07pp_rank\x18\x04 \x01(\r\x12*\n\x05pools\x18\x05 \x03(\x0b\x32\x1b.kvtier.v1.PoolRegistration\x12\x12\n\nsession_id\x18\x06 \x01(\t\"\x89\x02\n\x17RegisterSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x12\n\nnamespaces\x18\x03 \x03(\x0c\x12\x1d\n\x15heartbeat_interval_ms\x18\x04 \x01(\r\x12\x1a\n\x12session_timeout_ms\x18\x05 \x01(\r\x12%\n\x06\x64rafts\x18\x06 \x03(\x0b\x32\x15.kvtier.v1.DraftState\x12\x13\n\x0bquarantined\x18\x07 \x03(\x0c\x12(\n\x05\x63oded\x18\x08 \x03(\x0b\x32\x19.kvtier.v1.CodedNamespace\x12\x11\n\tlmdb_path\x18\t \x01(\t\"8\n\x0e\x43odedNamespace\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x13\n\x0b\x65rror_bound\x18\x02 \x01(\x01\"P\n\nDraftState\x12\x0f\n\x07lineage\x18\x01 \x01(\x0c\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x10\n\x08swapping\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"-\n\x08KeyBatch\x12\x11\n\tkey_bytes\x18\x01 \x01(\r\x12\x0e\n\x06packed\x18\x02 \x01(\x0c\"\xa9\x01\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04keys\x18\x02 \x01(\x0b\x32\x13.kvtier.v1.KeyBatch\x12#\n\x07release\x18\x03 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\x12\r\n\x05lease\x18\x04 \x01(\x08\x12\r\n\x05\x61gain\x18\x05 \x01(\x08\x12\x0e\n\x06served\x18\x06 \x01(\x08\x12\x0e\n\x06verify\x18\x07 \x01(\x08\"d\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x01(\x0c\x12\x0f\n\x07pending\x18\x03 \x01(\x08\x12$\n\x06leases\x18\x04 \x03(\x0b\x32\x14.kvtier.v1.SlotGrant\"g\n\x07SlotRef\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04slot\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\r\n\x05lease\x18\x06 \x01(\x04\"=\n\tSlotGrant\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x1f\n\x03ref\x18\x02 \x01(\x0b\x32\x12.kvtier.v1.SlotRef\"k\n\x0eReserveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04keys\x18\x02 \x01(\x0b\x32\x13.kvtier.v1.KeyBatch\x12\"\n\x06\x63ommit\x18\x03 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\"J\n\x0fReserveResponse\x12$\n\x06grants\x18\x01 \x03(\x0b\x32\x14.kvtier.v1.SlotGrant\x12\x11\n\tcommitted\x18\x02 \x01(\r\"E\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12 \n\x04refs\x18\x02 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\"#\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\"D\n\x0c\x41\x62ortRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12 \n\x04refs\x18\x02 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\"\x0f\n\rAbortResponse\"~\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04keys\x18\x02 \x01(\x0b\x32\x13.kvtier.v1.KeyBatch\x12#\n\x07release\x18\x03 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\x12\x0f\n\x07in_lmdb\x18\x04 \x01(\x08\"8\n\x10PrefetchResponse\x12$\n\x06leases\x18\x01 \x03(\x0b\x32\x14.kvtier.v1.SlotGrant\"F\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12 \n\x04refs\x18\x02 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\"\x11\n\x0fReleaseResponse\"G\n\x0ePromoteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04keys\x18\x02 \x01(\x0b\x32\x13.kvtier.v1.KeyBatch\"!\n\x0fPromoteResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\"4\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04\x62usy\x18\x02 \x01(\x08\"^\n\x11HeartbeatResponse\x12\r\n\x05\x61live\x18\x01 \x01(\x08\x12%\n\x06\x64rafts\x18\x02 \x03(\x0b\x32\x15.kvtier.v1.DraftState\x12\x13\n\x0bquarantined\x18\x03 \x03(\x0c\"S\n\x1aQuarantineNamespaceRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1d\n\x1bQuarantineNamespaceResponse\"G\n\x12\x43hunkEventsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\x03\x12\r\n\x05limit\x18\x03 \x01(\r\"H\n\nChunkEvent\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x0b\n\x03key\x18\x03 \x01(\x0c\"Z\n\x13\x43hunkEventsResponse\x12%\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x15.kvtier.v1.ChunkEvent\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\x03\x12\x0c\n\x04lost\x18\x03 \x01(\x04*`\n\x04Pool\x12\x14\n\x10POOL_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPOOL_TARGET\x10\x01\x12\x0e\n\nPOOL_DRAFT\x10\x02\x12\x0f\n\x0bPOOL_HIDDEN\x10\x03\x12\x10\n\x0cPOOL_ENCODER\x10\x04*J\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_CPU\x10\x01\x12\r\n\tTIER_LMDB\x10\x02\x12\x0f\n\x0bTIER_OBJECT\x10\x03\x32\xa8\x06\n\x0bTierService\x12X\n\x0fRegisterSession\x12!.kvtier.v1.RegisterSessionRequest\x1a\".kvtier.v1.RegisterSessionResponse\x12=\n\x06Lookup\x12\x18.kvtier.v1.LookupRequest\x1a\x19.kvtier.v1.LookupResponse\x12@\n\x07Reserve\x12\x19.kvtier.v1.ReserveRequest\x1a\x1a.kvtier.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.kvtier.v1.CommitRequest\x1a\x19.kvtier.v1.CommitResponse\x12:\n\x05\x41\x62ort\x12\x17.kvtier.v1.AbortRequest\x1a\x18.kvtier.v1.AbortResponse\x12\x43\n\x08Prefetch\x12\x1a.kvtier.v1.PrefetchRequest\x1a\x1b.kvtier.v1.PrefetchResponse\x12@\n\x07Release\x12\x19.kvtier.v1.ReleaseRequest\x1a\x1a.kvtier.v1.ReleaseResponse\x12@\n\x07Promote\x12\x19.kvtier.v1.PromoteRequest\x1a\x1a.kvtier.v1.PromoteResponse\x12\x46\n\tHeartbeat\x12\x1b.kvtier.v1.HeartbeatRequest\x1a\x1c.kvtier.v1.HeartbeatResponse\x12L\n\x0b\x43hunkEvents\x12\x1d.kvtier.v1.ChunkEventsRequest\x1a\x1e.kvtier.v1.ChunkEventsResponse\x12\x64\n\x13QuarantineNamespace\x12%.kvtier.v1.QuarantineNamespaceRequest\x1a&.kvtier.v1.QuarantineNamespaceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvtier/v1/tier.proto\x12\tkvtier.v1\"\x91\x01\n\nPageLayout\x12\x18\n\x10tokens_per_block\x18\x01 \x01(\r\x12\x18\n\x10\x62locks_per_chunk\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x12\n\nhead_sizes\x18\x04 \x03(\r\x12\x13\n\x0blayer_names\x18\x05 \x03(\t\x12\x10\n\x08kv_order\x18\x06 \x01(\t\"\xb5\x02\n\rNamespaceSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\x1d\n\x04pool\x18\x03 \x01(\x0e\x32\x0f.kvtier.v1.Pool\x12\x10\n\x08kv_dtype\x18\x04 \x01(\t\x12%\n\x06layout\x18\x05 \x01(\x0b\x32\x15.kvtier.v1.PageLayout\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x0f\n\x07pp_rank\x18\x08 \x01(\r\x12\x0f\n\x07pp_size\x18\t \x01(\r\x12\x11\n\thash_algo\x18\n \x01(\t\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x0c \x01(\t\x12\x16\n\x0e\x64raft_revision\x18\r \x01(\t\x12\x11\n\tattention\x18\x0e \x01(\t\"O\n\x10PoolRegistration\x12&\n\x04spec\x18\x01 \x01(\x0b\x32\x18.kvtier.v1.NamespaceSpec\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\"\xa1\x01\n\x16RegisterSessionRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07pp_rank\x18\x04 \x01(\r\x12*\n\x05pools\x18\x05 \x03(\x0b\x32\x1b.kvtier.v1.PoolRegistration\x12\x12\n\nsession_id\x18\x06 \x01(\t\"\x89\x02\n\x17RegisterSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x12\n\nnamespaces\x18\x03 \x03(\x0c\x12\x1d\n\x15heartbeat_interval_ms\x18\x04 \x01(\r\x12\x1a\n\x12session_timeout_ms\x18\x05 \x01(\r\x12%\n\x06\x64rafts\x18\x06 \x03(\x0b\x32\x15.kvtier.v1.DraftState\x12\x13\n\x0bquarantined\x18\x07 \x03(\x0c\x12(\n\x05\x63oded\x18\x08 \x03(\x0b\x32\x19.kvtier.v1.CodedNamespace\x12\x11\n\tlmdb_path\x18\t \x01(\t\"8\n\x0e\x43odedNamespace\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x13\n\x0b\x65rror_bound\x18\x02 \x01(\x01\"P\n\nDraftState\x12\x0f\n\x07lineage\x18\x01 \x01(\x0c\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x10\n\x08swapping\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"-\n\x08KeyBatch\x12\x11\n\tkey_bytes\x18\x01 \x01(\r\x12\x0e\n\x06packed\x18\x02 \x01(\x0c\"\xa9\x01\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04keys\x18\x02 \x01(\x0b\x32\x13.kvtier.v1.KeyBatch\x12#\n\x07release\x18\x03 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\x12\r\n\x05lease\x18\x04 \x01(\x08\x12\r\n\x05\x61gain\x18\x05 \x01(\x08\x12\x0e\n\x06served\x18\x06 \x01(\x08\x12\x0e\n\x06verify\x18\x07 \x01(\x08\"d\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x01(\x0c\x12\x0f\n\x07pending\x18\x03 \x01(\x08\x12$\n\x06leases\x18\x04 \x03(\x0b\x32\x14.kvtier.v1.SlotGrant\"g\n\x07SlotRef\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04slot\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\r\n\x05lease\x18\x06 \x01(\x04\"=\n\tSlotGrant\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x1f\n\x03ref\x18\x02 \x01(\x0b\x32\x12.kvtier.v1.SlotRef\"k\n\x0eReserveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04keys\x18\x02 \x01(\x0b\x32\x13.kvtier.v1.KeyBatch\x12\"\n\x06\x63ommit\x18\x03 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\"J\n\x0fReserveResponse\x12$\n\x06grants\x18\x01 \x03(\x0b\x32\x14.kvtier.v1.SlotGrant\x12\x11\n\tcommitted\x18\x02 \x01(\r\"V\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12 \n\x04refs\x18\x02 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\x12\x0f\n\x07lineage\x18\x03 \x03(\x0c\"#\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\"D\n\x0c\x41\x62ortRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12 \n\x04refs\x18\x02 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\"\x0f\n\rAbortResponse\"~\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04keys\x18\x02 \x01(\x0b\x32\x13.kvtier.v1.KeyBatch\x12#\n\x07release\x18\x03 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\x12\x0f\n\x07in_lmdb\x18\x04 \x01(\x08\"8\n\x10PrefetchResponse\x12$\n\x06leases\x18\x01 \x03(\x0b\x32\x14.kvtier.v1.SlotGrant\"F\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12 \n\x04refs\x18\x02 \x03(\x0b\x32\x12.kvtier.v1.SlotRef\"\x11\n\x0fReleaseResponse\"G\n\x0ePromoteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04keys\x18\x02 \x01(\x0b\x32\x13.kvtier.v1.KeyBatch\"!\n\x0fPromoteResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\"4\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04\x62usy\x18\x02 \x01(\x08\"^\n\x11HeartbeatResponse\x12\r\n\x05\x61live\x18\x01 \x01(\x08\x12%\n\x06\x64rafts\x18\x02 \x03(\x0b\x32\x15.kvtier.v1.DraftState\x12\x13\n\x0bquarantined\x18\x03 \x03(\x0c\"S\n\x1aQuarantineNamespaceRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1d\n\x1bQuarantineNamespaceResponse\"G\n\x12\x43hunkEventsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\x03\x12\r\n\x05limit\x18\x03 \x01(\r\"H\n\nChunkEvent\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x1d\n\x04tier\x18\x02 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x0b\n\x03key\x18\x03 \x01(\x0c\"Z\n\x13\x43hunkEventsResponse\x12%\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x15.kvtier.v1.ChunkEvent\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\x03\x12\x0c\n\x04lost\x18\x03 \x01(\x04*`\n\x04Pool\x12\x14\n\x10POOL_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPOOL_TARGET\x10\x01\x12\x0e\n\nPOOL_DRAFT\x10\x02\x12\x0f\n\x0bPOOL_HIDDEN\x10\x03\x12\x10\n\x0cPOOL_ENCODER\x10\x04*J\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_CPU\x10\x01\x12\r\n\tTIER_LMDB\x10\x02\x12\x0f\n\x0bTIER_OBJECT\x10\x03\x32\xa8\x06\n\x0bTierService\x12X\n\x0fRegisterSession\x12!.kvtier.v1.RegisterSessionRequest\x1a\".kvtier.v1.RegisterSessionResponse\x12=\n\x06Lookup\x12\x18.kvtier.v1.LookupRequest\x1a\x19.kvtier.v1.LookupResponse\x12@\n\x07Reserve\x12\x19.kvtier.v1.ReserveRequest\x1a\x1a.kvtier.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.kvtier.v1.CommitRequest\x1a\x19.kvtier.v1.CommitResponse\x12:\n\x05\x41\x62ort\x12\x17.kvtier.v1.AbortRequest\x1a\x18.kvtier.v1.AbortResponse\x12\x43\n\x08Prefetch\x12\x1a.kvtier.v1.PrefetchRequest\x1a\x1b.kvtier.v1.PrefetchResponse\x12@\n\x07Release\x12\x19.kvtier.v1.ReleaseRequest\x1a\x1a.kvtier.v1.ReleaseResponse\x12@\n\x07Promote\x12\x19.kvtier.v1.PromoteRequest\x1a\x1a.kvtier.v1.PromoteResponse\x12\x46\n\tHeartbeat\x12\x1b.kvtier.v1.HeartbeatRequest\x1a\x1c.kvtier.v1.HeartbeatResponse\x12L\n\x0b\x43hunkEvents\x12\x1d.kvtier.v1.ChunkEventsRequest\x1a\x1e.kvtier.v1.ChunkEventsResponse\x12\x64\n\x13QuarantineNamespace\x12%.kvtier.v1.QuarantineNamespaceRequest\x1a&.kvtier.v1.QuarantineNamespaceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.v1.tier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_POOL']._serialized_start=2907
-  _globals['_POOL']._serialized_end=3003
-  _globals['_TIER']._serialized_start=3005
-  _globals['_TIER']._serialized_end=3079
+  _globals['_POOL']._serialized_start=2924
+  _globals['_POOL']._serialized_end=3020
+  _globals['_TIER']._serialized_start=3022
+  _globals['_TIER']._serialized_end=3096
   _globals['_PAGELAYOUT']._serialized_start=36
   _globals['_PAGELAYOUT']._serialized_end=181
   _globals['_NAMESPACESPEC']._serialized_start=184
@@ -64,39 +64,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVERESPONSE']._serialized_start=1746
   _globals['_RESERVERESPONSE']._serialized_end=1820
   _globals['_COMMITREQUEST']._serialized_start=1822
-  _globals['_COMMITREQUEST']._serialized_end=1891
-  _globals['_COMMITRESPONSE']._serialized_start=1893
-  _globals['_COMMITRESPONSE']._serialized_end=1928
-  _globals['_ABORTREQUEST']._serialized_start=1930
-  _globals['_ABORTREQUEST']._serialized_end=1998
-  _globals['_ABORTRESPONSE']._serialized_start=2000
-  _globals['_ABORTRESPONSE']._serialized_end=2015
-  _globals['_PREFETCHREQUEST']._serialized_start=2017
-  _globals['_PREFETCHREQUEST']._serialized_end=2143
-  _globals['_PREFETCHRESPONSE']._serialized_start=2145
-  _globals['_PREFETCHRESPONSE']._serialized_end=2201
-  _globals['_RELEASEREQUEST']._serialized_start=2203
-  _globals['_RELEASEREQUEST']._serialized_end=2273
-  _globals['_RELEASERESPONSE']._serialized_start=2275
-  _globals['_RELEASERESPONSE']._serialized_end=2292
-  _globals['_PROMOTEREQUEST']._serialized_start=2294
-  _globals['_PROMOTEREQUEST']._serialized_end=2365
-  _globals['_PROMOTERESPONSE']._serialized_start=2367
-  _globals['_PROMOTERESPONSE']._serialized_end=2400
-  _globals['_HEARTBEATREQUEST']._serialized_start=2402
-  _globals['_HEARTBEATREQUEST']._serialized_end=2454
-  _globals['_HEARTBEATRESPONSE']._serialized_start=2456
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2550
-  _globals['_QUARANTINENAMESPACEREQUEST']._serialized_start=2552
-  _globals['_QUARANTINENAMESPACEREQUEST']._serialized_end=2635
-  _globals['_QUARANTINENAMESPACERESPONSE']._serialized_start=2637
-  _globals['_QUARANTINENAMESPACERESPONSE']._serialized_end=2666
-  _globals['_CHUNKEVENTSREQUEST']._serialized_start=2668
-  _globals['_CHUNKEVENTSREQUEST']._serialized_end=2739
-  _globals['_CHUNKEVENT']._serialized_start=2741
-  _globals['_CHUNKEVENT']._serialized_end=2813
-  _globals['_CHUNKEVENTSRESPONSE']._serialized_start=2815
-  _globals['_CHUNKEVENTSRESPONSE']._serialized_end=2905
-  _globals['_TIERSERVICE']._serialized_start=3082
-  _globals['_TIERSERVICE']._serialized_end=3890
+  _globals['_COMMITREQUEST']._serialized_end=1908
+  _globals['_COMMITRESPONSE']._serialized_start=1910
+  _globals['_COMMITRESPONSE']._serialized_end=1945
+  _globals['_ABORTREQUEST']._serialized_start=1947
+  _globals['_ABORTREQUEST']._serialized_end=2015
+  _globals['_ABORTRESPONSE']._serialized_start=2017
+  _globals['_ABORTRESPONSE']._serialized_end=2032
+  _globals['_PREFETCHREQUEST']._serialized_start=2034
+  _globals['_PREFETCHREQUEST']._serialized_end=2160
+  _globals['_PREFETCHRESPONSE']._serialized_start=2162
+  _globals['_PREFETCHRESPONSE']._serialized_end=2218
+  _globals['_RELEASEREQUEST']._serialized_start=2220
+  _globals['_RELEASEREQUEST']._serialized_end=2290
+  _globals['_RELEASERESPONSE']._serialized_start=2292
+  _globals['_RELEASERESPONSE']._serialized_end=2309
+  _globals['_PROMOTEREQUEST']._serialized_start=2311
+  _globals['_PROMOTEREQUEST']._serialized_end=2382
+  _globals['_PROMOTERESPONSE']._serialized_start=2384
+  _globals['_PROMOTERESPONSE']._serialized_end=2417
+  _globals['_HEARTBEATREQUEST']._serialized_start=2419
+  _globals['_HEARTBEATREQUEST']._serialized_end=2471
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2473
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2567
+  _globals['_QUARANTINENAMESPACEREQUEST']._serialized_start=2569
+  _globals['_QUARANTINENAMESPACEREQUEST']._serialized_end=2652
+  _globals['_QUARANTINENAMESPACERESPONSE']._serialized_start=2654
+  _globals['_QUARANTINENAMESPACERESPONSE']._serialized_end=2683
+  _globals['_CHUNKEVENTSREQUEST']._serialized_start=2685
+  _globals['_CHUNKEVENTSREQUEST']._serialized_end=2756
+  _globals['_CHUNKEVENT']._serialized_start=2758
+  _globals['_CHUNKEVENT']._serialized_end=2830
+  _globals['_CHUNKEVENTSRESPONSE']._serialized_start=2832
+  _globals['_CHUNKEVENTSRESPONSE']._serialized_end=2922
+  _globals['_TIERSERVICE']._serialized_start=3099
+  _globals['_TIERSERVICE']._serialized_end=3907
 # @@protoc_insertion_point(module_scope)

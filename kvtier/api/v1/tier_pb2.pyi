@@ -578,18 +578,26 @@ class CommitRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     REFS_FIELD_NUMBER: _builtins.int
+    LINEAGE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     @_builtins.property
     def refs(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlotRef]: ...
+    @_builtins.property
+    def lineage(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Beside refs, in order: each chunk's lineage (`kvtier.core.lineage`), empty for none; kept
+        for the object tier's KV events. None at all from older clients.
+        """
+
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         refs: _abc.Iterable[Global___SlotRef] | None = ...,
+        lineage: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["refs", b"refs", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lineage", b"lineage", "refs", b"refs", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

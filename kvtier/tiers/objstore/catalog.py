@@ -313,10 +313,7 @@ class Catalog:
         names = [info.name for info in batch]
         if not counts.dry_run:
             tier = self.tier
-            try:
-                tier.guard.call(lambda: tier.backend.delete(names))
-            except ObjectStoreError as exc:
-                log.warning("gc: deleting %d objects failed: %s", len(names), exc)
+            if not tier.delete_objects(names):
                 counts.failed += len(names)
                 return
             for name in names:

@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import xxhash
 
@@ -45,6 +46,17 @@ REMOTE_REPLICA = "remote"
 PINS_DIR = ".kvtier-pins"
 """Under the prefix: one object per node naming what it pinned, read by every node's gc."""
 PINS_FORMAT = 1
+COMPANION_SUFFIX = ".lineage"
+"""Beside an object: its chunks' lineage, for the announcement of its deletion; a name no listing
+mistakes for a chunk's (`ObjectStore.key_of`)."""
+
+
+class Announcer(Protocol):
+    """Tells routers what the store holds (`kvtier.fleet.shared_tier.SharedTierEvents`)."""
+
+    def companion(self, keys: Sequence[ChunkKey]) -> bytes | None: ...
+    def stored(self, companion: bytes) -> None: ...
+    def removed(self, companion: bytes) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +69,7 @@ class FetchedChunk:
 class ObjectTier(ObjectStore):
     name = TierCode.OBJECT.tier
     persistent = True
+    events: Announcer | None = None
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -132,8 +145,11 @@ class ObjectTier(ObjectStore):
             META_CHUNKS: str(len(keys)),
             META_CHECKSUM: xxhash.xxh3_128_hexdigest(body),
         }
+        companion = self.events.companion(keys) if self.events is not None else None
         started = time.perf_counter()
         try:
+            if companion is not None:  # first: a listed object always has its lineage
+                self.guard.call(lambda: self.backend.put(name + COMPANION_SUFFIX, companion, {}))
             self.guard.call(lambda: self.backend.put(name, body, metadata))
         except ObjectStoreError as exc:
             self.counters.add("store_errors", len(keys))
@@ -144,6 +160,8 @@ class ObjectTier(ObjectStore):
         self.counters.add("objects_uploaded", 1)
         self.index.add(name, len(body), locations)
         self.counters.add("stores", len(keys))
+        if companion is not None and self.events is not None:
+            self.events.stored(companion)
         if not self.index.pins.isdisjoint(keys):
             self._pins_dirty.set()  # the check loop names the new object in this node's pins
         return len(keys)
@@ -164,21 +182,41 @@ class ObjectTier(ObjectStore):
             entry = self.index.objects.get(name)
             if entry is None:
                 continue
-            if self._delete_objects([name]):
+            if self.delete_objects([name]):
                 used -= entry.size
                 self.index.drop_object(name)
                 self.counters.add("evictions_capacity", len(entry.keys))
         return used + incoming <= self.budget
 
-    def _delete_objects(self, names: Sequence[str]) -> bool:
+    def delete_objects(self, names: Sequence[str]) -> bool:
+        """Delete objects with their companions, and announce what left; False when the store
+        refused (nothing is announced then)."""
         if not names:
             return True
+        companions = self._companions(names) if self.events is not None else []
+        doomed = [*names, *(n + COMPANION_SUFFIX for n in names)]
         try:
-            self.guard.call(lambda: self.backend.delete(names))
+            self.guard.call(lambda: self.backend.delete(doomed))
         except ObjectStoreError as exc:
             log.warning("deleting %d objects failed: %s", len(names), exc)
             return False
+        for companion in companions:
+            assert self.events is not None
+            self.events.removed(companion)
         return True
+
+    def _companions(self, names: Sequence[str]) -> list[bytes]:
+        found = []
+        for name in names:
+            companion = functools.partial(self.backend.get, name + COMPANION_SUFFIX)
+            try:
+                found.append(self.guard.call(companion))
+            except ObjectNotFoundError:
+                continue  # uploaded unannounced: nothing to withdraw
+            except ObjectStoreError as exc:
+                log.warning("lineage of %s unreadable, its removal not announced: %s", name, exc)
+                self.counters.add("lineage_unreadable", 1)
+        return found
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -266,7 +304,7 @@ class ObjectTier(ObjectStore):
         log.error("object %s failed verification (%s); deleting it", name, reason)
         self.counters.add("corrupt", 1)
         self.index.drop_object(name)
-        self._delete_objects([name])
+        self.delete_objects([name])
 
     # -- the rest of the contract ---------------------------------------------------------
 
@@ -280,7 +318,7 @@ class ObjectTier(ObjectStore):
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         present = [k for k in keys if k in self.index]
         emptied = self.index.drop_keys(present)
-        self._delete_objects(emptied)
+        self.delete_objects(emptied)
         return len(present)
 
     def pin(self, keys: Sequence[ChunkKey]) -> None:

@@ -1,0 +1,184 @@
+"""The object tier's KV events, as a router sees them: a TierManager on a file:// bucket with
+`events.endpoint` set publishes each uploaded object's chunks and withdraws them when gc deletes
+it; a router decoding with vLLM's own classes keeps an index equal to what the bucket holds,
+across a restart (the sequence carries on, replay fills what it missed)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.core.config import EventsConfig, KVTierConfig
+from kvtier.core.keys import ChunkKey
+from kvtier.core.lineage import BlockLineage, unpack
+from kvtier.fleet.kv_events import external_hash
+from kvtier.tiering.manager import TierManager
+from tests.integration.test_object_manager import CHUNK, node_config
+from tests.router_index import RouterIndex
+from tests.support import keys_for, payload_for, target_spec
+
+BLOCKS = 4
+BLOCK_SIZE = 16
+MODEL = "tiny-llama"
+
+
+def lineages(keys: list[ChunkKey], seed: str) -> list[BlockLineage]:
+    """A prompt's chunks: each block's hash distinct, each chunk's parent the block before."""
+    out = []
+    parent = None
+    for i in range(len(keys)):
+        hashes = tuple(hashlib.sha256(f"{seed}/{i}/{b}".encode()).digest() for b in range(BLOCKS))
+        tokens = tuple(range(i * BLOCKS * BLOCK_SIZE, (i + 1) * BLOCKS * BLOCK_SIZE))
+        out.append(BlockLineage(hashes, parent, tokens, BLOCK_SIZE))
+        parent = hashes[-1]
+    return out
+
+
+def config(root: Path, bucket: str) -> KVTierConfig:
+    base = node_config(root, bucket, pack_target_bytes=2 * CHUNK)
+    events = EventsConfig(
+        endpoint=f"ipc://{root}/pub.sock",
+        replay_endpoint=f"ipc://{root}/replay.sock",
+        topic="kv@node-a@{model}",
+    )
+    return base.model_copy(update={"events": events})
+
+
+class Node:
+    def __init__(self, root: Path, bucket: str) -> None:
+        self.config = config(root, bucket)
+        self.manager = TierManager(self.config)
+        self.namespace = self.manager.register_pool(target_spec(model=MODEL), CHUNK)
+
+    def store(self, keys: list[ChunkKey], encoded: list[bytes]) -> None:
+        m = self.manager
+        refs = m.reserve(keys, "r0")
+        assert all(r is not None for r in refs)
+        for ref in refs:
+            assert ref is not None
+            m.cpu.view(ref)[:] = payload_for(ref.key, ref.nbytes)
+        assert m.commit([r for r in refs if r is not None], encoded) == len(keys)
+        assert m.flush()
+        assert m.flush_uploads()
+
+    @property
+    def published_through(self) -> int:
+        """The last sequence number published, once every queued batch is out."""
+        events = self.manager.objects.events if self.manager.objects else None
+        assert events is not None
+        assert events.publisher.flush()
+        return events.publisher.log.next_seq - 1
+
+    def counters(self) -> dict[str, int]:
+        assert self.manager.object is not None
+        return dict(self.manager.object.counters.snapshot())
+
+    def close(self) -> None:
+        self.manager.close()
+        self.manager.config.arena.path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def bucket(tmp_path: Path) -> str:
+    return f"file://{tmp_path}/bucket"
+
+
+@pytest.fixture
+def node(tmp_path: Path, bucket: str) -> Iterator[Node]:
+    made = Node(tmp_path / "a", bucket)
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def router(node: Node) -> Iterator[RouterIndex]:
+    events = node.config.events
+    assert events.endpoint is not None
+    assert events.replay_endpoint is not None
+    index = RouterIndex(events.endpoint, events.replay_endpoint)
+    yield index
+    index.close()
+
+
+def bucket_blocks(bucket: str) -> set[int | bytes]:
+    """Every block hash the bucket's lineage companions name, as the events carry them."""
+    root = Path(bucket.removeprefix("file://"))
+    held: set[int | bytes] = set()
+    for path in root.rglob("*.lineage"):
+        assert path.with_suffix("").exists(), f"{path.name} outlived its object"
+        for _, lineage in unpack(path.read_bytes())[1]:
+            held.update(external_hash(h, True) for h in lineage.block_hashes)
+    return held
+
+
+def hashes_of(lins: list[BlockLineage]) -> list[int | bytes]:
+    return [external_hash(h, True) for lin in lins for h in lin.block_hashes]
+
+
+def test_uploads_and_gc_reach_a_router_exactly(
+    node: Node, router: RouterIndex, bucket: str
+) -> None:
+    keys = keys_for(node.namespace, 6)
+    lins = lineages(keys, "first")
+    node.store(keys, [lin.encode() for lin in lins])
+    router.catch_up(node.published_through)
+
+    assert router.blocks[(MODEL, "object")] == set(hashes_of(lins)) == bucket_blocks(bucket)
+    assert router.longest_prefix(MODEL, "object", hashes_of(lins)) == 6 * BLOCKS
+    assert node.counters()["events_published"] == 6
+
+    deleted = sum(c.deleted for c in node.manager.gc(retention_s=0))
+    assert deleted > 0
+    router.catch_up(node.published_through)
+    assert router.blocks[(MODEL, "object")] == bucket_blocks(bucket) == set()
+    assert not list(Path(bucket.removeprefix("file://")).rglob("*.lineage"))
+
+
+def test_a_restart_carries_the_sequence_and_replay_fills_the_gap(
+    tmp_path: Path, bucket: str
+) -> None:
+    first = Node(tmp_path / "a", bucket)
+    events = first.config.events
+    assert events.endpoint is not None
+    assert events.replay_endpoint is not None
+    keys = keys_for(first.namespace, 8)
+    lins = lineages(keys, "restart")
+    try:
+        first.store(keys[:4], [lin.encode() for lin in lins[:4]])
+        before = first.published_through
+    finally:
+        first.close()
+    second = Node(tmp_path / "a", bucket)
+    try:
+        second.store(keys[4:], [lin.encode() for lin in lins[4:]])
+        after = second.published_through
+        assert after > before >= 0  # numbered on from where the first stopped
+        # a router that connects only now misses every live batch: replay gives them all
+        router = RouterIndex(events.endpoint, events.replay_endpoint)
+        try:
+            router.catch_up(after, live_wait_s=0)
+            assert router.replayed == after + 1
+            assert router.blocks[(MODEL, "object")] == set(hashes_of(lins)) == bucket_blocks(bucket)
+        finally:
+            router.close()
+    finally:
+        second.close()
+
+
+def test_chunks_without_a_valid_lineage_are_uploaded_unannounced(
+    node: Node, router: RouterIndex, bucket: str
+) -> None:
+    keys = keys_for(node.namespace, 3)
+    lins = lineages(keys, "partial")
+    node.store(keys, [lins[0].encode(), b"", b"not a lineage"])
+    router.catch_up(node.published_through)
+
+    assert router.blocks[(MODEL, "object")] == set(hashes_of(lins[:1]))
+    counters = node.counters()
+    assert counters["lineage_invalid"] == 1
+    assert counters["chunks_unannounced"] == 2
+    assert node.manager.object is not None
+    assert all(node.manager.object.contains(keys))
