@@ -10,8 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 from kvtier.core.config import EventsConfig, KVTierConfig
+from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lineage import BlockLineage, unpack
 from kvtier.fleet.kv_events import external_hash
@@ -182,3 +184,24 @@ def test_chunks_without_a_valid_lineage_are_uploaded_unannounced(
     assert counters["chunks_unannounced"] == 2
     assert node.manager.object is not None
     assert all(node.manager.object.contains(keys))
+
+
+def test_events_without_an_object_tier_or_with_a_taken_port_are_refused_at_start(
+    tmp_path: Path, bucket: str
+) -> None:
+    alone = config(tmp_path / "b", bucket)
+    alone = alone.model_copy(update={"object": alone.object.model_copy(update={"url": None})})
+    with pytest.raises(ConfigError, match=r"events\.endpoint.*object\.url"):
+        TierManager(alone)
+    context = zmq.Context()
+    taken = context.socket(zmq.PUB)
+    try:
+        taken.bind("tcp://*:*")
+        clash = config(tmp_path / "c", bucket)
+        port = taken.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+        events = clash.events.model_copy(update={"endpoint": f"tcp://*:{port}"})
+        with pytest.raises(ConfigError, match=r"events\.endpoint.*cannot open"):
+            TierManager(clash.model_copy(update={"events": events}))
+    finally:
+        taken.close(linger=0)
+        context.term()
