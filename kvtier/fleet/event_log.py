@@ -14,7 +14,7 @@ import lmdb
 _SEQ = struct.Struct(">Q")
 _TOPIC_LEN = struct.Struct("<H")
 _MAP_BYTES = 1 << 30
-"""Reserved address space, not disk: the log holds ``capacity`` batches."""
+"""Reserved address space, not disk; a log that fills it keeps its newer half."""
 
 
 class EventLog:
@@ -34,18 +34,26 @@ class EventLog:
         return self._next
 
     def append(self, topic: bytes, payload: bytes) -> int:
-        """Keep a batch; returns its sequence number. The oldest past ``capacity`` go."""
-        with self._lock, self._env.begin(write=True, db=self._batches) as txn:
+        """Keep a batch; returns its sequence number. The oldest past ``capacity`` go, and half
+        of those kept when the map is full."""
+        value = _TOPIC_LEN.pack(len(topic)) + topic + payload
+        with self._lock:
+            try:
+                return self._append(value, self.capacity)
+            except lmdb.MapFullError:
+                return self._append(value, self._count // 2)
+
+    def _append(self, value: bytes, keep: int) -> int:
+        count = self._count
+        with self._env.begin(write=True, db=self._batches) as txn:  # aborted on any error
+            cursor = txn.cursor()
+            cursor.first()
+            while count >= max(1, keep) and cursor.delete():
+                count -= 1
             seq = self._next
-            txn.put(_SEQ.pack(seq), _TOPIC_LEN.pack(len(topic)) + topic + payload, append=True)
-            self._next += 1
-            self._count += 1
-            if self._count > self.capacity:
-                cursor = txn.cursor()
-                cursor.first()
-                while self._count > self.capacity and cursor.delete():
-                    self._count -= 1
-            return seq
+            txn.put(_SEQ.pack(seq), value, append=True)
+        self._next, self._count = seq + 1, count + 1
+        return seq
 
     def since(self, start: int) -> Iterator[tuple[int, bytes, bytes]]:
         """``(seq, topic, payload)`` of every kept batch from ``start`` on, in order."""

@@ -16,6 +16,7 @@ from kvtier.core.config import EventsConfig, KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.lineage import BlockLineage, unpack
+from kvtier.fleet.event_log import EventLog
 from kvtier.fleet.kv_events import external_hash
 from kvtier.tiering.manager import TierManager
 from tests.integration.test_object_manager import CHUNK, node_config
@@ -205,3 +206,15 @@ def test_events_without_an_object_tier_or_with_a_taken_port_are_refused_at_start
     finally:
         taken.close(linger=0)
         context.term()
+
+
+def test_the_event_log_keeps_its_newest_batches_in_order_and_numbers_on(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "log", capacity=3)
+    seqs = [log.append(b"t", bytes([i]) * 10) for i in range(5)]
+    assert seqs == [0, 1, 2, 3, 4]
+    assert [(s, p[0]) for s, _, p in log.since(0)] == [(2, 2), (3, 3), (4, 4)]
+    log.close()
+    again = EventLog(tmp_path / "log", capacity=3)
+    assert again.append(b"t", b"x") == 5
+    assert [s for s, _, _ in again.since(4)] == [4, 5]
+    again.close()
