@@ -87,7 +87,10 @@ class EventPublisher:
             poller.register(self._replay, zmq.POLLIN)
         while True:
             if self._replay is not None and poller.poll(0):
-                self._answer_replay()
+                try:
+                    self._answer_replay()
+                except Exception:  # one subscriber's replay must not end the stream
+                    log.exception("kvtier: answering a KV event replay failed")
             try:
                 item = self._queue.get(timeout=_POLL_MS / 1000)
             except queue.Empty:

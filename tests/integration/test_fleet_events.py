@@ -218,3 +218,23 @@ def test_the_event_log_keeps_its_newest_batches_in_order_and_numbers_on(tmp_path
     assert again.append(b"t", b"x") == 5
     assert [s for s, _, _ in again.since(4)] == [4, 5]
     again.close()
+
+
+def test_a_malformed_replay_request_is_ignored_and_the_next_answered(
+    node: Node, router: RouterIndex
+) -> None:
+    keys = keys_for(node.namespace, 2)
+    node.store(keys, [lin.encode() for lin in lineages(keys, "malformed")])
+    through = node.published_through
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    try:
+        dealer.connect(router.replay_endpoint)
+        dealer.send_multipart((b"", b"\x00\x01"))  # a start of 2 bytes, not 8
+        router.replay(0)  # answered all the same
+        assert router.last_seq == through
+        assert not dealer.poll(100)  # nothing was sent to the malformed request
+    finally:
+        dealer.close(linger=0)
+        context.term()
+    assert node.counters()["event_replays"] == 1
