@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar, overload
 
+from kvtier.core.costs import EngineTimings
 from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, NamespaceSpec
 from kvtier.core.protocol import Answer, DraftState, LookupResult, SlotRef
@@ -166,6 +167,9 @@ class InProcessClient:
 
     def set_busy(self, busy: bool) -> None:
         pass  # the caller runs the engine: it decides when to flush
+
+    def report_timings(self, timings: EngineTimings) -> None:
+        self.manager.costs.reported(timings)
 
     def lookup_behind(self, keys: Sequence[ChunkKey], verify: bool = False) -> Answer[LookupResult]:
         return Ready(self.manager.lookup(keys, verify=verify))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.core.costs import EngineTimings
 from kvtier.core.protocol import SlotRef, in_lmdb
 from kvtier_vllm.adapter import KVConnectorMetadata, KVConnectorWorkerMetadata
 
@@ -75,12 +76,18 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     checked: list[tuple[int, int, float]] = field(default_factory=list)
     """(slot, generation, relative error) of each chunk compared, per rank that holds a part;
     a negative error: the slot was reused before it could be compared."""
+    timings: EngineTimings = field(default_factory=EngineTimings)
+    """Loads per tier, timed by each rank (each rank copies its part at once)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
+        timings = EngineTimings()
+        timings.merge(self.timings)
+        timings.merge(other.timings)
         return KVTierWorkerMetadata(
             self.stored + other.stored,
             self.failed + other.failed,
             {**self.draft_fingerprints, **other.draft_fingerprints},
             self.checked + other.checked,
+            timings,
         )

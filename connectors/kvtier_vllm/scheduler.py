@@ -42,6 +42,7 @@ from kvtier_vllm.requests import RequestState
 from kvtier_vllm.session import Session, close_client
 from kvtier_vllm.stats import KVTierStats, take
 from kvtier_vllm.stores import Stores
+from kvtier_vllm.timings import StepTimings
 from kvtier_vllm.unreturned import Return, Unreturned
 from kvtier_vllm.verify import Verifier
 from kvtier_vllm.weights import adapter_uncached
@@ -124,6 +125,7 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         self._unanswered: list[Asked] = []
         """Requests asked again next step, their lookups still with kvtierd."""
         self._failed_loads: set[str] = set()
+        self.timings = StepTimings()
         """Requests whose asynchronous load failed: vLLM recomputes them, without kvtier."""
         if self.plans and (warning := failure_policy_warning(vllm_config)):
             log.warning("kvtier: %s", warning)
@@ -313,6 +315,7 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         self.leases.newest.extend(leases)
         assert self.stores is not None  # made with the client
         self.stores.expire(self._step)
+        self.timings.began(scheduler_output)
         return meta
 
     def _add_load(self, meta: KVTierMetadata, state: RequestState, plan: LoadPlan) -> list[SlotRef]:
@@ -378,7 +381,13 @@ class KVTierScheduler(Lookups, AbandonedLoads):
             if req_id in self._requests:
                 log.warning("kvtier: the load of request %s failed; vLLM recomputes it", req_id)
                 self._failed_loads.add(req_id)
-        if self.client is None or not isinstance(worker_meta, KVTierWorkerMetadata):
+        if self.client is None:
+            return
+        ours = isinstance(worker_meta, KVTierWorkerMetadata)
+        self.timings.ended(worker_meta.timings if ours else None)
+        if (timings := self.timings.take()) is not None:
+            self.client.report_timings(timings)
+        if not ours:
             return
         if self.draft_pool is not None and worker_meta.draft_fingerprints:
             self.draft_pool.reported(worker_meta.draft_fingerprints)

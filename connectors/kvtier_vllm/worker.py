@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvtier.client import ArenaMemory
+from kvtier.core.costs import CPU, LMDB, EngineTimings
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import Pool
 from kvtier_vllm.chunk_views import ChunkViews
@@ -68,6 +69,8 @@ class KVTierWorker:
         self._announced = ""
         self._stored: list[tuple[int, int]] = []
         self._compared: list[tuple[int, int, float]] = []
+        self._timings = EngineTimings()
+        """Loads by tier since the last report, timed here: kvtierd's cost estimates."""
         self._landing: list[tuple[Fence, list[tuple[int, int]]]] = []
         """Stores issued on a device stream, reported once their event completed."""
         self.copies: CpuCopies = copies_for(torch.device("cpu"))
@@ -224,6 +227,7 @@ class KVTierWorker:
             for job in meta.loads:
                 plan = self.plans.get(job.plan)
                 source = slots
+                staged_s = 0.0  # reading a chunk from lmdb's map is part of its load
                 if job.key and plan is not None:
                     started = time.perf_counter()
                     chunk = self.staging.stage(meta.lmdb_path, job, plan.chunk_bytes)
@@ -232,12 +236,13 @@ class KVTierWorker:
                         self._record("load", job, started, False)
                         continue
                     read.append(source := chunk)
+                    staged_s = time.perf_counter() - started
                 if plan is not None and plan.codec is not None:
                     if not job.key:
                         coded.append(job)
                         continue
                     if self.views.decode_loads([job], source)[0]:
-                        issued.append((job, 0.0))
+                        issued.append((job, staged_s))
                     else:
                         self._fail_loads([job], failed)
                     continue
@@ -250,7 +255,7 @@ class KVTierWorker:
                         self._draft_watch.unverified += 1
                 started = time.perf_counter()
                 if self._copy(job, source, into_arena=False):
-                    issued.append((job, time.perf_counter() - started))
+                    issued.append((job, staged_s + time.perf_counter() - started))
                 else:
                     self._fail_loads([job], failed)
                     self._record("load", job, started, False)
@@ -421,6 +426,8 @@ class KVTierWorker:
         page = plan.page_bytes if plan.codec is None else plan.codec.page_bytes
         nbytes = page * len(plan.layer_names) * blocks  # this rank's part
         self.stats.record(direction, str(plan.pool), nbytes, seconds, ok)
+        if direction == "load" and ok:  # a chunk staged from lmdb's map names its key
+            self._timings.loaded(LMDB if job.key else CPU, 1, nbytes, seconds)
 
     def take_stats(self) -> KVTierStats | None:
         stats, self.stats = take(self.stats)
@@ -444,10 +451,14 @@ class KVTierWorker:
             else:
                 waiting.append((done, issued))
         self._landing = waiting
-        if not self._stored and not self._failed and not self._fingerprints and not self._compared:
+        reports = (self._stored, self._failed, self._fingerprints, self._compared, self._timings)
+        if not any(reports):
             return None
-        meta = KVTierWorkerMetadata(self._stored, self._failed, self._fingerprints, self._compared)
+        meta = KVTierWorkerMetadata(
+            self._stored, self._failed, self._fingerprints, self._compared, self._timings
+        )
         self._stored, self._failed, self._fingerprints, self._compared = [], [], {}, []
+        self._timings = EngineTimings()
         return meta
 
     def shutdown(self) -> None:

@@ -27,6 +27,7 @@ from rich.text import Text
 
 from kvtier import __version__
 from kvtier.api.v1 import admin_pb2
+from kvtier.cli import locate
 from kvtier.core.config import KVTierConfig, describe, load_config
 from kvtier.core.errors import ConfigError, KVTierError
 from kvtier.core.protocol import TierCode
@@ -90,6 +91,10 @@ def _rows(header: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def _locate(args: argparse.Namespace) -> int:
+    return locate.run(args, _admin(args), _emit, _rows)
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -413,6 +418,8 @@ def _parser() -> argparse.ArgumentParser:
         "quarantine", _quarantine, "namespaces an engine found wrong KV in; --lift one"
     )
     quarantine.add_argument("--lift", metavar="NAMESPACE", help="16-byte namespace, hex")
+    where = admin("locate", _locate, "where a prompt's KV is, and its load time against recompute")
+    locate.add_arguments(where)
     from kvtier.cli.health import add_parser as add_health
     from kvtier.cli.hidden import add_parser as add_hidden
     from kvtier.observability.top import add_parser as add_top

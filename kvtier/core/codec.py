@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvtier.api.v1 import admin_pb2, tier_pb2
+from kvtier.core.costs import TIERS, CostSnapshot, EngineTimings
 from kvtier.core.errors import InvalidRequestError
 from kvtier.core.journal import ChunkEvent, ChunkEvents
 from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
@@ -209,3 +210,39 @@ def draft_revisions_to(revisions: Iterable[DraftRevision]) -> list[admin_pb2.Dra
         )
         for r in revisions
     ]
+
+
+def timings_to(timings: EngineTimings) -> list[tier_pb2.LoadTiming]:
+    return [
+        tier_pb2.LoadTiming(tier=tier, chunks=t.chunks, bytes=t.nbytes, seconds=t.seconds)
+        for tier, t in timings.loads.items()
+    ]
+
+
+def timings_from(request: tier_pb2.HeartbeatRequest) -> EngineTimings:
+    """An engine's report; tiers it names that kvtierd does not know are left out."""
+    timings = EngineTimings(prefill_tokens=request.prefill_tokens)
+    timings.prefill_seconds = request.prefill_seconds
+    for load in request.loads:
+        if load.tier in TIERS:
+            timings.loaded(load.tier, load.chunks, load.bytes, load.seconds)
+    return timings
+
+
+def costs_to(costs: CostSnapshot) -> admin_pb2.Costs:
+    return admin_pb2.Costs(
+        tiers=[
+            admin_pb2.TierCost(
+                tier=tier,
+                seconds_per_chunk=c.seconds_per_chunk,
+                seconds_per_chunk_spread=c.seconds_per_chunk_spread,
+                seconds_per_byte=c.seconds_per_byte,
+                seconds_per_byte_spread=c.seconds_per_byte_spread,
+                samples=c.samples,
+            )
+            for tier, c in costs.tiers.items()
+        ],
+        prefill_seconds_per_token=costs.prefill_seconds_per_token,
+        prefill_spread=costs.prefill_spread,
+        prefill_samples=costs.prefill_samples,
+    )

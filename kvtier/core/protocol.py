@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar, overload, runtime_checkable
 
+from kvtier.core.costs import EngineTimings
 from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, NamespaceSpec
 
@@ -264,6 +265,11 @@ class TierClient(Protocol):
     def report_hits(self, every_s: float = 0.0) -> None:
         """Tell the tiers of hits answered without a call, at most every ``every_s``, without
         waiting (a client whose answers all come from a call has none)."""
+        ...
+
+    def report_timings(self, timings: EngineTimings) -> None:
+        """What the engine measured (its loads per tier, its prefill), for the tiers' cost
+        estimates (`kvtier locate`); never waits: in sidecar mode it goes with a heartbeat."""
         ...
 
     def set_busy(self, busy: bool) -> None:

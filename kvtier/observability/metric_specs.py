@@ -219,6 +219,27 @@ METRICS: tuple[MetricSpec, ...] = (
         "Chunks held per draft revision; old revisions are evicted first and deleted after "
         "manager.draft_grace_s.",
     ),
+    # measured costs (`kvtier locate`)
+    _spec(
+        "gauge",
+        "load_seconds_per_chunk",
+        "tier stat",
+        "Seconds a chunk takes to load from each tier (stat mean or spread: decaying over the "
+        "last loads). cpu and lmdb are timed by the engines; object from download start to lmdb.",
+    ),
+    _spec(
+        "gauge",
+        "load_seconds_per_byte",
+        "tier stat",
+        "Seconds per byte of a load from each tier (stat mean or spread).",
+    ),
+    _spec(
+        "gauge",
+        "prefill_seconds_per_token",
+        "stat",
+        "The engines' measured seconds per token of steps where prefill dominates (stat mean or "
+        "spread): what recomputing a prefix costs.",
+    ),
 )
 SPECS = {spec.name: spec for spec in METRICS}
 

@@ -42,6 +42,7 @@ class TierCollector(Collector):
         yield from self._sessions()
         yield from self._object_store(stats)
         yield from self._drafts(stats)
+        yield from self._costs()
 
     def _tiers(self, stats: ManagerStats) -> Iterator[Metric]:
         config = self.manager.config
@@ -233,6 +234,24 @@ class TierCollector(Collector):
         swaps = metric_family("draft_swaps")
         swaps.add_metric([], stats.counters["draft_swaps"])
         yield swaps
+
+    def _costs(self) -> Iterator[Metric]:
+        costs = self.manager.costs.snapshot()
+        per_chunk = metric_family("load_seconds_per_chunk")
+        per_byte = metric_family("load_seconds_per_byte")
+        for tier, c in costs.tiers.items():
+            if c.samples:  # an estimate of nothing would read as free
+                per_chunk.add_metric([tier, "mean"], c.seconds_per_chunk)
+                per_chunk.add_metric([tier, "spread"], c.seconds_per_chunk_spread)
+                per_byte.add_metric([tier, "mean"], c.seconds_per_byte)
+                per_byte.add_metric([tier, "spread"], c.seconds_per_byte_spread)
+        prefill = metric_family("prefill_seconds_per_token")
+        if costs.prefill_samples:
+            prefill.add_metric(["mean"], costs.prefill_seconds_per_token)
+            prefill.add_metric(["spread"], costs.prefill_spread)
+        yield per_chunk
+        yield per_byte
+        yield prefill
 
 
 def build_registry(

@@ -91,6 +91,12 @@ class AdminClient:
         request = admin_pb2.DraftSwapCommitRequest(swap_id=swap_id)
         return self._rpc(self._stub.DraftSwapCommit, request)
 
+    def locate(
+        self, model: str, block_hashes: Sequence[bytes], tenant: str = ""
+    ) -> admin_pb2.LocateResponse:
+        request = admin_pb2.LocateRequest(model=model, block_hashes=block_hashes, tenant=tenant)
+        return self._rpc(self._stub.Locate, request)
+
     def quarantines(self) -> list[admin_pb2.QuarantinedNamespace]:
         response = self._rpc(self._stub.ListQuarantines, admin_pb2.ListQuarantinesRequest())
         return list(response.quarantined)

@@ -17,7 +17,8 @@ import grpc
 from google.protobuf.message import Message
 
 from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
-from kvtier.core.codec import drafts_from, spec_to
+from kvtier.core.codec import drafts_from, spec_to, timings_to
+from kvtier.core.costs import EngineTimings
 from kvtier.core.errors import KVTierError, SessionNotFoundError
 from kvtier.core.keys import ChunkKey, NamespaceSpec
 from kvtier.core.memory import keep_freed_pages
@@ -97,6 +98,9 @@ class DaemonSession(ABC):
         self._next_report = 0.0
         self._busy = False
         """Sent with each heartbeat (see `set_busy`)."""
+        self._timings = EngineTimings()
+        """Sent with the next heartbeat (`report_timings`)."""
+        self._timings_lock = threading.Lock()
         self._deadlines = deadlines
         self.breaker = (
             Breaker(self.target, deadlines.misses_to_open) if deadlines is not None else None
@@ -272,7 +276,15 @@ class DaemonSession(ABC):
             log.debug("hit report to %s failed: %s", self.target, exc)
 
     def _heartbeat_once(self, timeout: float | None = None, in_step: bool = True) -> None:
-        request = tier_pb2.HeartbeatRequest(session_id=self.session_id, busy=self._busy)
+        with self._timings_lock:
+            timings, self._timings = self._timings, EngineTimings()
+        request = tier_pb2.HeartbeatRequest(
+            session_id=self.session_id,
+            busy=self._busy,
+            loads=timings_to(timings),
+            prefill_tokens=timings.prefill_tokens,
+            prefill_seconds=timings.prefill_seconds,
+        )
         if in_step:
             response = self._rpc(self._stub.Heartbeat, request, timeout)
         else:  # past the breaker: this call is the one that may close it

@@ -11,6 +11,7 @@ import grpc
 from kvtier.api.v1 import tier_pb2
 from kvtier.core import wire
 from kvtier.core.codec import chunk_events_from, grants_from, lookup_from, ref_to
+from kvtier.core.costs import EngineTimings
 from kvtier.core.errors import InvalidRequestError, KVTierError, SessionNotFoundError
 from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, cut_at_namespaces
@@ -163,6 +164,10 @@ class GrpcTierClient(DaemonSession):
     def set_busy(self, busy: bool) -> None:
         """Told to kvtierd by the next heartbeat; a lookup or reserve says busy at once."""
         self._busy = busy
+
+    def report_timings(self, timings: EngineTimings) -> None:
+        with self._timings_lock:
+            self._timings.merge(timings)
 
     def in_arena(self, keys: Sequence[ChunkKey]) -> list[SlotRef] | None:
         if self._arena is None:

@@ -8,17 +8,18 @@ import grpc
 
 from kvtier import __version__
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc
-from kvtier.core.codec import draft_revisions_to, tier_stats_to
+from kvtier.core.codec import costs_to, draft_revisions_to, tier_stats_to
 from kvtier.core.errors import InvalidRequestError
-from kvtier.core.keys import ChunkKey, check_revision
+from kvtier.core.keys import MAX_CHUNK_HASH_BYTES, ChunkKey, check_revision
 from kvtier.server.sessions import SessionRegistry
 from kvtier.server.validate import check_batch, keys_from, namespace_from
 from kvtier.tiering.maintenance import VerifyProgress, WarmupProgress
 from kvtier.tiering.manager import TierManager
 from kvtier.tiers.objstore.catalog import GcCounts
 
-READ_ONLY_METHODS = frozenset({"Stats"})
+READ_ONLY_METHODS = frozenset({"Stats", "Locate"})
 _MAX_PIN_KEYS = 1 << 20
+_MAX_LOCATE_BLOCKS = 1 << 16
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
@@ -38,6 +39,35 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             leases=leases,
             draft_revisions=draft_revisions_to(self.manager.draft_revisions()),
             version=__version__,
+            costs=costs_to(self.manager.costs.snapshot()),
+        )
+
+    def Locate(
+        self, request: admin_pb2.LocateRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.LocateResponse:
+        if not request.model:
+            raise InvalidRequestError("name the model")
+        check_batch(request.block_hashes, _MAX_LOCATE_BLOCKS)
+        if any(not 0 < len(h) <= MAX_CHUNK_HASH_BYTES for h in request.block_hashes):
+            raise InvalidRequestError(f"block hashes are 1..{MAX_CHUNK_HASH_BYTES} bytes")
+        found = self.manager.locate(
+            request.model, list(request.block_hashes), request.tenant or "default"
+        )
+        return admin_pb2.LocateResponse(
+            tokens=found.tokens,
+            tiers=[
+                admin_pb2.TierSpan(
+                    tier=s.tier,
+                    chunks=s.chunks,
+                    tokens=s.tokens,
+                    load_seconds=s.load_seconds or 0.0,
+                    measured=s.load_seconds is not None,
+                )
+                for s in found.spans
+            ],
+            recompute_seconds=found.recompute_seconds or 0.0,
+            recompute_measured=found.recompute_seconds is not None,
+            costs=costs_to(found.costs),
         )
 
     def Evict(

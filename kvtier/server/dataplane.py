@@ -11,7 +11,15 @@ from typing import TypeVar
 import grpc
 
 from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
-from kvtier.core.codec import chunk_events_to, drafts_to, grants_to, lookup_to, ref_from, spec_from
+from kvtier.core.codec import (
+    chunk_events_to,
+    drafts_to,
+    grants_to,
+    lookup_to,
+    ref_from,
+    spec_from,
+    timings_from,
+)
 from kvtier.core.config import ServerConfig
 from kvtier.core.errors import InvalidRequestError, NamespaceAccessError
 from kvtier.core.journal import ChunkEvents
@@ -249,6 +257,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     def Heartbeat(
         self, request: tier_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> tier_pb2.HeartbeatResponse:
+        self.manager.costs.reported(timings_from(request))
         return tier_pb2.HeartbeatResponse(
             alive=self.sessions.heartbeat(request.session_id, request.busy),
             drafts=drafts_to(self.manager.draft_states()),

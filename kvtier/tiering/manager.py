@@ -30,6 +30,7 @@ from functools import partial
 from typing import Literal, overload
 
 from kvtier.core.config import KVTierConfig
+from kvtier.core.costs import LoadCosts
 from kvtier.core.counters import Counters
 from kvtier.core.errors import UnknownTierError
 from kvtier.core.journal import ChunkEvents, Journal
@@ -47,6 +48,7 @@ from kvtier.core.protocol import (
 )
 from kvtier.tiering.admission import HitAdmission
 from kvtier.tiering.drafts import DraftRevisions
+from kvtier.tiering.locate import Location, locate
 from kvtier.tiering.maintenance import DrainResult, Maintenance, VerifyProgress, WarmupProgress
 from kvtier.tiering.object_side import open_object_side
 from kvtier.tiering.promotion import Promoter
@@ -107,6 +109,8 @@ class TierManager:
             if local is not None:
                 local.journal = self.journal
         self._counters = Counters()
+        self.costs = LoadCosts()
+        """Measured load costs per tier and the engines' prefill time (`kvtier locate`)."""
         self.promoter: Promoter | None = None
         if self.lmdb is not None:
             self.promoter = Promoter(self.cpu, self.lmdb, config.manager, self._counters)
@@ -118,6 +122,7 @@ class TierManager:
                 self.lmdb.put_many,
                 self.promoter.promote_ahead,
                 self._counters,
+                self.costs,
             )
         self.drafts = DraftRevisions(
             self.registry,
@@ -444,6 +449,13 @@ class TierManager:
         return self.maintenance.warmup(
             namespace, max_chunks=max_chunks, object_index=object_index, fetch=fetch
         )
+
+    def locate(
+        self, model: str, block_hashes: Sequence[bytes], tenant: str = "default"
+    ) -> Location:
+        """Per tier, the prompt's leading tokens it holds and their expected load time."""
+        snapshot = self.costs.snapshot()
+        return locate(self.registry, self.tiers, snapshot, model, block_hashes, tenant)
 
     def gc(self, retention_s: float | None = None, dry_run: bool = False) -> Iterator[GcCounts]:
         """Delete objects past their retention from the store; progress as it goes."""

@@ -19,6 +19,168 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class LocateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    tenant: _builtins.str
+    """Unset: "default"."""
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The prompt's block hashes as the engine computes them (full, as vLLM's KV events carry them
+        with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
+        """
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        tenant: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "model", b"model", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LocateRequest: _TypeAlias = LocateRequest  # noqa: Y015
+
+@_typing.final
+class TierSpan(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    LOAD_SECONDS_FIELD_NUMBER: _builtins.int
+    MEASURED_FIELD_NUMBER: _builtins.int
+    tier: _builtins.str
+    chunks: _builtins.int
+    tokens: _builtins.int
+    load_seconds: _builtins.float
+    measured: _builtins.bool
+    """False before any load from the tier was timed (load_seconds is then 0)."""
+    def __init__(
+        self,
+        *,
+        tier: _builtins.str = ...,
+        chunks: _builtins.int = ...,
+        tokens: _builtins.int = ...,
+        load_seconds: _builtins.float = ...,
+        measured: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "load_seconds", b"load_seconds", "measured", b"measured", "tier", b"tier", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierSpan: _TypeAlias = TierSpan  # noqa: Y015
+
+@_typing.final
+class LocateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
+    RECOMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
+    RECOMPUTE_MEASURED_FIELD_NUMBER: _builtins.int
+    COSTS_FIELD_NUMBER: _builtins.int
+    tokens: _builtins.int
+    recompute_seconds: _builtins.float
+    """The most leading tokens any tier holds, recomputed at the engines' measured prefill rate."""
+    recompute_measured: _builtins.bool
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierSpan]: ...
+    @_builtins.property
+    def costs(self) -> Global___Costs: ...
+    def __init__(
+        self,
+        *,
+        tokens: _builtins.int = ...,
+        tiers: _abc.Iterable[Global___TierSpan] | None = ...,
+        recompute_seconds: _builtins.float = ...,
+        recompute_measured: _builtins.bool = ...,
+        costs: Global___Costs | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["costs", b"costs"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["costs", b"costs", "recompute_measured", b"recompute_measured", "recompute_seconds", b"recompute_seconds", "tiers", b"tiers", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LocateResponse: _TypeAlias = LocateResponse  # noqa: Y015
+
+@_typing.final
+class Costs(_message.Message):
+    """Decaying estimates of what loads from each tier and the engines' prefill cost."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIERS_FIELD_NUMBER: _builtins.int
+    PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    PREFILL_SPREAD_FIELD_NUMBER: _builtins.int
+    PREFILL_SAMPLES_FIELD_NUMBER: _builtins.int
+    prefill_seconds_per_token: _builtins.float
+    prefill_spread: _builtins.float
+    prefill_samples: _builtins.int
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierCost]: ...
+    def __init__(
+        self,
+        *,
+        tiers: _abc.Iterable[Global___TierCost] | None = ...,
+        prefill_seconds_per_token: _builtins.float = ...,
+        prefill_spread: _builtins.float = ...,
+        prefill_samples: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefill_samples", b"prefill_samples", "prefill_seconds_per_token", b"prefill_seconds_per_token", "prefill_spread", b"prefill_spread", "tiers", b"tiers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Costs: _TypeAlias = Costs  # noqa: Y015
+
+@_typing.final
+class TierCost(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    SECONDS_PER_CHUNK_FIELD_NUMBER: _builtins.int
+    SECONDS_PER_CHUNK_SPREAD_FIELD_NUMBER: _builtins.int
+    SECONDS_PER_BYTE_FIELD_NUMBER: _builtins.int
+    SECONDS_PER_BYTE_SPREAD_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    tier: _builtins.str
+    seconds_per_chunk: _builtins.float
+    seconds_per_chunk_spread: _builtins.float
+    seconds_per_byte: _builtins.float
+    seconds_per_byte_spread: _builtins.float
+    samples: _builtins.int
+    def __init__(
+        self,
+        *,
+        tier: _builtins.str = ...,
+        seconds_per_chunk: _builtins.float = ...,
+        seconds_per_chunk_spread: _builtins.float = ...,
+        seconds_per_byte: _builtins.float = ...,
+        seconds_per_byte_spread: _builtins.float = ...,
+        samples: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["samples", b"samples", "seconds_per_byte", b"seconds_per_byte", "seconds_per_byte_spread", b"seconds_per_byte_spread", "seconds_per_chunk", b"seconds_per_chunk", "seconds_per_chunk_spread", b"seconds_per_chunk_spread", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierCost: _TypeAlias = TierCost  # noqa: Y015
+
+@_typing.final
 class Usage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -194,6 +356,7 @@ class StatsResponse(_message.Message):
     LEASES_FIELD_NUMBER: _builtins.int
     DRAFT_REVISIONS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    COSTS_FIELD_NUMBER: _builtins.int
     sessions: _builtins.int
     leases: _builtins.int
     version: _builtins.str
@@ -204,6 +367,8 @@ class StatsResponse(_message.Message):
     def counters(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     @_builtins.property
     def draft_revisions(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftRevisionStats]: ...
+    @_builtins.property
+    def costs(self) -> Global___Costs: ...
     def __init__(
         self,
         *,
@@ -213,10 +378,11 @@ class StatsResponse(_message.Message):
         leases: _builtins.int = ...,
         draft_revisions: _abc.Iterable[Global___DraftRevisionStats] | None = ...,
         version: _builtins.str = ...,
+        costs: Global___Costs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["costs", b"costs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["counters", b"counters", "draft_revisions", b"draft_revisions", "leases", b"leases", "sessions", b"sessions", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["costs", b"costs", "counters", b"counters", "draft_revisions", b"draft_revisions", "leases", b"leases", "sessions", b"sessions", "tiers", b"tiers", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

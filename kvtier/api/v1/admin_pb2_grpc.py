@@ -99,6 +99,11 @@ class AdminServiceStub:
                 request_serializer=kvtier_dot_v1_dot_admin__pb2.LiftQuarantineRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_admin__pb2.LiftQuarantineResponse.FromString,
                 _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/kvtier.v1.AdminService/Locate',
+                request_serializer=kvtier_dot_v1_dot_admin__pb2.LocateRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_admin__pb2.LocateResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -193,6 +198,14 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Locate(self, request, context):
+        """Where a prompt's KV is: per tier, the leading tokens it holds and the measured time to load
+        them, against the time to recompute them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -260,6 +273,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.LiftQuarantine,
                     request_deserializer=kvtier_dot_v1_dot_admin__pb2.LiftQuarantineRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_admin__pb2.LiftQuarantineResponse.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=kvtier_dot_v1_dot_admin__pb2.LocateRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_admin__pb2.LocateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -613,6 +631,33 @@ class AdminService:
             '/kvtier.v1.AdminService/LiftQuarantine',
             kvtier_dot_v1_dot_admin__pb2.LiftQuarantineRequest.SerializeToString,
             kvtier_dot_v1_dot_admin__pb2.LiftQuarantineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.AdminService/Locate',
+            kvtier_dot_v1_dot_admin__pb2.LocateRequest.SerializeToString,
+            kvtier_dot_v1_dot_admin__pb2.LocateResponse.FromString,
             options,
             channel_credentials,
             insecure,

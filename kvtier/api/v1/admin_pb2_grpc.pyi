@@ -58,6 +58,10 @@ class AdminServiceStub:
     ListQuarantines: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListQuarantinesRequest, _admin_pb2.ListQuarantinesResponse]
     """Namespaces an engine found wrong KV in (TierService.QuarantineNamespace), and lifting one."""
     LiftQuarantine: _grpc.UnaryUnaryMultiCallable[_admin_pb2.LiftQuarantineRequest, _admin_pb2.LiftQuarantineResponse]
+    Locate: _grpc.UnaryUnaryMultiCallable[_admin_pb2.LocateRequest, _admin_pb2.LocateResponse]
+    """Where a prompt's KV is: per tier, the leading tokens it holds and the measured time to load
+    them, against the time to recompute them.
+    """
 
 @_typing.type_check_only
 class AdminServiceAsyncStub(AdminServiceStub):
@@ -89,6 +93,10 @@ class AdminServiceAsyncStub(AdminServiceStub):
     ListQuarantines: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListQuarantinesRequest, _admin_pb2.ListQuarantinesResponse]  # type: ignore[assignment]
     """Namespaces an engine found wrong KV in (TierService.QuarantineNamespace), and lifting one."""
     LiftQuarantine: _aio.UnaryUnaryMultiCallable[_admin_pb2.LiftQuarantineRequest, _admin_pb2.LiftQuarantineResponse]  # type: ignore[assignment]
+    Locate: _aio.UnaryUnaryMultiCallable[_admin_pb2.LocateRequest, _admin_pb2.LocateResponse]  # type: ignore[assignment]
+    """Where a prompt's KV is: per tier, the leading tokens it holds and the measured time to load
+    them, against the time to recompute them.
+    """
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -195,5 +203,15 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.LiftQuarantineRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.LiftQuarantineResponse, _abc.Awaitable[_admin_pb2.LiftQuarantineResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Locate(
+        self,
+        request: _admin_pb2.LocateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.LocateResponse, _abc.Awaitable[_admin_pb2.LocateResponse]]:
+        """Where a prompt's KV is: per tier, the leading tokens it holds and the measured time to load
+        them, against the time to recompute them.
+        """
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

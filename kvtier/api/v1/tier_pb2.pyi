@@ -801,24 +801,67 @@ class HeartbeatRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     BUSY_FIELD_NUMBER: _builtins.int
+    LOADS_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFILL_SECONDS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     busy: _builtins.bool
     """The engine holds requests. While no session is busy, kvtierd writes every arena chunk
     to lmdb; while one is, only what the arena's clean reserve needs.
     """
+    prefill_tokens: _builtins.int
+    prefill_seconds: _builtins.float
+    @_builtins.property
+    def loads(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoadTiming]:
+        """What the engine measured since the last heartbeat: its loads from each tier, and the
+        tokens it prefilled and how long that took. kvtierd keeps decaying estimates of both.
+        """
+
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         busy: _builtins.bool = ...,
+        loads: _abc.Iterable[Global___LoadTiming] | None = ...,
+        prefill_tokens: _builtins.int = ...,
+        prefill_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "loads", b"loads", "prefill_seconds", b"prefill_seconds", "prefill_tokens", b"prefill_tokens", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class LoadTiming(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    tier: _builtins.str
+    """"cpu" (the arena) or "lmdb" """
+    chunks: _builtins.int
+    bytes: _builtins.int
+    seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        tier: _builtins.str = ...,
+        chunks: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "chunks", b"chunks", "seconds", b"seconds", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadTiming: _TypeAlias = LoadTiming  # noqa: Y015
 
 @_typing.final
 class HeartbeatResponse(_message.Message):

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence, Sized
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from kvtier.core.costs import OBJECT, LoadCosts
 from kvtier.core.counters import Counters
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import ChunkKey
@@ -33,8 +34,17 @@ Promote = Callable[[ChunkKey, str], object]
 
 
 class ObjectFetcher:
-    def __init__(self, tier: ObjectTier, put: Put, promote: Promote, counters: Counters) -> None:
+    def __init__(
+        self,
+        tier: ObjectTier,
+        put: Put,
+        promote: Promote,
+        counters: Counters,
+        costs: LoadCosts | None = None,
+    ) -> None:
         self.tier = tier
+        self.costs = costs or LoadCosts()
+        """Each download, timed to the chunks' arrival in lmdb: the object tier's cost."""
         self._put = put
         self._promote = promote
         self._counters = counters
@@ -44,9 +54,13 @@ class ObjectFetcher:
         self._fetching: set[str] = set()
         self._lock = threading.Lock()
 
-    def keep(self, chunks: Sequence[FetchedChunk]) -> None:
-        """Store downloaded chunks in lmdb, as no local replica's."""
+    def keep(self, chunks: Sequence[FetchedChunk], started: float | None = None) -> None:
+        """Store downloaded chunks in lmdb, as no local replica's; with ``started`` (when the
+        download began, `time.perf_counter`), time the whole as a load from the object tier."""
         self._put([(c.key, c.payload) for c in chunks], REMOTE_REPLICA)
+        if started is not None:
+            nbytes = sum(len(c.payload) for c in chunks)
+            self.costs.loaded(OBJECT, len(chunks), nbytes, time.perf_counter() - started)
 
     # -- probe ----------------------------------------------------------------------------
 
@@ -95,9 +109,10 @@ class ObjectFetcher:
     def _probe_job(self, key: ChunkKey) -> bool:
         found = False
         try:
+            started = time.perf_counter()
             chunks = self.tier.probe(key)
             if chunks:
-                self.keep(chunks)
+                self.keep(chunks, started)
                 found = True
         except KVTierError as exc:
             log.debug("probe of %s failed: %s", key.hex(), exc)
@@ -132,9 +147,10 @@ class ObjectFetcher:
 
     def _fetch_job(self, name: str, keys: list[ChunkKey], replica: str) -> None:
         try:
+            started = time.perf_counter()
             chunks = self.tier.fetch(name)
             if chunks:
-                self.keep(chunks)
+                self.keep(chunks, started)
                 for key in keys:
                     self._promote(key, replica)
                 self._counters.add("promotions_object", len(keys))

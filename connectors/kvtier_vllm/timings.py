@@ -1,0 +1,44 @@
+"""What this engine measures for kvtier's cost estimates: the workers' loads per tier, and the
+time its steps take per token while prefill dominates them (the cost of recomputing a prefix
+instead of loading it)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvtier.core.costs import EngineTimings
+
+PREFILL_TOKENS_PER_REQUEST = 8
+"""A step counts as prefill where it schedules at least this many tokens per request: decode
+steps schedule one (or a few drafted) per request."""
+
+
+class StepTimings:
+    def __init__(self) -> None:
+        self.pending = EngineTimings()
+        self._began = 0.0
+        self._tokens = 0
+
+    def began(self, scheduler_output: Any) -> None:
+        """The scheduler handed the step to the workers (its forward starts now)."""
+        tokens = int(scheduler_output.total_num_scheduled_tokens)
+        requests = len(scheduler_output.num_scheduled_tokens)
+        prefill = requests and tokens >= PREFILL_TOKENS_PER_REQUEST * requests
+        self._tokens = tokens if prefill else 0
+        self._began = time.perf_counter()
+
+    def ended(self, worker_timings: EngineTimings | None) -> None:
+        """The step's output came back, with what the workers timed."""
+        if self._tokens:
+            self.pending.prefill_tokens += self._tokens
+            self.pending.prefill_seconds += time.perf_counter() - self._began
+            self._tokens = 0
+        if worker_timings:
+            self.pending.merge(worker_timings)
+
+    def take(self) -> EngineTimings | None:
+        if not self.pending:
+            return None
+        taken, self.pending = self.pending, EngineTimings()
+        return taken

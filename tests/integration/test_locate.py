@@ -1,0 +1,119 @@
+"""kvtierd's measured costs and `kvtier locate`: an engine's timings reach kvtierd with its
+heartbeats, show in the admin API and the Prometheus gauges, and a prompt's block hashes are
+answered with the leading tokens each tier holds and their expected load time against
+recompute."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvtier.core.costs import EngineTimings
+from kvtier.core.errors import InvalidRequestError, UnknownPoolError
+from kvtier.rpc import GrpcTierClient
+from tests.integration.daemon_harness import CHUNK, DaemonFiles, Processes, RunningDaemon
+from tests.support import keys_for, target_spec
+
+BLOCKS_PER_CHUNK = 4  # tests.support.layout
+TOKENS_PER_CHUNK = 64
+
+
+def prompt_hashes(chunks: int) -> list[bytes]:
+    """Block hashes whose every chunk's last block is `keys_for`'s chunk hash."""
+    hashes = []
+    for c in range(chunks):
+        hashes += [bytes([0xEE, c, j]) * 8 for j in range(BLOCKS_PER_CHUNK - 1)]
+        hashes.append(c.to_bytes(32, "big"))
+    return hashes
+
+
+def reported(daemon: RunningDaemon) -> None:
+    deadline = time.monotonic() + 10.0
+    while daemon.stats().costs.prefill_samples == 0:
+        assert time.monotonic() < deadline, "no heartbeat carried the engine's timings"
+        time.sleep(0.05)
+
+
+def cost_gauges(daemon: RunningDaemon) -> dict[tuple[str, str], float]:
+    return {
+        (labels.get("tier", ""), labels["stat"]): value
+        for name, labels, value in daemon.metrics()
+        if name in ("kvtier_load_seconds_per_chunk", "kvtier_prefill_seconds_per_token")
+    }
+
+
+def test_locate_answers_each_tiers_leading_tokens_and_their_measured_costs(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    daemon = procs.start_daemon(files)
+    client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
+    admin = daemon.admin()
+    try:
+        keys = keys_for(client.register_pool(target_spec(), CHUNK), 3)
+        refs = [r for r in client.reserve(keys) if r is not None]
+        assert client.commit(refs) == 3
+        assert admin.drain().complete  # lmdb holds them too
+        timings = EngineTimings()
+        timings.loaded("cpu", 4, 4 * CHUNK, 0.004)
+        timings.loaded("lmdb", 2, 2 * CHUNK, 0.010)
+        timings.prefill_tokens, timings.prefill_seconds = 1000, 0.5
+        client.report_timings(timings)
+        reported(daemon)
+
+        found = admin.locate("tiny-llama", prompt_hashes(4))
+        assert found.tokens == 4 * TOKENS_PER_CHUNK
+        spans = {s.tier: s for s in found.tiers}
+        assert (spans["cpu"].chunks, spans["cpu"].tokens) == (3, 3 * TOKENS_PER_CHUNK)
+        assert spans["cpu"].load_seconds == pytest.approx(0.003)
+        assert spans["lmdb"].tokens == 3 * TOKENS_PER_CHUNK
+        assert spans["lmdb"].load_seconds == pytest.approx(0.015)
+        assert found.recompute_measured
+        assert found.recompute_seconds == pytest.approx(3 * TOKENS_PER_CHUNK * 0.0005)
+        # a prompt that leaves the stored prefix after one chunk holds one
+        other = prompt_hashes(1) + [b"\x01" * 32] * BLOCKS_PER_CHUNK
+        assert {s.tier: s.chunks for s in admin.locate("tiny-llama", other).tiers} == {
+            "cpu": 1,
+            "lmdb": 1,
+        }
+
+        gauges = cost_gauges(daemon)
+        assert gauges[("cpu", "mean")] == pytest.approx(0.001)
+        assert gauges[("lmdb", "mean")] == pytest.approx(0.005)
+        assert gauges[("", "mean")] == pytest.approx(0.0005)
+        assert ("object", "mean") not in gauges  # nothing timed: no estimate shown
+
+        with pytest.raises(UnknownPoolError):
+            admin.locate("another-model", prompt_hashes(1))
+        with pytest.raises(InvalidRequestError):
+            admin.locate("tiny-llama", [b""])
+
+        cli = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvtier.cli",
+                "locate",
+                "--address",
+                daemon.admin_address,
+                "--model",
+                "tiny-llama",
+                "--json",
+                *(h.hex() for h in prompt_hashes(4)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        shown = json.loads(cli.stdout)
+        assert {t["tier"]: int(t["tokens"]) for t in shown["tiers"]} == {
+            "cpu": 3 * TOKENS_PER_CHUNK,
+            "lmdb": 3 * TOKENS_PER_CHUNK,
+        }
+    finally:
+        admin.close()
+        client.close()

@@ -1,0 +1,72 @@
+"""Decaying cost estimates: they converge on what is observed, follow a change within a few dozen
+observations, keep a spread that tells steady from noisy, and compose the object tier's load."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvtier.core.costs import HALF_LIFE, CostSnapshot, EngineTimings, Estimate, LoadCosts
+
+
+def test_a_steady_value_is_its_mean_with_no_spread() -> None:
+    e = Estimate()
+    for _ in range(10):
+        e.observe(0.25)
+    assert e.mean == pytest.approx(0.25)
+    assert e.spread == pytest.approx(0.0, abs=1e-12)
+    assert e.samples == 10
+
+
+def test_the_spread_is_the_standard_deviation_of_what_was_seen() -> None:
+    e = Estimate()
+    for i in range(2000):
+        e.observe(1.0 if i % 2 else 3.0)
+    assert e.mean == pytest.approx(2.0, rel=0.05)
+    assert e.spread == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_change_shows_after_a_few_half_lives() -> None:
+    e = Estimate()
+    for _ in range(500):
+        e.observe(1.0)
+    for _ in range(int(4 * HALF_LIFE)):
+        e.observe(2.0)
+    assert 1.9 < e.mean < 2.0  # weight left on the old value: 2^-4
+
+
+def test_weights_count_and_nonsense_is_ignored() -> None:
+    e = Estimate()
+    e.observe(1.0, weight=3)
+    e.observe(4.0, weight=1)
+    assert e.mean == pytest.approx((3 * 1 + 4) / 4, rel=0.02)
+    before = (e.mean, e.samples)
+    e.observe(math.nan)
+    e.observe(5.0, weight=0)
+    assert (e.mean, e.samples) == before
+
+
+def test_an_object_load_is_its_download_then_its_load_from_lmdb() -> None:
+    costs = LoadCosts()
+    timings = EngineTimings()
+    timings.loaded("cpu", 4, 4 << 20, 0.004)
+    timings.loaded("lmdb", 2, 2 << 20, 0.010)
+    timings.prefill_tokens, timings.prefill_seconds = 1000, 0.5
+    costs.reported(timings)
+    costs.loaded("object", 8, 8 << 20, 0.8)
+    snap = costs.snapshot()
+    assert snap.load_seconds("cpu", 10) == pytest.approx(0.010)
+    assert snap.load_seconds("lmdb", 10) == pytest.approx(0.050)
+    assert snap.load_seconds("object", 10) == pytest.approx(1.0 + 0.050)
+    assert snap.recompute_seconds(64) == pytest.approx(0.032)
+    assert snap.tiers["cpu"].seconds_per_byte == pytest.approx(0.001 / (1 << 20))
+
+
+def test_nothing_measured_answers_none_rather_than_free() -> None:
+    snap: CostSnapshot = LoadCosts().snapshot()
+    assert snap.load_seconds("cpu", 4) is None
+    assert snap.recompute_seconds(64) is None
+    costs = LoadCosts()
+    costs.loaded("object", 1, 1, 0.1)  # downloads timed, loads from lmdb not yet
+    assert costs.snapshot().load_seconds("object", 1) is None
