@@ -1,0 +1,79 @@
+"""The fleet model's rules, on fleets small enough to work out by hand: where each turn's tokens
+come from, and which engine each router picks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from benchmarks.fleet_costs import NodeCosts, gpu_node
+from benchmarks.fleet_sim import Fleet, Shape, Workload, simulate
+
+ONE_SESSION = Workload(
+    doc_tokens=1024,
+    question_tokens=128,
+    answer_tokens=128,
+    turns=4,
+    think_s=10.0,
+    arrivals=(0.0,),
+)
+
+
+def costs(upload_delay_s: float = 0.0) -> NodeCosts:
+    base = gpu_node(chunk_tokens=256)
+    return NodeCosts(
+        chunk_tokens=256,
+        chunk_bytes=base.chunk_bytes,
+        prefill_s_per_token=1e-4,
+        load_s_per_chunk={"cpu": 1e-3, "lmdb": 5e-3, "object": 2e-2},
+        load_latency_s={"object": 0.05},
+        decode_s_per_token=1e-3,
+        upload_delay_s=upload_delay_s,
+    )
+
+
+def one_session(shape: Shape, router: str) -> dict[str, int]:
+    totals = simulate(shape, costs(), router, ONE_SESSION)
+    assert totals.requests == ONE_SESSION.turns
+    return totals.tokens
+
+
+def test_one_engine_holds_a_sessions_history_on_its_gpu() -> None:
+    tokens = one_session(Shape(nodes=1, engines=1), "gpu_prefix")
+    # turns hold 1152, 1408, 1664, 1920 tokens: full chunks 4, 5, 6, 7; the history before each
+    # turn (prompt and answer) ends in full chunks 5, 6, 7
+    assert tokens["gpu"] == (5 + 6 + 7) * 256
+    assert tokens["recompute"] == 1152 + 1408 + 1664 + 1920 - tokens["gpu"]
+    assert tokens["cpu"] == tokens["lmdb"] == tokens["object"] == 0
+
+
+def test_round_robin_sends_each_turn_elsewhere_and_it_loads_from_the_object_store() -> None:
+    tokens = one_session(Shape(nodes=4, engines=1), "round_robin")
+    assert tokens["gpu"] == tokens["cpu"] == tokens["lmdb"] == 0
+    assert tokens["object"] == (5 + 6 + 7) * 256
+
+
+def test_a_tier_aware_router_keeps_the_session_near_its_history() -> None:
+    for router in ("fixed_weights", "kvtier_cost"):
+        tokens = one_session(Shape(nodes=4, engines=2), router)
+        assert tokens["gpu"] == (5 + 6 + 7) * 256, router
+        assert tokens["object"] == 0, router
+
+
+@pytest.mark.parametrize(("queue_s", "expected"), [(0.0, "busy"), (5.0, "idle")])
+def test_measured_costs_weigh_a_queue_against_a_load_from_the_store(
+    queue_s: float, expected: str
+) -> None:
+    fleet = Fleet(Shape(nodes=2, engines=1), costs(), "kvtier_cost", random.Random(0))
+    busy, idle = fleet.engines
+    fleet.store(busy, session=7, chunks=8, now=0.0)  # on busy's GPU, and in the store at once
+    busy.free_at = 1.0 + queue_s
+    # from the store, idle needs 0.05 + 8 x 0.02 s; busy waits for its queue
+    chosen = fleet.choose(session=7, chunks=8, tokens=2100, now=1.0)
+    assert chosen is (busy if expected == "busy" else idle)
+    fixed = Fleet(Shape(nodes=2, engines=1), costs(), "fixed_weights", random.Random(0))
+    busy, idle = fixed.engines
+    fixed.store(busy, session=7, chunks=8, now=0.0)
+    busy.free_at = 1.0 + queue_s
+    assert fixed.choose(session=7, chunks=8, tokens=2100, now=1.0) is busy  # weights only
