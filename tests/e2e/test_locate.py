@@ -4,9 +4,6 @@ answers the leading tokens the arena holds and what loading them costs against r
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -16,6 +13,7 @@ from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import ModelSet, generate_tokens, running_llm
 from tests.e2e.test_connector import kvtier_config
 from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon
+from tests.integration.test_locate import locate_cli
 
 pytestmark = pytest.mark.slow
 
@@ -66,25 +64,7 @@ def test_locate_answers_from_an_engines_own_hashes_and_measured_costs(
     assert cpu.seconds_per_chunk > 0
     assert cpu.seconds_per_byte > 0
 
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvtier.cli",
-            "locate",
-            "--address",
-            daemon.admin_address,
-            "--model",
-            str(tiny_models.target),
-            "--json",
-            *(h.hex() for h in hashes),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    found = json.loads(out.stdout)
+    found = locate_cli(daemon, str(tiny_models.target), hashes)
     arena = next(t for t in found["tiers"] if t["tier"] == "cpu")
     assert int(arena["tokens"]) == int(found["tokens"]) > 0  # every announced block
     assert arena["measured"]

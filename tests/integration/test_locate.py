@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -44,6 +45,20 @@ def cost_gauges(daemon: RunningDaemon) -> dict[tuple[str, str], float]:
         for name, labels, value in daemon.metrics()
         if name in ("kvtier_load_seconds_per_chunk", "kvtier_prefill_seconds_per_token")
     }
+
+
+def locate_cli(daemon: RunningDaemon, model: str, hashes: list[bytes]) -> dict[str, Any]:
+    """`kvtier locate --json`, run as an operator would."""
+    argv = ["locate", "--address", daemon.admin_address, "--model", model, "--json"]
+    cli = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *argv, *(h.hex() for h in hashes)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    found: dict[str, Any] = json.loads(cli.stdout)
+    return found
 
 
 def test_locate_answers_each_tiers_leading_tokens_and_their_measured_costs(
@@ -91,25 +106,7 @@ def test_locate_answers_each_tiers_leading_tokens_and_their_measured_costs(
         with pytest.raises(InvalidRequestError):
             admin.locate("tiny-llama", [b""])
 
-        cli = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "kvtier.cli",
-                "locate",
-                "--address",
-                daemon.admin_address,
-                "--model",
-                "tiny-llama",
-                "--json",
-                *(h.hex() for h in prompt_hashes(4)),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        shown = json.loads(cli.stdout)
+        shown = locate_cli(daemon, "tiny-llama", prompt_hashes(4))
         assert {t["tier"]: int(t["tokens"]) for t in shown["tiers"]} == {
             "cpu": 3 * TOKENS_PER_CHUNK,
             "lmdb": 3 * TOKENS_PER_CHUNK,
