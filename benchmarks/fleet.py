@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
@@ -113,6 +114,15 @@ def table(report: dict[str, Any]) -> None:
             cells += [f"{r['ttft_p50_s']:.3f} s", f"{r['ttft_p99_s']:.3f} s"]
             cells.append(f"{r['gpu_s_saved']:.0f}")
             print("  ".join(f"{x:>11}" for x in cells))
+    check = report.get("validation")
+    if check:
+        for router, found in check["routers"].items():
+            print(f"real fleet of two, {router}: error {found['error']:.3f}")
+            for label in ("real", "modeled"):
+                shares = ", ".join(f"{k} {100 * v:.1f}%" for k, v in found[label].items())
+                print(f"  {label:8} {shares}")
+        error, target = check["validation_error"], check["validation_target"]
+        print(f"validation_error {error:.3f} (target {target})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,9 +131,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--measured", type=Path, nargs="*", default=[])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="also check the model against two real vLLM servers sharing S3 on moto "
+        "(`benchmarks/fleet_check.py`; several minutes)",
+    )
+    parser.add_argument(
+        "--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvtier-fleet"
+    )
     args = parser.parse_args(argv)
     workload = Workload(seed=args.seed)
     report = run(QUICK_SIZES if args.quick else SIZES, workload, measured(args.measured))
+    if args.validate:
+        from benchmarks import fleet_check
+
+        report["validation"] = fleet_check.check(args.cache_dir)
+        report["validation_error"] = report["validation"]["validation_error"]
     if args.json:
         print(json.dumps(report, indent=2))
     else:
