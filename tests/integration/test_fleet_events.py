@@ -40,8 +40,8 @@ def lineages(keys: list[ChunkKey], seed: str) -> list[BlockLineage]:
     return out
 
 
-def config(root: Path, bucket: str) -> KVTierConfig:
-    base = node_config(root, bucket, pack_target_bytes=2 * CHUNK)
+def config(root: Path, bucket: str, **object_overrides: object) -> KVTierConfig:
+    base = node_config(root, bucket, pack_target_bytes=2 * CHUNK, **object_overrides)
     events = EventsConfig(
         endpoint=f"ipc://{root}/pub.sock",
         replay_endpoint=f"ipc://{root}/replay.sock",
@@ -51,8 +51,8 @@ def config(root: Path, bucket: str) -> KVTierConfig:
 
 
 class Node:
-    def __init__(self, root: Path, bucket: str) -> None:
-        self.config = config(root, bucket)
+    def __init__(self, root: Path, bucket: str, **object_overrides: object) -> None:
+        self.config = config(root, bucket, **object_overrides)
         self.manager = TierManager(self.config)
         self.namespace = self.manager.register_pool(target_spec(model=MODEL), CHUNK)
 
@@ -138,6 +138,26 @@ def test_uploads_and_gc_reach_a_router_exactly(
     router.catch_up(node.published_through)
     assert router.blocks[(MODEL, "object")] == bucket_blocks(bucket) == set()
     assert not list(Path(bucket.removeprefix("file://")).rglob("*.lineage"))
+
+
+def test_objects_the_stores_budget_evicts_are_withdrawn(tmp_path: Path, bucket: str) -> None:
+    # two objects of two chunks; one upload at a time, so that each makes room for itself
+    small = Node(tmp_path / "a", bucket, budget_bytes=5 * CHUNK, upload_concurrency=1)
+    events = small.config.events
+    assert events.endpoint is not None
+    assert events.replay_endpoint is not None
+    router = RouterIndex(events.endpoint, events.replay_endpoint)
+    try:
+        keys = keys_for(small.namespace, 8)
+        lins = lineages(keys, "budget")
+        small.store(keys, [lin.encode() for lin in lins])
+        router.catch_up(small.published_through)
+        assert small.counters()["evictions_capacity"] == 4
+        held = bucket_blocks(bucket)
+        assert router.blocks[(MODEL, "object")] == held == set(hashes_of(lins[4:]))
+    finally:
+        router.close()
+        small.close()
 
 
 def test_a_restart_carries_the_sequence_and_replay_fills_the_gap(

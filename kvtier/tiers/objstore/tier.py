@@ -184,8 +184,8 @@ class ObjectTier(ObjectStore):
                 continue
             if self.delete_objects([name]):
                 used -= entry.size
-                self.index.drop_object(name)
-                self.counters.add("evictions_capacity", len(entry.keys))
+                dropped = self.index.drop_object(name)  # empties entry.keys: count its return
+                self.counters.add("evictions_capacity", len(dropped))
         return used + incoming <= self.budget
 
     def delete_objects(self, names: Sequence[str]) -> bool:
