@@ -310,6 +310,7 @@ class TierManager:
         if self.lmdb is not None:
             present = self.lmdb.contains(keys)
             if any(present):  # already kept on disk: do not copy it again
+                self.cpu.count_duplicates(sum(present))
                 out: list[SlotRef | None] = [None] * len(keys)
                 todo = [i for i, p in enumerate(present) if not p]
                 for i, ref in zip(

@@ -180,6 +180,11 @@ class CpuTier(ArenaSlots):
     def set_clean_reserve(self, share: float) -> None:
         self._clean_reserve = share
 
+    def count_duplicates(self, n: int) -> None:
+        """Stores of chunks a tier below holds already, refused before they reached the arena:
+        duplicates as much as those the arena holds."""
+        self._counters.add("store_duplicate", n)
+
     def take_refused(self) -> int:
         """Stores refused for want of a free or clean slot since last asked: the clean reserve
         was too small for the stores coming in, and each one refused is a later miss."""
