@@ -81,6 +81,8 @@ def node(root: Path, model: Path, moto: MotoServer, name: str, chunk: int) -> It
     tree = yaml.safe_load(daemon.config_path.read_text())
     tree["arena"].update(size_bytes=ARENA_CHUNKS * chunk, extent_bytes=4 * chunk)
     tree["arena"]["min_slot_bytes"] = 64 * KiB
+    # the model stores every chunk in lmdb and the bucket as it is computed: write-through
+    tree["manager"] = {"demote_mode": "write_through"}
     tree["object"] = {
         "url": f"s3://{BUCKET}/fleet",
         "index_path": str(home / "kvtierd" / "objindex"),
