@@ -188,7 +188,7 @@ def real_shares(root: Path, model: Path, router: str, chunk: int) -> dict[str, f
                 for name in ("a", "b")
             ]
             urls = [server.url for server, _ in nodes]
-            asyncio.run(drive(urls, model.name, models.vocab_size_of(model), router))
+            asyncio.run(drive(urls, str(model), models.vocab_size_of(model), router))
             counts = [counted(server, daemon) for server, daemon in nodes]
     finally:
         moto.stop()
