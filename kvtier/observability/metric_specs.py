@@ -222,20 +222,20 @@ METRICS: tuple[MetricSpec, ...] = (
     # measured costs (`kvtier locate`)
     _spec(
         "gauge",
-        "load_seconds_per_chunk",
+        "load_per_chunk_seconds",
         "tier stat",
         "Seconds a chunk takes to load from each tier (stat mean or spread: decaying over the "
         "last loads). cpu and lmdb are timed by the engines; object from download start to lmdb.",
     ),
     _spec(
         "gauge",
-        "load_seconds_per_byte",
+        "load_per_byte_seconds",
         "tier stat",
         "Seconds per byte of a load from each tier (stat mean or spread).",
     ),
     _spec(
         "gauge",
-        "prefill_seconds_per_token",
+        "prefill_per_token_seconds",
         "stat",
         "The engines' measured seconds per token of steps where prefill dominates (stat mean or "
         "spread): what recomputing a prefix costs.",

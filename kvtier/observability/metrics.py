@@ -237,15 +237,15 @@ class TierCollector(Collector):
 
     def _costs(self) -> Iterator[Metric]:
         costs = self.manager.costs.snapshot()
-        per_chunk = metric_family("load_seconds_per_chunk")
-        per_byte = metric_family("load_seconds_per_byte")
+        per_chunk = metric_family("load_per_chunk_seconds")
+        per_byte = metric_family("load_per_byte_seconds")
         for tier, c in costs.tiers.items():
             if c.samples:  # an estimate of nothing would read as free
                 per_chunk.add_metric([tier, "mean"], c.seconds_per_chunk)
                 per_chunk.add_metric([tier, "spread"], c.seconds_per_chunk_spread)
                 per_byte.add_metric([tier, "mean"], c.seconds_per_byte)
                 per_byte.add_metric([tier, "spread"], c.seconds_per_byte_spread)
-        prefill = metric_family("prefill_seconds_per_token")
+        prefill = metric_family("prefill_per_token_seconds")
         if costs.prefill_samples:
             prefill.add_metric(["mean"], costs.prefill_seconds_per_token)
             prefill.add_metric(["spread"], costs.prefill_spread)

@@ -43,7 +43,7 @@ def cost_gauges(daemon: RunningDaemon) -> dict[tuple[str, str], float]:
     return {
         (labels.get("tier", ""), labels["stat"]): value
         for name, labels, value in daemon.metrics()
-        if name in ("kvtier_load_seconds_per_chunk", "kvtier_prefill_seconds_per_token")
+        if name in ("kvtier_load_per_chunk_seconds", "kvtier_prefill_per_token_seconds")
     }
 
 

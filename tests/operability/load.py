@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvtier.core.costs import EngineTimings
 from kvtier.core.keys import ChunkKey, NamespaceSpec
 from kvtier.rpc import AdminClient, GrpcTierClient
 from kvtier.tiers.arena import ArenaMemory
@@ -20,6 +21,13 @@ from tests.support import draft_spec, keys_for, payload_for, target_spec
 CHUNK = 256 << 10
 DRAFT_CHUNK = 64 << 10
 PER_ROUND = 4
+
+
+def engine_timings(loaded: int, nbytes: int) -> EngineTimings:
+    """What an engine would report of a round: its loads from the arena, and a prefill."""
+    timings = EngineTimings(prefill_tokens=PER_ROUND * 64, prefill_seconds=0.01)
+    timings.loaded("cpu", loaded, loaded * nbytes, 0.0005 * loaded)
+    return timings
 
 
 class Load(threading.Thread):
@@ -94,6 +102,7 @@ class Load(threading.Thread):
             leases = [ref for ref in client.lease(asked[: max(1, found.hits // 2)]) if ref]
             client.release(leases)
             client.promote(asked[: found.hits])
+            client.report_timings(engine_timings(len(leases), nbytes))
             if r % 4 == 1:  # a request sampled for verification: what it finds is not a hit
                 self.asked += len(asked)
                 self.verified += client.lookup(asked, verify=True).hits

@@ -29,6 +29,7 @@ LABELS = {
     "state": {"closed", "open", "half_open"},
     "policy": {"lru", "fifo"},
     "outcome": {"deferred", "expired"},
+    "stat": {"mean", "spread"},
 }
 FREE_LABELS = {"replica", "event", "le", "version", "url", "principal", "model"}
 FREE_LABELS |= {"draft_model", "draft_revision"}
