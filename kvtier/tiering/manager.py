@@ -8,8 +8,8 @@
 - committed arena chunks are written back to lmdb by a background thread before they can be
   evicted (write-back), or right after commit (write-through); the data plane never waits on it;
 - with an object store, chunks written to lmdb are uploaded from a bounded queue, object chunks are
-  promoted on request, and a lookup probes the store for chunks other nodes uploaded, waiting no
-  longer than ``object.lookup_budget_ms``;
+  promoted on request, and a lookup probes the store for chunks other nodes uploaded (within
+  ``object.lookup_budget_ms``), counted as object hits;
 - draft pools are versioned: an old revision's chunks are evicted first, and deleted from every
   tier after ``manager.draft_grace_s``; target chunks are never touched;
 - what a killed owner committed to the arena reaches lmdb once its namespace registers again.
@@ -64,7 +64,6 @@ from kvtier.tiers.objstore.tier import ObjectTier
 from kvtier.tiers.objstore.uploader import Uploader
 
 log = logging.getLogger(__name__)
-
 
 _CPU = int(TierCode.CPU)
 _LMDB = int(TierCode.LMDB)
@@ -225,7 +224,7 @@ class TierManager:
                     self.uploader.follows(keys[first : first + 8192])
         return LookupResult(len(codes), bytes(codes), pending)
 
-    def _count_lookup(self, asked: int, codes: bytes, verify: bool) -> None:
+    def _count_lookup(self, asked: int, codes: bytes, verify: bool, fetched: int) -> None:
         counters = self._counters
         counters.add("lookups", 1)
         counters.add("lookup_chunks", asked)
@@ -233,7 +232,7 @@ class TierManager:
             counters.add("verified_chunks", len(codes))
             return
         n_cpu = codes.count(_CPU)
-        n_object = codes.count(_OBJECT)
+        n_object = codes.count(_OBJECT) + fetched
         counters.add("hit_chunks_cpu", n_cpu)
         counters.add("hit_chunks_lmdb", len(codes) - n_cpu - n_object)
         counters.add("hit_chunks_object", n_object)
@@ -276,8 +275,11 @@ class TierManager:
         verified, not hits (none is served)."""
         keys = self.quarantines.cut(keys)
         result = self._lookup(keys)
+        fetched = self.fetcher.claim(keys[: result.hits]) if self.fetcher and not verify else 0
         if not again:
-            self._count_lookup(len(keys), result.tier_codes, verify)
+            self._count_lookup(len(keys), result.tier_codes, verify, fetched)
+        elif fetched:
+            self._counters.add("hit_chunks_object", fetched)
         if not lease:
             return result
         return result, self.lease(keys[: arena_hit(result)], replica)

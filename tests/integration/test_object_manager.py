@@ -108,6 +108,34 @@ def test_chunks_are_uploaded_in_packs_and_another_node_finds_them(node: Node) ->
     assert set(result.tiers) == {"lmdb"}
     assert load_bytes(b, keys) == [payload_for(k, CHUNK) for k in keys]
     assert b.stats().tiers["object"].counters["probes"] == 2
+    hits = b.stats().counters  # what the probes brought are the object tier's hits, once
+    assert (hits["hit_chunks_object"], hits["hit_chunks_lmdb"]) == (8, 0)
+    b.lookup(keys)  # loaded since: the arena's hits now
+    hits = b.stats().counters
+    assert (hits["hit_chunks_object"], hits["hit_chunks_cpu"]) == (8, 8)
+
+
+def test_chunks_a_probe_brings_after_the_budget_count_as_object_hits_on_the_re_ask(
+    node: Node,
+) -> None:
+    a, b = node("a"), node("b", lookup_budget_ms=0)
+    ns = a.register_pool(target_spec(), CHUNK)
+    b.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 8)
+    store(a, keys)
+    uploaded(a, keys)
+    first = b.lookup(keys)  # no time to wait: the probe goes on, the caller asks again
+    assert first.pending
+    assert first.hits < 8
+    result = first
+    deadline = time.monotonic() + 10
+    while result.hits < 8 or result.pending:
+        assert time.monotonic() < deadline, "the probes never finished"
+        time.sleep(0.01)
+        result = b.lookup(keys, again=True)
+    hits = b.stats().counters
+    assert hits["lookups"] == 1, "a re-ask is not another lookup"
+    assert (hits["hit_chunks_object"], hits["hit_chunks_lmdb"], hits["hit_chunks_cpu"]) == (8, 0, 0)
 
 
 def test_a_missing_prefix_is_probed_once_then_remembered(node: Node) -> None:

@@ -51,6 +51,8 @@ class ObjectFetcher:
         self._downloads = ThreadPoolExecutor(tier.config.download_concurrency, "kvtier-download")
         self._probes: dict[ChunkKey, Future[bool]] = {}
         self._probe_misses: dict[ChunkKey, float] = {}
+        self._probed: set[ChunkKey] = set()
+        """Chunks a probe brought into lmdb that no lookup has counted as a hit yet."""
         self._fetching: set[str] = set()
         self._lock = threading.Lock()
 
@@ -89,6 +91,16 @@ class ObjectFetcher:
                 return False
         return False
 
+    def claim(self, keys: Sequence[ChunkKey]) -> int:
+        """How many of ``keys`` a probe brought from the store since a lookup last found them:
+        hits served by the object tier, though lmdb holds them by the time they are found."""
+        if not self._probed:
+            return 0
+        with self._lock:
+            before = len(self._probed)
+            self._probed.difference_update(keys)
+            return before - len(self._probed)
+
     def _probe(self, key: ChunkKey, deadline: float) -> bool | None:
         """Whether an object starting at ``key`` exists (its chunks are then in lmdb); None
         when the answer did not come before ``deadline``."""
@@ -114,6 +126,10 @@ class ObjectFetcher:
             if chunks:
                 self.keep(chunks, started)
                 found = True
+                with self._lock:
+                    if len(self._probed) > _MAX_TRACKED:
+                        self._probed.clear()
+                    self._probed.update(c.key for c in chunks)
         except KVTierError as exc:
             log.debug("probe of %s failed: %s", key.hex(), exc)
         finally:
