@@ -1,8 +1,12 @@
 """What tier-aware routing is worth across a fleet: `benchmarks/fleet_sim.py`'s model of nodes
 serving multi-turn sessions through kvtier, at 1, 8, 64 and 512 nodes, under four routers.
 
-    .venv/bin/python benchmarks/fleet.py            # table; --json for one JSON object
-    .venv/bin/python benchmarks/fleet.py --quick    # 1 and 8 nodes only
+    .venv/bin/python benchmarks/fleet.py                # table; --json for one JSON object
+    .venv/bin/python benchmarks/fleet.py --quick        # 1 and 8 nodes only
+    .venv/bin/python benchmarks/fleet.py --no-validate  # the model only
+
+Unless told not to, it then checks the model against a real fleet of two
+(`benchmarks/fleet_check.py`) and reports ``validation_error``.
 
 The tier costs are a GPU node's (`benchmarks/fleet_costs.py` names each figure and its source),
 with this machine's measured efficiencies applied (`--measured` takes the JSON of
@@ -116,11 +120,17 @@ def table(report: dict[str, Any]) -> None:
             print("  ".join(f"{x:>11}" for x in cells))
     check = report.get("validation")
     if check:
+        print("the real fleet of two against the model:")
+        print("  ".join(f"{h:>11}" for h in ("router", "", "hit rate", "TTFT ratio", *LEVELS)))
         for router, found in check["routers"].items():
-            print(f"real fleet of two, {router}: error {found['error']:.3f}")
             for label in ("real", "modeled"):
-                shares = ", ".join(f"{k} {100 * v:.1f}%" for k, v in found[label].items())
-                print(f"  {label:8} {shares}")
+                r = found[label]
+                cells = [router, label, f"{r['hit_rate']:.3f}", f"{r['ttft_ratio']:.3f}"]
+                cells += [f"{100 * r['shares'].get(lv, 0.0):.1f} %" for lv in LEVELS]
+                print("  ".join(f"{x:>11}" for x in cells))
+            errors = found["errors"]
+            cells = ["", "error", f"{errors['hit_rate']:.3f}", f"{errors['ttft_ratio']:.3f}"]
+            print("  ".join(f"{x:>11}" for x in cells))
         error, target = check["validation_error"], check["validation_target"]
         print(f"validation_error {error:.3f} (target {target})")
 
@@ -132,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measured", type=Path, nargs="*", default=[])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--validate",
-        action="store_true",
-        help="also check the model against two real vLLM servers sharing S3 on moto "
-        "(`benchmarks/fleet_check.py`; several minutes)",
+        "--no-validate",
+        dest="validate",
+        action="store_false",
+        help="leave out the check of the model against two real vLLM servers sharing S3 on "
+        "moto (`benchmarks/fleet_check.py`, about 10 minutes)",
     )
     parser.add_argument(
         "--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvtier-fleet"

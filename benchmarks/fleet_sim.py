@@ -23,7 +23,10 @@ routers that choose an engine for each request.
   queue). The prefix routers weigh only engines that hold the prompt's first chunk somewhere
   near them (on a node whose arena or lmdb holds it, its least busy engine), plus two drawn at
   random (the power of two choices), so that a router never piles every request onto one
-  engine; ties go to the engine with the shortest queue.
+  engine; ties go to the engine with the shortest queue. `sticky` (every turn of a session on
+  one engine) is the real fleet's second router in `benchmarks/fleet_check.py`.
+- **Sessions** arrive on their own (a Poisson process, or given times), or are served by a
+  number of users one after another (`Workload.users`), as the real fleet's client does.
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ class Workload:
     seed: int = 0
     arrivals: tuple[float, ...] = ()
     """When given, the sessions' arrival times instead of a Poisson process."""
+    users: int = 0
+    """When given, ``sessions`` sessions served by this many users, all starting at once: each
+    user starts its next session one think time after its previous one's last answer."""
+    sessions: int = 0
 
 
 class Lru:
@@ -106,6 +113,8 @@ class Engine:
 class Totals:
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LEVELS, 0))
     ttft: list[float] = field(default_factory=list)
+    first_ttft: list[float] = field(default_factory=list)
+    """Of the sessions' first turns (nothing of theirs cached yet)."""
     prefill_saved_s: float = 0.0
     requests: int = 0
 
@@ -116,7 +125,7 @@ def _free_at(engine: Engine) -> float:
 
 class Fleet:
     def __init__(self, shape: Shape, costs: NodeCosts, router: str, rng: random.Random) -> None:
-        if router not in ROUTERS:
+        if router not in (*ROUTERS, "sticky"):
             raise ValueError(f"unknown router {router!r}")
         self.shape, self.costs, self.router, self.rng = shape, costs, router, rng
         self.holders: dict[str, dict[int, set[int]]] = {"gpu": {}, "cpu": {}, "lmdb": {}}
@@ -181,6 +190,8 @@ class Fleet:
     def choose(self, session: int, chunks: int, tokens: int, now: float) -> Engine:
         if self.router == "round_robin":
             return self.engines[next(self._next) % len(self.engines)]
+        if self.router == "sticky":  # the real fleet's check: a session stays on one engine
+            return self.engines[session % len(self.engines)]
         candidates = {e.index: e for e in self.rng.sample(self.engines, min(2, len(self.engines)))}
         for i in self.holders["gpu"].get(session, ()):
             candidates[i] = self.engines[i]
@@ -250,22 +261,31 @@ def simulate(shape: Shape, costs: NodeCosts, router: str, workload: Workload) ->
     events: list[tuple[float, int, int, int]] = []  # (time, order, session, turn)
     order = itertools.count()
     arrivals = list(w.arrivals)
-    if not arrivals:
+    if w.users:
+        arrivals = [0.0] * min(w.users, w.sessions)
+    elif not arrivals:
         t = rng.expovariate(rate)
         while t < w.arrivals_s:
             arrivals.append(t)
             t += rng.expovariate(rate)
     for session, t in enumerate(arrivals):
         heapq.heappush(events, (t, next(order), session, 0))
+    waiting = iter(range(len(arrivals), w.sessions if w.users else 0))
     per_chunk = costs.chunk_tokens
     while events:
         now, _, s, turn = heapq.heappop(events)
         tokens = w.doc_tokens + turn * (w.question_tokens + w.answer_tokens) + w.question_tokens
         engine, first = fleet.serve(s, tokens // per_chunk, tokens, now)
+        if turn == 0:
+            fleet.totals.first_ttft.append(first - now)
         answered = first + w.answer_tokens * costs.decode_s_per_token
-        # the answer's full chunks are stored as they fill, like the prompt's
-        fleet.store(engine, s, (tokens + w.answer_tokens) // per_chunk, answered)
+        # the answer's full chunks are stored as they fill, like the prompt's; its last token
+        # is never fed back, so it has no KV
+        fleet.store(engine, s, (tokens + w.answer_tokens - 1) // per_chunk, answered)
         if turn + 1 < w.turns:
             think = rng.expovariate(1 / w.think_s)
             heapq.heappush(events, (answered + think, next(order), s, turn + 1))
+        elif (following := next(waiting, None)) is not None:  # its user starts the next one
+            think = rng.expovariate(1 / w.think_s)
+            heapq.heappush(events, (answered + think, next(order), following, 0))
     return fleet.totals

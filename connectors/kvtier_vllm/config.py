@@ -74,6 +74,15 @@ class TiersConfig(BaseModel):
         description="How long a request may wait (asked again each step, never blocking) for "
         "its chunks to be promoted into the arena before it loads only what the arena holds.",
     )
+    recompute_wait_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="A request may wait longer than promote_wait_ms for its hit (promotions, "
+        "a probe of the object store): up to this share of the time the engine would take to "
+        "recompute the hit, as it measures its prefill. A slow store then costs at most that "
+        "much more than recomputing, and a hit is not given up for far less than it saves.",
+    )
     verify_sample_rate: float = Field(
         0.001,
         ge=0,

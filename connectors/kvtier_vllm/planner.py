@@ -2,9 +2,9 @@
 
 A hit is the longest prefix every target plan holds. Its chunks must all be in the arena to be
 loaded (or in lmdb, with ``in_lmdb``: the worker reads those from lmdb's map): the others are
-promoted in the background and the request is asked again next step, for up to ``wait_s``; past
-that the hit shrinks to what the arena holds. The draft pool's chunks come with their target's,
-or the draft pages are filled.
+promoted in the background and the request is asked again next step, for up to ``wait_s`` (or a
+share of what recomputing the hit takes, where longer); past that the hit shrinks to what the
+arena holds. The draft pool's chunks come with their target's, or the draft pages are filled.
 """
 
 from __future__ import annotations
@@ -16,68 +16,28 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvtier.core.errors import KVTierError
-from kvtier.core.keys import ChunkKey, Pool, make_key
+from kvtier.core.keys import ChunkKey, Pool
 from kvtier.core.protocol import Answer, LookupResult, SlotRef, TierClient, TierCode, in_lmdb
 from kvtier_vllm.draft import DraftTracker, Fill, lease_draft
 from kvtier_vllm.layout import PoolPlan
 from kvtier_vllm.leases import Leases
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, lmdb_key
+from kvtier_vllm.spans import by_plan, keys_in, needed, split, targets_of
 from kvtier_vllm.unreturned import Return, Unreturned
 
 log = logging.getLogger(__name__)
-Items = TypeVar("Items", bytes, list[Any])
 R = TypeVar("R")
 
 CPU = int(TierCode.CPU)
 LMDB = int(TierCode.LMDB)
 # vLLM's CacheHitSource values per tier; the object store is remote, shared storage
-_HIT_SOURCES = {CPU: "host", int(TierCode.LMDB): "disk"}
+_HIT_SOURCES = {CPU: "host", LMDB: "disk"}
 _REMOTE_SOURCE = "external_unspecified"
 _WINDOW_TRIES = 4  # sliding-window checks of one lookup, each with a shorter hit
 PROMOTE_WAIT_ASKS = 3
 """Asks a request may wait for its promotions however long its steps take: where a step
 outlasts ``promote_wait_ms`` (a long prefill beside it), waiting only by time would give up at
 the first ask after queuing them, before the daemon had room to hold them."""
-
-
-def split(items: Items, spans: list[tuple[PoolPlan, range]]) -> list[Items]:
-    """``items`` of consecutive spans, span by span."""
-    out = []
-    offset = 0
-    for _, span in spans:
-        out.append(items[offset : offset + len(span)])
-        offset += len(span)
-    return out
-
-
-def by_plan(
-    spans: list[tuple[PoolPlan, range]], refs: list[SlotRef | None]
-) -> dict[str, tuple[int, list[SlotRef | None]]]:
-    """Per plan key, the first chunk of its span and its refs, from those of consecutive spans."""
-    return {
-        plan.key: (span.start, part)
-        for (plan, span), part in zip(spans, split(refs, spans), strict=True)
-    }
-
-
-def needed(plan: PoolPlan, first: int, chunks: int, chunk_tokens: int) -> range:
-    """The chunks a hit of ``chunks`` chunks needs from ``plan``, from ``first`` on."""
-    return range(max(first, plan.first_needed(chunks, chunk_tokens)), chunks)
-
-
-def keys_in(
-    namespace: bytes, hashes: Any, chunks: Iterable[int], blocks_per_chunk: int
-) -> list[ChunkKey]:
-    """A chunk's key is its last block's hash."""
-    return [make_key(namespace, hashes[(c + 1) * blocks_per_chunk - 1]) for c in chunks]
-
-
-def targets_of(plans: Iterable[PoolPlan]) -> list[PoolPlan]:
-    """The plans a hit needs every chunk of, full attention first (a shorter hit they find never
-    moves their own start): the target's, and the captured hidden states' (a hit without them
-    would leave its prefix's states unwritten for the request's reference)."""
-    needed = (p for p in plans if p.pool in (Pool.TARGET, Pool.HIDDEN))
-    return sorted(needed, key=lambda p: bool(p.window))
 
 
 @dataclass
@@ -204,6 +164,7 @@ class HitPlanner:
         unreturned: Unreturned | None = None,
         on_error: Callable[[str, KVTierError], None] = _log_error,
         in_lmdb: bool = False,
+        recompute_wait: Callable[[int], float] | None = None,
     ) -> None:
         self.client = client
         self.in_lmdb = in_lmdb
@@ -217,6 +178,9 @@ class HitPlanner:
         self.drop_last = drop_last
         """A hit's last chunk is recomputed (EAGLE-style drafters)."""
         self.wait_s = wait_s
+        self.recompute_wait = recompute_wait
+        """How long a hit of so many tokens may be waited for past ``wait_s`` (a share of what
+        recomputing it takes: `StepTimings.recompute_wait`)."""
         self.targets = targets_of(plans)
         assert self.targets, "a hit needs a target plan"
         self.anchor = self.targets[0]
@@ -227,6 +191,10 @@ class HitPlanner:
         self.leases = leases if leases is not None else Leases(2)
         self.unreturned = unreturned if unreturned is not None else Unreturned()
         self.on_error = on_error
+
+    def _wait_s(self, chunks: int) -> float:
+        found = self.recompute_wait(chunks * self.chunk_tokens) if self.recompute_wait else 0.0
+        return max(self.wait_s, found)
 
     def keys(self, plan: PoolPlan, hashes: Any, chunks: Iterable[int]) -> list[ChunkKey]:
         return keys_in(self.namespaces[plan.key], hashes, chunks, self.blocks_per_chunk)
@@ -313,7 +281,7 @@ class HitPlanner:
         }
         if any(below.values()) or found.pending:
             self._give_back(found.leases)
-            if asked.may_wait(self.wait_s, PROMOTE_WAIT_ASKS):
+            if asked.may_wait(self._wait_s(chunks - first), PROMOTE_WAIT_ASKS):
                 self._promote(hashes, below)
                 return None
             if self.windowed and any(below.values()):
@@ -466,7 +434,8 @@ class HitPlanner:
             leases[key] = (start, [r for r in refs[:keep] if r is not None])
         if granted <= first:
             self.release([r for _, refs in leases.values() for r in refs])
-            return None if asked.may_wait(self.wait_s) else LoadPlan(first, 0, {}, [])
+            wait_s = self._wait_s(chunks - first)
+            return None if asked.may_wait(wait_s) else LoadPlan(first, 0, {}, [])
         tiers = bytes(asked.first_tiers.get(c, CPU) for c in range(first, granted))
         return LoadPlan(first, granted - first, leases, zero, tiers, fill)
 
@@ -479,7 +448,7 @@ class HitPlanner:
         below = [k for k, c in zip(keys, found.tier_codes, strict=False) if c != CPU]
         if not below and not found.pending:
             return False
-        if not asked.may_wait(self.wait_s):
+        if not asked.may_wait(self._wait_s(len(hit))):
             return False
         if below:
             client.promote(below)

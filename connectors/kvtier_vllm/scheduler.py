@@ -37,9 +37,10 @@ from kvtier_vllm.leases import Leases
 from kvtier_vllm.lmdb_loads import readable_lmdb
 from kvtier_vllm.lookups import Lookups
 from kvtier_vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
-from kvtier_vllm.planner import Asked, HitPlanner, LoadPlan, targets_of
+from kvtier_vllm.planner import Asked, HitPlanner, LoadPlan
 from kvtier_vllm.requests import RequestState
 from kvtier_vllm.session import Session, close_client
+from kvtier_vllm.spans import targets_of
 from kvtier_vllm.stats import KVTierStats, take
 from kvtier_vllm.stores import Stores
 from kvtier_vllm.timings import StepTimings
@@ -55,6 +56,7 @@ _REPORT_EVERY_S = 0.25  # hits answered from the arena index reach kvtierd this 
 class KVTierScheduler(Lookups, AbandonedLoads):
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> None:
         self.cfg = cfg
+        self.timings = StepTimings(cfg.recompute_wait_share)
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = self.block_size * cfg.blocks_per_chunk
         self.checkpoint = (
@@ -125,7 +127,6 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         self._unanswered: list[Asked] = []
         """Requests asked again next step, their lookups still with kvtierd."""
         self._failed_loads: set[str] = set()
-        self.timings = StepTimings()
         """Requests whose asynchronous load failed: vLLM recomputes them, without kvtier."""
         if self.plans and (warning := failure_policy_warning(vllm_config)):
             log.warning("kvtier: %s", warning)
@@ -163,6 +164,7 @@ class KVTierScheduler(Lookups, AbandonedLoads):
                 checkpoint=self.checkpoint,
                 drop_last=self.drop_last,
                 wait_s=self.cfg.promote_wait_ms / 1000,
+                recompute_wait=self.timings.recompute_wait,
                 draft=self.draft,
                 leases=self.leases,
                 unreturned=self.unreturned,

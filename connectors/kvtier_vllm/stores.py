@@ -21,7 +21,7 @@ from kvtier_vllm.draft import DraftTracker
 from kvtier_vllm.events import KVEventFeed
 from kvtier_vllm.layout import PoolPlan
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata
-from kvtier_vllm.planner import keys_in, targets_of
+from kvtier_vllm.spans import keys_in, targets_of
 from kvtier_vllm.stats import KVTierStats
 from kvtier_vllm.unreturned import Return, Unreturned
 

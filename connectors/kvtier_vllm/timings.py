@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvtier.core.costs import EngineTimings
+from kvtier.core.costs import EngineTimings, Estimate
 
 PREFILL_TOKENS_PER_REQUEST = 8
 """A step counts as prefill where it schedules at least this many tokens per request: decode
@@ -15,8 +15,11 @@ steps schedule one (or a few drafted) per request."""
 
 
 class StepTimings:
-    def __init__(self) -> None:
+    def __init__(self, wait_share: float = 0.0) -> None:
         self.pending = EngineTimings()
+        self.prefill = Estimate()
+        """This engine's seconds per prefilled token, decaying (kvtierd keeps the same)."""
+        self.wait_share = wait_share
         self._began = 0.0
         self._tokens = 0
 
@@ -31,8 +34,10 @@ class StepTimings:
     def ended(self, worker_timings: EngineTimings | None) -> None:
         """The step's output came back, with what the workers timed."""
         if self._tokens:
+            seconds = time.perf_counter() - self._began
             self.pending.prefill_tokens += self._tokens
-            self.pending.prefill_seconds += time.perf_counter() - self._began
+            self.pending.prefill_seconds += seconds
+            self.prefill.observe(seconds / self._tokens, self._tokens)
             self._tokens = 0
         if worker_timings:
             self.pending.merge(worker_timings)
@@ -42,3 +47,9 @@ class StepTimings:
             return None
         taken, self.pending = self.pending, EngineTimings()
         return taken
+
+    def recompute_wait(self, tokens: int) -> float:
+        """How long a hit of ``tokens`` is worth waiting for (its loads, a probe of the object
+        store): ``wait_share`` of what recomputing it would take here, as measured; 0 before
+        a prefill was timed."""
+        return self.wait_share * self.prefill.mean * tokens

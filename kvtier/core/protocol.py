@@ -86,6 +86,9 @@ class LookupResult:
     per byte: compact for batches of thousands."""
     pending: bool = False
     """The object store is still being probed past ``hits``: asking again may find more."""
+    from_store: int = 0
+    """Of the hits, chunks a probe brought from the object store since a lookup last found
+    them: lmdb holds them now, but they count as the store's hits (kvtierd's own figure)."""
 
     @property
     def tiers(self) -> list[str]:

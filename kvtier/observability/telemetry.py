@@ -16,9 +16,10 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from kvtier.core.costs import LMDB, OBJECT
 from kvtier.core.keys import NAMESPACE_BYTES, NamespaceSpec, Pool, namespace_of
 from kvtier.core.pools import PoolRegistry
-from kvtier.core.protocol import SlotRef, TierCode
+from kvtier.core.protocol import LookupResult, SlotRef, TierCode
 from kvtier.observability.metric_specs import histogram
 from kvtier.tiering.manager import TierManager
 
@@ -75,13 +76,22 @@ class Telemetry:
                 self._counts["requests", op, result] += 1
 
     def looked_up(
-        self, replica: str, packed: bytes, key_bytes: int, tier_codes: bytes, verify: bool = False
+        self,
+        replica: str,
+        packed: bytes,
+        key_bytes: int,
+        result: LookupResult,
+        verify: bool = False,
+        again: bool = False,
     ) -> None:
         """Count one lookup's chunks and hits per pool; ``packed`` holds the keys asked for,
-        ``tier_codes`` the tier of each hit of the prefix found. ``verify``: the request is
-        sampled for verification, and what it found is counted as verified, not as hits."""
+        ``result`` the tier of each hit of the prefix found. ``verify``: the request is
+        sampled for verification, and what it found is counted as verified, not as hits.
+        ``again``: a request asking again while it waits counts only the hits a probe brought
+        from the object store since (`LookupResult.from_store`)."""
         if not packed:
             return
+        tier_codes, from_store = result.tier_codes, result.from_store
         replica = self._replica(replica)
         keys = np.frombuffer(packed, np.uint8).reshape(-1, key_bytes)[:, :NAMESPACE_BYTES]
         if (keys == keys[0]).all():  # the usual case: one pool per call
@@ -101,12 +111,22 @@ class Telemetry:
         with self._lock:
             for namespace, asked, hits in groups:
                 pool = self._pool(namespace)
+                # a probe's chunks sit in lmdb by now (or the arena, on a re-ask)
+                counted = {tier: hits.count(code) for code, tier in TIER_BY_CODE.items()}
+                fetched = min(from_store, len(hits))
+                from_store -= fetched
+                if again:
+                    self._counts["hit", OBJECT, pool, replica] += fetched
+                    continue
                 self._counts["lookup", pool, replica] += asked
                 if verify:
                     self._counts["verified", pool, replica] += len(hits)
                     continue
-                for code, tier in TIER_BY_CODE.items():
-                    self._counts["hit", tier, pool, replica] += hits.count(code)
+                moved = min(fetched, counted[LMDB])
+                counted[LMDB] -= moved
+                counted[OBJECT] += moved
+                for tier, n in counted.items():
+                    self._counts["hit", tier, pool, replica] += n
 
     def moved(self, direction: str, refs: Sequence[SlotRef], done: int, seconds: float) -> None:
         """Chunks an engine stored (``done`` of ``refs`` committed) or leased (``refs``)."""

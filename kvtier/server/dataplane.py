@@ -156,13 +156,14 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         if release:
             self.sessions.release(session, release)
         result = self.manager.lookup(keys, again=request.again, verify=request.verify)
-        if not request.again:
+        if not request.again or result.from_store:
             self.telemetry.looked_up(
                 session.replica,
                 request.keys.packed,
                 request.keys.key_bytes,
-                result.tier_codes,
+                result,
                 verify=request.verify,
+                again=request.again,
             )
         response = lookup_to(result)
         if request.served:

@@ -14,9 +14,8 @@
   tier after ``manager.draft_grace_s``; target chunks are never touched;
 - what a killed owner committed to the arena reaches lmdb once its namespace registers again.
 
-The manager composes the parts: `kvtier.tiering.drafts` keeps the draft revisions,
-`kvtier.tiers.objstore.fetch` probes and downloads objects, and `kvtier.tiering.maintenance` runs
-drain, verify, warmup and gc.
+The parts: `kvtier.tiering.drafts` keeps the draft revisions, `kvtier.tiers.objstore.fetch` probes
+and downloads objects, `kvtier.tiering.maintenance` runs drain, verify, warmup and gc.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Literal, overload
 
@@ -224,15 +223,15 @@ class TierManager:
                     self.uploader.follows(keys[first : first + 8192])
         return LookupResult(len(codes), bytes(codes), pending)
 
-    def _count_lookup(self, asked: int, codes: bytes, verify: bool, fetched: int) -> None:
-        counters = self._counters
+    def _count_lookup(self, asked: int, result: LookupResult, verify: bool) -> None:
+        counters, codes = self._counters, result.tier_codes
         counters.add("lookups", 1)
         counters.add("lookup_chunks", asked)
         if verify:
             counters.add("verified_chunks", len(codes))
             return
         n_cpu = codes.count(_CPU)
-        n_object = codes.count(_OBJECT) + fetched
+        n_object = codes.count(_OBJECT) + result.from_store
         counters.add("hit_chunks_cpu", n_cpu)
         counters.add("hit_chunks_lmdb", len(codes) - n_cpu - n_object)
         counters.add("hit_chunks_object", n_object)
@@ -275,11 +274,12 @@ class TierManager:
         verified, not hits (none is served)."""
         keys = self.quarantines.cut(keys)
         result = self._lookup(keys)
-        fetched = self.fetcher.claim(keys[: result.hits]) if self.fetcher and not verify else 0
+        if self.fetcher and not verify:  # what a probe brought counts once, as the store's
+            result = replace(result, from_store=self.fetcher.claim(keys[: result.hits]))
         if not again:
-            self._count_lookup(len(keys), result.tier_codes, verify, fetched)
-        elif fetched:
-            self._counters.add("hit_chunks_object", fetched)
+            self._count_lookup(len(keys), result, verify)
+        elif result.from_store:
+            self._counters.add("hit_chunks_object", result.from_store)
         if not lease:
             return result
         return result, self.lease(keys[: arena_hit(result)], replica)

@@ -4,6 +4,7 @@ come from, and which engine each router picks."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -41,9 +42,9 @@ def one_session(shape: Shape, router: str) -> dict[str, int]:
 
 def test_one_engine_holds_a_sessions_history_on_its_gpu() -> None:
     tokens = one_session(Shape(nodes=1, engines=1), "gpu_prefix")
-    # turns hold 1152, 1408, 1664, 1920 tokens: full chunks 4, 5, 6, 7; the history before each
-    # turn (prompt and answer) ends in full chunks 5, 6, 7
-    assert tokens["gpu"] == (5 + 6 + 7) * 256
+    # turns hold 1152, 1408, 1664, 1920 tokens; the history before each turn (the prompt and the
+    # answer, whose last token has no KV) holds 1279, 1535, 1791: full chunks 4, 5, 6
+    assert tokens["gpu"] == (4 + 5 + 6) * 256
     assert tokens["recompute"] == 1152 + 1408 + 1664 + 1920 - tokens["gpu"]
     assert tokens["cpu"] == tokens["lmdb"] == tokens["object"] == 0
 
@@ -51,13 +52,13 @@ def test_one_engine_holds_a_sessions_history_on_its_gpu() -> None:
 def test_round_robin_sends_each_turn_elsewhere_and_it_loads_from_the_object_store() -> None:
     tokens = one_session(Shape(nodes=4, engines=1), "round_robin")
     assert tokens["gpu"] == tokens["cpu"] == tokens["lmdb"] == 0
-    assert tokens["object"] == (5 + 6 + 7) * 256
+    assert tokens["object"] == (4 + 5 + 6) * 256
 
 
 def test_a_tier_aware_router_keeps_the_session_near_its_history() -> None:
     for router in ("fixed_weights", "kvtier_cost"):
         tokens = one_session(Shape(nodes=4, engines=2), router)
-        assert tokens["gpu"] == (5 + 6 + 7) * 256, router
+        assert tokens["gpu"] == (4 + 5 + 6) * 256, router
         assert tokens["object"] == 0, router
 
 
@@ -77,3 +78,19 @@ def test_measured_costs_weigh_a_queue_against_a_load_from_the_store(
     fixed.store(busy, session=7, chunks=8, now=0.0)
     busy.free_at = 1.0 + queue_s
     assert fixed.choose(session=7, chunks=8, tokens=2100, now=1.0) is busy  # weights only
+
+
+def test_users_start_their_next_session_after_the_last_one_ends() -> None:
+    workload = replace(ONE_SESSION, turns=2, arrivals=(), users=1, sessions=3)
+    totals = simulate(Shape(nodes=1, engines=1), costs(), "sticky", workload)
+    assert totals.requests == 6
+    # one user: no request waits for another, and each first turn computes its whole prompt
+    assert totals.first_ttft == pytest.approx([1152 * 1e-4] * 3)
+    assert totals.tokens["gpu"] == 3 * 4 * 256
+
+
+def test_sticky_keeps_each_session_on_its_engine() -> None:
+    workload = replace(ONE_SESSION, arrivals=(), users=2, sessions=2)
+    tokens = simulate(Shape(nodes=2, engines=1), costs(), "sticky", workload).tokens
+    assert tokens["gpu"] == 2 * (4 + 5 + 6) * 256
+    assert tokens["object"] == 0

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.core.keys import NAMESPACE_BYTES
 from kvtier.core.pools import PoolRegistry
+from kvtier.core.protocol import LookupResult
 from kvtier.observability.metric_specs import METRICS
 from kvtier.observability.telemetry import MAX_REPLICAS, OTHER, Telemetry
 from tests.operability.stack import Stack
@@ -123,7 +124,7 @@ def test_replica_label_values_are_bounded() -> None:
     telemetry = Telemetry(registry)
     packed = b"".join(keys_for(namespace, 3))
     for i in range(MAX_REPLICAS + 10):
-        telemetry.looked_up(f"r{i}", packed, len(packed) // 3, b"\x01\x02")
+        telemetry.looked_up(f"r{i}", packed, len(packed) // 3, LookupResult(2, b"\x01\x02"))
     replicas = {key[2] for key in telemetry.counts() if key[0] == "lookup"}
     assert len(replicas) == MAX_REPLICAS + 1
     assert OTHER in replicas
@@ -137,7 +138,8 @@ def test_lookups_of_mixed_pools_count_per_pool() -> None:
     keys = keys_for(target, 2) + keys_for(draft, 2, start=10) + keys_for(target, 1, start=5)
     telemetry = Telemetry(registry)
     # the first four were found: cpu, lmdb (target); object, cpu (draft)
-    telemetry.looked_up("dp0", b"".join(keys), len(keys[0]), b"\x01\x02\x03\x01")
+    found = LookupResult(4, b"\x01\x02\x03\x01")
+    telemetry.looked_up("dp0", b"".join(keys), len(keys[0]), found)
     counts = telemetry.counts()
     assert counts["lookup", "target", "dp0"] == 3
     assert counts["lookup", "draft", "dp0"] == 2
@@ -147,6 +149,24 @@ def test_lookups_of_mixed_pools_count_per_pool() -> None:
     assert counts["hit", "cpu", "draft", "dp0"] == 1
     assert sum(v for k, v in counts.items() if k[0] == "hit") == 4
     assert len(keys[0]) > NAMESPACE_BYTES
+
+
+def test_chunks_a_probe_brought_count_as_object_hits_once() -> None:
+    registry = PoolRegistry()
+    target = registry.register(target_spec(), 4096).namespace
+    keys = keys_for(target, 4)
+    packed = b"".join(keys)
+    telemetry = Telemetry(registry)
+    # one chunk in the arena, then two a probe just brought into lmdb; the fourth still probed
+    telemetry.looked_up("dp0", packed, len(keys[0]), LookupResult(3, b"\x01\x02\x02", True, 2))
+    # asked again: the fourth has come, and is all that counts
+    again = LookupResult(4, b"\x01\x02\x02\x02", from_store=1)
+    telemetry.looked_up("dp0", packed, len(keys[0]), again, again=True)
+    counts = telemetry.counts()
+    assert counts["lookup", "target", "dp0"] == 4, "a re-ask is not another lookup"
+    assert counts["hit", "cpu", "target", "dp0"] == 1
+    assert counts["hit", "lmdb", "target", "dp0"] == 0
+    assert counts["hit", "object", "target", "dp0"] == 3
 
 
 def test_draft_swaps_count_revision_changes_only() -> None:

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 from kvtier_vllm.draft import DraftTracker, Fill
 from kvtier_vllm.layout import PoolPlan
-from kvtier_vllm.planner import PROMOTE_WAIT_ASKS, Asked, HitPlanner, LoadPlan, keys_in
+from kvtier_vllm.planner import PROMOTE_WAIT_ASKS, Asked, HitPlanner, LoadPlan
+from kvtier_vllm.spans import keys_in
+from kvtier_vllm.timings import StepTimings
 
 from kvtier.client import InProcessClient
 from kvtier.core.keys import ChunkKey, Pool
@@ -158,6 +160,35 @@ def test_a_request_waits_some_asks_for_promotions_however_long_its_steps(
     for _ in range(PROMOTE_WAIT_ASKS):
         assert p.plan(asked, HASHES, 0, 4) is None
     assert p.plan(asked, HASHES, 0, 4) == LoadPlan(0, 0, {}, [])  # then it gives up
+
+
+def test_a_hit_is_waited_for_a_share_of_what_recomputing_it_takes(
+    client: InProcessClient,
+) -> None:
+    """Where the engine's measured prefill makes the hit worth more than ``wait_s``, the
+    request waits up to ``recompute_wait_share`` of its recompute time, then gives up."""
+    ns, _ = four_in_lmdb(client)
+    client.promote = lambda keys: 0  # type: ignore[method-assign]  # they never arrive
+    timings = StepTimings(wait_share=0.5)
+    assert timings.recompute_wait(1000) == 0.0, "nothing measured yet: no longer wait"
+    timings.prefill.observe(1.0, 100)  # a second a token: 4 chunks are worth minutes
+    worth = timings.recompute_wait(4 * CHUNK_TOKENS)
+    assert worth == pytest.approx(0.5 * 4 * CHUNK_TOKENS)
+    p = HitPlanner(
+        client,
+        [TARGET],
+        ns,
+        chunk_tokens=CHUNK_TOKENS,
+        blocks_per_chunk=BPC,
+        wait_s=1e-9,
+        recompute_wait=timings.recompute_wait,
+    )
+    asked = Asked()
+    for _ in range(PROMOTE_WAIT_ASKS + 3):
+        assert p.plan(asked, HASHES, 0, 4) is None
+    assert asked.since is not None
+    asked.since -= worth  # as if that long had passed
+    assert p.plan(asked, HASHES, 0, 4) == LoadPlan(0, 0, {}, [])
 
 
 def test_the_last_chunk_is_dropped_for_eagle_style_drafters(client: InProcessClient) -> None:
