@@ -281,7 +281,9 @@ class HitPlanner:
         }
         if any(below.values()) or found.pending:
             self._give_back(found.leases)
-            if asked.may_wait(self._wait_s(chunks - first), PROMOTE_WAIT_ASKS):
+            # a probe still running may find the rest of the prompt
+            worth = (limit if found.pending else chunks) - first
+            if asked.may_wait(self._wait_s(worth), PROMOTE_WAIT_ASKS):
                 self._promote(hashes, below)
                 return None
             if self.windowed and any(below.values()):

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,38 @@ def test_a_hit_is_waited_for_a_share_of_what_recomputing_it_takes(
     assert asked.since is not None
     asked.since -= worth  # as if that long had passed
     assert p.plan(asked, HASHES, 0, 4) == LoadPlan(0, 0, {}, [])
+
+
+def test_a_probe_of_the_store_is_waited_for_a_share_of_recomputing_the_rest(
+    client: InProcessClient,
+) -> None:
+    ns = register(client, TARGET)  # nothing held: kvtierd probes the object store, unanswered
+    lookup = client.lookup
+
+    def probing(keys: list[ChunkKey], **kwargs: Any) -> Any:
+        found = lookup(keys, **kwargs)
+        if isinstance(found, tuple):
+            return replace(found[0], pending=True), found[1]
+        return replace(found, pending=True)
+
+    client.lookup = probing  # type: ignore[method-assign,assignment]
+    timings = StepTimings(wait_share=0.5)
+    timings.prefill.observe(1.0, 100)
+    p = HitPlanner(
+        client,
+        [TARGET],
+        ns,
+        chunk_tokens=CHUNK_TOKENS,
+        blocks_per_chunk=BPC,
+        wait_s=1e-9,
+        recompute_wait=timings.recompute_wait,
+    )
+    asked = Asked()
+    for _ in range(PROMOTE_WAIT_ASKS + 3):
+        assert p.plan(asked, HASHES, 0, 6) is None
+    assert asked.since is not None
+    asked.since -= timings.recompute_wait(6 * CHUNK_TOKENS)  # what the whole prompt is worth
+    assert p.plan(asked, HASHES, 0, 6) == LoadPlan(0, 0, {}, [])
 
 
 def test_the_last_chunk_is_dropped_for_eagle_style_drafters(client: InProcessClient) -> None:
