@@ -163,6 +163,23 @@ def test_a_request_waits_some_asks_for_promotions_however_long_its_steps(
     assert p.plan(asked, HASHES, 0, 4) == LoadPlan(0, 0, {}, [])  # then it gives up
 
 
+def slow_engine_planner(
+    client: InProcessClient, namespaces: dict[str, bytes], timings: StepTimings
+) -> HitPlanner:
+    """A planner whose ``wait_s`` is over at once, beside an engine that measured a second a
+    prefilled token."""
+    timings.prefill.observe(1.0, 100)
+    return HitPlanner(
+        client,
+        [TARGET],
+        namespaces,
+        chunk_tokens=CHUNK_TOKENS,
+        blocks_per_chunk=BPC,
+        wait_s=1e-9,
+        recompute_wait=timings.recompute_wait,
+    )
+
+
 def test_a_hit_is_waited_for_a_share_of_what_recomputing_it_takes(
     client: InProcessClient,
 ) -> None:
@@ -172,18 +189,9 @@ def test_a_hit_is_waited_for_a_share_of_what_recomputing_it_takes(
     client.promote = lambda keys: 0  # type: ignore[method-assign]  # they never arrive
     timings = StepTimings(wait_share=0.5)
     assert timings.recompute_wait(1000) == 0.0, "nothing measured yet: no longer wait"
-    timings.prefill.observe(1.0, 100)  # a second a token: 4 chunks are worth minutes
+    p = slow_engine_planner(client, ns, timings)  # a second a token: 4 chunks are worth minutes
     worth = timings.recompute_wait(4 * CHUNK_TOKENS)
     assert worth == pytest.approx(0.5 * 4 * CHUNK_TOKENS)
-    p = HitPlanner(
-        client,
-        [TARGET],
-        ns,
-        chunk_tokens=CHUNK_TOKENS,
-        blocks_per_chunk=BPC,
-        wait_s=1e-9,
-        recompute_wait=timings.recompute_wait,
-    )
     asked = Asked()
     for _ in range(PROMOTE_WAIT_ASKS + 3):
         assert p.plan(asked, HASHES, 0, 4) is None
@@ -206,16 +214,7 @@ def test_a_probe_of_the_store_is_waited_for_a_share_of_recomputing_the_rest(
 
     client.lookup = probing  # type: ignore[method-assign,assignment]
     timings = StepTimings(wait_share=0.5)
-    timings.prefill.observe(1.0, 100)
-    p = HitPlanner(
-        client,
-        [TARGET],
-        ns,
-        chunk_tokens=CHUNK_TOKENS,
-        blocks_per_chunk=BPC,
-        wait_s=1e-9,
-        recompute_wait=timings.recompute_wait,
-    )
+    p = slow_engine_planner(client, ns, timings)
     asked = Asked()
     for _ in range(PROMOTE_WAIT_ASKS + 3):
         assert p.plan(asked, HASHES, 0, 6) is None
