@@ -78,8 +78,9 @@ def one(shape: Shape, costs: NodeCosts, router: str, workload: Workload) -> dict
 def run(sizes: tuple[int, ...], workload: Workload, here: dict[str, float]) -> dict[str, Any]:
     costs = gpu_node(here=here)
     caps = capacities(costs)
+    block = int(GPU_FIGURES["block_tokens"][0])
     jobs = {
-        (nodes, router): Shape(nodes=nodes, gpu=caps["gpu"], arena=caps["arena"], lmdb=caps["lmdb"])
+        (nodes, router): Shape(nodes=nodes, block_tokens=block, **caps)
         for nodes in sizes
         for router in ROUTERS
     }

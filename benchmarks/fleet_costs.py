@@ -31,6 +31,7 @@ GPU_FIGURES: dict[str, tuple[float, str]] = {
         "the tens of milliseconds",
     ),
     "decode_s_per_token": (0.025, "assumed: a 25 ms decode step at the batch an engine runs"),
+    "block_tokens": (16, "vLLM's default KV cache block size on CUDA (`--block-size`)"),
     "gpu_cache_bytes": (40e9, "assumed: 40 GB of an 80 GB H100 left to the prefix cache"),
     "arena_bytes": (512e9, "assumed: 512 GB of pinned host memory per 8-GPU node"),
     "lmdb_bytes": (4e12, "assumed: 4 TB of NVMe per node for lmdb"),

@@ -15,7 +15,8 @@ routers that choose an engine for each request.
   level holding it for the chosen engine (its GPU, its node's arena or lmdb, the object store);
   the rest is prefilled. Loads run beside the engine's compute; prefills take the engine one at
   a time (prefill is compute-bound). TTFT is the load (or the wait for the engine, whichever
-  ends later) plus the prefill; the answer then decodes beside other work.
+  ends later) plus the prefill; the answer then decodes, a token a decode step, and a prefill
+  on its engine stalls it for as long as the prefill takes.
 - **Routers** see what each engine's and node's events would tell them, at once: `round_robin`;
   `gpu_prefix` (the longest prefix in an engine's GPU); `fixed_weights` (llm-d's tier weights:
   GPU 1.0, CPU 0.8, storage 0.4, object 0.2, summed over the matched blocks); `kvtier_cost`
@@ -48,11 +49,15 @@ FIXED_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "lmdb": 0.4, "object": 0.2}
 
 @dataclass(frozen=True)
 class Shape:
+    """Capacities in chunks; the GPU cache keeps and hits whole blocks of ``block_tokens``
+    (vLLM's block size; 0: a chunk), the other levels whole chunks."""
+
     nodes: int
     engines: int = 8
     gpu: int = 1000
     arena: int = 10000
     lmdb: int = 100000
+    block_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,8 @@ class Engine:
     gpu: Lru
     free_at: float = 0.0
     """When its compute finishes the prefills queued so far."""
+    decoding: dict[int, float] = field(default_factory=dict)
+    """Answers being decoded, by session: when each ends. A prefill stalls them."""
 
 
 @dataclass
@@ -115,6 +122,7 @@ class Totals:
     ttft: list[float] = field(default_factory=list)
     first_ttft: list[float] = field(default_factory=list)
     """Of the sessions' first turns (nothing of theirs cached yet)."""
+    later_ttft: list[float] = field(default_factory=list)
     prefill_saved_s: float = 0.0
     requests: int = 0
 
@@ -128,9 +136,11 @@ class Fleet:
         if router not in (*ROUTERS, "sticky"):
             raise ValueError(f"unknown router {router!r}")
         self.shape, self.costs, self.router, self.rng = shape, costs, router, rng
+        self.block = shape.block_tokens or costs.chunk_tokens
+        blocks_per_chunk = costs.chunk_tokens // self.block
         self.holders: dict[str, dict[int, set[int]]] = {"gpu": {}, "cpu": {}, "lmdb": {}}
         self.engines = [
-            Engine(i, i // shape.engines, self._lru(shape.gpu, "gpu", i))
+            Engine(i, i // shape.engines, self._lru(shape.gpu * blocks_per_chunk, "gpu", i))
             for i in range(shape.nodes * shape.engines)
         ]
         self.arenas = [self._lru(shape.arena, "cpu", n) for n in range(shape.nodes)]
@@ -165,29 +175,33 @@ class Fleet:
 
     # -- where a prompt's chunks are, for one engine ------------------------------------------
 
-    def levels_for(self, engine: Engine, session: int, chunks: int, now: float) -> dict[str, int]:
-        """Of the prompt's ``chunks`` leading chunks, how many come from each level for
-        ``engine``: each from the fastest level that holds it (each level holds a prefix)."""
+    def levels_for(self, engine: Engine, session: int, tokens: int, now: float) -> dict[str, int]:
+        """Of a prompt of ``tokens``, how many leading tokens come from each level for
+        ``engine``: each from the fastest level that holds it (each level holds a prefix, the
+        GPU in blocks, the others in chunks; the prompt's last token is always computed)."""
         out: dict[str, int] = {}
         done = 0
-        for level, held in (
-            ("gpu", engine.gpu.held(session)),
-            ("cpu", self.arenas[engine.node].held(session)),
-            ("lmdb", self.disks[engine.node].held(session)),
-            ("object", self.in_store(session, now)),
+        chunk = self.costs.chunk_tokens
+        for level, unit, held in (
+            ("gpu", self.block, engine.gpu.held(session)),
+            ("cpu", chunk, self.arenas[engine.node].held(session)),
+            ("lmdb", chunk, self.disks[engine.node].held(session)),
+            ("object", chunk, self.in_store(session, now)),
         ):
-            reach = min(chunks, held)
+            reach = min((tokens - 1) // unit, held) * unit
             if reach > done:
                 out[level] = reach - done
                 done = reach
         return out
 
     def load_s(self, levels: dict[str, int]) -> float:
-        return sum(self.costs.load_s(t, n) for t, n in levels.items() if t != "gpu")
+        """A level's part of a hit loads in whole chunks."""
+        chunk = self.costs.chunk_tokens
+        return sum(self.costs.load_s(t, -(-n // chunk)) for t, n in levels.items() if t != "gpu")
 
     # -- routing --------------------------------------------------------------------------
 
-    def choose(self, session: int, chunks: int, tokens: int, now: float) -> Engine:
+    def choose(self, session: int, tokens: int, now: float) -> Engine:
         if self.router == "round_robin":
             return self.engines[next(self._next) % len(self.engines)]
         if self.router == "sticky":  # the real fleet's check: a session stays on one engine
@@ -204,17 +218,15 @@ class Fleet:
             for node in nodes:
                 idle = min(self.engines[node * per : (node + 1) * per], key=_free_at)
                 candidates[idle.index] = idle
-        return min(candidates.values(), key=lambda e: self._rank(e, session, chunks, tokens, now))
+        return min(candidates.values(), key=lambda e: self._rank(e, session, tokens, now))
 
-    def _rank(
-        self, engine: Engine, session: int, chunks: int, tokens: int, now: float
-    ) -> tuple[float, float]:
+    def _rank(self, engine: Engine, session: int, tokens: int, now: float) -> tuple[float, float]:
         wait = max(0.0, engine.free_at - now)
         if self.router == "gpu_prefix":
-            return (-min(chunks, engine.gpu.held(session)), wait)
-        levels = self.levels_for(engine, session, chunks, now)
+            return (-engine.gpu.held(session), wait)
+        levels = self.levels_for(engine, session, tokens, now)
         if self.router == "kvtier_cost":
-            cached = sum(levels.values()) * self.costs.chunk_tokens
+            cached = sum(levels.values())
             # a load runs beside the queue; the prefill waits for both
             start = max(self.load_s(levels), wait)
             return (start + (tokens - cached) * self.costs.prefill_s_per_token, wait)
@@ -222,30 +234,35 @@ class Fleet:
 
     # -- serving --------------------------------------------------------------------------
 
-    def serve(self, session: int, chunks: int, tokens: int, now: float) -> tuple[Engine, float]:
-        """Serve a prompt of ``tokens`` whose leading ``chunks`` chunks are full: the engine
-        that serves it, and when its first token is out."""
-        engine = self.choose(session, chunks, tokens, now)
-        levels = self.levels_for(engine, session, chunks, now)
-        cached = sum(levels.values()) * self.costs.chunk_tokens
+    def serve(self, session: int, tokens: int, now: float) -> tuple[Engine, float]:
+        """Serve a prompt of ``tokens``: the engine that serves it, and when its first token
+        is out."""
+        engine = self.choose(session, tokens, now)
+        levels = self.levels_for(engine, session, tokens, now)
+        cached = sum(levels.values())
         start = max(now + self.load_s(levels), engine.free_at)
         done = start + (tokens - cached) * self.costs.prefill_s_per_token
         engine.free_at = done
+        for other, ends in engine.decoding.items():  # their decode steps wait for this prefill
+            if ends > start:
+                engine.decoding[other] = ends + done - start
         t = self.totals
         t.requests += 1
         t.ttft.append(done - now)
         for level, n in levels.items():
-            t.tokens[level] += n * self.costs.chunk_tokens
+            t.tokens[level] += n
         t.tokens["recompute"] += tokens - cached
         t.prefill_saved_s += cached * self.costs.prefill_s_per_token
-        self.store(engine, session, chunks, done)
+        self.store(engine, session, tokens, done)
         return engine, done
 
-    def store(self, engine: Engine, session: int, chunks: int, now: float) -> None:
-        """``engine`` holds ``session``'s leading ``chunks`` chunks: its GPU keeps them, its
-        node's tiers store them, and their upload lands a little later."""
+    def store(self, engine: Engine, session: int, tokens: int, now: float) -> None:
+        """``engine`` computed the KV of ``session``'s leading ``tokens``: its GPU keeps their
+        full blocks, its node's tiers store their full chunks, and their upload lands a little
+        later."""
         node = engine.node
-        self._hold("gpu", engine.gpu, engine.index, session, chunks)
+        chunks = tokens // self.costs.chunk_tokens
+        self._hold("gpu", engine.gpu, engine.index, session, tokens // self.block)
         self._hold("cpu", self.arenas[node], node, session, chunks)
         self._hold("lmdb", self.disks[node], node, session, chunks)
         if self.in_store(session, float("inf")) < chunks:
@@ -258,7 +275,8 @@ def simulate(shape: Shape, costs: NodeCosts, router: str, workload: Workload) ->
     fleet = Fleet(shape, costs, router, random.Random(workload.seed + 1))
     w = workload
     rate = w.sessions_per_engine_s * shape.nodes * shape.engines
-    events: list[tuple[float, int, int, int]] = []  # (time, order, session, turn)
+    # (time, order, session, turn, engine): a turn's request, or (engine >= 0) its answer's end
+    events: list[tuple[float, int, int, int, int]] = []
     order = itertools.count()
     arrivals = list(w.arrivals)
     if w.users:
@@ -269,23 +287,30 @@ def simulate(shape: Shape, costs: NodeCosts, router: str, workload: Workload) ->
             arrivals.append(t)
             t += rng.expovariate(rate)
     for session, t in enumerate(arrivals):
-        heapq.heappush(events, (t, next(order), session, 0))
+        heapq.heappush(events, (t, next(order), session, 0, -1))
     waiting = iter(range(len(arrivals), w.sessions if w.users else 0))
-    per_chunk = costs.chunk_tokens
     while events:
-        now, _, s, turn = heapq.heappop(events)
+        now, _, s, turn, e = heapq.heappop(events)
         tokens = w.doc_tokens + turn * (w.question_tokens + w.answer_tokens) + w.question_tokens
-        engine, first = fleet.serve(s, tokens // per_chunk, tokens, now)
-        if turn == 0:
-            fleet.totals.first_ttft.append(first - now)
-        answered = first + w.answer_tokens * costs.decode_s_per_token
+        if e < 0:
+            engine, first = fleet.serve(s, tokens, now)
+            turns = fleet.totals.later_ttft if turn else fleet.totals.first_ttft
+            turns.append(first - now)
+            ends = engine.decoding[s] = first + w.answer_tokens * costs.decode_s_per_token
+            heapq.heappush(events, (ends, next(order), s, turn, engine.index))
+            continue
+        engine = fleet.engines[e]
+        if engine.decoding[s] > now:  # a prefill stalled the decode since
+            heapq.heappush(events, (engine.decoding[s], next(order), s, turn, e))
+            continue
+        del engine.decoding[s]
         # the answer's full chunks are stored as they fill, like the prompt's; its last token
         # is never fed back, so it has no KV
-        fleet.store(engine, s, (tokens + w.answer_tokens - 1) // per_chunk, answered)
+        fleet.store(engine, s, tokens + w.answer_tokens - 1, now)
         if turn + 1 < w.turns:
             think = rng.expovariate(1 / w.think_s)
-            heapq.heappush(events, (answered + think, next(order), s, turn + 1))
+            heapq.heappush(events, (now + think, next(order), s, turn + 1, -1))
         elif (following := next(waiting, None)) is not None:  # its user starts the next one
             think = rng.expovariate(1 / w.think_s)
-            heapq.heappush(events, (answered + think, next(order), following, 0))
+            heapq.heappush(events, (now + think, next(order), following, 0, -1))
     return fleet.totals

@@ -68,16 +68,16 @@ def test_measured_costs_weigh_a_queue_against_a_load_from_the_store(
 ) -> None:
     fleet = Fleet(Shape(nodes=2, engines=1), costs(), "kvtier_cost", random.Random(0))
     busy, idle = fleet.engines
-    fleet.store(busy, session=7, chunks=8, now=0.0)  # on busy's GPU, and in the store at once
+    fleet.store(busy, session=7, tokens=8 * 256, now=0.0)  # on busy's GPU, in the store at once
     busy.free_at = 1.0 + queue_s
     # from the store, idle needs 0.05 + 8 x 0.02 s; busy waits for its queue
-    chosen = fleet.choose(session=7, chunks=8, tokens=2100, now=1.0)
+    chosen = fleet.choose(session=7, tokens=2100, now=1.0)
     assert chosen is (busy if expected == "busy" else idle)
     fixed = Fleet(Shape(nodes=2, engines=1), costs(), "fixed_weights", random.Random(0))
     busy, idle = fixed.engines
-    fixed.store(busy, session=7, chunks=8, now=0.0)
+    fixed.store(busy, session=7, tokens=8 * 256, now=0.0)
     busy.free_at = 1.0 + queue_s
-    assert fixed.choose(session=7, chunks=8, tokens=2100, now=1.0) is busy  # weights only
+    assert fixed.choose(session=7, tokens=2100, now=1.0) is busy  # weights only
 
 
 def test_users_start_their_next_session_after_the_last_one_ends() -> None:
@@ -94,3 +94,11 @@ def test_sticky_keeps_each_session_on_its_engine() -> None:
     tokens = simulate(Shape(nodes=2, engines=1), costs(), "sticky", workload).tokens
     assert tokens["gpu"] == 2 * (4 + 5 + 6) * 256
     assert tokens["object"] == 0
+
+
+def test_the_gpu_hits_whole_blocks_and_the_tiers_whole_chunks() -> None:
+    gpu = one_session(Shape(nodes=1, engines=1, block_tokens=64), "gpu_prefix")
+    # the histories of 1279, 1535, 1791 tokens hold 19, 23, 27 full blocks of 64
+    assert gpu["gpu"] == (19 + 23 + 27) * 64
+    store = one_session(Shape(nodes=4, engines=1, block_tokens=64), "round_robin")
+    assert store["object"] == (4 + 5 + 6) * 256  # another node's: whole chunks only
