@@ -76,6 +76,7 @@ TARGET = 0.15
 SEEDS = 20
 """Runs of the model, with as many draws of think times, averaged: its expectation, where
 the real fleet's one run is one draw."""
+CALIBRATIONS = 3
 PACK_LINGER_S = 0.02
 SLOW_CPU_DEADLINES = {
     "lookup_deadline_ms": 2000,
@@ -163,15 +164,33 @@ def counted(server: Any, daemon: Kvtierd) -> dict[str, float]:
     return out
 
 
-def warm(url: str, model: str, vocab: int) -> None:
-    """One request of the workload's length, of tokens no session uses: the server's first
-    request sets up what later ones reuse, and is not the workload's."""
+def warm(url: str, model: str, vocab: int) -> Calibration:
+    """Requests of tokens no session uses, before the workload: one of the workload's length
+    (the server's first request sets up what later ones reuse), then ``CALIBRATIONS`` of the
+    same prompt, a token each: served from the engine's own cache but its last block, they
+    measure the latency a request pays past its loads and prefill."""
     prompt = random.Random(11).choices(range(vocab // 2, vocab), k=DOC_TOKENS)
-    body = completion_body(model, prompt, ANSWER_TOKENS)
+    _request(url, model, prompt, ANSWER_TOKENS)
+    again = [_request(url, model, prompt, 1) for _ in range(CALIBRATIONS)]
+    return Calibration(
+        ttft_s=statistics.median(r.ttft for r in again),
+        computed_tokens=statistics.median(r.prompt_tokens - (r.cached_tokens or 0) for r in again),
+    )
+
+
+@dataclass
+class Calibration:
+    ttft_s: float
+    """The median TTFT of a prompt the engine held all but ``computed_tokens`` of."""
+    computed_tokens: float
+
+
+def _request(url: str, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
     result = RequestResult("warm", 0, len(prompt), time.perf_counter())
-    asyncio.run(_one(url, body, result))
+    asyncio.run(_one(url, completion_body(model, prompt, max_tokens), result))
     if not result.ok:
         raise RuntimeError(f"warm-up request failed: {result.error}")
+    return result
 
 
 async def _one(url: str, body: dict[str, Any], result: RequestResult) -> None:
@@ -236,6 +255,8 @@ class RealRun:
     """Each node's kvtierd's counters and gauges at the end."""
     engine_metrics: list[Samples]
     """Each node's vLLM server's, at the end."""
+    calibrations: list[Calibration]
+    """Each server's, before the workload."""
 
 
 def real_run(root: Path, model: Path, router: str, chunk: int) -> RealRun:
@@ -252,8 +273,7 @@ def real_run(root: Path, model: Path, router: str, chunk: int) -> RealRun:
                 for core, name in enumerate(("a", "b"))
             ]
             urls = [server.url for server, _ in nodes]
-            for url in urls:
-                warm(url, str(model), vocab)
+            calibrations = [warm(url, str(model), vocab) for url in urls]
             before = [counted(server, daemon) for server, daemon in nodes]
             served = asyncio.run(drive(urls, str(model), vocab, router))
             after = [counted(server, daemon) for server, daemon in nodes]
@@ -266,7 +286,7 @@ def real_run(root: Path, model: Path, router: str, chunk: int) -> RealRun:
         k: sum(a[k] - b[k] for a, b in zip(after, before, strict=True)) / prompt for k in after[0]
     }
     shares["recompute"] = max(0.0, 1.0 - sum(shares.values()))
-    return RealRun(served, shares, daemons, engines)
+    return RealRun(served, shares, daemons, engines, calibrations)
 
 
 def ttft_figures(first: list[float], later: list[float]) -> dict[str, float]:
@@ -297,7 +317,8 @@ def _gauge(samples: list[Samples], name: str, **labels: str) -> float | None:
 
 def measured_costs(real: RealRun, chunk: int) -> NodeCosts:
     """The costs the real fleet measured: kvtierd's estimates (loads by tier, the engine's
-    prefill per token, uploads) and the client's decode rate."""
+    prefill per token, uploads), the client's decode rate, and the latency of a request
+    served from the engine's cache before the workload, less its prefill."""
     daemons = real.daemon_metrics
     per_chunk = {t: _gauge(daemons, LOAD_PER_CHUNK, tier=t) for t in ("cpu", "lmdb", "object")}
     lmdb = per_chunk["lmdb"] or 0.0
@@ -316,6 +337,7 @@ def measured_costs(real: RealRun, chunk: int) -> NodeCosts:
     prefill = _gauge(daemons, PREFILL_PER_TOKEN)
     if prefill is None:
         raise RuntimeError("kvtierd measured no prefill: the fleet served nothing")
+    latency = statistics.mean(c.ttft_s - c.computed_tokens * prefill for c in real.calibrations)
     return NodeCosts(
         chunk_tokens=CHUNK_TOKENS,
         chunk_bytes=chunk,
@@ -324,6 +346,7 @@ def measured_costs(real: RealRun, chunk: int) -> NodeCosts:
         load_latency_s={},
         decode_s_per_token=statistics.median(gaps),
         upload_delay_s=PACK_LINGER_S + (upload_s / uploads if uploads else 0.0),
+        request_latency_s=max(0.0, latency),
     )
 
 

@@ -31,6 +31,11 @@ GPU_FIGURES: dict[str, tuple[float, str]] = {
         "the tens of milliseconds",
     ),
     "decode_s_per_token": (0.025, "assumed: a 25 ms decode step at the batch an engine runs"),
+    "request_latency_s": (
+        0.025,
+        "assumed: one engine step (a decode step's time) that every request waits past its "
+        "loads and prefill: the step in flight when it arrives, scheduling, the API server",
+    ),
     "block_tokens": (16, "vLLM's default KV cache block size on CUDA (`--block-size`)"),
     "gpu_cache_bytes": (40e9, "assumed: 40 GB of an 80 GB H100 left to the prefix cache"),
     "arena_bytes": (512e9, "assumed: 512 GB of pinned host memory per 8-GPU node"),
@@ -63,6 +68,9 @@ class NodeCosts:
     decode_s_per_token: float
     upload_delay_s: float
     """From a chunk's store to its object being readable by other nodes."""
+    request_latency_s: float = 0.0
+    """What every request waits past its loads and prefill before its first token is out (the
+    engine is not busy for it)."""
 
     def load_s(self, tier: str, chunks: int) -> float:
         if chunks <= 0:
@@ -97,6 +105,7 @@ def gpu_node(chunk_tokens: int = 256, here: dict[str, float] | None = None) -> N
         load_latency_s={"object": g["object_latency_s"]},
         decode_s_per_token=g["decode_s_per_token"],
         upload_delay_s=2.0,
+        request_latency_s=g["request_latency_s"],
     )
 
 

@@ -15,8 +15,9 @@ routers that choose an engine for each request.
   level holding it for the chosen engine (its GPU, its node's arena or lmdb, the object store);
   the rest is prefilled. Loads run beside the engine's compute; prefills take the engine one at
   a time (prefill is compute-bound). TTFT is the load (or the wait for the engine, whichever
-  ends later) plus the prefill; the answer then decodes, a token a decode step, and a prefill
-  on its engine stalls it for as long as the prefill takes.
+  ends later) plus the prefill, plus a fixed latency every request pays; the answer then
+  decodes, a token a decode step, and a prefill on its engine stalls it for as long as the
+  prefill takes.
 - **Routers** see what each engine's and node's events would tell them, at once: `round_robin`;
   `gpu_prefix` (the longest prefix in an engine's GPU); `fixed_weights` (llm-d's tier weights:
   GPU 1.0, CPU 0.8, storage 0.4, object 0.2, summed over the matched blocks); `kvtier_cost`
@@ -248,13 +249,14 @@ class Fleet:
                 engine.decoding[other] = ends + done - start
         t = self.totals
         t.requests += 1
-        t.ttft.append(done - now)
+        first = done + self.costs.request_latency_s
+        t.ttft.append(first - now)
         for level, n in levels.items():
             t.tokens[level] += n
         t.tokens["recompute"] += tokens - cached
         t.prefill_saved_s += cached * self.costs.prefill_s_per_token
         self.store(engine, session, tokens, done)
-        return engine, done
+        return engine, first
 
     def store(self, engine: Engine, session: int, tokens: int, now: float) -> None:
         """``engine`` computed the KV of ``session``'s leading ``tokens``: its GPU keeps their

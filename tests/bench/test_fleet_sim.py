@@ -102,3 +102,11 @@ def test_the_gpu_hits_whole_blocks_and_the_tiers_whole_chunks() -> None:
     assert gpu["gpu"] == (19 + 23 + 27) * 64
     store = one_session(Shape(nodes=4, engines=1, block_tokens=64), "round_robin")
     assert store["object"] == (4 + 5 + 6) * 256  # another node's: whole chunks only
+
+
+def test_every_request_pays_the_latency_past_its_prefill_and_the_engine_does_not() -> None:
+    slow = replace(costs(), request_latency_s=0.5)
+    workload = replace(ONE_SESSION, turns=1, arrivals=(0.0, 0.0))
+    totals = simulate(Shape(nodes=1, engines=1), slow, "sticky", workload)
+    # the second prompt waits for the first's prefill, not for its latency
+    assert sorted(totals.first_ttft) == pytest.approx([1152e-4 + 0.5, 2 * 1152e-4 + 0.5])
