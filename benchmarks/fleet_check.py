@@ -2,8 +2,11 @@
 model, each on a core of its own), each with its own kvtierd, arena and lmdb, sharing one S3
 bucket (moto, reached through IRSA), driven by multi-turn sessions through a router; then the
 same fleet, sessions, users and router in `benchmarks/fleet_sim.py`, with this machine's
-capacities and the costs the real fleet measured (kvtierd's load and prefill estimates, the
-decode step the client saw).
+capacities and the costs the real fleet measured: kvtierd's load estimates by tier, the decode
+step the client saw, and calibrations before the workload (prompts each server computes whole
+and prompts it holds, for its prefill per token and a request's fixed latency; prompts one
+server computes and the other finds only in the bucket, for what a load from the store pays
+once a request).
 
 Two figures are compared, for each router (the issue's "hit rate and TTFT ratio"):
 
@@ -66,7 +69,7 @@ KV_CACHE_BYTES = 24 * MiB
 ARENA_CHUNKS = 16
 MAX_MODEL_LEN = 1280
 BUCKET = "kvtier-fleet"
-SESSIONS = 8
+SESSIONS = 16
 USERS = 4  # sessions in flight at once
 DOC_TOKENS, QUESTION_TOKENS, ANSWER_TOKENS, TURNS = 768, 32, 32, 4
 THINK_S = 3.0
@@ -74,6 +77,9 @@ CHECK_ROUTERS = ("round_robin", "sticky")
 """A router that picks each request's server in turn, and one that keeps a session on one."""
 TARGET = 0.15
 SEEDS = 20
+DRAWS = 3
+"""Runs of the real workload, one after another on the same fleet, each with sessions and
+think times of its own: a TTFT p50 of one run moves by a fifth from run to run."""
 """Runs of the model, with as many draws of think times, averaged: its expectation, where
 the real fleet's one run is one draw."""
 CALIBRATIONS = 3
@@ -85,6 +91,7 @@ SLOW_CPU_DEADLINES = {
 }
 LOAD_PER_CHUNK = "kvtier_load_per_chunk_seconds"
 PREFILL_PER_TOKEN = "kvtier_prefill_per_token_seconds"
+UPLOADS = "kvtier_object_store_uploads_total"
 
 
 def chunk_bytes(model: Path) -> int:
@@ -164,25 +171,78 @@ def counted(server: Any, daemon: Kvtierd) -> dict[str, float]:
     return out
 
 
-def warm(url: str, model: str, vocab: int) -> Calibration:
-    """Requests of tokens no session uses, before the workload: one of the workload's length
-    (the server's first request sets up what later ones reuse), then ``CALIBRATIONS`` of the
-    same prompt, a token each: served from the engine's own cache but its last block, they
-    measure the latency a request pays past its loads and prefill."""
-    prompt = random.Random(11).choices(range(vocab // 2, vocab), k=DOC_TOKENS)
+def warm(url: str, model: str, vocab: int, index: int) -> EngineCalibration:
+    """Requests of prompts no session shares, before the workload: one of the workload's length
+    (the server's first request sets up what later ones reuse); then, a token each,
+    ``CALIBRATIONS`` prompts of that length it computes whole, and as many of the first prompt
+    again, which its cache holds but the last block of. Their TTFTs measure its prefill per
+    token and what every request pays past it."""
+    prompt = _unused_prompt(vocab, 10 + index)
     _request(url, model, prompt, ANSWER_TOKENS)
-    again = [_request(url, model, prompt, 1) for _ in range(CALIBRATIONS)]
-    return Calibration(
-        ttft_s=statistics.median(r.ttft for r in again),
-        computed_tokens=statistics.median(r.prompt_tokens - (r.cached_tokens or 0) for r in again),
-    )
+    seeds = range(20 + index * CALIBRATIONS, 20 + (index + 1) * CALIBRATIONS)
+    fresh = [_request(url, model, _unused_prompt(vocab, seed), 1) for seed in seeds]
+    held = [_request(url, model, prompt, 1) for _ in range(CALIBRATIONS)]
+    return EngineCalibration(held=Calibration.of(held), fresh=Calibration.of(fresh))
+
+
+def from_the_store(nodes: list[Any], model: str, vocab: int) -> Calibration:
+    """Prompts one node computes and the other then finds only in the bucket, a token each:
+    what a request loading from the object store pays past the latency and the per-chunk
+    cost (each download's own first byte, and the probes' round trips)."""
+    found = []
+    for n in range(2 + CALIBRATIONS):
+        (a, daemon), (b, _) = nodes[n % 2], nodes[1 - n % 2]
+        prompt = _unused_prompt(vocab, 100 + n)
+        before = total(parse_counters(daemon.metrics()), UPLOADS)
+        _request(a.url, model, prompt, 1)
+        deadline = time.monotonic() + 60
+        while total(parse_counters(daemon.metrics()), UPLOADS) <= before:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the calibration prompt's chunks were never uploaded")
+            time.sleep(0.05)
+        found.append(_request(b.url, model, prompt, 1))
+    # each node's first load from the bucket starts its download threads and connections
+    return Calibration.of(found[2:])
+
+
+def _unused_prompt(vocab: int, seed: int) -> list[int]:
+    """A prompt of the workload's length, of random tokens of its own (no session shares a
+    chunk with it)."""
+    return random.Random(seed).choices(range(len(models.SPECIAL_TOKENS), vocab), k=DOC_TOKENS)
+
+
+@dataclass
+class EngineCalibration:
+    held: Calibration
+    fresh: Calibration
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        computed = self.fresh.computed_tokens - self.held.computed_tokens
+        return (self.fresh.ttft_s - self.held.ttft_s) / computed
+
+    @property
+    def latency_s(self) -> float:
+        return max(0.0, self.held.ttft_s - self.held.computed_tokens * self.prefill_s_per_token)
 
 
 @dataclass
 class Calibration:
     ttft_s: float
-    """The median TTFT of a prompt the engine held all but ``computed_tokens`` of."""
+    """The median TTFT of calibration requests, which computed ``computed_tokens`` and loaded
+    ``cached_tokens`` (medians too)."""
     computed_tokens: float
+    cached_tokens: float
+
+    @classmethod
+    def of(cls, results: list[RequestResult]) -> Calibration:
+        return cls(
+            ttft_s=statistics.median(r.ttft for r in results),
+            computed_tokens=statistics.median(
+                r.prompt_tokens - (r.cached_tokens or 0) for r in results
+            ),
+            cached_tokens=statistics.median(r.cached_tokens or 0 for r in results),
+        )
 
 
 def _request(url: str, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
@@ -206,7 +266,8 @@ class Served:
     result: RequestResult
 
 
-async def drive(urls: list[str], model: str, vocab: int, router: str) -> list[Served]:
+async def drive(urls: list[str], model: str, vocab: int, router: str, draw: int) -> list[Served]:
+    """The workload once, its sessions and think times the ``draw``-th of their kind."""
     spec = WorkloadSpec(
         kind="multi-round",
         doc_tokens=DOC_TOKENS,
@@ -215,19 +276,20 @@ async def drive(urls: list[str], model: str, vocab: int, router: str) -> list[Se
         rounds=TURNS,
         vocab_size=vocab,
         min_token_id=len(models.SPECIAL_TOKENS),
-        seed=7,
+        seed=7 + draw,
     )
-    sessions = spec.sessions(SESSIONS * TURNS, router)
+    sessions = spec.sessions(SESSIONS * TURNS, f"{router}-{draw}")
     turn = itertools.count()
     pick: Callable[[int], int] = (
         (lambda s: next(turn) % len(urls)) if router == "round_robin" else (lambda s: s % len(urls))
     )
     queue = list(enumerate(sessions))
-    rng = random.Random(3)
+    rng = random.Random(3 + draw)
     served: list[Served] = []
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def user() -> None:
+            await asyncio.sleep(rng.expovariate(1 / THINK_S))  # users do not start in step
             while queue:
                 index, session = queue.pop(0)
                 for r in range(session.rounds):
@@ -248,15 +310,22 @@ async def drive(urls: list[str], model: str, vocab: int, router: str) -> list[Se
 
 @dataclass
 class RealRun:
-    served: list[Served]
+    draws: list[list[Served]]
+    """The workload's ``DRAWS`` runs, one after another."""
     shares: dict[str, float]
     """Prompt tokens by where they came from, over both servers."""
     daemon_metrics: list[Samples]
     """Each node's kvtierd's counters and gauges at the end."""
     engine_metrics: list[Samples]
     """Each node's vLLM server's, at the end."""
-    calibrations: list[Calibration]
+    calibrations: list[EngineCalibration]
     """Each server's, before the workload."""
+    store_loads: Calibration
+    """Of prompts found only in the bucket, before the workload."""
+
+    @property
+    def served(self) -> list[Served]:
+        return [s for draw in self.draws for s in draw]
 
 
 def real_run(root: Path, model: Path, router: str, chunk: int) -> RealRun:
@@ -273,20 +342,21 @@ def real_run(root: Path, model: Path, router: str, chunk: int) -> RealRun:
                 for core, name in enumerate(("a", "b"))
             ]
             urls = [server.url for server, _ in nodes]
-            calibrations = [warm(url, str(model), vocab) for url in urls]
+            calibrations = [warm(url, str(model), vocab, i) for i, url in enumerate(urls)]
+            store_loads = from_the_store(nodes, str(model), vocab)
             before = [counted(server, daemon) for server, daemon in nodes]
-            served = asyncio.run(drive(urls, str(model), vocab, router))
+            draws = [asyncio.run(drive(urls, str(model), vocab, router, d)) for d in range(DRAWS)]
             after = [counted(server, daemon) for server, daemon in nodes]
             daemons = [parse_counters(daemon.metrics()) for _, daemon in nodes]
             engines = [parse_counters(httpx.get(f"{s.url}/metrics").text) for s, _ in nodes]
     finally:
         moto.stop()
-    prompt = sum(s.result.prompt_tokens for s in served) or 1
+    prompt = sum(s.result.prompt_tokens for draw in draws for s in draw) or 1
     shares = {
         k: sum(a[k] - b[k] for a, b in zip(after, before, strict=True)) / prompt for k in after[0]
     }
     shares["recompute"] = max(0.0, 1.0 - sum(shares.values()))
-    return RealRun(served, shares, daemons, engines, calibrations)
+    return RealRun(draws, shares, daemons, engines, calibrations, store_loads)
 
 
 def ttft_figures(first: list[float], later: list[float]) -> dict[str, float]:
@@ -297,8 +367,16 @@ def ttft_figures(first: list[float], later: list[float]) -> dict[str, float]:
 
 
 def figures(real: RealRun) -> dict[str, float]:
-    """The real fleet's hit rate and TTFT ratio (see the module's docstring)."""
-    results = [s.result for s in real.served]
+    """The real fleet's hit rate and TTFT ratio (see the module's docstring): their means over
+    the draws, and the TTFT ratio's range."""
+    each = [_figures(draw) for draw in real.draws]
+    out = {k: statistics.mean(e[k] for e in each) for k in each[0]}
+    ratios = [e["ttft_ratio"] for e in each]
+    return {**out, "ttft_ratio_min": min(ratios), "ttft_ratio_max": max(ratios)}
+
+
+def _figures(served: list[Served]) -> dict[str, float]:
+    results = [s.result for s in served]
     cached = sum(r.cached_tokens or 0 for r in results)
     return {
         "hit_rate": cached / (sum(r.prompt_tokens for r in results) or 1),
@@ -316,9 +394,10 @@ def _gauge(samples: list[Samples], name: str, **labels: str) -> float | None:
 
 
 def measured_costs(real: RealRun, chunk: int) -> NodeCosts:
-    """The costs the real fleet measured: kvtierd's estimates (loads by tier, the engine's
-    prefill per token, uploads), the client's decode rate, and the latency of a request
-    served from the engine's cache before the workload, less its prefill."""
+    """The costs the real fleet measured: kvtierd's estimates (loads by tier, uploads), the
+    client's decode rate, and from the calibrations before the workload: the engine's prefill
+    per token and the latency every request pays past it; and what a load from the bucket
+    pays once a request, past those and its chunks' cost."""
     daemons = real.daemon_metrics
     per_chunk = {t: _gauge(daemons, LOAD_PER_CHUNK, tier=t) for t in ("cpu", "lmdb", "object")}
     lmdb = per_chunk["lmdb"] or 0.0
@@ -329,24 +408,30 @@ def measured_costs(real: RealRun, chunk: int) -> NodeCosts:
         # would wait on were not made, so any figure serves
         "object": (per_chunk["object"] or 0.0) + lmdb,
     }
-    uploads = sum(total(s, "kvtier_object_store_uploads_total") for s in daemons)
+    uploads = sum(total(s, UPLOADS) for s in daemons)
     upload_s = sum(total(s, "kvtier_object_store_upload_seconds_total") for s in daemons)
     # a decode step's time: the median gap between tokens (a gap behind another request's
     # prefill is the model's own to add)
     gaps = [b - a for s in real.served for a, b in itertools.pairwise(s.result.chunk_times)]
-    prefill = _gauge(daemons, PREFILL_PER_TOKEN)
-    if prefill is None:
-        raise RuntimeError("kvtierd measured no prefill: the fleet served nothing")
-    latency = statistics.mean(c.ttft_s - c.computed_tokens * prefill for c in real.calibrations)
+    prefill = statistics.mean(c.prefill_s_per_token for c in real.calibrations)
+    latency = statistics.mean(c.latency_s for c in real.calibrations)
+    c = real.store_loads
+    store_latency = max(
+        0.0,
+        c.ttft_s
+        - latency
+        - c.computed_tokens * prefill
+        - c.cached_tokens // CHUNK_TOKENS * loads["object"],
+    )
     return NodeCosts(
         chunk_tokens=CHUNK_TOKENS,
         chunk_bytes=chunk,
         prefill_s_per_token=prefill,
         load_s_per_chunk=loads,
-        load_latency_s={},
+        load_latency_s={"object": store_latency},
         decode_s_per_token=statistics.median(gaps),
         upload_delay_s=PACK_LINGER_S + (upload_s / uploads if uploads else 0.0),
-        request_latency_s=max(0.0, latency),
+        request_latency_s=latency,
     )
 
 
@@ -401,6 +486,8 @@ def check(cache_dir: Path) -> dict[str, Any]:
             "real": real_view,
             "modeled": model_view,
             "costs": costs.to_dict(),
+            # kvtierd's own estimate, a mean over prefill steps short and long, for comparison
+            "kvtierd_prefill_s_per_token": _gauge(real.daemon_metrics, PREFILL_PER_TOKEN),
             "errors": errors,
         }
         worst = max(worst, *errors.values())

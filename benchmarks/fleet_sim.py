@@ -74,8 +74,8 @@ class Workload:
     arrivals: tuple[float, ...] = ()
     """When given, the sessions' arrival times instead of a Poisson process."""
     users: int = 0
-    """When given, ``sessions`` sessions served by this many users, all starting at once: each
-    user starts its next session one think time after its previous one's last answer."""
+    """When given, ``sessions`` sessions served by this many users, each starting after a think
+    time, and its next session one think time after its previous one's last answer."""
     sessions: int = 0
 
 
@@ -281,8 +281,8 @@ def simulate(shape: Shape, costs: NodeCosts, router: str, workload: Workload) ->
     events: list[tuple[float, int, int, int, int]] = []
     order = itertools.count()
     arrivals = list(w.arrivals)
-    if w.users:
-        arrivals = [0.0] * min(w.users, w.sessions)
+    if w.users:  # each starts after a think time, as between turns
+        arrivals = [rng.expovariate(1 / w.think_s) for _ in range(min(w.users, w.sessions))]
     elif not arrivals:
         t = rng.expovariate(rate)
         while t < w.arrivals_s:
