@@ -94,6 +94,22 @@ class LookupResult:
     def tiers(self) -> list[str]:
         return [_NAMES[c] for c in self.tier_codes]
 
+    @property
+    def by_tier(self) -> dict[str, int]:
+        return hits_by_tier(self.tier_codes, self.from_store)
+
+
+def hits_by_tier(tier_codes: bytes, from_store: int = 0) -> dict[str, int]:
+    """Hits per tier name, ``from_store`` of them counted as the object store's: a probe
+    brought them into lmdb (or the arena, once promoted) before the lookup found them."""
+    counted = {tier: tier_codes.count(code) for code, tier in _NAMES.items()}
+    for tier in ("lmdb", "cpu"):
+        moved = min(from_store, counted[tier])
+        counted[tier] -= moved
+        counted["object"] += moved
+        from_store -= moved
+    return counted
+
 
 LMDB_SLOT = (1 << 64) - 1
 """The slot of a lease granted in lmdb (`TierClient.lease` with ``in_lmdb``): no arena slot holds

@@ -16,17 +16,16 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from kvtier.core.costs import LMDB, OBJECT
+from kvtier.core.costs import OBJECT
 from kvtier.core.keys import NAMESPACE_BYTES, NamespaceSpec, Pool, namespace_of
 from kvtier.core.pools import PoolRegistry
-from kvtier.core.protocol import LookupResult, SlotRef, TierCode
+from kvtier.core.protocol import LookupResult, SlotRef, hits_by_tier
 from kvtier.observability.metric_specs import histogram
 from kvtier.tiering.manager import TierManager
 
 MAX_REPLICAS = 64
 MAX_DRAFTS = 16
 OTHER = "other"
-TIER_BY_CODE = {int(code): code.tier for code in TierCode}
 
 
 class Telemetry:
@@ -111,8 +110,6 @@ class Telemetry:
         with self._lock:
             for namespace, asked, hits in groups:
                 pool = self._pool(namespace)
-                # a probe's chunks sit in lmdb by now (or the arena, on a re-ask)
-                counted = {tier: hits.count(code) for code, tier in TIER_BY_CODE.items()}
                 fetched = min(from_store, len(hits))
                 from_store -= fetched
                 if again:
@@ -122,10 +119,7 @@ class Telemetry:
                 if verify:
                     self._counts["verified", pool, replica] += len(hits)
                     continue
-                moved = min(fetched, counted[LMDB])
-                counted[LMDB] -= moved
-                counted[OBJECT] += moved
-                for tier, n in counted.items():
+                for tier, n in hits_by_tier(hits, fetched).items():
                     self._counts["hit", tier, pool, replica] += n
 
     def moved(self, direction: str, refs: Sequence[SlotRef], done: int, seconds: float) -> None:

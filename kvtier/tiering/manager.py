@@ -224,17 +224,14 @@ class TierManager:
         return LookupResult(len(codes), bytes(codes), pending)
 
     def _count_lookup(self, asked: int, result: LookupResult, verify: bool) -> None:
-        counters, codes = self._counters, result.tier_codes
+        counters = self._counters
         counters.add("lookups", 1)
         counters.add("lookup_chunks", asked)
         if verify:
-            counters.add("verified_chunks", len(codes))
+            counters.add("verified_chunks", result.hits)
             return
-        n_cpu = codes.count(_CPU)
-        n_object = codes.count(_OBJECT) + result.from_store
-        counters.add("hit_chunks_cpu", n_cpu)
-        counters.add("hit_chunks_lmdb", len(codes) - n_cpu - n_object)
-        counters.add("hit_chunks_object", n_object)
+        for tier, n in result.by_tier.items():
+            counters.add(f"hit_chunks_{tier}", n)
 
     @overload
     def lookup(
