@@ -306,6 +306,7 @@ def overview() -> Board:
             target(rate("kvtier_object_store_uploads_total", ""), "uploads"),
             target(rate("kvtier_object_store_probes_total", ""), "probes"),
             target(rate("kvtier_object_store_probe_timeouts_total", ""), "probes over budget"),
+            target(rate("kvtier_object_store_probe_misses_total", ""), "probe misses"),
             target(rate("kvtier_object_store_retries_total", ""), "retries"),
             target(rate("kvtier_object_store_request_errors_total", "result"), "errors {{result}}"),
         ],
@@ -322,6 +323,11 @@ def overview() -> Board:
                 f"{rate('kvtier_object_store_upload_seconds_total', '')} / "
                 f"{rate('kvtier_object_store_uploads_total', '')}",
                 "mean upload seconds",
+            ),
+            target(
+                f"{rate('kvtier_object_store_probe_miss_seconds_total', '')} / "
+                f"{rate('kvtier_object_store_probe_misses_total', '')}",
+                "mean seconds a probe miss is waited for",
             ),
         ],
         "Bps",

@@ -115,6 +115,16 @@ class EngineTimings:
         return bool(self.loads) or self.prefill_tokens > 0
 
 
+@dataclass(slots=True)
+class CostTotals:
+    """Everything timed so far, never decaying: over any window, seconds over chunks (or
+    tokens) is the mean cost in it, where the estimates weigh the last loads most."""
+
+    loads: dict[str, Tally] = field(default_factory=dict)
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+
+
 class LoadCosts:
     """Per tier, decaying estimates of load seconds per chunk and per byte; and the engine's
     prefill seconds per token. Thread-safe."""
@@ -124,12 +134,14 @@ class LoadCosts:
         self._per_chunk = {tier: Estimate() for tier in TIERS}
         self._per_byte = {tier: Estimate() for tier in TIERS}
         self._prefill = Estimate()
+        self._totals = CostTotals({tier: Tally() for tier in TIERS})
 
     def loaded(self, tier: str, chunks: int, nbytes: int, seconds: float) -> None:
         """``chunks`` chunks of ``nbytes`` in all came from ``tier`` in ``seconds``."""
         if chunks <= 0 or seconds < 0 or tier not in self._per_chunk:
             return
         with self._lock:
+            self._totals.loads[tier].add(chunks, nbytes, seconds)
             self._per_chunk[tier].observe(seconds / chunks, chunks)
             if nbytes > 0:
                 self._per_byte[tier].observe(seconds / nbytes, chunks)
@@ -143,7 +155,15 @@ class LoadCosts:
         if tokens <= 0 or seconds <= 0:
             return
         with self._lock:
+            self._totals.prefill_tokens += tokens
+            self._totals.prefill_seconds += seconds
             self._prefill.observe(seconds / tokens, tokens)
+
+    def totals(self) -> CostTotals:
+        with self._lock:
+            t = self._totals
+            loads = {tier: Tally(x.chunks, x.nbytes, x.seconds) for tier, x in t.loads.items()}
+            return CostTotals(loads, t.prefill_tokens, t.prefill_seconds)
 
     def snapshot(self) -> CostSnapshot:
         with self._lock:

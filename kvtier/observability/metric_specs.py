@@ -183,6 +183,19 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _spec(
         "counter",
+        "object_store_probe_misses",
+        "",
+        "Probes that found nothing (the store holds no such object, or the request failed).",
+    ),
+    _spec(
+        "counter",
+        "object_store_probe_miss_seconds",
+        "",
+        "Time lookups waited to hear of those misses, from the ask (queueing behind downloads "
+        "included): over object_store_probe_misses, what a miss costs a request.",
+    ),
+    _spec(
+        "counter",
         "object_store_request_errors",
         "result",
         "Failed requests: error (failed attempt), credential (identity refused), rejected "
@@ -240,6 +253,22 @@ METRICS: tuple[MetricSpec, ...] = (
         "The engines' measured seconds per token of steps where prefill dominates (stat mean or "
         "spread): what recomputing a prefix costs.",
     ),
+    _spec(
+        "counter",
+        "loaded_chunks",
+        "tier",
+        "Chunks whose load was timed, by tier: with load_seconds, the mean cost over any window "
+        "(the gauges above weigh the last loads most).",
+    ),
+    _spec("counter", "load_seconds", "tier", "Time those loads took."),
+    _spec(
+        "counter",
+        "prefill_tokens",
+        "",
+        "Tokens of the engines' timed prefill steps: with prefill_seconds, the mean seconds per "
+        "token over any window.",
+    ),
+    _spec("counter", "prefill_seconds", "", "Time those steps took."),
 )
 SPECS = {spec.name: spec for spec in METRICS}
 

@@ -195,6 +195,8 @@ class TierCollector(Collector):
             "object_store_uploads": counts["objects_uploaded"],
             "object_store_probes": counts["probes"],
             "object_store_probe_timeouts": stats.counters["probes_over_budget"],
+            "object_store_probe_misses": stats.counters["probe_misses"],
+            "object_store_probe_miss_seconds": stats.counters["probe_miss_us"] / 1e6,
             "object_store_retries": counts["retries"],
             "object_store_unknown_format": counts["unknown_format"],
             "object_store_upload_seconds": counts["upload_seconds_us"] / 1e6,
@@ -252,6 +254,15 @@ class TierCollector(Collector):
         yield per_chunk
         yield per_byte
         yield prefill
+        totals = self.manager.costs.totals()
+        chunks, seconds = metric_family("loaded_chunks"), metric_family("load_seconds")
+        for tier, tally in totals.loads.items():
+            chunks.add_metric([tier], tally.chunks)
+            seconds.add_metric([tier], tally.seconds)
+        tokens, prefill_s = metric_family("prefill_tokens"), metric_family("prefill_seconds")
+        tokens.add_metric([], totals.prefill_tokens)
+        prefill_s.add_metric([], totals.prefill_seconds)
+        yield from (chunks, seconds, tokens, prefill_s)
 
 
 def build_registry(

@@ -100,6 +100,17 @@ def test_locate_answers_each_tiers_leading_tokens_and_their_measured_costs(
         assert gauges[("lmdb", "mean")] == pytest.approx(0.005)
         assert gauges[("", "mean")] == pytest.approx(0.0005)
         assert ("object", "mean") not in gauges  # nothing timed: no estimate shown
+        totals = {  # never decaying: a window's mean is its increase over the loads'
+            (name, labels.get("tier", "")): value
+            for name, labels, value in daemon.metrics()
+            if name.startswith(("kvtier_loaded_chunks", "kvtier_load_seconds", "kvtier_prefill_"))
+            and not name.endswith("_created")
+        }
+        assert totals[("kvtier_loaded_chunks_total", "lmdb")] == 2
+        assert totals[("kvtier_load_seconds_total", "lmdb")] == pytest.approx(0.010)
+        assert totals[("kvtier_loaded_chunks_total", "object")] == 0
+        assert totals[("kvtier_prefill_tokens_total", "")] == 1000
+        assert totals[("kvtier_prefill_seconds_total", "")] == pytest.approx(0.5)
 
         with pytest.raises(UnknownPoolError):
             admin.locate("another-model", prompt_hashes(1))

@@ -110,6 +110,7 @@ def test_chunks_are_uploaded_in_packs_and_another_node_finds_them(node: Node) ->
     assert b.stats().tiers["object"].counters["probes"] == 2
     hits = b.stats().counters  # what the probes brought are the object tier's hits, once
     assert (hits["hit_chunks_object"], hits["hit_chunks_lmdb"]) == (8, 0)
+    assert hits["probe_misses"] == 0, "the prompt ends with the store's chunks: nothing missed"
     b.lookup(keys)  # loaded since: the arena's hits now
     hits = b.stats().counters
     assert (hits["hit_chunks_object"], hits["hit_chunks_cpu"]) == (8, 8)
@@ -145,6 +146,9 @@ def test_a_missing_prefix_is_probed_once_then_remembered(node: Node) -> None:
     assert a.lookup(keys).hits == 0
     assert a.lookup(keys).hits == 0
     assert a.stats().tiers["object"].counters["probes"] == 1
+    counted = a.stats().counters  # the miss, and how long the lookup waited to hear of it
+    assert counted["probe_misses"] == 1
+    assert counted["probe_miss_us"] > 0
 
 
 def test_object_chunks_are_promoted_after_lmdb_is_wiped(node: Node, tmp_path: Path) -> None:

@@ -70,3 +70,18 @@ def test_nothing_measured_answers_none_rather_than_free() -> None:
     costs = LoadCosts()
     costs.loaded("object", 1, 1, 0.1)  # downloads timed, loads from lmdb not yet
     assert costs.snapshot().load_seconds("object", 1) is None
+
+
+def test_totals_keep_everything_the_estimates_let_decay() -> None:
+    costs = LoadCosts()
+    for seconds in (0.1,) * 500 + (0.3,) * 500:  # ages past the half-life
+        costs.loaded("lmdb", 2, 2 << 20, seconds)
+        costs.prefilled(100, seconds)
+    totals = costs.totals()
+    assert totals.loads["lmdb"].chunks == 2000
+    assert totals.loads["lmdb"].seconds / totals.loads["lmdb"].chunks == pytest.approx(0.1)
+    assert totals.prefill_seconds / totals.prefill_tokens == pytest.approx(0.002)
+    assert costs.snapshot().prefill_seconds_per_token == pytest.approx(0.003, rel=0.01)
+    assert totals.loads["object"].chunks == 0
+    costs.loaded("lmdb", 1, 1, 1.0)
+    assert totals.loads["lmdb"].chunks == 2000, "a copy, not a view of what goes on"

@@ -110,7 +110,7 @@ class ObjectFetcher:
                 return False
             future = self._probes.get(key)
             if future is None:
-                future = self._downloads.submit(self._probe_job, key)
+                future = self._downloads.submit(self._probe_job, key, time.perf_counter())
                 self._probes[key] = future
         try:
             return future.result(timeout=max(0.0, deadline - now))
@@ -118,7 +118,9 @@ class ObjectFetcher:
             self._counters.add("probes_over_budget", 1)
             return None
 
-    def _probe_job(self, key: ChunkKey) -> bool:
+    def _probe_job(self, key: ChunkKey, asked: float) -> bool:
+        """``asked``: when a lookup asked for the probe (`time.perf_counter`); a miss is timed
+        from then, queueing behind downloads included: what the lookup waits to hear it."""
         found = False
         try:
             started = time.perf_counter()
@@ -139,6 +141,9 @@ class ObjectFetcher:
                     if len(self._probe_misses) > _MAX_TRACKED:
                         self._probe_misses.clear()
                     self._probe_misses[key] = time.monotonic() + _PROBE_MISS_TTL_S
+            if not found:
+                self._counters.add("probe_misses", 1)
+                self._counters.add("probe_miss_us", int((time.perf_counter() - asked) * 1e6))
         return found
 
     # -- fetch ----------------------------------------------------------------------------
