@@ -2,13 +2,12 @@
 model, each on a core of its own), each with its own kvtierd, arena and lmdb, sharing one S3
 bucket (moto, reached through IRSA), driven by multi-turn sessions through a router; then the
 same fleet, sessions, users and router in `benchmarks/fleet_sim.py`, with this machine's
-capacities and the costs the real fleet measured: kvtierd's load estimates by tier, the decode
-step the client saw, and calibrations before the workload (prompts each server computes whole
-and prompts it holds, for its prefill per token and a request's fixed latency; prompts one
-server computes and the other finds only in the bucket, for what a load from the store pays
-once a request).
+capacities and the costs the real fleet measured: what kvtierd timed over the workload (loads by
+tier, the engine's prefill per token, uploads, probes of the store that found nothing), the
+decode step the client saw, and a request's fixed latency, calibrated before the workload from
+prompts each server computes whole and prompts it holds.
 
-Two figures are compared, for each router (the issue's "hit rate and TTFT ratio"):
+Two figures are compared, for each router:
 
 - **hit rate**: prompt tokens served from any cache over all prompt tokens (the real fleet's from
   each response's ``usage.prompt_tokens_details.cached_tokens``);
@@ -89,9 +88,8 @@ SLOW_CPU_DEADLINES = {
     "store_deadline_ms": 2000,
     "probe_deadline_ms": 2000,
 }
-LOAD_PER_CHUNK = "kvtier_load_per_chunk_seconds"
-PREFILL_PER_TOKEN = "kvtier_prefill_per_token_seconds"
 UPLOADS = "kvtier_object_store_uploads_total"
+PREFILL_FIT = "kvtier_prefill_fit_seconds"
 
 
 def chunk_bytes(model: Path) -> int:
@@ -171,38 +169,88 @@ def counted(server: Any, daemon: Kvtierd) -> dict[str, float]:
     return out
 
 
-def warm(url: str, model: str, vocab: int, index: int) -> EngineCalibration:
+def warm(server: Any, daemon: Kvtierd, model: str, vocab: int, index: int) -> EngineCalibration:
     """Requests of prompts no session shares, before the workload: one of the workload's length
     (the server's first request sets up what later ones reuse); then, a token each,
     ``CALIBRATIONS`` prompts of that length it computes whole, and as many of the first prompt
     again, which its cache holds but the last block of. Their TTFTs measure its prefill per
-    token and what every request pays past it."""
+    token and what every request pays past it; the prompts computed whole each waited for a
+    probe of the store to find nothing, timed by kvtierd."""
+    url = server.url
     prompt = _unused_prompt(vocab, 10 + index)
     _request(url, model, prompt, ANSWER_TOKENS)
     seeds = range(20 + index * CALIBRATIONS, 20 + (index + 1) * CALIBRATIONS)
+    before = [parse_counters(daemon.metrics())]
     fresh = [_request(url, model, _unused_prompt(vocab, seed), 1) for seed in seeds]
+    window = Window(before, [parse_counters(daemon.metrics())])
     held = [_request(url, model, prompt, 1) for _ in range(CALIBRATIONS)]
-    return EngineCalibration(held=Calibration.of(held), fresh=Calibration.of(fresh))
+    return EngineCalibration(
+        held=Calibration.of(held), fresh=Calibration.of(fresh), fresh_probe_s=window.probe_miss_s
+    )
 
 
-def from_the_store(nodes: list[Any], model: str, vocab: int) -> Calibration:
-    """Prompts one node computes and the other then finds only in the bucket, a token each:
-    what a request loading from the object store pays past the latency and the per-chunk
-    cost (each download's own first byte, and the probes' round trips)."""
-    found = []
-    for n in range(2 + CALIBRATIONS):
-        (a, daemon), (b, _) = nodes[n % 2], nodes[1 - n % 2]
+@dataclass
+class Window:
+    """kvtierd's counters over a stretch of the run, summed over nodes: the mean costs it
+    timed in that stretch (its gauges weigh only the last loads)."""
+
+    before: list[Samples]
+    after: list[Samples]
+
+    def increase(self, name: str, **labels: str) -> float:
+        return sum(
+            total(a, name, **labels) - total(b, name, **labels)
+            for a, b in zip(self.after, self.before, strict=True)
+        )
+
+    def mean(self, seconds: str, count: str, **labels: str) -> float:
+        n = self.increase(count, **labels)
+        return self.increase(seconds, **labels) / n if n else 0.0
+
+    @property
+    def probe_miss_s(self) -> float:
+        return self.mean(
+            "kvtier_object_store_probe_miss_seconds_total", "kvtier_object_store_probe_misses_total"
+        )
+
+    def load_s_per_chunk(self, tier: str) -> float:
+        return self.mean("kvtier_load_seconds_total", "kvtier_loaded_chunks_total", tier=tier)
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        """What a prefilled token costs at the window's end: kvtierd's fit of the engines'
+        steps (a step's fixed part is every request's latency, not its tokens'), over nodes;
+        the window's mean per token where no fit was shown."""
+        fits = [v for a in self.after if (v := total(a, PREFILL_FIT, part="token")) > 0]
+        if fits:
+            return statistics.mean(fits)
+        return self.mean("kvtier_prefill_seconds_total", "kvtier_prefill_tokens_total")
+
+    @property
+    def prefill_s_per_step(self) -> float:
+        fits = [total(a, PREFILL_FIT, part="step") for a in self.after]
+        return statistics.mean(fits)
+
+    @property
+    def upload_s(self) -> float:
+        return self.mean("kvtier_object_store_upload_seconds_total", UPLOADS)
+
+
+def warm_the_store(nodes: list[Any], model: str, vocab: int) -> None:
+    """A prompt each node computes and the other then finds only in the bucket: a node's first
+    load from the store starts its download threads and connections, once, which no later load
+    pays."""
+    for n in range(2):
+        (a, daemon), (b, _) = nodes[n], nodes[1 - n]
         prompt = _unused_prompt(vocab, 100 + n)
         before = total(parse_counters(daemon.metrics()), UPLOADS)
         _request(a.url, model, prompt, 1)
         deadline = time.monotonic() + 60
         while total(parse_counters(daemon.metrics()), UPLOADS) <= before:
             if time.monotonic() > deadline:
-                raise RuntimeError("the calibration prompt's chunks were never uploaded")
+                raise RuntimeError("the warm-up prompt's chunks were never uploaded")
             time.sleep(0.05)
-        found.append(_request(b.url, model, prompt, 1))
-    # each node's first load from the bucket starts its download threads and connections
-    return Calibration.of(found[2:])
+        _request(b.url, model, prompt, 1)
 
 
 def _unused_prompt(vocab: int, seed: int) -> list[int]:
@@ -215,11 +263,13 @@ def _unused_prompt(vocab: int, seed: int) -> list[int]:
 class EngineCalibration:
     held: Calibration
     fresh: Calibration
+    fresh_probe_s: float = 0.0
+    """What the fresh prompts waited for their probe's miss (the held ones probe nothing)."""
 
     @property
     def prefill_s_per_token(self) -> float:
         computed = self.fresh.computed_tokens - self.held.computed_tokens
-        return (self.fresh.ttft_s - self.held.ttft_s) / computed
+        return (self.fresh.ttft_s - self.fresh_probe_s - self.held.ttft_s) / computed
 
     @property
     def latency_s(self) -> float:
@@ -314,14 +364,12 @@ class RealRun:
     """The workload's ``DRAWS`` runs, one after another."""
     shares: dict[str, float]
     """Prompt tokens by where they came from, over both servers."""
-    daemon_metrics: list[Samples]
-    """Each node's kvtierd's counters and gauges at the end."""
+    workload: Window
+    """Each node's kvtierd's counters over the workload."""
     engine_metrics: list[Samples]
     """Each node's vLLM server's, at the end."""
     calibrations: list[EngineCalibration]
     """Each server's, before the workload."""
-    store_loads: Calibration
-    """Of prompts found only in the bucket, before the workload."""
 
     @property
     def served(self) -> list[Served]:
@@ -342,12 +390,16 @@ def real_run(root: Path, model: Path, router: str, chunk: int) -> RealRun:
                 for core, name in enumerate(("a", "b"))
             ]
             urls = [server.url for server, _ in nodes]
-            calibrations = [warm(url, str(model), vocab, i) for i, url in enumerate(urls)]
-            store_loads = from_the_store(nodes, str(model), vocab)
+            calibrations = [
+                warm(server, daemon, str(model), vocab, i)
+                for i, (server, daemon) in enumerate(nodes)
+            ]
+            warm_the_store(nodes, str(model), vocab)
             before = [counted(server, daemon) for server, daemon in nodes]
+            daemons = [parse_counters(daemon.metrics()) for _, daemon in nodes]
             draws = [asyncio.run(drive(urls, str(model), vocab, router, d)) for d in range(DRAWS)]
             after = [counted(server, daemon) for server, daemon in nodes]
-            daemons = [parse_counters(daemon.metrics()) for _, daemon in nodes]
+            workload = Window(daemons, [parse_counters(daemon.metrics()) for _, daemon in nodes])
             engines = [parse_counters(httpx.get(f"{s.url}/metrics").text) for s, _ in nodes]
     finally:
         moto.stop()
@@ -356,7 +408,7 @@ def real_run(root: Path, model: Path, router: str, chunk: int) -> RealRun:
         k: sum(a[k] - b[k] for a, b in zip(after, before, strict=True)) / prompt for k in after[0]
     }
     shares["recompute"] = max(0.0, 1.0 - sum(shares.values()))
-    return RealRun(draws, shares, daemons, engines, calibrations, store_loads)
+    return RealRun(draws, shares, workload, engines, calibrations)
 
 
 def ttft_figures(first: list[float], later: list[float]) -> dict[str, float]:
@@ -387,51 +439,33 @@ def _figures(served: list[Served]) -> dict[str, float]:
     }
 
 
-def _gauge(samples: list[Samples], name: str, **labels: str) -> float | None:
-    """The mean over nodes of a gauge, leaving out nodes where it was never measured (0)."""
-    found = [v for s in samples if (v := total(s, name, stat="mean", **labels)) > 0]
-    return statistics.mean(found) if found else None
-
-
 def measured_costs(real: RealRun, chunk: int) -> NodeCosts:
-    """The costs the real fleet measured: kvtierd's estimates (loads by tier, uploads), the
-    client's decode rate, and from the calibrations before the workload: the engine's prefill
-    per token and the latency every request pays past it; and what a load from the bucket
-    pays once a request, past those and its chunks' cost."""
-    daemons = real.daemon_metrics
-    per_chunk = {t: _gauge(daemons, LOAD_PER_CHUNK, tier=t) for t in ("cpu", "lmdb", "object")}
-    lmdb = per_chunk["lmdb"] or 0.0
+    """The costs the real fleet measured: what kvtierd timed over the workload (loads by tier,
+    the engine's prefill per token as its steps ran beside everything else on the machine,
+    uploads, probes that found nothing), the client's decode rate, and from the calibrations
+    before the workload, the latency every request pays past its prefill."""
+    w = real.workload
+    lmdb = w.load_s_per_chunk("lmdb")
     loads = {
-        "cpu": per_chunk["cpu"] or 0.0,
+        "cpu": w.load_s_per_chunk("cpu"),
         "lmdb": lmdb,
-        # a download lands in lmdb, and is loaded from there; never timed: the downloads it
-        # would wait on were not made, so any figure serves
-        "object": (per_chunk["object"] or 0.0) + lmdb,
+        # a download lands in lmdb, and is loaded from there; timed from the probe that found
+        # it (its first byte included). None in the workload: none was loaded, any figure serves
+        "object": w.load_s_per_chunk("object") + lmdb,
     }
-    uploads = sum(total(s, UPLOADS) for s in daemons)
-    upload_s = sum(total(s, "kvtier_object_store_upload_seconds_total") for s in daemons)
     # a decode step's time: the median gap between tokens (a gap behind another request's
     # prefill is the model's own to add)
     gaps = [b - a for s in real.served for a, b in itertools.pairwise(s.result.chunk_times)]
-    prefill = statistics.mean(c.prefill_s_per_token for c in real.calibrations)
-    latency = statistics.mean(c.latency_s for c in real.calibrations)
-    c = real.store_loads
-    store_latency = max(
-        0.0,
-        c.ttft_s
-        - latency
-        - c.computed_tokens * prefill
-        - c.cached_tokens // CHUNK_TOKENS * loads["object"],
-    )
     return NodeCosts(
         chunk_tokens=CHUNK_TOKENS,
         chunk_bytes=chunk,
-        prefill_s_per_token=prefill,
+        prefill_s_per_token=w.prefill_s_per_token,
         load_s_per_chunk=loads,
-        load_latency_s={"object": store_latency},
+        load_latency_s={},
         decode_s_per_token=statistics.median(gaps),
-        upload_delay_s=PACK_LINGER_S + (upload_s / uploads if uploads else 0.0),
-        request_latency_s=latency,
+        upload_delay_s=PACK_LINGER_S + w.upload_s,
+        request_latency_s=statistics.mean(c.latency_s for c in real.calibrations),
+        probe_miss_s=w.probe_miss_s,
     )
 
 
@@ -486,8 +520,15 @@ def check(cache_dir: Path) -> dict[str, Any]:
             "real": real_view,
             "modeled": model_view,
             "costs": costs.to_dict(),
-            # kvtierd's own estimate, a mean over prefill steps short and long, for comparison
-            "kvtierd_prefill_s_per_token": _gauge(real.daemon_metrics, PREFILL_PER_TOKEN),
+            # for comparison: the engines' prefill per token alone, before the workload; and
+            # the workload's mean per token and fixed part of a step (kvtierd's fit)
+            "idle_prefill_s_per_token": statistics.mean(
+                c.prefill_s_per_token for c in real.calibrations
+            ),
+            "workload_mean_prefill_s_per_token": real.workload.mean(
+                "kvtier_prefill_seconds_total", "kvtier_prefill_tokens_total"
+            ),
+            "prefill_s_per_step": real.workload.prefill_s_per_step,
             "errors": errors,
         }
         worst = max(worst, *errors.values())

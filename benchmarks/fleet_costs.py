@@ -71,6 +71,9 @@ class NodeCosts:
     request_latency_s: float = 0.0
     """What every request waits past its loads and prefill before its first token is out (the
     engine is not busy for it)."""
+    probe_miss_s: float = 0.0
+    """What a lookup waits to hear that the object store holds none of a prompt's chunks past
+    those the tiers hold (a probe that finds nothing): before its loads and prefill."""
 
     def load_s(self, tier: str, chunks: int) -> float:
         if chunks <= 0:
@@ -106,6 +109,8 @@ def gpu_node(chunk_tokens: int = 256, here: dict[str, float] | None = None) -> N
         decode_s_per_token=g["decode_s_per_token"],
         upload_delay_s=2.0,
         request_latency_s=g["request_latency_s"],
+        # a miss is a GET the store answers with 404: one round trip, as a hit's first byte
+        probe_miss_s=g["object_latency_s"],
     )
 
 

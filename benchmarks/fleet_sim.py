@@ -13,11 +13,13 @@ routers that choose an engine for each request.
   process, and a turn follows the previous one's last token after an exponential think time.
 - **A request.** Its prompt's longest prefix held anywhere is loaded, each chunk from the fastest
   level holding it for the chosen engine (its GPU, its node's arena or lmdb, the object store);
-  the rest is prefilled. Loads run beside the engine's compute; prefills take the engine one at
-  a time (prefill is compute-bound). TTFT is the load (or the wait for the engine, whichever
-  ends later) plus the prefill, plus a fixed latency every request pays; the answer then
-  decodes, a token a decode step, and a prefill on its engine stalls it for as long as the
-  prefill takes.
+  the rest is prefilled. A prompt with a full chunk past what the node's tiers and the store
+  hold first waits for kvtierd's probe of the store to find nothing (a first turn, a turn whose
+  previous answer filled a chunk no one stored). Loads run beside the engine's compute; prefills
+  take the engine one at a time (prefill is compute-bound). TTFT is the probe and the load (or
+  the wait for the engine, whichever ends later) plus the prefill, plus a fixed latency every
+  request pays; the answer then decodes, a token a decode step, and a prefill on its engine
+  stalls it for as long as the prefill takes.
 - **Routers** see what each engine's and node's events would tell them, at once: `round_robin`;
   `gpu_prefix` (the longest prefix in an engine's GPU); `fixed_weights` (llm-d's tier weights:
   GPU 1.0, CPU 0.8, storage 0.4, object 0.2, summed over the matched blocks); `kvtier_cost`
@@ -200,6 +202,18 @@ class Fleet:
         chunk = self.costs.chunk_tokens
         return sum(self.costs.load_s(t, -(-n // chunk)) for t, n in levels.items() if t != "gpu")
 
+    def probe_s(self, engine: Engine, session: int, tokens: int, now: float) -> float:
+        """A prompt with a full chunk past what its node's tiers and the store hold waits for
+        kvtierd's probe of the store to find nothing there (whatever the GPU holds: the chunk
+        is asked of the tiers all the same)."""
+        node = engine.node
+        held = max(
+            self.arenas[node].held(session),
+            self.disks[node].held(session),
+            self.in_store(session, now),
+        )
+        return self.costs.probe_miss_s if held < (tokens - 1) // self.costs.chunk_tokens else 0.0
+
     # -- routing --------------------------------------------------------------------------
 
     def choose(self, session: int, tokens: int, now: float) -> Engine:
@@ -241,7 +255,8 @@ class Fleet:
         engine = self.choose(session, tokens, now)
         levels = self.levels_for(engine, session, tokens, now)
         cached = sum(levels.values())
-        start = max(now + self.load_s(levels), engine.free_at)
+        probe = self.probe_s(engine, session, tokens, now)
+        start = max(now + probe + self.load_s(levels), engine.free_at)
         done = start + (tokens - cached) * self.costs.prefill_s_per_token
         engine.free_at = done
         for other, ends in engine.decoding.items():  # their decode steps wait for this prefill

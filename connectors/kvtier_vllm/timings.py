@@ -35,8 +35,7 @@ class StepTimings:
         """The step's output came back, with what the workers timed."""
         if self._tokens:
             seconds = time.perf_counter() - self._began
-            self.pending.prefill_tokens += self._tokens
-            self.pending.prefill_seconds += seconds
+            self.pending.prefilled(self._tokens, seconds)
             self.prefill.observe(seconds / self._tokens, self._tokens)
             self._tokens = 0
         if worker_timings:

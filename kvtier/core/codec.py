@@ -221,8 +221,13 @@ def timings_to(timings: EngineTimings) -> list[tier_pb2.LoadTiming]:
 
 def timings_from(request: tier_pb2.HeartbeatRequest) -> EngineTimings:
     """An engine's report; tiers it names that kvtierd does not know are left out."""
-    timings = EngineTimings(prefill_tokens=request.prefill_tokens)
-    timings.prefill_seconds = request.prefill_seconds
+    timings = EngineTimings(
+        prefill_tokens=request.prefill_tokens,
+        prefill_seconds=request.prefill_seconds,
+        prefill_steps=request.prefill_steps,
+        prefill_tokens_squared=request.prefill_tokens_squared,
+        prefill_token_seconds=request.prefill_token_seconds,
+    )
     for load in request.loads:
         if load.tier in TIERS:
             timings.loaded(load.tier, load.chunks, load.bytes, load.seconds)

@@ -57,6 +57,9 @@ class CostSnapshot:
     prefill_seconds_per_token: float
     prefill_spread: float
     prefill_samples: int
+    prefill_fit: StepFit | None = None
+    """The steps' time as a fixed part plus a part per token; None until steps of different
+    lengths were timed."""
 
     def load_seconds(self, tier: str, chunks: int) -> float | None:
         """Expected seconds to load ``chunks`` chunks from ``tier``; None before any was timed.
@@ -71,8 +74,12 @@ class CostSnapshot:
         return seconds
 
     def recompute_seconds(self, tokens: int) -> float | None:
+        """What computing ``tokens`` more costs: the fit's part per token where there is one
+        (the step runs for the rest of the prompt anyway), else the mean per token."""
         if not self.prefill_samples:
             return None
+        if self.prefill_fit is not None:
+            return self.prefill_fit.per_token * tokens
         return self.prefill_seconds_per_token * tokens
 
 
@@ -96,23 +103,88 @@ class Tally:
 
 @dataclass(slots=True)
 class EngineTimings:
-    """What an engine measured since it last reported: loads per tier, and its prefill."""
+    """What an engine measured since it last reported: loads per tier, and its prefill steps
+    (their count, tokens and seconds, and the sums a least-squares fit of them needs)."""
 
     loads: dict[str, Tally] = field(default_factory=dict)
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
+    prefill_steps: int = 0
+    prefill_tokens_squared: float = 0.0
+    prefill_token_seconds: float = 0.0
 
     def loaded(self, tier: str, chunks: int, nbytes: int, seconds: float) -> None:
         self.loads.setdefault(tier, Tally()).add(chunks, nbytes, seconds)
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """One step that prefilled ``tokens`` in ``seconds``."""
+        self.prefill_steps += 1
+        self.prefill_tokens += tokens
+        self.prefill_seconds += seconds
+        self.prefill_tokens_squared += tokens * tokens
+        self.prefill_token_seconds += tokens * seconds
 
     def merge(self, other: EngineTimings) -> None:
         for tier, tally in other.loads.items():
             self.loaded(tier, tally.chunks, tally.nbytes, tally.seconds)
         self.prefill_tokens += other.prefill_tokens
         self.prefill_seconds += other.prefill_seconds
+        self.prefill_steps += other.prefill_steps
+        self.prefill_tokens_squared += other.prefill_tokens_squared
+        self.prefill_token_seconds += other.prefill_token_seconds
 
     def __bool__(self) -> bool:
         return bool(self.loads) or self.prefill_tokens > 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepFit:
+    per_step: float
+    """Seconds every prefill step pays whatever its length (scheduling, the decodes beside it,
+    the forward's fixed cost)."""
+    per_token: float
+    """Seconds each prefilled token adds: what a hit of one token saves."""
+
+
+@dataclass(slots=True)
+class StepSums:
+    """Decaying sums over prefill steps (each weighs half as much after ``HALF_LIFE`` more):
+    a least-squares fit of a step's seconds as ``per_step + per_token * tokens``."""
+
+    steps: float = 0.0
+    tokens: float = 0.0
+    tokens_squared: float = 0.0
+    seconds: float = 0.0
+    token_seconds: float = 0.0
+
+    def add(self, t: EngineTimings) -> None:
+        if t.prefill_steps <= 0:
+            return
+        keep = _DECAY**t.prefill_steps
+        self.steps = self.steps * keep + t.prefill_steps
+        self.tokens = self.tokens * keep + t.prefill_tokens
+        self.tokens_squared = self.tokens_squared * keep + t.prefill_tokens_squared
+        self.seconds = self.seconds * keep + t.prefill_seconds
+        self.token_seconds = self.token_seconds * keep + t.prefill_token_seconds
+
+    def fit(self) -> StepFit | None:
+        """None until steps of different lengths were seen (the two parts cannot be told apart
+        from steps of one length)."""
+        n, x, xx, y, xy = (
+            self.steps,
+            self.tokens,
+            self.tokens_squared,
+            self.seconds,
+            self.token_seconds,
+        )
+        spread = n * xx - x * x  # n^2 times the variance of the steps' lengths
+        if n < 2 or spread <= 1e-6 * n * xx:
+            return None
+        per_token = (n * xy - x * y) / spread
+        per_step = (y - per_token * x) / n
+        if per_step < 0:  # noise past a fixed part of 0: the fit through the origin
+            per_step, per_token = 0.0, xy / xx
+        return StepFit(per_step, per_token) if per_token > 0 else None
 
 
 @dataclass(slots=True)
@@ -134,6 +206,7 @@ class LoadCosts:
         self._per_chunk = {tier: Estimate() for tier in TIERS}
         self._per_byte = {tier: Estimate() for tier in TIERS}
         self._prefill = Estimate()
+        self._steps = StepSums()
         self._totals = CostTotals({tier: Tally() for tier in TIERS})
 
     def loaded(self, tier: str, chunks: int, nbytes: int, seconds: float) -> None:
@@ -150,6 +223,8 @@ class LoadCosts:
         for tier, tally in timings.loads.items():
             self.loaded(tier, tally.chunks, tally.nbytes, tally.seconds)
         self.prefilled(timings.prefill_tokens, timings.prefill_seconds)
+        with self._lock:
+            self._steps.add(timings)
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -178,4 +253,5 @@ class LoadCosts:
                 for tier, per_chunk in self._per_chunk.items()
             }
             prefill = self._prefill
-            return CostSnapshot(tiers, prefill.mean, prefill.spread, prefill.samples)
+            fit = self._steps.fit()
+            return CostSnapshot(tiers, prefill.mean, prefill.spread, prefill.samples, fit)

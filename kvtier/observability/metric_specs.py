@@ -254,6 +254,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "spread): what recomputing a prefix costs.",
     ),
     _spec(
+        "gauge",
+        "prefill_fit_seconds",
+        "part",
+        "The engines' prefill steps fitted as a fixed part (part step: seconds every step pays) "
+        "plus a part per token (part token: what one token more costs, what a hit saves); "
+        "decaying least squares, shown once steps of different lengths were timed. The mean "
+        "per token above counts short steps' fixed part as their tokens'.",
+    ),
+    _spec(
         "counter",
         "loaded_chunks",
         "tier",

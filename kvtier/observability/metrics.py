@@ -251,9 +251,14 @@ class TierCollector(Collector):
         if costs.prefill_samples:
             prefill.add_metric(["mean"], costs.prefill_seconds_per_token)
             prefill.add_metric(["spread"], costs.prefill_spread)
+        fit = metric_family("prefill_fit_seconds")
+        if costs.prefill_fit is not None:
+            fit.add_metric(["step"], costs.prefill_fit.per_step)
+            fit.add_metric(["token"], costs.prefill_fit.per_token)
         yield per_chunk
         yield per_byte
         yield prefill
+        yield fit
         totals = self.manager.costs.totals()
         chunks, seconds = metric_family("loaded_chunks"), metric_family("load_seconds")
         for tier, tally in totals.loads.items():

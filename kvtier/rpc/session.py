@@ -284,6 +284,9 @@ class DaemonSession(ABC):
             loads=timings_to(timings),
             prefill_tokens=timings.prefill_tokens,
             prefill_seconds=timings.prefill_seconds,
+            prefill_steps=timings.prefill_steps,
+            prefill_tokens_squared=timings.prefill_tokens_squared,
+            prefill_token_seconds=timings.prefill_token_seconds,
         )
         if in_step:
             response = self._rpc(self._stub.Heartbeat, request, timeout)

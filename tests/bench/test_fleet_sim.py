@@ -110,3 +110,15 @@ def test_every_request_pays_the_latency_past_its_prefill_and_the_engine_does_not
     totals = simulate(Shape(nodes=1, engines=1), slow, "sticky", workload)
     # the second prompt waits for the first's prefill, not for its latency
     assert sorted(totals.first_ttft) == pytest.approx([1152e-4 + 0.5, 2 * 1152e-4 + 0.5])
+
+
+def test_a_prompt_past_what_the_tiers_hold_waits_for_the_probe_to_miss() -> None:
+    probing = replace(costs(), probe_miss_s=0.3)
+    # answers of 128 leave the history 1279 tokens, short of the next prompt's fifth full chunk
+    # (it ends at 1280): probed; answers of 129 fill it (1280), and the tiers hold it
+    for answer, later_probe in ((128, 0.3), (129, 0.0)):
+        workload = replace(ONE_SESSION, turns=2, answer_tokens=answer)
+        plain = simulate(Shape(nodes=1, engines=1), costs(), "sticky", workload)
+        probed = simulate(Shape(nodes=1, engines=1), probing, "sticky", workload)
+        assert probed.first_ttft == pytest.approx([t + 0.3 for t in plain.first_ttft])
+        assert probed.later_ttft == pytest.approx([t + later_probe for t in plain.later_ttft])

@@ -39,6 +39,21 @@ def reported(daemon: RunningDaemon) -> None:
         time.sleep(0.05)
 
 
+def fitted(daemon: RunningDaemon) -> dict[str, float]:
+    """kvtierd's fit of the engine's prefill steps, once a heartbeat carried them."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        fit = {
+            labels["part"]: value
+            for name, labels, value in daemon.metrics()
+            if name == "kvtier_prefill_fit_seconds"
+        }
+        if fit:
+            return fit
+        assert time.monotonic() < deadline, "no heartbeat carried the engine's steps"
+        time.sleep(0.05)
+
+
 def cost_gauges(daemon: RunningDaemon) -> dict[tuple[str, str], float]:
     return {
         (labels.get("tier", ""), labels["stat"]): value
@@ -111,6 +126,17 @@ def test_locate_answers_each_tiers_leading_tokens_and_their_measured_costs(
         assert totals[("kvtier_loaded_chunks_total", "object")] == 0
         assert totals[("kvtier_prefill_tokens_total", "")] == 1000
         assert totals[("kvtier_prefill_seconds_total", "")] == pytest.approx(0.5)
+
+        # steps of two lengths: their fixed part is told from their part per token, and a
+        # recompute is priced at the part per token (the step runs for the rest anyway)
+        steps = EngineTimings()
+        for tokens in (800, 64) * 4:
+            steps.prefilled(tokens, 0.02 + 0.0004 * tokens)
+        client.report_timings(steps)
+        fit = fitted(daemon)
+        assert fit == {"step": pytest.approx(0.02), "token": pytest.approx(0.0004)}
+        refit = admin.locate("tiny-llama", prompt_hashes(4))
+        assert refit.recompute_seconds == pytest.approx(3 * TOKENS_PER_CHUNK * 0.0004)
 
         with pytest.raises(UnknownPoolError):
             admin.locate("another-model", prompt_hashes(1))

@@ -24,8 +24,11 @@ PER_ROUND = 4
 
 
 def engine_timings(loaded: int, nbytes: int) -> EngineTimings:
-    """What an engine would report of a round: its loads from the arena, and a prefill."""
-    timings = EngineTimings(prefill_tokens=PER_ROUND * 64, prefill_seconds=0.01)
+    """What an engine would report of a round: its loads from the arena, and prefill steps of
+    a whole prompt and of a suffix."""
+    timings = EngineTimings()
+    timings.prefilled(PER_ROUND * 64, 0.01)
+    timings.prefilled(16, 0.002)
     timings.loaded("cpu", loaded, loaded * nbytes, 0.0005 * loaded)
     return timings
 

@@ -31,6 +31,7 @@ LABELS = {
     "policy": {"lru", "fifo"},
     "outcome": {"deferred", "expired"},
     "stat": {"mean", "spread"},
+    "part": {"step", "token"},
 }
 FREE_LABELS = {"replica", "event", "le", "version", "url", "principal", "model"}
 FREE_LABELS |= {"draft_model", "draft_revision"}

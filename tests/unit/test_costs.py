@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from kvtier.core.costs import HALF_LIFE, CostSnapshot, EngineTimings, Estimate, LoadCosts
+from kvtier.core.costs import (
+    HALF_LIFE,
+    CostSnapshot,
+    EngineTimings,
+    Estimate,
+    LoadCosts,
+    StepFit,
+)
 
 
 def test_a_steady_value_is_its_mean_with_no_spread() -> None:
@@ -85,3 +92,50 @@ def test_totals_keep_everything_the_estimates_let_decay() -> None:
     assert totals.loads["object"].chunks == 0
     costs.loaded("lmdb", 1, 1, 1.0)
     assert totals.loads["lmdb"].chunks == 2000, "a copy, not a view of what goes on"
+
+
+def steps(*lengths: int, per_step: float = 0.02, per_token: float = 1e-3) -> EngineTimings:
+    timings = EngineTimings()
+    for n in lengths:
+        timings.prefilled(n, per_step + per_token * n)
+    return timings
+
+
+def test_prefill_steps_are_fitted_as_a_fixed_part_and_a_part_per_token() -> None:
+    costs = LoadCosts()
+    costs.reported(steps(800, 64, 96, 800, 160))
+    snap = costs.snapshot()
+    assert snap.prefill_fit == StepFit(pytest.approx(0.02), pytest.approx(1e-3))
+    # a hit saves the tokens' part only; the mean per token counts the fixed part too
+    assert snap.recompute_seconds(100) == pytest.approx(0.1)
+    assert snap.prefill_seconds_per_token > 1e-3
+
+
+def test_steps_of_one_length_fit_nothing_and_the_mean_stands() -> None:
+    costs = LoadCosts()
+    costs.reported(steps(512, 512, 512))
+    snap = costs.snapshot()
+    assert snap.prefill_fit is None
+    assert snap.recompute_seconds(100) == pytest.approx(100 * (0.02 + 0.512) / 512)
+
+
+def test_a_fixed_part_below_zero_is_noise_and_fits_through_the_origin() -> None:
+    costs = LoadCosts()
+    costs.reported(steps(100, 1000, per_step=0.0, per_token=1e-3))
+    noisy = EngineTimings()
+    noisy.prefilled(100, 0.05)  # short steps quicker than their share: the line would cross 0
+    noisy.prefilled(1000, 1.0)
+    costs.reported(noisy)
+    fit = costs.snapshot().prefill_fit
+    assert fit is not None
+    assert fit.per_step == 0.0
+    assert 0.9e-3 < fit.per_token < 1e-3
+
+
+def test_the_fit_follows_the_last_steps() -> None:
+    costs = LoadCosts()
+    costs.reported(steps(*[64, 800] * 500, per_token=1e-3))
+    costs.reported(steps(*[64, 800] * int(4 * HALF_LIFE), per_token=2e-3))  # the engine slowed
+    fit = costs.snapshot().prefill_fit
+    assert fit is not None
+    assert 1.9e-3 < fit.per_token <= 2e-3

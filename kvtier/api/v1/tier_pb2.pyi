@@ -804,6 +804,9 @@ class HeartbeatRequest(_message.Message):
     LOADS_FIELD_NUMBER: _builtins.int
     PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
     PREFILL_SECONDS_FIELD_NUMBER: _builtins.int
+    PREFILL_STEPS_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_SQUARED_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKEN_SECONDS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     busy: _builtins.bool
     """The engine holds requests. While no session is busy, kvtierd writes every arena chunk
@@ -811,6 +814,12 @@ class HeartbeatRequest(_message.Message):
     """
     prefill_tokens: _builtins.int
     prefill_seconds: _builtins.float
+    prefill_steps: _builtins.int
+    """The same steps' count, and their sums of tokens squared and of tokens times seconds: what
+    a least-squares fit of a step's time as a fixed part plus a part per token needs.
+    """
+    prefill_tokens_squared: _builtins.float
+    prefill_token_seconds: _builtins.float
     @_builtins.property
     def loads(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoadTiming]:
         """What the engine measured since the last heartbeat: its loads from each tier, and the
@@ -825,10 +834,13 @@ class HeartbeatRequest(_message.Message):
         loads: _abc.Iterable[Global___LoadTiming] | None = ...,
         prefill_tokens: _builtins.int = ...,
         prefill_seconds: _builtins.float = ...,
+        prefill_steps: _builtins.int = ...,
+        prefill_tokens_squared: _builtins.float = ...,
+        prefill_token_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "loads", b"loads", "prefill_seconds", b"prefill_seconds", "prefill_tokens", b"prefill_tokens", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "loads", b"loads", "prefill_seconds", b"prefill_seconds", "prefill_steps", b"prefill_steps", "prefill_token_seconds", b"prefill_token_seconds", "prefill_tokens", b"prefill_tokens", "prefill_tokens_squared", b"prefill_tokens_squared", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
