@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvtier.core.costs import EngineTimings, Estimate
+from kvtier.core.costs import EngineTimings, Estimate, StepSums
 
 PREFILL_TOKENS_PER_REQUEST = 8
 """A step counts as prefill where it schedules at least this many tokens per request: decode
@@ -19,6 +19,8 @@ class StepTimings:
         self.pending = EngineTimings()
         self.prefill = Estimate()
         """This engine's seconds per prefilled token, decaying (kvtierd keeps the same)."""
+        self.steps = StepSums()
+        """Its prefill steps, for a fixed part and a part per token (kvtierd fits the same)."""
         self.wait_share = wait_share
         self._began = 0.0
         self._tokens = 0
@@ -37,6 +39,9 @@ class StepTimings:
             seconds = time.perf_counter() - self._began
             self.pending.prefilled(self._tokens, seconds)
             self.prefill.observe(seconds / self._tokens, self._tokens)
+            step = EngineTimings()
+            step.prefilled(self._tokens, seconds)
+            self.steps.add(step)
             self._tokens = 0
         if worker_timings:
             self.pending.merge(worker_timings)
@@ -49,6 +54,9 @@ class StepTimings:
 
     def recompute_wait(self, tokens: int) -> float:
         """How long a hit of ``tokens`` is worth waiting for (its loads, a probe of the object
-        store): ``wait_share`` of what recomputing it would take here, as measured; 0 before
-        a prefill was timed."""
-        return self.wait_share * self.prefill.mean * tokens
+        store): ``wait_share`` of what recomputing it would take here, as measured (the part
+        per token of the steps' fit, else their mean per token); 0 before a prefill was
+        timed."""
+        fit = self.steps.fit()
+        per_token = fit.per_token if fit is not None else self.prefill.mean
+        return self.wait_share * per_token * tokens
