@@ -212,11 +212,21 @@ def draft_revisions_to(revisions: Iterable[DraftRevision]) -> list[admin_pb2.Dra
     ]
 
 
-def timings_to(timings: EngineTimings) -> list[tier_pb2.LoadTiming]:
-    return [
-        tier_pb2.LoadTiming(tier=tier, chunks=t.chunks, bytes=t.nbytes, seconds=t.seconds)
-        for tier, t in timings.loads.items()
-    ]
+def heartbeat_to(session_id: str, busy: bool, timings: EngineTimings) -> tier_pb2.HeartbeatRequest:
+    """A heartbeat carrying what the engine timed since the last one."""
+    return tier_pb2.HeartbeatRequest(
+        session_id=session_id,
+        busy=busy,
+        loads=[
+            tier_pb2.LoadTiming(tier=tier, chunks=t.chunks, bytes=t.nbytes, seconds=t.seconds)
+            for tier, t in timings.loads.items()
+        ],
+        prefill_tokens=timings.prefill_tokens,
+        prefill_seconds=timings.prefill_seconds,
+        prefill_steps=timings.prefill_steps,
+        prefill_tokens_squared=timings.prefill_tokens_squared,
+        prefill_token_seconds=timings.prefill_token_seconds,
+    )
 
 
 def timings_from(request: tier_pb2.HeartbeatRequest) -> EngineTimings:

@@ -17,7 +17,7 @@ import grpc
 from google.protobuf.message import Message
 
 from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
-from kvtier.core.codec import drafts_from, spec_to, timings_to
+from kvtier.core.codec import drafts_from, heartbeat_to, spec_to
 from kvtier.core.costs import EngineTimings
 from kvtier.core.errors import KVTierError, SessionNotFoundError
 from kvtier.core.keys import ChunkKey, NamespaceSpec
@@ -278,16 +278,7 @@ class DaemonSession(ABC):
     def _heartbeat_once(self, timeout: float | None = None, in_step: bool = True) -> None:
         with self._timings_lock:
             timings, self._timings = self._timings, EngineTimings()
-        request = tier_pb2.HeartbeatRequest(
-            session_id=self.session_id,
-            busy=self._busy,
-            loads=timings_to(timings),
-            prefill_tokens=timings.prefill_tokens,
-            prefill_seconds=timings.prefill_seconds,
-            prefill_steps=timings.prefill_steps,
-            prefill_tokens_squared=timings.prefill_tokens_squared,
-            prefill_token_seconds=timings.prefill_token_seconds,
-        )
+        request = heartbeat_to(self.session_id, self._busy, timings)
         if in_step:
             response = self._rpc(self._stub.Heartbeat, request, timeout)
         else:  # past the breaker: this call is the one that may close it
