@@ -76,11 +76,11 @@ CHECK_ROUTERS = ("round_robin", "sticky")
 """A router that picks each request's server in turn, and one that keeps a session on one."""
 TARGET = 0.15
 SEEDS = 20
-DRAWS = 3
-"""Runs of the real workload, one after another on the same fleet, each with sessions and
-think times of its own: a TTFT p50 of one run moves by a fifth from run to run."""
 """Runs of the model, with as many draws of think times, averaged: its expectation, where
 the real fleet's one run is one draw."""
+DRAWS = 5
+"""Runs of the real workload, one after another on the same fleet, each with sessions and
+think times of its own: a TTFT p50 of one run moves by a fifth from run to run."""
 CALIBRATIONS = 3
 PACK_LINGER_S = 0.02
 SLOW_CPU_DEADLINES = {
@@ -218,18 +218,15 @@ class Window:
 
     @property
     def prefill_s_per_token(self) -> float:
-        """What a prefilled token costs at the window's end: kvtierd's fit of the engines'
-        steps (a step's fixed part is every request's latency, not its tokens'), over nodes;
-        the window's mean per token where no fit was shown."""
-        fits = [v for a in self.after if (v := total(a, PREFILL_FIT, part="token")) > 0]
-        if fits:
-            return statistics.mean(fits)
+        """The engines' prefill steps' seconds over their tokens: what prefill cost on this
+        machine under this load (side by side with the other engine, both kvtierds, moto and
+        the client)."""
         return self.mean("kvtier_prefill_seconds_total", "kvtier_prefill_tokens_total")
 
-    @property
-    def prefill_s_per_step(self) -> float:
-        fits = [total(a, PREFILL_FIT, part="step") for a in self.after]
-        return statistics.mean(fits)
+    def prefill_fit(self, part: str) -> float:
+        """kvtierd's fit of the steps at the window's end (``part`` step or token), over
+        nodes."""
+        return statistics.mean(total(a, PREFILL_FIT, part=part) for a in self.after)
 
     @property
     def upload_s(self) -> float:
@@ -521,14 +518,12 @@ def check(cache_dir: Path) -> dict[str, Any]:
             "modeled": model_view,
             "costs": costs.to_dict(),
             # for comparison: the engines' prefill per token alone, before the workload; and
-            # the workload's mean per token and fixed part of a step (kvtierd's fit)
+            # kvtierd's fit of their steps at the workload's end (a part per step and per token)
             "idle_prefill_s_per_token": statistics.mean(
                 c.prefill_s_per_token for c in real.calibrations
             ),
-            "workload_mean_prefill_s_per_token": real.workload.mean(
-                "kvtier_prefill_seconds_total", "kvtier_prefill_tokens_total"
-            ),
-            "prefill_s_per_step": real.workload.prefill_s_per_step,
+            "fit_prefill_s_per_step": real.workload.prefill_fit("step"),
+            "fit_prefill_s_per_token": real.workload.prefill_fit("token"),
             "errors": errors,
         }
         worst = max(worst, *errors.values())
