@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.fleet_check import Calibration, EngineCalibration, Window
+from benchmarks.fleet_calibration import Calibration, EngineCalibration, Window
 from kvtier.bench.client import RequestResult
 
 
