@@ -260,4 +260,9 @@ def costs_to(costs: CostSnapshot) -> admin_pb2.Costs:
         prefill_seconds_per_token=costs.prefill_seconds_per_token,
         prefill_spread=costs.prefill_spread,
         prefill_samples=costs.prefill_samples,
+        prefill_fit=(
+            admin_pb2.PrefillFit(per_step=fit.per_step, per_token=fit.per_token)
+            if (fit := costs.prefill_fit) is not None
+            else None
+        ),
     )

@@ -110,6 +110,7 @@ def test_locate_answers_each_tiers_leading_tokens_and_their_measured_costs(
             "lmdb": 1,
         }
 
+        assert not daemon.stats().costs.HasField("prefill_fit"), "no steps timed yet: no fit"
         gauges = cost_gauges(daemon)
         assert gauges[("cpu", "mean")] == pytest.approx(0.001)
         assert gauges[("lmdb", "mean")] == pytest.approx(0.005)
@@ -135,6 +136,8 @@ def test_locate_answers_each_tiers_leading_tokens_and_their_measured_costs(
         client.report_timings(steps)
         fit = fitted(daemon)
         assert fit == {"step": pytest.approx(0.02), "token": pytest.approx(0.0004)}
+        shown = daemon.stats().costs.prefill_fit  # and in `kvtier stats`
+        assert (shown.per_step, shown.per_token) == (pytest.approx(0.02), pytest.approx(0.0004))
         refit = admin.locate("tiny-llama", prompt_hashes(4))
         assert refit.recompute_seconds == pytest.approx(3 * TOKENS_PER_CHUNK * 0.0004)
 

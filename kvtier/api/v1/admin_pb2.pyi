@@ -125,11 +125,18 @@ class Costs(_message.Message):
     PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     PREFILL_SPREAD_FIELD_NUMBER: _builtins.int
     PREFILL_SAMPLES_FIELD_NUMBER: _builtins.int
+    PREFILL_FIT_FIELD_NUMBER: _builtins.int
     prefill_seconds_per_token: _builtins.float
     prefill_spread: _builtins.float
     prefill_samples: _builtins.int
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierCost]: ...
+    @_builtins.property
+    def prefill_fit(self) -> Global___PrefillFit:
+        """The engines' prefill steps as a fixed part plus a part per token; unset until steps of
+        different lengths were timed.
+        """
+
     def __init__(
         self,
         *,
@@ -137,14 +144,39 @@ class Costs(_message.Message):
         prefill_seconds_per_token: _builtins.float = ...,
         prefill_spread: _builtins.float = ...,
         prefill_samples: _builtins.int = ...,
+        prefill_fit: Global___PrefillFit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prefill_fit", b"prefill_fit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefill_samples", b"prefill_samples", "prefill_seconds_per_token", b"prefill_seconds_per_token", "prefill_spread", b"prefill_spread", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefill_fit", b"prefill_fit", "prefill_samples", b"prefill_samples", "prefill_seconds_per_token", b"prefill_seconds_per_token", "prefill_spread", b"prefill_spread", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Costs: _TypeAlias = Costs  # noqa: Y015
+
+@_typing.final
+class PrefillFit(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PER_STEP_FIELD_NUMBER: _builtins.int
+    PER_TOKEN_FIELD_NUMBER: _builtins.int
+    per_step: _builtins.float
+    """Seconds every prefill step pays whatever its length."""
+    per_token: _builtins.float
+    """Seconds each prefilled token adds: what a hit of one token saves."""
+    def __init__(
+        self,
+        *,
+        per_step: _builtins.float = ...,
+        per_token: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["per_step", b"per_step", "per_token", b"per_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillFit: _TypeAlias = PrefillFit  # noqa: Y015
 
 @_typing.final
 class TierCost(_message.Message):
