@@ -161,11 +161,12 @@ def node(
         shm.unlink(missing_ok=True)
 
 
-def counted(server: Any, daemon: Kvtierd) -> dict[str, float]:
-    """Prompt tokens by where they came from, as the server and kvtierd count them so far."""
+def counted(server: Any, daemon: Samples) -> dict[str, float]:
+    """Prompt tokens by where they came from, as the server and kvtierd (its ``daemon``
+    counters) count them so far."""
     with httpx.Client(timeout=30) as client:
         engine = parse_counters(client.get(f"{server.url}/metrics").text)
-    hits = by_label(parse_counters(daemon.metrics()), DAEMON_HITS, "tier")
+    hits = by_label(daemon, DAEMON_HITS, "tier")
     out = {"gpu": total(engine, CACHED_BY_SOURCE, source="device")}
     for tier in ("cpu", "lmdb", "object"):
         out[tier] = hits.get(tier, 0.0) * CHUNK_TOKENS
@@ -230,8 +231,6 @@ class RealRun:
     """Prompt tokens by where they came from, over both servers."""
     workload: Window
     """Each node's kvtierd's counters over the workload."""
-    engine_metrics: list[Samples]
-    """Each node's vLLM server's, at the end."""
     calibrations: list[EngineCalibration]
     """Each server's, before the workload."""
 
@@ -259,12 +258,12 @@ def real_run(root: Path, model: Path, router: str, chunk: int) -> RealRun:
                 for i, (server, daemon) in enumerate(nodes)
             ]
             warm_the_store(nodes, str(model), vocab, DOC_TOKENS)
-            before = [counted(server, daemon) for server, daemon in nodes]
-            daemons = [parse_counters(daemon.metrics()) for _, daemon in nodes]
+            started = [parse_counters(daemon.metrics()) for _, daemon in nodes]
+            before = [counted(s, d) for (s, _), d in zip(nodes, started, strict=True)]
             draws = [asyncio.run(drive(urls, str(model), vocab, router, d)) for d in range(DRAWS)]
-            after = [counted(server, daemon) for server, daemon in nodes]
-            workload = Window(daemons, [parse_counters(daemon.metrics()) for _, daemon in nodes])
-            engines = [parse_counters(httpx.get(f"{s.url}/metrics").text) for s, _ in nodes]
+            ended = [parse_counters(daemon.metrics()) for _, daemon in nodes]
+            after = [counted(s, d) for (s, _), d in zip(nodes, ended, strict=True)]
+            workload = Window(started, ended)
     finally:
         moto.stop()
     prompt = sum(s.result.prompt_tokens for draw in draws for s in draw) or 1
@@ -272,7 +271,7 @@ def real_run(root: Path, model: Path, router: str, chunk: int) -> RealRun:
         k: sum(a[k] - b[k] for a, b in zip(after, before, strict=True)) / prompt for k in after[0]
     }
     shares["recompute"] = max(0.0, 1.0 - sum(shares.values()))
-    return RealRun(draws, shares, workload, engines, calibrations)
+    return RealRun(draws, shares, workload, calibrations)
 
 
 def ttft_figures(first: list[float], later: list[float]) -> dict[str, float]:

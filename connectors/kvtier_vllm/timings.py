@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvtier.core.costs import EngineTimings, Estimate, StepSums
+from kvtier.core.costs import EngineTimings, Estimate, StepSums, per_token
 
 PREFILL_TOKENS_PER_REQUEST = 8
 """A step counts as prefill where it schedules at least this many tokens per request: decode
@@ -57,6 +57,4 @@ class StepTimings:
         store): ``wait_share`` of what recomputing it would take here, as measured (the part
         per token of the steps' fit, else their mean per token); 0 before a prefill was
         timed."""
-        fit = self.steps.fit()
-        per_token = fit.per_token if fit is not None else self.prefill.mean
-        return self.wait_share * per_token * tokens
+        return self.wait_share * per_token(self.steps.fit(), self.prefill.mean) * tokens

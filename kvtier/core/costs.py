@@ -74,13 +74,10 @@ class CostSnapshot:
         return seconds
 
     def recompute_seconds(self, tokens: int) -> float | None:
-        """What computing ``tokens`` more costs: the fit's part per token where there is one
-        (the step runs for the rest of the prompt anyway), else the mean per token."""
+        """What computing ``tokens`` more costs (`per_token`)."""
         if not self.prefill_samples:
             return None
-        if self.prefill_fit is not None:
-            return self.prefill_fit.per_token * tokens
-        return self.prefill_seconds_per_token * tokens
+        return per_token(self.prefill_fit, self.prefill_seconds_per_token) * tokens
 
 
 CPU, LMDB, OBJECT = "cpu", "lmdb", "object"
@@ -146,6 +143,12 @@ class StepFit:
     """Seconds each prefilled token adds: what a hit of one token saves."""
 
 
+def per_token(fit: StepFit | None, mean: float) -> float:
+    """What one prefilled token more costs: the fit's part per token where there is one (a
+    step runs for the rest of the prompt anyway), else the steps' mean per token."""
+    return fit.per_token if fit is not None else mean
+
+
 @dataclass(slots=True)
 class StepSums:
     """Decaying sums over prefill steps (each weighs half as much after ``HALF_LIFE`` more):
@@ -187,16 +190,6 @@ class StepSums:
         return StepFit(per_step, per_token) if per_token > 0 else None
 
 
-@dataclass(slots=True)
-class CostTotals:
-    """Everything timed so far, never decaying: over any window, seconds over chunks (or
-    tokens) is the mean cost in it, where the estimates weigh the last loads most."""
-
-    loads: dict[str, Tally] = field(default_factory=dict)
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
-
-
 class LoadCosts:
     """Per tier, decaying estimates of load seconds per chunk and per byte; and the engine's
     prefill seconds per token. Thread-safe."""
@@ -207,14 +200,16 @@ class LoadCosts:
         self._per_byte = {tier: Estimate() for tier in TIERS}
         self._prefill = Estimate()
         self._steps = StepSums()
-        self._totals = CostTotals({tier: Tally() for tier in TIERS})
+        self._totals = EngineTimings({tier: Tally() for tier in TIERS})
+        """Everything timed so far, never decaying: over any window, seconds over chunks (or
+        tokens) is the mean cost in it, where the estimates weigh the last loads most."""
 
     def loaded(self, tier: str, chunks: int, nbytes: int, seconds: float) -> None:
         """``chunks`` chunks of ``nbytes`` in all came from ``tier`` in ``seconds``."""
         if chunks <= 0 or seconds < 0 or tier not in self._per_chunk:
             return
         with self._lock:
-            self._totals.loads[tier].add(chunks, nbytes, seconds)
+            self._totals.loaded(tier, chunks, nbytes, seconds)
             self._per_chunk[tier].observe(seconds / chunks, chunks)
             if nbytes > 0:
                 self._per_byte[tier].observe(seconds / nbytes, chunks)
@@ -234,11 +229,12 @@ class LoadCosts:
             self._totals.prefill_seconds += seconds
             self._prefill.observe(seconds / tokens, tokens)
 
-    def totals(self) -> CostTotals:
+    def totals(self) -> EngineTimings:
+        """A copy of everything timed so far, every tier named (0 where none was timed)."""
+        copy = EngineTimings({tier: Tally() for tier in TIERS})
         with self._lock:
-            t = self._totals
-            loads = {tier: Tally(x.chunks, x.nbytes, x.seconds) for tier, x in t.loads.items()}
-            return CostTotals(loads, t.prefill_tokens, t.prefill_seconds)
+            copy.merge(self._totals)
+        return copy
 
     def snapshot(self) -> CostSnapshot:
         with self._lock:

@@ -141,9 +141,8 @@ class ObjectFetcher:
                     if len(self._probe_misses) > _MAX_TRACKED:
                         self._probe_misses.clear()
                     self._probe_misses[key] = time.monotonic() + _PROBE_MISS_TTL_S
-            if not found:
-                self._counters.add("probe_misses", 1)
-                self._counters.add("probe_miss_us", int((time.perf_counter() - asked) * 1e6))
+                    self._counters.add("probe_misses", 1)
+                    self._counters.add("probe_miss_us", int((time.perf_counter() - asked) * 1e6))
         return found
 
     # -- fetch ----------------------------------------------------------------------------
