@@ -47,6 +47,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -145,39 +146,42 @@ def node_config(i: int, root: Path, disk: Path, mode: Mode) -> dict[str, Any]:
     return config
 
 
-def run(mode: Mode, progress: bool) -> dict[str, Any]:
+def run(mode: Mode) -> dict[str, Any]:
     started = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="kvtier-soak-"))
-    moto = MotoServer(root / "moto.log").start()
     ledger = Ledger(BUCKET)
-    proxies: list[RecordingProxy] = []
-    nodes: list[Node] = []
-    try:
+    with contextlib.ExitStack() as stack:  # undone in reverse: nodes, proxies, disk, moto, files
+        stack.callback(shutil.rmtree, root, ignore_errors=True)
+        moto = MotoServer(root / "moto.log").start()
+        stack.callback(moto.stop)
         create_bucket(moto.url, BUCKET)
-        with small_disk(root / "disk", DISK_BYTES) as mounted:
-            for i in range(NODES):
-                name = f"node{i}"
-                proxy = RecordingProxy(name, moto.url, ledger)
-                proxies.append(proxy)
-                (root / name).mkdir()
-                config = node_config(i, root, root / "disk", mode)
-                nodes.append(Node(name, root / name / "daemon", config, irsa_env(root, proxy.url)))
-            for node in nodes:
-                node.start()
-            budgets = {node.name: OBJECT_BUDGET for node in nodes}
-            soak = Soak(mode, nodes, ledger, moto.url, budgets, root / "disk")
-            soak.can_fill_disk = mounted
-            if progress:
-                soak.log = lambda line: print(f"[{time.monotonic() - started:6.1f} s] {line}")
-            return measure(soak, nodes, mounted, started)
-    finally:
-        for node in nodes:
-            with contextlib.suppress(Exception):
-                node.stop()
-            Path(node.config["arena"]["path"]).unlink(missing_ok=True)
-        for proxy in proxies:
-            proxy.close()
-        moto.stop()
+        mounted = stack.enter_context(small_disk(root / "disk", DISK_BYTES))
+        nodes: list[Node] = []
+        for i in range(NODES):
+            name = f"node{i}"
+            proxy = RecordingProxy(name, moto.url, ledger)
+            stack.callback(proxy.close)
+            (root / name).mkdir()
+            config = node_config(i, root, root / "disk", mode)
+            node = Node(name, root / name / "daemon", config, irsa_env(root, proxy.url))
+            stack.callback(stop_node, node)
+            node.start()
+            nodes.append(node)
+        budgets = {node.name: OBJECT_BUDGET for node in nodes}
+        soak = Soak(mode, nodes, ledger, moto.url, budgets, root / "disk")
+        soak.can_fill_disk = mounted
+        soak.log = lambda line: print(
+            f"[{time.monotonic() - started:6.1f} s] {line}", file=sys.stderr, flush=True
+        )
+        return measure(soak, nodes, mounted, started)
+
+
+def stop_node(node: Node) -> None:
+    try:
+        node.stop()
+    except Exception:
+        log.exception("%s did not stop", node.name)
+    Path(node.config["arena"]["path"]).unlink(missing_ok=True)
 
 
 def measure(soak: Soak, nodes: list[Node], mounted: bool, started: float) -> dict[str, Any]:
@@ -275,7 +279,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    figures = run(QUICK if args.quick else FULL, progress=not args.json)
+    figures = run(QUICK if args.quick else FULL)
     if args.json:
         print(json.dumps(figures, indent=2))
     else:
