@@ -46,6 +46,8 @@ STORED = {
     "object": ("kvtier_object_store_uploads_total", {}),
 }
 """What counts a tier below the arena taking chunks."""
+PROBE = Model("soak-probe", 16 * KiB)
+"""The model whose new prompts show whether lmdb and the object tier still take chunks."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,8 @@ class Soak:
     def warm_up(self) -> None:
         """Rounds on the first model until its hit rate settles: the steady state every
         event's recovery is held to."""
+        for node in self.nodes:
+            node.namespace(PROBE)
         rates: list[float] = []
         for _ in range(self.mode.max_rounds):
             rates.append(self.round().hit_rate)
@@ -239,6 +243,7 @@ class Soak:
             started = time.monotonic()  # recovery counts from the room given back
         elif event == "kvtierd_kill":
             node.restart(kill=True)
+            node.namespace(PROBE)  # as at warm-up: its class is there before the arena fills
         recovery, served = self.recover(started)
         if event == "kvtierd_kill" and node.name in self.baseline:
             self.baseline[node.name] = node.vitals()  # growth counts from its last start
@@ -246,8 +251,7 @@ class Soak:
         figures.refused_stores += served.refused
         figures.refused_stores_with_room += served.refused_with_room
         figures.lmdb_store_rejected += self._metric(node, LMDB_REJECTED) - rejected
-        if lmdb_check:
-            figures.wedged += self.stalled(node, ("lmdb",))
+        figures.wedged += self.stalled(node, ("cpu", "lmdb") if lmdb_check else ("cpu",))
         self._check_bucket(figures)
         shown = "not recovered" if recovery is None else f"recovered in {recovery:.2f} s"
         self.log(f"{event} ({self.target.name}, {self.target.chunk_bytes // KiB} KiB): {shown}")
@@ -263,20 +267,29 @@ class Soak:
             return math.nan
 
     def stalled(self, node: Node, tiers: tuple[str, ...]) -> list[str]:
-        """Of ``tiers`` (cpu, lmdb, object), those of ``node`` that take no new chunks: a new
-        prompt is served, then the tiers below the arena are given the mode's deadline to
-        count its chunks stored. Below an arena that took nothing, nothing is judged."""
-        before = {tier: self._metric(node, STORED[tier]) for tier in tiers if tier in STORED}
-        fresh = [f"fresh-{next(self.capture)}"]
-        if node.serve(self.target, fresh, self.mode.chunks).stored == 0:
-            return [f"{node.name}/cpu"]
+        """Of ``tiers`` (cpu, lmdb, object), those of ``node`` that take no new chunks. The
+        arena is judged on a new prompt of the current model; the tiers below it on a new
+        prompt of the probe model, whose slot class was made at warm-up (so that a full arena
+        does not hide them), given the mode's deadline to count its chunks stored."""
+        wedged: list[str] = []
+        chunks = self.mode.chunks
+        if "cpu" in tiers and not node.serve(self.target, [self._fresh()], chunks).stored:
+            wedged.append(f"{node.name}/cpu")
+        below = {tier: self._metric(node, STORED[tier]) for tier in tiers if tier in STORED}
+        if not below:
+            return wedged
+        if not node.serve(PROBE, [self._fresh()], chunks).stored:
+            return sorted({*wedged, f"{node.name}/cpu"})  # nothing to judge the rest by
         deadline = time.monotonic() + self.mode.progress_s
-        waiting = set(before)
+        waiting = set(below)
         while waiting and time.monotonic() < deadline:
-            waiting = {t for t in waiting if not self._metric(node, STORED[t]) > before[t]}
+            waiting = {t for t in waiting if not self._metric(node, STORED[t]) > below[t]}
             if waiting:
                 time.sleep(0.1)
-        return [f"{node.name}/{tier}" for tier in sorted(waiting)]
+        return wedged + [f"{node.name}/{tier}" for tier in sorted(waiting)]
+
+    def _fresh(self) -> str:
+        return f"fresh-{next(self.capture)}"
 
     def wedged_tiers(self) -> list[str]:
         """Tiers of any node that take no new chunks at the end of the run."""
