@@ -30,13 +30,16 @@ out), ``refused_stores_with_room`` (chunks node 0's arena refused while it held 
 namespaces: room that could have been made), ``lmdb_store_rejected``,
 ``foreign_objects_deleted`` (objects that vanished although none of their uploaders deleted
 them, or that a node deleted without having uploaded them), ``bytes_above_budget_max`` (a
-node's own objects in the bucket beyond its budget) and ``wedged`` (a tier that took no new
-chunks within the deadline after the event). Overall: ``wedged_tiers`` (every node's arena,
-lmdb and object tier, checked at the end), ``recovery_s_after_model_switch`` (the slowest, null
-if one did not recover), ``objects_overwritten`` (uploads that replaced another node's object),
-and each node's vitals after warm-up and at the end: RSS, open files, lmdb map use, event-log
-bytes, live namespaces and slot classes (null where kvtierd exports no such gauge), with
-``rss_growth_ratio`` (the largest over nodes, from a node's last start).
+node's own objects in the bucket beyond its budget) and ``wedged`` (tiers that took no new
+chunks after the event: node 0's arena on a new prompt of the current model, and after
+reader_kill, disk_full and kvtierd_kill its lmdb, on a new prompt of a probe model, within the
+mode's deadline). Overall: ``wedged_tiers`` (how many times a tier was found wedged: after the
+events, and at the end every node's arena, lmdb and object tier),
+``recovery_s_after_model_switch`` (the slowest, null if one did not recover),
+``objects_overwritten`` (uploads that replaced another node's object), and each node's vitals
+after warm-up and at the end: RSS, open files, lmdb map use, event-log bytes, live namespaces
+and slot classes (null where kvtierd exports no such gauge), with ``rss_growth_ratio`` (the
+largest over nodes, from a node's last start).
 """
 
 from __future__ import annotations
