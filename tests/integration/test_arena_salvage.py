@@ -37,7 +37,9 @@ OWNER = textwrap.dedent(
         m.cpu.view(ref)[:] = payload_for(ref.key, chunk)
     assert m.commit(refs[:committed]) == committed
     # a chunk is kept only with its commit checksum, which a thread takes after the commit
+    deadline = time.monotonic() + 30.0
     while m.cpu.stats().counters["commit_checksums"] < committed:
+        assert time.monotonic() < deadline, "commit checksums not taken"
         time.sleep(0.01)
     print("ready", flush=True)
     time.sleep(600)
