@@ -42,6 +42,7 @@ from kvtier.tiers.lmdb_tier import LmdbTier
 log = logging.getLogger(__name__)
 
 _BATCH = 64  # chunks per lmdb transaction
+_BATCH_BYTES = 64 << 20  # and their copies' bytes, at most one chunk past it
 
 
 def not_adoptable(st: os.stat_result, config: ArenaConfig) -> str | None:
@@ -159,7 +160,7 @@ def keep(
     batch: list[tuple[ChunkKey, bytes]] = []
     for item in stale.take(namespace, chunk_bytes):
         batch.append(item)
-        if len(batch) == _BATCH:
+        if len(batch) == _BATCH or len(batch) * chunk_bytes >= _BATCH_BYTES:
             kept += sum(lmdb.put_many(batch))
             batch.clear()
     if batch:
