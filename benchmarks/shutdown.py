@@ -55,6 +55,7 @@ except ImportError:  # run as a script from benchmarks/
     import models  # type: ignore[no-redef]
     from servers import VllmServer, connector_arg  # type: ignore[no-redef]
 
+from kvtier.tiers.commit_checksums import ledger_path
 from kvtier.tiers.lmdb_env import stored_keys_read_only
 
 log = logging.getLogger("kvtier.bench.shutdown")
@@ -243,6 +244,7 @@ class Run:
             return result
         finally:
             self.shm.unlink(missing_ok=True)
+            ledger_path(self.shm).unlink(missing_ok=True)  # left by an engine killed at once
 
 
 def main(argv: list[str] | None = None) -> int:

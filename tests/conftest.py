@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.tiers.commit_checksums import ledger_path
 from tests.integration.daemon_harness import Processes
 
 # real object-store servers and identities (moto, the GCS emulator, fault proxy), for any test
@@ -30,6 +31,7 @@ def shm_path() -> Iterator[Path]:
     path = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     yield path
     path.unlink(missing_ok=True)
+    ledger_path(path).unlink(missing_ok=True)  # an owner killed in the test leaves it
 
 
 @pytest.fixture

@@ -103,7 +103,8 @@ class ArenaConfig(ConfigSection):
         description="Checksum each chunk's bytes (xxh3-128) once it is committed, on a thread "
         "of the process that owns the tiers, and check it before the chunk is written to lmdb: "
         "a chunk changed in the arena after its commit is dropped and counted, never written "
-        "back.",
+        "back. Kept on file beside the arena too: after a kill, only chunks that match theirs "
+        "are kept; off, none are.",
     )
     eviction_policy: EvictionPolicyName = Field(
         "lru", description="Eviction policy by name (lru, fifo)."

@@ -81,7 +81,7 @@ class TierManager:
         self.config = config
         self.registry = PoolRegistry()
         # read before the new arena takes the path: what a killed owner committed there
-        self.stale = StaleArena.at(config.arena.path) if config.lmdb.enabled else None
+        self.stale = StaleArena.at(config.arena) if config.lmdb.enabled else None
         self.cpu = CpuTier(config.arena, self.registry)
         self.lmdb: LmdbTier | None = None
         try:

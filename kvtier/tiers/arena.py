@@ -293,8 +293,9 @@ def _take_over_stale(path: Path) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             raise ConfigError("arena.path", f"{path} is in use by another kvtier process") from None
-        if os.pread(fd, len(_MAGIC), 0) == _MAGIC:
-            os.pwrite(fd, _RETIRED.pack(1), _RETIRED_AT)  # its mappers move to the new file
+        # its mappers move to the new file; a file someone else planted is not read
+        if os.fstat(fd).st_uid == os.geteuid() and os.pread(fd, len(_MAGIC), 0) == _MAGIC:
+            os.pwrite(fd, _RETIRED.pack(1), _RETIRED_AT)
         path.unlink()
     finally:
         os.close(fd)

@@ -14,6 +14,13 @@ trusts more than that: it checks the slot's state and generation in the arena's 
 the copy out of the slot is checked against that generation again after it is made. Anything in
 motion reads as a miss, which sends the caller down the ordinary lookup.
 
+Every process that maps the arena may write these words, so the owner never reads them back: it
+keeps the table itself (each entry's key and slot, and the sequence it writes) in its own memory
+and only copies entries out. Words a client scribbled mislead that client's readers at most,
+never the owner's probes, and no loop over shared words runs past `MAX_PROBES` entries: a key
+whose probe from its home would be longer is kept out of the shared table (a reader misses it
+and asks kvtierd), so a reader stops after that many entries whatever the words hold.
+
 The ordering this relies on (the writer's stores seen in program order by readers) holds on
 x86-64; elsewhere `readable_here` is False and callers do not read the index.
 """
@@ -22,7 +29,6 @@ from __future__ import annotations
 
 import platform
 import struct
-from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +41,9 @@ KEY_BYTES = NAMESPACE_BYTES + MAX_CHUNK_HASH_BYTES
 _KEY_AT = 16
 _READY = 2  # SlotState.READY; arena.py imports this module
 _HEAD = struct.Struct("<QQ")  # seq, meta
+MAX_PROBES = 64
+"""Entries a probe looks at, from a key's home on; the table is at most half full and keys
+spread (every key byte counts), so a longer probe is all but unknown."""
 
 
 def readable_here() -> bool:
@@ -71,65 +80,84 @@ class ArenaIndex:
         # readers go through the buffer itself: a numpy scalar read costs several times more
         self._buffer = buffer
         self._offset = offset
+        # the owner's own copy of the table, the only one it reads
         self._where: dict[bytes, int] = {}
-        """Owner only: the entry of each key."""
+        """The entry of each key in the shared table."""
+        self._held: dict[int, tuple[bytes, int]] = {}
+        """What each taken entry holds: (key, slot)."""
+        self._unlisted: dict[bytes, int] = {}
+        """Keys past `MAX_PROBES` from their home: their slot, kept out of the shared table."""
+        self._writes = 0
+        """Entry writes so far: each ``seq`` the owner stores comes from it, never from the
+        shared word, so a reader sees a new even ``seq`` after every write."""
 
     def __len__(self) -> int:
-        return len(self._where)
+        return len(self._where) + len(self._unlisted)
 
     # -- the owner ------------------------------------------------------------------------
 
+    def _begin(self, at: int) -> None:
+        self._writes += 1
+        self._seq[at] = 2 * self._writes - 1
+
+    def _end(self, at: int) -> None:
+        self._seq[at] = 2 * self._writes
+
     def _write(self, at: int, key: bytes, slot: int) -> None:
-        self._seq[at] += 1
+        self._held[at] = (key, slot)
+        self._begin(at)
         self._keys[at, : len(key)] = np.frombuffer(key, np.uint8)
         self._meta[at] = slot | len(key) << 32
-        self._seq[at] += 1
+        self._end(at)
 
     def _clear(self, at: int) -> None:
-        self._seq[at] += 1
+        del self._held[at]
+        self._begin(at)
         self._meta[at] = 0
-        self._seq[at] += 1
+        self._end(at)
 
     def insert(self, key: bytes, slot: int) -> None:
         if not 0 < len(key) <= KEY_BYTES:
             raise ValueError(f"an index key is 1..{KEY_BYTES} bytes")
+        if key in self._unlisted:
+            self._unlisted[key] = slot
+            return
         at = self._where.get(key)
         if at is None:
-            if len(self._where) >= self.capacity // 2:
+            if len(self) >= self.capacity // 2:
                 raise OverflowError("the arena index is full")  # sized for every slot: a bug
-            at = _home(key, self._mask)
-            while self._meta[at]:
+            home = _home(key, self._mask)
+            at = home
+            # ends within capacity // 2 + 1 steps: at most half the entries are taken
+            while at in self._held:
                 at = (at + 1) & self._mask
+            if (at - home) & self._mask >= MAX_PROBES:
+                self._unlisted[key] = slot
+                return
             self._where[key] = at
         self._write(at, key, slot)
 
     def remove(self, key: bytes) -> None:
+        if self._unlisted.pop(key, None) is not None:
+            return
         hole = self._where.pop(key, None)
         if hole is None:
             return
         self._clear(hole)
         at = (hole + 1) & self._mask
-        # shift the rest of the cluster back, so probes stop at the first empty entry
-        while self._meta[at]:
-            moved = bytes(self._keys[at, : int(self._meta[at]) >> 32])
+        # shift the rest of the cluster back, so probes stop at the first empty entry; moving
+        # an entry back shortens its probe, so it stays within MAX_PROBES
+        while (held := self._held.get(at)) is not None:
+            moved, slot = held
             home = _home(moved, self._mask)
             if (at - home) & self._mask >= (at - hole) & self._mask:
-                self._write(hole, moved, int(self._meta[at]) & 0xFFFFFFFF)
+                self._write(hole, moved, slot)
                 self._where[moved] = hole
                 self._clear(at)
                 hole = at
             at = (at + 1) & self._mask
 
     # -- any process ----------------------------------------------------------------------
-
-    def entries(self) -> Iterator[tuple[bytes, int]]:
-        """Every whole entry, as (key, slot): a scan for when no owner writes (one that died).
-        A key may come twice (a shift cut short), each time with its slot."""
-        for at in np.flatnonzero(self._meta):
-            if int(self._seq[at]) & 1:
-                continue  # being written when the owner stopped
-            meta = int(self._meta[at])
-            yield bytes(self._keys[at, : meta >> 32]), meta & 0xFFFFFFFF
 
     def find(self, key: bytes, state: memoryview, generation: memoryview) -> tuple[int, int] | None:
         """(slot, generation) of ``key`` if a READY slot holds it now, else None (also when an
@@ -138,7 +166,7 @@ class ArenaIndex:
         buffer, base, mask, read = self._buffer, self._offset, self._mask, _HEAD.unpack_from
         size = len(key)
         at = _home(key, mask)
-        for _ in range(self.capacity):
+        for _ in range(min(MAX_PROBES, self.capacity)):
             entry = base + at * ENTRY_BYTES
             before, meta = read(buffer, entry)
             if before & 1 or not meta:

@@ -5,7 +5,8 @@ generation is bumped each time it is freed, so a stale reservation or lease is r
 instead of trusted. Which slot a chunk gets, and which chunk makes room, is `cpu_slots`' part.
 
 A dirty chunk's payload checksum (xxh3-128) is taken as it is committed, in the process that owns
-the tiers (`kvtier.tiers.commit_checksums`); write-back drops a chunk whose bytes changed since.
+the tiers (`kvtier.tiers.commit_checksums`); write-back drops a chunk whose bytes changed since,
+and the next owner of a killed one's arena keeps only chunks that still match theirs.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 
+from kvtier.core.config import ArenaConfig
 from kvtier.core.keys import ChunkKey, namespace_of
+from kvtier.core.pools import PoolRegistry
 from kvtier.core.protocol import SlotRef, TierCode, TierStats, UsageStats
+from kvtier.tiers.commit_checksums import ChecksumLedger, ledger_path
 from kvtier.tiers.cpu_slots import ArenaSlots
 from kvtier.tiers.slots import READY, WRITING
 
@@ -25,6 +29,18 @@ log = logging.getLogger(__name__)
 class CpuTier(ArenaSlots):
     name = TierCode.CPU.tier
     persistent = False
+
+    def __init__(self, config: ArenaConfig, registry: PoolRegistry) -> None:
+        super().__init__(config, registry)
+        if config.commit_checksum:
+            ledger = ChecksumLedger.create(config.path, len(self._key))
+            self._checksums.keep_in(ledger, self._span)
+        else:  # a predecessor's would speak for an arena it no longer describes
+            ledger_path(config.path).unlink(missing_ok=True)
+
+    def _span(self, slot: int) -> tuple[int, int]:
+        """Where this process placed ``slot``: (offset, nbytes)."""
+        return self.memory.slot_offset(slot), self._class_of(slot).slot_bytes
 
     # -- the store path: reserve -> write -> commit | abort -------------------------------
 

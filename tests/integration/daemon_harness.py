@@ -38,6 +38,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import SlotRef
 from kvtier.rpc import AdminClient, GrpcTierClient
 from kvtier.tiers.arena import ArenaMemory
+from kvtier.tiers.commit_checksums import ledger_path
 from tests.support import MiB, keys_for, payload_for, target_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,6 +252,7 @@ class Processes:
 
     def __init__(self, log_dir: Path) -> None:
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._ledgers: set[Path] = set()  # what a daemon killed here leaves beside its arena
         self._log_dir = log_dir
         self._n = 0
 
@@ -278,6 +280,7 @@ class Processes:
     ) -> RunningDaemon:
         argv = [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(files.config)]
         proc = self.spawn(argv, files.log, env)
+        self._ledgers.add(ledger_path(files.arena))
         reader = LineReader(proc, "kvtierd")
         line = reader.next_line(START_TIMEOUT_S)
         if line is None or not line.startswith(READY):
@@ -353,6 +356,9 @@ class Processes:
             if proc.stdout is not None:
                 proc.stdout.close()
         self._procs.clear()
+        for ledger in self._ledgers:
+            ledger.unlink(missing_ok=True)
+        self._ledgers.clear()
 
 
 # -- the client side ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 
 from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.arena import ArenaMemory
-from kvtier.tiers.arena_index import ENTRY_BYTES, ArenaIndex, _home, capacity_for
+from kvtier.tiers.arena_index import ENTRY_BYTES, MAX_PROBES, ArenaIndex, _home, capacity_for
 from kvtier.tiers.cpu import CpuTier
 from tests.support import MiB, arena_config, keys_for, payload_for, target_spec
 
@@ -82,6 +82,52 @@ def test_an_entry_being_written_reads_as_a_miss() -> None:
     seq = np.frombuffer(index._seq.base, np.uint64)  # type: ignore[arg-type]
     seq[:] = seq | 1  # every entry mid-write
     assert index.find(b"k" * 24, state, generation) is None
+
+
+def _colliding(count: int, home: int, mask: int) -> list[bytes]:
+    rng = random.Random(home)
+    keys: list[bytes] = []
+    while len(keys) < count:
+        key = rng.randbytes(48)
+        if _home(key, mask) == home:
+            keys.append(key)
+    return keys
+
+
+def test_the_owner_never_reads_back_words_another_process_scribbled() -> None:
+    """Every entry made to look taken, and then zeroed: the owner's inserts and removals end
+    and keep finding the right slot, since it probes its own copy of the table."""
+    index, state, generation = _table(1024)
+    keys = _colliding(6, 5, 1023)
+    for slot, key in enumerate(keys):
+        index.insert(key, slot)
+    index._meta[:] = 1 << 32  # every entry a one-byte key in slot 0: endless probe chains
+    index._seq[:] = 2
+    index.insert(b"new" * 8, 9)  # ends, in the owner's first free entry
+    index.remove(keys[1])  # the cluster shifts back by the owner's record, not the words
+    index._meta[:] = 0
+    index.insert(keys[1], 7)
+    for slot, key in enumerate(keys):
+        index.remove(key)
+        index.insert(key, 20 + slot)  # rewritten whole: readable again
+        assert index.find(key, state, generation) == (20 + slot, 20 + slot)
+    assert len(index) == len(keys) + 1
+
+
+def test_a_probe_never_runs_past_its_bound() -> None:
+    """A key that would sit past MAX_PROBES from its home is kept out of the shared table (a
+    reader misses it and asks kvtierd), so readers stop within MAX_PROBES entries."""
+    index, state, generation = _table(1024)
+    keys = _colliding(MAX_PROBES + 2, 9, 1023)
+    for slot, key in enumerate(keys):
+        index.insert(key, slot % 64)
+    listed = [index.find(k, state, generation) is not None for k in keys]
+    assert listed == [True] * MAX_PROBES + [False] * 2
+    assert len(index) == len(keys)
+    index.remove(keys[-1])  # kept out: removed from the owner's record only
+    index.remove(keys[0])
+    assert len(index) == len(keys) - 2
+    assert all(index.find(k, state, generation) is not None for k in keys[1:MAX_PROBES])
 
 
 def test_bad_keys_and_capacities_are_refused() -> None:
