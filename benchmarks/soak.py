@@ -66,6 +66,7 @@ from soak_bucket import Ledger, RecordingProxy, create_bucket
 from soak_nodes import Node, Vitals
 from soak_schedule import FULL, QUICK, Mode, Soak
 
+from kvtier.tiers.commit_checksums import ledger_path
 from kvtier.tiers.lmdb_env import MAP_HEADROOM
 
 log = logging.getLogger("kvtier.bench.soak")
@@ -184,7 +185,9 @@ def stop_node(node: Node) -> None:
         node.stop()
     except Exception:
         log.exception("%s did not stop", node.name)
-    Path(node.config["arena"]["path"]).unlink(missing_ok=True)
+    arena = Path(node.config["arena"]["path"])
+    arena.unlink(missing_ok=True)
+    ledger_path(arena).unlink(missing_ok=True)  # left beside it by the kvtierd SIGKILLed
 
 
 def measure(soak: Soak, nodes: list[Node], mounted: bool, started: float) -> dict[str, Any]:
