@@ -1,7 +1,7 @@
 """lmdb's environments keep writing: a reader killed inside its read (a real process, SIGKILL) does
-not fill the map for good, a full disk (a real tmpfs of a few MiB) refuses writes, counted and
-shown, until space returns, the event log stays within its bytes and survives a map-full, and the
-files are closed to other users."""
+not fill the map for good; a full disk (a real tmpfs of a few MiB) refuses writes, counted and
+shown (the tier's counters, kvtierd's kvtier.lmdb health and metrics), until space returns; the
+event log stays within its bytes and survives a map-full; the files are closed to other users."""
 
 from __future__ import annotations
 
@@ -17,9 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.cli.health import check
 from kvtier.core.pools import PoolRegistry
 from kvtier.fleet.event_log import EventLog
+from kvtier.server.daemon import LMDB_HEALTH_SERVICE
 from kvtier.tiers.lmdb_tier import LmdbTier
+from tests.integration.daemon_harness import Processes, write_config
 from tests.support import MiB, keys_for, lmdb_config, payload_for, target_spec
 
 CHUNK = 1 * MiB
@@ -238,3 +241,32 @@ def test_with_a_group_the_group_may_read_lmdb_and_take_reader_slots(
     LmdbTier(lmdb_config(tmp_path / "lmdb", group=gid), registry).close()
     assert _modes(tmp_path / "lmdb") == (0o640, 0o660)
     assert os.stat(tmp_path / "lmdb" / "data.mdb").st_gid == gid
+
+
+def test_kvtierd_shows_a_full_lmdb_disk_in_health_and_metrics_until_space_returns(
+    procs: Processes, shm_path: Path, tmp_path: Path, small_disk: Path
+) -> None:
+    lmdb = {"path": str(small_disk / "lmdb"), "budget_bytes": None, "auto_fraction": 0.5}
+    overrides = {"lmdb": lmdb, "manager": {"demote_mode": "write_through"}}
+    files = write_config(tmp_path, shm_path, overrides)
+    daemon = procs.start_daemon(files)
+
+    def lmdb_serving() -> bool:
+        return check(daemon.admin_address, LMDB_HEALTH_SERVICE, 5.0)[0]
+
+    def disk_full_errors() -> float:
+        return sum(
+            value
+            for name, labels, value in daemon.metrics()
+            if name == "kvtier_disk_full_errors_total" and labels["store"] == "lmdb"
+        )
+
+    assert lmdb_serving()
+    fill(small_disk / "ballast")
+    procs.client(files.socket, "a", "--store", "0:16")  # written through to lmdb: refused
+    wait_for(lambda: not lmdb_serving())
+    assert disk_full_errors() > 0
+    assert check(daemon.admin_address, "", 5.0)[0]  # the daemon itself still serves
+    (small_disk / "ballast").unlink()
+    procs.client(files.socket, "a", "--store", "16:32")
+    wait_for(lmdb_serving)  # no restart
