@@ -82,7 +82,8 @@ class Space:
         resized: Callable[[], object] | None = None,
     ) -> T | None:
         """``attempt()`` (one write transaction); after a map-full, stale readers are reaped and
-        ``make_room(try)`` commits deletions of its own (``try`` counts from 1) before it is
+        ``make_room(try)`` commits deletions of its own (``try`` counts from 1; more each time:
+        LMDB reuses the pages a transaction freed from the second commit after it) before it is
         tried again. None when no space was found (counted; `full` says why); other LMDB errors
         are raised. ``resized``: adopt a map another process grew (default: its size)."""
         why = "the map is full and nothing more can be freed"

@@ -15,9 +15,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import lmdb
 import pytest
 
 from kvtier.cli.health import check
+from kvtier.core.counters import Counters
+from kvtier.core.lmdb_space import Space
 from kvtier.core.pools import PoolRegistry
 from kvtier.fleet.event_log import EventLog
 from kvtier.server.daemon import LMDB_HEALTH_SERVICE
@@ -270,3 +273,48 @@ def test_kvtierd_shows_a_full_lmdb_disk_in_health_and_metrics_until_space_return
     (small_disk / "ballast").unlink()
     procs.client(files.socket, "a", "--store", "16:32")
     wait_for(lmdb_serving)  # no restart
+
+
+def test_room_made_in_a_transaction_of_its_own_takes_a_write_the_full_map_refused(
+    tmp_path: Path,
+) -> None:
+    env = lmdb.open(str(tmp_path / "env"), map_size=4 * MiB, max_dbs=1)
+    try:
+        db = env.open_db(b"d")
+        small, big = b"\x5a" * (64 << 10), b"\xa5" * (512 << 10)
+
+        def put(value: bytes, key: bytes) -> bool:
+            with env.begin(write=True, db=db) as txn:
+                return bool(txn.put(key, value))
+
+        stored = 0
+        while stored < 1000:  # fill the map with small values
+            try:
+                put(small, stored.to_bytes(8, "big"))
+            except lmdb.MapFullError:
+                break
+            stored += 1
+        assert stored < 1000
+
+        def drop_oldest(txn: lmdb.Transaction, count: int) -> None:
+            for i in range(count):
+                txn.delete(i.to_bytes(8, "big"))
+
+        def drop_and_put() -> None:
+            with env.begin(write=True, db=db) as txn:
+                drop_oldest(txn, stored // 2)  # pages freed here are reused only after it commits
+                txn.put(b"big", big)
+
+        with pytest.raises(lmdb.MapFullError):
+            drop_and_put()
+
+        def make_room(tries: int) -> None:  # more each time, as lmdb's tier and event log do
+            with env.begin(write=True, db=db) as txn:
+                drop_oldest(txn, tries * stored // 4)
+
+        counters = Counters()
+        assert Space(lambda: env, "test", counters).write(lambda: put(big, b"big"), make_room)
+        assert counters.snapshot()["map_full"] >= 1
+        assert counters.snapshot()["disk_full"] == 0
+    finally:
+        env.close()
