@@ -81,11 +81,12 @@ class Space:
         make_room: Callable[[int], object],
         resized: Callable[[], object] | None = None,
     ) -> T | None:
-        """``attempt()`` (one write transaction); after a map-full, stale readers are reaped and
-        ``make_room(try)`` commits deletions of its own (``try`` counts from 1; more each time:
-        LMDB reuses the pages a transaction freed from the second commit after it) before it is
-        tried again. None when no space was found (counted; `full` says why); other LMDB errors
-        are raised. ``resized``: adopt a map another process grew (default: its size)."""
+        """``attempt()`` (one write transaction). After a map-full, stale readers are reaped, or
+        where there were none ``make_room(try)`` commits deletions of its own (``try`` counts
+        from 1; more each time: LMDB reuses the pages a transaction freed from the second commit
+        after it); then it is tried again. None when no space was found (counted; `full` says
+        why); other LMDB errors are raised. ``resized``: adopt a map another process grew
+        (default: its size)."""
         why = "the map is full and nothing more can be freed"
         for tries in range(1, ROOM_TRIES + 1):
             try:
@@ -97,7 +98,8 @@ class Space:
                 self._counters.add(self._prefix + "map_full", 1)
                 if tries == ROOM_TRIES:
                     break
-                self.reap()
+                if self.reap():  # what dead readers pinned is free now: nothing to delete
+                    continue
                 try:
                     make_room(tries)
                 except lmdb.MapFullError:  # deleting needs pages too: none were free yet

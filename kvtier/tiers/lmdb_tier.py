@@ -22,7 +22,8 @@ map, a copy fewer; a file that cannot be preallocated keeps staged writes, as th
 do (see `kvtier.tiers.lmdb_env.open_environment`).
 
 An environment found unreadable at open is moved aside and the tier starts empty (see
-`kvtier.tiers.lmdb_env`).
+`kvtier.tiers.lmdb_env`). A reader killed inside its read, a full map or a full disk never stops
+writes for good (`kvtier.core.lmdb_space`, the store's ``space``).
 """
 
 from __future__ import annotations
