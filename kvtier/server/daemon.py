@@ -43,8 +43,10 @@ _GRPC_OPTIONS = [
 _TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
 _ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 OBJECT_HEALTH_SERVICE = "kvtier.object"
-LMDB_HEALTH_SERVICE = "kvtier.lmdb"
 """Health service name of the object store: NOT_SERVING while its identity or the store fails."""
+LMDB_HEALTH_SERVICE = "kvtier.lmdb"
+"""Health service name of lmdb: NOT_SERVING from a write refused for want of space until one
+commits again."""
 
 
 def split_address(address: str, key: str) -> tuple[str, int]:
