@@ -19,7 +19,7 @@ from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, NamespaceSpec
 from kvtier.core.protocol import Answer, DraftState, LookupResult, SlotRef
 from kvtier.tiers.arena import ArenaAtPath, ArenaMemory
-from kvtier.tiers.lmdb_reader import LmdbReader, reader_at
+from kvtier.tiers.lmdb_reader import LmdbReader, reader_at, release_reader
 
 if TYPE_CHECKING:  # the manager is handed in: importing this module loads no tier
     from kvtier.core.config import KVTierConfig
@@ -33,6 +33,7 @@ __all__ = [
     "SharedClient",
     "embedded",
     "reader_at",
+    "release_reader",
     "shared_embedded",
 ]
 

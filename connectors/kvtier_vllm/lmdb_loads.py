@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.client import LmdbReader, reader_at
+from kvtier.client import LmdbReader, reader_at, release_reader
 from kvtier.core.errors import TierUnavailableError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import TierClient
@@ -38,6 +38,7 @@ def readable_lmdb(client: TierClient, wanted: bool) -> str:
             exc,
         )
         return ""
+    release_reader(path)  # the workers open their own
     return str(path)
 
 
@@ -73,11 +74,19 @@ class LmdbStaging:
             )
         return None
 
+    def close(self) -> None:
+        """Give the reader back (the engine shuts down): the last user in this process closes
+        lmdb's environment and its reader slots, so the process can open it again."""
+        if self._reader is not None:
+            release_reader(self._path)
+        self._reader = None
+        self._path = ""
+
     def _open(self, path: str) -> LmdbReader | None:
         """The reader of ``path``, opened once: a path that fails to open is not tried again."""
         if path != self._path:
+            self.close()
             self._path = path
-            self._reader = None
             try:
                 self._reader = reader_at(Path(path)) if path else None
             except TierUnavailableError as exc:

@@ -462,6 +462,7 @@ class KVTierWorker:
         return meta
 
     def shutdown(self) -> None:
+        self.staging.close()
         self.copies.detach()
         self._arena_bytes = None
         if self._arena is not None:

@@ -97,7 +97,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--service",
         default=ADMIN_SERVICE,
         help=f"health service name (default: {ADMIN_SERVICE}; '' for the server, "
-        "kvtier.object for the object store)",
+        "kvtier.object for the object store, kvtier.lmdb for lmdb: NOT_SERVING while its disk "
+        "is full)",
     )
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     p.set_defaults(func=run)

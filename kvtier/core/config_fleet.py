@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import ByteSize, Field
 
 from kvtier.core.config_sections import ConfigSection
 
@@ -37,10 +37,11 @@ class EventsConfig(ConfigSection):
         description="Publish block hashes as integers (the low 64 bits, big-endian), as vLLM "
         "does unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0; set it as the engines have it.",
     )
-    log_batches: int = Field(
-        100_000,
+    log_bytes: ByteSize = Field(
+        ByteSize(256 << 20),
         gt=0,
-        description="Batches kept for replay, on disk: the sequence carries on across restarts.",
+        description="Bytes of batches kept for replay, on disk (the oldest go first): the "
+        "sequence carries on across restarts.",
     )
     log_path: Path | None = Field(
         None,

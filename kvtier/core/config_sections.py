@@ -167,6 +167,22 @@ class LMDBConfig(ConfigSection):
         "last commits, never corrupt. full: each commit is on disk when it returns.",
     )
     max_readers: int = Field(126, ge=1, description="Concurrent LMDB read transactions.")
+    reader_check_interval_s: float = Field(
+        30.0,
+        ge=0.0,
+        description="Seconds between clearing dead processes' reader slots, which keep LMDB "
+        "from reusing pages; also at open and after a map-full. 0: only then.",
+    )
+    file_mode: int | None = Field(
+        None,
+        description="Mode of the environment's files (octal): 0600, or 0640 (lock file 0660) "
+        "for engines of lmdb.group to read its map. Unset: 0640 with a group, else 0600.",
+    )
+    group: str | int | None = Field(
+        None,
+        description="Group (name or gid) given the environment's files. Unset: server.group "
+        "under kvtierd, else the creating process's group.",
+    )
     eviction_policy: EvictionPolicyName = Field(
         "lru", description="Eviction policy by name (lru, fifo)."
     )
@@ -191,6 +207,11 @@ class LMDBConfig(ConfigSection):
     def _check_marks(self) -> LMDBConfig:
         if self.low_water > self.high_water:
             raise ValueError("low_water must not exceed high_water")
+        if self.file_mode is not None and self.file_mode & ~0o640:
+            raise ValueError(
+                f"file_mode {self.file_mode:#o} opens lmdb to others, or lets the group write "
+                "it; use 0640 (the group reads) or 0600"
+            )
         return self
 
 

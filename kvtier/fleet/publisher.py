@@ -106,6 +106,9 @@ class EventPublisher:
             topic, payload = item
             try:
                 seq = self.log.append(topic, payload)
+                if seq is None:  # no space to keep it (counted): a replay could not give it
+                    self._counters.add("event_batches_dropped", 1)
+                    continue
                 self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
                 self._counters.add("event_batches", 1)
             except Exception:  # a failing disk or socket must not end the thread

@@ -127,6 +127,21 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("counter", "store_rejected_chunks", "tier", "Stores refused for want of room."),
     _spec(
         "counter",
+        "disk_full_errors",
+        "store",
+        "Writes refused for want of space (no space left on the disk, or a map still full once "
+        "dead readers were cleared and room made), by store: lmdb, events (the event log). "
+        "Each takes writes again by itself once space returns.",
+    ),
+    _spec(
+        "counter",
+        "lmdb_stale_readers",
+        "",
+        "Reader slots of dead processes cleared from lmdb's lock file: a reader killed inside "
+        "a read keeps LMDB from reusing pages until its slot is cleared.",
+    ),
+    _spec(
+        "counter",
         "tier_events",
         "tier event",
         "Every raw event counter of each tier, by its code name; for debugging.",

@@ -36,6 +36,7 @@ class TierCollector(Collector):
         yield build
         stats = self.manager.stats()
         yield from self._tiers(stats)
+        yield from self._space(stats)
         yield from self._lookups()
         yield from self._transfers(stats)
         yield from self._queues(stats)
@@ -93,6 +94,20 @@ class TierCollector(Collector):
                 families["tier_events"].add_metric([name, event], max(0, value))
         yield policy
         yield from families.values()
+
+    def _space(self, stats: ManagerStats) -> Iterator[Metric]:
+        """Writes lmdb and the event log refused for want of space; dead readers cleared."""
+        if LMDB not in stats.tiers:
+            return
+        counters = stats.tiers[LMDB].counters
+        full = metric_family("disk_full_errors")
+        full.add_metric(["lmdb"], counters["disk_full"])
+        if OBJECT in stats.tiers:
+            full.add_metric(["events"], stats.tiers[OBJECT].counters["event_log_disk_full"])
+        stale = metric_family("lmdb_stale_readers")
+        stale.add_metric([], counters["stale_readers"])
+        yield full
+        yield stale
 
     def _lookups(self) -> Iterator[Metric]:
         lookups = metric_family("lookup_chunks")

@@ -44,6 +44,9 @@ _TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
 _ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 OBJECT_HEALTH_SERVICE = "kvtier.object"
 """Health service name of the object store: NOT_SERVING while its identity or the store fails."""
+LMDB_HEALTH_SERVICE = "kvtier.lmdb"
+"""Health service name of lmdb: NOT_SERVING from a write refused for want of space until one
+commits again."""
 
 
 def split_address(address: str, key: str) -> tuple[str, int]:
@@ -172,6 +175,10 @@ class Daemon:
             # the arena goes to the socket's group: whoever may call may map it
             arena = self.config.arena.model_copy(update={"group": cfg.group})
             self.config = self.config.model_copy(update={"arena": arena})
+        if cfg.group is not None and self.config.lmdb.group is None:
+            # and lmdb's files, read by engines that load from its map
+            lmdb = self.config.lmdb.model_copy(update={"group": cfg.group})
+            self.config = self.config.model_copy(update={"lmdb": lmdb})
         self.manager = TierManager(self.config)
         try:
             self.sessions = SessionRegistry(self.manager, cfg.session_timeout_s)
@@ -186,7 +193,7 @@ class Daemon:
         for _server, health_servicer, service in self._servers:
             for name in ("", service):
                 health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._report_object_health()
+        self._report_tier_health()
         self._reaper = threading.Thread(target=self._reap_loop, name="kvtier-reaper", daemon=True)
         self._reaper.start()
 
@@ -265,22 +272,26 @@ class Daemon:
         interval = min(1.0, self.config.server.session_timeout_s / 4)
         while not self._stopped.wait(interval):
             self.sessions.reap()
-            self._report_object_health()
+            self._report_tier_health()
 
-    def _report_object_health(self) -> None:
-        """The object store's health under its own service name; the daemon itself stays
-        SERVING, since without the store it still serves the arena and lmdb. Reads what the
-        tier's own check thread found: no request here, so reaping never waits on the store."""
-        tier = self.manager.object
-        if tier is None:
-            return
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if tier.healthy
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for _server, health_servicer, _service in self._servers:
-            health_servicer.set(OBJECT_HEALTH_SERVICE, status)
+    def _report_tier_health(self) -> None:
+        """The object store's and lmdb's health under service names of their own; the daemon
+        itself stays SERVING, since without either it still serves the tiers above. Reads what
+        the tiers found (the store's check thread, lmdb's last write: NOT_SERVING while its disk
+        is full): no request here, so reaping never waits on them."""
+        healthy: dict[str, bool] = {}
+        if self.manager.object is not None:
+            healthy[OBJECT_HEALTH_SERVICE] = self.manager.object.healthy
+        if self.manager.lmdb is not None:
+            healthy[LMDB_HEALTH_SERVICE] = not self.manager.lmdb.space.full
+        for service, ok in healthy.items():
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if ok
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            for _server, health_servicer, _service in self._servers:
+                health_servicer.set(service, status)
 
     def stop(self) -> None:
         """Stop taking calls, hand back what sessions hold, write the arena back, sync, close."""

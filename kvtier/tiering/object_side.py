@@ -72,7 +72,7 @@ def _open_events(
     if events.endpoint is None:
         return None
     path = events.log_path or config.lmdb.path.parent / "events"
-    event_log = EventLog(path, events.log_batches)
+    event_log = EventLog(path, events.log_bytes, tier.counters)
     try:
         publisher = EventPublisher(
             events.endpoint, events.replay_endpoint, event_log, tier.counters

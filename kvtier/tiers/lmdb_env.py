@@ -19,6 +19,8 @@ import lmdb
 from kvtier.core.config import Durability, LMDBConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.lmdb_space import restrict_files
+from kvtier.tiers.arena import resolve_group
 from kvtier.tiers.lmdb_reader import DATABASES
 
 log = logging.getLogger("kvtier.tiers.lmdb_tier")  # the tier's logger, which operators filter on
@@ -139,6 +141,7 @@ def _open_env(config: LMDBConfig, map_size: int, writemap: bool) -> lmdb.Environ
         sync=durability is not Durability.FAST,
         metasync=durability is Durability.FULL,
         readahead=True,
+        mode=0o600,  # created closed; `restrict_files` then gives the configured group and mode
     )
 
 
@@ -177,7 +180,7 @@ def preallocate(data: Path, size: int) -> str | None:
     leaves the file its old length."""
     if _fallocate is None:
         return "fallocate(2) is not available"
-    fd = os.open(data, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(data, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         old = os.fstat(fd).st_size
         if _fallocate(fd, 0, 0, size) == 0:
@@ -190,13 +193,27 @@ def preallocate(data: Path, size: int) -> str | None:
         os.close(fd)
 
 
+def files_mode(config: LMDBConfig) -> tuple[int, int | None]:
+    """The mode and group the environment's files get (``lmdb.file_mode``, ``lmdb.group``)."""
+    gid = resolve_group(config.group, "lmdb.group")
+    if config.file_mode is not None:
+        return config.file_mode, gid
+    return (0o640 if gid is not None else 0o600), gid
+
+
 def _open_checked(config: LMDBConfig, map_size: int, writemap: bool) -> lmdb.Environment:
     try:
-        return _open_env(config, map_size, writemap)
+        env = _open_env(config, map_size, writemap)
     except UNREADABLE_ERRORS as exc:
         raise Unreadable(f"{type(exc).__name__}: {exc}") from exc
     except lmdb.Error as exc:
         raise ConfigError("lmdb.path", f"cannot open LMDB at {config.path}: {exc}") from exc
+    try:  # files an older kvtier created open to others are closed too
+        restrict_files(config.path, (DATA_FILE, LOCK_FILE), *files_mode(config), "lmdb.group")
+    except BaseException:
+        env.close()
+        raise
+    return env
 
 
 def walk(env: lmdb.Environment, dbs: Sequence[lmdb._Database]) -> None:

@@ -8,7 +8,10 @@ snapshot stays whole even if the writer deletes the chunk meanwhile, and every r
 (and decoded, for a coded lmdb) as the tier's own reads are.
 
 An environment must be opened once per process: where the tiers run in this process (embedded
-mode), their open environment is adopted (`adopt`) instead of opening it a second time.
+mode), their open environment is adopted (`adopt`) instead of opening it a second time. One
+opened read-only is shared by its users in the process and closed when the last gives it back
+(`release_reader`: an engine shutting down), so the process can open it again, as a reader or
+as the tiers.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ __all__ = [
     "copy_payload",
     "disown",
     "reader_at",
+    "release_reader",
     "will_need",
 ]
 
@@ -123,7 +127,17 @@ class LmdbReader:
             log.debug("lmdb: read-ahead failed: %s", exc)
 
 
-_readers: dict[str, LmdbReader] = {}
+class _Held:
+    """A reader this process shares, with how many users hold it."""
+
+    def __init__(self, reader: LmdbReader, adopted: bool) -> None:
+        self.reader = reader
+        self.adopted = adopted
+        """The tiers of this process opened it (and close it); else it was opened read-only."""
+        self.users = 0
+
+
+_readers: dict[str, _Held] = {}
 _lock = threading.Lock()
 
 
@@ -134,7 +148,7 @@ def _canonical(path: Path) -> str:
 def adopt(path: Path, env: lmdb.Environment, chunks: lmdb._Database) -> None:
     """The tiers of this process opened the environment at ``path``: readers here use it."""
     with _lock:
-        _readers[_canonical(path)] = LmdbReader(env, chunks)
+        _readers[_canonical(path)] = _Held(LmdbReader(env, chunks), adopted=True)
 
 
 def disown(path: Path) -> None:
@@ -144,14 +158,31 @@ def disown(path: Path) -> None:
 
 
 def reader_at(path: str | Path) -> LmdbReader:
-    """This process's reader of the environment at ``path``, opened read-only on first use;
-    raises `TierUnavailableError` where it cannot be read from here."""
+    """This process's reader of the environment at ``path``, opened read-only on first use and
+    held until every user gave it back (`release_reader`); raises `TierUnavailableError` where
+    it cannot be read from here."""
     name = _canonical(Path(path))
     with _lock:
-        reader = _readers.get(name)
-        if reader is None:
+        held = _readers.get(name)
+        if held is None:
             try:
-                reader = _readers[name] = LmdbReader.open(Path(name))
+                held = _readers[name] = _Held(LmdbReader.open(Path(name)), adopted=False)
             except (lmdb.Error, OSError) as exc:
                 raise TierUnavailableError(f"lmdb at {path} cannot be read here: {exc}") from exc
-        return reader
+        held.users += 1
+        return held.reader
+
+
+def release_reader(path: str | Path) -> None:
+    """Give back a reader `reader_at` handed out (an engine shut down): the last user closes an
+    environment opened read-only, freeing this process to open it again (LMDB admits one
+    environment per file in a process) and its reader slots."""
+    name = _canonical(Path(path))
+    with _lock:
+        held = _readers.get(name)
+        if held is None or held.users == 0:
+            return
+        held.users -= 1
+        if held.users == 0 and not held.adopted:
+            del _readers[name]
+            held.reader.env.close()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import lmdb
@@ -14,6 +16,7 @@ import lmdb
 from kvtier.core.config import LMDBConfig
 from kvtier.core.counters import Counters
 from kvtier.core.keys import ChunkKey
+from kvtier.core.lmdb_space import Space
 from kvtier.core.memory import keep_freed_pages
 from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.base import Tier
@@ -26,7 +29,7 @@ from kvtier.tiers.lmdb_env import (
     prepare_dir,
     walk,
 )
-from kvtier.tiers.lmdb_index import Entry, read_index
+from kvtier.tiers.lmdb_index import Entry, lru_key, read_index
 from kvtier.tiers.lmdb_reader import DATABASES
 
 log = logging.getLogger("kvtier.tiers.lmdb_tier")  # the tier's logger, which operators filter on
@@ -59,6 +62,13 @@ class LmdbStore(Tier):
         if self.set_aside is not None:
             self._counters.add("environments_set_aside", 1)
         self._open_dbs()  # the checked environment was reopened to write through its map
+        self.space = Space(
+            lambda: self.env,
+            f"lmdb {config.path}",
+            self._counters,
+            reap_interval_s=config.reader_check_interval_s,
+        )
+        """Its writes: dead readers reaped, room made, a full disk counted (`full`)."""
         self._track_access = config.eviction_policy == "lru"
 
     def _load(self, env: lmdb.Environment) -> None:
@@ -104,3 +114,36 @@ class LmdbStore(Tier):
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    def _apply(self, entries: dict[ChunkKey, Entry]) -> None:
+        """Adopt entries written by a committed transaction."""
+        for key, entry in entries.items():
+            old = self._index.get(key)
+            self._used += entry.nbytes - (old.nbytes if old is not None else 0)
+            self._index[key] = entry
+
+    def _set_pinned(self, keys: Sequence[ChunkKey], pinned: bool) -> None:
+        with self._lock:
+            updates: dict[ChunkKey, Entry] = {}
+            with self.env.begin(write=True) as txn:
+                for key in keys:
+                    if pinned:
+                        txn.put(key, b"", db=self._pins)
+                    else:
+                        txn.delete(key, db=self._pins)
+                    entry = self._index.get(key)
+                    if entry is None or entry.pinned == pinned:
+                        continue
+                    if pinned:
+                        txn.delete(lru_key(entry.tick, key), db=self._lru)
+                        entry = replace(entry, pinned=True)
+                    else:
+                        entry = replace(entry, pinned=False, tick=self._tick())
+                        txn.put(lru_key(entry.tick, key), b"", db=self._lru)
+                    txn.put(key, entry.pack(), db=self._meta)
+                    updates[key] = entry
+            if pinned:
+                self._pinned_keys.update(keys)
+            else:
+                self._pinned_keys.difference_update(keys)
+            self._apply(updates)

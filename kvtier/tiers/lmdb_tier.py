@@ -22,7 +22,8 @@ map, a copy fewer; a file that cannot be preallocated keeps staged writes, as th
 do (see `kvtier.tiers.lmdb_env.open_environment`).
 
 An environment found unreadable at open is moved aside and the tier starts empty (see
-`kvtier.tiers.lmdb_env`).
+`kvtier.tiers.lmdb_env`). A reader killed inside its read, a full map or a full disk never stops
+writes for good (`kvtier.core.lmdb_space`, the store's ``space``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -57,7 +59,6 @@ __all__ = ["UNREADABLE_ERRORS", "LmdbTier", "move_aside"]
 log = logging.getLogger(__name__)
 
 _MAX_PENDING_TOUCHES = 1 << 16
-_PUT_RETRIES = 4
 
 
 class LmdbTier(LmdbStore):
@@ -70,9 +71,9 @@ class LmdbTier(LmdbStore):
         lmdb_reader.adopt(config.path, self.env, self._chunks)
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
-        if config.sync_interval_s > 0:
+        if config.sync_interval_s > 0 or config.reader_check_interval_s > 0:
             self._syncer = threading.Thread(
-                target=self._sync_loop, name="kvtier-lmdb-sync", daemon=True
+                target=self._background, name="kvtier-lmdb-sync", daemon=True
             )
             self._syncer.start()
 
@@ -97,23 +98,37 @@ class LmdbTier(LmdbStore):
         Returns whether each chunk is stored, and the keys that did not match."""
         regs = [self._check_payload(key, len(payload)) for key, payload, _ in items]
         values = [(k, p, reg, c) for (k, p, c), reg in zip(items, regs, strict=True)]
-        for attempt in range(_PUT_RETRIES):
-            try:
-                return self._put_txn(values, replica, extra_room=attempt * (self.budget // 20))
-            except lmdb.MapResizedError:
-                self._adopt_map_size()
-            except lmdb.MapFullError:
-                self._counters.add("map_full", 1)
-            except lmdb.Error as exc:  # a full or failing disk: the chunks are just not stored
-                log.error("lmdb: write failed, %d chunks not stored: %s", len(items), exc)
-                self._counters.add("store_failed", len(items))
-                return [False] * len(items), []
-        self._counters.add("store_rejected", len(items))
-        return [False] * len(items), []
+        try:  # a full map or disk is counted there, and the chunks are not stored
+            done = self.space.write(
+                lambda: self._put_txn(values, replica), self._make_room, self._adopt_map_size
+            )
+        except lmdb.Error as exc:  # a failing disk: the chunks are just not stored
+            log.error("lmdb: write failed, %d chunks not stored: %s", len(items), exc)
+            done = None
+        if done is None:
+            self._counters.add("store_failed", len(items))
+            return [False] * len(items), []
+        return done
 
-    def _put_txn(
-        self, values: list[Pending], replica: str, extra_room: int
-    ) -> tuple[list[bool], list[ChunkKey]]:
+    def _make_room(self, tries: int) -> None:
+        """Evict ``tries`` twentieths of the budget (down to the low-water mark at least), in a
+        transaction of its own: LMDB reuses the pages it frees only once it has committed."""
+        with self._lock:
+            with self.env.begin(write=True) as txn:
+                evicted = self._evict_for(txn, self._high - self._used + tries * self.budget // 20)
+            self._forget(evicted)
+
+    def _forget(self, evicted: list[ChunkKey]) -> None:
+        """Adopt the evictions of a committed transaction."""
+        for key in evicted:
+            self._used -= self._index.pop(key).nbytes
+        self._tell(False, evicted)
+        self._counters.add("evictions_capacity", len(evicted))
+        if self._retired:
+            retired = sum(namespace_of(k) in self._retired for k in evicted)
+            self._counters.add("retired_evicted", retired)
+
+    def _put_txn(self, values: list[Pending], replica: str) -> tuple[list[bool], list[ChunkKey]]:
         changed: list[ChunkKey] = []
         with self._lock:
             codec = self.config.codec
@@ -125,7 +140,7 @@ class LmdbTier(LmdbStore):
             added: dict[ChunkKey, Entry] = {}
             with self.env.begin(write=True) as txn:
                 touched = self._flush_touches(txn)  # recency first, so eviction sees it
-                evicted = set(self._evict_for(txn, sum(new.values()) + extra_room))
+                evicted = set(self._evict_for(txn, sum(new.values())))
                 results = []
                 uncodable = 0
                 used = self._used - sum(self._index[k].nbytes for k in evicted)
@@ -158,28 +173,15 @@ class LmdbTier(LmdbStore):
                     results.append(True)
             # committed: only now does the in-memory index follow
             self._apply(touched)
-            for key in evicted:
-                self._used -= self._index.pop(key).nbytes
+            self._forget(list(evicted))
             self._apply(added)
-            self._tell(False, list(evicted))
             self._tell(True, list(added))
-            self._counters.add("evictions_capacity", len(evicted))
-            if self._retired:
-                retired = sum(namespace_of(k) in self._retired for k in evicted)
-                self._counters.add("retired_evicted", retired)
             self._counters.add("stores", len(added))
             self._counters.add("codec_refused", uncodable)
             self._counters.add("store_rejected", results.count(False) - len(changed) - uncodable)
         if self.config.sync_interval_s == 0 and self.config.durability is not Durability.FULL:
             self.env.sync(True)
         return results, changed
-
-    def _apply(self, entries: dict[ChunkKey, Entry]) -> None:
-        """Adopt entries written by a committed transaction."""
-        for key, entry in entries.items():
-            old = self._index.get(key)
-            self._used += entry.nbytes - (old.nbytes if old is not None else 0)
-            self._index[key] = entry
 
     def _encode(
         self, key: ChunkKey, payload: memoryview | bytes, reg: Registration, expect: bytes | None
@@ -334,11 +336,18 @@ class LmdbTier(LmdbStore):
 
     # -- maintenance ----------------------------------------------------------------------
 
-    def _sync_loop(self) -> None:
-        while not self._stop.wait(self.config.sync_interval_s):
+    def _background(self) -> None:
+        """Sync every ``sync_interval_s``; clear dead readers' slots when due."""
+        sync_every = self.config.sync_interval_s
+        every = min(s for s in (sync_every, self.config.reader_check_interval_s) if s > 0)
+        synced = time.monotonic()
+        while not self._stop.wait(every):
             try:
-                self.sync()
-            except Exception:  # keep syncing; a dead syncer would go unnoticed
+                if sync_every > 0 and time.monotonic() - synced >= sync_every:
+                    synced = time.monotonic()
+                    self.sync()
+                self.space.reap_if_due()
+            except Exception:  # keep going; a dead thread would go unnoticed
                 self._counters.add("sync_failed", 1)
                 log.exception("lmdb: background sync failed")
 
@@ -369,32 +378,6 @@ class LmdbTier(LmdbStore):
             self._used -= self._index.pop(key).nbytes
         self._tell(False, dropped)
         return len(dropped)
-
-    def _set_pinned(self, keys: Sequence[ChunkKey], pinned: bool) -> None:
-        with self._lock:
-            updates: dict[ChunkKey, Entry] = {}
-            with self.env.begin(write=True) as txn:
-                for key in keys:
-                    if pinned:
-                        txn.put(key, b"", db=self._pins)
-                    else:
-                        txn.delete(key, db=self._pins)
-                    entry = self._index.get(key)
-                    if entry is None or entry.pinned == pinned:
-                        continue
-                    if pinned:
-                        txn.delete(lru_key(entry.tick, key), db=self._lru)
-                        entry = replace(entry, pinned=True)
-                    else:
-                        entry = replace(entry, pinned=False, tick=self._tick())
-                        txn.put(lru_key(entry.tick, key), b"", db=self._lru)
-                    txn.put(key, entry.pack(), db=self._meta)
-                    updates[key] = entry
-            if pinned:
-                self._pinned_keys.update(keys)
-            else:
-                self._pinned_keys.difference_update(keys)
-            self._apply(updates)
 
     # -- the Tier contract ----------------------------------------------------------------
 

@@ -229,12 +229,12 @@ def test_events_without_an_object_tier_or_with_a_taken_port_are_refused_at_start
 
 
 def test_the_event_log_keeps_its_newest_batches_in_order_and_numbers_on(tmp_path: Path) -> None:
-    log = EventLog(tmp_path / "log", capacity=3)
+    log = EventLog(tmp_path / "log", capacity_bytes=3 * 21)  # 3 of 8 + 2 + 1 + 10 bytes
     seqs = [log.append(b"t", bytes([i]) * 10) for i in range(5)]
     assert seqs == [0, 1, 2, 3, 4]
     assert [(s, p[0]) for s, _, p in log.since(0)] == [(2, 2), (3, 3), (4, 4)]
     log.close()
-    again = EventLog(tmp_path / "log", capacity=3)
+    again = EventLog(tmp_path / "log", capacity_bytes=3 * 21)
     assert again.append(b"t", b"x") == 5
     assert [s for s, _, _ in again.since(4)] == [4, 5]
     again.close()

@@ -1,6 +1,7 @@
 """Loads leased in lmdb: a real TierManager leases chunks lmdb holds without promoting them, keeps
 them from eviction until released, and another process reads them byte-exact from lmdb's map
-beside the manager's writer; a corrupt one is refused, never handed out."""
+beside the manager's writer; a corrupt one is refused, never handed out. A process whose engines
+shut down gives lmdb's environment back, and opens it again."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.client import InProcessClient, reader_at
+from kvtier.client import InProcessClient, reader_at, release_reader
 from kvtier.core.errors import ChunkFormatError
 from kvtier.core.keys import namespace_of
+from kvtier.core.pools import PoolRegistry
 from kvtier.core.protocol import in_lmdb
 from kvtier.tiering.manager import TierManager
+from kvtier.tiers.lmdb_tier import LmdbTier
 from tests.integration.test_manager import store
-from tests.support import keys_for, manager_config, payload_for, target_spec
+from tests.support import MiB, keys_for, lmdb_config, manager_config, payload_for, target_spec
 
 CHUNK = 256 << 10
 
@@ -130,3 +133,41 @@ def test_a_key_lmdb_does_not_hold_is_not_leased_there(manager: TierManager) -> N
     assert manager.lease(absent, "r0", in_lmdb=True) == [None]
     assert manager.lmdb is not None
     assert len(manager.lmdb.loads) == 0
+
+
+def test_a_process_that_gives_its_reader_back_opens_lmdb_again_past_max_readers(
+    tmp_path: Path,
+) -> None:
+    registry = PoolRegistry()
+    namespace = registry.register(target_spec(), CHUNK).namespace
+    config = lmdb_config(tmp_path / "lmdb", 8 * MiB, max_readers=2)
+    dst = memoryview(bytearray(CHUNK))
+    for key in keys_for(namespace, 3 * config.max_readers):
+        tier = LmdbTier(config, registry)  # the tiers in this process (an embedded engine)
+        assert tier.put(key, payload_for(key, CHUNK))
+        tier.close()
+        for _ in range(2):  # two engines of the process share one environment
+            assert reader_at(config.path).read_into(key, dst) is True
+        assert bytes(dst) == payload_for(key, CHUNK)
+        release_reader(config.path)
+        release_reader(config.path)  # the last engine shut down: closed
+
+
+def test_an_engine_shut_down_closes_lmdb_so_the_process_opens_it_again(tmp_path: Path) -> None:
+    from kvtier_vllm.config import ConnectorConfig
+    from kvtier_vllm.metadata import ChunkCopy
+    from kvtier_vllm.worker import KVTierWorker
+
+    registry = PoolRegistry()
+    namespace = registry.register(target_spec(), CHUNK).namespace
+    config = lmdb_config(tmp_path / "lmdb", 8 * MiB, max_readers=2)
+    for key in keys_for(namespace, 3 * config.max_readers):
+        tier = LmdbTier(config, registry)  # raises where an engine left it open here
+        assert tier.put(key, payload_for(key, CHUNK))
+        tier.close()
+        worker = KVTierWorker(None, ConnectorConfig())
+        job = ChunkCopy("target", 0, 0, 0, (0,), key=key)
+        chunk = worker.staging.stage(str(config.path), job, CHUNK)
+        assert chunk is not None
+        assert bytes(chunk.numpy()) == payload_for(key, CHUNK)
+        worker.shutdown()

@@ -32,6 +32,7 @@ LABELS = {
     "outcome": {"deferred", "expired"},
     "stat": {"mean", "spread"},
     "part": {"step", "token"},
+    "store": {"lmdb", "events"},
 }
 FREE_LABELS = {"replica", "event", "le", "version", "url", "principal", "model"}
 FREE_LABELS |= {"draft_model", "draft_revision"}
