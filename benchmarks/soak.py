@@ -27,7 +27,8 @@ back within 10 % of the steady state measured on the first model.
 Reported per event type: ``recovery_s_max``/``_median`` (event, or the disk given back, to the
 end of the first round within 10 % of steady; ``not_recovered`` counts those whose rounds ran
 out), ``refused_stores_with_room`` (chunks node 0's arena refused while it held chunks of other
-namespaces: room that could have been made), ``lmdb_store_rejected``,
+namespaces: room that could have been made), node 0's ``lmdb_store_rejected``,
+``disk_full_errors`` and ``stale_readers_cleared`` (its counters over the event and recovery),
 ``foreign_objects_deleted`` (objects that vanished although none of their uploaders deleted
 them, or that a node deleted without having uploaded them), ``bytes_above_budget_max`` (a
 node's own objects in the bucket beyond its budget) and ``wedged`` (tiers that took no new
@@ -83,6 +84,8 @@ OBJECT_BUDGET = 3 * MiB
 BUCKET_BYTES = 6 * MiB
 """What the bucket should hold: less than the nodes' budgets together."""
 PACK_BYTES = 256 << 10
+EVENT_LOG_BYTES = 1 * MiB
+"""Reached within the run: the log's bytes must stay flat past it."""
 DISK_BYTES = LMDB_BUDGET + MAP_HEADROOM + 8 * MiB
 """kvtierd checks at start that lmdb's budget and its headroom fit the disk."""
 TARGETS: dict[str, tuple[str, float]] = {
@@ -146,6 +149,7 @@ def node_config(i: int, root: Path, disk: Path, mode: Mode) -> dict[str, Any]:
         config["events"] = {
             "endpoint": f"tcp://127.0.0.1:{free_port()}",
             "log_path": str(disk / "events"),
+            "log_bytes": EVENT_LOG_BYTES,
         }
     return config
 
@@ -246,7 +250,8 @@ def print_report(figures: dict[str, Any]) -> None:
     table = Table(title=f"soak ({figures['mode']}, {figures['seconds']:.0f} s)")
     columns = (
         "count", "recovery_s_max", "recovery_s_median", "not_recovered",
-        "refused_stores_with_room", "lmdb_store_rejected", "foreign_objects_deleted",
+        "refused_stores_with_room", "lmdb_store_rejected", "disk_full_errors",
+        "stale_readers_cleared", "foreign_objects_deleted",
         "bytes_above_budget_max", "wedged",
     )  # fmt: skip
     table.add_column("event")

@@ -40,7 +40,12 @@ EXTRAS = (
     "kvtierd_kill",
 )
 """The events between model switches, in turn."""
-LMDB_REJECTED = ("kvtier_store_rejected_chunks_total", {"tier": "lmdb"})
+COUNTED = {
+    "lmdb_store_rejected": ("kvtier_store_rejected_chunks_total", {"tier": "lmdb"}),
+    "disk_full_errors": ("kvtier_disk_full_errors_total", {}),
+    "stale_readers_cleared": ("kvtier_lmdb_stale_readers_total", {}),
+}
+"""Node 0's counters kept per event type: how much of each the event and its recovery saw."""
 STORED = {
     "lmdb": ("kvtier_tier_events_total", {"event": "stores", "tier": "lmdb"}),
     "object": ("kvtier_object_store_uploads_total", {}),
@@ -88,7 +93,7 @@ class EventFigures:
     recovery_s: list[float | None] = field(default_factory=list)
     refused_stores_with_room: int = 0
     refused_stores: int = 0
-    lmdb_store_rejected: float = 0.0
+    counted: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTED, 0.0))
     foreign_objects_deleted: int = 0
     bytes_above_budget_max: int = 0
     wedged: list[str] = field(default_factory=list)
@@ -102,7 +107,7 @@ class EventFigures:
             "not_recovered": len(self.recovery_s) - len(done),
             "refused_stores_with_room": self.refused_stores_with_room,
             "refused_stores": self.refused_stores,
-            "lmdb_store_rejected": self.lmdb_store_rejected,
+            **self.counted,
             "foreign_objects_deleted": self.foreign_objects_deleted,
             "bytes_above_budget_max": self.bytes_above_budget_max,
             "wedged": sorted(set(self.wedged)),
@@ -217,7 +222,7 @@ class Soak:
             return
         figures = self.figures.setdefault(event, EventFigures())
         figures.count += 1
-        rejected = self._metric(node, LMDB_REJECTED)
+        counters = self._counters(node)
         started = time.monotonic()
         lmdb_check = event in ("reader_kill", "disk_full", "kvtierd_kill")
         if event == "model_switch":
@@ -250,7 +255,10 @@ class Soak:
         figures.recovery_s.append(recovery)
         figures.refused_stores += served.refused
         figures.refused_stores_with_room += served.refused_with_room
-        figures.lmdb_store_rejected += self._metric(node, LMDB_REJECTED) - rejected
+        for name, after in self._counters(node).items():
+            # a restarted kvtierd counts from 0 again
+            counters[name] = after - counters[name] if after >= counters[name] else after
+            figures.counted[name] += counters[name]
         figures.wedged += self.stalled(node, ("cpu", "lmdb") if lmdb_check else ("cpu",))
         self._check_bucket(figures)
         shown = "not recovered" if recovery is None else f"recovered in {recovery:.2f} s"
@@ -258,13 +266,16 @@ class Soak:
 
     # -- checks ----------------------------------------------------------------------------
 
+    def _counters(self, node: Node) -> dict[str, float]:
+        return {name: self._metric(node, metric) for name, metric in COUNTED.items()}
+
     @staticmethod
     def _metric(node: Node, metric: tuple[str, dict[str, str]]) -> float:
         name, labels = metric
         try:
             return total(node.samples(), name, **labels)
-        except OSError:
-            return math.nan
+        except OSError:  # a daemon down counts nothing
+            return 0.0
 
     def stalled(self, node: Node, tiers: tuple[str, ...]) -> list[str]:
         """Of ``tiers`` (cpu, lmdb, object), those of ``node`` that take no new chunks. The
