@@ -4,7 +4,9 @@ reserved for its uploads in flight, held to ``object.budget_bytes``.
 Objects the node learned of from others (probes, fetches, ``warmup --object-index``) are
 knowledge, not budget: never counted, never evicted here. Room is made under one lock, and an
 upload reserves its bytes before it is sent, so concurrent uploads never count the same free
-room twice. An object pinned by any node (`FleetPins`) is never evicted.
+room twice; the reservation turns into the indexed object in one step (`Reservation.settle`),
+so nothing is counted twice or missed. An object pinned by any node (`FleetPins`) is never
+evicted.
 """
 
 from __future__ import annotations
@@ -12,12 +14,50 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import TypeVar
 
 from kvtier.core.counters import Counters
 from kvtier.tiers.objstore.index import ObjectIndex
 from kvtier.tiers.objstore.pins import FleetPins
 
 log = logging.getLogger("kvtier.tiers.objstore.tier")
+T = TypeVar("T")
+
+
+class Reservation:
+    """Room held for one upload; released when its block ends unless settled first."""
+
+    def __init__(self, budget: StoreBudget, nbytes: int) -> None:
+        self._budget = budget
+        self.nbytes = nbytes
+        self._open = True
+
+    def settle(self, record: Callable[[], T]) -> T:
+        """Run ``record`` (the index write that makes the object count as owned) and release
+        the room as one step, whether it succeeds or raises."""
+        with self._budget.counted:
+            try:
+                return record()
+            finally:
+                self._close()
+
+    def _close(self) -> None:
+        if self._open:
+            self._open = False
+            self._budget.unreserve(self.nbytes)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        with self._budget.counted:
+            self._close()
 
 
 class StoreBudget:
@@ -34,40 +74,39 @@ class StoreBudget:
         self._pins = pins
         self._delete = delete
         self._counters = counters
-        self._lock = threading.Lock()
+        self._making_room = threading.Lock()
+        """Held while room is made: one upload at a time evicts, then reserves."""
+        self.counted = threading.RLock()
+        """Held while what is used is read or changes hands (reserved -> indexed); briefly."""
         self._reserved = 0
 
     @property
     def reserved(self) -> int:
-        with self._lock:
+        with self.counted:
             return self._reserved
 
     def used(self) -> int:
         """Bytes of this node's objects in the store, and of its uploads in flight."""
-        with self._lock:
+        with self.counted:
             return self._index.owned_bytes() + self._reserved
 
-    def reserve(self, nbytes: int) -> bool:
-        """Make room for an upload of ``nbytes`` and hold it until `release`; False when
-        there is none (what is left is pinned, in flight, or could not be deleted)."""
-        if self.limit is None:
-            return True
-        if nbytes > self.limit:
-            return False
-        with self._lock:
-            used = self._index.owned_bytes() + self._reserved
-            if used + nbytes > self.limit:
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """Make room for an upload of ``nbytes`` and hold it; None when there is none (what
+        is left is pinned, in flight, or could not be deleted)."""
+        if self.limit is not None and nbytes > self.limit:
+            return None
+        with self._making_room:
+            used = self.used()
+            if self.limit is not None and used + nbytes > self.limit:
                 used = self._evict(used + nbytes - self.limit, used)
-            if used + nbytes > self.limit:
-                return False
-            self._reserved += nbytes
-            return True
+                if used + nbytes > self.limit:
+                    return None
+            with self.counted:
+                self._reserved += nbytes
+        return Reservation(self, nbytes)
 
-    def release(self, nbytes: int) -> None:
-        """An upload ended: indexed (its object now counts as owned) or given up."""
-        if self.limit is None:
-            return
-        with self._lock:
+    def unreserve(self, nbytes: int) -> None:
+        with self.counted:
             self._reserved -= nbytes
 
     def _evict(self, needed: int, used: int) -> int:

@@ -37,6 +37,7 @@ from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.core.kvcodec import Codec
 from kvtier.core.protocol import TierCode, TierStats, UsageStats
 from kvtier.tiers.objstore.backend import ObjectExistsError
+from kvtier.tiers.objstore.budget import Reservation
 from kvtier.tiers.objstore.index import REMOTE_REPLICA as REMOTE_REPLICA
 from kvtier.tiers.objstore.index import ChunkLocation, IndexWriteError
 from kvtier.tiers.objstore.pins import PINS_DIR as PINS_DIR
@@ -129,13 +130,12 @@ class ObjectTier(ObjectStore):
         if not keys:
             return 0
         locations, coded = self._locations(keys, body, self.object_name(keys[0]), replica)
-        if not self.budget.reserve(len(body)):
+        reservation = self.budget.reserve(len(body))
+        if reservation is None:
             self.counters.add("store_rejected", len(keys))
             return 0
-        try:
-            won = self._upload(keys, body, locations, coded)
-        finally:
-            self.budget.release(len(body))  # indexed by now (then counted as owned), or not
+        with reservation:  # settled by the index write, else released here
+            won = self._upload(keys, body, locations, coded, reservation)
         if won is None:
             return 0
         if won:
@@ -168,6 +168,7 @@ class ObjectTier(ObjectStore):
         body: memoryview,
         locations: list[tuple[ChunkKey, ChunkLocation]],
         coded: bool,
+        reservation: Reservation,
     ) -> bool | None:
         """Put the object and index it as this node's: True when done, False when another
         writer had the name, None on failure (counted; nothing of ours is left unindexed)."""
@@ -198,7 +199,7 @@ class ObjectTier(ObjectStore):
         self.counters.add("upload_bytes", len(body))
         self.counters.add("objects_uploaded", 1)
         try:
-            self.index.add(name, len(body), locations, owned=True)
+            reservation.settle(lambda: self.index.add(name, len(body), locations, owned=True))
         except IndexWriteError as exc:  # an own object no index names would leak: remove it
             log.error("%s; removing the object just uploaded", exc)
             self.counters.add("index_full", 1)
