@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -21,8 +22,8 @@ from kvtier.tiers.objstore.pins import PINS_DIR, PINS_FORMAT
 from kvtier.tiers.objstore.tier import COMPANION_SUFFIX, META_NODE, ObjectTier
 from tests.contract.tier_contract import CHUNK
 from tests.objstore import test_object_tier
-from tests.objstore.fixtures import StoreFactory
-from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
+from tests.objstore.fixtures import GCS_ENDPOINT_ENV, StoreFactory
+from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess, _Handler, _LoopbackHttp
 from tests.objstore.test_object_tier import Tier, keys, put_when_ready, read
 from tests.support import payload_for
 
@@ -100,6 +101,68 @@ def test_an_upload_losing_the_race_is_counted_as_lost_not_failed(
     assert read(loser, key) == payload_for(key, CHUNK)
     assert not loser.index.objects[name].owned, "served from the winner's object, not owned"
     assert loser.budget.used() == 0
+
+
+class _TakenEverywhere(_Handler):
+    """A store where every name is taken by an object no one can read: a write answers 412
+    Precondition Failed (as S3 and GCS answer a conditional put that lost), a read 404."""
+
+    seen: ClassVar[list[tuple[str, str, str]]] = []  # method, target, If-None-Match
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.seen.append((self.command, self.path, self.headers.get("If-None-Match", "")))
+        gcs = self.path.startswith(("/storage/", "/upload/storage/"))
+        if self.command in ("PUT", "POST"):
+            if gcs:
+                error = {"code": 412, "message": "conditionNotMet", "errors": []}
+                self.reply_json(412, {"error": error})
+            else:
+                self.reply(412, _s3_error("PreconditionFailed"), "application/xml")
+        elif gcs:
+            self.reply_json(404, {"error": {"code": 404, "message": "No such object"}})
+        else:
+            self.reply(404, _s3_error("NoSuchKey"), "application/xml")
+
+    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _answer
+
+
+def _s3_error(code: str) -> str:
+    return (
+        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+        "<Message>m</Message><RequestId>1</RequestId></Error>"
+    )
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_the_sdks_send_the_condition_and_a_412_is_a_lost_race(
+    make_tier: Tier, store_factory: StoreFactory, monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    url = store_factory(scheme)
+    store = _LoopbackHttp(_TakenEverywhere)
+    _TakenEverywhere.seen = []
+    try:
+        # the identity (STS, the metadata server) still answers; the store has every name
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3" if scheme == "s3" else GCS_ENDPOINT_ENV, store.url)
+        tier = make_tier(url, breaker_failures=2, retries=3)
+        (key,) = keys(1)
+        assert not tier.put(key, payload_for(key, CHUNK)), "nothing readable holds it"
+        counters = tier.stats().counters
+        assert counters["upload_races_lost"] == 1
+        assert counters["request_errors"] == counters["retries"] == counters["corrupt"] == 0
+        assert tier.healthy
+        writes = [
+            (target, cond)
+            for method, target, cond in _TakenEverywhere.seen
+            if method in ("PUT", "POST")
+        ]
+        assert len(writes) == 1, "a lost race is not retried"
+        if scheme == "s3":
+            assert writes[0][1] == "*"
+        else:
+            assert "ifGenerationMatch=0" in writes[0][0]
+    finally:
+        store.close()
 
 
 def test_a_node_warmed_from_the_bucket_deletes_nothing_it_did_not_upload(

@@ -363,8 +363,14 @@ class Catalog:
             return
         counts.leftovers += swept
         tier.counters.add("objects_gc", len(doomed) + swept)
-        if dead_pins:
-            log.info("gc: deleted the pins of %d dead nodes", len(dead_pins))
+        if doomed or swept:
+            log.info(
+                "gc: deleted %d lone lineage companions, %d temporary files and the pins of %d "
+                "dead nodes",
+                len(doomed) - len(dead_pins),
+                swept,
+                len(dead_pins),
+            )
 
     def _delete(self, batch: Sequence[ObjectInfo], counts: GcCounts) -> None:
         if not batch:
