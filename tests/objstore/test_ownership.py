@@ -187,6 +187,26 @@ def test_a_node_warmed_from_the_bucket_deletes_nothing_it_did_not_upload(
     assert all(read(warmed, key) == payload_for(key, CHUNK) for key in theirs)
 
 
+def test_the_budget_keeps_an_object_another_node_pinned(
+    make_tier: Tier, store_factory: StoreFactory
+) -> None:
+    url = store_factory("file")
+    owner = make_tier(url, pack_target_bytes=0, budget_bytes=2 * OBJECT)
+    pinned, other = keys(2)
+    for key in (pinned, other):
+        assert owner.put(key, payload_for(key, CHUNK))
+    pinner = make_tier(url)
+    assert pinner.probe(pinned) is not None
+    pinner.pin([pinned])  # published in the store, where the owner's budget reads it
+    later = keys(2, start=10)
+    for key in later:
+        assert owner.put(key, payload_for(key, CHUNK))
+    names = chunk_objects(owner)
+    kept = [owner.object_name(key) in names for key in (pinned, other, *later)]
+    assert kept == [True, False, False, True], "the oldest is kept: another node pinned it"
+    assert owner.budget.used() <= 2 * OBJECT
+
+
 def test_eight_concurrent_uploads_stay_within_the_budget_plus_one_pack(
     make_tier: Tier,
     store_factory: StoreFactory,

@@ -164,11 +164,16 @@ class ObjectIndex:
                 entry.keys.add(key)
 
     def _forget_learned(self, attempt: int) -> bool:
-        """Forget the least recently used quarter of the learned objects (all of them at the
-        last attempt), in a transaction of its own; False when there were none."""
+        """Forget the least recently used quarter of the learned objects holding no pinned
+        chunk (all of them at the last attempt), in a transaction of its own; False when there
+        were none."""
         with self._lock:
-            learned = sorted(
-                (n for n, e in self.objects.items() if not e.owned),
+            learned = sorted(  # a pinned chunk's object stays: the pins name it
+                (
+                    n
+                    for n, e in self.objects.items()
+                    if not e.owned and self.pins.isdisjoint(e.keys)
+                ),
                 key=lambda n: self.objects[n].tick,
             )
         if not learned:

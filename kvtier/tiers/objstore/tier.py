@@ -235,7 +235,7 @@ class ObjectTier(ObjectStore):
         own first chunk (a lookup that found the winner's chunks probes there next)."""
         name = locations[0][1].obj
         try:
-            self.fetch(name)  # verified and indexed as learned; a corrupt one is deleted
+            self.fetch(name, hits=False)  # verified, indexed as learned; a corrupt one deleted
         except ObjectStoreError as exc:
             self.counters.add("store_errors", len(keys))
             log.warning("reading %s, written first by another node, failed: %s", name, exc)
@@ -311,10 +311,10 @@ class ObjectTier(ObjectStore):
         self.counters.add("download_bytes", len(value))
         return True
 
-    def fetch(self, name: str) -> list[FetchedChunk] | None:
+    def fetch(self, name: str, hits: bool = True) -> list[FetchedChunk] | None:
         """GET a whole object and verify every chunk in it; None when it does not exist or is
-        corrupt (then deleted). Indexes what it found. Raises `ObjectStoreError` when the store
-        cannot answer."""
+        corrupt (then deleted). Indexes what it found, counted as hits unless ``hits`` is
+        False. Raises `ObjectStoreError` when the store cannot answer."""
         try:
             body = self.guard.call(lambda: self.backend.get(name), self.config.request_timeout_s)
         except ObjectNotFoundError:
@@ -342,7 +342,8 @@ class ObjectTier(ObjectStore):
                 offset += length
             self.remember(name, len(body), locations)
         self.index.touch(name)
-        self.counters.add("hits", len(chunks))
+        if hits:
+            self.counters.add("hits", len(chunks))
         return [FetchedChunk(key, payload) for key, payload, _ in chunks]
 
     def remember(
