@@ -17,6 +17,7 @@ from typing import ClassVar
 import pytest
 
 from kvtier.core.keys import ChunkKey
+from kvtier.tiers.objstore import pins as fleet_pins
 from kvtier.tiers.objstore.catalog import Catalog
 from kvtier.tiers.objstore.pins import PINS_DIR, PINS_FORMAT
 from kvtier.tiers.objstore.tier import COMPANION_SUFFIX, META_NODE, ObjectTier
@@ -344,3 +345,20 @@ def test_gc_deletes_lone_companions_temporary_files_and_dead_nodes_pins_and_noth
     assert not (shard / ".tmp-crashed").exists()
     assert (shard / ".tmp-in-flight").exists(), "a put in flight"
     assert (counts.deleted, counts.pinned, counts.leftovers) == (2, 1, 3)
+
+
+def test_a_node_holding_pins_rewrites_them_so_gc_never_takes_it_for_dead(
+    make_tier: Tier, store_factory: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fleet_pins, "REFRESH_S", 0.2)  # an hour in production
+    tier = make_tier(store_factory("file"))
+    (key,) = keys(1)
+    assert tier.put(key, payload_for(key, CHUNK))
+    tier.pin([key])
+    published = tier.backend.head(tier.pins_name)
+    assert published is not None
+    deadline = time.monotonic() + 10.0
+    while (now := tier.backend.head(tier.pins_name)) is None or now.modified == published.modified:
+        assert time.monotonic() < deadline, "the pins were not rewritten"
+        time.sleep(0.05)
+    assert key.hex() in tier.backend.get(tier.pins_name).decode()

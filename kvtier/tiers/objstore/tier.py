@@ -204,7 +204,7 @@ class ObjectTier(ObjectStore):
             log.error("%s; removing the object just uploaded", exc)
             self.counters.add("index_full", 1)
             self.counters.add("store_errors", len(keys))
-            self.delete_objects([name])
+            self._withdraw(name)
             return None
         self.counters.add("stores", len(keys))
         if companion is not None and self.events is not None:
@@ -212,6 +212,14 @@ class ObjectTier(ObjectStore):
         if not self.index.pins.isdisjoint(keys):
             self.pins.dirty.set()  # the check loop names the new object in this node's pins
         return True
+
+    def _withdraw(self, name: str) -> None:
+        """Delete an object just uploaded and never announced (so its removal is not either);
+        one that cannot be deleted now is left to gc, logged."""
+        try:
+            self.guard.call(lambda: self.backend.delete([name, name + COMPANION_SUFFIX]))
+        except ObjectStoreError as exc:
+            log.error("%s, uploaded and not indexed, is left to kvtier gc: %s", name, exc)
 
     def _put_lineage(self, name: str, companion: bytes) -> None:
         self.guard.call(lambda: self.backend.put(name + COMPANION_SUFFIX, companion, {}))
