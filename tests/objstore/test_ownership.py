@@ -17,6 +17,7 @@ from typing import ClassVar
 import pytest
 
 from kvtier.core.keys import ChunkKey
+from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.objstore import pins as fleet_pins
 from kvtier.tiers.objstore.catalog import Catalog
 from kvtier.tiers.objstore.pins import PINS_DIR, PINS_FORMAT
@@ -26,7 +27,7 @@ from tests.objstore import test_object_tier
 from tests.objstore.fixtures import GCS_ENDPOINT_ENV, StoreFactory
 from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess, _Handler, _LoopbackHttp
 from tests.objstore.test_object_tier import Tier, keys, put_when_ready, read
-from tests.support import payload_for
+from tests.support import object_config, payload_for, target_spec
 
 make_tier = test_object_tier.make_tier  # the same fixture, found by name here
 
@@ -362,3 +363,32 @@ def test_a_node_holding_pins_rewrites_them_so_gc_never_takes_it_for_dead(
         assert time.monotonic() < deadline, "the pins were not rewritten"
         time.sleep(0.05)
     assert key.hex() in tier.backend.get(tier.pins_name).decode()
+
+
+def test_ownership_survives_a_restart(
+    make_tier: Tier, store_factory: StoreFactory, tmp_path: Path
+) -> None:
+    url = store_factory("file")
+    other = make_tier(url)
+    theirs = keys(2, start=10)
+    assert pack(other, theirs) == 2
+    config = object_config(url, tmp_path / "restarted", pack_target_bytes=0)
+    registry = PoolRegistry()
+    registry.register(target_spec(), CHUNK)
+    mine = keys(2)
+    tier = ObjectTier(config, registry)
+    try:
+        for key in mine:
+            assert tier.put(key, payload_for(key, CHUNK))
+        assert tier.probe(theirs[0]) is not None
+        used = tier.budget.used()
+    finally:
+        tier.close()
+    tier = ObjectTier(config, registry)
+    try:
+        owned = {name for name, entry in tier.index.objects.items() if entry.owned}
+        assert owned == {tier.object_name(key) for key in mine}
+        assert other.object_name(theirs[0]) in tier.index.objects, "still known, not owned"
+        assert tier.budget.used() == used == sum(chunk_objects(tier)[name] for name in owned)
+    finally:
+        tier.close()

@@ -93,11 +93,15 @@ class StoreBudget:
     def reserve(self, nbytes: int) -> Reservation | None:
         """Make room for an upload of ``nbytes`` and hold it; None when there is none (what
         is left is pinned, in flight, or could not be deleted)."""
-        if self.limit is not None and nbytes > self.limit:
+        if self.limit is None:  # unbounded: counted only for the gauge
+            with self.counted:
+                self._reserved += nbytes
+            return Reservation(self, nbytes)
+        if nbytes > self.limit:
             return None
         with self._making_room:
             used = self.used()
-            if self.limit is not None and used + nbytes > self.limit:
+            if used + nbytes > self.limit:
                 used = self._evict(used + nbytes - self.limit, used)
                 if used + nbytes > self.limit:
                     return None

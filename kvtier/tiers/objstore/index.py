@@ -100,6 +100,7 @@ class ObjectIndex:
                     if loc.obj in legacy and loc.replica != REMOTE_REPLICA:
                         entry.owned = True
             self.pins = {ChunkKey(bytes(k)) for k, _ in txn.cursor(db=self._pins)}
+        self._owned_bytes = sum(e.size for e in self.objects.values() if e.owned)
 
     def node_id(self, new: Callable[[], str]) -> str:
         """This node's name in the store, made by ``new`` once and kept with the index."""
@@ -158,6 +159,7 @@ class ObjectIndex:
             # committed: only now does the mirror follow
             self._tick = tick
             entry = self.objects.setdefault(name, ObjectEntry(size, tick, set()))
+            self._owned_bytes += (size if owned else 0) - (entry.size if entry.owned else 0)
             entry.size, entry.tick, entry.owned = size, tick, owned
             for key, loc in locations:
                 self.chunks[key] = loc
@@ -214,6 +216,7 @@ class ObjectIndex:
                 entry.keys.discard(key)
                 if not entry.keys:
                     del self.objects[loc.obj]
+                    self._owned_bytes -= entry.size if entry.owned else 0
                     txn.delete(loc.obj.encode(), db=self._objects)
                     emptied.append(loc.obj)
         return emptied
@@ -223,7 +226,9 @@ class ObjectIndex:
         keys = sorted(entry.keys) if entry is not None else []
         self.drop_keys(keys)
         with self._lock, self.env.begin(write=True) as txn:
-            self.objects.pop(name, None)
+            gone = self.objects.pop(name, None)
+            if gone is not None and gone.owned:
+                self._owned_bytes -= gone.size
             txn.delete(name.encode(), db=self._objects)
         return keys
 
@@ -248,9 +253,9 @@ class ObjectIndex:
         return sorted(owned, key=lambda item: item[1].tick)
 
     def owned_bytes(self) -> int:
-        """Bytes of the objects this node uploaded."""
+        """Bytes of the objects this node uploaded (kept as they change: read per upload)."""
         with self._lock:
-            return sum(e.size for e in self.objects.values() if e.owned)
+            return self._owned_bytes
 
     def sync(self) -> None:
         self.env.sync(True)
