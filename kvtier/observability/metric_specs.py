@@ -226,6 +226,20 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _spec("counter", "object_store_retries", "", "Requests retried after a failure."),
     _spec("counter", "object_store_upload_seconds", "", "Time spent in successful uploads."),
+    _spec(
+        "counter",
+        "object_store_upload_races_lost",
+        "",
+        "Uploads that found their name taken by another node's object (written first): served "
+        "from that object, the chunks it lacks uploaded under their own name; not failures.",
+    ),
+    _spec(
+        "gauge",
+        "object_store_owned_bytes",
+        "",
+        "Bytes of the objects this node uploaded and of its uploads in flight: what "
+        "object.budget_bytes holds (objects learned from other nodes are not counted).",
+    ),
     # draft models
     _spec(
         "info",

@@ -215,6 +215,8 @@ class TierCollector(Collector):
             "object_store_retries": counts["retries"],
             "object_store_unknown_format": counts["unknown_format"],
             "object_store_upload_seconds": counts["upload_seconds_us"] / 1e6,
+            "object_store_upload_races_lost": counts["upload_races_lost"],
+            "object_store_owned_bytes": store.budget.used(),
         }
         for name, value in plain.items():
             family = metric_family(name)

@@ -13,6 +13,7 @@ from kvtier.tiers.objstore.backend import (
     MAX_NAME_BYTES,
     PING_NAME,
     ObjectBackend,
+    ObjectExistsError,
     RequestRejectedError,
 )
 from tests.objstore.fixtures import OpenBackend, StoreFactory
@@ -28,6 +29,8 @@ def payload(n: int) -> bytes:
 class BackendContract:
     scheme: str
     """The URL scheme of the backend under test: "file", "s3" or "gs"."""
+    exclusive_checked_by_server: str | None = None
+    """Why the test server cannot show an exclusive put refused, where it cannot."""
 
     @pytest.fixture
     def url(self, store_factory: StoreFactory) -> str:
@@ -56,6 +59,17 @@ class BackendContract:
         info = backend.head("obj")
         assert info is not None
         assert (info.size, dict(info.metadata)) == (100, {"v": "2"})
+
+    def test_an_exclusive_put_never_replaces_an_object(self, backend: ObjectBackend) -> None:
+        backend.put("fresh", b"first", {"v": "1"}, exclusive=True)
+        assert backend.get("fresh") == b"first"
+        if self.exclusive_checked_by_server is not None:
+            pytest.skip(self.exclusive_checked_by_server)
+        with pytest.raises(ObjectExistsError):
+            backend.put("fresh", b"second", {"v": "2"}, exclusive=True)
+        info = backend.head("fresh")
+        assert info is not None
+        assert (backend.get("fresh"), dict(info.metadata)) == (b"first", {"v": "1"})
 
     def test_head_reports_size_time_and_metadata(self, backend: ObjectBackend) -> None:
         before = time.time()

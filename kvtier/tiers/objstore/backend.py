@@ -35,6 +35,11 @@ class StoreUnreachableError(ObjectStoreError):
     timeout): the store, not the request, is at fault, and retrying at once cannot help."""
 
 
+class ObjectExistsError(ObjectStoreError):
+    """An exclusive put found the name taken (S3 and GCS answer 412): another writer won the
+    race. The store is fine and the request must not be retried."""
+
+
 class RequestRejectedError(ObjectStoreError):
     """The store refused this request for something in it (its name, its size, a header), not
     for its own state: it says nothing about the store's health."""
@@ -101,8 +106,15 @@ class ObjectBackend(ABC):
         return f"{loc.scheme}://{loc.bucket}/{loc.prefix}".rstrip("/")
 
     @abstractmethod
-    def put(self, name: str, body: bytes | memoryview, metadata: Mapping[str, str]) -> None:
-        """Write a whole object; readers see the old object or the new one, never a part."""
+    def put(
+        self,
+        name: str,
+        body: bytes | memoryview,
+        metadata: Mapping[str, str],
+        exclusive: bool = False,
+    ) -> None:
+        """Write a whole object; readers see the old object or the new one, never a part. With
+        ``exclusive``, only if no object has the name (raises `ObjectExistsError` otherwise)."""
 
     @abstractmethod
     def get(self, name: str, start: int = 0, length: int | None = None) -> bytes:
@@ -130,6 +142,12 @@ class ObjectBackend(ABC):
         """One cheap request that the store answers when it and the identity work (a HEAD of
         a name kvtier never writes); raises like any other call."""
         self.head(PING_NAME)
+
+    def sweep_temporaries(self, older_than: float) -> int:
+        """Delete the backend's own temporary files last written before ``older_than`` (Unix
+        seconds): puts cut short by a crash. Returns how many; stores whose puts are whole or
+        absent (S3, GCS) have none."""
+        return 0
 
     def static_credentials(self) -> str | None:
         """Where the SDK's default chain would find long-lived keys (a key file, key

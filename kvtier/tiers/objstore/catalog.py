@@ -1,5 +1,7 @@
 """Work on the whole store behind an object tier: rebuild the index from a listing, download a
-namespace's objects, and delete objects past their retention (gc).
+namespace's objects, and delete objects past their retention (gc), with what uploads and nodes
+leave behind: lineage companions whose object is gone, a filesystem store's temporary files, and
+the pins of nodes that stopped rewriting them.
 
 Each operation is a generator of its progress, so a caller can stream it; every yield hands out
 the same mutable counters object, to be read before the next step. Only objects whose names
@@ -27,7 +29,8 @@ from kvtier.core.errors import (
 from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.tiers.objstore.backend import ObjectInfo
 from kvtier.tiers.objstore.index import ChunkLocation
-from kvtier.tiers.objstore.tier import REMOTE_REPLICA, FetchedChunk, ObjectTier
+from kvtier.tiers.objstore.pins import DEAD_AFTER_S
+from kvtier.tiers.objstore.tier import COMPANION_SUFFIX, REMOTE_REPLICA, FetchedChunk, ObjectTier
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,9 @@ class GcCounts:
     deleted_bytes: int = 0
     pinned: int = 0
     failed: int = 0
+    leftovers: int = 0
+    """Lone lineage companions, temporary files and dead nodes' pins deleted (or, in a dry
+    run, found: temporary files are not counted then)."""
     done: bool = False
 
 
@@ -110,12 +116,24 @@ class Catalog:
 
     # -- listing --------------------------------------------------------------------------
 
-    def _list(self, counts: WarmupCounts | GcCounts, into: list[ObjectInfo]) -> Iterator[None]:
-        """Append kvtier's objects to ``into``, yielding now and then to report ``listed``."""
+    def _list(
+        self,
+        counts: WarmupCounts | GcCounts,
+        into: list[ObjectInfo],
+        companions: list[ObjectInfo] | None = None,
+    ) -> Iterator[None]:
+        """Append kvtier's objects to ``into`` (and lineage companions to ``companions``),
+        yielding now and then to report ``listed``."""
         for info in self.tier.backend.list():
             counts.listed += 1
             if ObjectTier.key_of(info.name) is not None:
                 into.append(info)
+            elif (
+                companions is not None
+                and info.name.endswith(COMPANION_SUFFIX)
+                and ObjectTier.key_of(info.name.removesuffix(COMPANION_SUFFIX)) is not None
+            ):
+                companions.append(info)
             if counts.listed % PROGRESS_EVERY == 0:
                 yield
 
@@ -202,7 +220,8 @@ class Catalog:
             return Outcome.UNKNOWN_FORMAT, 0
         except ChunkFormatError as exc:
             return self._corrupt(info, exc), 0
-        self.tier.index.add(name, size, locations)
+        if not self.tier.remember(name, size, locations):
+            return Outcome.FAILED, 0
         return Outcome.DONE, len(locations)
 
     def _corrupt(self, info: ObjectInfo, reason: Exception) -> Outcome:
@@ -275,16 +294,20 @@ class Catalog:
         self, retention_s: float, dry_run: bool = False, now: float | None = None
     ) -> Iterator[GcCounts]:
         """Delete objects last written more than ``retention_s`` ago, except those holding
-        chunks pinned by any node (each node publishes its pins in the store), and forget them
-        in the index. Pins that cannot all be read stop gc before it deletes anything."""
+        chunks pinned by any live node (each node publishes its pins in the store), and forget
+        them in the index; then the leftovers past the retention (`_leftovers`). Pins that
+        cannot all be read stop gc before it deletes anything."""
         counts = GcCounts(retention_s, dry_run)
-        cutoff = (time.time() if now is None else now) - retention_s
+        now = time.time() if now is None else now
+        cutoff = now - retention_s
         objects: list[ObjectInfo] = []
-        for _ in self._list(counts, objects):
+        companions: list[ObjectInfo] = []
+        for _ in self._list(counts, objects, companions):
             yield counts
         counts.total = len(objects)
         yield counts
-        pinned_names, pinned_keys = self.tier.fleet_pins()
+        pins = self.tier.pins.read(dead_before=now - max(retention_s, DEAD_AFTER_S))
+        pinned_names, pinned_keys = pins.objects, pins.chunks
         batch: list[ObjectInfo] = []
         for info in objects:
             counts.checked += 1
@@ -304,8 +327,50 @@ class Catalog:
                 batch = []
                 yield counts
         self._delete(batch, counts)
+        self._leftovers(objects, companions, pins.dead, cutoff, counts)
         counts.done = True
         yield counts
+
+    def _leftovers(
+        self,
+        objects: Sequence[ObjectInfo],
+        companions: Sequence[ObjectInfo],
+        dead_pins: Sequence[ObjectInfo],
+        cutoff: float,
+        counts: GcCounts,
+    ) -> None:
+        """Delete lineage companions of no listed object (an upload that stopped between the
+        two puts), the pins of dead nodes, and temporary files of puts cut short: all last
+        written before ``cutoff``."""
+        listed = {info.name for info in objects}
+        doomed = [
+            info.name
+            for info in companions
+            if info.modified < cutoff and info.name.removesuffix(COMPANION_SUFFIX) not in listed
+        ]
+        doomed += [info.name for info in dead_pins]
+        counts.leftovers += len(doomed)
+        if counts.dry_run:
+            return
+        tier = self.tier
+        try:
+            if doomed:
+                tier.guard.call(lambda: tier.backend.delete(doomed))
+            swept = tier.backend.sweep_temporaries(cutoff)
+        except ObjectStoreError as exc:
+            log.warning("gc: deleting what uploads and dead nodes left failed: %s", exc)
+            counts.failed += len(doomed)
+            return
+        counts.leftovers += swept
+        tier.counters.add("objects_gc", len(doomed) + swept)
+        if doomed or swept:
+            log.info(
+                "gc: deleted %d lone lineage companions, %d temporary files and the pins of %d "
+                "dead nodes",
+                len(doomed) - len(dead_pins),
+                swept,
+                len(dead_pins),
+            )
 
     def _delete(self, batch: Sequence[ObjectInfo], counts: GcCounts) -> None:
         if not batch:

@@ -34,6 +34,7 @@ from google.cloud.storage import exceptions as storage_exceptions
 from kvtier.core.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
 from kvtier.tiers.objstore.backend import (
     ObjectBackend,
+    ObjectExistsError,
     ObjectInfo,
     RequestRejectedError,
     StoreLocation,
@@ -80,6 +81,8 @@ def _unreachable(exc: Exception) -> bool:
 def _raise_mapped(exc: Exception, what: str) -> NoReturn:
     if isinstance(exc, api_exceptions.NotFound):
         raise ObjectNotFoundError(what) from exc
+    if isinstance(exc, api_exceptions.PreconditionFailed):  # ifGenerationMatch=0: name taken
+        raise ObjectExistsError(what) from exc
     if isinstance(exc, _CREDENTIAL_ERRORS):
         raise CredentialError(f"{what}: {exc}") from exc
     if isinstance(exc, api_exceptions.ClientError) and exc.code in _REQUEST_STATUSES:
@@ -215,7 +218,13 @@ class GcsBackend(ObjectBackend):
         kind = _key_file_kind(adc) if os.path.exists(adc) else None
         return f"gcloud's application default credentials ({adc}) are {kind}" if kind else None
 
-    def put(self, name: str, body: bytes | memoryview, metadata: Mapping[str, str]) -> None:
+    def put(
+        self,
+        name: str,
+        body: bytes | memoryview,
+        metadata: Mapping[str, str],
+        exclusive: bool = False,
+    ) -> None:
         self.check_name(name)
         data = body if isinstance(body, bytes) else bytes(body)
         try:
@@ -226,6 +235,8 @@ class GcsBackend(ObjectBackend):
                 content_type="application/octet-stream",
                 timeout=self.timeout_s,
                 retry=None,
+                # generation 0: only if no live object has the name
+                if_generation_match=0 if exclusive else None,
             )
         except _CALL_ERRORS as exc:
             _raise_mapped(exc, f"put {self._key(name)}")

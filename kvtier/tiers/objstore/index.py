@@ -1,9 +1,11 @@
 """What this node knows to be in the object store: chunk -> (object, offset, length), kept in a
 small LMDB environment so a restart does not upload or probe everything again.
 
-Databases: ``chunks`` (key -> location), ``objects`` (name -> size, tick), ``pins`` (keys),
-``meta`` (this node's id). Pins are this node's; they reach the other nodes' gc through an
-object in the store (see the tier).
+Databases: ``chunks`` (key -> location), ``objects`` (name -> size, tick, owned), ``pins``
+(keys), ``meta`` (this node's id). Pins are this node's; they reach the other nodes' gc through
+an object in the store (`pins.FleetPins`). An object is *owned* when this node uploaded it; the
+others were learned (probed, fetched, listed) and are only knowledge: forgotten first when the
+map is full, never counted in the store budget.
 An in-memory mirror answers lookups; LMDB is written only after the store acknowledged an upload,
 so the index may lack an object but never claims one that was not written. Objects deleted
 behind our back (another node's gc) are found on read and dropped then.
@@ -23,6 +25,17 @@ from kvtier.core.keys import ChunkKey
 
 _LOC = struct.Struct("<QQ")
 _OBJ = struct.Struct("<QQ")
+_OWNED = b"\x01"
+"""Appended to an owned object's value; values written before ownership was kept lack the byte
+and are judged by their chunks' replica."""
+REMOTE_REPLICA = "remote"
+"""Replica recorded for chunks found in the store rather than uploaded from here."""
+_MAP_FULL_RETRIES = 4
+
+
+class IndexWriteError(Exception):
+    """The index could not record an object: its map is full of owned objects even after
+    forgetting every learned one, or the disk failed."""
 
 
 @dataclass(slots=True)
@@ -51,6 +64,8 @@ class ObjectEntry:
     size: int
     tick: int
     keys: set[ChunkKey]
+    owned: bool = False
+    """Uploaded by this node: counted in its store budget, deleted by it."""
 
 
 class ObjectIndex:
@@ -68,9 +83,13 @@ class ObjectIndex:
         self._tick = 0
         self._closed = False
         with self.env.begin() as txn:
+            legacy: set[str] = set()
             for name, raw in txn.cursor(db=self._objects):
-                size, tick = _OBJ.unpack(raw)
-                self.objects[bytes(name).decode()] = ObjectEntry(size, tick, set())
+                size, tick = _OBJ.unpack_from(raw)
+                owned = bytes(raw[_OBJ.size :]) == _OWNED
+                self.objects[bytes(name).decode()] = ObjectEntry(size, tick, set(), owned)
+                if len(raw) == _OBJ.size:
+                    legacy.add(bytes(name).decode())
                 self._tick = max(self._tick, tick)
             for key, raw in txn.cursor(db=self._chunks):
                 loc = ChunkLocation.unpack(raw)
@@ -78,7 +97,10 @@ class ObjectIndex:
                 if entry is not None:
                     self.chunks[ChunkKey(bytes(key))] = loc
                     entry.keys.add(ChunkKey(bytes(key)))
+                    if loc.obj in legacy and loc.replica != REMOTE_REPLICA:
+                        entry.owned = True
             self.pins = {ChunkKey(bytes(k)) for k, _ in txn.cursor(db=self._pins)}
+        self._owned_bytes = sum(e.size for e in self.objects.values() if e.owned)
 
     def node_id(self, new: Callable[[], str]) -> str:
         """This node's name in the store, made by ``new`` once and kept with the index."""
@@ -96,18 +118,80 @@ class ObjectIndex:
         return self.chunks.get(key)
 
     def add(
-        self, name: str, size: int, locations: Sequence[tuple[ChunkKey, ChunkLocation]]
+        self,
+        name: str,
+        size: int,
+        locations: Sequence[tuple[ChunkKey, ChunkLocation]],
+        owned: bool = False,
     ) -> None:
-        with self._lock, self.env.begin(write=True) as txn:
-            self._tick += 1
-            txn.put(name.encode(), _OBJ.pack(size, self._tick), db=self._objects)
-            for key, loc in locations:
-                txn.put(key, loc.pack(), db=self._chunks)
-            entry = self.objects.setdefault(name, ObjectEntry(size, self._tick, set()))
-            entry.size, entry.tick = size, self._tick
+        """Record an object (``owned``: uploaded by this node). A full map is met by forgetting
+        learned objects, least recently used first, each time in a transaction of its own;
+        raises `IndexWriteError` when that is not enough or the disk fails."""
+        for attempt in range(_MAP_FULL_RETRIES + 1):
+            try:
+                self._add(name, size, locations, owned)
+                return
+            except lmdb.MapFullError:
+                if attempt == _MAP_FULL_RETRIES or not self._forget_learned(attempt):
+                    raise IndexWriteError(
+                        f"the object index is full of this node's objects ({name} not "
+                        "recorded): raise object.index_map_bytes"
+                    ) from None
+            except lmdb.Error as exc:
+                raise IndexWriteError(f"the object index failed to record {name}: {exc}") from exc
+
+    def _add(
+        self,
+        name: str,
+        size: int,
+        locations: Sequence[tuple[ChunkKey, ChunkLocation]],
+        owned: bool,
+    ) -> None:
+        with self._lock:
+            known = self.objects.get(name)
+            owned = owned or (known is not None and known.owned)
+            tick = self._tick + 1
+            with self.env.begin(write=True) as txn:
+                value = _OBJ.pack(size, tick) + (_OWNED if owned else b"")
+                txn.put(name.encode(), value, db=self._objects)
+                for key, loc in locations:
+                    txn.put(key, loc.pack(), db=self._chunks)
+            # committed: only now does the mirror follow
+            self._tick = tick
+            entry = self.objects.setdefault(name, ObjectEntry(size, tick, set()))
+            self._owned_bytes += (size if owned else 0) - (entry.size if entry.owned else 0)
+            entry.size, entry.tick, entry.owned = size, tick, owned
             for key, loc in locations:
                 self.chunks[key] = loc
                 entry.keys.add(key)
+
+    def _forget_learned(self, attempt: int) -> bool:
+        """Forget the least recently used quarter of the learned objects holding no pinned
+        chunk (all of them at the last attempt), in a transaction of its own; False when there
+        were none."""
+        with self._lock:
+            learned = sorted(  # a pinned chunk's object stays: the pins name it
+                (
+                    n
+                    for n, e in self.objects.items()
+                    if not e.owned and self.pins.isdisjoint(e.keys)
+                ),
+                key=lambda n: self.objects[n].tick,
+            )
+        if not learned:
+            return False
+        if attempt < _MAP_FULL_RETRIES - 1:
+            learned = learned[: max(16, len(learned) // 4)]
+        with self._lock, self.env.begin(write=True) as txn:
+            for name in learned:
+                entry = self.objects.pop(name, None)
+                txn.delete(name.encode(), db=self._objects)
+                for key in entry.keys if entry is not None else ():
+                    loc = self.chunks.get(key)
+                    if loc is not None and loc.obj == name:
+                        del self.chunks[key]
+                        txn.delete(key, db=self._chunks)
+        return True
 
     def touch(self, name: str) -> None:
         """Mark an object used (in memory; the persisted order is that of uploads)."""
@@ -132,6 +216,7 @@ class ObjectIndex:
                 entry.keys.discard(key)
                 if not entry.keys:
                     del self.objects[loc.obj]
+                    self._owned_bytes -= entry.size if entry.owned else 0
                     txn.delete(loc.obj.encode(), db=self._objects)
                     emptied.append(loc.obj)
         return emptied
@@ -141,7 +226,9 @@ class ObjectIndex:
         keys = sorted(entry.keys) if entry is not None else []
         self.drop_keys(keys)
         with self._lock, self.env.begin(write=True) as txn:
-            self.objects.pop(name, None)
+            gone = self.objects.pop(name, None)
+            if gone is not None and gone.owned:
+                self._owned_bytes -= gone.size
             txn.delete(name.encode(), db=self._objects)
         return keys
 
@@ -159,13 +246,16 @@ class ObjectIndex:
         entry = self.objects.get(name)
         return entry is not None and not self.pins.isdisjoint(entry.keys)
 
-    def oldest_first(self) -> list[str]:
+    def owned_oldest_first(self) -> list[tuple[str, ObjectEntry]]:
+        """This node's objects, least recently used first."""
         with self._lock:
-            return sorted(self.objects, key=lambda n: self.objects[n].tick)
+            owned = [(n, e) for n, e in self.objects.items() if e.owned]
+        return sorted(owned, key=lambda item: item[1].tick)
 
-    def used_bytes(self) -> int:
+    def owned_bytes(self) -> int:
+        """Bytes of the objects this node uploaded (kept as they change: read per upload)."""
         with self._lock:
-            return sum(e.size for e in self.objects.values())
+            return self._owned_bytes
 
     def sync(self) -> None:
         self.env.sync(True)

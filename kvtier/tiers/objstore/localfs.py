@@ -1,6 +1,8 @@
 """file:// objects: a directory on a local disk or a shared filesystem (NFS, Lustre, a mounted
-bucket). Writes go to a temporary name and are renamed into place, so readers never see a part.
-Metadata lives in a ``.meta`` JSON file next to each object."""
+bucket). Writes go to a temporary name and are renamed into place, so readers never see a part;
+an exclusive write is linked into place instead (link(2) fails on a name that exists, also over
+NFS). Metadata lives in a ``.meta`` JSON file next to each object. Temporary files a crash left
+behind are swept by gc (`sweep_temporaries`)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 from kvtier.core.errors import ObjectNotFoundError, ObjectStoreError
 from kvtier.tiers.objstore.backend import (
     ObjectBackend,
+    ObjectExistsError,
     ObjectInfo,
     RequestRejectedError,
     StoreLocation,
@@ -48,25 +51,40 @@ class LocalFsBackend(ObjectBackend):
             raise ObjectStoreError(f"object name {name!r} leaves {self.root}")
         return path
 
-    def _write_atomic(self, path: Path, data: bytes | memoryview) -> None:
+    def _write_atomic(self, path: Path, data: bytes | memoryview, exclusive: bool = False) -> None:
         fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            os.replace(tmp, path)
+            if exclusive:
+                os.link(tmp, path)  # FileExistsError when the name is taken
+                os.unlink(tmp)
+            else:
+                os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
 
-    def put(self, name: str, body: bytes | memoryview, metadata: Mapping[str, str]) -> None:
+    def put(
+        self,
+        name: str,
+        body: bytes | memoryview,
+        metadata: Mapping[str, str],
+        exclusive: bool = False,
+    ) -> None:
         path = self._path(name)
+        meta = path.with_name(path.name + _META_SUFFIX)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._write_atomic(
-                path.with_name(path.name + _META_SUFFIX), json.dumps(dict(metadata)).encode()
-            )
-            self._write_atomic(path, body)
+            if exclusive:  # the body decides the race; only its winner writes the metadata
+                self._write_atomic(path, body, exclusive=True)
+                self._write_atomic(meta, json.dumps(dict(metadata)).encode())
+            else:
+                self._write_atomic(meta, json.dumps(dict(metadata)).encode())
+                self._write_atomic(path, body)
+        except FileExistsError as exc:
+            raise ObjectExistsError(f"{path} exists") from exc
         except OSError as exc:
             raise _failed(f"writing {path}", exc) from exc
 
@@ -119,6 +137,23 @@ class LocalFsBackend(ObjectBackend):
                 except FileNotFoundError:
                     continue  # deleted while listing
                 yield ObjectInfo(rel, st.st_size, st.st_mtime)
+
+    def sweep_temporaries(self, older_than: float) -> int:
+        swept = 0
+        for dirpath, _dirs, files in os.walk(self.root):
+            for fname in files:
+                if not fname.startswith(_TMP_PREFIX):
+                    continue
+                path = os.path.join(dirpath, fname)
+                try:
+                    if os.stat(path).st_mtime < older_than:
+                        os.unlink(path)
+                        swept += 1
+                except FileNotFoundError:
+                    continue  # renamed into place or swept meanwhile
+                except OSError as exc:
+                    raise _failed(f"sweeping {path}", exc) from exc
+        return swept
 
     def principal(self) -> str:
         if not os.access(self.root, os.R_OK | os.W_OK | os.X_OK):

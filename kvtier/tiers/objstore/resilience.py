@@ -14,7 +14,11 @@ from typing import TypeVar
 
 from kvtier.core.counters import Counters
 from kvtier.core.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
-from kvtier.tiers.objstore.backend import RequestRejectedError, StoreUnreachableError
+from kvtier.tiers.objstore.backend import (
+    ObjectExistsError,
+    RequestRejectedError,
+    StoreUnreachableError,
+)
 
 T = TypeVar("T")
 
@@ -106,7 +110,7 @@ class RequestGuard:
                 raise BreakerOpenError(f"circuit breaker open: {self.breaker.last_error}")
             try:
                 result = fn()
-            except ObjectNotFoundError:
+            except (ObjectNotFoundError, ObjectExistsError):
                 self.breaker.success()  # the store answered
                 raise
             except RequestRejectedError:

@@ -26,6 +26,7 @@ import botocore.session
 from kvtier.core.errors import CredentialError, ObjectNotFoundError, ObjectStoreError
 from kvtier.tiers.objstore.backend import (
     ObjectBackend,
+    ObjectExistsError,
     ObjectInfo,
     RequestRejectedError,
     StoreLocation,
@@ -34,6 +35,8 @@ from kvtier.tiers.objstore.backend import (
 
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects call accepts
 _NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
+# An exclusive put (If-None-Match: *) found the name taken, or lost to a concurrent one.
+_EXISTS = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict"})
 # Error codes that mean the identity is wrong or its keys are no longer valid.
 _CREDENTIAL_CODES = frozenset(
     {
@@ -110,6 +113,8 @@ def _raise_mapped(exc: Exception, what: str) -> NoReturn:
         code = str(exc.response.get("Error", {}).get("Code", ""))
         if code in _NOT_FOUND:
             raise ObjectNotFoundError(what) from exc
+        if code in _EXISTS:
+            raise ObjectExistsError(what) from exc
         if code in _CREDENTIAL_CODES or exc.operation_name in _CREDENTIAL_OPERATIONS:
             raise CredentialError(f"{what}: {_describe(exc)}") from exc
         if code in _REQUEST_CODES:
@@ -217,13 +222,24 @@ class S3Backend(ObjectBackend):
             ) from exc
         return credentials
 
-    def put(self, name: str, body: bytes | memoryview, metadata: Mapping[str, str]) -> None:
+    def put(
+        self,
+        name: str,
+        body: bytes | memoryview,
+        metadata: Mapping[str, str],
+        exclusive: bool = False,
+    ) -> None:
         self.check_name(name)
         data = body if isinstance(body, bytes) else bytes(body)
+        kwargs: dict[str, Any] = {"IfNoneMatch": "*"} if exclusive else {}
         self._resolve_credentials()
         try:
             self._s3.put_object(
-                Bucket=self.location.bucket, Key=self._key(name), Body=data, Metadata=dict(metadata)
+                Bucket=self.location.bucket,
+                Key=self._key(name),
+                Body=data,
+                Metadata=dict(metadata),
+                **kwargs,
             )
         except _CALL_ERRORS as exc:
             _raise_mapped(exc, f"put {self._key(name)}")

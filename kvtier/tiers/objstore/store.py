@@ -10,6 +10,7 @@ import socket
 import threading
 import uuid
 from abc import abstractmethod
+from collections.abc import Sequence
 
 from kvtier.core.config import ObjectStoreConfig
 from kvtier.core.counters import Counters
@@ -18,7 +19,9 @@ from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey, namespace_of
 from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.base import Tier
 from kvtier.tiers.objstore.backend import ObjectBackend, open_backend
+from kvtier.tiers.objstore.budget import StoreBudget
 from kvtier.tiers.objstore.index import ObjectIndex
+from kvtier.tiers.objstore.pins import FleetPins
 from kvtier.tiers.objstore.resilience import CircuitBreaker, RequestGuard
 
 # the tier's logger, which operators filter on
@@ -56,18 +59,19 @@ class ObjectStore(Tier):
         self.counters = Counters()
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_s)
         self.guard = RequestGuard(self.breaker, config.retries, config.backoff_s, self.counters)
-        self.budget = int(config.budget_bytes) if config.budget_bytes is not None else None
         try:
             self._refuse_static_keys()
             self.node_id = self.index.node_id(_new_node_id)
         except BaseException:
             self.close_index_and_backend()
             raise
+        self.pins = FleetPins(self.backend, self.guard, self.index, self.node_id)
+        limit = int(config.budget_bytes) if config.budget_bytes is not None else None
+        self.budget = StoreBudget(limit, self.index, self.pins, self.delete_objects, self.counters)
         self.principal = UNKNOWN_PRINCIPAL
         self.principal_resolved = threading.Event()
         """Set once the first attempt to resolve the identity has ended, either way."""
         self._identity_known = False
-        self._pins_dirty = threading.Event()
         self._closing = threading.Event()
         self._checker = threading.Thread(
             target=self._check_loop, name="kvtier-object-check", daemon=True
@@ -103,7 +107,7 @@ class ObjectStore(Tier):
         while not self._closing.wait(interval):
             try:
                 self.check()
-                if self._pins_dirty.is_set():
+                if self.pins.due():
                     self.publish_pins()
             except Exception:  # never let the checker die silently
                 if self._closing.is_set():
@@ -176,6 +180,10 @@ class ObjectStore(Tier):
     def close_index_and_backend(self) -> None:
         self.index.close()
         self.backend.close()
+
+    @abstractmethod
+    def delete_objects(self, names: Sequence[str]) -> bool:
+        """Delete objects from the store (the tier's); False when the store refused."""
 
     @abstractmethod
     def publish_pins(self) -> bool:

@@ -3,8 +3,12 @@
 Object names are ``prefix/tenant/namespace/hash[:2]/hash``, named after the first chunk they hold.
 An object is one chunk, or a pack of consecutive chunks of one prefix written back to back in the
 chunk format, each with its own verified header; the format version, chunk count and an xxh3-128
-of the whole body are also in the object's metadata. Every read is verified: a corrupt object is
-deleted, counted and answered as a miss.
+of the whole body are also in the object's metadata, with the node that uploaded it. Every read
+is verified: a corrupt object is deleted, counted and answered as a miss.
+
+A node owns the objects it uploaded, and only those: its budget (`budget.StoreBudget`) counts and
+evicts them, its uploads are exclusive (a writer never replaces another's object), and objects
+it learned of from the store are knowledge it may forget, never delete to make room.
 
 Requests go through `RequestGuard` (retries, backoff, breaker). A broken identity or an open
 breaker makes the tier unhealthy: it answers misses until a trial request succeeds.
@@ -13,7 +17,6 @@ breaker makes the tier unhealthy: it answers misses until a trial request succee
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 from collections import Counter
@@ -33,7 +36,11 @@ from kvtier.core.errors import (
 from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.core.kvcodec import Codec
 from kvtier.core.protocol import TierCode, TierStats, UsageStats
-from kvtier.tiers.objstore.index import ChunkLocation
+from kvtier.tiers.objstore.backend import ObjectExistsError
+from kvtier.tiers.objstore.budget import Reservation
+from kvtier.tiers.objstore.index import REMOTE_REPLICA as REMOTE_REPLICA
+from kvtier.tiers.objstore.index import ChunkLocation, IndexWriteError
+from kvtier.tiers.objstore.pins import PINS_DIR as PINS_DIR
 from kvtier.tiers.objstore.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -41,11 +48,8 @@ log = logging.getLogger(__name__)
 META_FORMAT = "kvtier-format"
 META_CHUNKS = "kvtier-chunks"
 META_CHECKSUM = "kvtier-xxh3-128"
-REMOTE_REPLICA = "remote"
-"""Owner recorded for chunks found in the store rather than uploaded from here."""
-PINS_DIR = ".kvtier-pins"
-"""Under the prefix: one object per node naming what it pinned, read by every node's gc."""
-PINS_FORMAT = 1
+META_NODE = "kvtier-node"
+"""The id of the node that uploaded the object."""
 COMPANION_SUFFIX = ".lineage"
 """Beside an object: its chunks' lineage, for the announcement of its deletion; a name no listing
 mistakes for a chunk's (`ObjectStore.key_of`)."""
@@ -118,75 +122,137 @@ class ObjectTier(ObjectStore):
 
     def put_encoded(self, keys: Sequence[ChunkKey], body: memoryview, replica: str) -> int:
         """Upload chunks already in the chunk format, back to back in ``body``, as one object
-        named after the first; returns how many are now in the store (0 on failure)."""
+        named after the first; returns how many are now in the store (0 on failure).
+
+        The upload is exclusive: when another node wrote an object of that name first (the same
+        first chunk, maybe another tail), the race is lost, not failed: its object is read and
+        indexed, and the chunks it lacks go up as an object named after the first of them."""
         if not keys:
             return 0
-        name = self.object_name(keys[0])
+        locations, coded = self._locations(keys, body, self.object_name(keys[0]), replica)
+        reservation = self.budget.reserve(len(body))
+        if reservation is None:
+            self.counters.add("store_rejected", len(keys))
+            return 0
+        with reservation:  # settled by the index write, else released here
+            won = self._upload(keys, body, locations, coded, reservation)
+        if won is None:
+            return 0
+        if won:
+            return len(keys)
+        return self._after_lost_race(keys, body, locations, replica)
+
+    def _locations(
+        self, keys: Sequence[ChunkKey], body: memoryview, name: str, replica: str
+    ) -> tuple[list[tuple[ChunkKey, ChunkLocation]], bool]:
+        """Where each chunk lies in ``body``, checked; and whether any is coded."""
         locations: list[tuple[ChunkKey, ChunkLocation]] = []
         offset = 0
-        version = blockfmt.VERSION
+        coded = False
         for key in keys:
             reg = self.registry.resolve(key)
             head = blockfmt.peek_header(body[offset:])
             if head.key != key:
                 raise ValueError(f"the chunk at {offset} of the body is not {key.hex()}")
+            coded = coded or head.codec is not Codec.NONE
             length = head.encoded_len
-            if head.codec is not Codec.NONE:
-                version = blockfmt.CODED_VERSION
             locations.append((key, ChunkLocation(name, offset, length, reg.pool, replica)))
             offset += length
         if offset != len(body):
             raise ValueError(f"body of {len(body)} bytes, {len(keys)} chunks need {offset}")
-        if not self._make_room(len(body)):
-            self.counters.add("store_rejected", len(keys))
-            return 0
+        return locations, coded
+
+    def _upload(
+        self,
+        keys: Sequence[ChunkKey],
+        body: memoryview,
+        locations: list[tuple[ChunkKey, ChunkLocation]],
+        coded: bool,
+        reservation: Reservation,
+    ) -> bool | None:
+        """Put the object and index it as this node's: True when done, False when another
+        writer had the name, None on failure (counted; nothing of ours is left unindexed)."""
+        name = locations[0][1].obj
         metadata = {
-            META_FORMAT: str(version),
+            META_FORMAT: str(blockfmt.CODED_VERSION if coded else blockfmt.VERSION),
             META_CHUNKS: str(len(keys)),
             META_CHECKSUM: xxhash.xxh3_128_hexdigest(body),
+            META_NODE: self.node_id,
         }
         companion = self.events.companion(keys) if self.events is not None else None
         started = time.perf_counter()
         try:
+            lineage_taken = False
             if companion is not None:  # first: a listed object always has its lineage
-                self.guard.call(lambda: self.backend.put(name + COMPANION_SUFFIX, companion, {}))
-            self.guard.call(lambda: self.backend.put(name, body, metadata))
+                lineage_taken = not self._put_new(name + COMPANION_SUFFIX, companion, {})
+            if not self._put_new(name, body, metadata):
+                self.counters.add("upload_races_lost", 1)
+                return False
+            if lineage_taken and companion is not None:
+                # a lone one, or a loser's: the name is ours, and so is its lineage
+                self._put_lineage(name, companion)
         except ObjectStoreError as exc:
             self.counters.add("store_errors", len(keys))
             log.warning("upload of %s failed: %s", name, exc)
-            return 0
+            return None
         self.counters.add("upload_seconds_us", int((time.perf_counter() - started) * 1e6))
         self.counters.add("upload_bytes", len(body))
         self.counters.add("objects_uploaded", 1)
-        self.index.add(name, len(body), locations)
+        try:
+            reservation.settle(lambda: self.index.add(name, len(body), locations, owned=True))
+        except IndexWriteError as exc:  # an own object no index names would leak: remove it
+            log.error("%s; removing the object just uploaded", exc)
+            self.counters.add("index_full", 1)
+            self.counters.add("store_errors", len(keys))
+            self._withdraw(name)
+            return None
         self.counters.add("stores", len(keys))
         if companion is not None and self.events is not None:
             self.events.stored(companion)
         if not self.index.pins.isdisjoint(keys):
-            self._pins_dirty.set()  # the check loop names the new object in this node's pins
-        return len(keys)
+            self.pins.dirty.set()  # the check loop names the new object in this node's pins
+        return True
 
-    def _make_room(self, incoming: int) -> bool:
-        if self.budget is None:
-            return True
-        if incoming > self.budget:
+    def _withdraw(self, name: str) -> None:
+        """Delete an object just uploaded and never announced (so its removal is not either);
+        one that cannot be deleted now is left to gc, logged."""
+        try:
+            self.guard.call(lambda: self.backend.delete([name, name + COMPANION_SUFFIX]))
+        except ObjectStoreError as exc:
+            log.error("%s, uploaded and not indexed, is left to kvtier gc: %s", name, exc)
+
+    def _put_lineage(self, name: str, companion: bytes) -> None:
+        self.guard.call(lambda: self.backend.put(name + COMPANION_SUFFIX, companion, {}))
+
+    def _put_new(self, name: str, body: bytes | memoryview, metadata: dict[str, str]) -> bool:
+        """An exclusive put; False when the name was taken."""
+        try:
+            self.guard.call(lambda: self.backend.put(name, body, metadata, exclusive=True))
+        except ObjectExistsError:
             return False
-        used = self.index.used_bytes()
-        if used + incoming <= self.budget:
-            return True  # the common case: no need to order every object by age
-        for name in self.index.oldest_first():
-            if used + incoming <= self.budget:
-                break
-            if self.index.pinned(name):
-                continue
-            entry = self.index.objects.get(name)
-            if entry is None:
-                continue
-            if self.delete_objects([name]):
-                used -= entry.size
-                dropped = self.index.drop_object(name)  # empties entry.keys: count its return
-                self.counters.add("evictions_capacity", len(dropped))
-        return used + incoming <= self.budget
+        return True
+
+    def _after_lost_race(
+        self,
+        keys: Sequence[ChunkKey],
+        body: memoryview,
+        locations: list[tuple[ChunkKey, ChunkLocation]],
+        replica: str,
+    ) -> int:
+        """Serve what the winner's object holds from it, and upload the rest named after its
+        own first chunk (a lookup that found the winner's chunks probes there next)."""
+        name = locations[0][1].obj
+        try:
+            self.fetch(name, hits=False)  # verified, indexed as learned; a corrupt one deleted
+        except ObjectStoreError as exc:
+            self.counters.add("store_errors", len(keys))
+            log.warning("reading %s, written first by another node, failed: %s", name, exc)
+            return 0
+        rest = [(key, loc) for key, loc in locations[1:] if key not in self.index]
+        if rest:
+            tail = b"".join(body[loc.offset : loc.offset + loc.length] for _, loc in rest)
+            self.put_encoded([key for key, _ in rest], memoryview(tail), replica)
+        return sum(key in self.index for key in keys)
 
     def delete_objects(self, names: Sequence[str]) -> bool:
         """Delete objects with their companions, and announce what left; False when the store
@@ -253,10 +319,10 @@ class ObjectTier(ObjectStore):
         self.counters.add("download_bytes", len(value))
         return True
 
-    def fetch(self, name: str) -> list[FetchedChunk] | None:
+    def fetch(self, name: str, hits: bool = True) -> list[FetchedChunk] | None:
         """GET a whole object and verify every chunk in it; None when it does not exist or is
-        corrupt (then deleted). Indexes what it found. Raises `ObjectStoreError` when the store
-        cannot answer."""
+        corrupt (then deleted). Indexes what it found, counted as hits unless ``hits`` is
+        False. Raises `ObjectStoreError` when the store cannot answer."""
         try:
             body = self.guard.call(lambda: self.backend.get(name), self.config.request_timeout_s)
         except ObjectNotFoundError:
@@ -282,10 +348,24 @@ class ObjectTier(ObjectStore):
                     (key, ChunkLocation(name, offset, length, reg.pool, REMOTE_REPLICA))
                 )
                 offset += length
-            self.index.add(name, len(body), locations)
+            self.remember(name, len(body), locations)
         self.index.touch(name)
-        self.counters.add("hits", len(chunks))
+        if hits:
+            self.counters.add("hits", len(chunks))
         return [FetchedChunk(key, payload) for key, payload, _ in chunks]
+
+    def remember(
+        self, name: str, size: int, locations: Sequence[tuple[ChunkKey, ChunkLocation]]
+    ) -> bool:
+        """Index an object learned from the store (another node's, as far as this one knows);
+        False when the index cannot take it: it is only knowledge, a later read finds it."""
+        try:
+            self.index.add(name, size, locations, owned=False)
+        except IndexWriteError as exc:
+            log.warning("%s", exc)
+            self.counters.add("index_full", 1)
+            return False
+        return True
 
     def probe(self, key: ChunkKey) -> list[FetchedChunk] | None:
         """Look for an object another node uploaded that starts with ``key``."""
@@ -316,9 +396,12 @@ class ObjectTier(ObjectStore):
         return key in self.index.chunks
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Forget chunks; objects of this node's left holding none are deleted from the store,
+        other nodes' only forgotten (gc deletes them)."""
         present = [k for k in keys if k in self.index]
+        owned = {name for name, entry in self.index.objects.items() if entry.owned}
         emptied = self.index.drop_keys(present)
-        self.delete_objects(emptied)
+        self.delete_objects([name for name in emptied if name in owned])
         return len(present)
 
     def pin(self, keys: Sequence[ChunkKey]) -> None:
@@ -329,61 +412,14 @@ class ObjectTier(ObjectStore):
         self.index.set_pinned(keys, False)
         self.publish_pins()
 
-    # -- pins the whole fleet sees ----------------------------------------------------------
+    # -- pins the whole fleet sees (`pins.FleetPins`) ---------------------------------------
 
     @property
     def pins_name(self) -> str:
-        return f"{PINS_DIR}/{self.node_id}"
+        return self.pins.name
 
     def publish_pins(self) -> bool:
-        """Write this node's pins (chunk keys, and the objects known to hold them) where every
-        node's gc reads them; retried by the check loop until it succeeds."""
-        index = self.index
-        keys = sorted(index.pins)
-        objects = sorted({loc.obj for key in keys if (loc := index.get(key)) is not None})
-        doc = {
-            "format": PINS_FORMAT,
-            "node": self.node_id,
-            "chunks": [key.hex() for key in keys],
-            "objects": objects,
-        }
-        body = json.dumps(doc).encode()
-        self._pins_dirty.set()
-        try:
-            if keys:
-                self.guard.call(lambda: self.backend.put(self.pins_name, body, {}))
-            else:
-                self.guard.call(lambda: self.backend.delete([self.pins_name]))
-        except ObjectStoreError as exc:
-            log.warning("publishing this node's pins failed (retried): %s", exc)
-            return False
-        self._pins_dirty.clear()
-        return True
-
-    def fleet_pins(self) -> tuple[set[str], set[ChunkKey]]:
-        """Objects and chunks pinned by any node, this one included. Raises `ObjectStoreError`
-        when a node's pins cannot be read or are in a format this build does not know: gc
-        must then delete nothing."""
-        names: set[str] = set()
-        keys: set[ChunkKey] = set(self.index.pins)
-        for key in keys:
-            loc = self.index.get(key)
-            if loc is not None:
-                names.add(loc.obj)
-        for info in self.guard.call(lambda: list(self.backend.list(PINS_DIR + "/"))):
-            try:
-                raw = self.guard.call(functools.partial(self.backend.get, info.name))
-            except ObjectNotFoundError:
-                continue  # unpinned since the listing
-            try:
-                doc = json.loads(raw)
-                if doc.get("format") != PINS_FORMAT:
-                    raise ValueError(f"format {doc.get('format')!r}")
-                names.update(str(n) for n in doc["objects"])
-                keys.update(ChunkKey(bytes.fromhex(k)) for k in doc["chunks"])
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise ObjectStoreError(f"pins {info.name} cannot be read: {exc}") from exc
-        return names, keys
+        return self.pins.publish()
 
     def namespace_chunks(self) -> Counter[bytes]:
         """Chunks the index knows per namespace."""
@@ -418,7 +454,7 @@ class ObjectTier(ObjectStore):
         counters["healthy"] = int(self.healthy)
         return TierStats(
             tier=self.name,
-            capacity_bytes=self.budget or 0,
+            capacity_bytes=self.budget.limit or 0,
             used_bytes=sum(u.used_bytes for u in pools.values()),
             chunks=sum(u.chunks for u in pools.values()),
             pools=pools,
