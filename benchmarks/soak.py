@@ -34,7 +34,8 @@ them, or that a node deleted without having uploaded them), ``bytes_above_budget
 node's own objects in the bucket beyond its budget) and ``wedged`` (tiers that took no new
 chunks after the event: node 0's arena on a new prompt of the current model, and after
 reader_kill, disk_full and kvtierd_kill its lmdb, on a new prompt of a probe model, within the
-mode's deadline). Overall: ``wedged_tiers`` (how many times a tier was found wedged: after the
+mode's deadline; ``node0/kvtierd`` where kvtierd did not start again after its SIGKILL, and
+was started once more). Overall: ``wedged_tiers`` (how many times a tier was found wedged: after the
 events, and at the end every node's arena, lmdb and object tier),
 ``recovery_s_after_model_switch`` (the slowest, null if one did not recover),
 ``objects_overwritten`` (uploads that replaced another node's object), and each node's vitals

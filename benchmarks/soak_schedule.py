@@ -247,7 +247,12 @@ class Soak:
                 ballast.unlink()
             started = time.monotonic()  # recovery counts from the room given back
         elif event == "kvtierd_kill":
-            node.restart(kill=True)
+            try:
+                node.restart(kill=True)
+            except RuntimeError as exc:  # counted as a wedged daemon, and started once more
+                self.log(f"{node.name}'s kvtierd did not start again: {exc}")
+                figures.wedged.append(f"{node.name}/kvtierd")
+                node.start()
             node.namespace(PROBE)  # as at warm-up: its class is there before the arena fills
         recovery, served = self.recover(started)
         if event == "kvtierd_kill" and node.name in self.baseline:
