@@ -230,7 +230,9 @@ class Soak:
             self.target = self._model(self.generation)
         elif event == "draft_revision":
             revision = f"rev-{self.generation}-{figures.count}"
-            self.draft = Model(self.target.name, self.target.chunk_bytes // 2, Pool.DRAFT, revision)
+            # a draft's chunk is smaller: half the target's, in whole 4 KiB heads
+            half = max(4 * KiB, self.target.chunk_bytes // (8 * KiB) * 4 * KiB)
+            self.draft = Model(self.target.name, half, Pool.DRAFT, revision)
         elif event in ("hidden_on", "hidden_off"):
             self.hidden_on = event == "hidden_on"
         elif event in ("encoder_on", "encoder_off"):
