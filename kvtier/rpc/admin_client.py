@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc
+from kvtier.core.errors import TierUnavailableError
 from kvtier.core.status import error_from
 from kvtier.rpc.calls import CHANNEL_OPTIONS, call
 
@@ -56,12 +57,23 @@ class AdminClient:
     ) -> None:
         self.target = address
         self._channel = open_channel(address, tls)
+        self._tls = tls is not None
         self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._metadata = bearer(token)
         self._timeout = timeout_s
 
     def _rpc(self, method: Callable[..., R], request: Any) -> R:
-        return call(self.target, method, request, timeout=self._timeout, metadata=self._metadata)
+        try:
+            return call(
+                self.target, method, request, timeout=self._timeout, metadata=self._metadata
+            )
+        except TierUnavailableError as exc:
+            if not self._tls:
+                raise
+            raise TierUnavailableError(
+                f"{exc}; over TLS a refused handshake looks the same: check the CA, and the "
+                "client certificate and key where kvtierd asks for one"
+            ) from None
 
     def stats(self) -> admin_pb2.StatsResponse:
         return self._rpc(self._stub.Stats, admin_pb2.StatsRequest())

@@ -191,6 +191,7 @@ def test_kvtier_stats_over_mtls(
     done = _kvtier(daemon, "stats", "--tls-ca", str(pki / "ca.crt"))
     assert done.returncode == 1
     assert done.stdout == ""
+    assert "over TLS a refused handshake looks the same" in done.stderr
 
 
 def test_kvtier_health_over_mtls(
