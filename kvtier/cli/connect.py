@@ -74,10 +74,10 @@ class Connection:
         return AdminClient(self.target, token=self.token, tls=self.tls)
 
 
-def _token(args: argparse.Namespace, server: ServerConfig) -> str | None:
+def _token(args: argparse.Namespace, server: ServerConfig, daemons: bool) -> str | None:
     if args.token_file is not None:
         return read_token(args.token_file, "--token-file")
-    path = token_path(server)
+    path = token_path(server) if daemons else None
     if path is None or not path.exists():
         return None  # mTLS alone, or no daemon has started here: kvtierd says what it lacks
     try:
@@ -101,11 +101,8 @@ def _tls(args: argparse.Namespace, server: ServerConfig) -> ClientTLS | None:
 
 def connection(args: argparse.Namespace, *, token: bool = True) -> Connection:
     """Where and how to call kvtierd, from the options and the configuration; ``token=False``
-    sends a token only where ``--token-file`` names one (health needs none)."""
+    leaves the daemon's own token file unread, sending a token only where ``--token-file`` names
+    one (health needs none)."""
     server = load_config(args.config).server
     target = args.address or dial_target(server.admin_address)
-    if token:
-        bearer = _token(args, server)
-    else:
-        bearer = read_token(args.token_file, "--token-file") if args.token_file else None
-    return Connection(target, bearer, _tls(args, server))
+    return Connection(target, _token(args, server, daemons=token), _tls(args, server))
