@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,8 +79,8 @@ def _token(args: argparse.Namespace, server: ServerConfig, daemons: bool) -> str
     if args.token_file is not None:
         return read_token(args.token_file, "--token-file")
     path = token_path(server) if daemons else None
-    if path is None or not path.exists():
-        return None  # mTLS alone, or no daemon has started here: kvtierd says what it lacks
+    if path is None or not os.path.exists(path):  # False too where a directory is closed to us
+        return None  # mTLS alone, or not kvtierd's user: kvtierd says what it lacks
     try:
         return read_token(path, TOKEN_KEY)
     except ConfigError as exc:
