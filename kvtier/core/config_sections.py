@@ -405,14 +405,18 @@ class ServerConfig(ConfigSection):
     )
     admin_address: str = Field(
         "127.0.0.1:7461",
-        description="host:port of the admin API. A non-loopback address needs mTLS, or an "
-        "admin token over TLS.",
+        description="host:port of the admin API, which always authenticates (a bearer token, or "
+        "mTLS). A non-loopback address needs mTLS, or the token over TLS.",
     )
     metrics_address: str = Field(
         "127.0.0.1:7462", description="host:port of the Prometheus /metrics endpoint; '' disables."
     )
     admin_token_file: Path | None = Field(
-        None, description="File holding the bearer token for every admin call."
+        None,
+        description="File holding the bearer token for every admin call (mode 0600); where it "
+        "does not exist, kvtierd writes a random token there at start and keeps it. Unset: "
+        "admin.token in kvtierd's state directory, where `kvtier` commands run as its user find "
+        "it; with mTLS, unset means no token: the client certificate alone authenticates.",
     )
     read_token_file: Path | None = Field(
         None, description="File holding a bearer token that allows read-only admin calls only."
