@@ -59,6 +59,13 @@ class PoolConfig(ConfigSection):
         description="Quota of one replica, as a fraction of the pool's capacity; a replica over "
         "its quota is evicted first.",
     )
+    floor_share: float = Field(
+        0.125,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of the arena (at most max_share) this pool keeps while a namespace "
+        "of it is registered, when other pools' classes take its idle extents.",
+    )
 
 
 def _default_pools() -> dict[str, PoolConfig]:
@@ -111,8 +118,21 @@ class ArenaConfig(ConfigSection):
     max_slot_classes: int = Field(
         64,
         ge=1,
-        description="Most slot size classes (distinct pool and chunk size pairs); a registration "
-        "past it is RESOURCE_EXHAUSTED.",
+        description="Most slot size classes (distinct pool and chunk size pairs) in use at once; "
+        "a registration past it is RESOURCE_EXHAUSTED. A class with no extent and no registered "
+        "namespace no longer counts.",
+    )
+    reclaim_idle_s: float = Field(
+        30.0,
+        gt=0,
+        description="A slot class no store or load used this long lends its extents (its clean "
+        "chunks evicted) to a class that has no free slot and no free extent.",
+    )
+    class_expiry_s: float = Field(
+        600.0,
+        gt=0,
+        description="A slot class no store or load used this long gives all its "
+        "extents back (its clean chunks evicted, dirty ones written back first).",
     )
     pools: dict[str, PoolConfig] = Field(
         default_factory=_default_pools, description="Per-pool budgets, by pool name."
@@ -420,7 +440,14 @@ class ServerConfig(ConfigSection):
         1024, ge=1, description="Most open data-plane sessions; more is RESOURCE_EXHAUSTED."
     )
     max_namespaces: int = Field(
-        4096, ge=1, description="Most registered namespaces (pools); more is RESOURCE_EXHAUSTED."
+        4096, ge=1, description="Most namespaces in use at once; more is RESOURCE_EXHAUSTED."
+    )
+    namespace_idle_s: float = Field(
+        3600.0,
+        gt=0,
+        description="A namespace no call used this long and no open session registered expires: "
+        "it no longer counts against max_namespaces, and a call that uses it again brings it "
+        "back.",
     )
     reservation_timeout_s: float = Field(
         120.0,

@@ -11,6 +11,7 @@ the tiers (`kvtier.tiers.commit_checksums`); write-back drops a chunk whose byte
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 
@@ -30,8 +31,10 @@ class CpuTier(ArenaSlots):
 
     def reserve(self, keys: Sequence[ChunkKey], replica: str = "default") -> list[SlotRef | None]:
         """Reserve a slot per key. None for a key that is present, in flight, or has no room."""
-        regs = [self.registry.resolve(k) for k in keys]  # validate the batch before changing it
+        # validate the batch before changing it; a namespace expired while idle comes back
+        regs = [self.registry.resolve(k, use=True) for k in keys]
         out: list[SlotRef | None] = []
+        now = time.monotonic()
         with self._lock:
             q = self._replica(replica)
             for key, reg in zip(keys, regs, strict=True):
@@ -40,6 +43,7 @@ class CpuTier(ArenaSlots):
                     out.append(None)
                     continue
                 cls = self._class_for(reg)
+                cls.last_used = now
                 slot = self._allocate(cls, q)
                 if slot is None:
                     self._counters.add("store_rejected", 1)
@@ -66,8 +70,7 @@ class CpuTier(ArenaSlots):
                     self._counters.add("commit_stale", 1)
                     continue
                 slot = ref.slot
-                cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
-                assert cls is not None
+                cls = self._class_of(slot)
                 del self._writing[ref.key]
                 self._inflight[(self._owner[slot], cls.pool)] -= cls.slot_bytes
                 self._index[ref.key] = slot
@@ -113,7 +116,7 @@ class CpuTier(ArenaSlots):
     def lease(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
         """A refcounted read lease per present key; a leased slot is never freed."""
         out: list[SlotRef | None] = []
-        mem = self.memory
+        now = time.monotonic()
         with self._lock:
             for key in keys:
                 slot = self._index.get(key)
@@ -121,10 +124,10 @@ class CpuTier(ArenaSlots):
                     self._counters.add("misses", 1)
                     out.append(None)
                     continue
-                cls = self._class_of_extent[slot // mem.max_slots_per_extent]
-                assert cls is not None
+                cls = self._class_of(slot)
                 self._slots.add_ref(slot, 1)
                 cls.policy.access(slot)
+                cls.last_used = now
                 self._counters.add("hits", 1)
                 out.append(self._ref(key, slot, cls.slot_bytes))
         return out
@@ -220,8 +223,7 @@ class CpuTier(ArenaSlots):
                 self._slots.add_ref(slot, -1)
                 if self._dirty[slot]:
                     self._dirty[slot] = False
-                    cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
-                    assert cls is not None
+                    cls = self._class_of(slot)
                     cls.dirty_count -= 1
                 if ref.key in changed:
                     self._drop_changed(ref)
