@@ -88,8 +88,8 @@ class ArenaConfig(ConfigSection):
         0.25, gt=0.0, le=0.9, description="Share of available memory used when size_bytes is unset."
     )
     extent_bytes: ByteSize = Field(
-        ByteSize(32 * MiB),
-        description="Allocation unit handed to a pool; one slot size class per extent.",
+        ByteSize(96 * MiB),
+        description="Allocation unit handed to a slot class; the largest chunk it can hold.",
     )
     min_slot_bytes: ByteSize = Field(
         ByteSize(64 << 10), description="Smallest chunk a pool may register; sizes the slot table."
