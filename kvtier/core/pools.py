@@ -136,8 +136,12 @@ class PoolRegistry:
         return len(self._by_namespace)
 
     def spec_of(self, namespace: bytes) -> NamespaceSpec | None:
-        """The spec a namespace was registered with (a draft swap derives the next one)."""
-        return self._specs.get(namespace)
+        """The spec a namespace was registered with, dormant or not (a draft swap derives the
+        next one)."""
+        spec = self._specs.get(namespace)
+        if spec is None and (dormant := self._dormant.get(namespace)) is not None:
+            return dormant[1]
+        return spec
 
     def resolve(self, key: bytes, use: bool = False) -> Registration:
         """The registration of ``key``'s namespace; ``use`` (a store or a lookup) marks it used
@@ -163,7 +167,11 @@ class PoolRegistry:
             return dormant[0]
 
     def get(self, namespace: bytes) -> Registration | None:
-        return self._by_namespace.get(namespace)
+        """The registration of a namespace, dormant or not."""
+        reg = self._by_namespace.get(namespace)
+        if reg is None and (dormant := self._dormant.get(namespace)) is not None:
+            return dormant[0]
+        return reg
 
     def coded(self, codecs: Iterable[Codec]) -> dict[bytes, float]:
         """The registered namespaces that tiers with ``codecs`` store coded, each with the

@@ -13,8 +13,9 @@ import pytest
 from kvtier.client import InProcessClient
 from kvtier.core.config import from_mapping
 from kvtier.core.errors import CapacityError
-from kvtier.core.keys import ChunkKey
+from kvtier.core.keys import ChunkKey, NamespaceSpec
 from kvtier.core.pools import PoolRegistry
+from kvtier.server.sessions import SessionRegistry
 from kvtier.tiering.manager import TierManager
 from kvtier.tiers.cpu import CpuTier
 from tests.support import MiB, arena_config, draft_spec, keys_for, payload_for, target_spec
@@ -197,9 +198,9 @@ def test_idle_namespaces_and_slot_classes_expire_and_bounds_count_live_ones(
         spec = target_spec(model=f"m{model}")
         chunk = (256 + 64 * model) * KiB  # each model its own chunk size: its own class
 
-        def registered(spec: object = spec, chunk: int = chunk) -> bool:
+        def registered(spec: NamespaceSpec = spec, chunk: int = chunk) -> bool:
             try:
-                client.register_pool(spec, chunk)  # type: ignore[arg-type]
+                client.register_pool(spec, chunk)
             except CapacityError:
                 return False
             return True
@@ -216,3 +217,48 @@ def test_idle_namespaces_and_slot_classes_expire_and_bounds_count_live_ones(
         lambda: cpu.live_counts()["namespaces"] == 0 and cpu.live_counts()["slot_classes"] == 0,
         "every idle namespace and slot class expired",
     )
+
+
+def test_a_namespace_an_open_session_registered_never_expires(
+    shm_path: Path, tmp_path: Path, close_after: list[InProcessClient]
+) -> None:
+    config = _config(shm_path, tmp_path, arena_mib=16)
+    config["server"] = {"namespace_idle_s": 0.05}
+    client = _client(config)
+    close_after.append(client)
+    registry = client.manager.registry
+    sessions = SessionRegistry(client.manager, timeout_s=60.0)
+    session = sessions.open("r0", "engine", 0, 0)
+    held = client.register_pool(target_spec(model="held"), 256 * KiB)
+    session.namespaces.add(held)
+    idle = client.register_pool(target_spec(model="idle"), 256 * KiB)
+    _until(lambda: registry.get(idle) is not None and registry.live_count() == 1, "idle expired")
+    assert registry.registrations()[0].namespace == held
+    registry.expire_idle()
+    assert registry.live_count() == 1  # still held
+    (key,) = keys_for(idle, 1)
+    assert _store(client, [key]) == 1  # a store of the expired namespace brings it back
+    assert registry.live_count() == 2
+    sessions.close_all()
+    _until(lambda: registry.live_count() == 0, "both expired once nothing held them")
+
+
+def test_extents_passed_between_classes_reuse_their_eviction_nodes(shm_path: Path) -> None:
+    registry = PoolRegistry()
+    cpu = CpuTier(arena_config(shm_path, 8 * MiB, prefault=False), registry)
+    try:
+        regs = [
+            registry.register(target_spec(model=m), c)
+            for m, c in (("a", 256 * KiB), ("b", 512 * KiB))
+        ]
+        for _ in range(20):
+            for reg in regs:
+                keys = keys_for(reg.namespace, cpu.memory.num_extents * 2 * MiB // reg.chunk_bytes)
+                assert all(cpu.put(k, payload_for(k, reg.chunk_bytes)) for k in keys)
+                assert cpu.delete(keys) == len(keys)  # every extent goes back
+        assert cpu.live_counts()["free_extents"] == cpu.memory.num_extents
+        for cls in cpu._classes.values():
+            built = len(cls.policy._next) - cls.policy.queues
+            assert built == cpu.memory.num_extents * cls.per_extent, "nodes were not reused"
+    finally:
+        cpu.close()
