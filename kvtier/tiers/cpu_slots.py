@@ -5,13 +5,14 @@ on target-sized slots), per-replica quotas, and eviction.
 Extents come back: an extent whose slots are all free returns to the free list, and a class
 with no free slot and no free extent takes one from another class, evicting that extent's clean
 chunks. The lender is a class idle for `ArenaConfig.reclaim_idle_s` (the one holding the most
-idle extents first), else a busy class holding at least two extents more than the borrower, so
-classes in use level out rather than take turns. A pool another pool's class borrows from keeps
-its floor (`PoolConfig.floor_share`) while a namespace of it is registered. An extent holding a
-dirty, leased, pinned or reserved slot is never taken: the refused store makes write-back write
-every dirty chunk, and the next store finds the extent clean. A class nothing used for
-`ArenaConfig.class_expiry_s` gives its extents back the same way, and a class with no extent and
-no registered namespace is forgotten, so `max_slot_classes` counts live classes.
+idle extents first), else a busy class of the same pool holding at least two extents more than
+the borrower, so two models in use level out rather than take turns. A pool keeps its floor
+(`PoolConfig.floor_share`) while a namespace of it is registered, and a pool below its floor
+may take from busy pools above theirs; otherwise a busy pool keeps what its stores took. An
+extent holding a dirty, leased, pinned or reserved slot is never taken: the refused store makes
+write-back write every dirty chunk, and the next store finds the extent clean. A class nothing
+used for `ArenaConfig.class_expiry_s` gives its extents back the same way, and a class with no
+extent and no registered namespace is forgotten, so `max_slot_classes` counts live classes.
 
 Eviction takes the best victim of a replica over its quota first, else the best victim of any
 replica, by the configured policy; a retired draft revision's chunks go before either. Slots
@@ -246,9 +247,14 @@ class ArenaSlots(Tier):
         cls.reclaim_after = now + _RECLAIM_RETRY_S
         return False
 
+    def _floor(self, pool: str) -> int:
+        share = self.config.pools[pool]
+        return int(self.memory.num_extents * min(share.floor_share, share.max_share))
+
     def _lenders(self, cls: SlotClass, now: float) -> list[SlotClass]:
-        limit = self.pool_capacity_bytes(cls.pool) // self.memory.extent_bytes
-        room = self._pool_extents(cls.pool) < limit
+        held = self._pool_extents(cls.pool)
+        room = held < self.pool_capacity_bytes(cls.pool) // self.memory.extent_bytes
+        below_floor = held < self._floor(cls.pool)
         live_pools = {pool for pool, _ in self.registry.live_classes}
         idle: list[SlotClass] = []
         busy: list[SlotClass] = []
@@ -258,12 +264,16 @@ class ArenaSlots(Tier):
             if other.pool != cls.pool:
                 if not room:
                     continue  # the pool is at its share: only its own classes lend to it
-                share = self.config.pools[other.pool]
-                floor = int(self.memory.num_extents * min(share.floor_share, share.max_share))
-                if other.pool in live_pools and self._pool_extents(other.pool) <= floor:
+                lender_floor = self._floor(other.pool) if other.pool in live_pools else 0
+                if self._pool_extents(other.pool) <= lender_floor:
                     continue
             if now - other.last_used >= self.config.reclaim_idle_s:
                 idle.append(other)
+            elif other.pool != cls.pool:
+                # a busy pool keeps what its stores took above the floors: a draft beside its
+                # target would otherwise level out with it, and its chunks are worth little alone
+                if below_floor:
+                    busy.append(other)
             elif other.extents > cls.extents + 1:
                 busy.append(other)
         idle.sort(key=lambda c: (-c.extents, c.last_used))

@@ -262,3 +262,24 @@ def test_extents_passed_between_classes_reuse_their_eviction_nodes(shm_path: Pat
             assert built == cpu.memory.num_extents * cls.per_extent, "nodes were not reused"
     finally:
         cpu.close()
+
+
+def test_a_busy_pool_below_its_floor_takes_up_to_it_and_no_further(shm_path: Path) -> None:
+    registry = PoolRegistry()
+    pools = {"target": {"max_share": 1.0}, "draft": {"max_share": 0.5, "floor_share": 0.25}}
+    config = arena_config(shm_path, 32 * MiB, prefault=False, reclaim_idle_s=3600, pools=pools)
+    cpu = CpuTier(config, registry)
+    try:
+        floor = int(cpu.memory.num_extents * 0.25)
+        target = registry.register(target_spec(), 512 * KiB)
+        target_keys = keys_for(target.namespace, cpu.memory.num_extents * 4)
+        assert all(cpu.put(k, payload_for(k, target.chunk_bytes)) for k in target_keys)
+        assert cpu.live_counts()["free_extents"] == 0  # the target took every extent
+        draft = registry.register(draft_spec(), 256 * KiB)
+        draft_keys = keys_for(draft.namespace, 4 * floor * 8)
+        for key in draft_keys:  # both pools busy: nothing is idle for an hour
+            assert cpu.put(key, payload_for(key, draft.chunk_bytes))
+        assert _extents(cpu, draft.chunk_bytes) == floor  # its floor, and no level with target
+        assert _extents(cpu, target.chunk_bytes) == cpu.memory.num_extents - floor
+    finally:
+        cpu.close()
