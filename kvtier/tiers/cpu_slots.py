@@ -188,8 +188,9 @@ class ArenaSlots(Tier):
         for key, cls in list(self._classes.items()):
             if cls.extents and now - cls.last_used >= self.config.class_expiry_s:
                 for extent in cls.held():
-                    if not self._clear_extent(extent, "expired"):
-                        self._refused += 1  # write-back then writes every dirty chunk
+                    self._clear_extent(extent, "expired")
+                if cls.dirty_count:
+                    self._refused += 1  # write-back then writes them all; the next pass clears
             if not cls.extents and key not in live:
                 del self._classes[key]
                 self._counters.add("slot_classes_expired", 1)
