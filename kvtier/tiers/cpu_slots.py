@@ -48,7 +48,7 @@ from kvtier.tiers.slots import FREE, READY, WRITING, SlotClass, SlotTable, defau
 log = logging.getLogger("kvtier.tiers.cpu")  # the tier's logger, which operators filter on
 
 _SCAN_LIMIT = 256  # slots inspected per queue when looking for a victim
-_EXTENT_SCAN = 32  # a lender's extents inspected for one that can be cleared
+_EXTENT_SCAN = 8  # a lender's extents inspected for one that can be cleared
 _RECLAIM_RETRY_S = 0.05  # a class no class could lend to asks again after this long
 
 
