@@ -119,20 +119,14 @@ class ArenaConfig(ConfigSection):
         64,
         ge=1,
         description="Most slot size classes (distinct pool and chunk size pairs) in use at once; "
-        "a registration past it is RESOURCE_EXHAUSTED. A class with no extent and no registered "
-        "namespace no longer counts.",
+        "a registration past it is RESOURCE_EXHAUSTED. A class no registered namespace uses "
+        "gives its extents back and no longer counts.",
     )
     reclaim_idle_s: float = Field(
         30.0,
         gt=0,
         description="A slot class no store or load used this long lends its extents (its clean "
         "chunks evicted) to a class that has no free slot and no free extent.",
-    )
-    class_expiry_s: float = Field(
-        600.0,
-        gt=0,
-        description="A slot class no store or load used this long gives all its "
-        "extents back (its clean chunks evicted, dirty ones written back first).",
     )
     pools: dict[str, PoolConfig] = Field(
         default_factory=_default_pools, description="Per-pool budgets, by pool name."
@@ -446,8 +440,8 @@ class ServerConfig(ConfigSection):
         3600.0,
         gt=0,
         description="A namespace no call used this long and no open session registered expires: "
-        "it no longer counts against max_namespaces, and a call that uses it again brings it "
-        "back.",
+        "it no longer counts against max_namespaces (nor its slot class against "
+        "arena.max_slot_classes), and a call that uses it again brings it back.",
     )
     reservation_timeout_s: float = Field(
         120.0,

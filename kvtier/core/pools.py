@@ -72,6 +72,7 @@ class PoolRegistry:
         reg = Registration(
             namespace, str(spec.pool), chunk_bytes, ChunkDescriptor.from_spec(spec), spec.tenant
         )
+        self.expire_idle()  # registrations are rare: the bound then counts namespaces in use
         with self._lock:
             known = self._by_namespace.get(namespace)
             if known is None and namespace in self._dormant:

@@ -10,9 +10,9 @@ the borrower, so two models in use level out rather than take turns. A pool keep
 (`PoolConfig.floor_share`) while a namespace of it is registered, and a pool below its floor
 may take from busy pools above theirs; otherwise a busy pool keeps what its stores took. An
 extent holding a dirty, leased, pinned or reserved slot is never taken: the refused store makes
-write-back write every dirty chunk, and the next store finds the extent clean. A class nothing
-used for `ArenaConfig.class_expiry_s` gives its extents back the same way, and a class with no
-extent and no registered namespace is forgotten, so `max_slot_classes` counts live classes.
+write-back write every dirty chunk, and the next store finds the extent clean. A class no
+registered namespace uses (they expire when idle: `PoolRegistry`) gives its extents back the
+same way and is forgotten, so `max_slot_classes` counts the classes in use.
 
 Eviction takes the best victim of a replica over its quota first, else the best victim of any
 replica, by the configured policy; a retired draft revision's chunks go before either. Slots
@@ -162,13 +162,13 @@ class ArenaSlots(Tier):
                     "put more blocks in a chunk (blocks_per_chunk)"
                 )
             if len(self._classes) >= self.config.max_slot_classes:
-                self._expire_classes(time.monotonic())
+                self._forget_unused_classes()
             if len(self._classes) >= self.config.max_slot_classes:
                 raise CapacityError(
                     f"the arena has {len(self._classes)} slot classes in use, the most "
                     f"arena.max_slot_classes allows; a pool of {reg.chunk_bytes}-byte chunks "
-                    "needs one more: raise arena.max_slot_classes, or wait for idle classes to "
-                    "expire (arena.class_expiry_s)"
+                    "needs one more: raise arena.max_slot_classes, or wait for idle namespaces "
+                    "to expire (server.namespace_idle_s)"
                 )
             policy = make_policy(self.config.eviction_policy, self._policy_node)
             per_extent = self.memory.extent_bytes // reg.chunk_bytes
@@ -178,20 +178,22 @@ class ArenaSlots(Tier):
         return cls
 
     def expire_idle(self) -> None:
-        """Expire idle namespaces, then idle slot classes (see the module's text)."""
+        """Expire idle namespaces, then forget the slot classes none uses any more."""
         self.registry.expire_idle()
         with self._lock:
-            self._expire_classes(time.monotonic())
+            self._forget_unused_classes()
 
-    def _expire_classes(self, now: float) -> None:
+    def _forget_unused_classes(self) -> None:
         live = self.registry.live_classes
         for key, cls in list(self._classes.items()):
-            if cls.extents and now - cls.last_used >= self.config.class_expiry_s:
-                for extent in cls.held():
-                    self._clear_extent(extent, "expired")
+            if key in live:
+                continue
+            for extent in cls.held():
+                self._clear_extent(extent, "expired")
+            if cls.extents:
                 if cls.dirty_count:
                     self._refused += 1  # write-back then writes them all; the next pass clears
-            if not cls.extents and key not in live:
+            else:
                 del self._classes[key]
                 self._counters.add("slot_classes_expired", 1)
 

@@ -188,7 +188,7 @@ def test_a_pool_in_use_keeps_its_floor_while_another_pool_grows(shm_path: Path) 
 def test_idle_namespaces_and_slot_classes_expire_and_bounds_count_live_ones(
     shm_path: Path, tmp_path: Path, close_after: list[InProcessClient]
 ) -> None:
-    config = _config(shm_path, tmp_path, arena_mib=16, max_slot_classes=2, class_expiry_s=0.2)
+    config = _config(shm_path, tmp_path, arena_mib=16, max_slot_classes=2)
     config["server"] = {"namespace_idle_s": 0.2}
     client = _client(config)
     close_after.append(client)
