@@ -17,6 +17,7 @@ from kvtier.core.keys import ChunkKey, NamespaceSpec
 from kvtier.core.pools import PoolRegistry
 from kvtier.server.sessions import SessionRegistry
 from kvtier.tiering.manager import TierManager
+from kvtier.tiers.arena import ArenaMemory
 from kvtier.tiers.cpu import CpuTier
 from tests.support import MiB, arena_config, draft_spec, keys_for, payload_for, target_spec
 
@@ -282,4 +283,27 @@ def test_a_busy_pool_below_its_floor_takes_up_to_it_and_no_further(shm_path: Pat
         assert _extents(cpu, draft.chunk_bytes) == floor  # its floor, and no level with target
         assert _extents(cpu, target.chunk_bytes) == cpu.memory.num_extents - floor
     finally:
+        cpu.close()
+
+
+def test_the_owner_ignores_extent_words_a_client_writes(shm_path: Path) -> None:
+    registry = PoolRegistry()
+    cpu = CpuTier(arena_config(shm_path, 8 * MiB, prefault=False), registry)
+    client = ArenaMemory.attach(shm_path)
+    try:
+        reg = registry.register(target_spec(), 256 * KiB)
+        first, second = keys_for(reg.namespace, 2)
+        assert cpu.put(first, payload_for(first, reg.chunk_bytes))
+        client.extent_slot_bytes[:] = 64 * KiB  # a client's words: every extent cut smaller
+        (ref,) = cpu.reserve([second])
+        assert ref is not None
+        assert ref.offset == client.data_offset + ref.slot * reg.chunk_bytes  # extent 0's slots
+        cpu.view(ref)[:] = payload_for(second, reg.chunk_bytes)
+        assert cpu.commit([ref]) == 1
+        for key in (first, second):
+            buf = bytearray(reg.chunk_bytes)
+            assert cpu.read_into(key, memoryview(buf))
+            assert bytes(buf) == payload_for(key, reg.chunk_bytes)
+    finally:
+        client.close()
         cpu.close()
