@@ -362,13 +362,13 @@ class Bench:
     def start(self) -> None:
         self.daemon.start()
         self.client = CountingClient(self.daemon.socket_path, "bench-a")
-        self.admin = AdminClient(f"127.0.0.1:{self.daemon.admin_port}")
+        self.admin = self.daemon.admin_client()
         self.plain.start()
         self.plain_client = CountingClient(self.plain.socket_path, "bench-a")
         # as an engine holding requests: write-back keeps only the clean reserve, which is none
         for client in (self.client, self.plain_client):
             client.set_busy(True)
-        self.plain_admin = AdminClient(f"127.0.0.1:{self.plain.admin_port}")
+        self.plain_admin = self.plain.admin_client()
         ctx = multiprocessing.get_context("spawn")
         self.b_conn, child = ctx.Pipe()
         self.b_proc = ctx.Process(

@@ -214,7 +214,7 @@ class Kvtierd(KvtierdProcess):
 
     def start(self) -> None:
         super().start()
-        self.admin = AdminClient(f"127.0.0.1:{self.admin_port}", timeout_s=STOP_TIMEOUT_S)
+        self.admin = self.admin_client(timeout_s=STOP_TIMEOUT_S)
 
     def counters(self) -> dict[str, int]:
         """The manager's counters, and each tier's as ``<tier>.<name>``."""

@@ -38,8 +38,6 @@ from typing import Any
 import models
 from kvtierd import KvtierdProcess
 
-from kvtier.rpc import AdminClient
-
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("kvtier.bench")
 
@@ -166,7 +164,7 @@ class Run:
         with self.daemon("draft") as daemon, _draft_dtype_patch(self.device):
             extra = {"mode": "sidecar", "socket_path": _socket_of(daemon)}
             self.store_then_load("draft", connector(extra), speculative_config=spec)
-            admin = AdminClient(f"127.0.0.1:{daemon.admin_port}", timeout_s=20.0)
+            admin = daemon.admin_client(timeout_s=20.0)
             try:
                 (cpu,) = [t for t in admin.stats().tiers if t.tier == "cpu"]
             finally:

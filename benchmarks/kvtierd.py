@@ -19,6 +19,7 @@ import yaml
 from common import die_with_parent
 
 from kvtier.core.config import ENV_PREFIX
+from kvtier.rpc import AdminClient
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("kvtier.bench")
@@ -38,6 +39,8 @@ class KvtierdProcess:
         self.proc: subprocess.Popen[str] | None = None
         self.admin_port = 0
         self.metrics_port = 0
+        self.admin_token: str | None = None
+        """What kvtierd's admin API takes: the token it wrote at its first start."""
         self.start_s = math.nan
         self.stop_s = math.nan
         self.exit_code: int | None = None
@@ -45,6 +48,9 @@ class KvtierdProcess:
         """Set in the daemon's environment (an object store's identity, say)."""
         self.env_drop: tuple[str, ...] = ()
         """Left out of it."""
+
+    def admin_client(self, timeout_s: float = 30.0) -> AdminClient:
+        return AdminClient(f"127.0.0.1:{self.admin_port}", self.admin_token, timeout_s=timeout_s)
 
     def start(self) -> None:
         # only the file configures the daemon: KVTIER_ variables would override it
@@ -77,6 +83,8 @@ class KvtierdProcess:
         self.start_s = time.perf_counter() - started
         self.admin_port = int(fields["admin_port"])
         self.metrics_port = int(fields["metrics_port"])
+        token = fields["admin_token"]
+        self.admin_token = None if token == "-" else Path(token).read_text().strip()
         log.info("kvtierd pid %d ready in %.2f s", self.proc.pid, self.start_s)
 
     def metrics(self) -> str:

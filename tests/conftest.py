@@ -26,6 +26,16 @@ def engine_caches(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """kvtier's default state directory (the admin token kvtierd writes, say) for this run and the
+    processes it starts, never the user's own."""
+    path = tmp_path_factory.mktemp("state")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_STATE_HOME", str(path))
+        yield path
+
+
 @pytest.fixture
 def shm_path() -> Iterator[Path]:
     path = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"

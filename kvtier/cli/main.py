@@ -28,6 +28,8 @@ from rich.text import Text
 from kvtier import __version__
 from kvtier.api.v1 import admin_pb2
 from kvtier.cli import locate
+from kvtier.cli.connect import add_options as add_connection_options
+from kvtier.cli.connect import connection
 from kvtier.core.config import KVTierConfig, describe, load_config
 from kvtier.core.errors import ConfigError, KVTierError
 from kvtier.core.protocol import TierCode
@@ -66,13 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _admin(args: argparse.Namespace) -> Any:
-    from kvtier.rpc import AdminClient
-
-    cfg = _config(args).server
-    address = args.address or cfg.admin_address
-    token_file = args.token_file or cfg.admin_token_file
-    token = Path(token_file).read_text().strip() if token_file else None
-    return AdminClient(address, token=token)
+    return connection(args).admin()
 
 
 def _emit(args: argparse.Namespace, message: Any, table: Callable[[], None]) -> None:
@@ -357,10 +353,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
+    calling = argparse.ArgumentParser(add_help=False, parents=[common])
+    add_connection_options(calling)
+
     def admin(name: str, func: Callable[[argparse.Namespace], int], help: str) -> Any:
-        p = sub.add_parser(name, parents=[common], help=help)
-        p.add_argument("--address", help="admin API host:port (default: server.admin_address)")
-        p.add_argument("--token-file", help="bearer token file (default: server.admin_token_file)")
+        p = sub.add_parser(name, parents=[calling], help=help)
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
         p.set_defaults(func=func)
         return p
@@ -426,7 +423,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_hidden(sub, common)
     add_top(sub, common)
-    add_health(sub, common)
+    add_health(sub, calling)
     from kvtier.bench.cli import add_bench_parser
 
     add_bench_parser(sub)

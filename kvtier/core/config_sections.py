@@ -59,6 +59,13 @@ class PoolConfig(ConfigSection):
         description="Quota of one replica, as a fraction of the pool's capacity; a replica over "
         "its quota is evicted first.",
     )
+    floor_share: float = Field(
+        0.125,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of the arena (at most max_share) this pool keeps while a namespace "
+        "of it is registered, when other pools' classes take its idle extents.",
+    )
 
 
 def _default_pools() -> dict[str, PoolConfig]:
@@ -81,8 +88,8 @@ class ArenaConfig(ConfigSection):
         0.25, gt=0.0, le=0.9, description="Share of available memory used when size_bytes is unset."
     )
     extent_bytes: ByteSize = Field(
-        ByteSize(32 * MiB),
-        description="Allocation unit handed to a pool; one slot size class per extent.",
+        ByteSize(96 * MiB),
+        description="Allocation unit handed to a slot class; the largest chunk it can hold.",
     )
     min_slot_bytes: ByteSize = Field(
         ByteSize(64 << 10), description="Smallest chunk a pool may register; sizes the slot table."
@@ -112,8 +119,15 @@ class ArenaConfig(ConfigSection):
     max_slot_classes: int = Field(
         64,
         ge=1,
-        description="Most slot size classes (distinct pool and chunk size pairs); a registration "
-        "past it is RESOURCE_EXHAUSTED.",
+        description="Most slot size classes (distinct pool and chunk size pairs) in use at once; "
+        "a registration past it is RESOURCE_EXHAUSTED. A class no registered namespace uses "
+        "gives its extents back and no longer counts.",
+    )
+    reclaim_idle_s: float = Field(
+        30.0,
+        gt=0,
+        description="A slot class no store or load used this long lends its extents (its clean "
+        "chunks evicted) to a class that has no free slot and no free extent.",
     )
     pools: dict[str, PoolConfig] = Field(
         default_factory=_default_pools, description="Per-pool budgets, by pool name."
@@ -405,14 +419,18 @@ class ServerConfig(ConfigSection):
     )
     admin_address: str = Field(
         "127.0.0.1:7461",
-        description="host:port of the admin API. A non-loopback address needs mTLS, or an "
-        "admin token over TLS.",
+        description="host:port of the admin API, which always authenticates (a bearer token, or "
+        "mTLS). A non-loopback address needs mTLS, or the token over TLS.",
     )
     metrics_address: str = Field(
         "127.0.0.1:7462", description="host:port of the Prometheus /metrics endpoint; '' disables."
     )
     admin_token_file: Path | None = Field(
-        None, description="File holding the bearer token for every admin call."
+        None,
+        description="File holding the bearer token for every admin call (mode 0600); where it "
+        "does not exist, kvtierd writes a random token there at start and keeps it. Unset: "
+        "admin.token in kvtierd's state directory, where `kvtier` commands run as its user find "
+        "it; with mTLS, unset means no token: the client certificate alone authenticates.",
     )
     read_token_file: Path | None = Field(
         None, description="File holding a bearer token that allows read-only admin calls only."
@@ -442,7 +460,14 @@ class ServerConfig(ConfigSection):
         1024, ge=1, description="Most open data-plane sessions; more is RESOURCE_EXHAUSTED."
     )
     max_namespaces: int = Field(
-        4096, ge=1, description="Most registered namespaces (pools); more is RESOURCE_EXHAUSTED."
+        4096, ge=1, description="Most namespaces in use at once; more is RESOURCE_EXHAUSTED."
+    )
+    namespace_idle_s: float = Field(
+        3600.0,
+        gt=0,
+        description="A namespace no call used this long and no open session registered expires: "
+        "it no longer counts against max_namespaces (nor its slot class against "
+        "arena.max_slot_classes), and a call that uses it again brings it back.",
     )
     reservation_timeout_s: float = Field(
         120.0,

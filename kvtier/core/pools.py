@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -10,6 +13,9 @@ from kvtier.core.blockfmt import ChunkDescriptor
 from kvtier.core.errors import CapacityError, PoolLayoutError, UnknownPoolError
 from kvtier.core.keys import NamespaceSpec, namespace_of
 from kvtier.core.kvcodec import Codec, error_bound
+
+_DORMANT = 4096
+"""Expired namespaces remembered, so one used again comes back without a new registration."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,14 +33,25 @@ class PoolRegistry:
     Thread-safe; shared by every tier of one TierManager. A registration is all or nothing:
     every check (each tier's, added by `admit_with`, and the namespace bound) passes before
     anything is recorded.
+
+    A namespace no call used for ``idle_s`` and that nothing holds (`keep_while`: a live
+    session's) expires: it no longer counts against the bound, and is kept dormant, so a call
+    that uses it again brings it back through the same checks. `resolve` finds a dormant
+    namespace too (the movers still write its chunks) without bringing it back.
     """
 
-    def __init__(self, max_namespaces: int | None = None) -> None:
+    def __init__(self, max_namespaces: int | None = None, idle_s: float = math.inf) -> None:
         self._by_namespace: dict[bytes, Registration] = {}
         self._specs: dict[bytes, NamespaceSpec] = {}
+        self._used: dict[bytes, float] = {}
+        self._dormant: OrderedDict[bytes, tuple[Registration, NamespaceSpec]] = OrderedDict()
         self._checks: list[Callable[[Registration], None]] = []
+        self._held: Callable[[], set[bytes]] = set
         self._max_namespaces = max_namespaces
-        self._lock = threading.Lock()
+        self._idle_s = idle_s
+        self._lock = threading.RLock()
+        self.live_classes: frozenset[tuple[str, int]] = frozenset()
+        """(pool, chunk bytes) of the live registrations; replaced whole, read without a lock."""
 
     def admit_with(self, check: Callable[[Registration], None]) -> None:
         """Run ``check`` on every new registration before it is recorded; it raises to refuse."""
@@ -44,6 +61,10 @@ class PoolRegistry:
         """Refuse new namespaces past ``limit`` (`server.max_namespaces`)."""
         self._max_namespaces = limit
 
+    def keep_while(self, held: Callable[[], set[bytes]]) -> None:
+        """Never expire the namespaces ``held()`` names (those of live sessions)."""
+        self._held = held
+
     def register(self, spec: NamespaceSpec, chunk_bytes: int) -> Registration:
         if chunk_bytes <= 0:
             raise PoolLayoutError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -51,42 +72,107 @@ class PoolRegistry:
         reg = Registration(
             namespace, str(spec.pool), chunk_bytes, ChunkDescriptor.from_spec(spec), spec.tenant
         )
+        self.expire_idle()  # registrations are rare: the bound then counts namespaces in use
         with self._lock:
             known = self._by_namespace.get(namespace)
+            if known is None and namespace in self._dormant:
+                known = self._dormant[namespace][0]
             if known is not None:
                 if known != reg:
                     raise PoolLayoutError(
                         f"namespace {namespace.hex()} already registered with "
                         f"{known.chunk_bytes} bytes per chunk, not {chunk_bytes}"
                     )
+                if namespace in self._dormant:
+                    self._admit(namespace, *self._dormant[namespace])
+                self._used[namespace] = time.monotonic()
                 return known
-            limit = self._max_namespaces
-            if limit is not None and len(self._by_namespace) >= limit:
-                raise CapacityError(
-                    f"{len(self._by_namespace)} namespaces are registered, the most "
-                    f"server.max_namespaces allows ({limit}); raise it to register more"
-                )
-            for check in self._checks:
-                check(reg)
-            self._by_namespace[namespace] = reg
-            self._specs[namespace] = spec
+            self._admit(namespace, reg, spec)
         return reg
+
+    def _admit(self, namespace: bytes, reg: Registration, spec: NamespaceSpec) -> None:
+        limit = self._max_namespaces
+        if limit is not None and len(self._by_namespace) >= limit:
+            self.expire_idle()
+        if limit is not None and len(self._by_namespace) >= limit:
+            raise CapacityError(
+                f"{len(self._by_namespace)} namespaces are in use, the most "
+                f"server.max_namespaces allows ({limit}); raise it to register more, or wait "
+                "for idle ones to expire (server.namespace_idle_s)"
+            )
+        for check in self._checks:
+            check(reg)
+        self._dormant.pop(namespace, None)
+        self._by_namespace[namespace] = reg
+        self._specs[namespace] = spec
+        self._used[namespace] = time.monotonic()
+        self._publish()
+
+    def _publish(self) -> None:
+        self.live_classes = frozenset((r.pool, r.chunk_bytes) for r in self._by_namespace.values())
+
+    def expire_idle(self) -> int:
+        """Make namespaces idle past ``idle_s`` and held by nothing dormant; returns how many."""
+        held = self._held()
+        now = time.monotonic()
+        with self._lock:
+            idle = [
+                ns
+                for ns, used in list(self._used.items())  # `resolve` stamps without the lock
+                if now - used >= self._idle_s and ns not in held
+            ]
+            for namespace in idle:
+                del self._used[namespace]
+                if namespace not in self._by_namespace:
+                    continue  # stamped by a call that raced its expiry
+                spec = self._specs.pop(namespace)
+                self._dormant[namespace] = (self._by_namespace.pop(namespace), spec)
+                while len(self._dormant) > _DORMANT:
+                    self._dormant.popitem(last=False)
+            if idle:
+                self._publish()
+        return len(idle)
+
+    def live_count(self) -> int:
+        return len(self._by_namespace)
 
     def spec_of(self, namespace: bytes) -> NamespaceSpec | None:
-        """The spec a namespace was registered with (a draft swap derives the next one)."""
-        return self._specs.get(namespace)
+        """The spec a namespace was registered with, dormant or not (a draft swap derives the
+        next one)."""
+        spec = self._specs.get(namespace)
+        if spec is None and (dormant := self._dormant.get(namespace)) is not None:
+            return dormant[1]
+        return spec
 
-    def resolve(self, key: bytes) -> Registration:
-        reg = self._by_namespace.get(namespace_of(key))
-        if reg is None:
-            raise UnknownPoolError(
-                f"key namespace {namespace_of(key).hex()} is not registered; "
-                "register the pool before storing or loading"
-            )
-        return reg
+    def resolve(self, key: bytes, use: bool = False) -> Registration:
+        """The registration of ``key``'s namespace; ``use`` (a store or a lookup) marks it used
+        and brings a dormant one back."""
+        namespace = namespace_of(key)
+        reg = self._by_namespace.get(namespace)
+        if reg is not None:
+            if use:
+                self._used[namespace] = time.monotonic()
+            return reg
+        with self._lock:
+            reg = self._by_namespace.get(namespace)
+            if reg is not None:  # brought back meanwhile
+                return reg
+            dormant = self._dormant.get(namespace)
+            if dormant is None:
+                raise UnknownPoolError(
+                    f"key namespace {namespace.hex()} is not registered; "
+                    "register the pool before storing or loading"
+                )
+            if use and namespace not in self._by_namespace:
+                self._admit(namespace, *dormant)
+            return dormant[0]
 
     def get(self, namespace: bytes) -> Registration | None:
-        return self._by_namespace.get(namespace)
+        """The registration of a namespace, dormant or not."""
+        reg = self._by_namespace.get(namespace)
+        if reg is None and (dormant := self._dormant.get(namespace)) is not None:
+            return dormant[0]
+        return reg
 
     def coded(self, codecs: Iterable[Codec]) -> dict[bytes, float]:
         """The registered namespaces that tiers with ``codecs`` store coded, each with the

@@ -58,6 +58,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("gauge", "tier_used_bytes", "tier pool", "Bytes held, per tier and pool."),
     _spec("gauge", "tier_chunks", "tier pool", "Chunks held, per tier and pool."),
     _spec("gauge", "pool_capacity_bytes", "tier pool", "Share of the arena each pool may fill."),
+    _spec("gauge", "arena_slot_classes", "", "Arena slot classes in use (arena.max_slot_classes)."),
+    _spec("gauge", "arena_free_extents", "", "Arena extents no slot class holds."),
+    _spec("gauge", "namespaces", "", "Namespaces in use (server.max_namespaces)."),
     _spec(
         "gauge",
         "tier_high_water_ratio",

@@ -94,6 +94,15 @@ class TierCollector(Collector):
                 families["tier_events"].add_metric([name, event], max(0, value))
         yield policy
         yield from families.values()
+        live = self.manager.cpu.live_counts()
+        for name, key in (
+            ("arena_slot_classes", "slot_classes"),
+            ("arena_free_extents", "free_extents"),
+            ("namespaces", "namespaces"),
+        ):
+            family = metric_family(name)
+            family.add_metric([], live[key])
+            yield family
 
     def _space(self, stats: ManagerStats) -> Iterator[Metric]:
         """Writes lmdb and the event log refused for want of space; dead readers cleared."""

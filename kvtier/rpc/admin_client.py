@@ -3,41 +3,77 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc
+from kvtier.core.errors import TierUnavailableError
 from kvtier.core.status import error_from
 from kvtier.rpc.calls import CHANNEL_OPTIONS, call
 
 R = TypeVar("R")
 
 
+@dataclass(frozen=True)
+class ClientTLS:
+    """How a client reaches an admin API served over TLS."""
+
+    ca: bytes | None = None
+    """The CA that signed the server's certificate (PEM); None trusts the system's CAs."""
+    client: tuple[bytes, bytes] | None = None
+    """The client's (key, certificate) (PEM), for mTLS."""
+    server_name: str | None = None
+    """The name the server's certificate must carry, where it is not the host dialled."""
+
+
+def open_channel(address: str, tls: ClientTLS | None = None) -> grpc.Channel:
+    """A channel to the admin API (or its health service): plaintext, or TLS as ``tls`` says."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    key, cert = tls.client if tls.client is not None else (None, None)
+    creds = grpc.ssl_channel_credentials(tls.ca, key, cert)
+    options: list[tuple[str, int | str]] = list(CHANNEL_OPTIONS)
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.secure_channel(address, creds, options=options)
+
+
+def bearer(token: str | None) -> list[tuple[str, str]]:
+    """The call metadata that carries ``token``; none without one."""
+    return [("authorization", f"Bearer {token}")] if token else []
+
+
 class AdminClient:
-    """The admin API, with an optional bearer token and TLS."""
+    """The admin API, with a bearer token and, optionally, TLS."""
 
     def __init__(
         self,
         address: str,
         token: str | None = None,
-        tls_ca: bytes | None = None,
-        tls_client: tuple[bytes, bytes] | None = None,
+        tls: ClientTLS | None = None,
         timeout_s: float = 30.0,
     ) -> None:
         self.target = address
-        if tls_ca is not None or tls_client is not None:
-            key, cert = tls_client if tls_client is not None else (None, None)
-            creds = grpc.ssl_channel_credentials(tls_ca, key, cert)
-            self._channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address, tls)
+        self._tls = tls is not None
         self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
-        self._metadata = [("authorization", f"Bearer {token}")] if token else []
+        self._metadata = bearer(token)
         self._timeout = timeout_s
 
     def _rpc(self, method: Callable[..., R], request: Any) -> R:
-        return call(self.target, method, request, timeout=self._timeout, metadata=self._metadata)
+        try:
+            return call(
+                self.target, method, request, timeout=self._timeout, metadata=self._metadata
+            )
+        except TierUnavailableError as exc:
+            if not self._tls:
+                raise
+            raise TierUnavailableError(
+                f"{exc}; over TLS a refused handshake looks the same: check the CA, and the "
+                "client certificate and key where kvtierd asks for one"
+            ) from None
 
     def stats(self) -> admin_pb2.StatsResponse:
         return self._rpc(self._stub.Stats, admin_pb2.StatsRequest())

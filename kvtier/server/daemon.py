@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
+from kvtier.core.admin_token import TOKEN_KEY, read_token, token_path, write_new_token
 from kvtier.core.config import KVTierConfig, ServerConfig
 from kvtier.core.cpus import pin_process
 from kvtier.core.errors import ConfigError
@@ -65,53 +66,33 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _read_token(path: Path | None, key: str) -> str | None:
-    """The token in ``path``; refuses a file that its group or others may open."""
-    if path is None:
-        return None
-    try:
-        with path.open() as f:
-            mode = os.fstat(f.fileno()).st_mode  # of the file read, through any symlink
-            token = f.read().strip()
-    except OSError as exc:
-        raise ConfigError(key, f"cannot read {path}: {exc.strerror}") from exc
-    if mode & 0o077:
-        raise ConfigError(
-            key,
-            f"{path} is open to its group or others (mode {mode & 0o777:04o}) and holds a "
-            f"secret: chmod 600 {path}",
-        )
-    if not token:
-        raise ConfigError(key, f"{path} is empty")
-    return token
-
-
 def admin_credentials(cfg: ServerConfig) -> tuple[str | None, str | None]:
-    """The admin and read-only tokens; refuses an unauthenticated non-loopback admin API."""
+    """The admin and read-only tokens, the admin token's file written first where there is none
+    (`kvtier.core.admin_token`); refuses a token that would cross the network in clear."""
     host, _ = split_address(cfg.admin_address, "server.admin_address")
-    admin = _read_token(cfg.admin_token_file, "server.admin_token_file")
-    read = _read_token(cfg.read_token_file, "server.read_token_file")
-    mtls = cfg.tls_client_ca_file is not None
-    if not is_loopback(host) and admin is None and not mtls:
-        raise ConfigError(
-            "server.admin_address",
-            f"refusing to serve the admin API on non-loopback {host!r} without authentication; "
-            "set server.admin_token_file, or mTLS (tls_cert_file, tls_key_file, "
-            "tls_client_ca_file), or bind to 127.0.0.1",
-        )
-    if read is not None and admin is None:
+    path = token_path(cfg)
+    if path is None and cfg.read_token_file is not None:
         raise ConfigError("server.read_token_file", "needs server.admin_token_file as well")
-    if admin is not None and not is_loopback(host) and cfg.tls_cert_file is None:
+    if path is not None and not is_loopback(host) and cfg.tls_cert_file is None:
         clear = f"a token on non-loopback {host!r} would cross the network in clear"
         if not cfg.allow_insecure_token:
             raise ConfigError(
-                "server.admin_token_file",
+                TOKEN_KEY if cfg.admin_token_file is not None else "server.admin_address",
                 f"refusing to start: {clear}; configure TLS (server.tls_cert_file and "
                 "server.tls_key_file, with server.tls_client_ca_file for mTLS), or bind "
                 "server.admin_address to 127.0.0.1, or set server.allow_insecure_token: true",
             )
         log.warning("%s (server.allow_insecure_token is set); configure TLS to protect it", clear)
-    return admin, read
+    if path is None:
+        return None, None
+    if write_new_token(path):
+        log.info(
+            "wrote a new admin token to %s (mode 0600): kvtier commands run as this user read "
+            "it from there",
+            path,
+        )
+    read = cfg.read_token_file
+    return read_token(path, TOKEN_KEY), read_token(read, "server.read_token_file") if read else None
 
 
 def _give_group(path: Path, gid: int) -> None:
@@ -327,9 +308,11 @@ def serve(config: KVTierConfig) -> int:
     daemon = Daemon(config)
     daemon.start()
     cfg = config.server
+    token = token_path(cfg)
     print(
         f"kvtierd ready: data=unix:{cfg.socket_path} admin_port={daemon.admin_port} "
-        f"metrics_port={daemon.metrics_port} arena={daemon.manager.cpu.memory.path}",
+        f"metrics_port={daemon.metrics_port} arena={daemon.manager.cpu.memory.path} "
+        f"admin_token={token or '-'}",
         flush=True,
     )
     try:

@@ -76,7 +76,13 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         return _with_behaviour(handler, _guard_stream, method)
 
 
+# Health says SERVING or not, and reflection describes the public protos: neither reveals or
+# changes anything, and kubelet's gRPC probes carry no token.
 _UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+_MISSING = (
+    "missing bearer token: `kvtier` commands send the one in kvtierd's server.admin_token_file "
+    "(unset: admin.token in its state directory); run them as kvtierd's user or pass --token-file"
+)
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -98,7 +104,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         header = str(metadata.get("authorization", ""))
         token = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
         if not token:
-            return grpc.StatusCode.UNAUTHENTICATED, "missing bearer token"
+            return grpc.StatusCode.UNAUTHENTICATED, _MISSING
         if self._admin and hmac.compare_digest(token, self._admin):
             return None
         if self._read and hmac.compare_digest(token, self._read):

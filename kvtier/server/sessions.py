@@ -95,6 +95,12 @@ class SessionRegistry:
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._lease_ids = itertools.count(1)
         self._lock = threading.Lock()
+        manager.registry.keep_while(self.namespaces_held)  # an open session's never expire
+
+    def namespaces_held(self) -> set[bytes]:
+        """The namespaces the open sessions registered."""
+        with self._lock:
+            return set().union(*(s.namespaces for s in self._sessions.values()))
 
     def open(self, replica: str, engine_id: str, tp_rank: int, pp_rank: int) -> Session:
         session = Session(

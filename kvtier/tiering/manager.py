@@ -79,7 +79,7 @@ class ManagerStats:
 class TierManager:
     def __init__(self, config: KVTierConfig) -> None:
         self.config = config
-        self.registry = PoolRegistry()
+        self.registry = PoolRegistry(idle_s=config.server.namespace_idle_s)
         # read before the new arena takes the path: what a killed owner committed there
         self.stale = StaleArena.at(config.arena) if config.lmdb.enabled else None
         self.cpu = CpuTier(config.arena, self.registry)
@@ -148,9 +148,13 @@ class TierManager:
                 self.uploader,
                 config,
                 self._counters,
-                between_batches=self.drafts.gc_when_due,
+                between_batches=self._between_writebacks,
                 skip=self.quarantines.holds,
             )
+
+    def _between_writebacks(self) -> None:
+        self.drafts.gc_when_due()
+        self.cpu.expire_idle()  # idle namespaces and slot classes
 
     @property
     def tiers(self) -> dict[str, Tier]:
@@ -202,7 +206,7 @@ class TierManager:
     def _check_pools(self, keys: Sequence[ChunkKey]) -> None:
         """Refuse a batch naming any unregistered namespace, before anything changes."""
         for namespace in namespaces_of(keys):
-            self.registry.resolve(namespace)
+            self.registry.resolve(namespace, use=True)
 
     def _lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         self._check_pools(keys)

@@ -12,6 +12,7 @@ and the next owner of a killed one's arena keeps only chunks that still match th
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 
@@ -46,8 +47,10 @@ class CpuTier(ArenaSlots):
 
     def reserve(self, keys: Sequence[ChunkKey], replica: str = "default") -> list[SlotRef | None]:
         """Reserve a slot per key. None for a key that is present, in flight, or has no room."""
-        regs = [self.registry.resolve(k) for k in keys]  # validate the batch before changing it
+        # validate the batch before changing it; a namespace expired while idle comes back
+        regs = [self.registry.resolve(k, use=True) for k in keys]
         out: list[SlotRef | None] = []
+        now = time.monotonic()
         with self._lock:
             q = self._replica(replica)
             for key, reg in zip(keys, regs, strict=True):
@@ -56,6 +59,7 @@ class CpuTier(ArenaSlots):
                     out.append(None)
                     continue
                 cls = self._class_for(reg)
+                cls.last_used = now
                 slot = self._allocate(cls, q)
                 if slot is None:
                     self._counters.add("store_rejected", 1)
@@ -82,8 +86,7 @@ class CpuTier(ArenaSlots):
                     self._counters.add("commit_stale", 1)
                     continue
                 slot = ref.slot
-                cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
-                assert cls is not None
+                cls = self._class_of(slot)
                 del self._writing[ref.key]
                 self._inflight[(self._owner[slot], cls.pool)] -= cls.slot_bytes
                 self._index[ref.key] = slot
@@ -129,7 +132,7 @@ class CpuTier(ArenaSlots):
     def lease(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
         """A refcounted read lease per present key; a leased slot is never freed."""
         out: list[SlotRef | None] = []
-        mem = self.memory
+        now = time.monotonic()
         with self._lock:
             for key in keys:
                 slot = self._index.get(key)
@@ -137,10 +140,10 @@ class CpuTier(ArenaSlots):
                     self._counters.add("misses", 1)
                     out.append(None)
                     continue
-                cls = self._class_of_extent[slot // mem.max_slots_per_extent]
-                assert cls is not None
+                cls = self._class_of(slot)
                 self._slots.add_ref(slot, 1)
                 cls.policy.access(slot)
+                cls.last_used = now
                 self._counters.add("hits", 1)
                 out.append(self._ref(key, slot, cls.slot_bytes))
         return out
@@ -236,8 +239,7 @@ class CpuTier(ArenaSlots):
                 self._slots.add_ref(slot, -1)
                 if self._dirty[slot]:
                     self._dirty[slot] = False
-                    cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
-                    assert cls is not None
+                    cls = self._class_of(slot)
                     cls.dirty_count -= 1
                 if ref.key in changed:
                     self._drop_changed(ref)

@@ -2,6 +2,18 @@
 growing by whole extents up to its pool's share of the arena (a small draft pool wastes nothing
 on target-sized slots), per-replica quotas, and eviction.
 
+Extents come back: an extent whose slots are all free returns to the free list, and a class
+with no free slot and no free extent takes one from another class, evicting that extent's clean
+chunks. The lender is a class idle for `ArenaConfig.reclaim_idle_s` (the one holding the most
+idle extents first), else a busy class of the same pool holding at least two extents more than
+the borrower, so two models in use level out rather than take turns. A pool keeps its floor
+(`PoolConfig.floor_share`) while a namespace of it is registered, and a pool below its floor
+may take from busy pools above theirs; otherwise a busy pool keeps what its stores took. An
+extent holding a dirty, leased, pinned or reserved slot is never taken: the refused store makes
+write-back write every dirty chunk, and the next store finds the extent clean. A class no
+registered namespace uses (they expire when idle: `PoolRegistry`) gives its extents back the
+same way and is forgotten, so `max_slot_classes` counts the classes in use.
+
 Eviction takes the best victim of a replica over its quota first, else the best victim of any
 replica, by the configured policy; a retired draft revision's chunks go before either. Slots
 that are leased, pinned or not yet written to the next tier (dirty) are never evicted.
@@ -9,9 +21,11 @@ that are leased, pinned or not yet written to the next tier (dirty) are never ev
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -28,11 +42,14 @@ from kvtier.tiers.arena import ArenaMemory, resolve_group
 from kvtier.tiers.base import Tier
 from kvtier.tiers.commit_checksums import CommitChecksums
 from kvtier.tiers.eviction import make_policy
-from kvtier.tiers.slots import FREE, READY, SlotClass, SlotTable, default_arena_size
+from kvtier.tiers.extents import Extents
+from kvtier.tiers.slots import FREE, READY, WRITING, SlotClass, SlotTable, default_arena_size
 
 log = logging.getLogger("kvtier.tiers.cpu")  # the tier's logger, which operators filter on
 
 _SCAN_LIMIT = 256  # slots inspected per queue when looking for a victim
+_EXTENT_SCAN = 8  # a lender's extents inspected for one that can be cleared
+_RECLAIM_RETRY_S = 0.05  # a class no class could lend to asks again after this long
 
 
 class ArenaSlots(Tier):
@@ -59,9 +76,8 @@ class ArenaSlots(Tier):
         n = mem.num_extents * mem.max_slots_per_extent
         self._slots = SlotTable(mem)
         self._lock = threading.RLock()
-        self._free_extents = list(range(mem.num_extents - 1, -1, -1))
+        self._extents = Extents(mem)  # the owner's own table; the file's copy is for clients
         self._classes: dict[tuple[str, int], SlotClass] = {}
-        self._class_of_extent: list[SlotClass | None] = [None] * mem.num_extents
         self._policy_node = [0] * n  # slot -> its node in its class's eviction policy
         self._index: dict[ChunkKey, int] = {}  # committed chunks
         self._writing: dict[ChunkKey, int] = {}  # reserved, not yet committed
@@ -146,17 +162,49 @@ class ArenaSlots(Tier):
                     "put more blocks in a chunk (blocks_per_chunk)"
                 )
             if len(self._classes) >= self.config.max_slot_classes:
+                self._forget_unused_classes()
+            if len(self._classes) >= self.config.max_slot_classes:
                 raise CapacityError(
-                    f"the arena has {len(self._classes)} slot classes, the most "
+                    f"the arena has {len(self._classes)} slot classes in use, the most "
                     f"arena.max_slot_classes allows; a pool of {reg.chunk_bytes}-byte chunks "
-                    "needs one more: raise arena.max_slot_classes"
+                    "needs one more: raise arena.max_slot_classes, or wait for idle namespaces "
+                    "to expire (server.namespace_idle_s)"
                 )
             policy = make_policy(self.config.eviction_policy, self._policy_node)
             per_extent = self.memory.extent_bytes // reg.chunk_bytes
             cls = self._classes[(reg.pool, reg.chunk_bytes)] = SlotClass(
-                reg.pool, reg.chunk_bytes, policy, per_extent
+                reg.pool, reg.chunk_bytes, policy, per_extent, time.monotonic()
             )
         return cls
+
+    def expire_idle(self) -> None:
+        """Expire idle namespaces, then forget the slot classes none uses any more."""
+        self.registry.expire_idle()
+        with self._lock:
+            self._forget_unused_classes()
+
+    def _forget_unused_classes(self) -> None:
+        live = self.registry.live_classes
+        for key, cls in list(self._classes.items()):
+            if key in live:
+                continue
+            for extent in cls.held():
+                self._clear_extent(extent, "expired")
+            if cls.extents:
+                if cls.dirty_count:
+                    self._refused += 1  # write-back then writes them all; the next pass clears
+            else:
+                del self._classes[key]
+                self._counters.add("slot_classes_expired", 1)
+
+    def live_counts(self) -> dict[str, int]:
+        """Slot classes and namespaces in use now, and extents no class holds."""
+        with self._lock:
+            return {
+                "slot_classes": len(self._classes),
+                "namespaces": self.registry.live_count(),
+                "free_extents": self._extents.free,
+            }
 
     def pool_capacity_bytes(self, pool: str) -> int:
         share = self.config.pools[pool].max_share
@@ -177,23 +225,91 @@ class ArenaSlots(Tier):
 
     # -- allocation and eviction ----------------------------------------------------------
 
+    def _pool_extents(self, pool: str) -> int:
+        return sum(c.extents for c in self._classes.values() if c.pool == pool)
+
     def _growable_extents(self, cls: SlotClass) -> int:
         """Extents ``cls`` may still take: free ones, within its pool's share."""
-        pool_extents = sum(c.extents for c in self._classes.values() if c.pool == cls.pool)
         limit = self.pool_capacity_bytes(cls.pool) // self.memory.extent_bytes
-        return max(0, min(len(self._free_extents), limit - pool_extents))
+        return max(0, min(self._extents.free, limit - self._pool_extents(cls.pool)))
 
     def _grow(self, cls: SlotClass) -> bool:
-        if not self._growable_extents(cls):
+        return self._growable_extents(cls) > 0 and self._extents.take(cls)
+
+    def _borrow(self, cls: SlotClass, owner: int | None = None) -> bool:
+        """Take an extent from another class for ``cls`` (see the module's text); with
+        ``owner``, only an extent holding that replica's chunks alone."""
+        now = time.monotonic()
+        if now < cls.reclaim_after:
             return False
-        extent = self._free_extents.pop()
-        self.memory.extent_slot_bytes[extent] = cls.slot_bytes
-        self._class_of_extent[extent] = cls
-        cls.extents += 1
-        first = self.memory.slot_id(extent, 0)
-        cls.free.extend(range(first + cls.per_extent - 1, first - 1, -1))
-        cls.policy.add_slots(range(first, first + cls.per_extent))
+        for lender in self._lenders(cls, now):
+            for extent in heapq.nlargest(_EXTENT_SCAN, lender.held()):  # stores fill low first
+                if self._clear_extent(extent, "reclaim", owner):
+                    self._counters.add("extents_lent", 1)
+                    return self._extents.take(cls)
+        cls.reclaim_after = now + _RECLAIM_RETRY_S
+        return False
+
+    def _floor(self, pool: str) -> int:
+        share = self.config.pools[pool]
+        return int(self.memory.num_extents * min(share.floor_share, share.max_share))
+
+    def _lenders(self, cls: SlotClass, now: float) -> list[SlotClass]:
+        held = self._pool_extents(cls.pool)
+        room = held < self.pool_capacity_bytes(cls.pool) // self.memory.extent_bytes
+        below_floor = held < self._floor(cls.pool)
+        live_pools = {pool for pool, _ in self.registry.live_classes}
+        idle: list[SlotClass] = []
+        busy: list[SlotClass] = []
+        for other in self._classes.values():
+            if other is cls or not other.extents:
+                continue
+            if other.pool != cls.pool:
+                if not room:
+                    continue  # the pool is at its share: only its own classes lend to it
+                lender_floor = self._floor(other.pool) if other.pool in live_pools else 0
+                if self._pool_extents(other.pool) <= lender_floor:
+                    continue
+            if now - other.last_used >= self.config.reclaim_idle_s:
+                idle.append(other)
+            elif other.pool != cls.pool:
+                # a busy pool keeps what its stores took above the floors: a draft beside its
+                # target would otherwise level out with it, and its chunks are worth little alone
+                if below_floor:
+                    busy.append(other)
+            elif other.extents > cls.extents + 1:
+                busy.append(other)
+        idle.sort(key=lambda c: (-c.extents, c.last_used))
+        busy.sort(key=lambda c: -c.extents)
+        return idle + busy
+
+    def _clear_extent(self, extent: int, reason: str, owner: int | None = None) -> bool:
+        """Evict every chunk in ``extent`` and give it back; False, and nothing evicted, when
+        one of its slots is reserved, leased, pinned, dirty (not yet written back) or, with
+        ``owner``, holds another replica's chunk."""
+        slots = self._extents.slots_of(extent)
+        state = self._slots.state
+        for slot in slots:
+            if state[slot] == WRITING or (
+                state[slot] == READY
+                and (
+                    self._dirty[slot]
+                    or self._pinned[slot]
+                    or self._slots.refcount[slot]
+                    or (owner is not None and self._owner[slot] != owner)
+                )
+            ):
+                return False
+        for slot in slots:
+            if state[slot] == READY:
+                self._release_slot(slot, keep_extent=True)
+                self._counters.add(f"evictions_{reason}", 1)
+        self._give_back(extent)
         return True
+
+    def _give_back(self, extent: int) -> None:
+        self._extents.give_back(extent)
+        self._counters.add("extents_returned", 1)
 
     def _evictable(self, slot: int) -> bool:
         return not self._dirty[slot] and self._slots.refcount[slot] == 0
@@ -240,30 +356,36 @@ class ArenaSlots(Tier):
         return held + cls.slot_bytes > self.quota_bytes(name, cls.pool)
 
     def _allocate(self, cls: SlotClass, q: int) -> int | None:
-        if cls.free or self._grow(cls):
-            return cls.free.pop()
+        slot = cls.take_free()
+        if slot is None and self._grow(cls):
+            slot = cls.take_free()
+        if slot is not None:
+            return slot
         if self._over_quota(q, cls):
             # a replica at its quota makes room from its own chunks only, or stores nothing
             victim = self._retired_victim(cls, q, "quota")
             if victim is None:
                 slot = self._first_victim(cls, q)
                 victim = None if slot is None else (slot, "quota")
+                if victim is None and self._borrow(cls, owner=q):
+                    return cls.take_free()
                 if victim is None:
                     self._counters.add("store_over_quota", 1)
+        elif self._borrow(cls):
+            return cls.take_free()
         else:
             victim = self._victim(cls)
         if victim is None:
             return None
         slot, reason = victim
-        self._release_slot(slot)
+        self._release_slot(slot, keep_extent=True)
         self._counters.add(f"evictions_{reason}", 1)
-        return cls.free.pop()
+        return cls.take_free()
 
-    def _release_slot(self, slot: int) -> None:
-        """Return a READY or WRITING slot to its class's free list and bump its generation."""
-        mem = self.memory
-        cls = self._class_of_extent[slot // mem.max_slots_per_extent]
-        assert cls is not None
+    def _release_slot(self, slot: int, keep_extent: bool = False) -> None:
+        """Return a READY or WRITING slot to its class's free list and bump its generation; an
+        extent left with no slot in use goes back to the arena, unless ``keep_extent``."""
+        cls = self._extents.class_of(slot)
         key = self._key[slot]
         if self._slots.state[slot] == READY:
             assert key is not None
@@ -286,7 +408,9 @@ class ArenaSlots(Tier):
         self._checksums.forget(slot)
         self._slots.bump_generation(slot)
         self._slots.set_state(slot, FREE)
-        cls.free.append(slot)
+        extent = self._extents.extent_of(slot)
+        if cls.put_free(extent, slot) and not keep_extent:
+            self._give_back(extent)
 
     def _unpublish(self, key: ChunkKey) -> None:
         del self._index[key]
@@ -294,8 +418,8 @@ class ArenaSlots(Tier):
         self._tell(False, [key])
 
     def _ref(self, key: ChunkKey, slot: int, nbytes: int) -> SlotRef:
-        mem = self.memory
-        return SlotRef(key, slot, mem.slot_offset(slot), nbytes, self._slots.generation[slot])
+        offset = self._extents.slot_offset(slot)
+        return SlotRef(key, slot, offset, nbytes, self._slots.generation[slot])
 
     def _current(self, ref: SlotRef, state: int) -> bool:
         return (
@@ -310,10 +434,8 @@ class ArenaSlots(Tier):
         length write-back copies."""
         nbytes = self._class_of(ref.slot).slot_bytes
         return blockfmt.payload_checksum(
-            self.memory.view(self.memory.slot_offset(ref.slot), nbytes)
+            self.memory.view(self._extents.slot_offset(ref.slot), nbytes)
         )
 
     def _class_of(self, slot: int) -> SlotClass:
-        cls = self._class_of_extent[slot // self.memory.max_slots_per_extent]
-        assert cls is not None
-        return cls
+        return self._extents.class_of(slot)

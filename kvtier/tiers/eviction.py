@@ -6,8 +6,10 @@ nothing. ``rank`` makes candidates comparable across queues: lower goes first.
 
 A policy keeps nodes only for the slots its class owns, added an extent at a time with
 `add_slots`, so a class that owns one extent of a large arena costs one extent's worth of
-bookkeeping. ``node_of`` maps an arena slot to its node; it is one list per arena, shared by
-the policies of its classes, each writing only the entries of the slots it was given.
+bookkeeping; `drop_slots` takes an extent's slots back when the class gives the extent up, and
+their nodes serve the next extent it takes. ``node_of`` maps an arena slot to its node; it is
+one list per arena, shared by the policies of its classes, each writing only the entries of the
+slots it was given.
 """
 
 from __future__ import annotations
@@ -30,9 +32,17 @@ class EvictionPolicy(ABC):
         self._rank: list[int] = []
         self._queue_of: list[int] = []
         self._heads: list[int] = []  # sentinel node ids, one per queue
+        self._spare: list[int] = []  # nodes of slots given back, for the next extent's
         self._clock = 0
 
     def _new_node(self, slot: int) -> int:
+        if self._spare:
+            node = self._spare.pop()
+            self._slot[node] = slot
+            self._next[node] = self._prev[node] = node
+            self._rank[node] = 0
+            self._queue_of[node] = _NIL
+            return node
         node = len(self._next)
         self._slot.append(slot)
         self._next.append(node)
@@ -47,10 +57,19 @@ class EvictionPolicy(ABC):
         for slot in slots:
             node_of[slot] = self._new_node(slot)
 
+    def drop_slots(self, slots: Iterable[int]) -> None:
+        """Take back the slots of an extent the class gave up; their nodes are reused."""
+        for slot in slots:
+            node = self._node_of[slot]
+            if self._queue_of[node] != _NIL:
+                self._unlink(node)
+            self._slot[node] = _NIL
+            self._spare.append(node)
+
     @property
     def nodes(self) -> int:
-        """Nodes held: the slots added, plus one per queue."""
-        return len(self._next)
+        """Nodes in use: the slots held, plus one per queue."""
+        return len(self._next) - len(self._spare)
 
     def _sentinel(self, queue: int) -> int:
         while len(self._heads) <= queue:

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtier.rpc import AdminClient
 from tests.e2e.conftest import MAX_TOKENS, set_engine_env
 from tests.e2e.models import (
     ModelSet,
@@ -171,7 +170,7 @@ def test_sidecar_hits_from_the_daemons_arena_and_survives_its_death(
 ) -> None:
     daemon = procs.start_daemon(daemon_files)
     connector = kvtier_config({"mode": "sidecar", "socket_path": str(daemon_files.socket)})
-    admin = AdminClient(daemon.admin_address)
+    admin = daemon.admin()
     try:
         with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
             assert (
@@ -272,7 +271,7 @@ def test_two_replicas_share_one_daemon_and_each_chunk_is_stored_once(
     daemon_files: DaemonFiles,
 ) -> None:
     daemon = procs.start_daemon(daemon_files)
-    admin = AdminClient(daemon.admin_address)
+    admin = daemon.admin()
     sidecar = {"mode": "sidecar", "socket_path": str(daemon_files.socket)}
     try:
         # replica dp0 is named from vLLM's data_parallel_index; dp1 is set explicitly

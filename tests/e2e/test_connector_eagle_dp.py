@@ -243,7 +243,7 @@ def test_dp_replicas_share_one_daemon_under_their_own_names_and_quotas(
         },
     )
     daemon = procs.start_daemon(files)
-    admin = AdminClient(daemon.admin_address)
+    admin = daemon.admin()
     # no replica_id: each connector names itself from vLLM's data_parallel_index
     connector = kvtier_config({"mode": "sidecar", "socket_path": str(files.socket)})
     set_engine_env(monkeypatch, tmp_path, multiprocess=True)

@@ -354,7 +354,12 @@ def test_export_by_namespace_from_a_256_mib_arena_writes_every_request(
     # the training node's arena: 7 extents of 32 MiB, so the hidden pool's share is one extent,
     # which a slot class keeps once it takes it
     training = tmp_path / "training.yaml"
-    arena = {"path": f"{shm_path}-training", "size_bytes": "256MiB", "min_slot_bytes": "4KiB"}
+    arena = {
+        "path": f"{shm_path}-training",
+        "size_bytes": "256MiB",
+        "extent_bytes": "32MiB",
+        "min_slot_bytes": "4KiB",
+    }
     training.write_text(
         yaml.safe_dump({"arena": arena, "lmdb": load_config(serving).lmdb.model_dump(mode="json")})
     )

@@ -35,7 +35,7 @@ def _stored_in_lmdb_only(
         **kvtier_config({"mode": "sidecar", "socket_path": str(files.socket), **extra}),
         "kv_load_failure_policy": "recompute",  # a load error is recomputed, not failed
     }
-    admin = AdminClient(daemon.admin_address)
+    admin = daemon.admin()
     with running_llm(models.target, kv_transfer_config=connector) as llm:
         generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
     assert admin.drain().complete

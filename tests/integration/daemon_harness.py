@@ -31,12 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import SlotRef
 from kvtier.rpc import AdminClient, GrpcTierClient
+from kvtier.rpc.admin_client import bearer
 from kvtier.tiers.arena import ArenaMemory
 from kvtier.tiers.commit_checksums import ledger_path
 from tests.support import MiB, keys_for, payload_for, target_spec
@@ -161,6 +163,22 @@ class LineReader:
         return self._lines.pop(0)
 
 
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds the admin token to every call of a raw stub's channel."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = bearer(token)
+
+    def _with_token(self, details: Any) -> Any:
+        return details._replace(metadata=[*(details.metadata or ()), *self._metadata])
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+
 @dataclass
 class RunningDaemon:
     proc: subprocess.Popen[bytes]
@@ -168,13 +186,24 @@ class RunningDaemon:
     admin_port: int
     metrics_port: int
     arena: Path
+    admin_token: str | None
+    """The token kvtierd's admin API takes (the one it wrote at its first start, by default)."""
 
     @property
     def admin_address(self) -> str:
         return f"127.0.0.1:{self.admin_port}"
 
     def admin(self, token: str | None = None) -> AdminClient:
+        """A client with ``token``, by default the daemon's own; "" sends none."""
+        token = self.admin_token if token is None else token
         return AdminClient(self.admin_address, token=token, timeout_s=20.0)
+
+    def admin_channel(self) -> grpc.Channel:
+        """A plaintext channel to the admin API whose calls carry the daemon's token."""
+        channel = grpc.insecure_channel(self.admin_address)
+        if self.admin_token is None:
+            return channel
+        return grpc.intercept_channel(channel, _Bearer(self.admin_token))
 
     def stats(self) -> Any:
         client = self.admin()
@@ -292,12 +321,14 @@ class Processes:
             )
         fields = dict(part.split("=", 1) for part in line[len(READY) :].split())
         assert fields["data"] == f"unix:{files.socket}", line
+        token = fields["admin_token"]
         return RunningDaemon(
             proc,
             files,
             int(fields["admin_port"]),
             int(fields["metrics_port"]),
             Path(fields["arena"]),
+            None if token == "-" else Path(token).read_text().strip(),
         )
 
     def run_daemon_to_exit(

@@ -423,7 +423,7 @@ def test_malformed_requests_get_their_status_and_the_daemon_keeps_serving(
 def test_malformed_admin_requests_get_their_status(procs: Processes, files: DaemonFiles) -> None:
     daemon = procs.start_daemon(files)
     invalid = grpc.StatusCode.INVALID_ARGUMENT
-    with grpc.insecure_channel(daemon.admin_address) as channel:
+    with daemon.admin_channel() as channel:
         stub = admin_pb2_grpc.AdminServiceStub(channel)
         cases: list[tuple[str, Callable[[], Any], grpc.StatusCode]] = [
             ("verify cpu", lambda: list(stub.Verify(admin_pb2.VerifyRequest(tier="cpu"))), invalid),
@@ -734,7 +734,16 @@ def _refusals(tmp_path: Path) -> dict[str, tuple[dict[str, Any], str]]:
         "any-v6": ({"admin_address": "[::]:0"}, "server.admin_address"),
         "public-host": ({"admin_address": "192.0.2.1:0"}, "server.admin_address"),
         "empty-token": ({"admin_token_file": str(empty)}, "server.admin_token_file"),
-        "read-token-alone": ({"read_token_file": str(token)}, "server.read_token_file"),
+        # under mTLS with no admin token file there is no admin token for it to go with
+        "read-token-alone": (
+            {
+                "read_token_file": str(token),
+                "tls_cert_file": str(tmp_path / "server.crt"),
+                "tls_key_file": str(tmp_path / "server.key"),
+                "tls_client_ca_file": str(tmp_path / "ca.crt"),
+            },
+            "server.read_token_file",
+        ),
     }
 
 
@@ -778,7 +787,7 @@ def test_admin_api_needs_the_right_token_and_read_token_only_reads(
         with closing(daemon.admin(token)) as client:
             return client.evict(tier="cpu")
 
-    for token in (None, "wrong-secret", "admin-secret-1x", "Bearer admin-secret-1"):
+    for token in ("", "wrong-secret", "admin-secret-1x", "Bearer admin-secret-1"):
         with pytest.raises(PermissionDeniedError, match="not authenticated"):
             stats(token)
     assert stats("admin-secret-1").sessions == 0

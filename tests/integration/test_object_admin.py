@@ -272,7 +272,7 @@ def test_gc_needs_the_admin_token(fleet: Fleet, tmp_path: Path) -> None:
 
 def test_without_an_object_tier_both_are_refused(fleet: Fleet) -> None:
     a = fleet.start("a", object_tier=False)
-    with grpc.insecure_channel(a.admin_address) as channel:
+    with a.admin_channel() as channel:
         stub = admin_pb2_grpc.AdminServiceStub(channel)
         for call, request in (
             (stub.Gc, admin_pb2.GcRequest()),

@@ -252,7 +252,7 @@ def test_draft_strings_and_an_admin_draft_swap_are_checked_too(
         assert daemon.stats().sessions == 0, "a refused registration opened a session"
 
         sid = _register(stub, _pool(draft_spec(tenant="team.a-1"))).session_id
-        with grpc.insecure_channel(daemon.admin_address) as admin_channel:
+        with daemon.admin_channel() as admin_channel:
             admin = admin_pb2_grpc.AdminServiceStub(admin_channel)
             bad = admin_pb2.DraftSwapBeginRequest(revision="d2\n")
             code, details = _failure(lambda: admin.DraftSwapBegin(bad, timeout=10))

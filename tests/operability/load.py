@@ -8,7 +8,7 @@ the object store). The second replica registers a newer draft revision: one draf
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,10 +34,10 @@ def engine_timings(loaded: int, nbytes: int) -> EngineTimings:
 
 
 class Load(threading.Thread):
-    def __init__(self, socket: Path, admin_address: str) -> None:
+    def __init__(self, socket: Path, admin: Callable[[], AdminClient]) -> None:
         super().__init__(name="operability-load", daemon=True)
         self.socket = socket
-        self.admin_address = admin_address
+        self.admin = admin
         self.asked = 0
         self.hits = 0
         self.verified = 0
@@ -63,7 +63,7 @@ class Load(threading.Thread):
             self.error = exc
 
     def _run(self) -> None:
-        admin = AdminClient(self.admin_address, timeout_s=20.0)
+        admin = self.admin()
         clients = []
         pools: list[tuple[GrpcTierClient, list[tuple[bytes, int]]]] = []
         for replica, revision in (("dp0", "d1"), ("dp1", "d2")):

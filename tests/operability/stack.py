@@ -250,7 +250,7 @@ def start(directory: Path, arena: Path, procs: Processes) -> tuple[Stack, Thread
     )
     (directory / "objects").mkdir()
     daemon = procs.start_daemon(files)
-    load = Load(files.socket, daemon.admin_address)
+    load = Load(files.socket, daemon.admin)
     load.start()
     vllm = ThreadingHTTPServer(("127.0.0.1", 0), _FakeVllm)
     threading.Thread(target=vllm.serve_forever, name="fake-vllm", daemon=True).start()

@@ -25,7 +25,7 @@ LABELS = {
     "op": {"lookup", "reserve", "commit", "abort", "prefetch", "release", "promote"},
     "result": {"ok", "error", "credential", "rejected", "invalid"},
     "direction": {"store", "load", "demote", "promote", "upload", "download"},
-    "reason": {"capacity", "quota", "admin"},
+    "reason": {"capacity", "quota", "admin", "reclaim", "expired"},
     "queue": {"writeback", "promote", "upload"},
     "state": {"closed", "open", "half_open"},
     "policy": {"lru", "fifo"},

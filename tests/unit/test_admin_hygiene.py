@@ -1,14 +1,16 @@
-"""The admin API's secrets at the config level: token file modes, tokens without TLS off the
-loopback, and the arena file's mode."""
+"""The admin API's secrets at the config level: the token kvtierd writes where none exists, token
+file modes, tokens without TLS off the loopback, and the arena file's mode."""
 
 from __future__ import annotations
 
 import logging
 import re
+import stat
 from pathlib import Path
 
 import pytest
 
+from kvtier.core.admin_token import token_path, write_new_token
 from kvtier.core.config import ServerConfig, from_mapping, load_config
 from kvtier.core.errors import ConfigError
 from kvtier.server.daemon import admin_credentials
@@ -84,3 +86,33 @@ def test_the_arena_file_mode_reads_as_octal_and_is_never_open_to_others(tmp_path
     for mode in (0o664, 0o666, 0o770, 0o700):
         with pytest.raises(ConfigError, match=r"^arena: .*file_mode 0o[0-7]+ opens the arena"):
             from_mapping({"arena": {"file_mode": mode}})
+
+
+def test_without_a_token_file_kvtierd_writes_one_only_its_user_reads_and_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    cfg = from_mapping({}).server
+    path = token_path(cfg)
+    assert path == tmp_path / "state" / "kvtier" / "admin.token"
+    admin, read = admin_credentials(cfg)
+    assert (admin, read) == (path.read_text().strip(), None)
+    assert len(admin) >= 32
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in path.parent.iterdir()] == ["admin.token"]  # no draft left behind
+    assert admin_credentials(cfg)[0] == admin  # a restart keeps it
+    assert not write_new_token(path)
+
+
+def test_a_configured_token_file_that_does_not_exist_is_written(tmp_path: Path) -> None:
+    path = tmp_path / "secrets" / "admin.token"
+    cfg = from_mapping({"server": {"admin_token_file": str(path)}}).server
+    assert admin_credentials(cfg)[0] == path.read_text().strip()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_under_mtls_without_a_token_file_there_is_no_token(tmp_path: Path) -> None:
+    tls = {k: str(tmp_path / k) for k in ("tls_cert_file", "tls_key_file", "tls_client_ca_file")}
+    assert token_path(from_mapping({"server": tls}).server) is None
+    configured = {**tls, "admin_token_file": str(tmp_path / "t")}
+    assert token_path(from_mapping({"server": configured}).server) == tmp_path / "t"
