@@ -25,8 +25,9 @@ again). After each event, rounds of traffic run until node 0's hit rate on its c
 back within 10 % of the steady state measured on the first model.
 
 Reported per event type: ``recovery_s_max``/``_median`` (event, or the disk given back, to the
-end of the first round within 10 % of steady; ``not_recovered`` counts those whose rounds ran
-out), ``refused_stores_with_room`` (chunks node 0's arena refused while it held chunks of other
+end of the first round within 10 % of steady; ``not_recovered`` counts those still short of it
+after the mode's deadline, 10 s with ``--quick``, else 20 s), ``refused_stores_with_room``
+(chunks node 0's arena refused while it held chunks of other
 namespaces: room that could have been made), node 0's ``lmdb_store_rejected``,
 ``disk_full_errors`` and ``stale_readers_cleared`` (its counters over the event and recovery),
 ``foreign_objects_deleted`` (objects that vanished although none of their uploaders deleted
@@ -85,6 +86,9 @@ OBJECT_BUDGET = 3 * MiB
 BUCKET_BYTES = 6 * MiB
 """What the bucket should hold: less than the nodes' budgets together."""
 PACK_BYTES = 256 << 10
+IDLE_S = 2.0
+"""Time compressed: a model's namespaces expire this long after its engines moved on (an hour by
+default), and dead lmdb readers are looked for this often (30 s by default)."""
 EVENT_LOG_BYTES = 1 * MiB
 """Reached within the run: the log's bytes must stay flat past it."""
 DISK_BYTES = LMDB_BUDGET + MAP_HEADROOM + 8 * MiB
@@ -130,7 +134,11 @@ def node_config(i: int, root: Path, disk: Path, mode: Mode) -> dict[str, Any]:
             "min_slot_bytes": 4096,
             "max_slot_classes": MAX_SLOT_CLASSES,
         },
-        "lmdb": {"path": str(state / "lmdb"), "budget_bytes": LMDB_BUDGET},
+        "lmdb": {
+            "path": str(state / "lmdb"),
+            "budget_bytes": LMDB_BUDGET,
+            "reader_check_interval_s": IDLE_S,
+        },
         "object": {
             "url": f"s3://{BUCKET}/objects",
             "index_path": str(root / f"node{i}" / "objindex"),
@@ -142,6 +150,8 @@ def node_config(i: int, root: Path, disk: Path, mode: Mode) -> dict[str, Any]:
         },
         "server": {
             "socket_path": str(root / f"node{i}" / "kvtierd.sock"),
+            "admin_token_file": str(root / f"node{i}" / "admin.token"),
+            "namespace_idle_s": IDLE_S,
             "admin_address": "127.0.0.1:0",
             "metrics_address": "127.0.0.1:0",
         },
@@ -219,6 +229,7 @@ def measure(soak: Soak, nodes: list[Node], mounted: bool, started: float) -> dic
         "recovery_s_after_model_switch": slowest,
         "refused_stores_with_room": sum(f.refused_stores_with_room for f in soak.figures.values()),
         "foreign_objects_deleted": soak.foreign,
+        "foreign_examples": soak.foreign_examples,
         "objects_overwritten": soak.overwritten,
         "bytes_above_budget_max": soak.above_max,
         "bucket_bytes_max": soak.bucket_max,

@@ -36,9 +36,9 @@ class Ledger:
     deleted: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     overwritten: int = 0
     """PUTs that replaced an object another node had uploaded and nobody had deleted."""
-    foreign: set[str] = field(default_factory=set)
+    foreign: dict[str, str] = field(default_factory=dict)
     """Objects deleted by a node that did not upload them, or gone with none of their
-    uploaders having deleted them; once seen, kept."""
+    uploaders having deleted them, with what was seen of each; once seen, kept."""
     _live: dict[str, str] = field(default_factory=dict)
     """name -> the node whose PUT wrote it last, while no one has deleted it."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -56,7 +56,8 @@ class Ledger:
             for name in names:
                 writer = self._live.pop(name, None)
                 if writer is not None and name not in self.uploaded[node]:
-                    self.foreign.add(name)  # another node's, and never this one's
+                    # another node's, and never this one's
+                    self.foreign[name] = f"written by {writer}, deleted by {node}"
                 self.deleted[node].add(name)
 
     def check(self, listed: dict[str, int], budgets: dict[str, int]) -> BucketCheck:
@@ -68,7 +69,10 @@ class Ledger:
                     owners[name].add(node)
             for name, by in owners.items():
                 if name not in listed and not any(name in self.deleted[o] for o in by):
-                    self.foreign.add(name)  # gone, and none of its uploaders deleted it
+                    deleters = sorted(n for n, names in self.deleted.items() if name in names)
+                    self.foreign.setdefault(
+                        name, f"uploaded by {sorted(by)}, gone; deleted by {deleters}"
+                    )
             above = {
                 node: max(0, sum(listed[n] for n in names if n in listed) - budgets[node])
                 for node, names in self.uploaded.items()
@@ -76,6 +80,7 @@ class Ledger:
             }
             return BucketCheck(
                 foreign_deleted=len(self.foreign),
+                foreign_examples=[f"{n}: {why}" for n, why in list(self.foreign.items())[:5]],
                 bytes_above_budget=above,
                 bucket_bytes=sum(listed.values()),
                 overwritten=self.overwritten,
@@ -85,6 +90,7 @@ class Ledger:
 @dataclass(frozen=True)
 class BucketCheck:
     foreign_deleted: int
+    foreign_examples: list[str]
     bytes_above_budget: dict[str, int]
     bucket_bytes: int
     overwritten: int

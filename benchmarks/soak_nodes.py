@@ -172,8 +172,7 @@ class Node:
 
     def start(self) -> None:
         self.daemon.start()
-        self.client = GrpcTierClient(Path(self.config["server"]["socket_path"]), self.name)
-        self.namespaces.clear()
+        self.reconnect()
 
     def _disconnect(self) -> None:
         if self.client is not None:
@@ -183,6 +182,12 @@ class Node:
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+
+    def reconnect(self) -> None:
+        """The engine restarts (as for another model): a new session, registering anew."""
+        self._disconnect()
+        self.client = GrpcTierClient(Path(self.config["server"]["socket_path"]), self.name)
+        self.namespaces.clear()
 
     def restart(self, kill: bool) -> None:
         """SIGKILL (or stop) kvtierd and start it again; the engine reconnects."""

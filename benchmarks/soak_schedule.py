@@ -63,8 +63,8 @@ class Mode:
     """Prompts of its own each node serves every round."""
     chunks: int
     """Chunks per prompt."""
-    max_rounds: int
-    """Rounds after an event before it counts as not recovered."""
+    recovery_deadline_s: float
+    """How long after an event rounds run before it counts as not recovered."""
     readers: int
     """lmdb readers killed inside their read per reader_kill."""
     progress_s: float
@@ -73,8 +73,9 @@ class Mode:
     """Node 0's arena: room for a few models' working sets, not for every one's."""
 
 
-QUICK = Mode("quick", 4, 4, 6, 6, 4, 15.0, 8 * MiB)
-FULL = Mode("full", 24, 6, 8, 10, 16, 30.0, 16 * MiB)
+QUICK = Mode("quick", 4, 4, 6, 10.0, 4, 15.0, 8 * MiB)
+FULL = Mode("full", 24, 6, 8, 20.0, 16, 30.0, 16 * MiB)
+WARM_UP_ROUNDS = 10
 
 
 def schedule(mode: Mode) -> list[str]:
@@ -140,6 +141,7 @@ class Soak:
         self.steady = math.nan
         self.figures: dict[str, EventFigures] = {}
         self.foreign = 0
+        self.foreign_examples: list[str] = []
         self.above_max = 0
         self.bucket_max = 0
         self.overwritten = 0
@@ -190,7 +192,7 @@ class Soak:
         for node in self.nodes:
             node.namespace(PROBE)
         rates: list[float] = []
-        for _ in range(self.mode.max_rounds):
+        for _ in range(WARM_UP_ROUNDS):
             rates.append(self.round().hit_rate)
             if len(rates) >= 3 and abs(rates[-1] - rates[-2]) < 0.01:
                 break
@@ -199,9 +201,10 @@ class Soak:
 
     def recover(self, since: float) -> tuple[float | None, Served]:
         """Rounds until node 0's hit rate is back within 10 % of steady: seconds since
-        ``since``, or None when the rounds ran out first."""
+        ``since``, or None when the mode's deadline passed first."""
         served = Served()
-        for _ in range(self.mode.max_rounds):
+        deadline = time.monotonic() + self.mode.recovery_deadline_s
+        while time.monotonic() < deadline:
             mine = self.round()
             served.add(mine)
             if mine.hit_rate >= RECOVERED * self.steady:
@@ -225,9 +228,12 @@ class Soak:
         counters = self._counters(node)
         started = time.monotonic()
         lmdb_check = event in ("reader_kill", "disk_full", "kvtierd_kill")
-        if event == "model_switch":
+        if event == "model_switch":  # every engine restarts on the new model
             self.generation += 1
             self.target = self._model(self.generation)
+            for each in self.nodes:
+                each.reconnect()
+                each.namespace(PROBE)
         elif event == "draft_revision":
             revision = f"rev-{self.generation}-{figures.count}"
             # a draft's chunk is smaller: half the target's, in whole 4 KiB heads
@@ -242,9 +248,10 @@ class Soak:
             self.log(f"{killed} lmdb readers killed inside their read")
         elif event == "disk_full":
             ballast = fill_disk(self.disk, leave_bytes=64 * KiB)
-            try:
-                for _ in range(2):  # traffic while the disk is full: lmdb's writes fail
-                    self.round()
+            try:  # new prompts while the disk is full: lmdb's writes fail
+                fresh = [self._fresh() for _ in range(self.mode.prompts)]
+                node.serve(self.target, fresh, self.mode.chunks)
+                time.sleep(1.0)  # for write-back to try them
             finally:
                 ballast.unlink()
             started = time.monotonic()  # recovery counts from the room given back
@@ -320,6 +327,7 @@ class Soak:
         check = self.ledger.check(listing(self.endpoint, self.ledger.bucket), self.budgets)
         figures.foreign_objects_deleted += check.foreign_deleted - self.foreign
         self.foreign = check.foreign_deleted
+        self.foreign_examples = check.foreign_examples
         above = max(check.bytes_above_budget.values(), default=0)
         figures.bytes_above_budget_max = max(figures.bytes_above_budget_max, above)
         self.above_max = max(self.above_max, above)
