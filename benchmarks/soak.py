@@ -232,6 +232,7 @@ def measure(soak: Soak, nodes: list[Node], mounted: bool, started: float) -> dic
         "foreign_examples": soak.foreign_examples,
         "objects_overwritten": soak.overwritten,
         "bytes_above_budget_max": soak.above_max,
+        "bytes_above_budget_by_node": soak.above_by_node,
         "bucket_bytes_max": soak.bucket_max,
         "budgets": {
             "object_bytes": OBJECT_BUDGET,

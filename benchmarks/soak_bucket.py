@@ -39,6 +39,9 @@ class Ledger:
     foreign: dict[str, str] = field(default_factory=dict)
     """Objects deleted by a node that did not upload them, or gone with none of their
     uploaders having deleted them, with what was seen of each; once seen, kept."""
+    _puts: int = 0
+    _put_at: dict[str, int] = field(default_factory=dict)
+    """name -> the number of the PUT that wrote it last (`mark`)."""
     _live: dict[str, str] = field(default_factory=dict)
     """name -> the node whose PUT wrote it last, while no one has deleted it."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -50,6 +53,14 @@ class Ledger:
                 self.overwritten += 1
             self._live[name] = node
             self.uploaded[node][name] = nbytes
+            self._puts += 1
+            self._put_at[name] = self._puts
+
+    def mark(self) -> int:
+        """Taken before listing the bucket: what is written after it may be missing from the
+        listing without having gone."""
+        with self._lock:
+            return self._puts
 
     def delete(self, node: str, names: list[str]) -> None:
         with self._lock:
@@ -60,14 +71,17 @@ class Ledger:
                     self.foreign[name] = f"written by {writer}, deleted by {node}"
                 self.deleted[node].add(name)
 
-    def check(self, listed: dict[str, int], budgets: dict[str, int]) -> BucketCheck:
-        """Compare the bucket's listing (name -> bytes) with what the nodes did."""
+    def check(self, listed: dict[str, int], budgets: dict[str, int], mark: int) -> BucketCheck:
+        """Compare the bucket's listing (name -> bytes), taken after `mark`, with what the
+        nodes did."""
         with self._lock:
             owners: dict[str, set[str]] = defaultdict(set)
             for node, names in self.uploaded.items():
                 for name in names:
                     owners[name].add(node)
             for name, by in owners.items():
+                if self._put_at[name] > mark:
+                    continue  # written while the listing ran
                 if name not in listed and not any(name in self.deleted[o] for o in by):
                     deleters = sorted(n for n, names in self.deleted.items() if name in names)
                     self.foreign.setdefault(
@@ -129,6 +143,8 @@ class RecordingProxy:
                     upstream.request(self.command, self.path, body=body, headers=headers)
                     response = upstream.getresponse()
                     payload = response.read()
+                    if self.command == "PUT" and response.status < 300:  # it exists now
+                        proxy.record(self.command, host, self.path, body)
                     self.send_response_only(response.status, response.reason)
                     for key, value in response.getheaders():
                         if key.lower() not in _HOP_HEADERS and key.lower() != "content-length":
@@ -144,8 +160,6 @@ class RecordingProxy:
                         self.wfile.write(payload)
                 finally:
                     upstream.close()
-                if self.command == "PUT" and response.status < 300:
-                    proxy.record(self.command, host, self.path, body)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 

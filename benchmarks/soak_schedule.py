@@ -143,6 +143,8 @@ class Soak:
         self.foreign = 0
         self.foreign_examples: list[str] = []
         self.above_max = 0
+        self.above_by_node: dict[str, int] = {}
+        """The most each node's own objects in the bucket were above its budget."""
         self.bucket_max = 0
         self.overwritten = 0
         self.log: Callable[[str], None] = lambda _line: None
@@ -324,12 +326,15 @@ class Soak:
         return wedged
 
     def _check_bucket(self, figures: EventFigures) -> None:
-        check = self.ledger.check(listing(self.endpoint, self.ledger.bucket), self.budgets)
+        mark = self.ledger.mark()
+        check = self.ledger.check(listing(self.endpoint, self.ledger.bucket), self.budgets, mark)
         figures.foreign_objects_deleted += check.foreign_deleted - self.foreign
         self.foreign = check.foreign_deleted
         self.foreign_examples = check.foreign_examples
         above = max(check.bytes_above_budget.values(), default=0)
         figures.bytes_above_budget_max = max(figures.bytes_above_budget_max, above)
         self.above_max = max(self.above_max, above)
+        for name, value in check.bytes_above_budget.items():
+            self.above_by_node[name] = max(self.above_by_node.get(name, 0), value)
         self.bucket_max = max(self.bucket_max, check.bucket_bytes)
         self.overwritten = check.overwritten
