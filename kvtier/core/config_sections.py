@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from kvtier.core.cpus import parse_cpu_list
+from kvtier.core.keys import check_tenant
 from kvtier.core.kvcodec import Codec
 
 EvictionPolicyName = Literal["lru", "fifo"]
@@ -371,6 +372,15 @@ class ObjectStoreConfig(ConfigSection):
         return data
 
 
+class TenantAccess(ConfigSection):
+    uids: list[NonNegativeInt] = Field(
+        [], description="Users whose engines may register this tenant's pools."
+    )
+    gids: list[NonNegativeInt] = Field(
+        [], description="Groups (primary or supplementary) whose members may."
+    )
+
+
 class ServerConfig(ConfigSection):
     socket_path: Path = Field(
         default_factory=lambda: default_state_dir() / "kvtierd.sock",
@@ -380,6 +390,12 @@ class ServerConfig(ConfigSection):
         None,
         description="Group (name or gid) given the socket and the arena: the engines' group, "
         "whose members may call kvtierd and map the arena. Unset: kvtierd's own group.",
+    )
+    tenants: dict[str, TenantAccess] = Field(
+        default_factory=dict,
+        description="Who may register each tenant's pools, by the uid and groups the kernel "
+        "reports for the client (a tenant named nowhere is refused). Empty: the tenant "
+        "`default` alone, open to kvtierd's user and the socket's group.",
     )
     admin_address: str = Field(
         "127.0.0.1:7461",
@@ -470,4 +486,6 @@ class ServerConfig(ConfigSection):
             raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
         if self.heartbeat_interval_s >= self.session_timeout_s:
             raise ValueError("heartbeat_interval_s must be shorter than session_timeout_s")
+        for tenant in self.tenants:
+            check_tenant("tenants", tenant)
         return self
