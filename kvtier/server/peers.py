@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TENANT = "default"
 MAX_TICKETS = 4096
 """Tickets not yet redeemed; past it the oldest is dropped (its client asks for another)."""
-_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+; Python names it on 3.13+
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+; not named by every Python
 _MAX_GROUPS_BYTES = 1024  # the most getsockopt reads from Python: 256 groups
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _MAX_UNIX_PATH = 107  # sun_path's 108 bytes, with its NUL
