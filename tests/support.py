@@ -18,10 +18,12 @@ MiB = 1 << 20
 
 
 def layout(layers: int = 2) -> PageLayout:
+    """With float16, a chunk of two layers is 256 KiB (`target_spec`), of one layer in fp8 64 KiB
+    (`draft_spec`): the sizes kvtierd takes for them (`kvtier.core.chunk_size`)."""
     return PageLayout(
         tokens_per_block=16,
         blocks_per_chunk=4,
-        num_kv_heads=2,
+        num_kv_heads=16,
         head_sizes=(32, 32),
         layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers)),
     )

@@ -15,7 +15,8 @@ import secrets
 import tempfile
 from pathlib import Path
 
-from kvtier.core.config_sections import ServerConfig, default_state_dir
+from kvtier.core.config_sections import default_state_dir
+from kvtier.core.config_server import ServerConfig
 from kvtier.core.errors import ConfigError
 
 TOKEN_KEY = "server.admin_token_file"

@@ -26,9 +26,9 @@ from kvtier.core.config_sections import (
     ManagerConfig,
     ObjectStoreConfig,
     PoolConfig,
-    ServerConfig,
     default_state_dir,
 )
+from kvtier.core.config_server import ServerConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.kvcodec import Codec
 

@@ -5,7 +5,9 @@ heartbeats that carry the daemon's draft pools and quarantines, and the client's
 
 from __future__ import annotations
 
+import functools
 import logging
+import socket
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -22,6 +24,7 @@ from kvtier.core.costs import EngineTimings
 from kvtier.core.errors import KVTierError, SessionNotFoundError
 from kvtier.core.keys import ChunkKey, NamespaceSpec
 from kvtier.core.memory import keep_freed_pages
+from kvtier.core.peers import TICKET_METADATA, peer_socket_path
 from kvtier.core.protocol import DraftState, SlotRef
 from kvtier.rpc.calls import (
     CHANNEL_OPTIONS,
@@ -40,7 +43,28 @@ from kvtier.tiers.arena_index import readable_here
 log = logging.getLogger("kvtier.rpc.tier_client")
 
 R = TypeVar("R")
+_MAX_TICKET_LINE = 256
 _TIER_SERVICE = tier_pb2.DESCRIPTOR.services_by_name["TierService"].full_name
+
+
+def read_ticket(path: Path, timeout_s: float) -> str:
+    """A ticket from kvtierd's peer socket at ``path``, standing for this process's credentials;
+    "" when none comes (kvtierd down, or this user outside its group): the registration then
+    fails as the call itself says."""
+    answer = b""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout_s)
+            conn.connect(str(path))
+            while b"\n" not in answer and len(answer) < _MAX_TICKET_LINE:
+                part = conn.recv(_MAX_TICKET_LINE)
+                if not part:
+                    break
+                answer += part
+    except OSError as exc:
+        log.debug("no peer ticket from %s: %s", path, exc)
+    line, newline, _ = answer.partition(b"\n")
+    return line.decode(errors="replace").strip() if newline else ""
 
 
 class DaemonSession(ABC):
@@ -61,6 +85,7 @@ class DaemonSession(ABC):
         if tune_memory:
             keep_freed_pages()  # see kvtier.core.memory: halves the cost of large batches here
         self.target = f"unix:{socket_path}"
+        self._peer_socket = peer_socket_path(socket_path)
         self.replica = replica
         self._identity = (engine_id, tp_rank, pp_rank)
         self._timeout = timeout_s
@@ -195,11 +220,19 @@ class DaemonSession(ABC):
             pools=pools,
             session_id=session_id,
         )
+        ticket = "" if session_id else read_ticket(self._peer_socket, self._register_s)
+        metadata = ((TICKET_METADATA, ticket),) if ticket else ()
         if self.breaker is None:
-            response = self._rpc(self._stub.RegisterSession, request, self._register_s)
+            response = self._rpc(
+                functools.partial(self._stub.RegisterSession, metadata=metadata),
+                request,
+                self._register_s,
+            )
         else:  # the breaker does not stop a registration: the probe's own is one
             try:
-                response = self._stub.RegisterSession(request, timeout=self._register_s)
+                response = self._stub.RegisterSession(
+                    request, timeout=self._register_s, metadata=metadata
+                )
             except grpc.RpcError as exc:
                 raise translate(self.target, exc) from None
         self.session_id = response.session_id

@@ -30,6 +30,7 @@ from kvtier.observability.metrics import build_registry
 from kvtier.server.admin import READ_ONLY_METHODS, AdminServicer
 from kvtier.server.dataplane import TierServicer
 from kvtier.server.interceptors import ErrorInterceptor, TokenAuthInterceptor
+from kvtier.server.peers import TenantPolicy, TicketOffice
 from kvtier.server.sessions import SessionRegistry
 from kvtier.tiering.manager import TierManager
 from kvtier.tiers.arena import resolve_group
@@ -143,6 +144,7 @@ class Daemon:
         self._metrics: object | None = None
         self._owns_socket = False  # never remove the socket of another live daemon
         self._socket_gid: int | None = None
+        self._tickets: TicketOffice | None = None
 
     def start(self) -> None:
         cfg = self.config.server
@@ -196,9 +198,13 @@ class Daemon:
     def _start_data_plane(self, cfg: ServerConfig) -> None:
         _take_socket_path(cfg.socket_path)
         self._owns_socket = True
+        self._tickets = TicketOffice(cfg.socket_path, self._socket_gid)
+        self._tickets.start()
         server = self._grpc_server(_TIER_SERVICE, [ErrorInterceptor()])
+        tenants = TenantPolicy.of(cfg, self._socket_gid)
         tier_pb2_grpc.add_TierServiceServicer_to_server(
-            TierServicer(self.manager, self.sessions, cfg), server
+            TierServicer(self.manager, self.sessions, cfg, tickets=self._tickets, tenants=tenants),
+            server,
         )
         old_umask = os.umask(0o117)  # the socket is born 0660: no window with wider access
         try:
@@ -285,6 +291,8 @@ class Daemon:
             server.stop(grace=2.0).wait()
         if self._metrics is not None:
             self._metrics.shutdown()  # type: ignore[attr-defined]
+        if self._tickets is not None:
+            self._tickets.close()
         if hasattr(self, "sessions"):
             self.sessions.close_all()
         if hasattr(self, "manager"):

@@ -21,15 +21,18 @@ from kvtier.core.codec import (
     timings_from,
 )
 from kvtier.core.config import ServerConfig
-from kvtier.core.errors import InvalidRequestError, NamespaceAccessError
+from kvtier.core.errors import InvalidRequestError, NamespaceAccessError, PermissionDeniedError
 from kvtier.core.journal import ChunkEvents
-from kvtier.core.keys import ChunkKey, namespace_of
+from kvtier.core.keys import ChunkKey, NamespaceSpec, namespace_of
+from kvtier.core.peers import TICKET_METADATA
 from kvtier.core.protocol import SlotRef, arena_hit
 from kvtier.observability.telemetry import telemetry_of
+from kvtier.server.peers import Peer, TenantPolicy, TicketOffice
 from kvtier.server.sessions import Session, SessionRegistry
 from kvtier.server.validate import (
     batch_namespaces,
     check_batch,
+    check_chunk_bytes,
     keys_from,
     namespace_from,
     unpack_keys,
@@ -59,11 +62,28 @@ def _timed(op: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
     return wrap
 
 
+def _ticket(context: grpc.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == TICKET_METADATA:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return ""
+
+
 class TierServicer(tier_pb2_grpc.TierServiceServicer):
-    def __init__(self, manager: TierManager, sessions: SessionRegistry, config: ServerConfig):
+    def __init__(
+        self,
+        manager: TierManager,
+        sessions: SessionRegistry,
+        config: ServerConfig,
+        *,
+        tickets: TicketOffice,
+        tenants: TenantPolicy,
+    ):
         self.manager = manager
         self.sessions = sessions
         self.config = config
+        self.tickets = tickets
+        self.tenants = tenants
         self.telemetry = telemetry_of(manager)
         manager.registry.limit_namespaces(config.max_namespaces)
 
@@ -105,15 +125,20 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
     ) -> tier_pb2.RegisterSessionResponse:
         check_batch(request.pools, _MAX_POOLS, "pools")
         specs = [spec_from(p.spec) for p in request.pools]  # a refused spec opens no session
+        for spec, pool in zip(specs, request.pools, strict=True):
+            check_chunk_bytes(spec, pool.chunk_bytes)
         opened = not request.session_id
         if not opened:
             session = self._session(request.session_id)
+            self._admit(session.peer, specs)
         else:
             replica = request.replica_id or "default"
             if not _REPLICA_ID.fullmatch(replica):
                 raise InvalidRequestError("replica_id must be 1-64 of [A-Za-z0-9_.:-]")
+            peer = self.tickets.redeem(_ticket(context))
+            self._admit(peer, specs)
             session = self.sessions.open(
-                replica, request.engine_id, request.tp_rank, request.pp_rank
+                replica, request.engine_id, request.tp_rank, request.pp_rank, peer
             )
         try:
             namespaces = [
@@ -143,6 +168,13 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
             ],
             lmdb_path=str(lmdb.config.path) if (lmdb := self.manager.lmdb) is not None else "",
         )
+
+    def _admit(self, peer: Peer | None, specs: Sequence[NamespaceSpec]) -> None:
+        """Refuse a pool of a tenant the session's credentials do not open."""
+        if peer is None:
+            raise PermissionDeniedError("this session was opened without a peer ticket")
+        for spec in specs:
+            self.tenants.check(peer, spec.tenant)
 
     @_timed("lookup")
     def Lookup(

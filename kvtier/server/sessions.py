@@ -28,6 +28,7 @@ from typing import Any
 from kvtier.core.errors import CapacityError, SessionNotFoundError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import SlotRef
+from kvtier.server.peers import Peer
 from kvtier.tiering.manager import TierManager
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class Session:
     """Reaped or closed: nothing is recorded in it any more."""
     busy: bool = False
     """Its engine holds requests: said by its heartbeats, and by a lookup or reserve."""
+    peer: Peer | None = None
+    """Who opened it, as the kernel said (`kvtier.server.peers`): its pools' tenants are theirs."""
 
 
 class SessionRegistry:
@@ -102,7 +105,9 @@ class SessionRegistry:
         with self._lock:
             return set().union(*(s.namespaces for s in self._sessions.values()))
 
-    def open(self, replica: str, engine_id: str, tp_rank: int, pp_rank: int) -> Session:
+    def open(
+        self, replica: str, engine_id: str, tp_rank: int, pp_rank: int, peer: Peer | None = None
+    ) -> Session:
         session = Session(
             id=uuid.uuid4().hex,
             replica=replica,
@@ -110,6 +115,7 @@ class SessionRegistry:
             tp_rank=tp_rank,
             pp_rank=pp_rank,
             deadline=self._clock() + self.timeout_s,
+            peer=peer,
         )
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
@@ -118,7 +124,9 @@ class SessionRegistry:
                     "allows; raise it, or wait for idle sessions to expire"
                 )
             self._sessions[session.id] = session
-        log.info("session %s opened: replica %s, engine %s", session.id, replica, engine_id)
+        log.info(
+            "session %s opened: replica %s, engine %s, %s", session.id, replica, engine_id, peer
+        )
         return session
 
     def _gone(self, session_id: str) -> SessionNotFoundError:

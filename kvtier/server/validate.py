@@ -1,4 +1,5 @@
-"""Checks of what a call asks before it changes anything: batch sizes, key and namespace lengths.
+"""Checks of what a call asks before it changes anything: batch sizes, key and namespace lengths,
+a pool's chunk size against its layout.
 
 Each raises `InvalidRequestError`, which the caller sees as INVALID_ARGUMENT naming the field.
 The conversions themselves are `kvtier.core.codec`'s.
@@ -12,8 +13,15 @@ from typing import cast
 import numpy as np
 
 from kvtier.api.v1 import tier_pb2
+from kvtier.core.chunk_size import chunk_payload_bytes
 from kvtier.core.errors import InvalidRequestError
-from kvtier.core.keys import MAX_CHUNK_HASH_BYTES, NAMESPACE_BYTES, ChunkKey, packed_namespaces
+from kvtier.core.keys import (
+    MAX_CHUNK_HASH_BYTES,
+    NAMESPACE_BYTES,
+    ChunkKey,
+    NamespaceSpec,
+    packed_namespaces,
+)
 
 _MIN_KEY, _MAX_KEY = NAMESPACE_BYTES + 1, NAMESPACE_BYTES + MAX_CHUNK_HASH_BYTES
 
@@ -57,3 +65,20 @@ def namespace_from(raw: bytes) -> bytes | None:
     if len(raw) != NAMESPACE_BYTES:
         raise InvalidRequestError(f"a namespace is {NAMESPACE_BYTES} bytes, got {len(raw)}")
     return raw
+
+
+def check_chunk_bytes(spec: NamespaceSpec, chunk_bytes: int) -> None:
+    """``chunk_bytes`` is what ``spec``'s layout makes a chunk: a registration of another size
+    would claim the namespace for a size its engines never store."""
+    try:
+        expected = chunk_payload_bytes(spec)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
+    if chunk_bytes != expected:
+        layout = spec.layout
+        raise InvalidRequestError(
+            f"chunk_bytes is {chunk_bytes}, but the layout makes a chunk {expected} bytes "
+            f"({layout.tokens_per_block} tokens x {layout.blocks_per_chunk} blocks x "
+            f"{layout.num_kv_heads} heads x {len(layout.layer_names)} layers of head sizes "
+            f"{list(layout.head_sizes)} in {spec.kv_dtype})"
+        )

@@ -7,7 +7,8 @@ The client side runs as ``python -m tests.integration.daemon_harness COMMAND ...
 
 - ``client``: register the target pool, then optionally store, look up, load and reserve index
   ranges (``A:B``); prints one JSON line; with ``--hold`` it then keeps its session, leases and
-  reservations until killed;
+  reservations until killed; ``--tenant`` names the pool's tenant, ``--uid`` drops root first
+  (a refused registration prints ``{"refused": why}``);
 - ``writer``: store fresh chunks in a loop, printing ``ack I...`` after each commit, until killed;
 - ``check``: find every present chunk below ``--end`` and load it; prints one JSON line.
 
@@ -35,10 +36,13 @@ import grpc
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.core.errors import PermissionDeniedError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.peers import TICKET_METADATA, peer_socket_path
 from kvtier.core.protocol import SlotRef
 from kvtier.rpc import AdminClient, GrpcTierClient
 from kvtier.rpc.admin_client import bearer
+from kvtier.rpc.session import read_ticket
 from kvtier.tiers.arena import ArenaMemory
 from kvtier.tiers.commit_checksums import ledger_path
 from tests.support import MiB, keys_for, payload_for, target_spec
@@ -62,6 +66,13 @@ def key_of(index: int) -> ChunkKey:
 
 def expected(key: ChunkKey) -> bytes:
     return payload_for(key, CHUNK)
+
+
+def ticket(socket: Path) -> tuple[tuple[str, str]]:
+    """The metadata that opens a session on a raw stub: a peer ticket for this process."""
+    value = read_ticket(peer_socket_path(socket), 10.0)
+    assert value, f"no peer ticket from {peer_socket_path(socket)}"
+    return ((TICKET_METADATA, value),)
 
 
 def index_range(text: str) -> range:
@@ -396,14 +407,22 @@ class Processes:
 
 
 class ArenaClient:
-    def __init__(self, socket: Path, replica: str) -> None:
+    def __init__(self, socket: Path, replica: str, tenant: str = "default") -> None:
         self.rpc = GrpcTierClient(socket, replica)
-        self.rpc.register_pool(target_spec(), CHUNK)
+        try:
+            self.namespace = self.rpc.register_pool(target_spec(tenant=tenant), CHUNK)
+        except BaseException:
+            self.rpc.close()
+            raise
         self.arena = ArenaMemory.attach(self.rpc.arena_path)
+
+    def key(self, index: int) -> ChunkKey:
+        """Chunk ``index`` of this client's pool (`key_of` in the default tenant's)."""
+        return keys_for(self.namespace, 1, start=index)[0]
 
     def store(self, indices: Sequence[int]) -> list[int]:
         """Reserve, write and commit; the indices committed (keys already present get no slot)."""
-        refs = self.rpc.reserve([key_of(i) for i in indices])
+        refs = self.rpc.reserve([self.key(i) for i in indices])
         granted = [(i, ref) for i, ref in zip(indices, refs, strict=True) if ref is not None]
         for _, ref in granted:
             assert ref.nbytes == CHUNK, ref
@@ -416,14 +435,14 @@ class ArenaClient:
 
     def load(self, indices: Sequence[int], keep: bool) -> tuple[list[bool | None], list[SlotRef]]:
         """Per index: None when not leased, else whether the arena holds the expected bytes."""
-        leases = self.rpc.lease([key_of(i) for i in indices])
+        leases = self.rpc.lease([self.key(i) for i in indices])
         verdicts: list[bool | None] = []
         for i, lease in zip(indices, leases, strict=True):
             if lease is None:
                 verdicts.append(None)
                 continue
             data = bytes(self.arena.view(lease.offset, lease.nbytes))
-            verdicts.append(lease.key == key_of(i) and data == expected(key_of(i)))
+            verdicts.append(lease.key == self.key(i) and data == expected(self.key(i)))
         held = [lease for lease in leases if lease is not None]
         if not keep:
             self.rpc.release(held)
@@ -444,18 +463,31 @@ def _emit(doc: object) -> None:
     _say(json.dumps(doc))
 
 
+def _become(uid: int) -> None:
+    """Drop root for ``uid``, with its own number as its only group (65534: nobody, nogroup)."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+
+
 def _run_client(args: argparse.Namespace) -> None:
-    client = ArenaClient(args.socket, args.replica)
+    if args.uid is not None:
+        _become(args.uid)
+    try:
+        client = ArenaClient(args.socket, args.replica, args.tenant)
+    except PermissionDeniedError as exc:
+        _emit({"refused": str(exc)})
+        return
     out: dict[str, Any] = {"session": client.rpc.session_id}
     if args.store:
         out["stored"] = client.store(index_range(args.store))
     if args.lookup:
-        result = client.rpc.lookup([key_of(i) for i in index_range(args.lookup)])
+        result = client.rpc.lookup([client.key(i) for i in index_range(args.lookup)])
         out["hits"], out["tiers"] = result.hits, result.tiers
     if args.load:
         out["loaded"], _held = client.load(index_range(args.load), keep=args.hold)
     if args.reserve:
-        refs = client.rpc.reserve([key_of(i) for i in index_range(args.reserve)])
+        refs = client.rpc.reserve([client.key(i) for i in index_range(args.reserve)])
         out["reserved"] = [ref is not None for ref in refs]
     _emit(out)
     if args.hold:
@@ -505,6 +537,8 @@ def main(argv: Sequence[str]) -> None:
     for op in ("store", "lookup", "load", "reserve"):
         client.add_argument(f"--{op}", metavar="A:B")
     client.add_argument("--hold", action="store_true")
+    client.add_argument("--tenant", default="default", help="the tenant of its pool")
+    client.add_argument("--uid", type=int, help="drop root for this uid before connecting")
     client.set_defaults(func=_run_client)
     writer = sub.choices["writer"]
     writer.add_argument("--start", type=int, required=True)

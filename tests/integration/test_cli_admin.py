@@ -213,7 +213,7 @@ def test_a_quarantine_reaches_every_session_until_an_admin_lifts_it(
 def test_a_session_quarantines_only_its_own_pools(daemon: Daemon, stored: list[bytes]) -> None:
     stranger = GrpcTierClient(daemon.config.server.socket_path, "dp2")
     try:
-        stranger.register_pool(draft_spec(), CHUNK)
+        stranger.register_pool(draft_spec(), DRAFT_CHUNK)
         with pytest.raises(PermissionDeniedError):  # the client form of NamespaceAccessError
             stranger.quarantine_namespace(namespace_of(ChunkKey(stored[0])), "not mine")
         assert stranger.quarantined() == frozenset()

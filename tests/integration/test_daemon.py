@@ -33,6 +33,7 @@ from tests.integration.daemon_harness import (
     RunningDaemon,
     key_of,
     namespace,
+    ticket,
     wait_for,
     write_config,
 )
@@ -295,9 +296,9 @@ def _keys(keys: Sequence[bytes], key_bytes: int | None = None) -> tier_pb2.KeyBa
     return tier_pb2.KeyBatch(key_bytes=size, packed=b"".join(keys))
 
 
-def _raw_session(stub: tier_pb2_grpc.TierServiceStub, replica: str) -> str:
+def _raw_session(stub: tier_pb2_grpc.TierServiceStub, replica: str, files: DaemonFiles) -> str:
     request = tier_pb2.RegisterSessionRequest(replica_id=replica, pools=[_registration()])
-    return str(stub.RegisterSession(request, timeout=10).session_id)
+    return str(stub.RegisterSession(request, timeout=10, metadata=ticket(files.socket)).session_id)
 
 
 def _reserve_one(stub: tier_pb2_grpc.TierServiceStub, sid: str, key: bytes) -> tier_pb2.SlotRef:
@@ -318,7 +319,9 @@ def test_malformed_requests_get_their_status_and_the_daemon_keeps_serving(
     with grpc.insecure_channel(f"unix:{files.socket}") as channel:
         stub = tier_pb2_grpc.TierServiceStub(channel)
         reg = stub.RegisterSession(
-            tier_pb2.RegisterSessionRequest(replica_id="raw", pools=[_registration()]), timeout=10
+            tier_pb2.RegisterSessionRequest(replica_id="raw", pools=[_registration()]),
+            timeout=10,
+            metadata=ticket(files.socket),
         )
         sid = reg.session_id
         assert list(reg.namespaces) == [namespace()]
@@ -393,14 +396,14 @@ def test_malformed_requests_get_their_status_and_the_daemon_keeps_serving(
             ("bad replica id", register(replica_id="a b"), invalid),
             ("17 pools", register(pools=[_registration()] * 17), invalid),
             (
-                "chunk size conflict",
+                "chunk size other than the layout's",
                 register(pools=[_registration(chunk_bytes=2 * CHUNK)]),
-                precondition,
+                invalid,
             ),
             (
                 "zero chunk size",
                 register(pools=[_registration(chunk_bytes=0, model="m0")]),
-                precondition,
+                invalid,
             ),
             ("unregistered pool, lookup", lookup(_keys(unregistered)), precondition),
             ("unregistered pool, reserve", reserve(_keys(unregistered)), precondition),
@@ -476,7 +479,7 @@ def test_a_session_commits_aborts_and_releases_only_what_it_holds(
             request = tier_pb2.LookupRequest(session_id=sid, keys=_keys([key]))
             return int(stub.Lookup(request).hits)
 
-        a, b = _raw_session(stub, "a"), _raw_session(stub, "b")
+        a, b = _raw_session(stub, "a", files), _raw_session(stub, "b", files)
         ref = _reserve_one(stub, a, key)
         assert commit(b, ref) == 0
         stub.Abort(tier_pb2.AbortRequest(session_id=b, refs=[ref]))
@@ -506,7 +509,7 @@ def test_a_rejected_reserve_commits_nothing(procs: Processes, files: DaemonFiles
     key = key_of(0)
     with grpc.insecure_channel(f"unix:{files.socket}") as channel:
         stub = tier_pb2_grpc.TierServiceStub(channel)
-        sid = _raw_session(stub, "a")
+        sid = _raw_session(stub, "a", files)
         ref = _reserve_one(stub, sid, key)
         bad = tier_pb2.ReserveRequest(session_id=sid, keys=_keys([b"short"]), commit=[ref])
         assert _code(lambda: stub.Reserve(bad)) is grpc.StatusCode.INVALID_ARGUMENT
@@ -521,7 +524,7 @@ def test_a_rejected_prefetch_releases_nothing(procs: Processes, files: DaemonFil
     key = key_of(0)
     with grpc.insecure_channel(f"unix:{files.socket}") as channel:
         stub = tier_pb2_grpc.TierServiceStub(channel)
-        sid = _raw_session(stub, "a")
+        sid = _raw_session(stub, "a", files)
         ref = _reserve_one(stub, sid, key)
         assert stub.Commit(tier_pb2.CommitRequest(session_id=sid, refs=[ref])).committed == 1
         request = tier_pb2.PrefetchRequest(session_id=sid, keys=_keys([key]))

@@ -28,10 +28,11 @@ from tests.integration.daemon_harness import (
     RunningDaemon,
     expected,
     key_of,
+    ticket,
     wait_for,
     write_config,
 )
-from tests.support import target_spec
+from tests.support import layout, target_spec
 
 STALL_S = 0.5
 # a stalled test's daemon: its session outlives the stall (call timeout, then STALL_S) by far,
@@ -50,16 +51,22 @@ def _reservations(daemon: RunningDaemon) -> float:
     return value
 
 
-def _pool(model: str = "", chunk_bytes: int = CHUNK) -> tier_pb2.PoolRegistration:
-    spec = target_spec(model=model) if model else target_spec()
-    return tier_pb2.PoolRegistration(spec=spec_to(spec), chunk_bytes=chunk_bytes)
+def _pool(model: str = "", layers: int = 2) -> tier_pb2.PoolRegistration:
+    """A target pool of ``layers`` layers: CHUNK bytes a chunk for every two."""
+    spec = target_spec(model=model or "tiny-llama", layout=layout(layers))
+    return tier_pb2.PoolRegistration(spec=spec_to(spec), chunk_bytes=CHUNK * layers // 2)
 
 
 def _register(
-    stub: tier_pb2_grpc.TierServiceStub, pool: tier_pb2.PoolRegistration, session_id: str = ""
+    stub: tier_pb2_grpc.TierServiceStub,
+    pool: tier_pb2.PoolRegistration,
+    session_id: str = "",
+    files: DaemonFiles | None = None,
 ) -> str:
+    """Open a session (``files`` name the daemon, for a peer ticket) or add to one."""
     request = tier_pb2.RegisterSessionRequest(replica_id="r", pools=[pool], session_id=session_id)
-    return str(stub.RegisterSession(request, timeout=10).session_id)
+    metadata = ticket(files.socket) if files is not None else ()
+    return str(stub.RegisterSession(request, timeout=10, metadata=metadata).session_id)
 
 
 def _refused(call: Callable[[], Any]) -> grpc.RpcError:
@@ -95,16 +102,16 @@ def test_a_refused_registration_records_nothing_and_leaves_no_session(
     daemon = procs.start_daemon(files)
     with grpc.insecure_channel(f"unix:{files.socket}") as channel:
         stub = tier_pb2_grpc.TierServiceStub(channel)
-        huge = _pool("m", 1 << 62)
-        refused = _refused(lambda: _register(stub, huge))
+        huge = _pool("m", layers=32)  # 4 MiB chunks, past the arena's 2 MiB extents
+        refused = _refused(lambda: _register(stub, huge, files=files))
         assert refused.code() is grpc.StatusCode.FAILED_PRECONDITION
         assert "extent_bytes" in (refused.details() or "")
         assert daemon.stats().sessions == 0, "the refused registration kept a session"
-        # the same spec with a chunk size the arena takes: registered as if never refused
-        sid = _register(stub, _pool("m"))
+        # a pool the arena takes: registered as if the refused one never was
+        sid = _register(stub, _pool("m"), files=files)
         again = _refused(lambda: _register(stub, huge, sid))
         assert again.code() is grpc.StatusCode.FAILED_PRECONDITION
-        assert "already registered" in (again.details() or "")
+        assert "extent_bytes" in (again.details() or "")
         assert _register(stub, _pool("m"), sid) == sid
         assert daemon.stats().sessions == 1
 
@@ -123,14 +130,14 @@ def test_sessions_namespaces_and_slot_classes_are_bounded(
     daemon = procs.start_daemon(files)
     with grpc.insecure_channel(f"unix:{files.socket}") as channel:
         stub = tier_pb2_grpc.TierServiceStub(channel)
-        first = _register(stub, _pool())
-        _register(stub, _pool())
-        refused = _refused(lambda: _register(stub, _pool()))
+        first = _register(stub, _pool(), files=files)
+        _register(stub, _pool(), files=files)
+        refused = _refused(lambda: _register(stub, _pool(), files=files))
         assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "server.max_sessions" in (refused.details() or "")
 
-        _register(stub, _pool("half", 2 * CHUNK), first)  # a second slot class
-        refused = _refused(lambda: _register(stub, _pool("quarter", 4 * CHUNK), first))
+        _register(stub, _pool("half", layers=4), first)  # a second slot class
+        refused = _refused(lambda: _register(stub, _pool("quarter", layers=8), first))
         assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "arena.max_slot_classes" in (refused.details() or "")
         _register(stub, _pool("quarter"), first)  # refused above: nothing of it was recorded
@@ -160,7 +167,7 @@ def test_a_call_in_a_reaped_session_is_told_it_expired(
     daemon = procs.start_daemon(files)
     with grpc.insecure_channel(f"unix:{files.socket}") as channel:
         stub = tier_pb2_grpc.TierServiceStub(channel)
-        sid = _register(stub, _pool())
+        sid = _register(stub, _pool(), files=files)
         wait_for(lambda: daemon.stats().sessions == 0, 5.0, "the silent session reaped")
         keys = tier_pb2.KeyBatch(key_bytes=len(key_of(0)), packed=key_of(0))
         late = _refused(lambda: stub.Reserve(tier_pb2.ReserveRequest(session_id=sid, keys=keys)))

@@ -11,10 +11,12 @@ from kvtier.core.errors import CapacityError
 from kvtier.core.keys import ChunkKey
 from kvtier.rpc import GrpcTierClient
 from tests.integration.daemon_harness import Processes, wait_for, write_config
-from tests.support import keys_for, target_spec
+from tests.support import keys_for, layout, target_spec
 
 KiB = 1 << 10
 DEADLINE_S = 20.0
+# three layers where A has two: chunks of 384 KiB, another slot class
+MODEL_B = target_spec(model="b", layout=layout(3))
 
 
 def _store(client: GrpcTierClient, keys: list[ChunkKey]) -> int:
@@ -46,7 +48,7 @@ def test_the_next_model_stores_after_the_last_one_filled_the_arena(
     second = _client(files.socket)
     try:
         register: Callable[[], bytes] = lambda: second.register_pool(  # noqa: E731
-            target_spec(model="b"), 384 * KiB
+            MODEL_B, 384 * KiB
         )
 
         def registered() -> bool:
@@ -57,7 +59,7 @@ def test_the_next_model_stores_after_the_last_one_filled_the_arena(
             return True
 
         wait_for(registered, DEADLINE_S, "model B registered once A's namespace expired")
-        b_keys = keys_for(target_spec(model="b").digest(), 50)
+        b_keys = keys_for(MODEL_B.digest(), 50)
         committed: set[ChunkKey] = set()
 
         def stored() -> bool:

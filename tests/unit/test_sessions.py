@@ -12,6 +12,7 @@ from kvtier.api.v1 import tier_pb2
 from kvtier.core.config import ServerConfig
 from kvtier.core.errors import SessionNotFoundError
 from kvtier.server.dataplane import TierServicer
+from kvtier.server.peers import TenantPolicy, TicketOffice
 from kvtier.server.sessions import SessionRegistry
 from kvtier.tiering.manager import TierManager
 from tests.support import keys_for, manager_config, payload_for, target_spec
@@ -83,12 +84,16 @@ def test_a_session_can_only_end_what_it_holds(manager: TierManager) -> None:
 
 
 def test_a_lookup_or_reserve_says_busy_and_a_report_of_served_hits_does_not(
-    manager: TierManager,
+    manager: TierManager, tmp_path: Path
 ) -> None:
     """Idle write-back stops at an engine's first lookup or reserve, not at its next heartbeat;
     a report of hits answered from the arena's index is sent by idle engines too."""
     sessions = SessionRegistry(manager, timeout_s=5.0)
-    servicer = TierServicer(manager, sessions, ServerConfig())
+    config = ServerConfig(socket_path=tmp_path / "kvtierd.sock")
+    tickets = TicketOffice(config.socket_path, None)  # not listening: nothing registers here
+    servicer = TierServicer(
+        manager, sessions, config, tickets=tickets, tenants=TenantPolicy.of(config, None)
+    )
     ns = manager.register_pool(target_spec(), CHUNK)
     session = sessions.open("r0", "e0", 0, 0)
     session.namespaces.add(ns)
