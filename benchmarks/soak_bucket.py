@@ -157,7 +157,10 @@ class RecordingProxy:
                     )
                     self.end_headers()
                     if not head:
-                        self.wfile.write(payload)
+                        try:
+                            self.wfile.write(payload)
+                        except OSError:  # a node SIGKILLed while its request ran
+                            self.close_connection = True
                 finally:
                     upstream.close()
 
