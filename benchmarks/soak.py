@@ -40,9 +40,9 @@ was started once more). Overall: ``wedged_tiers`` (how many times a tier was fou
 events, and at the end every node's arena, lmdb and object tier),
 ``recovery_s_after_model_switch`` (the slowest, null if one did not recover),
 ``objects_overwritten`` (uploads that replaced another node's object), and each node's vitals
-after warm-up and at the end: RSS, open files, lmdb map use, event-log bytes, live namespaces
-and slot classes (null where kvtierd exports no such gauge), with ``rss_growth_ratio`` (the
-largest over nodes, from a node's last start).
+after warm-up and at the end: RSS, open files, lmdb map use, event-log bytes, live namespaces,
+slot classes and free arena extents, with ``rss_growth_ratio`` (the largest over nodes, from a
+node's last start).
 """
 
 from __future__ import annotations

@@ -38,9 +38,6 @@ KiB = 1 << 10
 MiB = 1 << 20
 ASK_AGAIN_S = 0.03
 """A lookup that says the store is still being probed is asked once more after this."""
-NAMESPACE_METRICS = ("kvtier_namespaces", "kvtier_registered_namespaces", "kvtier_live_namespaces")
-SLOT_CLASS_METRICS = ("kvtier_slot_classes", "kvtier_arena_slot_classes")
-"""Gauges the daemon may export for these; absent ones are reported as null."""
 
 # A reader as the connector is one: it maps lmdb read-only, beside kvtierd, and reads in a
 # transaction; this one says so on stdout and then waits, inside it, for its SIGKILL.
@@ -117,8 +114,9 @@ class Vitals:
     open_files: int
     lmdb_map_bytes: int
     event_log_bytes: int
-    namespaces: float | None
-    slot_classes: float | None
+    namespaces: float
+    slot_classes: float
+    free_extents: float
 
 
 def chunk_hash(text: str) -> bytes:
@@ -143,13 +141,6 @@ def map_bytes(path: Path) -> int:
         return int((env.info()["last_pgno"] + 1) * env.stat()["psize"])
     finally:
         env.close()
-
-
-def first_metric(samples: Samples, names: tuple[str, ...]) -> float | None:
-    for name in names:
-        if any(n == name for n, _ in samples):
-            return total(samples, name)
-    return None
 
 
 class Node:
@@ -280,8 +271,9 @@ class Node:
             open_files=int(proc.num_fds()),
             lmdb_map_bytes=map_bytes(self.lmdb_path),
             event_log_bytes=map_bytes(Path(events)) if events else 0,
-            namespaces=first_metric(samples, NAMESPACE_METRICS),
-            slot_classes=first_metric(samples, SLOT_CLASS_METRICS),
+            namespaces=total(samples, "kvtier_namespaces"),
+            slot_classes=total(samples, "kvtier_arena_slot_classes"),
+            free_extents=total(samples, "kvtier_arena_free_extents"),
         )
 
     def kill_readers(self, count: int, timeout_s: float = 30.0) -> int:
