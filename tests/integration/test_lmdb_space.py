@@ -18,6 +18,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
+from kvtier.cli.connect import Connection
 from kvtier.cli.health import check
 from kvtier.core.counters import Counters
 from kvtier.core.lmdb_space import Space
@@ -255,7 +256,7 @@ def test_kvtierd_shows_a_full_lmdb_disk_in_health_and_metrics_until_space_return
     daemon = procs.start_daemon(files)
 
     def lmdb_serving() -> bool:
-        return check(daemon.admin_address, LMDB_HEALTH_SERVICE, 5.0)[0]
+        return check(Connection(daemon.admin_address, None, None), LMDB_HEALTH_SERVICE, 5.0)[0]
 
     def disk_full_errors() -> float:
         return sum(
@@ -269,7 +270,9 @@ def test_kvtierd_shows_a_full_lmdb_disk_in_health_and_metrics_until_space_return
     procs.client(files.socket, "a", "--store", "0:16")  # written through to lmdb: refused
     wait_for(lambda: not lmdb_serving())
     assert disk_full_errors() > 0
-    assert check(daemon.admin_address, "", 5.0)[0]  # the daemon itself still serves
+    assert check(Connection(daemon.admin_address, None, None), "", 5.0)[
+        0
+    ]  # the daemon itself still serves
     (small_disk / "ballast").unlink()
     procs.client(files.socket, "a", "--store", "16:32")
     wait_for(lmdb_serving)  # no restart
