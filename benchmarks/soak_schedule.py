@@ -40,18 +40,20 @@ EXTRAS = (
     "kvtierd_kill",
 )
 """The events between model switches, in turn."""
-COUNTED = {
+Metric = tuple[str, dict[str, str]]
+"""A sample's name and the labels it must carry."""
+COUNTED: dict[str, Metric] = {
     "lmdb_store_rejected": ("kvtier_store_rejected_chunks_total", {"tier": "lmdb"}),
     "disk_full_errors": ("kvtier_disk_full_errors_total", {}),
     "stale_readers_cleared": ("kvtier_lmdb_stale_readers_total", {}),
 }
 """Node 0's counters kept per event type: how much of each the event and its recovery saw."""
-STORED = {
+STORED: dict[str, Metric] = {
     "lmdb": ("kvtier_tier_events_total", {"event": "stores", "tier": "lmdb"}),
     "object": ("kvtier_object_store_uploads_total", {}),
 }
 """What counts a tier below the arena taking chunks."""
-OWNED = ("kvtier_object_store_owned_bytes", {})
+OWNED: Metric = ("kvtier_object_store_owned_bytes", {})
 PROBE = Model("soak-probe", 16 * KiB)
 """The model whose new prompts show whether lmdb and the object tier still take chunks."""
 
@@ -288,7 +290,7 @@ class Soak:
         return {name: self._metric(node, metric) for name, metric in COUNTED.items()}
 
     @staticmethod
-    def _metric(node: Node, metric: tuple[str, dict[str, str]]) -> float:
+    def _metric(node: Node, metric: Metric) -> float:
         name, labels = metric
         try:
             return total(node.samples(), name, **labels)
