@@ -60,6 +60,7 @@ class KvtierdProcess:
             if not k.startswith(ENV_PREFIX) and k not in self.env_drop
         }
         env.update(self.env)
+        self.exit_code = None
         argv = [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(self.config_path)]
         started = time.perf_counter()
         with open(self.log_path, "wb") as stderr:
@@ -98,6 +99,21 @@ class KvtierdProcess:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.exit_code is None else None
+
+    def kill(self) -> None:
+        """SIGKILL, as the kernel's OOM killer or a node's failure would end it; `start` again
+        restarts it on the same configuration."""
+        proc = self.proc
+        if proc is None or self.exit_code is not None:
+            return
+        proc.kill()
+        self.exit_code = proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
     def stop(self) -> None:
         proc = self.proc
