@@ -451,11 +451,12 @@ class KVTierWorker:
             else:
                 waiting.append((done, issued))
         self._landing = waiting
+        corrupt = self.staging.take_failed()
         reports = (self._stored, self._failed, self._fingerprints, self._compared, self._timings)
-        if not any(reports):
+        if not any(reports) and not corrupt:
             return None
         meta = KVTierWorkerMetadata(
-            self._stored, self._failed, self._fingerprints, self._compared, self._timings
+            self._stored, self._failed, self._fingerprints, self._compared, self._timings, corrupt
         )
         self._stored, self._failed, self._fingerprints, self._compared = [], [], {}, []
         self._timings = EngineTimings()

@@ -127,6 +127,21 @@ METRICS: tuple[MetricSpec, ...] = (
         "tier",
         "Chunks that failed verification; each was deleted and answered as a miss.",
     ),
+    _spec(
+        "counter",
+        "integrity_reports",
+        "tier result",
+        "Chunks engines reported failing their verification, by what kvtierd found checking "
+        "them: confirmed (failed here too: dropped, and counted in integrity_failures), refused "
+        "(sound: kept), gone (no longer held), foreign (of pools the engine has not registered).",
+    ),
+    _spec(
+        "gauge",
+        "tier_healthy",
+        "tier",
+        "0 while integrity_failures of the tier within manager.integrity_window_s reach "
+        "manager.integrity_unhealthy_failures (kvtier health names it NOT_SERVING); else 1.",
+    ),
     _spec("counter", "store_rejected_chunks", "tier", "Stores refused for want of room."),
     _spec(
         "counter",

@@ -41,6 +41,7 @@ class TierCollector(Collector):
         yield from self._transfers(stats)
         yield from self._queues(stats)
         yield from self._sessions()
+        yield from self._integrity()
         yield from self._object_store(stats)
         yield from self._drafts(stats)
         yield from self._costs()
@@ -191,6 +192,18 @@ class TierCollector(Collector):
             capacity.add_metric(["upload"], config.object.upload_queue_chunks)
             dropped.add_metric(["upload"], manager.object.counters.snapshot()["uploads_dropped"])
         yield from (depth, capacity, dropped)
+
+    def _integrity(self) -> Iterator[Metric]:
+        integrity = self.manager.integrity
+        reports = metric_family("integrity_reports")
+        for (tier, result), value in integrity.report_counts().items():
+            reports.add_metric([tier, result], value)
+        yield reports
+        unhealthy = integrity.unhealthy()
+        healthy = metric_family("tier_healthy")
+        for tier in self.manager.tiers:
+            healthy.add_metric([tier], int(tier not in unhealthy))
+        yield healthy
 
     def _sessions(self) -> Iterator[Metric]:
         values = self.session_counts()

@@ -47,6 +47,7 @@ from kvtier.core.protocol import (
 )
 from kvtier.tiering.admission import HitAdmission
 from kvtier.tiering.drafts import DraftRevisions
+from kvtier.tiering.integrity import IntegrityReports
 from kvtier.tiering.locate import Location, locate
 from kvtier.tiering.maintenance import DrainResult, Maintenance, VerifyProgress, WarmupProgress
 from kvtier.tiering.object_side import open_object_side
@@ -151,6 +152,7 @@ class TierManager:
                 between_batches=self._between_writebacks,
                 skip=self.quarantines.holds,
             )
+        self.integrity = IntegrityReports(self.tiers, self.lmdb, config.manager)
 
     def _between_writebacks(self) -> None:
         self.drafts.gc_when_due()
@@ -469,10 +471,8 @@ class TierManager:
         self.cpu.set_quota(replica, pool, nbytes)
 
     def stats(self) -> ManagerStats:
-        return ManagerStats(
-            tiers={name: tier.stats() for name, tier in self.tiers.items()},
-            counters=self._counters.snapshot(),
-        )
+        tiers = {name: tier.stats() for name, tier in self.tiers.items()}
+        return ManagerStats(tiers=tiers, counters=self._counters.snapshot())
 
     def close(self, flush_timeout: float = 30.0) -> None:
         """Write back what the arena holds, then close every tier."""

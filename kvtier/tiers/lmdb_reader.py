@@ -31,6 +31,7 @@ import numpy as np
 from kvtier.core import blockfmt
 from kvtier.core.errors import ChunkFormatError, TierUnavailableError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import Failure
 
 __all__ = [
     "DATABASES",
@@ -38,6 +39,7 @@ __all__ = [
     "adopt",
     "copy_payload",
     "disown",
+    "failure_of",
     "reader_at",
     "release_reader",
     "will_need",
@@ -87,6 +89,11 @@ def will_need(env: lmdb.Environment, chunks: lmdb._Database, keys: Sequence[Chun
                 ctypes.c_void_p(first), ctypes.c_size_t(start + len(value) - first), _MADV_WILLNEED
             )
     return found
+
+
+def failure_of(exc: ChunkFormatError) -> Failure:
+    """What a failed verification found wrong: the payload's checksum, or else the header."""
+    return Failure.PAYLOAD if "payload checksum" in str(exc) else Failure.HEADER
 
 
 class LmdbReader:

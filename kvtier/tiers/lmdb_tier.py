@@ -313,6 +313,9 @@ class LmdbTier(LmdbStore):
             return False
         return True
 
+    def corrupt_chunks(self) -> int:
+        return self._counters.snapshot()["corrupt"]  # stats() walks the whole index
+
     def quarantine(self, key: ChunkKey, reason: Exception) -> None:
         """Delete a chunk that failed verification and count it; it is never served."""
         log.error("lmdb: chunk %s failed verification (%s); deleted", key.hex(), reason)

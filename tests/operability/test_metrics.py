@@ -23,7 +23,8 @@ LABELS = {
     "tier": {"cpu", "lmdb", "object"},
     "pool": {"target", "draft"},
     "op": {"lookup", "reserve", "commit", "abort", "prefetch", "release", "promote"},
-    "result": {"ok", "error", "credential", "rejected", "invalid"},
+    "result": {"ok", "error", "credential", "rejected", "invalid"}
+    | {"confirmed", "refused", "gone", "foreign"},
     "direction": {"store", "load", "demote", "promote", "upload", "download"},
     "reason": {"capacity", "quota", "admin", "reclaim", "expired"},
     "queue": {"writeback", "promote", "upload"},
