@@ -66,7 +66,7 @@ def _corrupt(path: Path, keys: Sequence[ChunkKey]) -> None:
         env.close()
 
 
-def _read_in_lmdb(
+def read_in_lmdb(
     client: TierClient, keys: Sequence[ChunkKey]
 ) -> tuple[list[bool], list[FailedChunk]]:
     """As an engine's worker loads them: leased in lmdb, read and verified from its map by the
@@ -116,6 +116,10 @@ def _lmdb_health(daemon: RunningDaemon) -> int:
 
 @pytest.fixture
 def corrupted(procs: Processes, tmp_path: Path, shm_path: Path) -> RunningDaemon:
+    return corrupted_daemon(procs, tmp_path, shm_path)
+
+
+def corrupted_daemon(procs: Processes, tmp_path: Path, shm_path: Path) -> RunningDaemon:
     """kvtierd restarted on an lmdb where the chunks `CORRUPT` of `STORED` had a byte flipped;
     three failures make lmdb unhealthy."""
     files: DaemonFiles = write_config(
@@ -147,7 +151,7 @@ def test_corrupt_chunks_an_engine_reads_are_reported_counted_dropped_and_stored_
     engine = GrpcTierClient(socket, "r1")
     try:
         engine.register_pool(target_spec(), CHUNK)
-        served, failed = _read_in_lmdb(engine, keys)
+        served, failed = read_in_lmdb(engine, keys)
         assert served == [i not in CORRUPT for i in range(STORED)]  # nothing corrupt served
         assert [f.key for f in failed] == [keys[i] for i in CORRUPT]
         assert {(f.tier, f.what) for f in failed} == {(TierCode.LMDB, Failure.PAYLOAD)}
@@ -189,7 +193,7 @@ def test_corrupt_chunks_an_engine_reads_are_reported_counted_dropped_and_stored_
     following = GrpcTierClient(socket, "r4")
     try:
         following.register_pool(target_spec(), CHUNK)
-        assert _read_in_lmdb(following, keys) == ([True] * STORED, [])
+        assert read_in_lmdb(following, keys) == ([True] * STORED, [])
     finally:
         following.close()
     assert _metric(daemon, "kvtier_integrity_failures_total", tier="lmdb") == len(CORRUPT)
@@ -246,7 +250,7 @@ def test_embedded_corrupt_chunks_are_reported_counted_dropped_and_stored_again(
     keys = keys_for(client.register_pool(target_spec(), CHUNK), STORED)
     _in_lmdb_only(manager, keys)
     _corrupt_in_process(manager, [keys[i] for i in CORRUPT])
-    served, failed = _read_in_lmdb(client, keys)
+    served, failed = read_in_lmdb(client, keys)
     assert served == [i not in CORRUPT for i in range(STORED)]
     client.report_failed(failed)
     assert manager.lmdb.stats().counters["corrupt"] == len(CORRUPT)
@@ -254,7 +258,7 @@ def test_embedded_corrupt_chunks_are_reported_counted_dropped_and_stored_again(
     assert manager.lmdb.contains(keys) == [i not in CORRUPT for i in range(STORED)]
     assert [client.lookup([keys[i]]).hits for i in CORRUPT] == [0] * len(CORRUPT)
     _in_lmdb_only(manager, [keys[i] for i in CORRUPT])  # good copies
-    assert _read_in_lmdb(client, keys) == ([True] * STORED, [])
+    assert read_in_lmdb(client, keys) == ([True] * STORED, [])
 
 
 def test_an_encoder_part_corrupted_in_lmdb_is_reported_counted_and_dropped(
@@ -274,7 +278,7 @@ def test_an_encoder_part_corrupted_in_lmdb_is_reported_counted_and_dropped(
     parts = item_keys(client.register_pool(spec, CHUNK), "item-1", 128, layout)
     _in_lmdb_only(manager, parts)
     _corrupt_in_process(manager, parts[1:])
-    served, failed = _read_in_lmdb(client, parts)
+    served, failed = read_in_lmdb(client, parts)
     assert served == [True, False]
     client.report_failed(failed)
     assert manager.integrity.report_counts()[("lmdb", "confirmed")] == 1
