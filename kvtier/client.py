@@ -174,7 +174,7 @@ class InProcessClient:
         self.manager.costs.reported(timings)
 
     def report_failed(self, chunks: Sequence[FailedChunk]) -> None:
-        self.manager.integrity.reported(chunks, f"replica {self.replica}")
+        self.manager.integrity.submit(chunks, f"replica {self.replica}")
 
     def lookup_behind(self, keys: Sequence[ChunkKey], verify: bool = False) -> Answer[LookupResult]:
         return Ready(self.manager.lookup(keys, verify=verify))

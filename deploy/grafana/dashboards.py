@@ -253,7 +253,7 @@ def overview() -> Board:
             )
         ],
         description="confirmed: dropped; refused: the chunk verifies (kept); gone: no longer "
-        "held; foreign: of pools the engine has not registered.",
+        "held; foreign: of pools the engine has not registered; unchecked: the queue was full.",
     )
     served = 'direction="load", model_name=~"$model_name"'
     b.panel(

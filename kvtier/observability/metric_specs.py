@@ -133,7 +133,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "tier result",
         "Chunks engines reported failing their verification, by what kvtierd found checking "
         "them: confirmed (failed here too: dropped, and counted in integrity_failures), refused "
-        "(sound: kept), gone (no longer held), foreign (of pools the engine has not registered).",
+        "(sound: kept), gone (no longer held), foreign (of pools the engine has not registered), "
+        "unchecked (the queue of reports to check was full).",
     ),
     _spec(
         "gauge",

@@ -310,7 +310,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         mine = [c for c in failed if namespace_of(c.key) in session.namespaces]
         foreign = [c for c in failed if namespace_of(c.key) not in session.namespaces]
         self.manager.integrity.refused(foreign, source)
-        self.manager.integrity.reported(mine, source)
+        self.manager.integrity.submit(mine, source)
 
     def QuarantineNamespace(
         self, request: tier_pb2.QuarantineNamespaceRequest, context: grpc.ServicerContext

@@ -4,7 +4,9 @@ Engines read chunks from lmdb's map themselves, so kvtierd hears of a corrupt on
 engine reports it (`kvtier.core.protocol.TierClient.report_failed`). A report is a claim, not a
 verdict: the chunk is verified here again, and dropped (deleted, counted as the tier's integrity
 failure, gone from its index) only when it fails. A report of a sound chunk, or of one no longer
-held, changes nothing and is counted by what became of it.
+held, changes nothing and is counted by what became of it. Reports are checked on a thread of
+their own, from a bounded queue: a heartbeat or an engine's step that brings them never waits on
+the disk.
 
 A tier whose chunks fail verification often (kvtierd's own checks and confirmed reports alike)
 is unhealthy while ``manager.integrity_unhealthy_failures`` of them fall within
@@ -30,10 +32,13 @@ __all__ = ["RESULTS", "IntegrityReports"]
 
 log = logging.getLogger(__name__)
 
-RESULTS = ("confirmed", "refused", "gone", "foreign")
+RESULTS = ("confirmed", "refused", "gone", "foreign", "unchecked")
 """What became of a report: the chunk failed verification here too and was dropped; it is
-sound (nothing dropped); it is no longer held; the reporting client may not speak for it."""
+sound (nothing dropped); it is no longer held; the reporting client may not speak for it; it
+found the queue of reports to check full (nothing dropped)."""
 
+MAX_PENDING = 4096
+"""Reports waiting to be checked, at most: each check reads a chunk from disk."""
 _MIN_SAMPLE_S = 1.0  # health is read at most this often per tier's counts
 
 
@@ -57,9 +62,52 @@ class IntegrityReports:
         self._samples: deque[tuple[float, Counter[str]]] = deque()
         """(time, failures so far per tier), oldest first, reaching back one window."""
         self._lock = threading.Lock()
+        self._pending: deque[tuple[FailedChunk, str]] = deque()
+        self._wake = threading.Condition()
+        self._checker: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, chunks: Sequence[FailedChunk], source: str) -> None:
+        """Queue reports to be checked (`reported`) on a thread of their own: the call that
+        brought them (a heartbeat, an engine's step) never waits on the disk."""
+        with self._wake:
+            if self._closed:
+                return
+            room = max(0, MAX_PENDING - len(self._pending))
+            self._pending.extend((chunk, source) for chunk in chunks[:room])
+            for chunk in chunks[room:]:
+                self.counters.add(f"{chunk.tier.tier}:unchecked")
+            if self._checker is None:
+                self._checker = threading.Thread(
+                    target=self._check_pending, name="kvtier-integrity", daemon=True
+                )
+                self._checker.start()
+            self._wake.notify()
+
+    def _check_pending(self) -> None:
+        while True:
+            with self._wake:
+                while not self._pending and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                chunk, source = self._pending.popleft()
+            try:
+                self.reported([chunk], source)
+            except Exception:  # a tier closing, a disk failing: the next report may fare better
+                log.exception("checking a report of chunk %s failed", chunk.key.hex())
+
+    def close(self) -> None:
+        """Stop checking (before the tiers close); reports still queued are let go."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+            checker = self._checker
+        if checker is not None:
+            checker.join()
 
     def reported(self, chunks: Sequence[FailedChunk], source: str) -> Counter[str]:
-        """Check each reported chunk where it is stored and drop it there if it fails;
+        """Check each reported chunk where it is stored and drop it there if it fails, now;
         returns how many reports came to each result."""
         results: Counter[str] = Counter()
         for chunk in chunks:

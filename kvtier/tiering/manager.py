@@ -345,9 +345,7 @@ class TierManager:
     ) -> list[SlotRef | None]:
         """Leases on arena slots holding each key, promoting from lmdb where needed; with
         ``in_lmdb``, a chunk lmdb holds is leased there instead (`kvtier.tiers.lmdb_loads`).
-
-        None where a key is nowhere, or failed verification (it is then quarantined).
-        """
+        None where a key is nowhere, or failed verification (it is then quarantined)."""
         self._check_pools(keys)
         leases = self.cpu.lease(keys)
         if self.promoter is None or self.lmdb is None:
@@ -483,6 +481,7 @@ class TierManager:
                     self.cpu.writeback_pending(),
                 )
         finally:
+            self.integrity.close()
             if self.writeback is not None:
                 self.writeback.stop()
             if self.promoter is not None:

@@ -236,6 +236,12 @@ def manager(shm_path: Path, tmp_path: Path) -> Iterator[TierManager]:
     m.close()
 
 
+def _checked(manager: TierManager, confirmed: int) -> None:
+    """Until the reports' checks (on their own thread) confirmed ``confirmed`` chunks."""
+    counts = manager.integrity.report_counts
+    wait_for(lambda: counts()[("lmdb", "confirmed")] == confirmed, REPORT_S, "reports checked")
+
+
 def _in_lmdb_only(m: TierManager, keys: list[ChunkKey]) -> None:
     assert store(m, keys) == len(keys)
     assert m.flush()
@@ -253,8 +259,8 @@ def test_embedded_corrupt_chunks_are_reported_counted_dropped_and_stored_again(
     served, failed = read_in_lmdb(client, keys)
     assert served == [i not in CORRUPT for i in range(STORED)]
     client.report_failed(failed)
+    _checked(manager, len(CORRUPT))
     assert manager.lmdb.stats().counters["corrupt"] == len(CORRUPT)
-    assert manager.integrity.report_counts()[("lmdb", "confirmed")] == len(CORRUPT)
     assert manager.lmdb.contains(keys) == [i not in CORRUPT for i in range(STORED)]
     assert [client.lookup([keys[i]]).hits for i in CORRUPT] == [0] * len(CORRUPT)
     _in_lmdb_only(manager, [keys[i] for i in CORRUPT])  # good copies
@@ -281,7 +287,7 @@ def test_an_encoder_part_corrupted_in_lmdb_is_reported_counted_and_dropped(
     served, failed = read_in_lmdb(client, parts)
     assert served == [True, False]
     client.report_failed(failed)
-    assert manager.integrity.report_counts()[("lmdb", "confirmed")] == 1
+    _checked(manager, 1)
     assert manager.lmdb is not None
     assert manager.lmdb.stats().counters["corrupt"] == 1
     assert manager.lmdb.contains(parts) == [True, False]

@@ -24,7 +24,7 @@ LABELS = {
     "pool": {"target", "draft"},
     "op": {"lookup", "reserve", "commit", "abort", "prefetch", "release", "promote"},
     "result": {"ok", "error", "credential", "rejected", "invalid"}
-    | {"confirmed", "refused", "gone", "foreign"},
+    | {"confirmed", "refused", "gone", "foreign", "unchecked"},
     "direction": {"store", "load", "demote", "promote", "upload", "download"},
     "reason": {"capacity", "quota", "admin", "reclaim", "expired"},
     "queue": {"writeback", "promote", "upload"},
