@@ -43,6 +43,7 @@ __all__ = [
     "reader_at",
     "release_reader",
     "will_need",
+    "without_frames",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,15 @@ def copy_payload(
         try:
             blockfmt.decode_into(value, key, dst)
         except ChunkFormatError as exc:
-            return True, exc
+            return True, without_frames(exc)
     return True, None
+
+
+def without_frames(exc: ChunkFormatError) -> ChunkFormatError:
+    """A verification failure to hand back, without its traceback: the traceback's frames hold
+    the read transaction, and with it one of LMDB's reader slots (shared by every process),
+    until the cycle collector runs; engines reading many corrupt chunks filled the table."""
+    return exc.with_traceback(None)
 
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)

@@ -291,7 +291,7 @@ class LmdbTier(LmdbStore):
             if not copy_encoded(self.env, self._chunks, key, dst):
                 return False
         except ChunkFormatError as exc:
-            self.quarantine(key, exc)
+            self.quarantine(key, lmdb_reader.without_frames(exc))
             return False
         except lmdb.MapResizedError:  # another process grew the map: adopt it, try once more
             self._adopt_map_size()

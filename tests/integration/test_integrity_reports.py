@@ -8,6 +8,7 @@ client) lease and read them. Embedded: the same with the tiers in this process.
 
 from __future__ import annotations
 
+import gc
 import signal
 import subprocess
 import sys
@@ -297,3 +298,23 @@ def _corrupt_in_process(manager: TierManager, keys: Sequence[ChunkKey]) -> None:
     """`_flip` through the tiers' own environment (LMDB opens one per file per process)."""
     assert manager.lmdb is not None
     _flip(manager.lmdb.env, manager.lmdb._chunks, keys)
+
+
+def test_reading_and_checking_corrupt_chunks_keeps_no_reader_slot(manager: TierManager) -> None:
+    """LMDB's reader table is shared by kvtierd and every engine: a failed verification that
+    held its read transaction until the cycle collector ran filled it (MDB_READERS_FULL)."""
+    assert manager.lmdb is not None
+    client = InProcessClient(manager, "r0")
+    keys = keys_for(client.register_pool(target_spec(), CHUNK), 40)
+    for start in range(0, len(keys), 10):
+        _in_lmdb_only(manager, keys[start : start + 10])
+    _corrupt_in_process(manager, keys)
+    gc.disable()  # what the collector would free at some later time is not counted as freed
+    try:
+        served, failed = read_in_lmdb(client, keys)
+        assert served == [False] * len(keys)
+        assert manager.integrity.reported(failed, "test") == {"confirmed": len(keys)}
+        slots = manager.lmdb.env.readers().strip().splitlines()[1:]  # under the header
+    finally:
+        gc.enable()
+    assert len(slots) <= 4, slots
