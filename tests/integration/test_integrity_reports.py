@@ -100,7 +100,26 @@ def _metric(daemon: RunningDaemon, name: str, **labels: str) -> float:
 
 
 def _lmdb_chunks(daemon: RunningDaemon) -> int:
-    return int(next(t for t in daemon.stats().tiers if t.tier == "lmdb").usage.chunks)
+    """lmdb's chunks and those found corrupt, as `kvtier stats` shows them; its chunk count."""
+    token = daemon.files.config.parent / "admin.token"
+    token.write_text(daemon.admin_token or "")
+    token.chmod(0o600)
+    stats = ["stats", "--address", daemon.admin_address, "--token-file", str(token)]
+    shown = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *stats],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.splitlines()
+    assert shown[1].split() == ["tier", "used", "capacity", "chunks", "corrupt"], shown
+    row = next(line.split() for line in shown[2:] if line.startswith("lmdb "))
+    held = int(next(t for t in daemon.stats().tiers if t.tier == "lmdb").usage.chunks)
+    corrupt = _metric(daemon, "kvtier_integrity_failures_total", tier="lmdb")
+    assert row[-2:] == [str(held), str(int(corrupt))], (row, held, corrupt)
+    return held
 
 
 def _lmdb_health(daemon: RunningDaemon) -> int:
