@@ -124,8 +124,11 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec(
         "counter",
         "integrity_failures",
-        "tier",
-        "Chunks that failed verification; each was deleted and answered as a miss.",
+        "tier pool",
+        "Chunks that failed verification, kvtierd's own checks and engines' reports it "
+        "confirmed; each was deleted and answered as a miss. pool is empty where no registered "
+        "pool names the chunk (an object of several chunks, a namespace not registered since "
+        "kvtierd started).",
     ),
     _spec(
         "counter",

@@ -320,6 +320,8 @@ class LmdbTier(LmdbStore):
         """Delete a chunk that failed verification and count it; it is never served."""
         log.error("lmdb: chunk %s failed verification (%s); deleted", key.hex(), reason)
         self._counters.add("corrupt", 1)
+        if (registered := self.registry.get(namespace_of(key))) is not None:
+            self._counters.add(f"corrupt:{registered.pool}", 1)  # else its pool is unknown
         self._drop([key], force=True)
 
     def _flush_touches(self, txn: lmdb.Transaction) -> dict[ChunkKey, Entry]:

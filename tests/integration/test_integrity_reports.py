@@ -184,6 +184,7 @@ def test_corrupt_chunks_an_engine_reads_are_reported_counted_dropped_and_stored_
     finally:
         engine.close()
     assert _metric(daemon, "kvtier_integrity_reports_total", tier="lmdb", result="confirmed") == 3
+    assert _metric(daemon, "kvtier_integrity_failures_total", tier="lmdb", pool="target") == 3
     assert _lmdb_chunks(daemon) == STORED - len(CORRUPT)  # dropped from lmdb and its index
     wait_for(lambda: _lmdb_health(daemon) == 1, REPORT_S, "kvtier health names lmdb unhealthy")
     assert _metric(daemon, "kvtier_tier_healthy", tier="lmdb") == 0
@@ -310,6 +311,7 @@ def test_an_encoder_part_corrupted_in_lmdb_is_reported_counted_and_dropped(
     _checked(manager, 1)
     assert manager.lmdb is not None
     assert manager.lmdb.stats().counters["corrupt"] == 1
+    assert manager.lmdb.stats().counters["corrupt:encoder"] == 1  # kvtier_integrity_failures_total
     assert manager.lmdb.contains(parts) == [True, False]
 
 
