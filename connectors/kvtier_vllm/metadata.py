@@ -37,6 +37,8 @@ class ChunkCopy:
     key: bytes = b""
     """A chunk leased in lmdb (`kvtier.core.protocol.in_lmdb`): its key, read from lmdb's map
     (`KVTierMetadata.lmdb_path`) instead of an arena slot."""
+    chunk: bytes = b""
+    """The chunk's key wherever it is read from: named in the report of a load that failed."""
 
 
 @dataclass

@@ -132,10 +132,12 @@ class IntegrityReports:
             log.warning("%s reported %d chunks of pools it has not registered", source, len(chunks))
 
     def _check(self, chunk: FailedChunk) -> str:
-        # only lmdb is read by engines outside kvtierd; an arena slot whose generation moved
-        # was reused, which is no fault of the chunk that is there now
+        if chunk.tier is TierCode.CPU:
+            # a slot whose generation moved under a read was reused: no fault of any chunk, so
+            # nothing is dropped; the report says whether the arena still holds the chunk
+            return "refused" if self._tiers["cpu"].contains([chunk.key])[0] else "gone"
         if chunk.tier is not TierCode.LMDB or self._lmdb is None:
-            return "refused"
+            return "refused"  # engines read no other tier themselves
         found = self._lmdb.verify_chunk(chunk.key)  # a failing chunk is quarantined there
         return "gone" if found is None else "refused" if found else "confirmed"
 

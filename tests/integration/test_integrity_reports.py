@@ -220,7 +220,7 @@ def test_corrupt_chunks_an_engine_reads_are_reported_counted_dropped_and_stored_
     assert _metric(daemon, "kvtier_integrity_failures_total", tier="lmdb") == len(CORRUPT)
 
 
-def test_a_report_of_a_sound_chunk_or_of_another_pools_drops_nothing(
+def test_a_report_of_a_sound_chunk_a_reused_slot_or_another_pools_chunk_drops_nothing(
     corrupted: RunningDaemon,
 ) -> None:
     daemon = corrupted
@@ -231,20 +231,24 @@ def test_a_report_of_a_sound_chunk_or_of_another_pools_drops_nothing(
         engine.register_pool(target_spec(), CHUNK)
         stranger.register_pool(target_spec(model="another-model"), CHUNK)
         engine.report_failed([FailedChunk(sound, TierCode.LMDB, Failure.PAYLOAD)])
+        # an arena slot reused under a read: no chunk's fault (this arena holds none now)
+        engine.report_failed([FailedChunk(key_of(3), TierCode.CPU, Failure.GENERATION)])
         # a client of other pools cannot have the corrupt chunk dropped either
         stranger.report_failed([FailedChunk(corrupt, TierCode.LMDB, Failure.HEADER)])
         wait_for(
             lambda: (
                 _metric(daemon, "kvtier_integrity_reports_total", result="refused") == 1
                 and _metric(daemon, "kvtier_integrity_reports_total", result="foreign") == 1
+                and _metric(daemon, "kvtier_integrity_reports_total", tier="cpu", result="gone")
+                == 1
             ),
             REPORT_S,
-            "kvtierd counts both reports",
+            "kvtierd counts the three reports",
         )
     finally:
         engine.close()
         stranger.close()
-    assert _metric(daemon, "kvtier_integrity_failures_total", tier="lmdb") == 0
+    assert _metric(daemon, "kvtier_integrity_failures_total") == 0
     assert _metric(daemon, "kvtier_integrity_reports_total", result="confirmed") == 0
     assert _lmdb_chunks(daemon) == STORED
     assert _lmdb_health(daemon) == 0
