@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Generic, Literal, TypeVar, overload
 from kvtier.core.costs import EngineTimings
 from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, NamespaceSpec
-from kvtier.core.protocol import Answer, DraftState, LookupResult, SlotRef
+from kvtier.core.protocol import Answer, DraftState, FailedChunk, LookupResult, SlotRef
 from kvtier.tiers.arena import ArenaAtPath, ArenaMemory
-from kvtier.tiers.lmdb_reader import LmdbReader, reader_at, release_reader
+from kvtier.tiers.lmdb_reader import LmdbReader, failure_of, reader_at, release_reader
 
 if TYPE_CHECKING:  # the manager is handed in: importing this module loads no tier
     from kvtier.core.config import KVTierConfig
@@ -32,6 +32,7 @@ __all__ = [
     "LmdbReader",
     "SharedClient",
     "embedded",
+    "failure_of",
     "reader_at",
     "release_reader",
     "shared_embedded",
@@ -171,6 +172,9 @@ class InProcessClient:
 
     def report_timings(self, timings: EngineTimings) -> None:
         self.manager.costs.reported(timings)
+
+    def report_failed(self, chunks: Sequence[FailedChunk]) -> None:
+        self.manager.integrity.submit(chunks, f"replica {self.replica}")
 
     def lookup_behind(self, keys: Sequence[ChunkKey], verify: bool = False) -> Answer[LookupResult]:
         return Ready(self.manager.lookup(keys, verify=verify))

@@ -72,7 +72,14 @@ class BareWorker:
         plan = self.plan_of(ref)
         fill = "previous" if plan == "draft" else ""  # a fill is copied like any chunk
         return ChunkCopy(
-            plan, ref.slot, ref.offset, ref.generation, block_ids, fill=fill, request=request
+            plan,
+            ref.slot,
+            ref.offset,
+            ref.generation,
+            block_ids,
+            fill=fill,
+            request=request,
+            chunk=bytes(ref.key),
         )
 
     def meta(self, loads: list[ChunkCopy], receiving: Sequence[str] = ()) -> KVTierMetadata:

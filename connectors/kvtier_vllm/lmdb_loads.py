@@ -4,7 +4,8 @@ An arena smaller than what the engines load at once would otherwise cap the hits
 each one needs an arena slot to be promoted into before it loads. Here a chunk lmdb holds is
 read, verified and decoded (for a coded lmdb) into a buffer of its own, which the worker copies
 into vLLM's pages as it would an arena slot. A chunk gone from lmdb or failing verification is a
-load error: vLLM recomputes it, and nothing wrong is served.
+load error: vLLM recomputes it, and nothing wrong is served; a corrupt one is reported to the
+tiers (`kvtier.core.protocol.TierClient.report_failed`), which check it and drop it.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from kvtier.client import LmdbReader, reader_at, release_reader
+from kvtier.client import LmdbReader, failure_of, reader_at, release_reader
 from kvtier.core.errors import TierUnavailableError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.protocol import TierClient
+from kvtier.core.protocol import FailedChunk, TierClient, TierCode
 from kvtier_vllm.metadata import ChunkCopy
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class LmdbStaging:
     def __init__(self) -> None:
         self._reader: LmdbReader | None = None
         self._path = ""
+        self.failed: list[FailedChunk] = []
 
     def read_ahead(self, path: str, jobs: list[ChunkCopy]) -> None:
         """A step's chunks read from disk at once, not one fault after another."""
@@ -65,14 +67,19 @@ class LmdbStaging:
         outcome = reader.read_into(ChunkKey(job.key), chunk.numpy().data)
         if outcome is True:
             return chunk
-        if outcome is not False:  # never served; `kvtier verify` drops it from lmdb
+        if outcome is not False:  # never served; reported, so the tiers drop it
             log.error(
-                "kvtier: chunk %s in lmdb failed verification (%s): recomputed; run `kvtier "
-                "verify` to drop every corrupt chunk",
+                "kvtier: chunk %s in lmdb failed verification (%s): recomputed, and reported",
                 job.key.hex(),
                 outcome,
             )
+            self.failed.append(FailedChunk(ChunkKey(job.key), TierCode.LMDB, failure_of(outcome)))
         return None
+
+    def take_failed(self) -> list[FailedChunk]:
+        """The chunks found failing verification since the last call, to report."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def close(self) -> None:
         """Give the reader back (the engine shuts down): the last user in this process closes

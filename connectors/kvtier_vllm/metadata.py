@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.core.costs import EngineTimings
-from kvtier.core.protocol import SlotRef, in_lmdb
+from kvtier.core.protocol import FailedChunk, SlotRef, in_lmdb
 from kvtier_vllm.adapter import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
@@ -37,6 +37,8 @@ class ChunkCopy:
     key: bytes = b""
     """A chunk leased in lmdb (`kvtier.core.protocol.in_lmdb`): its key, read from lmdb's map
     (`KVTierMetadata.lmdb_path`) instead of an arena slot."""
+    chunk: bytes = b""
+    """The chunk's key wherever it is read from: named in the report of a load that failed."""
 
 
 @dataclass
@@ -78,6 +80,8 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     a negative error: the slot was reused before it could be compared."""
     timings: EngineTimings = field(default_factory=EngineTimings)
     """Loads per tier, timed by each rank (each rank copies its part at once)."""
+    failed_chunks: list[FailedChunk] = field(default_factory=list)
+    """Chunks each rank read and found failing verification, for the tiers to drop."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
@@ -90,4 +94,5 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
             {**self.draft_fingerprints, **other.draft_fingerprints},
             self.checked + other.checked,
             timings,
+            self.failed_chunks + other.failed_chunks,
         )

@@ -90,7 +90,7 @@ class LoadPlan:
                 first = max(0, skip - chunk * bpc)
                 blocks = tuple(ids[chunk * bpc + first : (chunk + 1) * bpc])
                 args = (key, ref.slot, ref.offset, ref.generation, blocks, first, fill, request)
-                meta.loads.append(ChunkCopy(*args, lmdb_key(ref)))
+                meta.loads.append(ChunkCopy(*args, lmdb_key(ref), bytes(ref.key)))
         end = (self.first_chunk + self.chunks) * bpc
         for key in self.zero_plans:
             span = self.first_chunk, self.first_chunk + self.chunks

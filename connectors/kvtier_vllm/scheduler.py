@@ -394,6 +394,8 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         if self.draft_pool is not None and worker_meta.draft_fingerprints:
             self.draft_pool.reported(worker_meta.draft_fingerprints)
         assert self.stores is not None  # made with the client
+        if worker_meta.failed_chunks:
+            self.client.report_failed(worker_meta.failed_chunks)
         self.stores.reported(worker_meta.stored, worker_meta.failed)
         self.verifier.reported(worker_meta.checked, self.stats)
         self._report_quarantines()

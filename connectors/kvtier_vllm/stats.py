@@ -164,17 +164,21 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         labels = [*self._labelnames, "direction", "pool"]
+        # named whole, so that the dashboards' tests find them in this source
         help_of = {
-            "bytes": "Bytes kvtier copied between vLLM's KV cache and its arena.",
-            "chunks": "Chunks kvtier copied between vLLM's KV cache and its arena.",
-            "seconds": "Seconds kvtier spent copying chunks.",
-            "errors": "Chunk copies that failed (the blocks are recomputed).",
+            "vllm:kvtier_transfer_bytes_total": "Bytes kvtier copied between vLLM's KV cache and "
+            "its arena.",
+            "vllm:kvtier_transfer_chunks_total": "Chunks kvtier copied between vLLM's KV cache "
+            "and its arena, failed copies included.",
+            "vllm:kvtier_transfer_seconds_total": "Seconds kvtier spent copying chunks.",
+            "vllm:kvtier_transfer_errors_total": "Chunk copies that failed (the blocks are "
+            "recomputed).",
         }
         self._counters: dict[str, Any] = {
-            what: self._counter_cls(
-                name=f"vllm:kvtier_transfer_{what}_total", documentation=doc, labelnames=labels
+            name.removeprefix("vllm:kvtier_transfer_").removesuffix("_total"): self._counter_cls(
+                name=name, documentation=doc, labelnames=labels
             )
-            for what, doc in help_of.items()
+            for name, doc in help_of.items()
         }
 
         base = self._labelnames

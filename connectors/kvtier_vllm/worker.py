@@ -24,7 +24,8 @@ import torch
 from kvtier.client import ArenaMemory
 from kvtier.core.costs import CPU, LMDB, EngineTimings
 from kvtier.core.errors import KVTierError
-from kvtier.core.keys import Pool
+from kvtier.core.keys import ChunkKey, Pool
+from kvtier.core.protocol import FailedChunk, Failure, TierCode
 from kvtier_vllm.chunk_views import ChunkViews
 from kvtier_vllm.config import ConnectorConfig
 from kvtier_vllm.copies import CpuCopies, Fence, copies_for
@@ -86,6 +87,8 @@ class KVTierWorker:
         self._draft_ok = True
         self._fingerprints: dict[int, str] = {}
         self.staging = LmdbStaging()
+        self._moved: list[FailedChunk] = []
+        """Arena loads whose slot's generation moved under the copy, to report."""
 
     @property
     def _arena(self) -> ArenaMemory | None:
@@ -297,6 +300,9 @@ class KVTierWorker:
             )
             if not ok:
                 self._fail_loads([job], failed)
+                if arena is not None and arena is self._arena and job.chunk:  # reused under it
+                    moved = FailedChunk(ChunkKey(job.chunk), TierCode.CPU, Failure.GENERATION)
+                    self._moved.append(moved)
             self._count("load", job, seconds, ok)
 
     def fail_step(self, meta: KVTierMetadata, loads: bool) -> None:
@@ -451,11 +457,12 @@ class KVTierWorker:
             else:
                 waiting.append((done, issued))
         self._landing = waiting
+        corrupt, self._moved = self.staging.take_failed() + self._moved, []
         reports = (self._stored, self._failed, self._fingerprints, self._compared, self._timings)
-        if not any(reports):
+        if not any(reports) and not corrupt:
             return None
         meta = KVTierWorkerMetadata(
-            self._stored, self._failed, self._fingerprints, self._compared, self._timings
+            self._stored, self._failed, self._fingerprints, self._compared, self._timings, corrupt
         )
         self._stored, self._failed, self._fingerprints, self._compared = [], [], {}, []
         self._timings = EngineTimings()

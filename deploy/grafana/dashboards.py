@@ -233,7 +233,43 @@ def overview() -> Board:
                 "{{tier}}",
             )
         ],
-        description="Chunks that failed verification; each was deleted and served as a miss.",
+        description="Chunks that failed verification, kvtierd's own checks and the engines' "
+        "reports it confirmed; each was deleted and served as a miss.",
+    )
+    b.panel(
+        "Tier health",
+        [target(f"min by (tier) (kvtier_tier_healthy{{{INST}}})", "{{tier}}")],
+        kind="stat",
+        width=6,
+        description="0 while a tier's integrity failures within manager.integrity_window_s "
+        "reach manager.integrity_unhealthy_failures: a disk corrupting chunks.",
+    )
+    b.panel(
+        "Engines' reports of failed verification",
+        [
+            target(
+                f"sum by (tier, result) (increase(kvtier_integrity_reports_total{{{INST}}}[{RI}]))",
+                "{{tier}} {{result}}",
+            )
+        ],
+        description="confirmed: dropped; refused: the chunk verifies (kept); gone: no longer "
+        "held; foreign: of pools the engine has not registered; unchecked: the queue was full.",
+    )
+    served = 'direction="load", model_name=~"$model_name"'
+    b.panel(
+        "Loads served and failed (vLLM)",
+        [
+            target(
+                f"sum(rate(vllm:kvtier_transfer_chunks_total{{{served}}}[{RI}])) - "
+                f"sum(rate(vllm:kvtier_transfer_errors_total{{{served}}}[{RI}]))",
+                "served",
+            ),
+            target(f"sum(rate(vllm:kvtier_transfer_errors_total{{{served}}}[{RI}]))", "failed"),
+        ],
+        "ops",
+        description="The served hit rate: chunks loaded into vLLM, less those whose load failed "
+        "(recomputed). vLLM's num_cached_tokens counts a hit when its load is promised, failed "
+        "loads included.",
     )
     b.panel(
         "Evictions per second",

@@ -99,9 +99,15 @@ def _stats(args: argparse.Namespace) -> int:
     def table() -> None:
         print(f"kvtierd {stats.version or 'unknown'}")
         _rows(
-            ("tier", "used", "capacity", "chunks"),
+            ("tier", "used", "capacity", "chunks", "corrupt"),
             [
-                (t.tier, _gib(t.usage.used_bytes), _gib(t.usage.capacity_bytes), t.usage.chunks)
+                (
+                    t.tier,
+                    _gib(t.usage.used_bytes),
+                    _gib(t.usage.capacity_bytes),
+                    t.usage.chunks,
+                    t.counters.get("corrupt", 0),  # failed verification: dropped, since start
+                )
                 for t in stats.tiers
             ],
         )

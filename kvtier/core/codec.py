@@ -15,6 +15,8 @@ from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
 from kvtier.core.protocol import (
     DraftRevision,
     DraftState,
+    FailedChunk,
+    Failure,
     LookupResult,
     SlotRef,
     TierCode,
@@ -31,6 +33,7 @@ _POOLS = {
 _POOL_CODES = {pool: code for code, pool in _POOLS.items()}
 _TIER_CODES = {code.tier: tier_pb2.Tier.ValueType(code) for code in TierCode}
 _TIER_NAMES = {int(code): code.tier for code in TierCode}
+_FAILURES = {int(failure) for failure in Failure}
 
 
 def spec_to(spec: NamespaceSpec) -> tier_pb2.NamespaceSpec:
@@ -212,9 +215,18 @@ def draft_revisions_to(revisions: Iterable[DraftRevision]) -> list[admin_pb2.Dra
     ]
 
 
-def heartbeat_to(session_id: str, busy: bool, timings: EngineTimings) -> tier_pb2.HeartbeatRequest:
-    """A heartbeat carrying what the engine timed since the last one."""
+def heartbeat_to(
+    session_id: str, busy: bool, timings: EngineTimings, failed: Sequence[FailedChunk] = ()
+) -> tier_pb2.HeartbeatRequest:
+    """A heartbeat carrying what the engine timed since the last one, and the chunks it found
+    failing verification."""
     return tier_pb2.HeartbeatRequest(
+        failed_verification=[
+            tier_pb2.FailedChunk(
+                key=c.key, tier=_TIER_CODES[c.tier.tier], what=tier_pb2.Failure.ValueType(c.what)
+            )
+            for c in failed
+        ],
         session_id=session_id,
         busy=busy,
         loads=[
@@ -242,6 +254,17 @@ def timings_from(request: tier_pb2.HeartbeatRequest) -> EngineTimings:
         if load.tier in TIERS:
             timings.loaded(load.tier, load.chunks, load.bytes, load.seconds)
     return timings
+
+
+def failed_from(request: tier_pb2.HeartbeatRequest) -> list[FailedChunk]:
+    """The chunks a heartbeat reports failing verification; a tier or failure this build does
+    not know is refused (`InvalidRequestError`)."""
+    failed = []
+    for chunk in request.failed_verification:
+        if chunk.tier not in _TIER_NAMES or chunk.what not in _FAILURES:
+            raise InvalidRequestError(f"unknown tier {chunk.tier} or failure {chunk.what}")
+        failed.append(FailedChunk(ChunkKey(chunk.key), TierCode(chunk.tier), Failure(chunk.what)))
+    return failed
 
 
 def costs_to(costs: CostSnapshot) -> admin_pb2.Costs:

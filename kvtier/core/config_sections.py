@@ -279,6 +279,19 @@ class ManagerConfig(ConfigSection):
         "first, and a fill source for the new revision) before they are deleted from lmdb and "
         "the object store.",
     )
+    integrity_window_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="The window over which chunks failing verification are counted per tier, "
+        "for integrity_unhealthy_failures.",
+    )
+    integrity_unhealthy_failures: int = Field(
+        20,
+        ge=1,
+        description="A tier with this many chunks failing verification (kvtierd's own checks "
+        "and engines' reports it confirmed) within integrity_window_s is unhealthy: in `kvtier "
+        "health` and kvtier_tier_healthy, until the window holds fewer.",
+    )
 
 
 class Admission(StrEnum):

@@ -26,6 +26,8 @@ __all__ = [
     "Answer",
     "DraftRevision",
     "DraftState",
+    "FailedChunk",
+    "Failure",
     "IndexedRef",
     "LookupResult",
     "SlotRef",
@@ -50,6 +52,27 @@ class TierCode(enum.IntEnum):
     def tier(self) -> str:
         """The tier's name, as tiers and stats call it ("cpu", "lmdb", "object")."""
         return self.name.lower()
+
+
+class Failure(enum.IntEnum):
+    """What an engine's verification of a chunk it read found wrong; the values are those of
+    the wire's `Failure` enum."""
+
+    HEADER = 1
+    """Magic, version, namespace or hash, lengths, or the header's own checksum."""
+    PAYLOAD = 2
+    """The payload's checksum."""
+    GENERATION = 3
+    """An arena slot's generation moved under the read."""
+
+
+@dataclass(frozen=True, slots=True)
+class FailedChunk:
+    """A chunk an engine read itself and found failing verification (`TierClient.report_failed`)."""
+
+    key: ChunkKey
+    tier: TierCode
+    what: Failure
 
 
 # plain ints and names: the lookup path reads one per chunk
@@ -289,6 +312,12 @@ class TierClient(Protocol):
     def report_timings(self, timings: EngineTimings) -> None:
         """What the engine measured (its loads per tier, its prefill), for the tiers' cost
         estimates (`kvtier locate`); never waits: in sidecar mode it goes with a heartbeat."""
+        ...
+
+    def report_failed(self, chunks: Sequence[FailedChunk]) -> None:
+        """Chunks the engine read and found failing verification: the tiers verify each again
+        themselves, and drop and count those that fail. Never waits: in sidecar mode they go
+        with the next heartbeat."""
         ...
 
     def set_busy(self, busy: bool) -> None:

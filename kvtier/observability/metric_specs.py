@@ -124,8 +124,27 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec(
         "counter",
         "integrity_failures",
+        "tier pool",
+        "Chunks that failed verification, kvtierd's own checks and engines' reports it "
+        "confirmed; each was deleted and answered as a miss. pool is empty where no registered "
+        "pool names the chunk (an object of several chunks, a namespace not registered since "
+        "kvtierd started).",
+    ),
+    _spec(
+        "counter",
+        "integrity_reports",
+        "tier result",
+        "Chunks engines reported failing their verification, by what kvtierd found checking "
+        "them: confirmed (failed here too: dropped, and counted in integrity_failures), refused "
+        "(sound: kept), gone (no longer held), foreign (of pools the engine has not registered), "
+        "unchecked (the queue of reports to check was full).",
+    ),
+    _spec(
+        "gauge",
+        "tier_healthy",
         "tier",
-        "Chunks that failed verification; each was deleted and answered as a miss.",
+        "0 while integrity_failures of the tier within manager.integrity_window_s reach "
+        "manager.integrity_unhealthy_failures (kvtier health names it NOT_SERVING); else 1.",
     ),
     _spec("counter", "store_rejected_chunks", "tier", "Stores refused for want of room."),
     _spec(

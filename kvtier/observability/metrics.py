@@ -16,6 +16,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from kvtier import __version__
+from kvtier.core.keys import Pool
 from kvtier.core.protocol import TierCode
 from kvtier.observability.metric_specs import info_family, metric_family
 from kvtier.observability.telemetry import telemetry_of
@@ -41,6 +42,7 @@ class TierCollector(Collector):
         yield from self._transfers(stats)
         yield from self._queues(stats)
         yield from self._sessions()
+        yield from self._integrity()
         yield from self._object_store(stats)
         yield from self._drafts(stats)
         yield from self._costs()
@@ -88,7 +90,11 @@ class TierCollector(Collector):
             reasons = {"capacity"} | {e.removeprefix("evictions_") for e in evicted}
             for reason in sorted(reasons):
                 families["evictions"].add_metric([name, reason], counters[f"evictions_{reason}"])
-            families["integrity_failures"].add_metric([name], counters["corrupt"])
+            by_pool = {pool: counters[f"corrupt:{pool}"] for pool in Pool}
+            for pool, value in by_pool.items():  # every pool from the start, so increase() sees 0
+                families["integrity_failures"].add_metric([name, pool], value)
+            if unknown := counters["corrupt"] - sum(by_pool.values()):  # no pool known (objects)
+                families["integrity_failures"].add_metric([name, ""], unknown)
             families["store_rejected_chunks"].add_metric([name], counters["store_rejected"])
             for event, value in sorted(counters.items()):
                 families["tier_events"].add_metric([name, event], max(0, value))
@@ -191,6 +197,18 @@ class TierCollector(Collector):
             capacity.add_metric(["upload"], config.object.upload_queue_chunks)
             dropped.add_metric(["upload"], manager.object.counters.snapshot()["uploads_dropped"])
         yield from (depth, capacity, dropped)
+
+    def _integrity(self) -> Iterator[Metric]:
+        integrity = self.manager.integrity
+        reports = metric_family("integrity_reports")
+        for (tier, result), value in integrity.report_counts().items():
+            reports.add_metric([tier, result], value)
+        yield reports
+        unhealthy = integrity.unhealthy()
+        healthy = metric_family("tier_healthy")
+        for tier in self.manager.tiers:
+            healthy.add_metric([tier], int(tier not in unhealthy))
+        yield healthy
 
     def _sessions(self) -> Iterator[Metric]:
         values = self.session_counts()

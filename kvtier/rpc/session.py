@@ -25,7 +25,7 @@ from kvtier.core.errors import KVTierError, SessionNotFoundError
 from kvtier.core.keys import ChunkKey, NamespaceSpec
 from kvtier.core.memory import keep_freed_pages
 from kvtier.core.peers import TICKET_METADATA, peer_socket_path
-from kvtier.core.protocol import DraftState, SlotRef
+from kvtier.core.protocol import DraftState, FailedChunk, SlotRef
 from kvtier.rpc.calls import (
     CHANNEL_OPTIONS,
     STALLED,
@@ -125,6 +125,8 @@ class DaemonSession(ABC):
         """Sent with each heartbeat (see `set_busy`)."""
         self._timings = EngineTimings()
         """Sent with the next heartbeat (`report_timings`)."""
+        self._failed: list[FailedChunk] = []
+        """Chunks found failing verification, sent with the next heartbeat (`report_failed`)."""
         self._timings_lock = threading.Lock()
         self._deadlines = deadlines
         self.breaker = (
@@ -311,7 +313,8 @@ class DaemonSession(ABC):
     def _heartbeat_once(self, timeout: float | None = None, in_step: bool = True) -> None:
         with self._timings_lock:
             timings, self._timings = self._timings, EngineTimings()
-        request = heartbeat_to(self.session_id, self._busy, timings)
+            failed, self._failed = self._failed, []
+        request = heartbeat_to(self.session_id, self._busy, timings, failed)
         if in_step:
             response = self._rpc(self._stub.Heartbeat, request, timeout)
         else:  # past the breaker: this call is the one that may close it

@@ -15,7 +15,7 @@ from kvtier.core.costs import EngineTimings
 from kvtier.core.errors import InvalidRequestError, KVTierError, SessionNotFoundError
 from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, cut_at_namespaces
-from kvtier.core.protocol import IndexedRef, LookupResult, SlotRef, TierCode
+from kvtier.core.protocol import FailedChunk, IndexedRef, LookupResult, SlotRef, TierCode
 from kvtier.rpc.calls import Pending
 from kvtier.rpc.session import DaemonSession
 
@@ -168,6 +168,11 @@ class GrpcTierClient(DaemonSession):
     def report_timings(self, timings: EngineTimings) -> None:
         with self._timings_lock:
             self._timings.merge(timings)
+
+    def report_failed(self, chunks: Sequence[FailedChunk]) -> None:
+        with self._timings_lock:
+            room = _MAX_REPORT - len(self._failed)  # bounded while kvtierd is away
+            self._failed.extend(chunks[: max(0, room)])
 
     def in_arena(self, keys: Sequence[ChunkKey]) -> list[SlotRef] | None:
         if self._arena is None:

@@ -48,7 +48,8 @@ OBJECT_HEALTH_SERVICE = "kvtier.object"
 """Health service name of the object store: NOT_SERVING while its identity or the store fails."""
 LMDB_HEALTH_SERVICE = "kvtier.lmdb"
 """Health service name of lmdb: NOT_SERVING from a write refused for want of space until one
-commits again."""
+commits again, and while its chunks fail verification past ``manager.integrity_unhealthy_failures``
+within ``manager.integrity_window_s``."""
 
 
 def split_address(address: str, key: str) -> tuple[str, int]:
@@ -267,10 +268,15 @@ class Daemon:
         the tiers found (the store's check thread, lmdb's last write: NOT_SERVING while its disk
         is full): no request here, so reaping never waits on them."""
         healthy: dict[str, bool] = {}
+        corrupting = self.manager.integrity.unhealthy()  # too many chunks failing verification
         if self.manager.object is not None:
-            healthy[OBJECT_HEALTH_SERVICE] = self.manager.object.healthy
+            healthy[OBJECT_HEALTH_SERVICE] = (
+                self.manager.object.healthy and "object" not in corrupting
+            )
         if self.manager.lmdb is not None:
-            healthy[LMDB_HEALTH_SERVICE] = not self.manager.lmdb.space.full
+            healthy[LMDB_HEALTH_SERVICE] = (
+                not self.manager.lmdb.space.full and "lmdb" not in corrupting
+            )
         for service, ok in healthy.items():
             status = (
                 health_pb2.HealthCheckResponse.SERVING

@@ -14,6 +14,7 @@ from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
 from kvtier.core.codec import (
     chunk_events_to,
     drafts_to,
+    failed_from,
     grants_to,
     lookup_to,
     ref_from,
@@ -291,11 +292,25 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self, request: tier_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> tier_pb2.HeartbeatResponse:
         self.manager.costs.reported(timings_from(request))
+        alive = self.sessions.heartbeat(request.session_id, request.busy)
+        if alive and request.failed_verification:
+            self._failed(self.sessions.live(request.session_id), request)
         return tier_pb2.HeartbeatResponse(
-            alive=self.sessions.heartbeat(request.session_id, request.busy),
+            alive=alive,
             drafts=drafts_to(self.manager.draft_states()),
             quarantined=self.manager.quarantines.namespaces,
         )
+
+    def _failed(self, session: Session, request: tier_pb2.HeartbeatRequest) -> None:
+        """Chunks the engine found failing verification: checked and dropped where they fail,
+        only those of the session's own pools (so of its tenants); the rest counted, untouched."""
+        failed = failed_from(request)
+        keys_from(c.key for c in self._batch(failed))  # refuses a key of the wrong length
+        source = f"replica {session.replica}, engine {session.engine_id}"
+        mine = [c for c in failed if namespace_of(c.key) in session.namespaces]
+        foreign = [c for c in failed if namespace_of(c.key) not in session.namespaces]
+        self.manager.integrity.refused(foreign, source)
+        self.manager.integrity.submit(mine, source)
 
     def QuarantineNamespace(
         self, request: tier_pb2.QuarantineNamespaceRequest, context: grpc.ServicerContext

@@ -47,6 +47,7 @@ from kvtier.core.protocol import (
 )
 from kvtier.tiering.admission import HitAdmission
 from kvtier.tiering.drafts import DraftRevisions
+from kvtier.tiering.integrity import IntegrityReports
 from kvtier.tiering.locate import Location, locate
 from kvtier.tiering.maintenance import DrainResult, Maintenance, VerifyProgress, WarmupProgress
 from kvtier.tiering.object_side import open_object_side
@@ -151,6 +152,7 @@ class TierManager:
                 between_batches=self._between_writebacks,
                 skip=self.quarantines.holds,
             )
+        self.integrity = IntegrityReports(self.tiers, self.lmdb, config.manager)
 
     def _between_writebacks(self) -> None:
         self.drafts.gc_when_due()
@@ -343,9 +345,7 @@ class TierManager:
     ) -> list[SlotRef | None]:
         """Leases on arena slots holding each key, promoting from lmdb where needed; with
         ``in_lmdb``, a chunk lmdb holds is leased there instead (`kvtier.tiers.lmdb_loads`).
-
-        None where a key is nowhere, or failed verification (it is then quarantined).
-        """
+        None where a key is nowhere, or failed verification (it is then quarantined)."""
         self._check_pools(keys)
         leases = self.cpu.lease(keys)
         if self.promoter is None or self.lmdb is None:
@@ -469,10 +469,8 @@ class TierManager:
         self.cpu.set_quota(replica, pool, nbytes)
 
     def stats(self) -> ManagerStats:
-        return ManagerStats(
-            tiers={name: tier.stats() for name, tier in self.tiers.items()},
-            counters=self._counters.snapshot(),
-        )
+        tiers = {name: tier.stats() for name, tier in self.tiers.items()}
+        return ManagerStats(tiers=tiers, counters=self._counters.snapshot())
 
     def close(self, flush_timeout: float = 30.0) -> None:
         """Write back what the arena holds, then close every tier."""
@@ -483,6 +481,7 @@ class TierManager:
                     self.cpu.writeback_pending(),
                 )
         finally:
+            self.integrity.close()
             if self.writeback is not None:
                 self.writeback.stop()
             if self.promoter is not None:

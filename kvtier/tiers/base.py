@@ -47,6 +47,10 @@ class Tier(ABC):
             )
         return reg
 
+    def corrupt_chunks(self) -> int:
+        """Chunks that failed verification here since the tier opened (its ``corrupt`` count)."""
+        return self.stats().counters["corrupt"]
+
     @abstractmethod
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Presence of each key (no verification, no recency update)."""

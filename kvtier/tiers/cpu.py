@@ -259,6 +259,7 @@ class CpuTier(ArenaSlots):
             self._replica_names[self._owner[slot]],
         )
         self._counters.add("corrupt", 1)
+        self._counters.add(f"corrupt:{cls.pool}", 1)
         self._checksums.forget(slot)
         if self._slots.refcount[slot] == 0:
             self._release_slot(slot)

@@ -31,6 +31,7 @@ import numpy as np
 from kvtier.core import blockfmt
 from kvtier.core.errors import ChunkFormatError, TierUnavailableError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import Failure
 
 __all__ = [
     "DATABASES",
@@ -38,9 +39,11 @@ __all__ = [
     "adopt",
     "copy_payload",
     "disown",
+    "failure_of",
     "reader_at",
     "release_reader",
     "will_need",
+    "without_frames",
 ]
 
 log = logging.getLogger(__name__)
@@ -61,8 +64,15 @@ def copy_payload(
         try:
             blockfmt.decode_into(value, key, dst)
         except ChunkFormatError as exc:
-            return True, exc
+            return True, without_frames(exc)
     return True, None
+
+
+def without_frames(exc: ChunkFormatError) -> ChunkFormatError:
+    """A verification failure to hand back, without its traceback: the traceback's frames hold
+    the read transaction, and with it one of LMDB's reader slots (shared by every process),
+    until the cycle collector runs; engines reading many corrupt chunks filled the table."""
+    return exc.with_traceback(None)
 
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -87,6 +97,11 @@ def will_need(env: lmdb.Environment, chunks: lmdb._Database, keys: Sequence[Chun
                 ctypes.c_void_p(first), ctypes.c_size_t(start + len(value) - first), _MADV_WILLNEED
             )
     return found
+
+
+def failure_of(exc: ChunkFormatError) -> Failure:
+    """What a failed verification found wrong: the payload's checksum, or else the header."""
+    return Failure.PAYLOAD if "payload checksum" in str(exc) else Failure.HEADER
 
 
 class LmdbReader:

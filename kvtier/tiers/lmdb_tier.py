@@ -291,7 +291,7 @@ class LmdbTier(LmdbStore):
             if not copy_encoded(self.env, self._chunks, key, dst):
                 return False
         except ChunkFormatError as exc:
-            self.quarantine(key, exc)
+            self.quarantine(key, lmdb_reader.without_frames(exc))
             return False
         except lmdb.MapResizedError:  # another process grew the map: adopt it, try once more
             self._adopt_map_size()
@@ -313,10 +313,15 @@ class LmdbTier(LmdbStore):
             return False
         return True
 
+    def corrupt_chunks(self) -> int:
+        return self._counters.snapshot()["corrupt"]  # stats() walks the whole index
+
     def quarantine(self, key: ChunkKey, reason: Exception) -> None:
         """Delete a chunk that failed verification and count it; it is never served."""
         log.error("lmdb: chunk %s failed verification (%s); deleted", key.hex(), reason)
         self._counters.add("corrupt", 1)
+        if (registered := self.registry.get(namespace_of(key))) is not None:
+            self._counters.add(f"corrupt:{registered.pool}", 1)  # else its pool is unknown
         self._drop([key], force=True)
 
     def _flush_touches(self, txn: lmdb.Transaction) -> dict[ChunkKey, Entry]:

@@ -7,7 +7,7 @@ import lmdb
 from kvtier.core import blockfmt
 from kvtier.core.errors import ChunkFormatError
 from kvtier.core.keys import ChunkKey
-from kvtier.tiers.lmdb_reader import copy_payload, will_need
+from kvtier.tiers.lmdb_reader import copy_payload, will_need, without_frames
 
 __all__ = ["copy_encoded", "copy_payload", "verify", "will_need"]
 
@@ -36,5 +36,5 @@ def verify(
         try:
             blockfmt.decode(value, key)
         except ChunkFormatError as exc:
-            return exc
+            return without_frames(exc)
     return True

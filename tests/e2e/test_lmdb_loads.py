@@ -1,11 +1,13 @@
 """Hits held in lmdb, loaded by a real engine beside a real kvtierd straight from lmdb's map
 (``lmdb_loads``): no promotion, no arena slot, outputs vLLM's own; with it off, the same hits are
-promoted into the arena first. A chunk corrupted in lmdb is recomputed, never served."""
+promoted into the arena first. A chunk corrupted in lmdb is recomputed, never served, and
+reported: kvtierd drops it, and the next engine stores a good copy."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,10 @@ def _stored_in_lmdb_only(
     cpu = next(t for t in admin.stats().tiers if t.tier == "cpu")
     assert cpu.usage.chunks == 0
     return connector, admin
+
+
+def _lmdb_chunks(admin: AdminClient) -> int:
+    return int(next(t for t in admin.stats().tiers if t.tier == "lmdb").usage.chunks)
 
 
 def _lmdb_counters(admin: AdminClient) -> dict[str, int]:
@@ -115,22 +121,49 @@ def test_hits_held_only_in_lmdb_load_from_its_map_without_promotion(
         assert lmdb_counters.get("load_leases", 0) == 0
 
 
-def test_a_chunk_corrupted_in_lmdb_is_recomputed_never_served(
+def test_chunks_corrupted_in_lmdb_are_recomputed_reported_dropped_and_stored_again(
     tiny_models: ModelSet,
     prompts: list[list[int]],
     baseline: list[list[int]],
     procs: Processes,
     daemon_files: DaemonFiles,
 ) -> None:
+    """An engine serves none of what failed verification and reports it; kvtierd counts each
+    chunk hit and drops it, so the next engine neither reads nor fails on it, and stores it
+    again, and the one after loads the good copy."""
     connector, admin = _stored_in_lmdb_only(tiny_models, prompts, procs, daemon_files, {})
     try:
         assert _corrupt_every_chunk(daemon_files.lmdb) > 0
+        held = _lmdb_chunks(admin)
         with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
             tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
             errors = counter(llm, LOAD_ERRORS, direction="load")
         leased = _lmdb_counters(admin).get("load_leases", 0)
+        assert leased > 0  # the hits were leased in lmdb and read there
+        assert errors > 0  # they failed verification, and vLLM recomputed them
+        assert tokens == baseline[: len(prompts)]
+        # reported with the engine's heartbeats: each chunk hit is counted once, and dropped
+        deadline = time.monotonic() + 30
+        while _lmdb_counters(admin).get("corrupt", 0) < errors:
+            assert time.monotonic() < deadline, _lmdb_counters(admin)
+            time.sleep(0.1)
+        assert _lmdb_counters(admin).get("corrupt", 0) == errors
+        assert _lmdb_chunks(admin) <= held - errors
+        # the next engine misses them: nothing read from lmdb fails, and it stores them again
+        with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+            tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+            assert counter(llm, LOAD_ERRORS, direction="load") == 0
+        assert tokens == baseline[: len(prompts)]
+        assert _lmdb_counters(admin).get("corrupt", 0) == errors
+        assert admin.drain().complete
+        admin.evict(tier="cpu")
+        # and the one after loads the good copies from lmdb
+        with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
+            tokens, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+            assert counter(llm, LOAD_ERRORS, direction="load") == 0
+            from_disk = cached_by_source(llm, "disk")
     finally:
         admin.close()
-    assert leased > 0  # the hits were leased in lmdb and read there
-    assert errors > 0  # they failed verification, and vLLM recomputed them
     assert tokens == baseline[: len(prompts)]
+    assert all(c >= 600 for c in cached), cached
+    assert from_disk >= 600 * len(prompts)

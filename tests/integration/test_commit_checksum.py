@@ -230,10 +230,11 @@ def test_with_commit_checksum_off_changed_bytes_are_written_back(
 
 
 def _integrity_failures(daemon: RunningDaemon, tier: str) -> float:
+    """The tier's chunks that failed verification, in the target pool (all these tests use)."""
     found = [
         value
         for name, labels, value in daemon.metrics()
-        if name == "kvtier_integrity_failures_total" and labels == {"tier": tier}
+        if name == "kvtier_integrity_failures_total" and labels == {"tier": tier, "pool": "target"}
     ]
     assert len(found) == 1, found
     return found[0]

@@ -116,6 +116,9 @@ class _FakeVllm(BaseHTTPRequestHandler):
             elif name == "vllm:kvtier_encoder_items_total":
                 for result, share in (("hit", 3), ("miss", 1)):
                     lines.append(f'{name}{{{labels},pool="encoder",result="{result}"}} {n * share}')
+            elif name.startswith("vllm:kvtier_transfer_"):  # one load in ten failed
+                share = n // 10 if name.endswith("_errors_total") else n
+                lines.append(f'{name}{{{labels},direction="load",pool="target"}} {share}')
             elif name.endswith("_bucket"):  # a histogram: every observation in its first bucket
                 for le in ("0.001", "0.01", "+Inf"):
                     lines.append(f'{name}{{{labels},pool="target",le="{le}"}} {n}')

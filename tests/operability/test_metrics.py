@@ -21,9 +21,10 @@ from tests.support import draft_spec, keys_for, target_spec
 ROOT = Path(__file__).resolve().parents[2]
 LABELS = {
     "tier": {"cpu", "lmdb", "object"},
-    "pool": {"target", "draft"},
+    "pool": {"target", "draft", "hidden", "encoder"},
     "op": {"lookup", "reserve", "commit", "abort", "prefetch", "release", "promote"},
-    "result": {"ok", "error", "credential", "rejected", "invalid"},
+    "result": {"ok", "error", "credential", "rejected", "invalid"}
+    | {"confirmed", "refused", "gone", "foreign", "unchecked"},
     "direction": {"store", "load", "demote", "promote", "upload", "download"},
     "reason": {"capacity", "quota", "admin", "reclaim", "expired"},
     "queue": {"writeback", "promote", "upload"},

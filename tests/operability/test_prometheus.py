@@ -42,7 +42,7 @@ def _vllm_source_names() -> set[str]:
         (ROOT / "connectors" / "kvtier_vllm" / name).read_text()
         for name in ("stats.py", "ec_stats.py")
     )
-    for name in re.findall(r'name="(vllm:kvtier_[a-z_]+)"', ours):
+    for name in re.findall(r'"(vllm:kvtier_[a-z_]+)"', ours):
         names |= {name} if name.endswith("_total") else {f"{name}_bucket", f"{name}_count"}
     return names
 

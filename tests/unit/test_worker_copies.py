@@ -15,7 +15,7 @@ from kvtier_vllm.copies import DeferredCopies, Pair
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.pages import block_runs, pages_of, stacked
 
-from kvtier.core.protocol import SlotRef
+from kvtier.core.protocol import FailedChunk, Failure, SlotRef, TierCode
 from tests.bare_worker import BareWorker, bare_worker
 from tests.support import keys_for
 
@@ -161,6 +161,10 @@ def test_a_slot_rewritten_between_queueing_and_landing_is_a_block_load_error(
     assert stats is not None
     assert stats.data[f"load.{plan}.chunks"] == 2
     assert stats.data[f"load.{plan}.errors"] == 1
+    # reported to the tiers, which tell the operator (nothing is dropped for it)
+    reported = bare.worker.worker_meta()
+    assert reported is not None
+    assert reported.failed_chunks == [FailedChunk(moved.key, TierCode.CPU, Failure.GENERATION)]
 
 
 def test_a_slot_unchanged_until_its_copy_landed_loads_cleanly(bare: BareWorker) -> None:

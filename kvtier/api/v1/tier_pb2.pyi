@@ -62,6 +62,31 @@ TIER_LMDB: Tier.ValueType  # 2
 TIER_OBJECT: Tier.ValueType  # 3
 Global___Tier: _TypeAlias = Tier  # noqa: Y015
 
+class _Failure:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FailureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Failure.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FAILURE_UNSPECIFIED: _Failure.ValueType  # 0
+    FAILURE_HEADER: _Failure.ValueType  # 1
+    """The header: magic, version, namespace or hash, lengths, or its own checksum."""
+    FAILURE_PAYLOAD: _Failure.ValueType  # 2
+    """The payload's checksum."""
+    FAILURE_GENERATION: _Failure.ValueType  # 3
+    """An arena slot's generation moved under the read."""
+
+class Failure(_Failure, metaclass=_FailureEnumTypeWrapper): ...
+
+FAILURE_UNSPECIFIED: Failure.ValueType  # 0
+FAILURE_HEADER: Failure.ValueType  # 1
+"""The header: magic, version, namespace or hash, lengths, or its own checksum."""
+FAILURE_PAYLOAD: Failure.ValueType  # 2
+"""The payload's checksum."""
+FAILURE_GENERATION: Failure.ValueType  # 3
+"""An arena slot's generation moved under the read."""
+Global___Failure: _TypeAlias = Failure  # noqa: Y015
+
 @_typing.final
 class PageLayout(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -807,6 +832,7 @@ class HeartbeatRequest(_message.Message):
     PREFILL_STEPS_FIELD_NUMBER: _builtins.int
     PREFILL_TOKENS_SQUARED_FIELD_NUMBER: _builtins.int
     PREFILL_TOKEN_SECONDS_FIELD_NUMBER: _builtins.int
+    FAILED_VERIFICATION_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     busy: _builtins.bool
     """The engine holds requests. While no session is busy, kvtierd writes every arena chunk
@@ -826,6 +852,12 @@ class HeartbeatRequest(_message.Message):
         tokens it prefilled and how long that took. kvtierd keeps decaying estimates of both.
         """
 
+    @_builtins.property
+    def failed_verification(self) -> _containers.RepeatedCompositeFieldContainer[Global___FailedChunk]:
+        """Chunks the engine read itself (from lmdb's map) that failed its verification since the
+        last heartbeat. kvtierd verifies each again itself, and drops and counts the corrupt ones.
+        """
+
     def __init__(
         self,
         *,
@@ -837,14 +869,40 @@ class HeartbeatRequest(_message.Message):
         prefill_steps: _builtins.int = ...,
         prefill_tokens_squared: _builtins.float = ...,
         prefill_token_seconds: _builtins.float = ...,
+        failed_verification: _abc.Iterable[Global___FailedChunk] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "loads", b"loads", "prefill_seconds", b"prefill_seconds", "prefill_steps", b"prefill_steps", "prefill_token_seconds", b"prefill_token_seconds", "prefill_tokens", b"prefill_tokens", "prefill_tokens_squared", b"prefill_tokens_squared", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "failed_verification", b"failed_verification", "loads", b"loads", "prefill_seconds", b"prefill_seconds", "prefill_steps", b"prefill_steps", "prefill_token_seconds", b"prefill_token_seconds", "prefill_tokens", b"prefill_tokens", "prefill_tokens_squared", b"prefill_tokens_squared", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class FailedChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    WHAT_FIELD_NUMBER: _builtins.int
+    key: _builtins.bytes
+    tier: Global___Tier.ValueType
+    what: Global___Failure.ValueType
+    def __init__(
+        self,
+        *,
+        key: _builtins.bytes = ...,
+        tier: Global___Tier.ValueType = ...,
+        what: Global___Failure.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "tier", b"tier", "what", b"what"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FailedChunk: _TypeAlias = FailedChunk  # noqa: Y015
 
 @_typing.final
 class LoadTiming(_message.Message):
