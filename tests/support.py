@@ -17,13 +17,14 @@ from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
 MiB = 1 << 20
 
 
-def layout(layers: int = 2) -> PageLayout:
+def layout(layers: int = 2, heads: int = 16) -> PageLayout:
     """With float16, a chunk of two layers is 256 KiB (`target_spec`), of one layer in fp8 64 KiB
-    (`draft_spec`): the sizes kvtierd takes for them (`kvtier.core.chunk_size`)."""
+    (`draft_spec`): the sizes kvtierd takes for them (`kvtier.core.chunk_size`). Each head adds
+    16 KiB a float16 chunk of two layers."""
     return PageLayout(
         tokens_per_block=16,
         blocks_per_chunk=4,
-        num_kv_heads=16,
+        num_kv_heads=heads,
         head_sizes=(32, 32),
         layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers)),
     )

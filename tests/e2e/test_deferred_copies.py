@@ -19,13 +19,16 @@ from kvtier_vllm.copies import DeferredCopies, Pair
 from kvtier_vllm.metadata import KVTierMetadata
 from kvtier_vllm.worker import KVTierWorker
 
+from kvtier.core.protocol import SlotRef
 from kvtier.rpc import GrpcTierClient
 from kvtier.tiers.arena import ArenaMemory
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import ModelSet, counter, counter_value, generate_tokens, running_llm
 from tests.e2e.test_connector import NO_VERIFICATION
 from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon
-from tests.support import keys_for, target_spec
+from tests.support import keys_for, layout, target_spec
+
+KiB = 1 << 10
 
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
 
@@ -39,7 +42,9 @@ class Rewriter:
     def __init__(self, daemon: RunningDaemon, socket: Path, chunk_bytes: int) -> None:
         self.admin = daemon.admin()
         self.client = GrpcTierClient(socket, "rewriter")
-        self.namespace = self.client.register_pool(target_spec(model="another"), chunk_bytes)
+        # as many heads as make the engine's chunk size, so its slots fit another model's chunks
+        another = target_spec(model="another", layout=layout(heads=chunk_bytes // (16 * KiB)))
+        self.namespace = self.client.register_pool(another, chunk_bytes)
         self.arena = ArenaMemory.attach(self.client.arena_path)
         self.reads = 0
         """Copies out of the arena that landed."""
@@ -55,10 +60,16 @@ class Rewriter:
             return  # stores
         self.leases.append(self.admin.stats().leases)
         evicted = sum(self.admin.evict(tier="cpu").values())
-        keys = keys_for(self.namespace, evicted, start=self._stored)
-        self._stored += evicted
-        # freed slots are handed out again last-freed first: these are the ones just evicted
-        refs = [r for r in self.client.reserve(keys) if r is not None]
+        # an extent whose slots were all evicted goes back to the arena, and may come back in any
+        # order: reserve until every slot a copy reads from is taken again, or the arena is full
+        refs: list[SlotRef] = []
+        while not all(any(r.offset <= at < r.offset + r.nbytes for r in refs) for at in reads):
+            keys = keys_for(self.namespace, max(evicted, 1), start=self._stored)
+            self._stored += len(keys)
+            taken = [r for r in self.client.reserve(keys) if r is not None]
+            if not taken:
+                break
+            refs += taken
         old = [bytes(self.arena.view(r.offset, r.nbytes)) for r in refs]
         for i, ref in enumerate(refs):
             self.arena.view(ref.offset, ref.nbytes)[:] = old[(i + 1) % len(old)]
