@@ -291,6 +291,9 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         self, request: tier_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> tier_pb2.HeartbeatResponse:
         self.manager.costs.reported(timings_from(request))
+        if request.ending:
+            self.sessions.end(request.session_id)
+            return tier_pb2.HeartbeatResponse(alive=False)
         return tier_pb2.HeartbeatResponse(
             alive=self.sessions.heartbeat(request.session_id, request.busy),
             drafts=drafts_to(self.manager.draft_states()),
