@@ -44,11 +44,12 @@ events, and at the end every node's arena, lmdb and object tier),
 after warm-up and at the end: RSS, open files, lmdb map use, event-log bytes, live namespaces,
 slot classes and free arena extents, with ``rss_growth_ratio`` (of kvtierd's own memory,
 RssAnon: its RSS without the arena's and lmdb's mapped pages, which fill up to their configured
-sizes over the first models; the largest over nodes, from after warm-up or a node's last
-start; ``rss_with_mappings_growth_ratio`` is the same of the whole RSS). Warm-up is the rounds
-on the first model and, in the full run, the schedule's first 16 events (every kind once):
-each path's first use allocates what kvtierd keeps for good (imports, gRPC's and lmdb's
-buffers), which is not growth.
+sizes over the first models; the largest over nodes, from after warm-up; a node SIGKILLed is a
+new daemon warming up again, judged only once it ran as many events again, so node 0, killed
+every 16 events, is not judged in the full run; ``rss_with_mappings_growth_ratio`` is the same
+of the whole RSS). Warm-up is the rounds on the first model and, in the full run, the
+schedule's first 16 events (every kind once): each path's first use allocates what kvtierd
+keeps for good (imports, gRPC's and lmdb's buffers), which is not growth.
 """
 
 from __future__ import annotations
@@ -218,15 +219,16 @@ def measure(soak: Soak, nodes: list[Node], mounted: bool, started: float) -> dic
     soak.baseline = dict(first)
     for _event in soak.run():
         pass
-    first = dict(soak.baseline)  # after the warm-up events, or a node's last start
+    first.update(soak.baseline)  # after the warm-up events, or a node's last start
     wedged = soak.wedged_tiers()
     end = {node.name: node.vitals() for node in nodes}
     switches = soak.figures["model_switch"].recovery_s
     slowest = None if None in switches else max(r for r in switches if r is not None)
     # kvtierd's own memory: the arena's and lmdb's mapped pages fill to their sizes over the
     # first models (warm-up, bounded by the configuration), and are not growth
-    growth = max(end[n].own_bytes / soak.baseline[n].own_bytes for n in end)
-    rss_growth = max(end[n].rss_bytes / soak.baseline[n].rss_bytes for n in end)
+    judged = sorted(soak.baseline)  # a node restarted within its warm-up is not
+    growth = max(end[n].own_bytes / soak.baseline[n].own_bytes for n in judged)
+    rss_growth = max(end[n].rss_bytes / soak.baseline[n].rss_bytes for n in judged)
     figures: dict[str, Any] = {
         "mode": soak.mode.name,
         "seconds": time.monotonic() - started,
@@ -256,6 +258,7 @@ def measure(soak: Soak, nodes: list[Node], mounted: bool, started: float) -> dic
         },
         "rss_growth_ratio": growth,
         "rss_with_mappings_growth_ratio": rss_growth,
+        "rss_growth_nodes": judged,
     }
     figures["targets"] = {
         name: {"target": f"{op} {bound:g}", "met": met(figures[name], op, bound)}
@@ -295,8 +298,9 @@ def print_report(figures: dict[str, Any]) -> None:
         vitals.add_row(node, *(f"{_cell(start[node][f])} -> {_cell(end[node][f])}" for f in fields))
     console.print(vitals)
     console.print(
-        "rss_growth_ratio: kvtierd's own memory (RssAnon) at the end over after warm-up (or its "
-        "last start), the largest of the nodes; with the arena's and lmdb's mapped pages, which "
+        "rss_growth_ratio: kvtierd's own memory (RssAnon) at the end over after warm-up, the "
+        f"largest of {', '.join(figures['rss_growth_nodes'])} (a node SIGKILLed within its "
+        "warm-up of the end is not judged); with the arena's and lmdb's mapped pages, which "
         f"fill up to their sizes: {figures['rss_with_mappings_growth_ratio']:.2f}"
     )
     for name, target in figures["targets"].items():
