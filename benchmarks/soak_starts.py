@@ -4,8 +4,8 @@ the soak does: counts the starts that failed (kvtierd gone before its ready line
 Usage: ``python benchmarks/soak_starts.py [--starts 100]``
 
 A start is judged by `KvtierdProcess.start`; between starts the parent keeps a data-plane
-session open with the previous kvtierd and asks its health, so that gRPC's threads are busy in
-this process whenever it starts the next one.
+session open with the previous (SIGKILLed) kvtierd, heartbeating, so that gRPC's threads are
+busy in this process whenever it starts the next one.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from common import small_spec
 from kvtierd import KvtierdProcess
 
 from kvtier.rpc import GrpcTierClient
@@ -31,6 +32,7 @@ def config(root: Path) -> dict[str, object]:
             "path": f"/dev/shm/kvtier-starts-{os.getpid()}",
             "size_bytes": 8 * MiB,
             "extent_bytes": MiB,
+            "min_slot_bytes": 4096,
         },
         "lmdb": {"path": str(root / "lmdb"), "budget_bytes": 8 * MiB},
         "server": {
@@ -47,18 +49,20 @@ def run(starts: int) -> dict[str, object]:
     failed: list[str] = []
     try:
         daemon = KvtierdProcess(root / "daemon", config(root))
+        client: GrpcTierClient | None = None
         for _ in range(starts):
             try:
-                daemon.start()
+                daemon.start()  # the last client's heartbeats keep gRPC's threads busy here
             except RuntimeError as exc:
                 failed.append(f"exit {daemon.proc.wait() if daemon.proc else None}: {exc}"[:400])
                 continue
-            client = GrpcTierClient(root / "kvtierd.sock", "starts")
-            try:
-                client.lookup([])
-            finally:
+            if client is not None:
                 client.close()
+            client = GrpcTierClient(root / "kvtierd.sock", "starts")
+            client.register_pool(small_spec("starts", 16 << 10), 16 << 10)  # heartbeats begin
             daemon.kill()  # SIGKILL, as the soak's kvtierd_kill
+        if client is not None:
+            client.close()
     finally:
         with contextlib.suppress(Exception):
             daemon.stop()
