@@ -21,6 +21,7 @@ from pathlib import Path
 from common import small_spec
 from kvtierd import KvtierdProcess
 
+from kvtier.core.errors import KVTierError
 from kvtier.rpc import GrpcTierClient
 
 MiB = 1 << 20
@@ -47,6 +48,7 @@ def config(root: Path) -> dict[str, object]:
 def run(starts: int) -> dict[str, object]:
     root = Path(tempfile.mkdtemp(prefix="kvtier-starts-"))
     failed: list[str] = []
+    unreached = 0
     try:
         daemon = KvtierdProcess(root / "daemon", config(root))
         client: GrpcTierClient | None = None
@@ -59,7 +61,14 @@ def run(starts: int) -> dict[str, object]:
             if client is not None:
                 client.close()
             client = GrpcTierClient(root / "kvtierd.sock", "starts")
-            client.register_pool(small_spec("starts", 16 << 10), 16 << 10)  # heartbeats begin
+            try:
+                client.register_pool(small_spec("starts", 16 << 10), 16 << 10)  # heartbeats
+            except KVTierError as exc:
+                code = daemon.proc.poll() if daemon.proc else None
+                if code is not None:  # ready, then gone: its exit and its log say why
+                    failed.append(f"after ready, exit {code}: {exc}\n{daemon.log_tail()}"[:800])
+                else:  # this process's channel still backs off from the killed daemon
+                    unreached += 1
             daemon.kill()  # SIGKILL, as the soak's kvtierd_kill
         if client is not None:
             client.close()
@@ -68,7 +77,12 @@ def run(starts: int) -> dict[str, object]:
             daemon.stop()
         Path(f"/dev/shm/kvtier-starts-{os.getpid()}").unlink(missing_ok=True)
         shutil.rmtree(root, ignore_errors=True)
-    return {"starts": starts, "failed": len(failed), "failures": failed}
+    return {
+        "starts": starts,
+        "failed": len(failed),
+        "failures": failed,
+        "unreached_while_alive": unreached,
+    }
 
 
 def main() -> None:
