@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from common import die_with_parent
 
 from kvtier.core.config import ENV_PREFIX
 from kvtier.rpc import AdminClient
@@ -27,6 +27,18 @@ log = logging.getLogger("kvtier.bench")
 READY = "kvtierd ready: "
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 120.0
+
+
+def _dying_with_parent() -> list[str]:
+    """A prefix that gives kvtierd SIGTERM when this process dies (a daemon outliving a killed
+    benchmark keeps its arena and ports). Not a preexec_fn: that forks this process, whose gRPC
+    threads are busy, and runs Python in the child before exec; gRPC's fork handlers there have
+    aborted the child (``epoll_wait error: Bad file descriptor``, exit -6) before kvtierd ran.
+    Without one, the child is started by vfork and exec at once."""
+    setpriv = shutil.which("setpriv")
+    if sys.platform != "linux" or setpriv is None:
+        return []
+    return [setpriv, "--pdeathsig", "TERM", "--"]
 
 
 class KvtierdProcess:
@@ -61,7 +73,11 @@ class KvtierdProcess:
         }
         env.update(self.env)
         self.exit_code = None
-        argv = [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(self.config_path)]
+        argv = [
+            *_dying_with_parent(),
+            sys.executable,
+            *("-m", "kvtier.cli", "serve", "--config", str(self.config_path)),
+        ]
         started = time.perf_counter()
         with open(self.log_path, "wb") as stderr:
             self.proc = subprocess.Popen(
@@ -72,7 +88,6 @@ class KvtierdProcess:
                 stderr=stderr,
                 env=env,
                 text=True,
-                preexec_fn=die_with_parent,
             )
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT_S)

@@ -94,8 +94,9 @@ class Served:
     refused: int = 0
     """Asked to be stored, and no slot granted."""
     refused_with_room: int = 0
-    """Of those, refused while the arena held chunks of other namespaces, which it could have
-    evicted (every committed chunk is written back at once by an idle kvtierd)."""
+    """Of those, refused while the arena held clean chunks other than the prompt's own, which
+    it could have evicted. A refusal while every other chunk is dirty is right: write-back is
+    writing them to lmdb (a refused store presses it), and only then may they go."""
     errors: int = 0
     """Calls that failed (a daemon being killed or restarted)."""
 
@@ -111,6 +112,9 @@ class Served:
 @dataclass(frozen=True)
 class Vitals:
     rss_bytes: int
+    own_bytes: int
+    """kvtierd's own memory (RssAnon): its RSS without the arena's shared pages and lmdb's
+    mapped file pages, which fill up to their configured sizes as chunks come and go."""
     open_files: int
     lmdb_map_bytes: int
     event_log_bytes: int
@@ -129,6 +133,14 @@ def lineage(keys: list[ChunkKey], i: int) -> bytes:
     parent = keys[i - 1][NAMESPACE_BYTES:] if i else None
     block = BlockLineage((keys[i][NAMESPACE_BYTES:],), parent, tuple(range(16)), 16)
     return block.encode()
+
+
+def own_memory(pid: int) -> int:
+    """A process's anonymous resident memory (RssAnon in /proc/<pid>/status), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * KiB
+    return 0
 
 
 def map_bytes(path: Path) -> int:
@@ -248,14 +260,17 @@ class Node:
         lineages = [lineage(keys, keys.index(ref.key)) for ref in granted] if targets else []
         stored = client.commit(granted, lineages) if granted else 0
         refused = len(missing) - len(granted)
-        room = refused if refused and self._other_chunks(keys) > 0 else 0
+        room = refused if refused and self._other_clean_chunks(keys) > 0 else 0
         return Served(len(keys), held, stored, refused, room)
 
-    def _other_chunks(self, keys: list[ChunkKey]) -> float:
-        """Chunks the arena holds that are not of these keys' prompt."""
+    def _other_clean_chunks(self, keys: list[ChunkKey]) -> float:
+        """Chunks the arena holds that are not of these keys' prompt and are written back
+        (all but kvtierd's write-back queue): those it may evict."""
         assert self.client is not None
         mine = self.client.lookup(keys).tier_codes.count(1)  # TierCode.CPU
-        return total(self.samples(), "kvtier_tier_chunks", tier="cpu") - mine
+        samples = self.samples()
+        dirty = total(samples, "kvtier_queue_depth_chunks", queue="writeback")
+        return total(samples, "kvtier_tier_chunks", tier="cpu") - mine - dirty
 
     def samples(self) -> Samples:
         return parse_counters(self.daemon.metrics())
@@ -268,6 +283,7 @@ class Node:
         events = self.config.get("events", {}).get("log_path")
         return Vitals(
             rss_bytes=int(proc.memory_info().rss),
+            own_bytes=own_memory(pid),
             open_files=int(proc.num_fds()),
             lmdb_map_bytes=map_bytes(self.lmdb_path),
             event_log_bytes=map_bytes(Path(events)) if events else 0,

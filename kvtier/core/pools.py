@@ -47,6 +47,7 @@ class PoolRegistry:
         self._dormant: OrderedDict[bytes, tuple[Registration, NamespaceSpec]] = OrderedDict()
         self._checks: list[Callable[[Registration], None]] = []
         self._held: Callable[[], set[bytes]] = set
+        self._sessions_hold = False
         self._max_namespaces = max_namespaces
         self._idle_s = idle_s
         self._lock = threading.RLock()
@@ -64,6 +65,17 @@ class PoolRegistry:
     def keep_while(self, held: Callable[[], set[bytes]]) -> None:
         """Never expire the namespaces ``held()`` names (those of live sessions)."""
         self._held = held
+        self._sessions_hold = True
+
+    def held_classes(self) -> frozenset[tuple[str, int]] | None:
+        """(pool, chunk bytes) of the namespaces an open session holds; None where no
+        sessions are kept (an embedded manager), so nothing can be known unheld."""
+        if not self._sessions_hold:
+            return None
+        held = self._held()
+        with self._lock:
+            regs = [self.get(ns) for ns in held]
+        return frozenset((r.pool, r.chunk_bytes) for r in regs if r is not None)
 
     def register(self, spec: NamespaceSpec, chunk_bytes: int) -> Registration:
         if chunk_bytes <= 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar, overload
@@ -27,6 +28,7 @@ _LOOKUP_VERIFY = tier_pb2.LookupRequest.VERIFY_FIELD_NUMBER
 _PREFETCH_IN_LMDB = tier_pb2.PrefetchRequest.IN_LMDB_FIELD_NUMBER
 _IN_ARENA = int(TierCode.CPU)
 _MAX_REPORT = 4096  # keys per report, under the daemon's batch limit
+_ENDING_TIMEOUT_S = 1.0  # a daemon gone already: the session then ends at its timeout
 
 
 class GrpcTierClient(DaemonSession):
@@ -327,6 +329,10 @@ class GrpcTierClient(DaemonSession):
             self._heartbeat.join()
         if self._caller is not None:
             self._caller.shutdown(wait=True, cancel_futures=True)
+        if self.session_id:  # kvtierd gives back what the session holds now, not at its timeout
+            ending = tier_pb2.HeartbeatRequest(session_id=self.session_id, ending=True)
+            with contextlib.suppress(grpc.RpcError):
+                self._stub.Heartbeat(ending, timeout=_ENDING_TIMEOUT_S)
         self._channel.close()
         if self._arena is not None:
             self._arena.close()

@@ -295,6 +295,9 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         alive = self.sessions.heartbeat(request.session_id, request.busy)
         if alive and request.failed_verification:
             self._failed(self.sessions.live(request.session_id), request)
+        if request.ending:
+            self.sessions.end(request.session_id)
+            return tier_pb2.HeartbeatResponse(alive=False)
         return tier_pb2.HeartbeatResponse(
             alive=alive,
             drafts=drafts_to(self.manager.draft_states()),

@@ -167,6 +167,12 @@ class SessionRegistry:
             session.deadline = self._clock() + self.timeout_s
             return session
 
+    def end(self, session_id: str) -> None:
+        """End a session its client closed; nothing for one unknown or ended already."""
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self.discard(session)
+
     def discard(self, session: Session) -> None:
         """End a session now, giving back what it holds (a registration that was refused)."""
         with self._lock:

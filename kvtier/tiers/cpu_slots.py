@@ -4,9 +4,10 @@ on target-sized slots), per-replica quotas, and eviction.
 
 Extents come back: an extent whose slots are all free returns to the free list, and a class
 with no free slot and no free extent takes one from another class, evicting that extent's clean
-chunks. The lender is a class idle for `ArenaConfig.reclaim_idle_s` (the one holding the most
-idle extents first), else a busy class of the same pool holding at least two extents more than
-the borrower, so two models in use level out rather than take turns. A pool keeps its floor
+chunks. The lender is a class idle for `ArenaConfig.reclaim_idle_s`, or at once one whose
+namespaces no open session of kvtierd holds (the one holding the most idle extents first),
+else a busy class of the same pool holding at least two extents more than the borrower, so
+two models in use level out rather than take turns. A pool keeps its floor
 (`PoolConfig.floor_share`) while a namespace of it is registered, and a pool below its floor
 may take from busy pools above theirs; otherwise a busy pool keeps what its stores took. An
 extent holding a dirty, leased, pinned or reserved slot is never taken: the refused store makes
@@ -259,6 +260,7 @@ class ArenaSlots(Tier):
         room = held < self.pool_capacity_bytes(cls.pool) // self.memory.extent_bytes
         below_floor = held < self._floor(cls.pool)
         live_pools = {pool for pool, _ in self.registry.live_classes}
+        session_classes = self.registry.held_classes()
         idle: list[SlotClass] = []
         busy: list[SlotClass] = []
         for other in self._classes.values():
@@ -270,7 +272,12 @@ class ArenaSlots(Tier):
                 lender_floor = self._floor(other.pool) if other.pool in live_pools else 0
                 if self._pool_extents(other.pool) <= lender_floor:
                     continue
-            if now - other.last_used >= self.config.reclaim_idle_s:
+            # a class no open session holds is idle now: its engines went away
+            unheld = (
+                session_classes is not None
+                and (other.pool, other.slot_bytes) not in session_classes
+            )
+            if unheld or now - other.last_used >= self.config.reclaim_idle_s:
                 idle.append(other)
             elif other.pool != cls.pool:
                 # a busy pool keeps what its stores took above the floors: a draft beside its

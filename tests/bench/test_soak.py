@@ -42,6 +42,7 @@ EVENT_FIELDS = {
 }
 VITALS = {
     "rss_bytes",
+    "own_bytes",
     "open_files",
     "lmdb_map_bytes",
     "event_log_bytes",
@@ -111,3 +112,10 @@ def test_no_tier_is_left_wedged(quick_run: dict) -> None:
 def test_no_node_deletes_an_object_another_node_uploaded(quick_run: dict) -> None:
     per_event = {k: v["foreign_objects_deleted"] for k, v in quick_run["events"].items()}
     assert quick_run["foreign_objects_deleted"] == 0, (per_event, quick_run["foreign_examples"])
+
+
+@pytest.mark.slow
+def test_no_store_is_refused_while_the_arena_could_make_room(quick_run: dict) -> None:
+    # refused while the arena held clean chunks of another prompt: a class it could have lent
+    per_event = {k: v["refused_stores_with_room"] for k, v in quick_run["events"].items()}
+    assert quick_run["refused_stores_with_room"] == 0, per_event

@@ -307,3 +307,28 @@ def test_the_owner_ignores_extent_words_a_client_writes(shm_path: Path) -> None:
     finally:
         client.close()
         cpu.close()
+
+
+def test_a_class_no_open_session_holds_lends_its_extents_at_once(
+    shm_path: Path, tmp_path: Path, close_after: list[InProcessClient]
+) -> None:
+    # nothing goes idle within the test: only the ended session can free A's extents
+    config = _config(shm_path, tmp_path, arena_mib=32, reclaim_idle_s=3600)
+    client = _client(config)
+    close_after.append(client)
+    cpu = client.manager.cpu
+    sessions = SessionRegistry(client.manager, timeout_s=60.0)
+    first = sessions.open("r0", "engine-a", 0, 0)
+    a = client.register_pool(target_spec(model="a"), 512 * KiB)
+    first.namespaces.add(a)
+    a_keys = keys_for(a, cpu.memory.num_extents * 8)
+    assert _store(client, a_keys) == len(a_keys)  # A holds every extent
+    sessions.discard(first)  # model A's engine goes away; its namespace is not yet expired
+    assert client.manager.registry.get(a) in client.manager.registry.registrations()
+    second = sessions.open("r0", "engine-b", 0, 0)
+    b = client.register_pool(target_spec(model="b"), 1 * MiB)
+    second.namespaces.add(b)
+    want = (cpu.memory.num_extents - 1) * 4  # more than levelling with a busy A would give
+    _store_until(client, keys_for(b, cpu.memory.num_extents * 4), want, "B took A's extents")
+    assert _extents(cpu, 1 * MiB) >= cpu.memory.num_extents - 1
+    sessions.close_all()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvtier.core.errors import CapacityError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import TierCode
 from kvtier.rpc import GrpcTierClient
 from tests.integration.daemon_harness import Processes, wait_for, write_config
 from tests.support import keys_for, layout, target_spec
@@ -74,5 +75,42 @@ def test_the_next_model_stores_after_the_last_one_filled_the_arena(
         gauges = {name: value for name, _, value in daemon.metrics()}
         assert gauges["kvtier_namespaces"] == 1
         assert gauges["kvtier_arena_slot_classes"] <= 2
+    finally:
+        second.close()
+
+
+def test_a_closed_engines_extents_go_to_the_next_model_before_anything_expires(
+    procs: Processes, tmp_path: Path, shm_path: Path
+) -> None:
+    # nothing goes idle or times out within the test: only the closing client ends A's session
+    hour = 3600.0
+    files = write_config(
+        tmp_path,
+        shm_path,
+        {
+            "arena": {"reclaim_idle_s": hour, "prefault": False},
+            "server": {"namespace_idle_s": hour, "session_timeout_s": hour},
+        },
+    )
+    daemon = procs.start_daemon(files)
+    first = _client(files.socket)
+    a = first.register_pool(target_spec(model="a"), 256 * KiB)
+    a_keys = keys_for(a, 128)  # every slot of the 32 MiB arena's 2 MiB extents
+    assert sum(_store(first, a_keys[i : i + 16]) for i in range(0, 128, 16)) >= 100
+    first.close()  # the engine of model A goes away
+
+    second = _client(files.socket)
+    try:
+        b = second.register_pool(MODEL_B, 384 * KiB)
+        b_keys = keys_for(b, 80)
+
+        def held() -> bool:
+            _store(second, b_keys)  # those the arena holds already get no slot
+            in_arena = sum(second.lookup([k]).tier_codes.count(TierCode.CPU) for k in b_keys)
+            return in_arena >= 60  # 22.5 MiB: more than levelling with a busy A leaves B
+
+        wait_for(held, DEADLINE_S, "model B took A's extents")
+        gauges = {name: value for name, _, value in daemon.metrics()}
+        assert gauges["kvtier_sessions"] == 1  # A's ended when its client closed
     finally:
         second.close()

@@ -833,6 +833,7 @@ class HeartbeatRequest(_message.Message):
     PREFILL_TOKENS_SQUARED_FIELD_NUMBER: _builtins.int
     PREFILL_TOKEN_SECONDS_FIELD_NUMBER: _builtins.int
     FAILED_VERIFICATION_FIELD_NUMBER: _builtins.int
+    ENDING_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     busy: _builtins.bool
     """The engine holds requests. While no session is busy, kvtierd writes every arena chunk
@@ -846,6 +847,10 @@ class HeartbeatRequest(_message.Message):
     """
     prefill_tokens_squared: _builtins.float
     prefill_token_seconds: _builtins.float
+    ending: _builtins.bool
+    """The engine is going away (its client closes): the session ends now, giving back its
+    leases and reservations, and the arena may lend its pools' extents at once.
+    """
     @_builtins.property
     def loads(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoadTiming]:
         """What the engine measured since the last heartbeat: its loads from each tier, and the
@@ -870,10 +875,11 @@ class HeartbeatRequest(_message.Message):
         prefill_tokens_squared: _builtins.float = ...,
         prefill_token_seconds: _builtins.float = ...,
         failed_verification: _abc.Iterable[Global___FailedChunk] | None = ...,
+        ending: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "failed_verification", b"failed_verification", "loads", b"loads", "prefill_seconds", b"prefill_seconds", "prefill_steps", b"prefill_steps", "prefill_token_seconds", b"prefill_token_seconds", "prefill_tokens", b"prefill_tokens", "prefill_tokens_squared", b"prefill_tokens_squared", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "ending", b"ending", "failed_verification", b"failed_verification", "loads", b"loads", "prefill_seconds", b"prefill_seconds", "prefill_steps", b"prefill_steps", "prefill_token_seconds", b"prefill_token_seconds", "prefill_tokens", b"prefill_tokens", "prefill_tokens_squared", b"prefill_tokens_squared", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
