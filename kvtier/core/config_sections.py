@@ -24,6 +24,8 @@ EvictionPolicyName = Literal["lru", "fifo"]
 """The eviction policies a tier can be configured with."""
 
 MiB = 1 << 20
+DEFAULT_EXTENT_BYTES = 96 * MiB
+"""Holds every 256-token chunk of the published shapes `benchmarks/arena_waste.py` measures."""
 CODEC_DESCRIPTION = (
     "none: chunks as the arena holds them. int8 or fp8 (e4m3): the target's and the draft's KV "
     "(bf16, fp16 or fp32) one byte an element, with a float32 scale per row (a token's head of "
@@ -84,9 +86,11 @@ class ArenaConfig(ConfigSection):
     auto_fraction: float = Field(
         0.25, gt=0.0, le=0.9, description="Share of available memory used when size_bytes is unset."
     )
-    extent_bytes: ByteSize = Field(
-        ByteSize(96 * MiB),
-        description="Allocation unit handed to a slot class; the largest chunk it can hold.",
+    extent_bytes: ByteSize | None = Field(
+        None,
+        description="Allocation unit handed to a slot class; the largest chunk it can hold. "
+        "Unset: 96 MiB, or a tenth of the arena (in whole MiB) where that is smaller, so a "
+        "small arena still has extents to move between classes.",
     )
     min_slot_bytes: ByteSize = Field(
         ByteSize(64 << 10), description="Smallest chunk a pool may register; sizes the slot table."
@@ -130,11 +134,20 @@ class ArenaConfig(ConfigSection):
         default_factory=_default_pools, description="Per-pool budgets, by pool name."
     )
 
+    def extent_for(self, arena_bytes: int) -> int:
+        """The extent an arena of ``arena_bytes`` is cut into: `extent_bytes` where set."""
+        if self.extent_bytes is not None:
+            return int(self.extent_bytes)
+        tenth = arena_bytes // 10 // MiB * MiB
+        return max(min(DEFAULT_EXTENT_BYTES, tenth), int(self.min_slot_bytes))
+
     @model_validator(mode="after")
     def _check_sizes(self) -> ArenaConfig:
-        if self.min_slot_bytes <= 0 or self.extent_bytes < self.min_slot_bytes:
+        if self.min_slot_bytes <= 0:
+            raise ValueError("min_slot_bytes must be positive")
+        if self.extent_bytes is not None and self.extent_bytes < self.min_slot_bytes:
             raise ValueError("extent_bytes must be at least min_slot_bytes")
-        if self.size_bytes is not None and self.size_bytes < self.extent_bytes:
+        if self.size_bytes is not None and self.size_bytes < self.extent_for(self.size_bytes):
             raise ValueError("size_bytes must hold at least one extent")
         if self.file_mode & ~0o660:
             raise ValueError(

@@ -67,7 +67,7 @@ class ArenaSlots(Tier):
         self.memory = ArenaMemory.create(
             config.path,
             size,
-            config.extent_bytes,
+            config.extent_for(size),
             config.min_slot_bytes,
             config.prefault,
             mode=config.file_mode,
