@@ -194,6 +194,11 @@ class ObjectStore(Tier):
     def delete_objects(self, names: Sequence[str]) -> bool:
         """Delete objects from the store (the tier's); False when the store refused."""
 
+    @property
+    def writes_lineage(self) -> bool:
+        """Whether this node writes lineage beside its objects (the tier's: with events)."""
+        return False
+
     def _withdraw(self, name: str, with_lineage: bool) -> bool:
         """Delete an object of this node's never announced (so its removal is not either), and
         the lineage it wrote beside it; one that cannot be deleted now stays an orphan to
@@ -209,9 +214,9 @@ class ObjectStore(Tier):
 
     def resolve_orphans(self) -> bool:
         """Find the uploads that may have been written and were never recorded (sent before
-        the last stop, or failed without an answer): an object of this
-        node's found is deleted (never announced, maybe never recorded by others), one of
-        another writer's or none at all is only forgotten. True once none is left."""
+        the last stop, or failed without an answer): an object of this node's found is deleted
+        (never announced, maybe never recorded by others), one of another writer's or none at
+        all is only forgotten. True once none is left."""
         for name in list(self.index.intents.orphans):
             entry = self.index.objects.get(name)
             if entry is not None and entry.owned:  # stopped between the index and the intent
@@ -224,7 +229,7 @@ class ObjectStore(Tier):
                 return False
             if info is not None and info.metadata.get(META_NODE) == self.node_id:
                 self.index.drop_object(name)  # learned meanwhile, from a lost race with itself
-                if not self._withdraw(name, with_lineage=True):
+                if not self._withdraw(name, with_lineage=self.writes_lineage):
                     return False
                 self.counters.add("orphans_deleted", 1)
             else:

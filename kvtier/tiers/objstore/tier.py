@@ -72,6 +72,10 @@ class ObjectTier(ObjectStore):
     persistent = True
     events: Announcer | None = None
 
+    @property
+    def writes_lineage(self) -> bool:
+        return self.events is not None
+
     # -- writes ---------------------------------------------------------------------------
 
     def put(self, key: ChunkKey, payload: memoryview | bytes, replica: str = "default") -> bool:
