@@ -59,8 +59,11 @@ def test_a_node_losing_the_race_writes_no_lineage_beside_the_winners_object(
     )
     (mine,) = keys(1, start=5)
     assert loser.put(mine, payload_for(mine, CHUNK))
+    obj = loser.backend.head(loser.object_name(mine))
     companion = loser.backend.head(loser.object_name(mine) + COMPANION_SUFFIX)
+    assert obj is not None
     assert companion is not None, "a won name has its lineage beside it"
+    assert loser.budget.used() == obj.size + companion.size, "its lineage counted with it"
 
 
 def test_a_node_deletes_no_lineage_it_did_not_write(

@@ -199,7 +199,9 @@ class ObjectTier(ObjectStore):
         self.counters.add("upload_bytes", len(body))
         self.counters.add("objects_uploaded", 1)
         try:
-            reservation.settle(lambda: self.index.add(name, len(body), locations, owned=True))
+            # its lineage beside it is this node's too: counted and evicted with it
+            size = len(body) + (len(companion) if companion is not None else 0)
+            reservation.settle(lambda: self.index.add(name, size, locations, owned=True))
             self.index.intents.settle(name)
         except IndexWriteError as exc:  # an own object no index names would leak: remove it
             log.error("%s; removing the object just uploaded", exc)
