@@ -165,3 +165,17 @@ def test_dropping_an_object_keeps_counting_a_later_one_sharing_its_chunk(tmp_pat
         assert index.get(first) is None
     finally:
         index.close()
+
+
+def test_an_upload_whose_answer_was_lost_is_counted_when_its_retry_finds_it(
+    make_tier: Tier, store_factory: StoreFactory
+) -> None:
+    tier = make_tier(store_factory("s3"))
+    (key,) = keys(1)
+    assert tier.put(key, payload_for(key, CHUNK))
+    name = tier.object_name(key)
+    tier.index.drop_object(name)  # as a put that landed after the node gave up on its answer
+    assert tier.budget.used() == 0
+    assert tier.put(key, payload_for(key, CHUNK)), "the retry loses the race to its own object"
+    assert tier.index.objects[name].owned, "this node's upload: its own, not learned"
+    assert tier.budget.used() == sum(chunk_objects(tier).values())

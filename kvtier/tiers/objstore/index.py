@@ -196,6 +196,23 @@ class ObjectIndex:
                         txn.delete(key, db=self._chunks)
         return True
 
+    def claim(self, name: str) -> bool:
+        """Count a learned object as this node's own (found to be an upload of its own whose
+        answer was lost); False when the index cannot record it."""
+        with self._lock:
+            entry = self.objects.get(name)
+            if entry is None or entry.owned:
+                return entry is not None
+            try:
+                with self.env.begin(write=True) as txn:
+                    value = _OBJ.pack(entry.size, entry.tick) + _OWNED
+                    txn.put(name.encode(), value, db=self._objects)
+            except lmdb.Error:
+                return False
+            entry.owned = True
+            self._owned_bytes += entry.size
+            return True
+
     def touch(self, name: str) -> None:
         """Mark an object used (in memory; the persisted order is that of uploads)."""
         with self._lock:

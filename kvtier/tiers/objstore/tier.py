@@ -254,11 +254,24 @@ class ObjectTier(ObjectStore):
             self.counters.add("store_errors", len(keys))
             log.warning("reading %s, written first by another node, failed: %s", name, exc)
             return 0
+        self._claim_if_own(name)
         rest = [(key, loc) for key, loc in locations[1:] if key not in self.index]
         if rest:
             tail = b"".join(body[loc.offset : loc.offset + loc.length] for _, loc in rest)
             self.put_encoded([key for key, _ in rest], memoryview(tail), replica)
         return sum(key in self.index for key in keys)
+
+    def _claim_if_own(self, name: str) -> None:
+        """The name was taken by this node itself (an upload whose answer was lost, a put
+        that landed after it timed out): count the object as its own, or it would leak."""
+        try:
+            info = self.guard.call(functools.partial(self.backend.head, name))
+        except ObjectStoreError:
+            return  # left as learned; gc deletes it past the retention
+        own = info is not None and info.metadata.get(META_NODE) == self.node_id
+        if own and self.index.claim(name):
+            self.index.intents.settle(name)
+            self.counters.add("orphans_claimed", 1)
 
     def delete_objects(self, names: Sequence[str]) -> bool:
         """Delete objects with their companions, and announce what left; False when the store
