@@ -87,9 +87,14 @@ class Ledger:
                     self.foreign.setdefault(
                         name, f"uploaded by {sorted(by)}, gone; deleted by {deleters}"
                     )
+            # an object is the node's whose PUT wrote it last: a name a node deleted and
+            # another wrote again is the other's, counted once
+            held: dict[str, int] = defaultdict(int)
+            for name, writer in self._live.items():
+                held[writer] += listed.get(name, 0)
             above = {
-                node: max(0, sum(listed[n] for n in names if n in listed) - budgets[node])
-                for node, names in self.uploaded.items()
+                node: max(0, held[node] - budgets[node])
+                for node in self.uploaded
                 if node in budgets
             }
             return BucketCheck(

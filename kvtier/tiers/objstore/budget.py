@@ -86,9 +86,10 @@ class StoreBudget:
             return self._reserved
 
     def used(self) -> int:
-        """Bytes of this node's objects in the store, and of its uploads in flight."""
+        """Bytes of this node's objects in the store, of its uploads in flight, and of those
+        in flight when it last stopped, until found (`ObjectTier.resolve_orphans`)."""
         with self.counted:
-            return self._index.owned_bytes() + self._reserved
+            return self._index.owned_bytes() + self._index.intents.orphan_bytes() + self._reserved
 
     def reserve(self, nbytes: int) -> Reservation | None:
         """Make room for an upload of ``nbytes`` and hold it; None when there is none (what

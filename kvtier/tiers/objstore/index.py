@@ -2,8 +2,9 @@
 small LMDB environment so a restart does not upload or probe everything again.
 
 Databases: ``chunks`` (key -> location), ``objects`` (name -> size, tick, owned), ``pins``
-(keys), ``meta`` (this node's id). Pins are this node's; they reach the other nodes' gc through
-an object in the store (`pins.FleetPins`). An object is *owned* when this node uploaded it; the
+(keys), ``meta`` (this node's id); beside them, the uploads sent and not yet recorded
+(`intents.UploadIntents`). Pins are this node's; they reach the other nodes' gc through an
+object in the store (`pins.FleetPins`). An object is *owned* when this node uploaded it; the
 others were learned (probed, fetched, listed) and are only knowledge: forgotten first when the
 map is full, never counted in the store budget.
 An in-memory mirror answers lookups; LMDB is written only after the store acknowledged an upload,
@@ -22,6 +23,7 @@ from pathlib import Path
 import lmdb
 
 from kvtier.core.keys import ChunkKey
+from kvtier.tiers.objstore.intents import UploadIntents
 
 _LOC = struct.Struct("<QQ")
 _OBJ = struct.Struct("<QQ")
@@ -101,6 +103,7 @@ class ObjectIndex:
                         entry.owned = True
             self.pins = {ChunkKey(bytes(k)) for k, _ in txn.cursor(db=self._pins)}
         self._owned_bytes = sum(e.size for e in self.objects.values() if e.owned)
+        self.intents = UploadIntents(path / "intents")
 
     def node_id(self, new: Callable[[], str]) -> str:
         """This node's name in the store, made by ``new`` once and kept with the index."""
@@ -193,6 +196,23 @@ class ObjectIndex:
                         txn.delete(key, db=self._chunks)
         return True
 
+    def claim(self, name: str) -> bool:
+        """Count a learned object as this node's own (found to be an upload of its own whose
+        answer was lost); False when the index cannot record it."""
+        with self._lock:
+            entry = self.objects.get(name)
+            if entry is None or entry.owned:
+                return entry is not None
+            try:
+                with self.env.begin(write=True) as txn:
+                    value = _OBJ.pack(entry.size, entry.tick) + _OWNED
+                    txn.put(name.encode(), value, db=self._objects)
+            except lmdb.Error:
+                return False
+            entry.owned = True
+            self._owned_bytes += entry.size
+            return True
+
     def touch(self, name: str) -> None:
         """Mark an object used (in memory; the persisted order is that of uploads)."""
         with self._lock:
@@ -222,11 +242,17 @@ class ObjectIndex:
         return emptied
 
     def drop_object(self, name: str) -> list[ChunkKey]:
-        entry = self.objects.get(name)
-        keys = sorted(entry.keys) if entry is not None else []
-        self.drop_keys(keys)
+        """Forget an object and the chunks located in it; a chunk it shares with an object
+        indexed later is located there and stays (forgetting it would empty that object and
+        drop it from the count without deleting it)."""
         with self._lock, self.env.begin(write=True) as txn:
             gone = self.objects.pop(name, None)
+            keys = sorted(gone.keys) if gone is not None else []
+            for key in keys:
+                loc = self.chunks.get(key)
+                if loc is not None and loc.obj == name:
+                    del self.chunks[key]
+                    txn.delete(key, db=self._chunks)
             if gone is not None and gone.owned:
                 self._owned_bytes -= gone.size
             txn.delete(name.encode(), db=self._objects)

@@ -5,6 +5,7 @@ its objects. `tier.ObjectTier` writes and reads over it."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
@@ -26,6 +27,13 @@ from kvtier.tiers.objstore.resilience import CircuitBreaker, RequestGuard
 
 # the tier's logger, which operators filter on
 log = logging.getLogger("kvtier.tiers.objstore.tier")
+
+META_NODE = "kvtier-node"
+"""The id of the node that uploaded the object."""
+COMPANION_SUFFIX = ".lineage"
+"""Beside an object: its chunks' lineage, for the announcement of its deletion; a name no listing
+mistakes for a chunk's (`ObjectStore.key_of`)."""
+
 
 UNKNOWN_PRINCIPAL = "unknown"
 """The principal until the identity has been resolved (in the background)."""
@@ -106,7 +114,8 @@ class ObjectStore(Tier):
         interval = max(0.05, min(1.0, self.config.breaker_reset_s / 4))
         while not self._closing.wait(interval):
             try:
-                self.check()
+                if self.check() and self.index.intents.orphans:
+                    self.resolve_orphans()
                 if self.pins.due():
                     self.publish_pins()
             except Exception:  # never let the checker die silently
@@ -184,6 +193,48 @@ class ObjectStore(Tier):
     @abstractmethod
     def delete_objects(self, names: Sequence[str]) -> bool:
         """Delete objects from the store (the tier's); False when the store refused."""
+
+    @property
+    def writes_lineage(self) -> bool:
+        """Whether this node writes lineage beside its objects (the tier's: with events)."""
+        return False
+
+    def _withdraw(self, name: str, with_lineage: bool) -> bool:
+        """Delete an object of this node's never announced (so its removal is not either), and
+        the lineage it wrote beside it; one that cannot be deleted now stays an orphan to
+        resolve at the next start, logged."""
+        doomed = [name, name + COMPANION_SUFFIX] if with_lineage else [name]
+        try:
+            self.guard.call(lambda: self.backend.delete(doomed))
+        except ObjectStoreError as exc:
+            log.error("%s, uploaded and not indexed, is left for the next start: %s", name, exc)
+            return False
+        self.index.intents.settle(name)
+        return True
+
+    def resolve_orphans(self) -> bool:
+        """Find the uploads that may have been written and were never recorded (sent before
+        the last stop, or failed without an answer): an object of this node's found is deleted
+        (never announced, maybe never recorded by others), one of another writer's or none at
+        all is only forgotten. True once none is left."""
+        for name in list(self.index.intents.orphans):
+            entry = self.index.objects.get(name)
+            if entry is not None and entry.owned:  # stopped between the index and the intent
+                self.index.intents.settle(name)
+                continue
+            try:
+                info = self.guard.call(functools.partial(self.backend.head, name))
+            except ObjectStoreError as exc:
+                log.warning("an upload before the last stop, %s, unresolved: %s", name, exc)
+                return False
+            if info is not None and info.metadata.get(META_NODE) == self.node_id:
+                self.index.drop_object(name)  # learned meanwhile, from a lost race with itself
+                if not self._withdraw(name, with_lineage=self.writes_lineage):
+                    return False
+                self.counters.add("orphans_deleted", 1)
+            else:
+                self.index.intents.settle(name)
+        return True
 
     @abstractmethod
     def publish_pins(self) -> bool:

@@ -41,6 +41,8 @@ from kvtier.tiers.objstore.budget import Reservation
 from kvtier.tiers.objstore.index import REMOTE_REPLICA as REMOTE_REPLICA
 from kvtier.tiers.objstore.index import ChunkLocation, IndexWriteError
 from kvtier.tiers.objstore.pins import PINS_DIR as PINS_DIR
+from kvtier.tiers.objstore.store import COMPANION_SUFFIX as COMPANION_SUFFIX
+from kvtier.tiers.objstore.store import META_NODE as META_NODE
 from kvtier.tiers.objstore.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -48,11 +50,6 @@ log = logging.getLogger(__name__)
 META_FORMAT = "kvtier-format"
 META_CHUNKS = "kvtier-chunks"
 META_CHECKSUM = "kvtier-xxh3-128"
-META_NODE = "kvtier-node"
-"""The id of the node that uploaded the object."""
-COMPANION_SUFFIX = ".lineage"
-"""Beside an object: its chunks' lineage, for the announcement of its deletion; a name no listing
-mistakes for a chunk's (`ObjectStore.key_of`)."""
 
 
 class Announcer(Protocol):
@@ -74,6 +71,10 @@ class ObjectTier(ObjectStore):
     name = TierCode.OBJECT.tier
     persistent = True
     events: Announcer | None = None
+
+    @property
+    def writes_lineage(self) -> bool:
+        return self.events is not None
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -179,32 +180,34 @@ class ObjectTier(ObjectStore):
             META_CHECKSUM: xxhash.xxh3_128_hexdigest(body),
             META_NODE: self.node_id,
         }
-        companion = self.events.companion(keys) if self.events is not None else None
+        if not self.index.intents.record(name, len(body)):  # a stop before the index write: a trace
+            self.counters.add("intents_unrecorded", 1)
         started = time.perf_counter()
         try:
-            lineage_taken = False
-            if companion is not None:  # first: a listed object always has its lineage
-                lineage_taken = not self._put_new(name + COMPANION_SUFFIX, companion, {})
             if not self._put_new(name, body, metadata):
+                self.index.intents.settle(name)  # not written by this node
                 self.counters.add("upload_races_lost", 1)
                 return False
-            if lineage_taken and companion is not None:
-                # a lone one, or a loser's: the name is ours, and so is its lineage
-                self._put_lineage(name, companion)
-        except ObjectStoreError as exc:
+        except ObjectStoreError as exc:  # maybe written: counted until resolved
+            self.index.intents.orphaned(name, len(body))
             self.counters.add("store_errors", len(keys))
             log.warning("upload of %s failed: %s", name, exc)
             return None
+        # only once the name is ours: no node's lineage ever lies beside another's object
+        companion = self._put_lineage(name, keys)
         self.counters.add("upload_seconds_us", int((time.perf_counter() - started) * 1e6))
         self.counters.add("upload_bytes", len(body))
         self.counters.add("objects_uploaded", 1)
         try:
-            reservation.settle(lambda: self.index.add(name, len(body), locations, owned=True))
+            # its lineage beside it is this node's too: counted and evicted with it
+            size = len(body) + (len(companion) if companion is not None else 0)
+            reservation.settle(lambda: self.index.add(name, size, locations, owned=True))
+            self.index.intents.settle(name)
         except IndexWriteError as exc:  # an own object no index names would leak: remove it
             log.error("%s; removing the object just uploaded", exc)
             self.counters.add("index_full", 1)
             self.counters.add("store_errors", len(keys))
-            self._withdraw(name)
+            self._withdraw(name, companion is not None)
             return None
         self.counters.add("stores", len(keys))
         if companion is not None and self.events is not None:
@@ -213,16 +216,19 @@ class ObjectTier(ObjectStore):
             self.pins.dirty.set()  # the check loop names the new object in this node's pins
         return True
 
-    def _withdraw(self, name: str) -> None:
-        """Delete an object just uploaded and never announced (so its removal is not either);
-        one that cannot be deleted now is left to gc, logged."""
+    def _put_lineage(self, name: str, keys: Sequence[ChunkKey]) -> bytes | None:
+        """Write the lineage of an object this node just wrote beside it; None when there is
+        none (no events, or the write failed: the object then goes unannounced)."""
+        companion = self.events.companion(keys) if self.events is not None else None
+        if companion is None:
+            return None
         try:
-            self.guard.call(lambda: self.backend.delete([name, name + COMPANION_SUFFIX]))
+            self.guard.call(lambda: self.backend.put(name + COMPANION_SUFFIX, companion, {}))
         except ObjectStoreError as exc:
-            log.error("%s, uploaded and not indexed, is left to kvtier gc: %s", name, exc)
-
-    def _put_lineage(self, name: str, companion: bytes) -> None:
-        self.guard.call(lambda: self.backend.put(name + COMPANION_SUFFIX, companion, {}))
+            log.warning("lineage of %s not written, the object goes unannounced: %s", name, exc)
+            self.counters.add("lineage_unwritten", 1)
+            return None
+        return companion
 
     def _put_new(self, name: str, body: bytes | memoryview, metadata: dict[str, str]) -> bool:
         """An exclusive put; False when the name was taken."""
@@ -248,35 +254,50 @@ class ObjectTier(ObjectStore):
             self.counters.add("store_errors", len(keys))
             log.warning("reading %s, written first by another node, failed: %s", name, exc)
             return 0
+        self._claim_if_own(name)
         rest = [(key, loc) for key, loc in locations[1:] if key not in self.index]
         if rest:
             tail = b"".join(body[loc.offset : loc.offset + loc.length] for _, loc in rest)
             self.put_encoded([key for key, _ in rest], memoryview(tail), replica)
         return sum(key in self.index for key in keys)
 
+    def _claim_if_own(self, name: str) -> None:
+        """The name was taken by this node itself (an upload whose answer was lost, a put
+        that landed after it timed out): count the object as its own, or it would leak."""
+        try:
+            info = self.guard.call(functools.partial(self.backend.head, name))
+        except ObjectStoreError:
+            return  # left as learned; gc deletes it past the retention
+        own = info is not None and info.metadata.get(META_NODE) == self.node_id
+        if own and self.index.claim(name):
+            self.index.intents.settle(name)
+            self.counters.add("orphans_claimed", 1)
+
     def delete_objects(self, names: Sequence[str]) -> bool:
         """Delete objects with their companions, and announce what left; False when the store
         refused (nothing is announced then)."""
         if not names:
             return True
-        companions = self._companions(names) if self.events is not None else []
-        doomed = [*names, *(n + COMPANION_SUFFIX for n in names)]
+        # only companions found: a node that writes none deletes none it did not write
+        companions = self._companions(names) if self.events is not None else {}
+        doomed = [*names, *companions]
         try:
             self.guard.call(lambda: self.backend.delete(doomed))
         except ObjectStoreError as exc:
             log.warning("deleting %d objects failed: %s", len(names), exc)
             return False
-        for companion in companions:
+        for companion in companions.values():
             assert self.events is not None
             self.events.removed(companion)
         return True
 
-    def _companions(self, names: Sequence[str]) -> list[bytes]:
-        found = []
+    def _companions(self, names: Sequence[str]) -> dict[str, bytes]:
+        """The lineage companions beside ``names``, by the companion's name."""
+        found = {}
         for name in names:
             companion = functools.partial(self.backend.get, name + COMPANION_SUFFIX)
             try:
-                found.append(self.guard.call(companion))
+                found[name + COMPANION_SUFFIX] = self.guard.call(companion)
             except ObjectNotFoundError:
                 continue  # uploaded unannounced: nothing to withdraw
             except ObjectStoreError as exc:
