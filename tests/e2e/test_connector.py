@@ -33,9 +33,10 @@ def cached_by_source(llm: Any, source: str) -> float:
     return counter(llm, "vllm:prompt_tokens_cached_by_source", source=source)
 
 
-# Engine and kvtierd share this machine's two cores, where a call can miss the 50 ms default
-# now and then and open the breaker; tests of other things than deadlines give more.
-SHARED_CORE_DEADLINES = {"lookup_deadline_ms": 1000, "store_deadline_ms": 2000}
+# Engines, kvtierd, the object store's server and a second test share this machine's two cores,
+# where a call (an object fetched through kvtierd above all) can miss a deadline of a second and
+# open the breaker: tests of other things than deadlines wait as long as a call takes.
+SHARED_CORE_DEADLINES = {"lookup_deadline_ms": 30_000, "store_deadline_ms": 30_000}
 # a hit sampled for verification is served as a miss: tests count on their hits, and those of
 # verification ask for it
 NO_VERIFICATION = {"verify_sample_rate": 0.0}

@@ -141,15 +141,22 @@ def test_a_stopped_kvtierd_costs_a_few_deadlines_then_nothing_and_hits_return_af
     caplog.set_level(logging.WARNING, logger="kvtier.rpc")
     with running_llm(tiny_models.target, kv_transfer_config=connector, kv_events=True) as llm:
         assert generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)[0] == expected
-        # healthy: stored prompts hit, in the time a step takes anyway
-        timings.clear()
-        llm.reset_prefix_cache()
-        tokens, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
-        assert tokens == expected
-        assert all(c >= 600 for c in cached), cached
-        healthy = timings.summary()
+        # healthy: stored prompts hit, in the time a step takes anyway (a call that missed its
+        # 50 ms on the loaded machine is a miss, by design: asked again until all hit)
         client = _client(timings)
-        assert client.serving
+        healthy_until = time.monotonic() + RECOVERY_S
+        while True:
+            timings.clear()
+            llm.reset_prefix_cache()
+            tokens, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+            assert tokens == expected
+            if all(c >= 600 for c in cached) and client.serving:
+                break
+            assert time.monotonic() < healthy_until, f"stored prompts never all hit: {cached}"
+            time.sleep(PROBE_EVERY_MS / 1000)
+        healthy = timings.summary()
+        opened_before = client.breaker.opened
+        caplog.clear()  # the breaker's messages from here on are the stop's
 
         daemon.stop()
         try:
@@ -197,7 +204,7 @@ def test_a_stopped_kvtierd_costs_a_few_deadlines_then_nothing_and_hits_return_af
         assert client.serving
     opened = [r for r in caplog.records if "not answering" in r.getMessage()]
     closed = [r for r in caplog.records if "answers again" in r.getMessage()]
-    assert client.breaker.opened == 1, [r.getMessage() for r in opened]
+    assert client.breaker.opened - opened_before == 1, [r.getMessage() for r in opened]
     assert (len(opened), len(closed)) == (1, 1), [r.getMessage() for r in caplog.records]
     print(
         f"\nhealthy: {healthy}\nstopped, first pass ({first_stopped:.2f} s): {stopped}\n"

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.objstore.index import ChunkLocation, ObjectIndex
 from kvtier.tiers.objstore.tier import COMPANION_SUFFIX, META_NODE, ObjectTier
 from tests.contract.tier_contract import CHUNK
+from tests.integration.daemon_harness import wait_for
 from tests.objstore import test_object_tier
 from tests.objstore.fixtures import StoreFactory
 from tests.objstore.test_object_tier import Tier, keys, put_when_ready
@@ -108,7 +108,7 @@ _KILLED_MID_UPLOAD = textwrap.dedent(
 )
 
 
-def test_an_upload_in_flight_at_a_sigkill_is_counted_then_deleted_at_the_next_start(
+def test_an_upload_in_flight_at_a_sigkill_is_counted_then_adopted_at_the_next_start(
     store_factory: StoreFactory, tmp_path: Path
 ) -> None:
     url = store_factory("s3")
@@ -132,15 +132,14 @@ def test_an_upload_in_flight_at_a_sigkill_is_counted_then_deleted_at_the_next_st
         assert head.metadata[META_NODE] == tier.node_id
         assert name not in tier.index.objects, "never recorded"
         assert tier.budget.used() >= head.size, "counted from the start, before it is found"
-        deadline = time.monotonic() + 20
-        while tier.backend.head(name) is not None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert tier.backend.head(name) is None, "this node's orphan deleted"
-        deadline = time.monotonic() + 5
-        while tier.budget.used() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert tier.budget.used() == 0
-        assert tier.stats().counters["orphans_deleted"] == 1
+        wait_for(lambda: tier.stats().counters["orphans_adopted"] == 1, 20.0, "adopted")
+        assert tier.index.objects[name].owned, "this node's upload: adopted as its own"
+        assert not tier.index.intents.orphans
+        assert tier.budget.used() == head.size, "counted once, as an object of its own"
+        assert tier.backend.head(name) is not None, "kept: nothing the drain wrote is lost"
+        out = bytearray(CHUNK)
+        assert tier.read_into(key, memoryview(out)), "served from the adopted object"
+        assert bytes(out) == payload_for(key, CHUNK)
         (other,) = keys(1, start=3)
         put_when_ready(tier, other)
         assert tier.budget.used() == sum(chunk_objects(tier).values())

@@ -194,11 +194,6 @@ class ObjectStore(Tier):
     def delete_objects(self, names: Sequence[str]) -> bool:
         """Delete objects from the store (the tier's); False when the store refused."""
 
-    @property
-    def writes_lineage(self) -> bool:
-        """Whether this node writes lineage beside its objects (the tier's: with events)."""
-        return False
-
     def _withdraw(self, name: str, with_lineage: bool) -> bool:
         """Delete an object of this node's never announced (so its removal is not either), and
         the lineage it wrote beside it; one that cannot be deleted now stays an orphan to
@@ -214,9 +209,9 @@ class ObjectStore(Tier):
 
     def resolve_orphans(self) -> bool:
         """Find the uploads that may have been written and were never recorded (sent before
-        the last stop, or failed without an answer): an object of this node's found is deleted
-        (never announced, maybe never recorded by others), one of another writer's or none at
-        all is only forgotten. True once none is left."""
+        the last stop, or failed without an answer): an object of this node's found is adopted
+        (indexed and counted as its own, so a drain cut short loses nothing), one of another
+        writer's or none at all is only forgotten. True once none is left."""
         for name in list(self.index.intents.orphans):
             entry = self.index.objects.get(name)
             if entry is not None and entry.owned:  # stopped between the index and the intent
@@ -228,13 +223,28 @@ class ObjectStore(Tier):
                 log.warning("an upload before the last stop, %s, unresolved: %s", name, exc)
                 return False
             if info is not None and info.metadata.get(META_NODE) == self.node_id:
-                self.index.drop_object(name)  # learned meanwhile, from a lost race with itself
-                if not self._withdraw(name, with_lineage=self.writes_lineage):
+                if not self.adopt(name):
                     return False
-                self.counters.add("orphans_deleted", 1)
-            else:
-                self.index.intents.settle(name)
+                self.counters.add("orphans_adopted", 1)
+            self.index.intents.settle(name)
         return True
+
+    def _claim_if_own(self, name: str) -> None:
+        """The name was taken by this node itself (an upload whose answer was lost, a put
+        that landed after it timed out): count the object as its own, or it would leak."""
+        try:
+            info = self.guard.call(functools.partial(self.backend.head, name))
+        except ObjectStoreError:
+            return  # left as learned; gc deletes it past the retention
+        own = info is not None and info.metadata.get(META_NODE) == self.node_id
+        if own and self.index.claim(name):
+            self.index.intents.settle(name)
+            self.counters.add("orphans_claimed", 1)
+
+    @abstractmethod
+    def adopt(self, name: str) -> bool:
+        """Index an object of this node's found in the store as its own (the tier's: read and
+        verified first); False when that cannot be done now."""
 
     @abstractmethod
     def publish_pins(self) -> bool:

@@ -72,10 +72,6 @@ class ObjectTier(ObjectStore):
     persistent = True
     events: Announcer | None = None
 
-    @property
-    def writes_lineage(self) -> bool:
-        return self.events is not None
-
     # -- writes ---------------------------------------------------------------------------
 
     def put(self, key: ChunkKey, payload: memoryview | bytes, replica: str = "default") -> bool:
@@ -261,17 +257,13 @@ class ObjectTier(ObjectStore):
             self.put_encoded([key for key, _ in rest], memoryview(tail), replica)
         return sum(key in self.index for key in keys)
 
-    def _claim_if_own(self, name: str) -> None:
-        """The name was taken by this node itself (an upload whose answer was lost, a put
-        that landed after it timed out): count the object as its own, or it would leak."""
+    def adopt(self, name: str) -> bool:
         try:
-            info = self.guard.call(functools.partial(self.backend.head, name))
-        except ObjectStoreError:
-            return  # left as learned; gc deletes it past the retention
-        own = info is not None and info.metadata.get(META_NODE) == self.node_id
-        if own and self.index.claim(name):
-            self.index.intents.settle(name)
-            self.counters.add("orphans_claimed", 1)
+            found = self.fetch(name, hits=False)  # a corrupt one is deleted, a gone one forgotten
+        except ObjectStoreError as exc:
+            log.warning("reading %s, an upload before the last stop, failed: %s", name, exc)
+            return False
+        return found is None or self.index.claim(name)
 
     def delete_objects(self, names: Sequence[str]) -> bool:
         """Delete objects with their companions, and announce what left; False when the store
