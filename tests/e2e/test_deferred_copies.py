@@ -24,7 +24,7 @@ from kvtier.rpc import GrpcTierClient
 from kvtier.tiers.arena import ArenaMemory
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import ModelSet, counter, counter_value, generate_tokens, running_llm
-from tests.e2e.test_connector import NO_VERIFICATION
+from tests.e2e.test_connector import NO_VERIFICATION, SHARED_CORE_DEADLINES
 from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon
 from tests.support import keys_for, layout, target_spec
 
@@ -93,6 +93,7 @@ def sidecar(socket: Path) -> dict[str, Any]:
         "kv_connector_extra_config": {
             "mode": "sidecar",
             "socket_path": str(socket),
+            **SHARED_CORE_DEADLINES,
             **NO_VERIFICATION,
         },
     }
