@@ -51,7 +51,9 @@ def refuse_static_keys(backend: ObjectBackend, config: ObjectStoreConfig) -> Non
 class StoreHealth:
     """The identity resolved and the breaker closed, or not; trials that find out again."""
 
-    def __init__(self, backend: ObjectBackend, breaker: CircuitBreaker, guard: RequestGuard):
+    def __init__(
+        self, backend: ObjectBackend, breaker: CircuitBreaker, guard: RequestGuard
+    ) -> None:
         self.backend = backend
         self.breaker = breaker
         self.guard = guard
