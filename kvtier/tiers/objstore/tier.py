@@ -12,6 +12,10 @@ it learned of from the store are knowledge it may forget, never delete to make r
 
 Requests go through `RequestGuard` (retries, backoff, breaker). A broken identity or an open
 breaker makes the tier unhealthy: it answers misses until a trial request succeeds.
+
+This module holds the uploads and the tier's contract; the tier holds its other parts, each
+given what it needs: `health.StoreHealth`, `reads.ObjectReads`, `lineage.Lineage`,
+`orphans.Orphans`, `pins.FleetPins` and `budget.StoreBudget`, with names from `naming`.
 """
 
 from __future__ import annotations
