@@ -63,7 +63,7 @@ def swap_chunks(scheduler: Any, pairs: int, seed: int = 0) -> int:
     held another chunk's KV; returns how many chunks changed."""
     namespace = scheduler.namespaces["target"]
     cpu = scheduler.session.client.manager.cpu
-    keys = sorted(k for k in cpu._index if namespace_of(k) == namespace)
+    keys = sorted(k for k in cpu.slots.committed if namespace_of(k) == namespace)
     random.Random(seed).shuffle(keys)
     changed = 0
     for first_key, second_key in zip(

@@ -22,6 +22,17 @@ from kvtier.core.pools import PoolRegistry, Registration
 from kvtier.core.protocol import TierStats
 
 
+def check_payload(registry: PoolRegistry, key: ChunkKey, nbytes: int) -> Registration:
+    """The key's registration; raises `PayloadSizeError` when ``nbytes`` is not its chunk size."""
+    reg = registry.resolve(key)
+    if nbytes != reg.chunk_bytes:
+        raise PayloadSizeError(
+            f"payload of {nbytes} bytes for pool {reg.pool!r}, "
+            f"which stores {reg.chunk_bytes}-byte chunks"
+        )
+    return reg
+
+
 class Tier(ABC):
     """One storage medium holding verified chunks, keyed by `ChunkKey`."""
 
@@ -39,13 +50,7 @@ class Tier(ABC):
             self.journal.record(stored, self.name, keys)
 
     def _check_payload(self, key: ChunkKey, nbytes: int) -> Registration:
-        reg = self.registry.resolve(key)
-        if nbytes != reg.chunk_bytes:
-            raise PayloadSizeError(
-                f"payload of {nbytes} bytes for pool {reg.pool!r}, "
-                f"which stores {reg.chunk_bytes}-byte chunks"
-            )
-        return reg
+        return check_payload(self.registry, key, nbytes)
 
     def corrupt_chunks(self) -> int:
         """Chunks that failed verification here since the tier opened (its ``corrupt`` count)."""

@@ -18,8 +18,9 @@ from collections.abc import Callable, Collection, Sequence
 
 from kvtier.core.config import ArenaConfig
 from kvtier.core.keys import ChunkKey, namespace_of
-from kvtier.core.pools import PoolRegistry
+from kvtier.core.pools import PoolRegistry, Registration
 from kvtier.core.protocol import SlotRef, TierCode, TierStats, UsageStats
+from kvtier.tiers.base import Tier
 from kvtier.tiers.commit_checksums import ChecksumLedger, ledger_path
 from kvtier.tiers.cpu_slots import ArenaSlots
 from kvtier.tiers.slots import READY, WRITING
@@ -27,21 +28,55 @@ from kvtier.tiers.slots import READY, WRITING
 log = logging.getLogger(__name__)
 
 
-class CpuTier(ArenaSlots):
+class CpuTier(Tier):
+    """The verbs over the slot bookkeeping it holds (`cpu_slots.ArenaSlots`, ``slots``)."""
+
     name = TierCode.CPU.tier
     persistent = False
 
     def __init__(self, config: ArenaConfig, registry: PoolRegistry) -> None:
-        super().__init__(config, registry)
+        super().__init__(registry)
+        self.config = config
+        self.slots = ArenaSlots(config, registry, self._tell)
+        self.memory = self.slots.memory
+        self._track_dirty = False
+        self._clean_reserve = 0.2
+        self._held_slots: Callable[[str, int], int] = lambda pool, slot_bytes: 0
+        self._closed = False
         if config.commit_checksum:
-            ledger = ChecksumLedger.create(config.path, len(self._key))
-            self._checksums.keep_in(ledger, self._span)
+            ledger = ChecksumLedger.create(config.path, len(self.slots.keys))
+            self.slots.checksums.keep_in(ledger, self._span)
         else:  # a predecessor's would speak for an arena it no longer describes
             ledger_path(config.path).unlink(missing_ok=True)
 
+    def track_dirty(self, enabled: bool) -> None:
+        """Mark committed chunks dirty until `writeback_done`; set when a next tier exists."""
+        self._track_dirty = enabled
+
+    def accept(self, reg: Registration) -> None:
+        """Check that the arena can hold this pool's chunks (raises `PoolLayoutError`)."""
+        self.slots.accept(reg)
+
+    def expire_idle(self) -> None:
+        """Expire idle namespaces, then forget the slot classes none uses any more."""
+        self.slots.expire_idle()
+
+    def live_counts(self) -> dict[str, int]:
+        """Slot classes and namespaces in use now, and extents no class holds."""
+        return self.slots.live_counts()
+
+    def pool_capacity_bytes(self, pool: str) -> int:
+        return self.slots.pool_capacity_bytes(pool)
+
+    def quota_bytes(self, replica: str, pool: str) -> int:
+        return self.slots.quota_bytes(replica, pool)
+
+    def set_quota(self, replica: str, pool: str, nbytes: int | None) -> None:
+        self.slots.set_quota(replica, pool, nbytes)
+
     def _span(self, slot: int) -> tuple[int, int]:
         """Where this process placed ``slot``: (offset, nbytes)."""
-        return self.memory.slot_offset(slot), self._class_of(slot).slot_bytes
+        return self.memory.slot_offset(slot), self.slots.class_of(slot).slot_bytes
 
     # -- the store path: reserve -> write -> commit | abort -------------------------------
 
@@ -51,27 +86,27 @@ class CpuTier(ArenaSlots):
         regs = [self.registry.resolve(k, use=True) for k in keys]
         out: list[SlotRef | None] = []
         now = time.monotonic()
-        with self._lock:
-            q = self._replica(replica)
+        with self.slots.lock:
+            q = self.slots.replica(replica)
             for key, reg in zip(keys, regs, strict=True):
-                if key in self._index or key in self._writing:
-                    self._counters.add("store_duplicate", 1)
+                if key in self.slots.committed or key in self.slots.writing:
+                    self.slots.counters.add("store_duplicate", 1)
                     out.append(None)
                     continue
-                cls = self._class_for(reg)
+                cls = self.slots.class_for(reg)
                 cls.last_used = now
-                slot = self._allocate(cls, q)
+                slot = self.slots.allocate(cls, q)
                 if slot is None:
-                    self._counters.add("store_rejected", 1)
-                    self._refused += 1
+                    self.slots.counters.add("store_rejected", 1)
+                    self.slots.refused += 1
                     out.append(None)
                     continue
-                self._key[slot] = key
-                self._owner[slot] = q
-                self._writing[key] = slot
-                self._inflight[(q, cls.pool)] += cls.slot_bytes
-                self._slots.set_state(slot, WRITING)
-                out.append(self._ref(key, slot, reg.chunk_bytes))
+                self.slots.keys[slot] = key
+                self.slots.owner[slot] = q
+                self.slots.writing[key] = slot
+                self.slots.inflight[(q, cls.pool)] += cls.slot_bytes
+                self.slots.table.set_state(slot, WRITING)
+                out.append(self.slots.ref(key, slot, reg.chunk_bytes))
         return out
 
     def commit(self, refs: Sequence[SlotRef], *, clean: bool = False, lease: bool = False) -> int:
@@ -80,36 +115,36 @@ class CpuTier(ArenaSlots):
         done = 0
         committed: list[ChunkKey] = []
         hashing = self._track_dirty and not clean and self.config.commit_checksum
-        with self._lock:
+        with self.slots.lock:
             for ref in refs:
-                if not self._current(ref, WRITING):
-                    self._counters.add("commit_stale", 1)
+                if not self.slots.current(ref, WRITING):
+                    self.slots.counters.add("commit_stale", 1)
                     continue
                 slot = ref.slot
-                cls = self._class_of(slot)
-                del self._writing[ref.key]
-                self._inflight[(self._owner[slot], cls.pool)] -= cls.slot_bytes
-                self._index[ref.key] = slot
-                self._slots.set_state(slot, READY)
+                cls = self.slots.class_of(slot)
+                del self.slots.writing[ref.key]
+                self.slots.inflight[(self.slots.owner[slot], cls.pool)] -= cls.slot_bytes
+                self.slots.committed[ref.key] = slot
+                self.slots.table.set_state(slot, READY)
                 self.memory.index.insert(ref.key, slot)
                 cls.ready += 1
-                self._used[(self._owner[slot], cls.pool)] += cls.slot_bytes
-                self._chunks[(self._owner[slot], cls.pool)] += 1
-                if ref.key in self._pinned_keys:
-                    self._pinned[slot] = True
+                self.slots.used[(self.slots.owner[slot], cls.pool)] += cls.slot_bytes
+                self.slots.chunks[(self.slots.owner[slot], cls.pool)] += 1
+                if ref.key in self.slots.pinned_keys:
+                    self.slots.pinned[slot] = True
                 else:
-                    cls.policy.insert(slot, self._owner[slot])
-                    if self._retired and namespace_of(ref.key) in self._retired:
+                    cls.policy.insert(slot, self.slots.owner[slot])
+                    if self.slots.retired and namespace_of(ref.key) in self.slots.retired:
                         cls.retired.add(slot)
                 if self._track_dirty and not clean:
-                    self._dirty[slot] = True
+                    self.slots.dirty[slot] = True
                     cls.dirty_count += 1
                     cls.dirty.append((slot, ref.generation))
                     if hashing:
-                        self._checksums.later(ref)
+                        self.slots.checksums.later(ref)
                 if lease:
-                    self._slots.add_ref(slot, 1)
-                self._counters.add("stores", 1)
+                    self.slots.table.add_ref(slot, 1)
+                self.slots.counters.add("stores", 1)
                 done += 1
                 committed.append(ref.key)
             self._tell(True, committed)
@@ -119,11 +154,11 @@ class CpuTier(ArenaSlots):
         """Free reserved slots; returns how many were still reserved. ``counter`` names the
         event counted for each."""
         done = 0
-        with self._lock:
+        with self.slots.lock:
             for ref in refs:
-                if self._current(ref, WRITING):
-                    self._release_slot(ref.slot)
-                    self._counters.add(counter, 1)
+                if self.slots.current(ref, WRITING):
+                    self.slots.release_slot(ref.slot)
+                    self.slots.counters.add(counter, 1)
                     done += 1
         return done
 
@@ -133,36 +168,36 @@ class CpuTier(ArenaSlots):
         """A refcounted read lease per present key; a leased slot is never freed."""
         out: list[SlotRef | None] = []
         now = time.monotonic()
-        with self._lock:
+        with self.slots.lock:
             for key in keys:
-                slot = self._index.get(key)
+                slot = self.slots.committed.get(key)
                 if slot is None:
-                    self._counters.add("misses", 1)
+                    self.slots.counters.add("misses", 1)
                     out.append(None)
                     continue
-                cls = self._class_of(slot)
-                self._slots.add_ref(slot, 1)
+                cls = self.slots.class_of(slot)
+                self.slots.table.add_ref(slot, 1)
                 cls.policy.access(slot)
                 cls.last_used = now
-                self._counters.add("hits", 1)
-                out.append(self._ref(key, slot, cls.slot_bytes))
+                self.slots.counters.add("hits", 1)
+                out.append(self.slots.ref(key, slot, cls.slot_bytes))
         return out
 
     def release(self, refs: Sequence[SlotRef], counter: str = "") -> None:
         """End leases; ``counter`` names an event counted for each (none when empty)."""
-        with self._lock:
+        with self.slots.lock:
             for ref in refs:
-                if self._current(ref, READY) and self._slots.refcount[ref.slot] > 0:
+                if self.slots.current(ref, READY) and self.slots.table.refcount[ref.slot] > 0:
                     if counter:
-                        self._counters.add(counter, 1)
-                    self._slots.add_ref(ref.slot, -1)
-                    if self._hidden[ref.slot] and self._slots.refcount[ref.slot] == 0:
-                        self._release_slot(ref.slot)
+                        self.slots.counters.add(counter, 1)
+                    self.slots.table.add_ref(ref.slot, -1)
+                    if self.slots.hidden[ref.slot] and self.slots.table.refcount[ref.slot] == 0:
+                        self.slots.release_slot(ref.slot)
                 else:
-                    self._counters.add("release_stale", 1)
+                    self.slots.counters.add("release_stale", 1)
 
     def owner_of(self, ref: SlotRef) -> str:
-        return self._replica_names[self._owner[ref.slot]]
+        return self.slots.replica_names[self.slots.owner[ref.slot]]
 
     def view(self, ref: SlotRef) -> memoryview:
         return self.memory.view(ref.offset, ref.nbytes)
@@ -179,9 +214,9 @@ class CpuTier(ArenaSlots):
         every store would be written back beside the engine's next forward."""
         out: list[SlotRef] = []
         reserve = self._clean_reserve
-        with self._lock:
-            for cls in self._classes.values():
-                capacity = (cls.extents + self._growable_extents(cls)) * cls.per_extent
+        with self.slots.lock:
+            for cls in self.slots.classes.values():
+                capacity = (cls.extents + self.slots.growable_extents(cls)) * cls.per_extent
                 # slots held for loads are neither free nor evictable
                 held = self._held_slots(cls.pool, cls.slot_bytes)
                 while cls.dirty and len(out) < limit:
@@ -189,11 +224,15 @@ class CpuTier(ArenaSlots):
                     if not everything and clean_or_free >= reserve * capacity:
                         break
                     slot, gen = cls.dirty.popleft()
-                    key = self._key[slot]
-                    if key is None or not self._dirty[slot] or self._slots.generation[slot] != gen:
+                    key = self.slots.keys[slot]
+                    if (
+                        key is None
+                        or not self.slots.dirty[slot]
+                        or self.slots.table.generation[slot] != gen
+                    ):
                         continue  # freed or re-used since it was queued
-                    self._slots.add_ref(slot, 1)
-                    out.append(self._ref(key, slot, cls.slot_bytes))
+                    self.slots.table.add_ref(slot, 1)
+                    out.append(self.slots.ref(key, slot, cls.slot_bytes))
         return out
 
     def set_clean_reserve(self, share: float) -> None:
@@ -202,13 +241,13 @@ class CpuTier(ArenaSlots):
     def count_duplicates(self, n: int) -> None:
         """Stores of chunks a tier below holds already, refused before they reached the arena:
         duplicates as much as those the arena holds."""
-        self._counters.add("store_duplicate", n)
+        self.slots.counters.add("store_duplicate", n)
 
     def take_refused(self) -> int:
         """Stores refused for want of a free or clean slot since last asked: the clean reserve
         was too small for the stores coming in, and each one refused is a later miss."""
-        with self._lock:
-            refused, self._refused = self._refused, 0
+        with self.slots.lock:
+            refused, self.slots.refused = self.slots.refused, 0
         return refused
 
     def count_held(self, held_slots: Callable[[str, int], int]) -> None:
@@ -217,68 +256,70 @@ class CpuTier(ArenaSlots):
         self._held_slots = held_slots
 
     def writeback_pending(self) -> int:
-        with self._lock:
-            return sum(c.dirty_count for c in self._classes.values())
+        with self.slots.lock:
+            return sum(c.dirty_count for c in self.slots.classes.values())
 
     def commit_checksum(self, ref: SlotRef) -> bytes | None:
         """The payload checksum taken when the chunk of a write-back lease was committed; None
         when none is taken (`ArenaConfig.commit_checksum` off). A chunk written back before the
         hashing thread reached it is hashed now."""
-        return self._checksums.of(ref, take_now=self._track_dirty and self.config.commit_checksum)
+        return self.slots.checksums.of(
+            ref, take_now=self._track_dirty and self.config.commit_checksum
+        )
 
     def writeback_done(
         self, refs: Sequence[SlotRef], ok: bool, changed: Collection[ChunkKey] = ()
     ) -> None:
         """End write-back leases; a failed write leaves the chunk clean-but-arena-only. Chunks
         in ``changed`` no longer matched their commit checksum: they are dropped."""
-        with self._lock:
+        with self.slots.lock:
             for ref in refs:
-                if not self._current(ref, READY):
+                if not self.slots.current(ref, READY):
                     continue
                 slot = ref.slot
-                self._slots.add_ref(slot, -1)
-                if self._dirty[slot]:
-                    self._dirty[slot] = False
-                    cls = self._class_of(slot)
+                self.slots.table.add_ref(slot, -1)
+                if self.slots.dirty[slot]:
+                    self.slots.dirty[slot] = False
+                    cls = self.slots.class_of(slot)
                     cls.dirty_count -= 1
                 if ref.key in changed:
                     self._drop_changed(ref)
                     continue
-                self._counters.add("writeback_ok" if ok else "writeback_failed", 1)
+                self.slots.counters.add("writeback_ok" if ok else "writeback_failed", 1)
 
     def _drop_changed(self, ref: SlotRef) -> None:
         """Drop a chunk whose bytes changed after its commit: lookups miss it from now on; a
         leased slot leaves the index now and is freed when its last lease ends."""
         slot = ref.slot
-        cls = self._class_of(slot)
+        cls = self.slots.class_of(slot)
         log.error(
             "arena: chunk %s (pool %s, replica %s) changed after it was committed: its "
             "checksum no longer matches; dropped, not written back",
             ref.key.hex(),
             cls.pool,
-            self._replica_names[self._owner[slot]],
+            self.slots.replica_names[self.slots.owner[slot]],
         )
-        self._counters.add("corrupt", 1)
-        self._counters.add(f"corrupt:{cls.pool}", 1)
-        self._checksums.forget(slot)
-        if self._slots.refcount[slot] == 0:
-            self._release_slot(slot)
+        self.slots.counters.add("corrupt", 1)
+        self.slots.counters.add(f"corrupt:{cls.pool}", 1)
+        self.slots.checksums.forget(slot)
+        if self.slots.table.refcount[slot] == 0:
+            self.slots.release_slot(slot)
             return
-        self._unpublish(ref.key)
-        self._hidden[slot] = True
+        self.slots.unpublish(ref.key)
+        self.slots.hidden[slot] = True
         cls.policy.remove(slot)
         cls.retired.discard(slot)
 
     # -- the Tier contract ----------------------------------------------------------------
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return list(map(self._index.__contains__, keys))
+        return list(map(self.slots.committed.__contains__, keys))
 
     def put(self, key: ChunkKey, payload: memoryview | bytes, replica: str = "default") -> bool:
         self._check_payload(key, len(payload))
         (ref,) = self.reserve([key], replica)
         if ref is None:
-            return key in self._index
+            return key in self.slots.committed
         self.view(ref)[:] = payload
         return self.commit([ref]) == 1
 
@@ -296,52 +337,52 @@ class CpuTier(ArenaSlots):
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         dropped = 0
-        with self._lock:
+        with self.slots.lock:
             for key in keys:
-                slot = self._index.get(key)
-                if slot is not None and self._slots.refcount[slot] == 0:
-                    self._release_slot(slot)
+                slot = self.slots.committed.get(key)
+                if slot is not None and self.slots.table.refcount[slot] == 0:
+                    self.slots.release_slot(slot)
                     dropped += 1
         return dropped
 
     def pin(self, keys: Sequence[ChunkKey]) -> None:
-        with self._lock:
+        with self.slots.lock:
             for key in keys:
-                self._pinned_keys.add(key)
-                slot = self._index.get(key)
-                if slot is not None and not self._pinned[slot]:
-                    self._pinned[slot] = True
-                    self._class_of(slot).policy.remove(slot)
+                self.slots.pinned_keys.add(key)
+                slot = self.slots.committed.get(key)
+                if slot is not None and not self.slots.pinned[slot]:
+                    self.slots.pinned[slot] = True
+                    self.slots.class_of(slot).policy.remove(slot)
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
-        with self._lock:
+        with self.slots.lock:
             for key in keys:
-                self._pinned_keys.discard(key)
-                slot = self._index.get(key)
-                if slot is not None and self._pinned[slot]:
-                    self._pinned[slot] = False
-                    self._class_of(slot).policy.insert(slot, self._owner[slot])
+                self.slots.pinned_keys.discard(key)
+                slot = self.slots.committed.get(key)
+                if slot is not None and self.slots.pinned[slot]:
+                    self.slots.pinned[slot] = False
+                    self.slots.class_of(slot).policy.insert(slot, self.slots.owner[slot])
 
     def evict(
         self, *, pool: str | None = None, namespace: bytes | None = None, replica: str | None = None
     ) -> int:
         dropped = 0
-        with self._lock:
-            q = self._replicas.get(replica) if replica is not None else None
+        with self.slots.lock:
+            q = self.slots.replicas.get(replica) if replica is not None else None
             if replica is not None and q is None:
                 return 0
-            for key, slot in list(self._index.items()):
-                if self._pinned[slot] or self._slots.refcount[slot] != 0:
+            for key, slot in list(self.slots.committed.items()):
+                if self.slots.pinned[slot] or self.slots.table.refcount[slot] != 0:
                     continue
-                if pool is not None and self._class_of(slot).pool != pool:
+                if pool is not None and self.slots.class_of(slot).pool != pool:
                     continue
                 if namespace is not None and namespace_of(key) != namespace:
                     continue
-                if q is not None and self._owner[slot] != q:
+                if q is not None and self.slots.owner[slot] != q:
                     continue
-                self._release_slot(slot)
+                self.slots.release_slot(slot)
                 dropped += 1
-            self._counters.add("evictions_admin", dropped)
+            self.slots.counters.add("evictions_admin", dropped)
         return dropped
 
     def retire(self, namespace: bytes) -> None:
@@ -353,53 +394,53 @@ class CpuTier(ArenaSlots):
         self._mark_retired(namespace, False)
 
     def _mark_retired(self, namespace: bytes, retired: bool) -> None:
-        with self._lock:
+        with self.slots.lock:
             if retired:
-                self._retired.add(namespace)
+                self.slots.retired.add(namespace)
             else:
-                self._retired.discard(namespace)
-            for key, slot in self._index.items():
-                if namespace_of(key) == namespace and not self._pinned[slot]:
-                    cls = self._class_of(slot)
+                self.slots.retired.discard(namespace)
+            for key, slot in self.slots.committed.items():
+                if namespace_of(key) == namespace and not self.slots.pinned[slot]:
+                    cls = self.slots.class_of(slot)
                     (cls.retired.add if retired else cls.retired.discard)(slot)
 
     def namespace_chunks(self) -> Counter[bytes]:
         """Chunks held per namespace."""
-        with self._lock:
-            return Counter(namespace_of(key) for key in self._index)
+        with self.slots.lock:
+            return Counter(namespace_of(key) for key in self.slots.committed)
 
     def stats(self) -> TierStats:
-        with self._lock:
+        with self.slots.lock:
             pools: dict[str, UsageStats] = {}
-            for cls in self._classes.values():
+            for cls in self.slots.classes.values():
                 usage = pools.setdefault(cls.pool, UsageStats())
                 usage.used_bytes += cls.ready * cls.slot_bytes
                 usage.chunks += cls.ready
             for name in pools:
                 pools[name].capacity_bytes = self.pool_capacity_bytes(name)
             replicas = {
-                (self._replica_names[q], pool): UsageStats(
+                (self.slots.replica_names[q], pool): UsageStats(
                     used_bytes=used,
-                    chunks=self._chunks[(q, pool)],
-                    capacity_bytes=self.quota_bytes(self._replica_names[q], pool),
+                    chunks=self.slots.chunks[(q, pool)],
+                    capacity_bytes=self.quota_bytes(self.slots.replica_names[q], pool),
                 )
                 # a replica that has emptied stays, at zero, so its quota stays in view
-                for (q, pool), used in self._used.items()
+                for (q, pool), used in self.slots.used.items()
             }
             used = sum(u.used_bytes for u in pools.values())
             return TierStats(
                 tier=self.name,
                 capacity_bytes=self.memory.num_extents * self.memory.extent_bytes,
                 used_bytes=used,
-                chunks=len(self._index),
+                chunks=len(self.slots.committed),
                 pools=pools,
                 replicas=replicas,
-                counters=self._counters.snapshot(),
+                counters=self.slots.counters.snapshot(),
             )
 
     def close(self) -> None:
-        self._checksums.close()
-        with self._lock:
+        self.slots.checksums.close()
+        with self.slots.lock:
             if not self._closed:
                 self._closed = True
                 self.memory.close()

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import psutil
 
@@ -40,7 +40,6 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.pools import PoolRegistry, Registration
 from kvtier.core.protocol import SlotRef
 from kvtier.tiers.arena import ArenaMemory, resolve_group
-from kvtier.tiers.base import Tier
 from kvtier.tiers.commit_checksums import CommitChecksums
 from kvtier.tiers.eviction import make_policy
 from kvtier.tiers.extents import Extents
@@ -53,12 +52,20 @@ _EXTENT_SCAN = 8  # a lender's extents inspected for one that can be cleared
 _RECLAIM_RETRY_S = 0.05  # a class no class could lend to asks again after this long
 
 
-class ArenaSlots(Tier):
-    """The slot bookkeeping under `cpu.CpuTier`: classes, owners, quotas, victims."""
+class ArenaSlots:
+    """The slot bookkeeping `cpu.CpuTier` holds: the arena's memory, classes, each slot's key,
+    owner and flags, quotas, victims. Its lock guards all of it; callers take it around the
+    methods here, which change the bookkeeping in place. ``tell`` hears of chunks leaving."""
 
-    def __init__(self, config: ArenaConfig, registry: PoolRegistry) -> None:
-        super().__init__(registry)
+    def __init__(
+        self,
+        config: ArenaConfig,
+        registry: PoolRegistry,
+        tell: Callable[[bool, Sequence[ChunkKey]], None],
+    ) -> None:
         self.config = config
+        self.registry = registry
+        self.tell = tell
         if config.size_bytes is None:
             size = default_arena_size(config.auto_fraction, config.path.parent)
         else:
@@ -75,40 +82,36 @@ class ArenaSlots(Tier):
         )
         mem = self.memory
         n = mem.num_extents * mem.max_slots_per_extent
-        self._slots = SlotTable(mem)
-        self._lock = threading.RLock()
+        self.table = SlotTable(mem)
+        self.lock = threading.RLock()
         self._extents = Extents(mem)  # the owner's own table; the file's copy is for clients
-        self._classes: dict[tuple[str, int], SlotClass] = {}
+        self.classes: dict[tuple[str, int], SlotClass] = {}
         self._policy_node = [0] * n  # slot -> its node in its class's eviction policy
-        self._index: dict[ChunkKey, int] = {}  # committed chunks
-        self._writing: dict[ChunkKey, int] = {}  # reserved, not yet committed
-        self._key: list[ChunkKey | None] = [None] * n
-        self._owner = [0] * n
-        self._dirty = [False] * n
-        self._pinned = [False] * n
-        self._pinned_keys: set[ChunkKey] = set()
-        self._hidden = [False] * n  # dropped while leased: out of the index, freed on release
-        self._replicas: dict[str, int] = {}
-        self._replica_names: list[str] = []
-        self._used: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> bytes
-        self._inflight: Counter[tuple[int, str]] = Counter()  # reserved, not committed
-        self._chunks: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> chunks
+        self.committed: dict[ChunkKey, int] = {}  # committed chunks
+        self.writing: dict[ChunkKey, int] = {}  # reserved, not yet committed
+        self.keys: list[ChunkKey | None] = [None] * n
+        self.owner = [0] * n
+        self.dirty = [False] * n
+        self.pinned = [False] * n
+        self.pinned_keys: set[ChunkKey] = set()
+        self.hidden = [False] * n  # dropped while leased: out of the index, freed on release
+        self.replicas: dict[str, int] = {}
+        self.replica_names: list[str] = []
+        self.used: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> bytes
+        self.inflight: Counter[tuple[int, str]] = Counter()  # reserved, not committed
+        self.chunks: Counter[tuple[int, str]] = Counter()  # (replica, pool) -> chunks
         self._quota_override: dict[tuple[str, str], int] = {}
-        self._retired: set[bytes] = set()  # namespaces whose chunks go first
-        self._counters = Counters()
-        self._checksums = CommitChecksums(
+        self.retired: set[bytes] = set()  # namespaces whose chunks go first
+        self.counters = Counters()
+        self.checksums = CommitChecksums(
             n,
-            self._lock,
-            lambda ref: self._current(ref, READY),
+            self.lock,
+            lambda ref: self.current(ref, READY),
             self._payload_checksum,
-            self._counters,
+            self.counters,
         )
-        self._track_dirty = False
-        self._clean_reserve = 0.2
-        self._refused = 0
+        self.refused = 0
         """Stores refused for want of room since write-back last asked (`CpuTier.take_refused`)."""
-        self._held_slots: Callable[[str, int], int] = lambda pool, slot_bytes: 0
-        self._closed = False
         registry.admit_with(self.accept)  # a pool the arena refuses is never registered
         log.info(
             "arena %s: %.2f GiB, %d extents of %d MiB",
@@ -127,24 +130,20 @@ class ArenaSlots(Tier):
                 f"arena.size_bytes: {size} bytes exceeds this machine's {total} bytes of memory"
             )
 
-    def track_dirty(self, enabled: bool) -> None:
-        """Mark committed chunks dirty until `writeback_done`; set when a next tier exists."""
-        self._track_dirty = enabled
-
-    def _replica(self, name: str) -> int:
-        q = self._replicas.get(name)
+    def replica(self, name: str) -> int:
+        q = self.replicas.get(name)
         if q is None:
-            q = self._replicas[name] = len(self._replica_names)
-            self._replica_names.append(name)
+            q = self.replicas[name] = len(self.replica_names)
+            self.replica_names.append(name)
         return q
 
     def accept(self, reg: Registration) -> None:
         """Check that the arena can hold this pool's chunks (raises `PoolLayoutError`)."""
-        with self._lock:
-            self._class_for(reg)
+        with self.lock:
+            self.class_for(reg)
 
-    def _class_for(self, reg: Registration) -> SlotClass:
-        cls = self._classes.get((reg.pool, reg.chunk_bytes))
+    def class_for(self, reg: Registration) -> SlotClass:
+        cls = self.classes.get((reg.pool, reg.chunk_bytes))
         if cls is None:
             if reg.pool not in self.config.pools:
                 known = sorted(self.config.pools)
@@ -162,18 +161,18 @@ class ArenaSlots(Tier):
                     f"({smallest}): set arena.min_slot_bytes to {reg.chunk_bytes} or less, or "
                     "put more blocks in a chunk (blocks_per_chunk)"
                 )
-            if len(self._classes) >= self.config.max_slot_classes:
+            if len(self.classes) >= self.config.max_slot_classes:
                 self._forget_unused_classes()
-            if len(self._classes) >= self.config.max_slot_classes:
+            if len(self.classes) >= self.config.max_slot_classes:
                 raise CapacityError(
-                    f"the arena has {len(self._classes)} slot classes in use, the most "
+                    f"the arena has {len(self.classes)} slot classes in use, the most "
                     f"arena.max_slot_classes allows; a pool of {reg.chunk_bytes}-byte chunks "
                     "needs one more: raise arena.max_slot_classes, or wait for idle namespaces "
                     "to expire (server.namespace_idle_s)"
                 )
             policy = make_policy(self.config.eviction_policy, self._policy_node)
             per_extent = self.memory.extent_bytes // reg.chunk_bytes
-            cls = self._classes[(reg.pool, reg.chunk_bytes)] = SlotClass(
+            cls = self.classes[(reg.pool, reg.chunk_bytes)] = SlotClass(
                 reg.pool, reg.chunk_bytes, policy, per_extent, time.monotonic()
             )
         return cls
@@ -181,28 +180,28 @@ class ArenaSlots(Tier):
     def expire_idle(self) -> None:
         """Expire idle namespaces, then forget the slot classes none uses any more."""
         self.registry.expire_idle()
-        with self._lock:
+        with self.lock:
             self._forget_unused_classes()
 
     def _forget_unused_classes(self) -> None:
         live = self.registry.live_classes
-        for key, cls in list(self._classes.items()):
+        for key, cls in list(self.classes.items()):
             if key in live:
                 continue
             for extent in cls.held():
                 self._clear_extent(extent, "expired")
             if cls.extents:
                 if cls.dirty_count:
-                    self._refused += 1  # write-back then writes them all; the next pass clears
+                    self.refused += 1  # write-back then writes them all; the next pass clears
             else:
-                del self._classes[key]
-                self._counters.add("slot_classes_expired", 1)
+                del self.classes[key]
+                self.counters.add("slot_classes_expired", 1)
 
     def live_counts(self) -> dict[str, int]:
         """Slot classes and namespaces in use now, and extents no class holds."""
-        with self._lock:
+        with self.lock:
             return {
-                "slot_classes": len(self._classes),
+                "slot_classes": len(self.classes),
                 "namespaces": self.registry.live_count(),
                 "free_extents": self._extents.free,
             }
@@ -218,7 +217,7 @@ class ArenaSlots(Tier):
         return int(self.pool_capacity_bytes(pool) * self.config.pools[pool].replica_share)
 
     def set_quota(self, replica: str, pool: str, nbytes: int | None) -> None:
-        with self._lock:
+        with self.lock:
             if nbytes is None:
                 self._quota_override.pop((replica, pool), None)
             else:
@@ -227,15 +226,15 @@ class ArenaSlots(Tier):
     # -- allocation and eviction ----------------------------------------------------------
 
     def _pool_extents(self, pool: str) -> int:
-        return sum(c.extents for c in self._classes.values() if c.pool == pool)
+        return sum(c.extents for c in self.classes.values() if c.pool == pool)
 
-    def _growable_extents(self, cls: SlotClass) -> int:
+    def growable_extents(self, cls: SlotClass) -> int:
         """Extents ``cls`` may still take: free ones, within its pool's share."""
         limit = self.pool_capacity_bytes(cls.pool) // self.memory.extent_bytes
         return max(0, min(self._extents.free, limit - self._pool_extents(cls.pool)))
 
     def _grow(self, cls: SlotClass) -> bool:
-        return self._growable_extents(cls) > 0 and self._extents.take(cls)
+        return self.growable_extents(cls) > 0 and self._extents.take(cls)
 
     def _borrow(self, cls: SlotClass, owner: int | None = None) -> bool:
         """Take an extent from another class for ``cls`` (see the module's text); with
@@ -246,7 +245,7 @@ class ArenaSlots(Tier):
         for lender in self._lenders(cls, now):
             for extent in heapq.nlargest(_EXTENT_SCAN, lender.held()):  # stores fill low first
                 if self._clear_extent(extent, "reclaim", owner):
-                    self._counters.add("extents_lent", 1)
+                    self.counters.add("extents_lent", 1)
                     return self._extents.take(cls)
         cls.reclaim_after = now + _RECLAIM_RETRY_S
         return False
@@ -263,7 +262,7 @@ class ArenaSlots(Tier):
         session_classes = self.registry.held_classes()
         idle: list[SlotClass] = []
         busy: list[SlotClass] = []
-        for other in self._classes.values():
+        for other in self.classes.values():
             if other is cls or not other.extents:
                 continue
             if other.pool != cls.pool:
@@ -295,31 +294,31 @@ class ArenaSlots(Tier):
         one of its slots is reserved, leased, pinned, dirty (not yet written back) or, with
         ``owner``, holds another replica's chunk."""
         slots = self._extents.slots_of(extent)
-        state = self._slots.state
+        state = self.table.state
         for slot in slots:
             if state[slot] == WRITING or (
                 state[slot] == READY
                 and (
-                    self._dirty[slot]
-                    or self._pinned[slot]
-                    or self._slots.refcount[slot]
-                    or (owner is not None and self._owner[slot] != owner)
+                    self.dirty[slot]
+                    or self.pinned[slot]
+                    or self.table.refcount[slot]
+                    or (owner is not None and self.owner[slot] != owner)
                 )
             ):
                 return False
         for slot in slots:
             if state[slot] == READY:
-                self._release_slot(slot, keep_extent=True)
-                self._counters.add(f"evictions_{reason}", 1)
+                self.release_slot(slot, keep_extent=True)
+                self.counters.add(f"evictions_{reason}", 1)
         self._give_back(extent)
         return True
 
     def _give_back(self, extent: int) -> None:
         self._extents.give_back(extent)
-        self._counters.add("extents_returned", 1)
+        self.counters.add("extents_returned", 1)
 
     def _evictable(self, slot: int) -> bool:
-        return not self._dirty[slot] and self._slots.refcount[slot] == 0
+        return not self.dirty[slot] and self.table.refcount[slot] == 0
 
     def _first_victim(self, cls: SlotClass, queue: int) -> int | None:
         for scanned, slot in enumerate(cls.policy.candidates(queue)):
@@ -332,8 +331,8 @@ class ArenaSlots(Tier):
     def _retired_victim(self, cls: SlotClass, q: int | None, reason: str) -> tuple[int, str] | None:
         """A chunk of a retired draft revision (of replica ``q``, when given): these go first."""
         for slot in itertools.islice(cls.retired, _SCAN_LIMIT):
-            if self._evictable(slot) and (q is None or self._owner[slot] == q):
-                self._counters.add("retired_evicted", 1)
+            if self._evictable(slot) and (q is None or self.owner[slot] == q):
+                self.counters.add("retired_evicted", 1)
                 return slot, reason
         return None
 
@@ -342,8 +341,8 @@ class ArenaSlots(Tier):
         if retired is not None:
             return retired
         over = []
-        for name, q in self._replicas.items():
-            excess = self._used[(q, cls.pool)] - self.quota_bytes(name, cls.pool)
+        for name, q in self.replicas.items():
+            excess = self.used[(q, cls.pool)] - self.quota_bytes(name, cls.pool)
             if excess > 0:
                 over.append((excess, q))
         for _excess, q in sorted(over, reverse=True):
@@ -358,11 +357,11 @@ class ArenaSlots(Tier):
         return None if best is None else (best, "capacity")
 
     def _over_quota(self, q: int, cls: SlotClass) -> bool:
-        name = self._replica_names[q]
-        held = self._used[(q, cls.pool)] + self._inflight[(q, cls.pool)]
+        name = self.replica_names[q]
+        held = self.used[(q, cls.pool)] + self.inflight[(q, cls.pool)]
         return held + cls.slot_bytes > self.quota_bytes(name, cls.pool)
 
-    def _allocate(self, cls: SlotClass, q: int) -> int | None:
+    def allocate(self, cls: SlotClass, q: int) -> int | None:
         slot = cls.take_free()
         if slot is None and self._grow(cls):
             slot = cls.take_free()
@@ -377,7 +376,7 @@ class ArenaSlots(Tier):
                 if victim is None and self._borrow(cls, owner=q):
                     return cls.take_free()
                 if victim is None:
-                    self._counters.add("store_over_quota", 1)
+                    self.counters.add("store_over_quota", 1)
         elif self._borrow(cls):
             return cls.take_free()
         else:
@@ -385,64 +384,64 @@ class ArenaSlots(Tier):
         if victim is None:
             return None
         slot, reason = victim
-        self._release_slot(slot, keep_extent=True)
-        self._counters.add(f"evictions_{reason}", 1)
+        self.release_slot(slot, keep_extent=True)
+        self.counters.add(f"evictions_{reason}", 1)
         return cls.take_free()
 
-    def _release_slot(self, slot: int, keep_extent: bool = False) -> None:
+    def release_slot(self, slot: int, keep_extent: bool = False) -> None:
         """Return a READY or WRITING slot to its class's free list and bump its generation; an
         extent left with no slot in use goes back to the arena, unless ``keep_extent``."""
         cls = self._extents.class_of(slot)
-        key = self._key[slot]
-        if self._slots.state[slot] == READY:
+        key = self.keys[slot]
+        if self.table.state[slot] == READY:
             assert key is not None
-            if self._hidden[slot]:
-                self._hidden[slot] = False
+            if self.hidden[slot]:
+                self.hidden[slot] = False
             else:
-                self._unpublish(key)
+                self.unpublish(key)
             cls.policy.remove(slot)
             cls.retired.discard(slot)
             cls.ready -= 1
-            self._used[(self._owner[slot], cls.pool)] -= cls.slot_bytes
-            self._chunks[(self._owner[slot], cls.pool)] -= 1
-            if self._dirty[slot]:
-                self._dirty[slot] = False
+            self.used[(self.owner[slot], cls.pool)] -= cls.slot_bytes
+            self.chunks[(self.owner[slot], cls.pool)] -= 1
+            if self.dirty[slot]:
+                self.dirty[slot] = False
                 cls.dirty_count -= 1
-        elif key is not None and self._writing.pop(key, None) is not None:
-            self._inflight[(self._owner[slot], cls.pool)] -= cls.slot_bytes
-        self._key[slot] = None
-        self._pinned[slot] = False
-        self._checksums.forget(slot)
-        self._slots.bump_generation(slot)
-        self._slots.set_state(slot, FREE)
+        elif key is not None and self.writing.pop(key, None) is not None:
+            self.inflight[(self.owner[slot], cls.pool)] -= cls.slot_bytes
+        self.keys[slot] = None
+        self.pinned[slot] = False
+        self.checksums.forget(slot)
+        self.table.bump_generation(slot)
+        self.table.set_state(slot, FREE)
         extent = self._extents.extent_of(slot)
         if cls.put_free(extent, slot) and not keep_extent:
             self._give_back(extent)
 
-    def _unpublish(self, key: ChunkKey) -> None:
-        del self._index[key]
+    def unpublish(self, key: ChunkKey) -> None:
+        del self.committed[key]
         self.memory.index.remove(key)  # before the generation moves: see arena_index.py
-        self._tell(False, [key])
+        self.tell(False, [key])
 
-    def _ref(self, key: ChunkKey, slot: int, nbytes: int) -> SlotRef:
+    def ref(self, key: ChunkKey, slot: int, nbytes: int) -> SlotRef:
         offset = self._extents.slot_offset(slot)
-        return SlotRef(key, slot, offset, nbytes, self._slots.generation[slot])
+        return SlotRef(key, slot, offset, nbytes, self.table.generation[slot])
 
-    def _current(self, ref: SlotRef, state: int) -> bool:
+    def current(self, ref: SlotRef, state: int) -> bool:
         return (
-            0 <= ref.slot < len(self._key)
-            and self._key[ref.slot] == ref.key
-            and self._slots.state[ref.slot] == state
-            and self._slots.generation[ref.slot] == ref.generation
+            0 <= ref.slot < len(self.keys)
+            and self.keys[ref.slot] == ref.key
+            and self.table.state[ref.slot] == state
+            and self.table.generation[ref.slot] == ref.generation
         )
 
     def _payload_checksum(self, ref: SlotRef) -> bytes:
         """The slot's bytes hashed in place in the mapping (the hash drops the GIL), over the
         length write-back copies."""
-        nbytes = self._class_of(ref.slot).slot_bytes
+        nbytes = self.class_of(ref.slot).slot_bytes
         return blockfmt.payload_checksum(
             self.memory.view(self._extents.slot_offset(ref.slot), nbytes)
         )
 
-    def _class_of(self, slot: int) -> SlotClass:
+    def class_of(self, slot: int) -> SlotClass:
         return self._extents.class_of(slot)

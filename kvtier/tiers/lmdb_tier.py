@@ -40,16 +40,18 @@ import lmdb
 
 from kvtier.core import blockfmt
 from kvtier.core.config import Durability, LMDBConfig
+from kvtier.core.counters import Counters
 from kvtier.core.errors import ChunkFormatError, CorruptChunkError
 from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.core.pools import PoolRegistry, Registration
 from kvtier.core.protocol import TierStats, UsageStats
 from kvtier.tiers import lmdb_reader
+from kvtier.tiers.base import Tier
 from kvtier.tiers.lmdb_env import (
     UNREADABLE_ERRORS,
     move_aside,
 )
-from kvtier.tiers.lmdb_index import TICK_BYTES, Entry, Pending, lru_key
+from kvtier.tiers.lmdb_index import Entry, Pending, lru_key
 from kvtier.tiers.lmdb_loads import LmdbLoads
 from kvtier.tiers.lmdb_store import LmdbStore
 from kvtier.tiers.lmdb_values import copy_encoded, copy_payload, verify, will_need
@@ -61,14 +63,26 @@ log = logging.getLogger(__name__)
 _MAX_PENDING_TOUCHES = 1 << 16
 
 
-class LmdbTier(LmdbStore):
+class LmdbTier(Tier):
+    """The verbs over the environment and index it holds (`lmdb_store.LmdbStore`, ``store``)."""
+
     name = "lmdb"
     persistent = True
 
     def __init__(self, config: LMDBConfig, registry: PoolRegistry) -> None:
-        super().__init__(config, registry)
+        super().__init__(registry)
+        self.config = config
+        self._counters = Counters()
+        self.store = LmdbStore(config, self._counters)
+        self.budget = self.store.budget
+        self.space = self.store.space
+        self.set_aside = self.store.set_aside
+        """Where an unreadable environment found at open was moved to."""
+        self._touched: dict[ChunkKey, None] = {}
+        self._track_access = config.eviction_policy == "lru"
+        self._scratch = bytearray()
         self.loads = LmdbLoads(self.touch, registry, self._counters)
-        lmdb_reader.adopt(config.path, self.env, self._chunks)
+        lmdb_reader.adopt(config.path, self.env, self.store.chunks)
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
         if config.sync_interval_s > 0 or config.reader_check_interval_s > 0:
@@ -76,6 +90,18 @@ class LmdbTier(LmdbStore):
                 target=self._background, name="kvtier-lmdb-sync", daemon=True
             )
             self._syncer.start()
+
+    @property
+    def env(self) -> lmdb.Environment:
+        return self.store.env
+
+    def records(self) -> dict[bytes, bytes]:
+        """The small records kept beside the chunks (quarantines), by key."""
+        return self.store.records()
+
+    def write_record(self, key: bytes, value: bytes | None) -> None:
+        """Keep ``value`` under ``key`` (None: drop it), flushed at once (`LmdbStore`)."""
+        self.store.write_record(key, value)
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -100,7 +126,7 @@ class LmdbTier(LmdbStore):
         values = [(k, p, reg, c) for (k, p, c), reg in zip(items, regs, strict=True)]
         try:  # a full map or disk is counted there, and the chunks are not stored
             done = self.space.write(
-                lambda: self._put_txn(values, replica), self._make_room, self._adopt_map_size
+                lambda: self._put_txn(values, replica), self._make_room, self.store.adopt_map_size
             )
         except lmdb.Error as exc:  # a failing disk: the chunks are just not stored
             log.error("lmdb: write failed, %d chunks not stored: %s", len(items), exc)
@@ -113,29 +139,26 @@ class LmdbTier(LmdbStore):
     def _make_room(self, tries: int) -> None:
         """Evict ``tries`` twentieths of the budget (down to the low-water mark at least), in a
         transaction of its own: LMDB reuses the pages it frees only once it has committed."""
-        with self._lock:
+        with self.store.lock:
             with self.env.begin(write=True) as txn:
-                evicted = self._evict_for(txn, self._high - self._used + tries * self.budget // 20)
+                evicted = self._evict_for(
+                    txn, self.store.high - self.store.used + tries * self.budget // 20
+                )
             self._forget(evicted)
 
     def _forget(self, evicted: list[ChunkKey]) -> None:
         """Adopt the evictions of a committed transaction."""
-        for key in evicted:
-            self._used -= self._index.pop(key).nbytes
+        self.store.forget(evicted)
         self._tell(False, evicted)
-        self._counters.add("evictions_capacity", len(evicted))
-        if self._retired:
-            retired = sum(namespace_of(k) in self._retired for k in evicted)
-            self._counters.add("retired_evicted", retired)
 
     def _put_txn(self, values: list[Pending], replica: str) -> tuple[list[bool], list[ChunkKey]]:
         changed: list[ChunkKey] = []
-        with self._lock:
+        with self.store.lock:
             codec = self.config.codec
             new = {
                 k: reg.descriptor.stored_size(len(p), codec)
                 for k, p, reg, _ in values
-                if k not in self._index
+                if k not in self.store.index
             }
             added: dict[ChunkKey, Entry] = {}
             with self.env.begin(write=True) as txn:
@@ -143,9 +166,9 @@ class LmdbTier(LmdbStore):
                 evicted = set(self._evict_for(txn, sum(new.values())))
                 results = []
                 uncodable = 0
-                used = self._used - sum(self._index[k].nbytes for k in evicted)
+                used = self.store.used - sum(self.store.index[k].nbytes for k in evicted)
                 for key, payload, reg, expect in values:
-                    if (key in self._index and key not in evicted) or key in added:
+                    if (key in self.store.index and key not in evicted) or key in added:
                         results.append(True)
                         continue
                     size = reg.descriptor.stored_size(len(payload), codec)
@@ -163,18 +186,18 @@ class LmdbTier(LmdbStore):
                         results.append(False)
                         continue
                     used += size
-                    txn.put(key, value, db=self._chunks)
-                    pinned = key in self._pinned_keys
-                    entry = Entry(self._tick(), size, pinned, reg.pool, replica)
-                    txn.put(key, entry.pack(), db=self._meta)
+                    txn.put(key, value, db=self.store.chunks)
+                    pinned = key in self.store.pinned_keys
+                    entry = Entry(self.store.tick(), size, pinned, reg.pool, replica)
+                    txn.put(key, entry.pack(), db=self.store.meta)
                     if not pinned:
-                        txn.put(lru_key(entry.tick, key), b"", db=self._lru)
+                        txn.put(lru_key(entry.tick, key), b"", db=self.store.lru)
                     added[key] = entry
                     results.append(True)
             # committed: only now does the in-memory index follow
-            self._apply(touched)
+            self.store.apply(touched)
             self._forget(list(evicted))
-            self._apply(added)
+            self.store.apply(added)
             self._tell(True, list(added))
             self._counters.add("stores", len(added))
             self._counters.add("codec_refused", uncodable)
@@ -203,55 +226,20 @@ class LmdbTier(LmdbStore):
         return None if written is None else memoryview(self._scratch)[:written]
 
     def _evict_for(self, txn: lmdb.Transaction, incoming: int) -> list[ChunkKey]:
-        """Delete oldest unpinned chunks, inside ``txn``, until ``incoming`` fits under the
-        high-water mark (then down to the low-water mark)."""
-        if self._used + incoming <= self._high:
-            return []
-        target = min(self._low, self._high - incoming)
-        freed = 0
-        evicted: list[ChunkKey] = []
-        if self._retired:
-            for key, old in list(self._index.items()):
-                if self._used - freed <= target:
-                    return evicted
-                if old.pinned or namespace_of(key) not in self._retired or key in self.loads:
-                    continue
-                txn.delete(lru_key(old.tick, key), db=self._lru)
-                txn.delete(key, db=self._chunks)
-                txn.delete(key, db=self._meta)
-                freed += old.nbytes
-                evicted.append(key)
-        gone = set(evicted)
-        cursor = txn.cursor(db=self._lru)
-        for raw, _ in cursor:
-            if self._used - freed <= target:
-                break
-            key = ChunkKey(bytes(raw[TICK_BYTES:]))
-            if key in gone:  # a retired one, deleted above under an older tick
-                cursor.delete()
-                continue
-            if key in self.loads:  # an engine reads it from the map (`lmdb_loads`)
-                continue
-            entry = self._index.get(key)
-            cursor.delete()
-            txn.delete(key, db=self._chunks)
-            txn.delete(key, db=self._meta)
-            if entry is not None:
-                freed += entry.nbytes
-                evicted.append(key)
-        return evicted
+        # a chunk an engine reads from the map (`lmdb_loads`) stays
+        return self.store.evict_for(txn, incoming, self.loads)
 
     # -- reads ----------------------------------------------------------------------------
 
     def read_into(self, key: ChunkKey, dst: memoryview) -> bool:
-        if key not in self._index:
+        if key not in self.store.index:
             self._counters.add("misses", 1)
             return False
         try:
-            found, failure = copy_payload(self.env, self._chunks, key, dst)
+            found, failure = copy_payload(self.env, self.store.chunks, key, dst)
         except lmdb.MapResizedError:  # another process grew the map: adopt it and go on
-            self._adopt_map_size()
-            found, failure = copy_payload(self.env, self._chunks, key, dst)
+            self.store.adopt_map_size()
+            found, failure = copy_payload(self.env, self.store.chunks, key, dst)
         if not found:  # indexed but gone from LMDB: stop claiming it
             self._counters.add("misses", 1)
             self._drop([key], force=True)
@@ -265,7 +253,7 @@ class LmdbTier(LmdbStore):
 
     def touch(self, key: ChunkKey) -> bool:
         """Whether lmdb holds ``key``, moved up the eviction order if so (it is being read)."""
-        if key not in self._index:
+        if key not in self.store.index:
             return False
         if self._track_access and len(self._touched) < _MAX_PENDING_TOUCHES:
             self._touched[key] = None
@@ -274,13 +262,13 @@ class LmdbTier(LmdbStore):
     def read_ahead(self, keys: Sequence[ChunkKey]) -> None:
         """Start reading these chunks from disk now (they are about to be promoted)."""
         try:
-            will_need(self.env, self._chunks, [k for k in keys if k in self._index])
+            will_need(self.env, self.store.chunks, [k for k in keys if k in self.store.index])
         except lmdb.Error as exc:  # a hint only: the reads themselves report failures
             log.debug("lmdb: read-ahead failed: %s", exc)
 
     def encoded_length(self, key: ChunkKey) -> int | None:
         """The stored chunk's size, header included (coded, in ``lmdb.codec``); None when absent."""
-        entry = self._index.get(key)
+        entry = self.store.index.get(key)
         return None if entry is None else entry.nbytes
 
     def copy_encoded(self, key: ChunkKey, dst: memoryview) -> bool:
@@ -288,13 +276,13 @@ class LmdbTier(LmdbStore):
         size): what the object tier uploads, without decoding and encoding again. False when
         absent or corrupt (then quarantined)."""
         try:
-            if not copy_encoded(self.env, self._chunks, key, dst):
+            if not copy_encoded(self.env, self.store.chunks, key, dst):
                 return False
         except ChunkFormatError as exc:
             self.quarantine(key, lmdb_reader.without_frames(exc))
             return False
         except lmdb.MapResizedError:  # another process grew the map: adopt it, try once more
-            self._adopt_map_size()
+            self.store.adopt_map_size()
             return self.copy_encoded(key, dst)
         return True
 
@@ -302,10 +290,10 @@ class LmdbTier(LmdbStore):
         """Verify one stored chunk in place: True if sound, False if it failed (it is then
         quarantined), None if absent."""
         try:
-            failure = verify(self.env, self._chunks, key)
+            failure = verify(self.env, self.store.chunks, key)
         except lmdb.MapResizedError:
-            self._adopt_map_size()
-            failure = verify(self.env, self._chunks, key)
+            self.store.adopt_map_size()
+            failure = verify(self.env, self.store.chunks, key)
         if failure is None:
             return None
         if isinstance(failure, ChunkFormatError):
@@ -330,13 +318,13 @@ class LmdbTier(LmdbStore):
         touched, self._touched = self._touched, {}
         updates: dict[ChunkKey, Entry] = {}
         for key in list(touched):  # one C-level copy: readers may still add to the old dict
-            entry = self._index.get(key)
+            entry = self.store.index.get(key)
             if entry is None or entry.pinned:
                 continue
-            txn.delete(lru_key(entry.tick, key), db=self._lru)
-            updates[key] = moved = replace(entry, tick=self._tick())
-            txn.put(lru_key(moved.tick, key), b"", db=self._lru)
-            txn.put(key, moved.pack(), db=self._meta)
+            txn.delete(lru_key(entry.tick, key), db=self.store.lru)
+            updates[key] = moved = replace(entry, tick=self.store.tick())
+            txn.put(lru_key(moved.tick, key), b"", db=self.store.lru)
+            txn.put(key, moved.pack(), db=self.store.meta)
         return updates
 
     # -- maintenance ----------------------------------------------------------------------
@@ -359,66 +347,52 @@ class LmdbTier(LmdbStore):
     def sync(self) -> None:
         """Apply recorded accesses to the LRU index and flush everything to disk."""
         if self._touched:
-            with self._lock:
+            with self.store.lock:
                 with self.env.begin(write=True) as txn:
                     touched = self._flush_touches(txn)
-                self._apply(touched)
+                self.store.apply(touched)
         self.env.sync(True)
 
     def _drop(self, keys: Sequence[ChunkKey], force: bool) -> int:
-        with self._lock, self.env.begin(write=True) as txn:
-            dropped = []
-            for key in keys:
-                entry = self._index.get(key)
-                if entry is None and not force:
-                    continue
-                if entry is not None and entry.pinned and not force:
-                    continue
-                txn.delete(key, db=self._chunks)
-                txn.delete(key, db=self._meta)
-                if entry is not None:
-                    txn.delete(lru_key(entry.tick, key), db=self._lru)
-                    dropped.append(key)
-        for key in dropped:
-            self._used -= self._index.pop(key).nbytes
+        dropped = self.store.drop(keys, force)
         self._tell(False, dropped)
         return len(dropped)
 
     # -- the Tier contract ----------------------------------------------------------------
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return list(map(self._index.__contains__, keys))
+        return list(map(self.store.index.__contains__, keys))
 
     def __contains__(self, key: object) -> bool:
-        return key in self._index
+        return key in self.store.index
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         return self._drop(keys, force=False)
 
     def pin(self, keys: Sequence[ChunkKey]) -> None:
-        self._set_pinned(keys, True)
+        self.store.set_pinned(keys, True)
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
-        self._set_pinned(keys, False)
+        self.store.set_pinned(keys, False)
 
     def retire(self, namespace: bytes) -> None:
         """Evict a namespace's chunks (an old draft revision) before any other when room is
         needed."""
-        with self._lock:
-            self._retired.add(namespace)
+        with self.store.lock:
+            self.store.retired.add(namespace)
 
     def reinstate(self, namespace: bytes) -> None:
         """Undo `retire` (a swap back)."""
-        with self._lock:
-            self._retired.discard(namespace)
+        with self.store.lock:
+            self.store.retired.discard(namespace)
 
     def namespace_chunks(self) -> Counter[bytes]:
         """Chunks held per namespace."""
-        with self._lock:
-            return Counter(namespace_of(key) for key in self._index)
+        with self.store.lock:
+            return Counter(namespace_of(key) for key in self.store.index)
 
     def keys(self) -> Iterator[ChunkKey]:
-        return iter(list(self._index))
+        return iter(list(self.store.index))
 
     def newest_chunks(self, limit: int, exclude_replica: str) -> list[tuple[ChunkKey, str]]:
         """Up to ``limit`` chunks with the replica that stored each, newest first, leaving out
@@ -427,7 +401,7 @@ class LmdbTier(LmdbStore):
             limit,
             (
                 (entry.tick, key, entry.replica)
-                for key, entry in list(self._index.items())  # one C-level copy: no lock held
+                for key, entry in list(self.store.index.items())  # one C-level copy: no lock held
                 if entry.replica != exclude_replica
             ),
         )
@@ -438,7 +412,7 @@ class LmdbTier(LmdbStore):
     ) -> int:
         victims = [
             key
-            for key, entry in list(self._index.items())
+            for key, entry in list(self.store.index.items())
             if not entry.pinned
             and (pool is None or entry.pool == pool)
             and (namespace is None or namespace_of(key) == namespace)
@@ -451,8 +425,8 @@ class LmdbTier(LmdbStore):
     def stats(self) -> TierStats:
         pools: dict[str, UsageStats] = {}
         replicas: dict[tuple[str, str], UsageStats] = {}
-        with self._lock:
-            for entry in self._index.values():
+        with self.store.lock:
+            for entry in self.store.index.values():
                 for usage in (
                     pools.setdefault(entry.pool, UsageStats()),
                     replicas.setdefault((entry.replica, entry.pool), UsageStats()),
@@ -462,8 +436,8 @@ class LmdbTier(LmdbStore):
             return TierStats(
                 tier=self.name,
                 capacity_bytes=self.budget,
-                used_bytes=self._used,
-                chunks=len(self._index),
+                used_bytes=self.store.used,
+                chunks=len(self.store.index),
                 pools=pools,
                 replicas=replicas,
                 counters=self._counters.snapshot(),

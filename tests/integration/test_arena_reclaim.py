@@ -84,7 +84,7 @@ def _store_until(
 
 
 def _extents(cpu: CpuTier, chunk_bytes: int) -> int:
-    return sum(c.extents for (_pool, size), c in cpu._classes.items() if size == chunk_bytes)
+    return sum(c.extents for (_pool, size), c in cpu.slots.classes.items() if size == chunk_bytes)
 
 
 def test_a_model_switch_after_the_arena_filled_stores_within_seconds(
@@ -258,7 +258,7 @@ def test_extents_passed_between_classes_reuse_their_eviction_nodes(shm_path: Pat
                 assert all(cpu.put(k, payload_for(k, reg.chunk_bytes)) for k in keys)
                 assert cpu.delete(keys) == len(keys)  # every extent goes back
         assert cpu.live_counts()["free_extents"] == cpu.memory.num_extents
-        for cls in cpu._classes.values():
+        for cls in cpu.slots.classes.values():
             built = len(cls.policy._next) - cls.policy.queues
             assert built == cpu.memory.num_extents * cls.per_extent, "nodes were not reused"
     finally:

@@ -149,7 +149,7 @@ def test_a_chunk_changed_after_commit_is_dropped_not_written_to_lmdb(
         keys = keys_for(ns, 4)
         assert m.lmdb is not None
         # write-through starts writing at the commit: hold lmdb writes off until the change
-        with m.lmdb._lock:
+        with m.lmdb.store.lock:
             _store_and_change(m, hostile(), keys, victim=1)
         _written_back(m, mode)
 

@@ -322,7 +322,7 @@ def test_an_encoder_part_corrupted_in_lmdb_is_reported_counted_and_dropped(
 def _corrupt_in_process(manager: TierManager, keys: Sequence[ChunkKey]) -> None:
     """`_flip` through the tiers' own environment (LMDB opens one per file per process)."""
     assert manager.lmdb is not None
-    _flip(manager.lmdb.env, manager.lmdb._chunks, keys)
+    _flip(manager.lmdb.env, manager.lmdb.store.chunks, keys)
 
 
 def test_reading_and_checking_corrupt_chunks_keeps_no_reader_slot(manager: TierManager) -> None:

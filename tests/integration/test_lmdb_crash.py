@@ -141,7 +141,7 @@ def _check_reopened(tier: LmdbTier, run: WriterRun, high: int, where: str) -> li
     assert stats.used_bytes == sum(encoded_size(chunk_bytes_of(k)) for k in keys), where
     # the three databases must agree with each other after any kill
     with tier.env.begin() as txn:
-        for db in (tier._chunks, tier._meta, tier._lru):
+        for db in (tier.store.chunks, tier.store.meta, tier.store.lru):
             assert txn.stat(db)["entries"] == len(keys), where
     return keys
 
@@ -210,7 +210,7 @@ def test_damaged_value_is_quarantined(
     tier = open_tier(tmp_path / "lmdb")
     try:
         assert tier.put_many([(k, expected_payload(k)) for k in (victim, bystander)]) == [True] * 2
-        with tier.env.begin(write=True, db=tier._chunks) as txn:
+        with tier.env.begin(write=True, db=tier.store.chunks) as txn:
             value = bytes(txn.get(victim))
             damaged = damage(value, bytes(txn.get(bystander)))
             assert damaged != value
@@ -225,9 +225,9 @@ def test_damaged_value_is_quarantined(
         assert tier.stats().counters["corrupt"] == 1
         assert _read(tier, bystander) == expected_payload(bystander)
         with tier.env.begin() as txn:
-            assert txn.get(victim, db=tier._chunks) is None
-            assert txn.get(victim, db=tier._meta) is None
-            assert txn.stat(tier._lru)["entries"] == 1
+            assert txn.get(victim, db=tier.store.chunks) is None
+            assert txn.get(victim, db=tier.store.meta) is None
+            assert txn.stat(tier.store.lru)["entries"] == 1
     finally:
         tier.close()
 

@@ -116,7 +116,7 @@ def test_chunks_leased_in_lmdb_are_kept_from_eviction_until_released(
 def test_a_corrupt_chunk_in_lmdb_is_refused_by_the_reader(manager: TierManager) -> None:
     keys = _only_in_lmdb(manager, 1)
     assert manager.lmdb is not None
-    with manager.lmdb.env.begin(write=True, db=manager.lmdb._chunks) as txn:
+    with manager.lmdb.env.begin(write=True, db=manager.lmdb.store.chunks) as txn:
         value = bytearray(txn.get(keys[0]))
         value[-1] ^= 0x40
         txn.put(keys[0], bytes(value))

@@ -142,7 +142,7 @@ def test_corrupt_lmdb_chunk_is_never_served(manager: TierManager) -> None:
     manager.evict("cpu")
     assert manager.lmdb is not None
     env = manager.lmdb.env
-    with env.begin(write=True, db=manager.lmdb._chunks) as txn:
+    with env.begin(write=True, db=manager.lmdb.store.chunks) as txn:
         value = bytearray(txn.get(keys[0]))
         value[-1] ^= 0x40
         txn.put(keys[0], bytes(value))
@@ -322,6 +322,6 @@ def test_read_ahead_finds_the_stored_chunks_and_reads_nothing_itself(
     lmdb_tier = manager.lmdb
     assert lmdb_tier is not None
     hits = lmdb_tier.stats().counters["hits"]
-    assert will_need(lmdb_tier.env, lmdb_tier._chunks, keys) == 4
+    assert will_need(lmdb_tier.env, lmdb_tier.store.chunks, keys) == 4
     lmdb_tier.read_ahead(keys)  # absent keys are skipped, not errors
     assert lmdb_tier.stats().counters["hits"] == hits  # a hint, not a read

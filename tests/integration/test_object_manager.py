@@ -259,7 +259,7 @@ def test_a_chunk_corrupted_in_lmdb_is_never_uploaded(node: Node) -> None:
     store(a, keys)
     assert a.flush()
     assert a.lmdb is not None
-    with a.lmdb.env.begin(write=True, db=a.lmdb._chunks) as txn:
+    with a.lmdb.env.begin(write=True, db=a.lmdb.store.chunks) as txn:
         value = bytearray(txn.get(keys[1]))
         value[-1] ^= 0x01
         txn.put(keys[1], bytes(value))

@@ -8,6 +8,7 @@ import ast
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -236,3 +237,112 @@ def test_importing_the_grpc_client_loads_no_server_manager_or_tier() -> None:
     assert "kvtier.rpc" in loaded
     assert "kvtier.core.protocol" in loaded
     assert not [m for m in loaded if _forbidden_for_clients(m)]
+
+
+# -- abstract classes stand for real variants -----------------------------------------------------
+
+# An abstract class with one concrete subclass is one class spread over two files: the parts it
+# calls through abstract hooks belong in an object the class holds. Each exception names why.
+ONE_VARIANT_ALLOWED: dict[str, str] = {
+    "kvtier.rpc.session.DaemonSession": "GrpcTierClient is its only subclass; it is being "
+    "turned into an object the client holds: remove this entry then",
+}
+
+
+@dataclass
+class _ClassInfo:
+    bases: list[str]
+    """Qualified names, as far as the module's own definitions and imports resolve them."""
+    abstract: set[str]
+    """Methods decorated ``abstractmethod`` here."""
+    defined: set[str]
+
+
+def _scan_classes(package: Path) -> dict[str, _ClassInfo]:
+    """Every top-level class under ``package``, by qualified name, from the source alone."""
+    found: dict[str, _ClassInfo] = {}
+    imported: dict[str, dict[str, str]] = {}  # module -> local name -> qualified name
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent).with_suffix("").parts
+        module = ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+        tree = ast.parse(path.read_text())
+        names = imported.setdefault(module, {})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    names[alias.asname or alias.name] = alias.name
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                names[node.name] = f"{module}.{node.name}"
+        for node in tree.body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = []
+            for base in node.bases:
+                text = ast.unparse(base).split("[")[0]  # Generic[T] -> Generic
+                head, _, rest = text.partition(".")
+                qualified = names.get(head, head)
+                bases.append(f"{qualified}.{rest}" if rest else qualified)
+            abstract, defined = set(), set()
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    defined.add(item.name)
+                    if any("abstractmethod" in ast.unparse(d) for d in item.decorator_list):
+                        abstract.add(item.name)
+                elif isinstance(item, ast.Assign | ast.AnnAssign):
+                    targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                    defined.update(t.id for t in targets if isinstance(t, ast.Name))
+            found[f"{module}.{node.name}"] = _ClassInfo(bases, abstract, defined - abstract)
+
+    def real(name: str, depth: int = 0) -> str:
+        """Follow re-exports (``from a import B`` in a module a class is not defined in)."""
+        if name in found or depth > 8:
+            return name
+        module, _, local = name.rpartition(".")
+        target = imported.get(module, {}).get(local)
+        return name if target is None or target == name else real(target, depth + 1)
+
+    for info in found.values():
+        info.bases = [real(base) for base in info.bases]
+    return found
+
+
+def _unimplemented(name: str, classes: dict[str, _ClassInfo]) -> set[str]:
+    info = classes.get(name)
+    if info is None:
+        return set()
+    inherited = set().union(*(_unimplemented(base, classes) for base in info.bases))
+    return info.abstract | (inherited - info.defined)
+
+
+def _one_variant_abstract_classes(package: Path) -> dict[str, list[str]]:
+    """Abstract classes (not Protocols) under ``package`` with fewer than two concrete
+    subclasses there, with those they have."""
+    classes = _scan_classes(package)
+
+    def ancestors(name: str) -> set[str]:
+        bases = classes[name].bases if name in classes else []
+        return set(bases).union(*(ancestors(base) for base in bases))
+
+    concrete = {name for name in classes if not _unimplemented(name, classes)}
+    lacking = {}
+    for name, info in classes.items():
+        protocol = any(base.split(".")[-1] == "Protocol" for base in info.bases)
+        if protocol or name in concrete:
+            continue
+        variants = sorted(c for c in concrete if name in ancestors(c))
+        if len(variants) < 2:
+            lacking[name] = variants
+    return lacking
+
+
+def test_abstract_classes_have_two_variants_or_are_protocols() -> None:
+    lacking = _one_variant_abstract_classes(ROOT / "kvtier")
+    unexcused = {name: v for name, v in lacking.items() if name not in ONE_VARIANT_ALLOWED}
+    assert not unexcused, (
+        "abstract classes with fewer than two concrete subclasses: hold the part as an object "
+        f"of its own (or make it a typing.Protocol): {unexcused}"
+    )

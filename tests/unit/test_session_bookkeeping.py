@@ -95,7 +95,7 @@ def test_a_lease_granted_while_the_reaper_ends_the_session_is_given_back(
         sessions.lease(session, [key])
     assert reaped == [1]
     assert sessions.counts() == (0, 0, 0)
-    slot = manager.cpu._index[key]
+    slot = manager.cpu.slots.committed[key]
     assert manager.cpu.memory.refcount[slot] == 0, "a lease was left in a reaped session"
 
 

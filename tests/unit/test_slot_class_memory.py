@@ -61,7 +61,7 @@ def test_a_class_holds_eviction_nodes_for_the_slots_it_owns(shm_path: Path) -> N
         assert tier.put(key, payload_for(key, large.chunk_bytes))
         nodes = {
             chunk: cls.policy.nodes - cls.policy.queues
-            for (_pool, chunk), cls in tier._classes.items()
+            for (_pool, chunk), cls in tier.slots.classes.items()
         }
         assert nodes[small.chunk_bytes] == 2 * per_extent
         assert nodes[large.chunk_bytes] == tier.memory.extent_bytes // large.chunk_bytes

@@ -87,7 +87,7 @@ class StoreBudget:
 
     def used(self) -> int:
         """Bytes of this node's objects in the store, of its uploads in flight, and of those
-        in flight when it last stopped, until found (`ObjectTier.resolve_orphans`)."""
+        in flight when it last stopped, until found (`orphans.Orphans.resolve`)."""
         with self.counted:
             return self._index.owned_bytes() + self._index.intents.orphan_bytes() + self._reserved
 

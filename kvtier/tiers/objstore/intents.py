@@ -4,7 +4,7 @@ An upload writes its intent before the object is sent and removes it once the ob
 or the name was found taken. A process killed in between (or an upload that failed without an
 answer) leaves the intent: at the next start it is an *orphan*, an object this node may have
 written that no index names. Orphans count in the store budget until the tier resolves them
-(`ObjectStore.resolve_orphans`). Files rather than the index's own map: a map full of objects
+(`orphans.Orphans.resolve`). Files rather than the index's own map: a map full of objects
 must still take an intent, and dropping one must never need room.
 """
 

@@ -12,38 +12,46 @@ it learned of from the store are knowledge it may forget, never delete to make r
 
 Requests go through `RequestGuard` (retries, backoff, breaker). A broken identity or an open
 breaker makes the tier unhealthy: it answers misses until a trial request succeeds.
+
+This module holds the uploads and the tier's contract; the tier holds its other parts, each
+given what it needs: `health.StoreHealth`, `reads.ObjectReads`, `lineage.Lineage`,
+`orphans.Orphans`, `pins.FleetPins` and `budget.StoreBudget`, with names from `naming`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import xxhash
 
 from kvtier.core import blockfmt
-from kvtier.core.errors import (
-    ChunkFormatError,
-    ObjectNotFoundError,
-    ObjectStoreError,
-    UnknownVersionError,
-)
+from kvtier.core.config import ObjectStoreConfig
+from kvtier.core.counters import Counters
+from kvtier.core.errors import ObjectStoreError
 from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.core.kvcodec import Codec
+from kvtier.core.pools import PoolRegistry
 from kvtier.core.protocol import TierCode, TierStats, UsageStats
-from kvtier.tiers.objstore.backend import ObjectExistsError
-from kvtier.tiers.objstore.budget import Reservation
+from kvtier.tiers.base import Tier
+from kvtier.tiers.objstore import naming
+from kvtier.tiers.objstore.backend import ObjectBackend, ObjectExistsError, open_backend
+from kvtier.tiers.objstore.budget import Reservation, StoreBudget
+from kvtier.tiers.objstore.health import StoreHealth, refuse_static_keys
 from kvtier.tiers.objstore.index import REMOTE_REPLICA as REMOTE_REPLICA
-from kvtier.tiers.objstore.index import ChunkLocation, IndexWriteError
+from kvtier.tiers.objstore.index import ChunkLocation, IndexWriteError, ObjectIndex
+from kvtier.tiers.objstore.lineage import Announcer, Lineage
+from kvtier.tiers.objstore.naming import COMPANION_SUFFIX as COMPANION_SUFFIX
+from kvtier.tiers.objstore.naming import META_NODE as META_NODE
+from kvtier.tiers.objstore.orphans import Orphans
 from kvtier.tiers.objstore.pins import PINS_DIR as PINS_DIR
-from kvtier.tiers.objstore.store import COMPANION_SUFFIX as COMPANION_SUFFIX
-from kvtier.tiers.objstore.store import META_NODE as META_NODE
-from kvtier.tiers.objstore.store import ObjectStore
+from kvtier.tiers.objstore.pins import FleetPins
+from kvtier.tiers.objstore.reads import FetchedChunk as FetchedChunk
+from kvtier.tiers.objstore.reads import ObjectReads
+from kvtier.tiers.objstore.resilience import CircuitBreaker, RequestGuard
 
 log = logging.getLogger(__name__)
 
@@ -52,25 +60,103 @@ META_CHUNKS = "kvtier-chunks"
 META_CHECKSUM = "kvtier-xxh3-128"
 
 
-class Announcer(Protocol):
-    """Tells routers what the store holds (`kvtier.fleet.shared_tier.SharedTierEvents`)."""
+class ObjectTier(Tier):
+    """The tier over its parts: the guarded backend, the index, the store's health, reads,
+    lineage, orphans, the fleet's pins and this node's budget. A thread of its own, started
+    once they all exist, resolves the identity, sends trials while the store is not sound,
+    resolves orphans and publishes pins."""
 
-    def companion(self, keys: Sequence[ChunkKey]) -> bytes | None: ...
-    def stored(self, companion: bytes) -> None: ...
-    def removed(self, companion: bytes) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class FetchedChunk:
-    key: ChunkKey
-    payload: memoryview
-    """Verified; valid as long as the fetched object's buffer is referenced."""
-
-
-class ObjectTier(ObjectStore):
     name = TierCode.OBJECT.tier
     persistent = True
-    events: Announcer | None = None
+
+    def __init__(
+        self,
+        config: ObjectStoreConfig,
+        registry: PoolRegistry,
+        backend: ObjectBackend | None = None,
+    ) -> None:
+        super().__init__(registry)
+        if config.url is None and backend is None:
+            raise ValueError("the object tier needs object.url")
+        self.config = config
+        self.backend = backend or open_backend(str(config.url), config.request_timeout_s)
+        self.index = ObjectIndex(config.index_path, int(config.index_map_bytes))
+        self.counters = Counters()
+        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_s)
+        self.guard = RequestGuard(self.breaker, config.retries, config.backoff_s, self.counters)
+        try:
+            refuse_static_keys(self.backend, config)
+            self.node_id = self.index.node_id(naming.new_node_id)
+        except BaseException:
+            self._close_index_and_backend()
+            raise
+        self.health = StoreHealth(self.backend, self.breaker, self.guard)
+        self.lineage = Lineage(self.backend, self.guard, self.counters)
+        self.reads = ObjectReads(
+            config, registry, self.backend, self.guard, self.index, self.lineage, self.counters
+        )
+        self.orphans = Orphans(
+            self.backend, self.guard, self.index, self.reads, self.node_id, self.counters
+        )
+        self.pins = FleetPins(self.backend, self.guard, self.index, self.node_id)
+        limit = int(config.budget_bytes) if config.budget_bytes is not None else None
+        self.budget = StoreBudget(
+            limit, self.index, self.pins, self.lineage.delete_objects, self.counters
+        )
+        self._closing = threading.Event()
+        self._checker = threading.Thread(
+            target=self._check_loop, name="kvtier-object-check", daemon=True
+        )
+        self._checker.start()
+
+    def _check_loop(self) -> None:
+        """Resolves the identity, then sends trials while the store is not sound; on its own
+        thread, so a slow identity or store never holds up a caller."""
+        self.health.resolve_principal()
+        interval = max(0.05, min(1.0, self.config.breaker_reset_s / 4))
+        while not self._closing.wait(interval):
+            try:
+                if self.health.check() and self.index.intents.orphans:
+                    self.orphans.resolve()
+                if self.pins.due():
+                    self.publish_pins()
+            except Exception:  # never let the checker die silently
+                if self._closing.is_set():
+                    return  # the backend was closed under a trial
+                log.exception("object store check failed")
+
+    # -- health and naming (`health.StoreHealth`, `naming`) ---------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the store is counted on (`StoreHealth.healthy`)."""
+        return self.health.healthy
+
+    @property
+    def principal(self) -> str:
+        return self.health.principal
+
+    @property
+    def principal_resolved(self) -> threading.Event:
+        return self.health.principal_resolved
+
+    def check(self) -> bool:
+        """Send a trial request unless the store is sound (`StoreHealth.check`)."""
+        return self.health.check()
+
+    def object_name(self, key: ChunkKey) -> str:
+        return naming.object_name(self.registry, key)
+
+    key_of = staticmethod(naming.key_of)
+
+    @property
+    def events(self) -> Announcer | None:
+        """Who hears of objects stored and removed (`lineage.Lineage.events`)."""
+        return self.lineage.events
+
+    @events.setter
+    def events(self, events: Announcer | None) -> None:
+        self.lineage.events = events
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -190,7 +276,7 @@ class ObjectTier(ObjectStore):
             log.warning("upload of %s failed: %s", name, exc)
             return None
         # only once the name is ours: no node's lineage ever lies beside another's object
-        companion = self._put_lineage(name, keys)
+        companion = self.lineage.write(name, keys)
         self.counters.add("upload_seconds_us", int((time.perf_counter() - started) * 1e6))
         self.counters.add("upload_bytes", len(body))
         self.counters.add("objects_uploaded", 1)
@@ -203,7 +289,7 @@ class ObjectTier(ObjectStore):
             log.error("%s; removing the object just uploaded", exc)
             self.counters.add("index_full", 1)
             self.counters.add("store_errors", len(keys))
-            self._withdraw(name, companion is not None)
+            self.orphans.withdraw(name, companion is not None)
             return None
         self.counters.add("stores", len(keys))
         if companion is not None and self.events is not None:
@@ -211,20 +297,6 @@ class ObjectTier(ObjectStore):
         if not self.index.pins.isdisjoint(keys):
             self.pins.dirty.set()  # the check loop names the new object in this node's pins
         return True
-
-    def _put_lineage(self, name: str, keys: Sequence[ChunkKey]) -> bytes | None:
-        """Write the lineage of an object this node just wrote beside it; None when there is
-        none (no events, or the write failed: the object then goes unannounced)."""
-        companion = self.events.companion(keys) if self.events is not None else None
-        if companion is None:
-            return None
-        try:
-            self.guard.call(lambda: self.backend.put(name + COMPANION_SUFFIX, companion, {}))
-        except ObjectStoreError as exc:
-            log.warning("lineage of %s not written, the object goes unannounced: %s", name, exc)
-            self.counters.add("lineage_unwritten", 1)
-            return None
-        return companion
 
     def _put_new(self, name: str, body: bytes | memoryview, metadata: dict[str, str]) -> bool:
         """An exclusive put; False when the name was taken."""
@@ -250,154 +322,39 @@ class ObjectTier(ObjectStore):
             self.counters.add("store_errors", len(keys))
             log.warning("reading %s, written first by another node, failed: %s", name, exc)
             return 0
-        self._claim_if_own(name)
+        self.orphans.claim_if_own(name)
         rest = [(key, loc) for key, loc in locations[1:] if key not in self.index]
         if rest:
             tail = b"".join(body[loc.offset : loc.offset + loc.length] for _, loc in rest)
             self.put_encoded([key for key, _ in rest], memoryview(tail), replica)
         return sum(key in self.index for key in keys)
 
-    def adopt(self, name: str) -> bool:
-        try:
-            found = self.fetch(name, hits=False)  # a corrupt one is deleted, a gone one forgotten
-        except ObjectStoreError as exc:
-            log.warning("reading %s, an upload before the last stop, failed: %s", name, exc)
-            return False
-        return found is None or self.index.claim(name)
-
     def delete_objects(self, names: Sequence[str]) -> bool:
-        """Delete objects with their companions, and announce what left; False when the store
-        refused (nothing is announced then)."""
-        if not names:
-            return True
-        # only companions found: a node that writes none deletes none it did not write
-        companions = self._companions(names) if self.events is not None else {}
-        doomed = [*names, *companions]
-        try:
-            self.guard.call(lambda: self.backend.delete(doomed))
-        except ObjectStoreError as exc:
-            log.warning("deleting %d objects failed: %s", len(names), exc)
-            return False
-        for companion in companions.values():
-            assert self.events is not None
-            self.events.removed(companion)
-        return True
+        """Delete objects with their companions, and announce what left (`Lineage`)."""
+        return self.lineage.delete_objects(names)
 
-    def _companions(self, names: Sequence[str]) -> dict[str, bytes]:
-        """The lineage companions beside ``names``, by the companion's name."""
-        found = {}
-        for name in names:
-            companion = functools.partial(self.backend.get, name + COMPANION_SUFFIX)
-            try:
-                found[name + COMPANION_SUFFIX] = self.guard.call(companion)
-            except ObjectNotFoundError:
-                continue  # uploaded unannounced: nothing to withdraw
-            except ObjectStoreError as exc:
-                log.warning("lineage of %s unreadable, its removal not announced: %s", name, exc)
-                self.counters.add("lineage_unreadable", 1)
-        return found
-
-    # -- reads ----------------------------------------------------------------------------
+    # -- reads (`reads.ObjectReads`) -------------------------------------------------------
 
     def read_into(self, key: ChunkKey, dst: memoryview) -> bool:
-        loc = self.index.get(key)
-        if loc is None:
-            self.counters.add("misses", 1)
-            return False
-        if not self.breaker.admit_peek():  # fail fast while the breaker is open
-            self.counters.add("misses", 1)
-            self.counters.add("misses_unhealthy", 1)
-            return False
-        try:
-            value = self.guard.call(
-                lambda: self.backend.get(loc.obj, loc.offset, loc.length),
-                self.config.request_timeout_s,
-            )
-            blockfmt.decode_into(value, key, dst)
-        except ObjectNotFoundError:  # deleted behind our back (gc, another node)
-            self.counters.add("misses", 1)
-            self.index.drop_object(loc.obj)
-            return False
-        except ObjectStoreError:
-            self.counters.add("misses", 1)
-            return False
-        except UnknownVersionError as exc:
-            self.unknown_format(loc.obj, exc)
-            return False
-        except ChunkFormatError as exc:
-            self.quarantine(loc.obj, exc)
-            return False
-        self.index.touch(loc.obj)
-        self.counters.add("hits", 1)
-        self.counters.add("download_bytes", len(value))
-        return True
+        return self.reads.read_into(key, dst)
 
     def fetch(self, name: str, hits: bool = True) -> list[FetchedChunk] | None:
-        """GET a whole object and verify every chunk in it; None when it does not exist or is
-        corrupt (then deleted). Indexes what it found, counted as hits unless ``hits`` is
-        False. Raises `ObjectStoreError` when the store cannot answer."""
-        try:
-            body = self.guard.call(lambda: self.backend.get(name), self.config.request_timeout_s)
-        except ObjectNotFoundError:
-            self.index.drop_object(name)
-            return None
-        try:
-            chunks = blockfmt.split(body)
-            if not chunks or self.object_name(chunks[0][0]) != name:
-                raise ChunkFormatError(f"object {name} does not start with the chunk it names")
-            regs = [self._check_payload(key, len(payload)) for key, payload, _ in chunks]
-        except UnknownVersionError as exc:
-            self.unknown_format(name, exc)
-            return None
-        except (ChunkFormatError, ValueError, KeyError) as exc:  # incl. a foreign namespace
-            self.quarantine(name, exc)
-            return None
-        self.counters.add("download_bytes", len(body))
-        if name not in self.index.objects:
-            locations = []
-            offset = 0
-            for (key, _, length), reg in zip(chunks, regs, strict=True):
-                locations.append(
-                    (key, ChunkLocation(name, offset, length, reg.pool, REMOTE_REPLICA))
-                )
-                offset += length
-            self.remember(name, len(body), locations)
-        self.index.touch(name)
-        if hits:
-            self.counters.add("hits", len(chunks))
-        return [FetchedChunk(key, payload) for key, payload, _ in chunks]
+        """A whole object, verified (`ObjectReads.fetch`)."""
+        return self.reads.fetch(name, hits)
 
     def remember(
         self, name: str, size: int, locations: Sequence[tuple[ChunkKey, ChunkLocation]]
     ) -> bool:
-        """Index an object learned from the store (another node's, as far as this one knows);
-        False when the index cannot take it: it is only knowledge, a later read finds it."""
-        try:
-            self.index.add(name, size, locations, owned=False)
-        except IndexWriteError as exc:
-            log.warning("%s", exc)
-            self.counters.add("index_full", 1)
-            return False
-        return True
+        """Index an object learned from the store (`ObjectReads.remember`)."""
+        return self.reads.remember(name, size, locations)
 
     def probe(self, key: ChunkKey) -> list[FetchedChunk] | None:
         """Look for an object another node uploaded that starts with ``key``."""
         self.counters.add("probes", 1)
         return self.fetch(self.object_name(key))
 
-    def unknown_format(self, name: str, reason: Exception) -> None:
-        """An object in a chunk format this build does not read (a newer node wrote it, in a
-        rolling upgrade): a miss, counted, and left in the store for the nodes that read it."""
-        log.info("object %s: %s; a miss here, left in the store", name, reason)
-        self.counters.add("misses", 1)
-        self.counters.add("unknown_format", 1)
-        self.index.drop_object(name)
-
     def quarantine(self, name: str, reason: Exception) -> None:
-        log.error("object %s failed verification (%s); deleting it", name, reason)
-        self.counters.add("corrupt", 1)
-        self.index.drop_object(name)
-        self.delete_objects([name])
+        self.reads.quarantine(name, reason)
 
     # -- the rest of the contract ---------------------------------------------------------
 
@@ -479,8 +436,10 @@ class ObjectTier(ObjectStore):
         )
 
     def close(self) -> None:
-        closing = getattr(self, "_closing", None)
-        if closing is not None:
-            closing.set()
-            self._checker.join(1.0)  # a trial still out ends with the closed backend
-        self.close_index_and_backend()
+        self._closing.set()
+        self._checker.join(1.0)  # a trial still out ends with the closed backend
+        self._close_index_and_backend()
+
+    def _close_index_and_backend(self) -> None:
+        self.index.close()
+        self.backend.close()
