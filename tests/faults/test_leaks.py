@@ -30,7 +30,7 @@ class FailOnce:
     call would, without reaching kvtierd."""
 
     def __init__(self, mp: pytest.MonkeyPatch) -> None:
-        import kvtier.rpc.session
+        import kvtier.rpc.arena_view
         from kvtier.rpc import GrpcTierClient
 
         self.failed: dict[str, list[SlotRef]] = {"release": [], "commit": []}
@@ -50,7 +50,7 @@ class FailOnce:
 
             mp.setattr(GrpcTierClient, name, failing)
         # every hit is then leased by a call, as on a host that cannot read the arena's index
-        mp.setattr(kvtier.rpc.session, "readable_here", lambda: False)
+        mp.setattr(kvtier.rpc.arena_view, "readable_here", lambda: False)
 
 
 def _held(daemon: RunningDaemon) -> tuple[int, int, float]:

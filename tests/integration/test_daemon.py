@@ -551,7 +551,7 @@ def test_a_leasing_lookup_leases_the_arena_prefix_and_releases_in_one_call(
 ) -> None:
     daemon = procs.start_daemon(files)
     # a client that cannot read the arena's index: every answer comes from kvtierd
-    monkeypatch.setattr("kvtier.rpc.session.readable_here", lambda: False)
+    monkeypatch.setattr("kvtier.rpc.arena_view.readable_here", lambda: False)
     client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
     try:
         keys, _ = _committed(client, 3, more=1)
