@@ -268,7 +268,8 @@ class Daemon:
         the tiers found (the store's check thread, lmdb's last write: NOT_SERVING while its disk
         is full): no request here, so reaping never waits on them."""
         healthy: dict[str, bool] = {}
-        corrupting = self.manager.integrity.unhealthy()  # too many chunks failing verification
+        # too many chunks failing verification (each change is logged as it is seen here)
+        corrupting = self.manager.health.shunned()
         if self.manager.object is not None:
             healthy[OBJECT_HEALTH_SERVICE] = (
                 self.manager.object.healthy and "object" not in corrupting
