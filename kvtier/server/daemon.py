@@ -49,7 +49,8 @@ OBJECT_HEALTH_SERVICE = "kvtier.object"
 LMDB_HEALTH_SERVICE = "kvtier.lmdb"
 """Health service name of lmdb: NOT_SERVING from a write refused for want of space until one
 commits again, and while its chunks fail verification past ``manager.integrity_unhealthy_failures``
-within ``manager.integrity_window_s``."""
+within ``manager.integrity_window_s`` (then it is neither read nor written:
+`kvtier.tiering.health`)."""
 
 
 def split_address(address: str, key: str) -> tuple[str, int]:
