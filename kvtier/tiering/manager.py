@@ -431,7 +431,8 @@ class TierManager:
     ) -> Location:
         """Per tier, the prompt's leading tokens it holds and their expected load time."""
         snapshot = self.costs.snapshot()
-        return locate(self.registry, self.tiers, snapshot, model, block_hashes, tenant)
+        serves = self.health.serves
+        return locate(self.registry, self.tiers, snapshot, model, block_hashes, tenant, serves)
 
     def gc(self, retention_s: float | None = None, dry_run: bool = False) -> Iterator[GcCounts]:
         """Delete objects past their retention from the store; progress as it goes."""

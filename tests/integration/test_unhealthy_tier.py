@@ -31,6 +31,7 @@ from tests.integration.test_integrity_reports import (
     read_in_lmdb,
     store_again_and_read_in_lmdb,
 )
+from tests.integration.test_locate import BLOCKS_PER_CHUNK, prompt_hashes
 from tests.support import target_spec
 
 SOUND = [i for i in range(STORED) if i not in CORRUPT]
@@ -72,6 +73,18 @@ def _keys(indices: Sequence[int]) -> list[ChunkKey]:
     return [key_of(i) for i in indices]
 
 
+def _lmdb_located(daemon: RunningDaemon) -> int:
+    """The chunks `kvtier locate` says lmdb holds of a prompt whose one chunk is the sound
+    chunk 1 (`tests.integration.test_locate.prompt_hashes`, shifted by one)."""
+    hashes = prompt_hashes(2)[BLOCKS_PER_CHUNK:]
+    admin = daemon.admin()
+    try:
+        spans = admin.locate(target_spec().model, hashes).tiers
+    finally:
+        admin.close()
+    return next(s.chunks for s in spans if s.tier == "lmdb")
+
+
 def test_an_unhealthy_lmdb_is_neither_read_nor_written_and_stores_go_to_the_arena(
     procs: Processes, tmp_path: Path, shm_path: Path
 ) -> None:
@@ -98,6 +111,7 @@ def test_an_unhealthy_lmdb_is_neither_read_nor_written_and_stores_go_to_the_aren
     finally:
         engine.close()
     assert _reads(daemon) == before  # nothing was read from lmdb, leased in it or promoted
+    assert _lmdb_located(daemon) == 0  # nor does `kvtier locate` count on it
 
     # the engine recomputes them and stores every one, sound ones lmdb holds included, in the
     # arena; write-back leaves lmdb alone, and the arena answers for them
@@ -141,5 +155,6 @@ def test_an_unhealthy_lmdb_serves_again_once_the_window_holds_fewer_failures(
             assert (found.hits, found.tier_codes) == (1, bytes([int(TierCode.LMDB)])), i
     finally:
         engine.close()
+    assert _lmdb_located(daemon) == 1
     # stores reach lmdb again, and its chunks are read from its map
     store_again_and_read_in_lmdb(daemon)
