@@ -1,7 +1,9 @@
 """An lmdb marked unhealthy by chunks failing verification is neither read nor written while it
 is: lookups miss its chunks, sound ones included, nothing is promoted or leased from it (so no
 engine reads its map), and stores go to the arena only; it serves again once the window holds
-fewer failures. A real kvtierd on a real lmdb, corrupted on disk and reported by an engine."""
+fewer failures. A real kvtierd on a real lmdb, corrupted on disk and reported by an engine.
+An object store unhealthy from corrupt objects is left out the same way: two nodes' tiers in
+this process on a file:// bucket."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import TierCode
 from kvtier.rpc import GrpcTierClient
+from kvtier.tiering.manager import TierManager
 from tests.integration.daemon_harness import (
     CHUNK,
     ArenaClient,
@@ -32,7 +35,8 @@ from tests.integration.test_integrity_reports import (
     store_again_and_read_in_lmdb,
 )
 from tests.integration.test_locate import BLOCKS_PER_CHUNK, prompt_hashes
-from tests.support import target_spec
+from tests.integration.test_object_manager import node_config, store, uploaded
+from tests.support import keys_for, target_spec
 
 SOUND = [i for i in range(STORED) if i not in CORRUPT]
 UNHEALTHY = "lmdb is unhealthy"
@@ -158,3 +162,50 @@ def test_an_unhealthy_lmdb_serves_again_once_the_window_holds_fewer_failures(
     assert _lmdb_located(daemon) == 1
     # stores reach lmdb again, and its chunks are read from its map
     store_again_and_read_in_lmdb(daemon)
+
+
+def test_an_object_store_unhealthy_from_corrupt_objects_is_neither_probed_nor_fetched(
+    tmp_path: Path,
+) -> None:
+    bucket = f"file://{tmp_path}/bucket"
+    config = node_config(tmp_path / "b", bucket)
+    manager = config.manager.model_copy(update={"integrity_unhealthy_failures": 1})
+    writer = TierManager(node_config(tmp_path / "a", bucket))
+    try:
+        reader = TierManager(config.model_copy(update={"manager": manager}))
+    except BaseException:
+        writer.close()
+        raise
+    try:
+        namespace = writer.register_pool(target_spec(), CHUNK)
+        reader.register_pool(target_spec(), CHUNK)
+        keys = keys_for(namespace, 8)  # two packs of four chunks
+        assert store(writer, keys) == len(keys)
+        uploaded(writer, keys)
+        assert writer.object is not None
+        assert reader.object is not None
+        damaged = tmp_path / "bucket" / writer.object.object_name(keys[0])
+        body = bytearray(damaged.read_bytes())
+        body[-1] ^= 0xFF  # a payload byte: its headers still index it
+        damaged.write_bytes(bytes(body))
+
+        for _ in reader.warmup(object_index=True):  # both packs indexed, none fetched
+            pass
+        assert reader.lookup(keys).tiers == ["object"] * len(keys)
+        assert reader.promote(keys[:4]) == 4  # fetched, found corrupt, deleted
+        wait_for(lambda: reader.object.corrupt_chunks() == 1, REPORT_S, "the pack is fetched")
+        wait_for(lambda: not reader.health.serves("object"), REPORT_S, "the store is unhealthy")
+        fetched = reader.object.stats().counters
+        # the sound pack, still indexed, is neither found nor fetched while the store is
+        # unhealthy, nor probed for
+        assert reader.lookup(keys[4:]).hits == 0
+        assert reader.promote(keys[4:]) == 0
+        assert reader.object.stats().counters == fetched
+        assert reader.health.serves("lmdb")  # lmdb and the arena still serve
+        assert store(reader, keys[4:5]) == 1
+        assert reader.lookup(keys[4:5]).tiers == ["cpu"]
+    finally:
+        reader.close()
+        writer.close()
+        for m in (reader, writer):
+            m.config.arena.path.unlink(missing_ok=True)
