@@ -303,7 +303,8 @@ class ManagerConfig(ConfigSection):
         ge=1,
         description="A tier with this many chunks failing verification (kvtierd's own checks "
         "and engines' reports it confirmed) within integrity_window_s is unhealthy: in `kvtier "
-        "health` and kvtier_tier_healthy, until the window holds fewer.",
+        "health` and kvtier_tier_healthy, and (lmdb, the object store) neither read nor written, "
+        "until the window holds fewer.",
     )
 
 

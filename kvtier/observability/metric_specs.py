@@ -82,7 +82,10 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "hit_chunks",
         "tier pool replica",
-        "Chunks lookups found, by the fastest tier holding each; summed over tier, all hits.",
+        "Chunks lookups found, by the fastest tier holding each (with the arena hits engines "
+        "answered from its key index, as they report them); summed over tier, all hits. Counted "
+        "as answered, before any load: a hit the engine then recomputes (its load failed, as "
+        "vllm:kvtier_transfer_errors_total counts, or recomputing was cheaper) still counts.",
     ),
     _spec(
         "counter",
@@ -144,7 +147,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "tier_healthy",
         "tier",
         "0 while integrity_failures of the tier within manager.integrity_window_s reach "
-        "manager.integrity_unhealthy_failures (kvtier health names it NOT_SERVING); else 1.",
+        "manager.integrity_unhealthy_failures (kvtier health names it NOT_SERVING; lmdb and "
+        "the object store are neither read nor written meanwhile); else 1.",
     ),
     _spec("counter", "store_rejected_chunks", "tier", "Stores refused for want of room."),
     _spec(

@@ -49,7 +49,8 @@ OBJECT_HEALTH_SERVICE = "kvtier.object"
 LMDB_HEALTH_SERVICE = "kvtier.lmdb"
 """Health service name of lmdb: NOT_SERVING from a write refused for want of space until one
 commits again, and while its chunks fail verification past ``manager.integrity_unhealthy_failures``
-within ``manager.integrity_window_s``."""
+within ``manager.integrity_window_s`` (then it is neither read nor written:
+`kvtier.tiering.health`)."""
 
 
 def split_address(address: str, key: str) -> tuple[str, int]:
@@ -268,7 +269,8 @@ class Daemon:
         the tiers found (the store's check thread, lmdb's last write: NOT_SERVING while its disk
         is full): no request here, so reaping never waits on them."""
         healthy: dict[str, bool] = {}
-        corrupting = self.manager.integrity.unhealthy()  # too many chunks failing verification
+        # too many chunks failing verification (each change is logged as it is seen here)
+        corrupting = self.manager.health.shunned()
         if self.manager.object is not None:
             healthy[OBJECT_HEALTH_SERVICE] = (
                 self.manager.object.healthy and "object" not in corrupting

@@ -3,12 +3,13 @@ leading tokens it holds and the measured time to load them, against the time to 
 
 A prompt is named by its block hashes as the engine computes them (the full hashes: a chunk's key
 is its namespace and the hash of its last block). Each target namespace of the model counts,
-every tensor-parallel rank's: a tier holds a chunk only where it holds every rank's part.
+every tensor-parallel rank's: a tier holds a chunk only where it holds every rank's part. A
+tier that lookups leave out (unhealthy: `kvtier.tiering.health`) holds none of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.core.costs import CostSnapshot
@@ -45,6 +46,7 @@ def locate(
     model: str,
     block_hashes: Sequence[bytes],
     tenant: str = "default",
+    serves: Callable[[str], bool] = lambda tier: True,
 ) -> Location:
     specs = [
         spec
@@ -62,8 +64,8 @@ def locate(
     last_blocks = [block_hashes[(i + 1) * bpc - 1] for i in range(whole)]
     spans = []
     for name, tier in tiers.items():
-        held = whole
-        for spec in specs:
+        held = whole if serves(name) else 0
+        for spec in specs if held else ():
             namespace = spec.digest()
             present = tier.contains([ChunkKey(namespace + h) for h in last_blocks])
             held = min(held, next((i for i, p in enumerate(present) if not p), whole))

@@ -12,10 +12,13 @@
   ``object.lookup_budget_ms``), counted as object hits;
 - draft pools are versioned: an old revision's chunks are evicted first, and deleted from every
   tier after ``manager.draft_grace_s``; target chunks are never touched;
-- what a killed owner committed to the arena reaches lmdb once its namespace registers again.
+- what a killed owner committed to the arena reaches lmdb once its namespace registers again;
+- a stored tier unhealthy from chunks failing verification is neither read nor written while it is
+  (`kvtier.tiering.health`).
 
-The parts: `kvtier.tiering.drafts` keeps the draft revisions, `kvtier.tiers.objstore.fetch` probes
-and downloads objects, `kvtier.tiering.maintenance` runs drain, verify, warmup and gc.
+The parts: `kvtier.tiering.finder` searches the tiers for a lookup, `kvtier.tiering.drafts` keeps
+the draft revisions, `kvtier.tiers.objstore.fetch` probes and downloads objects,
+`kvtier.tiering.maintenance` runs drain, verify, warmup and gc.
 """
 
 from __future__ import annotations
@@ -40,13 +43,14 @@ from kvtier.core.protocol import (
     DraftState,
     LookupResult,
     SlotRef,
-    TierCode,
     TierStats,
     arena_hit,
     in_lmdb,
 )
 from kvtier.tiering.admission import HitAdmission
 from kvtier.tiering.drafts import DraftRevisions
+from kvtier.tiering.finder import Finder
+from kvtier.tiering.health import TierHealth
 from kvtier.tiering.integrity import IntegrityReports
 from kvtier.tiering.locate import Location, locate
 from kvtier.tiering.maintenance import DrainResult, Maintenance, VerifyProgress, WarmupProgress
@@ -64,10 +68,6 @@ from kvtier.tiers.objstore.tier import ObjectTier
 from kvtier.tiers.objstore.uploader import Uploader
 
 log = logging.getLogger(__name__)
-
-_CPU = int(TierCode.CPU)
-_LMDB = int(TierCode.LMDB)
-_OBJECT = int(TierCode.OBJECT)
 
 
 @dataclass(slots=True)
@@ -141,6 +141,12 @@ class TierManager:
             lease=self.lease,
             release=self.release,
         )
+        self.integrity = IntegrityReports(self.tiers, self.lmdb, config.manager)
+        self.health = TierHealth(self.integrity.unhealthy)
+        """Which stored tiers are read and written now (unhealthy ones are not)."""
+        self.finder = Finder(
+            self.cpu, self.lmdb, self.object, self.fetcher, self.uploader, self.health
+        )
         self.writeback: WriteBack | None = None
         if self.lmdb is not None:
             self.writeback = WriteBack(
@@ -151,8 +157,8 @@ class TierManager:
                 self._counters,
                 between_batches=self._between_writebacks,
                 skip=self.quarantines.holds,
+                writes=partial(self.health.serves, LmdbTier.name),
             )
-        self.integrity = IntegrityReports(self.tiers, self.lmdb, config.manager)
 
     def _between_writebacks(self) -> None:
         self.drafts.gc_when_due()
@@ -210,25 +216,6 @@ class TierManager:
         for namespace in namespaces_of(keys):
             self.registry.resolve(namespace, use=True)
 
-    def _lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
-        self._check_pools(keys)
-        in_cpu = self.cpu.contains(keys)
-        try:
-            in_arena = in_cpu.index(False)
-        except ValueError:
-            in_arena = len(keys)
-        codes = bytearray(bytes([_CPU]) * in_arena)  # the common case: a prefix all in the arena
-        pending = False
-        if in_arena < len(keys) and self.lmdb is not None:
-            self._extend_codes(keys, in_cpu, codes)
-            if self.fetcher is not None and len(codes) < len(keys):
-                extend = partial(self._extend_codes, keys, in_cpu, codes)
-                pending = self.fetcher.probe_past(keys, codes, extend)
-                if self.uploader is not None:  # what misses is stored next: its order packs it
-                    first = max(0, len(codes) - 1)
-                    self.uploader.follows(keys[first : first + 8192])
-        return LookupResult(len(codes), bytes(codes), pending)
-
     def _count_lookup(self, asked: int, result: LookupResult, verify: bool) -> None:
         counters = self._counters
         counters.add("lookups", 1)
@@ -276,7 +263,8 @@ class TierManager:
         ``verify``: a request sampled for verification, whose found chunks are counted as
         verified, not hits (none is served)."""
         keys = self.quarantines.cut(keys)
-        result = self._lookup(keys)
+        self._check_pools(keys)
+        result = self.finder.find(keys)
         if self.fetcher and not verify:  # what a probe brought counts once, as the store's
             result = replace(result, from_store=self.fetcher.claim(keys[: result.hits]))
         if not again:
@@ -287,23 +275,6 @@ class TierManager:
             return result
         return result, self.lease(keys[: arena_hit(result)], replica)
 
-    def _extend_codes(self, keys: Sequence[ChunkKey], in_cpu: list[bool], codes: bytearray) -> None:
-        """Append the tier of each key from ``len(codes)`` on, up to the first one nowhere."""
-        assert self.lmdb is not None
-        in_lmdb = self.lmdb.__contains__
-        # an unhealthy store (identity or breaker) is left out: its chunks are misses until then
-        store = self.object
-        in_object = store.__contains__ if store is not None and store.healthy else None
-        for i in range(len(codes), len(keys)):
-            if in_cpu[i]:
-                codes.append(_CPU)
-            elif in_lmdb(keys[i]):
-                codes.append(_LMDB)
-            elif in_object is not None and in_object(keys[i]):
-                codes.append(_OBJECT)
-            else:
-                break
-
     # -- store ----------------------------------------------------------------------------
 
     def reserve(self, keys: Sequence[ChunkKey], replica: str = "default") -> list[SlotRef | None]:
@@ -312,7 +283,7 @@ class TierManager:
         runs share an object in the store."""
         if self.uploader is not None:
             self.uploader.follows(keys)
-        if self.lmdb is not None:
+        if self.lmdb is not None and self.health.serves(LmdbTier.name):
             present = self.lmdb.contains(keys)
             if any(present):  # already kept on disk: do not copy it again
                 self.cpu.count_duplicates(sum(present))
@@ -350,8 +321,9 @@ class TierManager:
         leases = self.cpu.lease(keys)
         if self.promoter is None or self.lmdb is None:
             return leases
+        from_lmdb = self.health.serves(LmdbTier.name)  # else what the arena holds only
         for i, lease in enumerate(leases):
-            if lease is None:
+            if lease is None and from_lmdb:
                 key = keys[i]
                 leases[i] = (
                     self.lmdb.loads.lease(key) if in_lmdb else self.promoter.promote(key, replica)
@@ -366,7 +338,7 @@ class TierManager:
         """Queue lmdb and object chunks for promotion into the arena, without waiting; returns
         how many were queued. A later lookup finds them in the arena."""
         self._check_pools(keys)
-        if self.lmdb is None or self.promoter is None:
+        if self.lmdb is None or self.promoter is None or not self.health.serves(LmdbTier.name):
             return 0
         local: list[ChunkKey] = []
         remote: list[ChunkKey] = []
@@ -378,7 +350,7 @@ class TierManager:
             elif self.object is not None and key in self.object:
                 remote.append(key)
         queued = self.promoter.queue(local, replica)
-        if remote and self.fetcher is not None:
+        if remote and self.fetcher is not None and self.health.serves(ObjectTier.name):
             queued += self.fetcher.fetch(remote, replica)
         return queued
 
@@ -459,7 +431,8 @@ class TierManager:
     ) -> Location:
         """Per tier, the prompt's leading tokens it holds and their expected load time."""
         snapshot = self.costs.snapshot()
-        return locate(self.registry, self.tiers, snapshot, model, block_hashes, tenant)
+        serves = self.health.serves
+        return locate(self.registry, self.tiers, snapshot, model, block_hashes, tenant, serves)
 
     def gc(self, retention_s: float | None = None, dry_run: bool = False) -> Iterator[GcCounts]:
         """Delete objects past their retention from the store; progress as it goes."""

@@ -34,10 +34,14 @@ class WriteBack:
         counters: Counters,
         between_batches: Callable[[], None],
         skip: Callable[[bytes], bool] = lambda namespace: False,
+        writes: Callable[[], bool] = lambda: True,
     ) -> None:
         """``between_batches`` runs on the write-back thread each time it has caught up; chunks
-        of a namespace ``skip`` names (quarantined) are marked written without being written."""
+        of a namespace ``skip`` names (quarantined), and every chunk while ``writes()`` is false
+        (lmdb is unhealthy), are marked written without being written: the arena keeps them as
+        a cache, evicted as clean ones are, so it never fills with chunks it cannot write."""
         self._skip = skip
+        self._writes = writes
         self._cpu = cpu
         self._lmdb = lmdb
         self._upload = uploader if config.object.admission is Admission.ALL else None
@@ -101,8 +105,9 @@ class WriteBack:
         changed: set[ChunkKey] = set()
         try:
             by_owner: dict[str, list[SlotRef]] = {}
+            writes = self._writes()
             for ref in refs:
-                if not self._skip(namespace_of(ref.key)):
+                if writes and not self._skip(namespace_of(ref.key)):
                     by_owner.setdefault(cpu.owner_of(ref), []).append(ref)
             for owner, group in by_owner.items():
                 # the encoder's checksum of what it stores is compared with the commit's

@@ -1,7 +1,8 @@
 """Hits held in lmdb, loaded by a real engine beside a real kvtierd straight from lmdb's map
 (``lmdb_loads``): no promotion, no arena slot, outputs vLLM's own; with it off, the same hits are
 promoted into the arena first. A chunk corrupted in lmdb is recomputed, never served, and
-reported: kvtierd drops it, and the next engine stores a good copy."""
+reported: kvtierd drops it, and the next engine stores a good copy; with that many failing, lmdb
+is unhealthy, so the good copies stay in the arena and no engine reads lmdb's map meanwhile."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvtier.rpc import AdminClient
 from tests.e2e.conftest import MAX_TOKENS
@@ -121,6 +123,14 @@ def test_hits_held_only_in_lmdb_load_from_its_map_without_promotion(
         assert lmdb_counters.get("load_leases", 0) == 0
 
 
+def _unhealthy_after(files: DaemonFiles, failures: int) -> None:
+    """kvtierd's configuration: lmdb unhealthy after ``failures`` chunks failing verification
+    (within the default window, longer than this test)."""
+    tree = yaml.safe_load(files.config.read_text())
+    tree.setdefault("manager", {})["integrity_unhealthy_failures"] = failures
+    files.config.write_text(yaml.safe_dump(tree))
+
+
 def test_chunks_corrupted_in_lmdb_are_recomputed_reported_dropped_and_stored_again(
     tiny_models: ModelSet,
     prompts: list[list[int]],
@@ -129,8 +139,10 @@ def test_chunks_corrupted_in_lmdb_are_recomputed_reported_dropped_and_stored_aga
     daemon_files: DaemonFiles,
 ) -> None:
     """An engine serves none of what failed verification and reports it; kvtierd counts each
-    chunk hit and drops it, so the next engine neither reads nor fails on it, and stores it
-    again, and the one after loads the good copy."""
+    chunk hit and drops it, and marks lmdb unhealthy: the next engine reads nothing from lmdb,
+    and stores those chunks again in the arena only, and the one after loads the good copies
+    from there."""
+    _unhealthy_after(daemon_files, 8)
     connector, admin = _stored_in_lmdb_only(tiny_models, prompts, procs, daemon_files, {})
     try:
         assert _corrupt_every_chunk(daemon_files.lmdb) > 0
@@ -149,21 +161,28 @@ def test_chunks_corrupted_in_lmdb_are_recomputed_reported_dropped_and_stored_aga
             time.sleep(0.1)
         assert _lmdb_counters(admin).get("corrupt", 0) == errors
         assert _lmdb_chunks(admin) <= held - errors
-        # the next engine misses them: nothing read from lmdb fails, and it stores them again
+        assert errors >= 8  # lmdb is unhealthy
+        lmdb_before = _lmdb_counters(admin)
+        # the next engine misses them, and the chunks of lmdb no engine read too: nothing is
+        # leased in lmdb or fails, and it stores them again in the arena, not in lmdb
         with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
             tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
             assert counter(llm, LOAD_ERRORS, direction="load") == 0
+            assert cached_by_source(llm, "disk") == 0
         assert tokens == baseline[: len(prompts)]
-        assert _lmdb_counters(admin).get("corrupt", 0) == errors
         assert admin.drain().complete
-        admin.evict(tier="cpu")
-        # and the one after loads the good copies from lmdb
+        # and the one after loads the good copies from the arena, still reading no lmdb
         with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
             tokens, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
             assert counter(llm, LOAD_ERRORS, direction="load") == 0
             from_disk = cached_by_source(llm, "disk")
+            from_arena = cached_by_source(llm, "host")
+        lmdb_after = _lmdb_counters(admin)
     finally:
         admin.close()
     assert tokens == baseline[: len(prompts)]
     assert all(c >= 600 for c in cached), cached
-    assert from_disk >= 600 * len(prompts)
+    assert from_disk == 0
+    assert from_arena >= 600 * len(prompts)
+    for read_or_written in ("load_leases", "hits", "corrupt", "stores"):
+        assert lmdb_after.get(read_or_written, 0) == lmdb_before.get(read_or_written, 0)

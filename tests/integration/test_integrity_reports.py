@@ -91,7 +91,7 @@ def _copy(ref: SlotRef) -> ChunkCopy:
     return ChunkCopy("target", ref.slot, ref.offset, ref.generation, (), key=bytes(ref.key))
 
 
-def _metric(daemon: RunningDaemon, name: str, **labels: str) -> float:
+def metric(daemon: RunningDaemon, name: str, **labels: str) -> float:
     return sum(
         value
         for found, have, value in daemon.metrics()
@@ -99,7 +99,7 @@ def _metric(daemon: RunningDaemon, name: str, **labels: str) -> float:
     )
 
 
-def _lmdb_chunks(daemon: RunningDaemon) -> int:
+def lmdb_chunks(daemon: RunningDaemon) -> int:
     """lmdb's chunks and those found corrupt, as `kvtier stats` shows them; its chunk count."""
     token = daemon.files.config.parent / "admin.token"
     token.write_text(daemon.admin_token or "")
@@ -117,12 +117,12 @@ def _lmdb_chunks(daemon: RunningDaemon) -> int:
     assert shown[1].split() == ["tier", "used", "capacity", "chunks", "corrupt"], shown
     row = next(line.split() for line in shown[2:] if line.startswith("lmdb "))
     held = int(next(t for t in daemon.stats().tiers if t.tier == "lmdb").usage.chunks)
-    corrupt = _metric(daemon, "kvtier_integrity_failures_total", tier="lmdb")
+    corrupt = metric(daemon, "kvtier_integrity_failures_total", tier="lmdb")
     assert row[-2:] == [str(held), str(int(corrupt))], (row, held, corrupt)
     return held
 
 
-def _lmdb_health(daemon: RunningDaemon) -> int:
+def lmdb_health(daemon: RunningDaemon) -> int:
     """`kvtier health` of lmdb's service: 0 SERVING, 1 not."""
     health = ["health", "--address", daemon.admin_address, "--service", "kvtier.lmdb"]
     return subprocess.run(
@@ -139,12 +139,13 @@ def corrupted(procs: Processes, tmp_path: Path, shm_path: Path) -> RunningDaemon
     return corrupted_daemon(procs, tmp_path, shm_path)
 
 
-def corrupted_daemon(procs: Processes, tmp_path: Path, shm_path: Path) -> RunningDaemon:
+def corrupted_daemon(
+    procs: Processes, tmp_path: Path, shm_path: Path, window_s: float = 300.0
+) -> RunningDaemon:
     """kvtierd restarted on an lmdb where the chunks `CORRUPT` of `STORED` had a byte flipped;
-    three failures make lmdb unhealthy."""
-    files: DaemonFiles = write_config(
-        tmp_path, shm_path, {"manager": {"integrity_unhealthy_failures": len(CORRUPT)}}
-    )
+    three failures within ``window_s`` make lmdb unhealthy."""
+    manager = {"integrity_unhealthy_failures": len(CORRUPT), "integrity_window_s": window_s}
+    files: DaemonFiles = write_config(tmp_path, shm_path, {"manager": manager})
     daemon = procs.start_daemon(files)
     writer = ArenaClient(files.socket, "r0")
     try:
@@ -156,17 +157,17 @@ def corrupted_daemon(procs: Processes, tmp_path: Path, shm_path: Path) -> Runnin
     return procs.start_daemon(files)
 
 
-def test_corrupt_chunks_an_engine_reads_are_reported_counted_dropped_and_stored_again(
+def test_corrupt_chunks_an_engine_reads_are_reported_counted_and_dropped(
     corrupted: RunningDaemon,
 ) -> None:
     daemon = corrupted
     socket = daemon.files.socket
     keys = [key_of(i) for i in range(STORED)]
     # the operator's view before: nothing corrupt found, every chunk held, lmdb healthy
-    assert _metric(daemon, "kvtier_integrity_failures_total", tier="lmdb") == 0
-    assert _lmdb_chunks(daemon) == STORED
-    assert _metric(daemon, "kvtier_tier_healthy", tier="lmdb") == 1
-    assert _lmdb_health(daemon) == 0
+    assert metric(daemon, "kvtier_integrity_failures_total", tier="lmdb") == 0
+    assert lmdb_chunks(daemon) == STORED
+    assert metric(daemon, "kvtier_tier_healthy", tier="lmdb") == 1
+    assert lmdb_health(daemon) == 0
 
     engine = GrpcTierClient(socket, "r1")
     try:
@@ -177,29 +178,34 @@ def test_corrupt_chunks_an_engine_reads_are_reported_counted_dropped_and_stored_
         assert {(f.tier, f.what) for f in failed} == {(TierCode.LMDB, Failure.PAYLOAD)}
         engine.report_failed(failed)
         wait_for(
-            lambda: _metric(daemon, "kvtier_integrity_failures_total", tier="lmdb") == len(CORRUPT),
+            lambda: metric(daemon, "kvtier_integrity_failures_total", tier="lmdb") == len(CORRUPT),
             REPORT_S,
             "kvtierd counts the reported chunks",
         )
     finally:
         engine.close()
-    assert _metric(daemon, "kvtier_integrity_reports_total", tier="lmdb", result="confirmed") == 3
-    assert _metric(daemon, "kvtier_integrity_failures_total", tier="lmdb", pool="target") == 3
-    assert _lmdb_chunks(daemon) == STORED - len(CORRUPT)  # dropped from lmdb and its index
-    wait_for(lambda: _lmdb_health(daemon) == 1, REPORT_S, "kvtier health names lmdb unhealthy")
-    assert _metric(daemon, "kvtier_tier_healthy", tier="lmdb") == 0
+    assert metric(daemon, "kvtier_integrity_reports_total", tier="lmdb", result="confirmed") == 3
+    assert metric(daemon, "kvtier_integrity_failures_total", tier="lmdb", pool="target") == 3
+    assert lmdb_chunks(daemon) == STORED - len(CORRUPT)  # dropped from lmdb and its index
+    wait_for(lambda: lmdb_health(daemon) == 1, REPORT_S, "kvtier health names lmdb unhealthy")
+    assert metric(daemon, "kvtier_tier_healthy", tier="lmdb") == 0
 
-    # the next engine misses them, with no lease to read and nothing failing again
+    # the next engine misses them, with no lease to read and nothing failing again (and, lmdb
+    # unhealthy now, misses its sound chunks too: `test_unhealthy_tier`)
     after = GrpcTierClient(socket, "r2")
     try:
         after.register_pool(target_spec(), CHUNK)
-        for i in range(STORED):
-            assert after.lookup([keys[i]]).hits == (0 if i in CORRUPT else 1), i
+        assert [after.lookup([keys[i]]).hits for i in CORRUPT] == [0] * len(CORRUPT)
         assert after.lease([keys[i] for i in CORRUPT], in_lmdb=True) == [None] * len(CORRUPT)
     finally:
         after.close()
-    # a store writes good copies, which reach lmdb and load from there
-    writer = ArenaClient(socket, "r3")
+    assert metric(daemon, "kvtier_integrity_failures_total", tier="lmdb") == len(CORRUPT)
+
+
+def store_again_and_read_in_lmdb(daemon: RunningDaemon) -> None:
+    """Good copies of the chunks `CORRUPT` stored, written back to lmdb and dropped from the
+    arena: every chunk of `STORED` is then read from lmdb's map, sound."""
+    writer = ArenaClient(daemon.files.socket, "r3")
     try:
         assert writer.store(CORRUPT) == list(CORRUPT)
     finally:
@@ -210,14 +216,14 @@ def test_corrupt_chunks_an_engine_reads_are_reported_counted_dropped_and_stored_
         admin.evict(tier="cpu")
     finally:
         admin.close()
-    assert _lmdb_chunks(daemon) == STORED
-    following = GrpcTierClient(socket, "r4")
+    assert lmdb_chunks(daemon) == STORED
+    following = GrpcTierClient(daemon.files.socket, "r4")
     try:
         following.register_pool(target_spec(), CHUNK)
+        keys = [key_of(i) for i in range(STORED)]
         assert read_in_lmdb(following, keys) == ([True] * STORED, [])
     finally:
         following.close()
-    assert _metric(daemon, "kvtier_integrity_failures_total", tier="lmdb") == len(CORRUPT)
 
 
 def test_a_report_of_a_sound_chunk_a_reused_slot_or_another_pools_chunk_drops_nothing(
@@ -237,10 +243,9 @@ def test_a_report_of_a_sound_chunk_a_reused_slot_or_another_pools_chunk_drops_no
         stranger.report_failed([FailedChunk(corrupt, TierCode.LMDB, Failure.HEADER)])
         wait_for(
             lambda: (
-                _metric(daemon, "kvtier_integrity_reports_total", result="refused") == 1
-                and _metric(daemon, "kvtier_integrity_reports_total", result="foreign") == 1
-                and _metric(daemon, "kvtier_integrity_reports_total", tier="cpu", result="gone")
-                == 1
+                metric(daemon, "kvtier_integrity_reports_total", result="refused") == 1
+                and metric(daemon, "kvtier_integrity_reports_total", result="foreign") == 1
+                and metric(daemon, "kvtier_integrity_reports_total", tier="cpu", result="gone") == 1
             ),
             REPORT_S,
             "kvtierd counts the three reports",
@@ -248,10 +253,10 @@ def test_a_report_of_a_sound_chunk_a_reused_slot_or_another_pools_chunk_drops_no
     finally:
         engine.close()
         stranger.close()
-    assert _metric(daemon, "kvtier_integrity_failures_total") == 0
-    assert _metric(daemon, "kvtier_integrity_reports_total", result="confirmed") == 0
-    assert _lmdb_chunks(daemon) == STORED
-    assert _lmdb_health(daemon) == 0
+    assert metric(daemon, "kvtier_integrity_failures_total") == 0
+    assert metric(daemon, "kvtier_integrity_reports_total", result="confirmed") == 0
+    assert lmdb_chunks(daemon) == STORED
+    assert lmdb_health(daemon) == 0
 
 
 @pytest.fixture
