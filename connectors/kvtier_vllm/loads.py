@@ -20,6 +20,8 @@ _REMOTE_SOURCE = "external_unspecified"
 
 @dataclass
 class LoadPlan:
+    """The load of a hit of ``chunks`` chunks from ``first_chunk`` (no chunk: a miss)."""
+
     first_chunk: int
     chunks: int
     leases: dict[str, tuple[int, list[SlotRef]]]

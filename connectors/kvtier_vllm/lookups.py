@@ -53,7 +53,7 @@ class HitLookup:
         self._unanswered: list[RequestState] = []
         """Requests asked again next step, their lookups still with kvtierd."""
 
-    def limit(self, request: Any) -> int:
+    def _limit(self, request: Any) -> int:
         return hit_limit(
             request, self.chunk_tokens, self.cfg.blocks_per_chunk, self.planner.drop_last
         )
@@ -77,7 +77,7 @@ class HitLookup:
         if self.draft_pool is not None:
             self.draft_pool.follow_once(step)
         self.session.touch(True)
-        limit = self.limit(state.request)
+        limit = self._limit(state.request)
         revision = self._draft_revision()
         held = state.plan
         if held is not None and self._still_held(state, computed, revision, limit):

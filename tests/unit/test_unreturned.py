@@ -1,11 +1,15 @@
 """The connector's list of refs still to hand back: when it tries, how often, and when it gives
-up. The client here is a stand-in that fails on demand (the real daemon's side is in
+up; and the scheduler's releases, which keep what a failed one could not end. The client here
+is a stand-in that fails on demand (the real daemon's side is in
 tests/integration/test_daemon_bookkeeping.py and tests/faults/test_leaks.py)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
+import pytest
+from kvtier_vllm.tier_calls import TierCalls
 from kvtier_vllm.unreturned import Handback, Unreturned
 
 from kvtier.core.errors import TierUnavailableError
@@ -102,3 +106,26 @@ def test_the_oldest_refs_are_given_up_past_the_bound() -> None:
     owed.keep(Handback.RELEASE, _refs(1, 2))
     owed.keep(Handback.RELEASE, _refs(3, 4))
     assert (len(owed), owed.given_up) == (2, 2)
+
+
+def test_a_failed_release_is_handed_back_later_and_logged_once_while_the_tiers_fail(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = Client()
+    calls = TierCalls(client)  # type: ignore[arg-type]
+    client.failing = True
+    with caplog.at_level(logging.ERROR, logger="kvtier_vllm.tier_calls"):
+        calls.release(_refs(1))
+        calls.release(_refs(2))
+        assert len(caplog.records) == 1  # once, not at every call until they are back
+        calls.answered()
+        calls.release(_refs(3))
+        assert len(caplog.records) == 2  # news again after an answer
+    assert len(calls.unreturned) == 3
+    client.failing = False
+    calls.hand_back(force=True)
+    assert client.calls[-3:] == [("release", [1]), ("release", [2]), ("release", [3])]
+    assert len(calls.unreturned) == 0
+    calls.client = None
+    calls.release(_refs(4))  # no client open: nothing to end
+    assert client.calls[-1] == ("release", [3])
