@@ -324,11 +324,12 @@ class HitPlanner:
                 granted = first if self.windowed else min(granted, span.start + missing)
         zero: list[str] = []
         fill = Fill.NONE
+        unused: list[SlotRef] = []  # leases the hit does not use: ended in one call
         if self.draft is not None and self.draft_plan is not None:
             span = self._needed(self.draft_plan, first, chunks)
             chunk_hashes = [state.keys.hash_of(c) for c in span]
             draft, fill, back = lease_draft(client, self.draft, chunk_hashes)
-            self.calls.release(back)
+            unused += back
             if draft is not None:
                 offered[self.draft_plan.key] = (span.start, draft)
             else:  # never leave draft pages uninitialised
@@ -336,10 +337,12 @@ class HitPlanner:
         leases: dict[str, tuple[int, list[SlotRef]]] = {}
         for key, (start, refs) in offered.items():
             keep = max(0, granted - start)
-            self.calls.release([r for r in refs[keep:] if r is not None])
+            unused += [r for r in refs[keep:] if r is not None]
             leases[key] = (start, [r for r in refs[:keep] if r is not None])
         if granted <= first:
-            self.calls.release([r for _, refs in leases.values() for r in refs])
+            unused += [r for _, refs in leases.values() for r in refs]
+        self.calls.release(unused)
+        if granted <= first:
             wait_s = self._wait_s(chunks - first)
             return None if state.may_wait(wait_s) else LoadPlan(first, 0, {}, [])
         tiers = bytes(state.first_tiers.get(c, CPU) for c in range(first, granted))
