@@ -19,6 +19,7 @@ from kvtier.client import InProcessClient
 from kvtier.core.keys import ChunkKey
 from kvtier.tiers.cpu import CpuTier
 from tests.support import MiB
+from tests.unit.test_planner import ArenaReading
 
 BLOCK = 16
 BPC = 4
@@ -147,3 +148,55 @@ def test_a_granted_hit_is_loaded_into_its_blocks_and_its_leases_go_back(
     assert evictable() == 0  # due with the next call that releases
     scheduler.get_num_new_matched_tokens(request("c", 1), 0)  # a lookup takes them along
     assert evictable() == 2
+
+
+class CountedCalls(ArenaReading):
+    """Reads the arena's index as a sidecar client does, and counts the calls a daemon would
+    answer (index reads are local)."""
+
+    def __init__(self, client: InProcessClient) -> None:
+        super().__init__(client)
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> object:
+        found = super().__getattr__(name)
+        if name in ("lookup", "lease", "lookup_behind", "promote") and callable(found):
+
+            def counted(*args: object, **kwargs: object) -> object:
+                self.calls += 1
+                return found(*args, **kwargs)
+
+            return counted
+        return found
+
+
+def counting_calls(s: KVTierScheduler) -> CountedCalls:
+    """The lookup's client, as a sidecar's: see `CountedCalls`."""
+    assert s.lookup is not None
+    assert isinstance(s.client, InProcessClient)
+    s.lookup.planner.client = counted = CountedCalls(s.client)  # type: ignore[assignment]
+    return counted
+
+
+def test_an_answer_stands_with_no_call_until_the_arena_could_answer_otherwise(
+    scheduler: KVTierScheduler,
+) -> None:
+    client = counting_calls(scheduler)
+    req = request("a", 6)
+    store(scheduler, chunk_keys(scheduler, req, range(4)))
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (4 * CHUNK_TOKENS, False)
+    calls = client.calls
+    # vLLM asks again while the request waits for room: the same answer, with no call
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (4 * CHUNK_TOKENS, False)
+    assert client.calls == calls
+    store(scheduler, chunk_keys(scheduler, req, range(4, 5)))  # a longer hit is there now
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (5 * CHUNK_TOKENS, False)
+    assert client.calls > calls
+
+    miss = request("m", 6)
+    assert scheduler.get_num_new_matched_tokens(miss, 0) == (0, False)
+    calls = client.calls
+    assert scheduler.get_num_new_matched_tokens(miss, 0) == (0, False)
+    assert client.calls == calls  # nothing where its hit would start: no call
+    store(scheduler, chunk_keys(scheduler, miss, range(2)))
+    assert scheduler.get_num_new_matched_tokens(miss, 0) == (2 * CHUNK_TOKENS, False)
