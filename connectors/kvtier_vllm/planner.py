@@ -117,7 +117,8 @@ class HitPlanner:
         call: every chunk it leased is in the same slot, and the arena holds no chunk past its
         hit (a lookup now would find a longer one). False where the arena cannot be read so."""
         refs = [r for r in plan.refs() if not in_lmdb(r)]
-        past = self.keys(self.anchor, prompt, [plan.end]) if plan.end < limit else []
+        end = plan.end
+        past = self.keys(self.anchor, prompt, [end]) if end < limit else []
         found = self.client.in_arena([r.key for r in refs] + past)
         if found is None or len(found) != len(refs):
             return False
