@@ -1,23 +1,31 @@
-"""What the scheduler keeps per request: its blocks, what it stored, and the answer to its last
-ask, which stands while the request waits for room and nothing it rests on changes."""
+"""What the scheduler keeps per request: its blocks and what it stored, and what its lookups
+learned over the steps vLLM asks again, with the answer to its last ask, which stands while
+the request waits for room and nothing it rests on changes."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import Answer, LookupResult, SlotRef
 from kvtier_vllm.draft import Fill
-from kvtier_vllm.planner import Asked, HitPlanner, LoadPlan
+from kvtier_vllm.loads import LoadPlan
+from kvtier_vllm.spans import Needed, PromptKeys
 from kvtier_vllm.verify import Sampled
 
 
 @dataclass
 class RequestState:
     request: Any
+    keys: PromptKeys
+    """Its chunks' keys, made once."""
+    needed: Needed | None = None
+    """What its last lookup needed: asked again with the same span, it needs the same."""
     block_ids: list[list[int]] = field(default_factory=list)
     """Per KV-cache group, the request's blocks by position (0: vLLM's null block)."""
     stored_chunks: int = 0
-    asked: Asked = field(default_factory=Asked)
     plan: LoadPlan | None = None
     """The load answered to the last ask, while the request waits for room to take it."""
     plan_revision: str | None = None
@@ -33,29 +41,40 @@ class RequestState:
     sampled: Sampled | None = None
     """Its hit, served as a miss to be compared with what vLLM computes."""
     drawn: bool = False
-    """The sampler drew for it, before its first lookup (`asked.verify` holds the outcome): a
+    """The sampler drew for it, before its first lookup (`verify` holds the outcome): a
     request asked again while it waits is not drawn again."""
+    verify: bool = False
+    """Sampled for verification: what its lookups find is counted as verified, not hits."""
     had_hit: bool = False
     """A lookup found it a hit: its draw is counted among the draws of requests with a hit."""
+    load_failed: bool = False
+    """Its asynchronous load failed: vLLM recomputes it, without kvtier."""
     tail_stored: bool = False
     """Its prompt's hidden-state tail was reserved (captured hidden states)."""
+    waiting_since: float | None = None
+    """When it was first asked again."""
+    looked: bool = False
+    """Whether it was looked up already: lookups asked again are not counted again."""
+    planned: int = 0
+    """Times a load was planned for it (`HitPlanner.plan`)."""
+    first_tiers: dict[int, int] = field(default_factory=dict)
+    """Per chunk, where it was when first asked for (promoted ones came from lmdb)."""
+    behind: tuple[list[ChunkKey], Answer[LookupResult]] | None = None
+    """The first lookup, asked in the background, and its keys: the plan takes its answer."""
 
-    def held_tokens(
-        self, planner: HitPlanner, computed: int, revision: str | None, limit: int
-    ) -> int | None:
-        """The tokens of the load answered last time, when vLLM holds what it held then, the
-        draft revision is the same and the arena still holds the plan (and no longer hit)."""
-        plan = self.plan
-        if plan is None or self.local_tokens != computed or self.plan_revision != revision:
-            return None
-        if not planner.still_holds(plan, self.request.block_hashes, limit):
-            return None
-        return (plan.first_chunk + plan.chunks) * planner.chunk_tokens - computed
+    @classmethod
+    def of(cls, request: Any, blocks_per_chunk: int) -> RequestState:
+        return cls(request, PromptKeys(request.block_hashes, blocks_per_chunk))
 
-    def still_missing(self, planner: HitPlanner, computed: int, revision: str | None) -> bool:
-        """Whether the miss answered last time stands: nothing it rests on changed and the
-        arena holds no chunk where its hit would start."""
-        if self.missed != (computed, revision):
-            return False
-        first = computed // planner.chunk_tokens
-        return not planner.may_have_appeared(self.request.block_hashes, first)
+    def may_wait(self, wait_s: float, planned: int = 0) -> bool:
+        """Whether the request may still be asked again next step: for ``wait_s``, and until
+        more than ``planned`` loads were planned for it; never with no wait."""
+        now = time.monotonic()
+        if self.waiting_since is None:
+            self.waiting_since = now
+        return wait_s > 0 and (now - self.waiting_since < wait_s or self.planned <= planned)
+
+    def drop_plan(self) -> list[SlotRef]:
+        """Forget the load answered last time; returns its leases, to give back."""
+        plan, self.plan = self.plan, None
+        return plan.refs() if plan is not None else []

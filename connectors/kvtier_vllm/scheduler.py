@@ -1,10 +1,13 @@
 """The connector's scheduler side: vLLM's scheduler hooks, per request and per step.
 
-It holds the only TierClient (`session.Session`: the tiers themselves in embedded mode, or a
-session with kvtierd), finds hits and plans their loads with `planner.HitPlanner`, and reserves
-and commits what the workers store with `stores.Stores`. Every call into kvtier is guarded: if
-the tiers fail (a daemon that is gone), the engine goes on as if there were no connector, and
-the client finds the daemon again by itself.
+`KVTierScheduler` keeps each request's `requests.RequestState` and composes the parts that do
+the work over the only TierClient, which `session.Session` opens (the tiers themselves in
+embedded mode, or a session with kvtierd) and opens again after a failure:
+`lookups.HitLookup` answers vLLM's asks (over `planner.HitPlanner`), `pending_loads.PendingLoads`
+keeps the loads vLLM granted until a step's metadata carries them (or reports them failed),
+and `stores.Stores` reserves and commits what the workers store. `tier_calls.TierCalls` holds
+whether the calls into the tiers are failing and ends the leases they took: while they fail,
+the engine goes on as if kvtier had missed.
 """
 
 from __future__ import annotations
@@ -17,10 +20,8 @@ from typing import Any
 
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import Pool
-from kvtier.core.protocol import SlotRef, TierClient
+from kvtier.core.protocol import TierClient
 from kvtier.hidden.reader import HiddenStatesRef
-from kvtier.rpc import DaemonStalledError
-from kvtier_vllm.abandon import AbandonedLoads
 from kvtier_vllm.adapter import (
     eagle_block_drop,
     failure_policy_warning,
@@ -29,22 +30,22 @@ from kvtier_vllm.adapter import (
 )
 from kvtier_vllm.capture import Capture, Manifests
 from kvtier_vllm.config import ConnectorConfig
-from kvtier_vllm.draft import Fill
 from kvtier_vllm.draft_pool import DraftPool
 from kvtier_vllm.events import KVEventFeed
 from kvtier_vllm.layout import engine_plans
 from kvtier_vllm.leases import Leases
 from kvtier_vllm.lmdb_loads import readable_lmdb
-from kvtier_vllm.lookups import Lookups
+from kvtier_vllm.lookups import HitLookup, hit_limit
 from kvtier_vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
-from kvtier_vllm.planner import Asked, HitPlanner, LoadPlan
+from kvtier_vllm.pending_loads import PendingLoads
+from kvtier_vllm.planner import HitPlanner
 from kvtier_vllm.requests import RequestState
 from kvtier_vllm.session import Session, close_client
 from kvtier_vllm.spans import targets_of
-from kvtier_vllm.stats import KVTierStats, take
+from kvtier_vllm.stats import KVTierStats, take_report
 from kvtier_vllm.stores import Stores
+from kvtier_vllm.tier_calls import TierCalls
 from kvtier_vllm.timings import StepTimings
-from kvtier_vllm.unreturned import Return, Unreturned
 from kvtier_vllm.verify import Verifier
 from kvtier_vllm.weights import adapter_uncached
 
@@ -53,7 +54,10 @@ _LEASE_STEPS = 2  # a load's leases outlive the step that copies it
 _REPORT_EVERY_S = 0.25  # hits answered from the arena index reach kvtierd this often
 
 
-class KVTierScheduler(Lookups, AbandonedLoads):
+class KVTierScheduler:
+    """vLLM's scheduler-side hooks: per request, its `RequestState` and the lookup's answer;
+    per step, the metadata of the loads granted and the stores reserved for the workers."""
+
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> None:
         self.cfg = cfg
         self.timings = StepTimings(cfg.recompute_wait_share)
@@ -88,8 +92,9 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         self.stats = KVTierStats()
         self.namespaces: dict[str, bytes] = {}
         """Per plan key; a pool without one is not stored (a draft mid-swap)."""
+        self.calls = TierCalls(None)
         self.draft_pool = (
-            DraftPool(self.draft_plan, cfg, self.namespaces, lambda: self.client, self._guard)
+            DraftPool(self.draft_plan, cfg, self.namespaces, lambda: self.client, self.calls.failed)
             if self.draft_plan is not None
             else None
         )
@@ -102,12 +107,16 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         self.verifier = Verifier(
             cfg.verify_sample_rate, cfg.verify_max_error, self.by_key, cfg.verify_seed
         )
-        self.unreturned = Unreturned()
-        """Refs a failed call did not hand back: handed back on later steps."""
-        self._failing = False
-        self.planner: HitPlanner | None = None
+        self.pending = PendingLoads(
+            self.calls,
+            self.by_key,
+            block_size=self.block_size,
+            blocks_per_chunk=cfg.blocks_per_chunk,
+            async_loads=self.async_loads,
+        )
+        self.lookup: HitLookup | None = None
         self.stores: Stores | None = None
-        """Plan loads and stores over the client in use; made when one is taken up."""
+        """Find hits and plan stores over the client in use; made when one is taken up."""
         self.session = Session(
             self.cfg,
             self.replica,
@@ -117,17 +126,9 @@ class KVTierScheduler(Lookups, AbandonedLoads):
             self.draft,
             self.events,
         )
-        self._connect(wait=True)
         self._requests: dict[str, RequestState] = {}
-        self._ready_loads: dict[str, LoadPlan] = {}
-        self._queued = KVTierMetadata()
-        """Asynchronous loads planned since the last step, for the next step's metadata."""
-        self._queued_leases: list[SlotRef] = []
         self._step = 0
-        self._unanswered: list[Asked] = []
-        """Requests asked again next step, their lookups still with kvtierd."""
-        self._failed_loads: set[str] = set()
-        """Requests whose asynchronous load failed: vLLM recomputes them, without kvtier."""
+        self._connect(wait=True)
         if self.plans and (warning := failure_policy_warning(vllm_config)):
             log.warning("kvtier: %s", warning)
         log.info(
@@ -148,14 +149,15 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         if not self.session.connect(wait):
             return False
         client = self.session.client
-        if self.planner is None and client is not None:
+        if self.lookup is None and client is not None:
+            self.calls.client = client
             self.arena_path = str(client.arena_path)
             self.lmdb_path = readable_lmdb(client, self.cfg.lmdb_loads)
             coded = client.coded()
             self.verifier.codes({k: coded[ns] for k, ns in self.namespaces.items() if ns in coded})
             if self.draft_pool is not None:
                 self.draft_pool.connected()
-            self.planner = HitPlanner(
+            planner = HitPlanner(
                 client,
                 self.plans,
                 self.namespaces,
@@ -167,17 +169,19 @@ class KVTierScheduler(Lookups, AbandonedLoads):
                 recompute_wait=self.timings.recompute_wait,
                 draft=self.draft,
                 leases=self.leases,
-                unreturned=self.unreturned,
-                on_error=self._guard,
+                calls=self.calls,
                 in_lmdb=bool(self.lmdb_path),
+            )
+            self.lookup = HitLookup(
+                planner, self.calls, self.cfg, self.session, self.verifier, self.draft_pool
             )
             self.stores = Stores(
                 client,
                 self.plans,
                 self.namespaces,
                 self.events,
-                self.unreturned,
-                self._guard,
+                self.calls.unreturned,
+                self.calls.failed,
                 chunk_tokens=self.chunk_tokens,
                 blocks_per_chunk=self.cfg.blocks_per_chunk,
                 checkpoint=self.checkpoint,
@@ -210,47 +214,46 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         """Acceptance per draft revision and fill, fills, swaps and the revision in use."""
         if self.draft_pool is not None:
             self.draft_pool.report(self.stats)
-        stats, self.stats = take(self.stats)
+        stats, self.stats = take_report(self.stats)
         return stats
 
-    # -- guarded calls into kvtier --------------------------------------------------------
+    # -- per request ----------------------------------------------------------------------
 
-    def _guard(self, what: str, error: KVTierError) -> None:
-        if not self._failing and not isinstance(error, DaemonStalledError):  # the client said
-            log.error("kvtier %s failed; serving without it until it is back: %s", what, error)
-        self._failing = True
+    def state(self, request: Any) -> RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = RequestState.of(request, self.cfg.blocks_per_chunk)
+            self._requests[request.request_id] = state
+        return state
 
-    def _drop_plan(self, state: RequestState) -> None:
-        if state.plan is not None:
-            self._release(state.plan.refs())
-            state.plan = None
-
-    def _release(self, refs: list[SlotRef]) -> None:
-        if not refs or self.client is None:
-            return
-        try:
-            self.client.release(refs)
-        except KVTierError as exc:
-            self.unreturned.keep(Return.RELEASE, refs)
-            self._guard("release", exc)
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        known = self._requests.get(request.request_id)
+        if (known is not None and known.load_failed) or not self._connect():
+            return 0, False  # a load that failed once is recomputed, not tried again
+        if self.client is not None and not self.client.serving:
+            return 0, False  # kvtierd does not answer in time: no call, no wait
+        if adapter_uncached(request):
+            return 0, False
+        assert self.lookup is not None  # made with the client
+        tokens = self.lookup.ask(self.state(request), num_computed_tokens, self._step, self.stats)
+        return tokens, bool(tokens) and self.async_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if adapter_uncached(request):
             return  # no state: nothing of it is stored
         state = self.state(request)
         if num_external_tokens == 0 or state.plan is None:
-            self._drop_plan(state)
+            self.calls.release(state.drop_plan())
             return
         plan, state.plan = state.plan, None
-        state.hit = plan
-        if not self.async_loads:
-            self._ready_loads[request.request_id] = plan
-            return
-        # the request waits for this load; its blocks are known now, the copies go out with
-        # the next step's metadata and the workers report the request done or failed
-        state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
-        self._queued_leases.extend(self._add_load(self._queued, state, plan))
-        self._queued.receiving.append(request.request_id)
+        self.pending.grant(state, plan, blocks, self.stats)
+
+    def abandon_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """`update_state_after_alloc` failed: see `PendingLoads.abandon_load`."""
+        state = self._requests.get(request.request_id)
+        self.pending.abandon_load(request.request_id, state, blocks, num_external_tokens)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """External tokens by the tier that held them: "host" (arena), "disk" (lmdb) or
@@ -266,34 +269,33 @@ class KVTierScheduler(Lookups, AbandonedLoads):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         self._step += 1
-        unanswered, self._unanswered = self._unanswered, []
-        if not scheduler_output.total_num_scheduled_tokens:
+        if self.lookup is not None:
             # nothing runs: waiting holds up no one, and the next step schedules them all
-            HitPlanner.wait_for_answers(unanswered, self.cfg.lookup_deadline_ms / 1000)
+            idle = not scheduler_output.total_num_scheduled_tokens
+            self.lookup.next_step(self.cfg.lookup_deadline_ms / 1000 if idle else None)
         self.session.touch(bool(self._requests))
-        meta, self._queued = self._queued, KVTierMetadata()
+        meta = self.pending.take_queued()
         if self.client is not None:  # a restarted daemon may have put its arena elsewhere
             self.arena_path = str(self.client.arena_path)
         meta.arena_path = self.arena_path
         meta.lmdb_path = self.lmdb_path
         if self.client is None:
             return meta
-        self.unreturned.retry(self.client)
+        self.calls.hand_back()
         if self.draft_pool is not None:
             self.draft_pool.follow_next_step()
         if self.draft is not None:
             meta.draft_check = self.draft.check_due()
             meta.draft_fingerprints = dict(self.draft.bound)
-        self._release(self.leases.step(self._queued_leases))
-        self._queued_leases = []
+        self.calls.release(self.leases.step(self.pending.take_queued_leases()))
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
             state.block_ids = [list(ids) for ids in new.block_ids]
-            plan = self._ready_loads.pop(new.req_id, None)
+            plan = self.pending.take_ready(new.req_id)
             if plan is not None:
-                self.leases.newest.extend(self._add_load(meta, state, plan))
+                self.leases.newest.extend(self.pending.add_copies(meta, state, plan, self.stats))
             self._add_stores(meta, state, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -320,24 +322,6 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         self.timings.began(scheduler_output)
         return meta
 
-    def _add_load(self, meta: KVTierMetadata, state: RequestState, plan: LoadPlan) -> list[SlotRef]:
-        """The copies of a granted load into the request's blocks; returns its leases, to give
-        back once the workers copied them."""
-        plan.add_copies(
-            meta,
-            state.block_ids,
-            self.by_key,
-            skip=state.local_tokens // self.block_size,
-            request=state.request.request_id if self.async_loads else "",
-            chunk_tokens=self.chunk_tokens,
-            blocks_per_chunk=self.cfg.blocks_per_chunk,
-        )
-        state.fill = plan.fill
-        if plan.fill is not Fill.NONE and plan.chunks:
-            self.stats.fill(plan.fill, plan.chunks)
-        state.stored_chunks = max(state.stored_chunks, plan.first_chunk + plan.chunks)
-        return plan.refs()
-
     def _add_stores(
         self, meta: KVTierMetadata, state: RequestState, computed: int, out: Any
     ) -> None:
@@ -363,10 +347,14 @@ class KVTierScheduler(Lookups, AbandonedLoads):
             self.verifier.computed(state.sampled, state.block_ids, chunks, bpc)
         assert self.stores is not None  # made with the client
         # a sliding window is stored where the prompt's own hit would read it, and past it
-        end = self._hit_limit(request) - int(self.drop_last)
+        end = hit_limit(request, self.chunk_tokens, bpc, self.drop_last) - int(self.drop_last)
         self.stores.reserve(
             meta, request, state.block_ids, chunks, end, state.local_hit, self._step, self.stats
         )
+
+    def abandon_step(self, scheduler_output: Any) -> KVTierMetadata:
+        """`build_connector_meta` failed: see `PendingLoads.abandon_step`."""
+        return self.pending.abandon_step(scheduler_output, self._requests, self.arena_path)
 
     def take_events(self) -> list[object]:
         """vLLM asks after each step's forward: what goes to kvtierd now competes with no copy."""
@@ -375,14 +363,14 @@ class KVTierScheduler(Lookups, AbandonedLoads):
                 self.client.report_hits(_REPORT_EVERY_S)
                 self.events.poll(self.client)
             except KVTierError as exc:
-                self._guard("hit report", exc)
+                self.calls.failed("hit report", exc)
         return self.events.take()
 
     def update_connector_output(self, worker_meta: Any, failed_loads: Iterable[str] = ()) -> None:
         for req_id in failed_loads:
-            if req_id in self._requests:
+            if (state := self._requests.get(req_id)) is not None:
                 log.warning("kvtier: the load of request %s failed; vLLM recomputes it", req_id)
-                self._failed_loads.add(req_id)
+                state.load_failed = True
         if self.client is None:
             return
         ours = isinstance(worker_meta, KVTierWorkerMetadata)
@@ -407,7 +395,7 @@ class KVTierScheduler(Lookups, AbandonedLoads):
             try:
                 self.client.quarantine_namespace(namespace, why)
             except KVTierError as exc:
-                self._guard("quarantine", exc)
+                self.calls.failed("quarantine", exc)
                 return  # tried again with the next report
             self.verifier.to_report.pop(0)
 
@@ -429,13 +417,14 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         capture = self.capture
         if capture is None or capture.plan.key not in self.namespaces:
             return False, None
-        ref, params = self.manifests.reference(capture, request, self.client, self._guard)
+        ref, params = self.manifests.reference(capture, request, self.client, self.calls.failed)
         if not capture.with_outputs(request):
             return False, params  # the prompt's tail was stored with its last token
         # vLLM asserts each request reported sent is one it keeps: the last step here
-        keep = self._store_tail(self._queued, request, ref, block_ids)
+        queued = self.pending.queued
+        keep = self._store_tail(queued, request, ref, block_ids)
         if keep:
-            self._queued.sending.append(request.request_id)
+            queued.sending.append(request.request_id)
         return keep, params
 
     def _store_tail(
@@ -453,17 +442,14 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         return self.stores.reserve_one(meta, capture.plan, tail.key, tail.blocks, self._step)
 
     def _forget(self, request: Any) -> None:
-        self._failed_loads.discard(request.request_id)
         if self.draft_pool is not None:
             self.draft_pool.settle(self.stats, request.request_id, request.num_computed_tokens)
         state = self._requests.pop(request.request_id, None)
         if state is not None:
-            self._drop_plan(state)
+            self.calls.release(state.drop_plan())
             if state.sampled is not None:
-                self._release(state.sampled.unchecked())
-        plan = self._ready_loads.pop(request.request_id, None)
-        if plan is not None:
-            self._release(plan.refs())
+                self.calls.release(state.sampled.unchecked())
+        self.pending.forget(request.request_id)
         self.session.touch(bool(self._requests))
 
     def shutdown(self) -> None:
@@ -472,11 +458,12 @@ class KVTierScheduler(Lookups, AbandonedLoads):
         if self.client is None:
             return
         for refs in self.leases:
-            self._release(refs)
+            self.calls.release(refs)
         if self.stores is not None:
             self.stores.abort_all()
-        self.unreturned.retry(self.client, force=True)
+        self.calls.hand_back(force=True)
         client = self.session.detach()
-        self.planner = self.stores = None
+        self.calls.client = None
+        self.lookup = self.stores = None
         assert client is not None
         close_client(client)

@@ -1,36 +1,43 @@
 """Which chunks of a hit each pool plan needs, and their keys: a hit's chunks are asked for
-as consecutive spans, one per plan."""
+as consecutive spans, one per plan. A request's keys are made once (`PromptKeys`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvtier.core.keys import ChunkKey, Pool, make_key
-from kvtier.core.protocol import SlotRef
 from kvtier_vllm.layout import PoolPlan
 
 Items = TypeVar("Items", bytes, list[Any])
 
 
-def split(items: Items, spans: list[tuple[PoolPlan, range]]) -> list[Items]:
-    """``items`` of consecutive spans, span by span."""
-    out = []
-    offset = 0
-    for _, span in spans:
-        out.append(items[offset : offset + len(span)])
-        offset += len(span)
-    return out
+@dataclass(frozen=True)
+class Needed:
+    """What a hit from chunk ``first`` up to ``end`` needs of each plan: its span, and the keys
+    of every span, one span after the other (a lookup asks for them in one call)."""
 
+    first: int
+    end: int
+    spans: list[tuple[PoolPlan, range]]
+    keys: list[ChunkKey]
 
-def by_plan(
-    spans: list[tuple[PoolPlan, range]], refs: list[SlotRef | None]
-) -> dict[str, tuple[int, list[SlotRef | None]]]:
-    """Per plan key, the first chunk of its span and its refs, from those of consecutive spans."""
-    return {
-        plan.key: (span.start, part)
-        for (plan, span), part in zip(spans, split(refs, spans), strict=True)
-    }
+    def split(self, items: Items) -> list[Items]:
+        """``items`` of the keys (tier codes, leases), span by span."""
+        out = []
+        offset = 0
+        for _, span in self.spans:
+            out.append(items[offset : offset + len(span)])
+            offset += len(span)
+        return out
+
+    def by_plan(self, items: Items) -> dict[str, tuple[int, Items]]:
+        """Per plan key, the first chunk of its span and its part of ``items``."""
+        return {
+            plan.key: (span.start, part)
+            for (plan, span), part in zip(self.spans, self.split(items), strict=True)
+        }
 
 
 def needed(plan: PoolPlan, first: int, chunks: int, chunk_tokens: int) -> range:
@@ -41,8 +48,50 @@ def needed(plan: PoolPlan, first: int, chunks: int, chunk_tokens: int) -> range:
 def keys_in(
     namespace: bytes, hashes: Any, chunks: Iterable[int], blocks_per_chunk: int
 ) -> list[ChunkKey]:
-    """A chunk's key is its last block's hash."""
-    return [make_key(namespace, hashes[(c + 1) * blocks_per_chunk - 1]) for c in chunks]
+    return [make_key(namespace, chunk_hash(hashes, c, blocks_per_chunk)) for c in chunks]
+
+
+def chunk_hash(hashes: Any, chunk: int, blocks_per_chunk: int) -> bytes:
+    """What names a chunk in its key: its last block's hash."""
+    last: bytes = hashes[(chunk + 1) * blocks_per_chunk - 1]
+    return last
+
+
+class PromptKeys:
+    """A prompt's chunk keys, each made once per namespace and kept for the request's life (at
+    most its chunks per namespace it was asked in). ``hashes`` is read as it grows: vLLM
+    appends the hashes of the blocks it computes."""
+
+    def __init__(self, hashes: Any, blocks_per_chunk: int) -> None:
+        self.hashes = hashes
+        self.blocks_per_chunk = blocks_per_chunk
+        self._made: dict[bytes, dict[int, ChunkKey]] = {}
+
+    def hash_of(self, chunk: int) -> bytes:
+        return chunk_hash(self.hashes, chunk, self.blocks_per_chunk)
+
+    def needed(
+        self,
+        plans: Sequence[PoolPlan],
+        namespaces: Mapping[str, bytes],
+        first: int,
+        end: int,
+        chunk_tokens: int,
+    ) -> Needed:
+        """What a hit from chunk ``first`` up to ``end`` needs of ``plans``."""
+        spans = [(plan, needed(plan, first, end, chunk_tokens)) for plan in plans]
+        keys = [k for plan, span in spans for k in self.of(namespaces[plan.key], span)]
+        return Needed(first, end, spans, keys)
+
+    def of(self, namespace: bytes, chunks: Iterable[int]) -> list[ChunkKey]:
+        made = self._made.setdefault(namespace, {})
+        out = []
+        for chunk in chunks:
+            key = made.get(chunk)
+            if key is None:
+                key = made[chunk] = make_key(namespace, self.hash_of(chunk))
+            out.append(key)
+        return out
 
 
 def targets_of(plans: Iterable[PoolPlan]) -> list[PoolPlan]:

@@ -143,7 +143,7 @@ class KVTierStats(KVConnectorStats):
         return not self.data  # a zero counted is still news: the series then exists
 
 
-def take(stats: KVTierStats) -> tuple[KVTierStats | None, KVTierStats]:
+def take_report(stats: KVTierStats) -> tuple[KVTierStats | None, KVTierStats]:
     """What a side reports (``stats`` with the hook seconds due, None when that is nothing) and
     the stats it fills next."""
     stats.hooks(take_seconds(due=not stats.is_empty()))

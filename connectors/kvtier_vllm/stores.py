@@ -23,7 +23,7 @@ from kvtier_vllm.layout import PoolPlan
 from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.spans import keys_in, targets_of
 from kvtier_vllm.stats import KVTierStats
-from kvtier_vllm.unreturned import Return, Unreturned
+from kvtier_vllm.unreturned import Handback, Unreturned
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class Stores:
             if done:
                 self.client.commit(done, lineages if any(lineages) else ())
         except KVTierError as exc:
-            self.unreturned.keep(Return.COMMIT, done)
+            self.unreturned.keep(Handback.COMMIT, done)
             self.on_error("commit", exc)
         self._abort(spoiled)
 
@@ -218,5 +218,5 @@ class Stores:
         try:
             self.client.abort(refs)
         except KVTierError as exc:
-            self.unreturned.keep(Return.ABORT, refs)
+            self.unreturned.keep(Handback.ABORT, refs)
             self.on_error("abort", exc)

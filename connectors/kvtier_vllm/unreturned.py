@@ -26,7 +26,9 @@ MAX_TRIES = 30
 MAX_REFS = 1 << 16  # beyond it the oldest are given up: kvtierd reclaims them at session end
 
 
-class Return(StrEnum):
+class Handback(StrEnum):
+    """The call that hands a kept batch of references back."""
+
     RELEASE = "release"
     COMMIT = "commit"
     ABORT = "abort"
@@ -34,7 +36,7 @@ class Return(StrEnum):
 
 @dataclass
 class _Batch:
-    kind: Return
+    kind: Handback
     refs: list[SlotRef]
     tries: int = 0
 
@@ -62,7 +64,7 @@ class Unreturned:
     def __len__(self) -> int:
         return self._refs
 
-    def keep(self, kind: Return, refs: list[SlotRef]) -> None:
+    def keep(self, kind: Handback, refs: list[SlotRef]) -> None:
         if not refs:
             return
         if not self._batches:
@@ -113,9 +115,9 @@ class Unreturned:
 
     @staticmethod
     def _call(client: TierClient, batch: _Batch) -> None:
-        if batch.kind is Return.RELEASE:
+        if batch.kind is Handback.RELEASE:
             client.release(batch.refs)
-        elif batch.kind is Return.COMMIT:
+        elif batch.kind is Handback.COMMIT:
             client.commit(batch.refs)
         else:
             client.abort(batch.refs)

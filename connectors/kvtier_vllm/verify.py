@@ -23,8 +23,8 @@ from kvtier.core.keys import Pool, namespace_of
 from kvtier.core.protocol import SlotRef
 from kvtier_vllm.draft import Fill
 from kvtier_vllm.layout import PoolPlan
+from kvtier_vllm.loads import LoadPlan
 from kvtier_vllm.metadata import ChunkCopy, lmdb_key
-from kvtier_vllm.planner import LoadPlan
 from kvtier_vllm.stats import KVTierStats
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.pages import own_caches, pages_of, stacked
 from kvtier_vllm.sends import PendingSends
 from kvtier_vllm.shapes import UnsupportedGroupError, refusal
-from kvtier_vllm.stats import KVTierStats, take
+from kvtier_vllm.stats import KVTierStats, take_report
 
 log = logging.getLogger(__name__)
 
@@ -436,7 +436,7 @@ class KVTierWorker:
             self._timings.loaded(LMDB if job.key else CPU, 1, nbytes, seconds)
 
     def take_stats(self) -> KVTierStats | None:
-        stats, self.stats = take(self.stats)
+        stats, self.stats = take_report(self.stats)
         return stats
 
     def block_ids_with_load_errors(self) -> set[int]:

@@ -84,7 +84,7 @@ def counted_asks(monkeypatch: pytest.MonkeyPatch, replan: bool) -> Counter[str]:
     def counting(self: KVTierScheduler, request: Any, computed: int) -> tuple[int | None, bool]:
         seen[request.request_id] += 1
         if replan:
-            self._drop_plan(self.state(request))
+            self.calls.release(self.state(request).drop_plan())
         return original(self, request, computed)
 
     monkeypatch.setattr(KVTierScheduler, "get_num_new_matched_tokens", counting)

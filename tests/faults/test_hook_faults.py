@@ -92,9 +92,9 @@ def _arm(breaker: Breaker, hook: str) -> None:
             return [
                 b
                 for new in out.scheduled_new_reqs
-                if new.req_id in s._ready_loads
+                if new.req_id in s.pending._ready
                 for ids in new.block_ids
-                for b in ids[: s._ready_loads[new.req_id].chunks * bpc]
+                for b in ids[: s.pending._ready[new.req_id].chunks * bpc]
                 if b
             ]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
-from kvtier_vllm.unreturned import Return, Unreturned
+from kvtier_vllm.unreturned import Handback, Unreturned
 
 from kvtier.api.v1 import admin_pb2, tier_pb2, tier_pb2_grpc
 from kvtier.core.codec import spec_to
@@ -213,7 +213,7 @@ def test_a_release_whose_answer_was_lost_is_sent_again_and_ends_only_its_lease(
         with _stalled(daemon):
             with pytest.raises(KVTierError):
                 client.release([lost])
-            unreturned.keep(Return.RELEASE, [lost])
+            unreturned.keep(Handback.RELEASE, [lost])
         # kvtierd may or may not have run the release the client gave up on; sent again, it
         # ends that lease once either way
         wait_for(lambda: unreturned.retry(client) == 1 or not len(unreturned), 20.0, "retried")
@@ -243,7 +243,7 @@ def test_a_commit_lost_to_a_stalled_daemon_is_sent_again_and_the_chunk_stored(
         with _stalled(daemon):
             with pytest.raises(KVTierError):
                 client.commit([ref])
-            unreturned.keep(Return.COMMIT, [ref])
+            unreturned.keep(Handback.COMMIT, [ref])
         wait_for(lambda: unreturned.retry(client) == 1 or not len(unreturned), 20.0, "retried")
         assert len(unreturned) == 0
         assert client.lookup([key_of(0)]).hits == 1

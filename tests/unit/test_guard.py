@@ -12,7 +12,7 @@ import pytest
 import torch
 from kvtier_vllm import guard
 from kvtier_vllm.guard import contained, failures
-from kvtier_vllm.stats import KVTierPromMetrics, KVTierStats, take
+from kvtier_vllm.stats import KVTierPromMetrics, KVTierStats, take_report
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from torch.profiler import ProfilerActivity, profile
 
@@ -82,25 +82,25 @@ def test_a_finished_request_makes_the_next_take_due(monkeypatch: pytest.MonkeyPa
     nothing_due()
     monkeypatch.setattr(guard, "REPORT_INTERVAL_S", 3600.0)
     contained("build_connector_meta", lambda: 1, lambda: 0)
-    assert take(KVTierStats())[0] is None  # no news, the interval has not passed
+    assert take_report(KVTierStats())[0] is None  # no news, the interval has not passed
     guard.report_with_next_stats()
-    reported, _ = take(KVTierStats())
+    reported, _ = take_report(KVTierStats())
     assert reported is not None
     assert reported.data["hook|build_connector_meta"] > 0
     contained("build_connector_meta", lambda: 1, lambda: 0)
-    assert take(KVTierStats())[0] is None  # due once, for the take that followed
+    assert take_report(KVTierStats())[0] is None  # due once, for the take that followed
 
 
 def test_a_side_reports_hook_seconds_alone_only_when_due(monkeypatch: pytest.MonkeyPatch) -> None:
     nothing_due()
     monkeypatch.setattr(guard, "REPORT_INTERVAL_S", 3600.0)
     contained("wait_for_save", lambda: 1, lambda: 0)
-    reported, fresh = take(KVTierStats())
+    reported, fresh = take_report(KVTierStats())
     assert reported is None
     assert fresh.is_empty()
     news = KVTierStats()
     news.record("store", "target", 1024, 0.001, True)
-    reported, fresh = take(news)
+    reported, fresh = take_report(news)
     assert reported is news
     assert fresh is not news
     assert fresh.is_empty()

@@ -10,13 +10,16 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from kvtier_vllm.draft import DraftTracker, Fill
 from kvtier_vllm.layout import PoolPlan
-from kvtier_vllm.planner import PROMOTE_WAIT_ASKS, Asked, HitPlanner, LoadPlan
-from kvtier_vllm.spans import keys_in
+from kvtier_vllm.loads import LoadPlan
+from kvtier_vllm.planner import PROMOTE_WAIT_ASKS, HitPlanner
+from kvtier_vllm.requests import RequestState
+from kvtier_vllm.spans import PromptKeys, keys_in
 from kvtier_vllm.timings import StepTimings
 
 from kvtier.client import InProcessClient
@@ -96,6 +99,15 @@ def planner(
     )
 
 
+def ask() -> RequestState:
+    """A request of ``HASHES`` not asked about yet."""
+    return RequestState.of(SimpleNamespace(block_hashes=HASHES), BPC)
+
+
+def prompt() -> PromptKeys:
+    return PromptKeys(HASHES, BPC)
+
+
 def leased(plan: LoadPlan, key: str) -> tuple[int, list[ChunkKey]]:
     start, refs = plan.leases[key]
     return start, [r.key for r in refs]
@@ -105,7 +117,7 @@ def test_a_hit_in_the_arena_is_leased_in_one_ask(client: InProcessClient) -> Non
     ns = register(client, TARGET)
     store(client, keys(ns["target"], range(4)))
     p = planner(client, ns)
-    plan = p.plan(Asked(), HASHES, 0, 6)
+    plan = p.plan(ask(), 0, 6)
     assert plan is not None
     assert (plan.first_chunk, plan.chunks) == (0, 4)  # chunks 4 and 5 are nowhere
     assert leased(plan, "target") == (0, keys(ns["target"], range(4)))
@@ -113,21 +125,21 @@ def test_a_hit_in_the_arena_is_leased_in_one_ask(client: InProcessClient) -> Non
     assert plan.zero_plans == []
     assert plan.fill is Fill.NONE
     # vLLM holds the first chunk: only the rest is leased
-    later = p.plan(Asked(), HASHES, 1, 6)
+    later = p.plan(ask(), 1, 6)
     assert later is not None
     assert (later.first_chunk, later.chunks) == (1, 3)
     client.release(plan.refs() + later.refs())
-    assert len(p.unreturned) == 0
+    assert len(p.calls.unreturned) == 0
 
 
 def test_chunks_in_lmdb_are_promoted_and_asked_again(client: InProcessClient) -> None:
     ns, hit = four_in_lmdb(client)
     assert client.lookup(hit).tier_codes == bytes([LMDB] * 4)
     p = planner(client, ns, wait_s=30)
-    asked = Asked()
-    assert p.plan(asked, HASHES, 0, 4) is None  # on their way into the arena: ask again
+    asked = ask()
+    assert p.plan(asked, 0, 4) is None  # on their way into the arena: ask again
     in_arena(client, hit)
-    plan = p.plan(asked, HASHES, 0, 4)
+    plan = p.plan(asked, 0, 4)
     assert plan is not None
     assert plan.chunks == 4
     assert plan.tiers == bytes([LMDB] * 4)  # where they were when first asked for
@@ -140,13 +152,13 @@ def test_past_the_wait_a_hit_shrinks_to_the_arenas_prefix(client: InProcessClien
     to_lmdb_only(client, ns["target"])
     store(client, keys(ns["target"], range(2)))  # chunks 0-1 in the arena, 2-3 in lmdb
     p = planner(client, ns, wait_s=0)
-    plan = p.plan(Asked(), HASHES, 0, 4)
+    plan = p.plan(ask(), 0, 4)
     assert plan is not None
     assert (plan.first_chunk, plan.chunks) == (0, 2)
     assert plan.tiers == bytes([CPU] * 2)
     client.release(plan.refs())
     # nothing of the hit in the arena: no hit at all
-    assert p.plan(Asked(), HASHES, 2, 4) == LoadPlan(2, 0, {}, [])
+    assert p.plan(ask(), 2, 4) == LoadPlan(2, 0, {}, [])
 
 
 def test_a_request_waits_some_asks_for_promotions_however_long_its_steps(
@@ -157,10 +169,10 @@ def test_a_request_waits_some_asks_for_promotions_however_long_its_steps(
     ns, _ = four_in_lmdb(client)
     client.promote = lambda keys: 0  # type: ignore[method-assign]  # the daemon has no room
     p = planner(client, ns, wait_s=1e-9)  # every ask comes after the wait
-    asked = Asked()
+    asked = ask()
     for _ in range(PROMOTE_WAIT_ASKS):
-        assert p.plan(asked, HASHES, 0, 4) is None
-    assert p.plan(asked, HASHES, 0, 4) == LoadPlan(0, 0, {}, [])  # then it gives up
+        assert p.plan(asked, 0, 4) is None
+    assert p.plan(asked, 0, 4) == LoadPlan(0, 0, {}, [])  # then it gives up
 
 
 def slow_engine_planner(
@@ -192,12 +204,12 @@ def test_a_hit_is_waited_for_a_share_of_what_recomputing_it_takes(
     p = slow_engine_planner(client, ns, timings)  # a second a token: 4 chunks are worth minutes
     worth = timings.recompute_wait(4 * CHUNK_TOKENS)
     assert worth == pytest.approx(0.5 * 4 * CHUNK_TOKENS)
-    asked = Asked()
+    asked = ask()
     for _ in range(PROMOTE_WAIT_ASKS + 3):
-        assert p.plan(asked, HASHES, 0, 4) is None
-    assert asked.since is not None
-    asked.since -= worth  # as if that long had passed
-    assert p.plan(asked, HASHES, 0, 4) == LoadPlan(0, 0, {}, [])
+        assert p.plan(asked, 0, 4) is None
+    assert asked.waiting_since is not None
+    asked.waiting_since -= worth  # as if that long had passed
+    assert p.plan(asked, 0, 4) == LoadPlan(0, 0, {}, [])
 
 
 def test_a_probe_of_the_store_is_waited_for_a_share_of_recomputing_the_rest(
@@ -215,12 +227,13 @@ def test_a_probe_of_the_store_is_waited_for_a_share_of_recomputing_the_rest(
     client.lookup = probing  # type: ignore[method-assign,assignment]
     timings = StepTimings(wait_share=0.5)
     p = slow_engine_planner(client, ns, timings)
-    asked = Asked()
+    asked = ask()
     for _ in range(PROMOTE_WAIT_ASKS + 3):
-        assert p.plan(asked, HASHES, 0, 6) is None
-    assert asked.since is not None
-    asked.since -= timings.recompute_wait(6 * CHUNK_TOKENS)  # what the whole prompt is worth
-    assert p.plan(asked, HASHES, 0, 6) == LoadPlan(0, 0, {}, [])
+        assert p.plan(asked, 0, 6) is None
+    assert asked.waiting_since is not None
+    # as if what the whole prompt is worth had passed
+    asked.waiting_since -= timings.recompute_wait(6 * CHUNK_TOKENS)
+    assert p.plan(asked, 0, 6) == LoadPlan(0, 0, {}, [])
 
 
 def test_the_last_chunk_is_dropped_for_eagle_style_drafters(client: InProcessClient) -> None:
@@ -229,11 +242,11 @@ def test_the_last_chunk_is_dropped_for_eagle_style_drafters(client: InProcessCli
     p = HitPlanner(
         client, [TARGET], ns, chunk_tokens=CHUNK_TOKENS, blocks_per_chunk=BPC, drop_last=True
     )
-    plan = p.plan(Asked(), HASHES, 0, 3)
+    plan = p.plan(ask(), 0, 3)
     assert plan is not None
     assert plan.chunks == 2
     client.release(plan.refs())
-    assert p.plan(Asked(), HASHES, 2, 3) == LoadPlan(2, 0, {}, [])
+    assert p.plan(ask(), 2, 3) == LoadPlan(2, 0, {}, [])
 
 
 def tracker(client: InProcessClient, namespaces: dict[str, bytes]) -> DraftTracker:
@@ -248,7 +261,7 @@ def test_a_draft_pool_loads_with_its_target_or_is_zeroed(client: InProcessClient
     store(client, keys(ns["draft"], range(2)))
     p = planner(client, ns, draft=tracker(client, ns))
     # the draft holds two chunks of a four-chunk hit: its pages are zeroed, never half loaded
-    plan = p.plan(Asked(), HASHES, 0, 4)
+    plan = p.plan(ask(), 0, 4)
     assert plan is not None
     assert plan.chunks == 4
     assert set(plan.leases) == {"target"}
@@ -256,7 +269,7 @@ def test_a_draft_pool_loads_with_its_target_or_is_zeroed(client: InProcessClient
     assert plan.fill is Fill.ZEROS
     client.release(plan.refs())
     # a hit the draft holds whole loads both pools
-    plan = p.plan(Asked(), HASHES, 0, 2)
+    plan = p.plan(ask(), 0, 2)
     assert plan is not None
     assert plan.chunks == 2
     assert leased(plan, "draft") == (0, keys(ns["draft"], range(2)))
@@ -272,10 +285,10 @@ def test_draft_chunks_on_their_way_hold_the_hit_back(client: InProcessClient) ->
     to_lmdb_only(client, ns["draft"])
     store(client, keys(ns["target"], range(3)))
     p = planner(client, ns, wait_s=30, draft=tracker(client, ns))
-    asked = Asked()
-    assert p.plan(asked, HASHES, 0, 3) is None  # the draft's chunks are promoted first
+    asked = ask()
+    assert p.plan(asked, 0, 3) is None  # the draft's chunks are promoted first
     in_arena(client, drafts)
-    plan = p.plan(asked, HASHES, 0, 3)
+    plan = p.plan(asked, 0, 3)
     assert plan is not None
     assert plan.chunks == 3
     assert set(plan.leases) == {"target", "draft"}
@@ -289,10 +302,10 @@ def test_asking_again_while_a_promotion_lands_counts_the_lookup_once(
     ns, hit = four_in_lmdb(client)
     counted = client.manager.stats().counters
     p = planner(client, ns, wait_s=30)
-    asked = Asked()
-    assert p.plan(asked, HASHES, 0, 4) is None
+    asked = ask()
+    assert p.plan(asked, 0, 4) is None
     in_arena(client, hit)
-    plan = p.plan(asked, HASHES, 0, 4)
+    plan = p.plan(asked, 0, 4)
     assert plan is not None
     now = client.manager.stats().counters
     # two asks of one request: one lookup of 4 chunks counted, found in lmdb
@@ -330,18 +343,18 @@ def test_a_plan_still_holds_until_its_slots_change_or_the_hit_could_be_longer(
     ns = register(client, TARGET)
     store(client, keys(ns["target"], range(3)))
     p = planner(client, ns)
-    plan = p.plan(Asked(), HASHES, 0, 6)
+    plan = p.plan(ask(), 0, 6)
     assert plan is not None
     assert plan.chunks == 3
     reading = planner(ArenaReading(client), ns)  # type: ignore[arg-type]
-    assert reading.still_holds(plan, HASHES, 6)
-    assert not p.still_holds(plan, HASHES, 6)  # this client cannot read the arena so
+    assert reading.still_holds(plan, prompt(), 6)
+    assert not p.still_holds(plan, prompt(), 6)  # this client cannot read the arena so
     store(client, keys(ns["target"], range(3, 4)))  # a longer hit is there now
-    assert not reading.still_holds(plan, HASHES, 6)
-    assert reading.still_holds(plan, HASHES, 3)  # ...unless the hit may be no longer
+    assert not reading.still_holds(plan, prompt(), 6)
+    assert reading.still_holds(plan, prompt(), 3)  # ...unless the hit may be no longer
     client.release(plan.refs())
     client.manager.evict("cpu", namespace=ns["target"])  # its slots go
-    assert not reading.still_holds(plan, HASHES, 3)
+    assert not reading.still_holds(plan, prompt(), 3)
 
 
 def test_a_miss_is_asked_again_only_once_its_first_chunk_is_in_the_arena(
@@ -349,14 +362,14 @@ def test_a_miss_is_asked_again_only_once_its_first_chunk_is_in_the_arena(
 ) -> None:
     ns = register(client, TARGET)
     reading = planner(ArenaReading(client), ns)  # type: ignore[arg-type]
-    plan = reading.plan(Asked(), HASHES, 1, 4)
+    plan = reading.plan(ask(), 1, 4)
     assert plan is not None
     assert plan.chunks == 0
-    assert not reading.may_have_appeared(HASHES, 1)
+    assert not reading.may_have_appeared(prompt(), 1)
     store(client, keys(ns["target"], range(1, 2)))
-    assert reading.may_have_appeared(HASHES, 1)
-    assert not reading.may_have_appeared(HASHES, 2)
-    assert planner(client, ns).may_have_appeared(HASHES, 2)  # cannot read the arena: ask
+    assert reading.may_have_appeared(prompt(), 1)
+    assert not reading.may_have_appeared(prompt(), 2)
+    assert planner(client, ns).may_have_appeared(prompt(), 2)  # cannot read the arena: ask
 
 
 class AnsweredLater(ArenaReading):
@@ -401,15 +414,15 @@ def test_a_miss_is_asked_in_the_background_and_planned_with_no_call_once_answere
     ns = register(client, TARGET)
     counted = client.manager.stats().counters
     p = planner(later, ns)  # type: ignore[arg-type]
-    asked = Asked()
+    asked = ask()
     # nothing in the arena's index: kvtierd is asked without waiting, once
-    assert not p.answered(asked, HASHES, 0, 6, 0.0)
-    assert not p.answered(asked, HASHES, 0, 6, 0.01)
+    assert not p.answered(asked, 0, 6, 0.0)
+    assert not p.answered(asked, 0, 6, 0.01)
     assert later.behind == [keys(ns["target"], range(6))]
     assert later.waited_on == 0
     later.gate.set()
-    assert p.answered(asked, HASHES, 0, 6, None)
-    assert p.plan(asked, HASHES, 0, 6) == LoadPlan(0, 0, {}, [])
+    assert p.answered(asked, 0, 6, None)
+    assert p.plan(asked, 0, 6) == LoadPlan(0, 0, {}, [])
     assert later.waited_on == 0  # the plan took the answer
     now = client.manager.stats().counters
     assert now["lookups"] - counted["lookups"] == 1
@@ -422,14 +435,14 @@ def test_a_hit_answered_in_the_background_from_lmdb_is_promoted_then_leased(
     ns, hit = four_in_lmdb(client)
     counted = client.manager.stats().counters
     p = planner(later, ns, wait_s=30)  # type: ignore[arg-type]
-    asked = Asked()
+    asked = ask()
     later.gate.set()
-    assert p.answered(asked, HASHES, 0, 4, None)
-    assert p.plan(asked, HASHES, 0, 4) is None  # promoted: ask again
+    assert p.answered(asked, 0, 4, None)
+    assert p.plan(asked, 0, 4) is None  # promoted: ask again
     assert later.waited_on == 0
     in_arena(client, hit)
-    assert p.answered(asked, HASHES, 0, 4, 0.0)  # asked already: planned as before
-    plan = p.plan(asked, HASHES, 0, 4)
+    assert p.answered(asked, 0, 4, 0.0)  # asked already: planned as before
+    plan = p.plan(asked, 0, 4)
     assert plan is not None
     assert (plan.chunks, plan.tiers) == (4, bytes([LMDB] * 4))
     now = client.manager.stats().counters
@@ -444,9 +457,9 @@ def test_a_first_chunk_in_the_arena_or_a_client_without_its_index_plans_at_once(
     ns = register(client, TARGET)
     store(client, keys(ns["target"], range(2)))
     reading = planner(later, ns)  # type: ignore[arg-type]
-    assert reading.answered(Asked(), HASHES, 0, 6, 0.0)  # a hit, most likely: no wait
-    assert planner(client, ns).answered(Asked(), HASHES, 2, 6, 0.0)  # a call is no dearer
+    assert reading.answered(ask(), 0, 6, 0.0)  # a hit, most likely: no wait
+    assert planner(client, ns).answered(ask(), 2, 6, 0.0)  # a call is no dearer
     assert later.behind == []
-    asked = Asked()
-    assert not reading.answered(asked, HASHES, 2, 6, 0.0)
+    asked = ask()
+    assert not reading.answered(asked, 2, 6, 0.0)
     assert later.behind == [keys(ns["target"], range(2, 6))]

@@ -1,12 +1,16 @@
 """The connector's list of refs still to hand back: when it tries, how often, and when it gives
-up. The client here is a stand-in that fails on demand (the real daemon's side is in
+up; and the scheduler's releases, which keep what a failed one could not end. The client here
+is a stand-in that fails on demand (the real daemon's side is in
 tests/integration/test_daemon_bookkeeping.py and tests/faults/test_leaks.py)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
-from kvtier_vllm.unreturned import Return, Unreturned
+import pytest
+from kvtier_vllm.tier_calls import TierCalls
+from kvtier_vllm.unreturned import Handback, Unreturned
 
 from kvtier.core.errors import TierUnavailableError
 from kvtier.core.keys import ChunkKey
@@ -52,9 +56,9 @@ def _refs(*slots: int) -> list[SlotRef]:
 def test_refs_go_back_on_a_later_try_in_the_order_they_failed() -> None:
     clock, client = Clock(), Client()
     owed = Unreturned(every_s=1.0, clock=clock)
-    owed.keep(Return.COMMIT, _refs(1, 2))
-    owed.keep(Return.RELEASE, _refs(3))
-    owed.keep(Return.ABORT, _refs(4))
+    owed.keep(Handback.COMMIT, _refs(1, 2))
+    owed.keep(Handback.RELEASE, _refs(3))
+    owed.keep(Handback.ABORT, _refs(4))
     assert owed.retry(client) == 0  # not in the step that just failed
     clock.now = 1.0
     assert owed.retry(client) == 4
@@ -65,8 +69,8 @@ def test_refs_go_back_on_a_later_try_in_the_order_they_failed() -> None:
 def test_a_failing_daemon_gets_one_call_per_try_and_a_bounded_number_of_tries() -> None:
     clock, client = Clock(), Client()
     owed = Unreturned(every_s=1.0, max_tries=3, clock=clock)
-    owed.keep(Return.RELEASE, _refs(1))
-    owed.keep(Return.RELEASE, _refs(2))
+    owed.keep(Handback.RELEASE, _refs(1))
+    owed.keep(Handback.RELEASE, _refs(2))
     client.failing = True
     for _ in range(10):
         clock.now += 1.0
@@ -79,7 +83,7 @@ def test_a_failing_daemon_gets_one_call_per_try_and_a_bounded_number_of_tries() 
 def test_nothing_is_tried_while_the_client_says_the_daemon_is_not_serving() -> None:
     clock, client = Clock(), Client()
     owed = Unreturned(every_s=0.0, clock=clock)
-    owed.keep(Return.RELEASE, _refs(1))
+    owed.keep(Handback.RELEASE, _refs(1))
     client.serving = False
     assert owed.retry(client) == 0
     assert client.calls == []
@@ -89,8 +93,8 @@ def test_nothing_is_tried_while_the_client_says_the_daemon_is_not_serving() -> N
 def test_at_shutdown_one_failure_gives_up_the_rest() -> None:
     client = Client()
     owed = Unreturned(every_s=60.0, clock=Clock())
-    owed.keep(Return.RELEASE, _refs(1))
-    owed.keep(Return.COMMIT, _refs(2))
+    owed.keep(Handback.RELEASE, _refs(1))
+    owed.keep(Handback.COMMIT, _refs(2))
     client.failing = True
     assert owed.retry(client, force=True) == 0
     assert client.calls == [("release", [1])]
@@ -99,6 +103,29 @@ def test_at_shutdown_one_failure_gives_up_the_rest() -> None:
 
 def test_the_oldest_refs_are_given_up_past_the_bound() -> None:
     owed = Unreturned(max_refs=3, clock=Clock())
-    owed.keep(Return.RELEASE, _refs(1, 2))
-    owed.keep(Return.RELEASE, _refs(3, 4))
+    owed.keep(Handback.RELEASE, _refs(1, 2))
+    owed.keep(Handback.RELEASE, _refs(3, 4))
     assert (len(owed), owed.given_up) == (2, 2)
+
+
+def test_a_failed_release_is_handed_back_later_and_logged_once_while_the_tiers_fail(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = Client()
+    calls = TierCalls(client)  # type: ignore[arg-type]
+    client.failing = True
+    with caplog.at_level(logging.ERROR, logger="kvtier_vllm.tier_calls"):
+        calls.release(_refs(1))
+        calls.release(_refs(2))
+        assert len(caplog.records) == 1  # once, not at every call until they are back
+        calls.answered()
+        calls.release(_refs(3))
+        assert len(caplog.records) == 2  # news again after an answer
+    assert len(calls.unreturned) == 3
+    client.failing = False
+    calls.hand_back(force=True)
+    assert client.calls[-3:] == [("release", [1]), ("release", [2]), ("release", [3])]
+    assert len(calls.unreturned) == 0
+    calls.client = None
+    calls.release(_refs(4))  # no client open: nothing to end
+    assert client.calls[-1] == ("release", [3])

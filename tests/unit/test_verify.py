@@ -4,7 +4,7 @@ their chunks go to the workers and when, and what a comparison does."""
 from __future__ import annotations
 
 from kvtier_vllm.draft import Fill
-from kvtier_vllm.planner import LoadPlan
+from kvtier_vllm.loads import LoadPlan
 from kvtier_vllm.stats import KVTierStats
 from kvtier_vllm.verify import Sampled, Verifier
 
