@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import math
-import signal
-import sys
 from collections.abc import Iterator
 
 import numpy as np
 
-from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool, make_key
+from kvtier.core.keys import NamespaceSpec, PageLayout, Pool
 
 KiB = 1 << 10
 PR_SET_PDEATHSIG = 1
@@ -31,10 +28,6 @@ def no_gc() -> Iterator[None]:
 
 def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
-def keys_for(namespace: bytes, n: int, start: int = 0) -> list[ChunkKey]:
-    return [make_key(namespace, (start + i).to_bytes(32, "big")) for i in range(n)]
 
 
 def filled(nbytes: int, seed: int = 0) -> np.ndarray:
@@ -63,10 +56,3 @@ def small_spec(model: str, chunk_bytes: int) -> NamespaceSpec:
     return NamespaceSpec(
         model=model, model_revision="r1", pool=Pool.TARGET, kv_dtype="float16", layout=layout
     )
-
-
-def die_with_parent() -> None:
-    """For a child process (preexec_fn): a server outliving a killed benchmark would keep its
-    memory, its arena in /dev/shm or its port."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

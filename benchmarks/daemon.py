@@ -1,6 +1,6 @@
 """The kvtierd data plane as engines see it: a daemon in its own process, clients in others.
 
-Usage: ``python benchmarks/daemon.py [--quick] [--json]``
+Usage: ``python -m benchmarks.daemon [--quick] [--json]``
 
 kvtierd runs as ``kvtier serve`` in a subprocess, with a configuration written for the run: the
 arena in a fresh /dev/shm file, LMDB and the data-plane socket in a temporary directory, the admin
@@ -82,13 +82,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-from common import filled, geomean, keys_for, no_gc, small_spec, touched
-from kvtierd import KvtierdProcess
 
+from benchmarks.common import filled, geomean, no_gc, small_spec, touched
+from benchmarks.kvtierd import KvtierdProcess
 from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
 from kvtier.core.protocol import SlotRef
 from kvtier.rpc import AdminClient, GrpcTierClient, Pending
 from kvtier.tiers.arena import ArenaMemory
+from tests.fixtures.keys import keys_for
 
 log = logging.getLogger("kvtier.bench")
 

@@ -1,6 +1,6 @@
 """A draft-weight swap in a running engine: what happens to the prefix cache and to acceptance.
 
-Usage: ``python benchmarks/draft_swap.py [--quick] [--json] [--cache-dir DIR]``
+Usage: ``python -m benchmarks.draft_swap [--quick] [--json] [--cache-dir DIR]``
 
 The models are built locally (tests/e2e/models.py: a 2-layer Llama, hidden 128, fp32, random
 weights; nothing is downloaded). The draft is the target itself (``method: draft_model``, 3
@@ -54,19 +54,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from draft_weights import checkpoint_weights, noisy, swap_draft_weights
-from models import (
-    BLOCK_SIZE,
+from tests.fixtures.draft_weights import checkpoint_weights, noisy, swap_draft_weights
+from tests.fixtures.engines import (
     apply_engine_env,
-    build_models,
     counter_value,
     engine_env,
     generate_tokens,
     greedy,
     make_llm,
     shutdown_llm,
-    vocab_size_of,
 )
+from tests.fixtures.models import BLOCK_SIZE, build_models, vocab_size_of
 
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 DRAFTED = "vllm:spec_decode_num_draft_tokens"

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvtierd import STOP_TIMEOUT_S, KvtierdProcess
-
+from benchmarks.kvtierd import STOP_TIMEOUT_S, KvtierdProcess
 from kvtier.rpc import AdminClient
 
 ROOT = Path(__file__).resolve().parents[1]

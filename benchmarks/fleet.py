@@ -1,9 +1,9 @@
 """What tier-aware routing is worth across a fleet: `benchmarks/fleet_sim.py`'s model of nodes
 serving multi-turn sessions through kvtier, at 1, 8, 64 and 512 nodes, under four routers.
 
-    .venv/bin/python benchmarks/fleet.py                # table; --json for one JSON object
-    .venv/bin/python benchmarks/fleet.py --quick        # 1 and 8 nodes only
-    .venv/bin/python benchmarks/fleet.py --no-validate  # the model only
+    .venv/bin/python -m benchmarks.fleet                # table; --json for one JSON object
+    .venv/bin/python -m benchmarks.fleet --quick        # 1 and 8 nodes only
+    .venv/bin/python -m benchmarks.fleet --no-validate  # the model only
 
 Unless told not to, it then checks the model against a real fleet of two
 (`benchmarks/fleet_check.py`) and reports ``validation_error``.
@@ -27,15 +27,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fleet_costs import (
     GPU_FIGURES,

@@ -16,7 +16,7 @@ the engine is gone (``HiddenStatesReader``, the states in memory) against ``safe
 loading the reference's files and copying their tensors out, both from a warm page cache, each
 the best of three.
 
-    python benchmarks/hidden_capture.py [--json FILE]
+    python -m benchmarks.hidden_capture [--json FILE]
 """
 
 from __future__ import annotations
@@ -32,18 +32,16 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.models import (  # noqa: E402
+from tests.fixtures.engines import (
     apply_engine_env,
-    build_benchmark_llama,
-    build_tokenizer,
     capture_config,
     counter,
     engine_env,
     running_llm,
+)
+from tests.fixtures.models import (
+    build_benchmark_llama,
+    build_tokenizer,
     shared_prefix_prompts,
     vocab_size_of,
 )

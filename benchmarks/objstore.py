@@ -1,6 +1,6 @@
 """The object tier against plain boto3, on a moto S3 server started for the run.
 
-Usage: ``python benchmarks/objstore.py [--quick] [--json]``
+Usage: ``python -m benchmarks.objstore [--quick] [--json]``
 
 moto's S3/STS server runs as a subprocess on a free loopback port (killed at exit). Both sides
 reach it the way a pod on EKS reaches S3 with IRSA: ``AWS_ROLE_ARN`` and
@@ -77,9 +77,8 @@ from typing import Any
 
 import boto3.session
 import botocore.config
-from common import filled, keys_for, no_gc, small_spec
-from s3_local import LOOPBACK, SCRUBBED_ENV, MotoServer, irsa_env, patched_env
 
+from benchmarks.common import filled, no_gc, small_spec
 from kvtier.core.config import LMDBConfig, ObjectStoreConfig, from_mapping
 from kvtier.core.counters import Counters
 from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
@@ -88,6 +87,8 @@ from kvtier.tiering.manager import TierManager
 from kvtier.tiers.lmdb_tier import LmdbTier
 from kvtier.tiers.objstore.tier import ObjectTier
 from kvtier.tiers.objstore.uploader import Uploader
+from tests.fixtures.keys import keys_for
+from tests.fixtures.s3 import LOOPBACK, SCRUBBED_ENV, MotoServer, irsa_env, patched_env
 
 log = logging.getLogger("kvtier.bench")
 

@@ -1,11 +1,11 @@
 """Whole-server throughput and TTFT: vLLM alone against kvtier and vLLM's own connectors.
 
-Usage: ``python benchmarks/serving.py [--quick] [--json] [--profile] [--blocks-per-chunk N]``
+Usage: ``python -m benchmarks.serving [--quick] [--json] [--profile] [--blocks-per-chunk N]``
 ``[--concurrency 1,2,4,8] [--servers NAME,...] [--connector-extra JSON] [--cache-dir DIR]``
 ``[--docs DIR] [--keep]``
 
 Every server is a real ``python -m vllm.entrypoints.openai.api_server`` process
-(benchmarks/servers.py) serving the locally built 12-layer model (benchmarks/models.py,
+(tests/fixtures/servers.py) serving the locally built 12-layer model (tests/fixtures/models.py,
 ``build_benchmark_llama``: hidden 768, 8 heads, 4 KV heads, head_dim 64, bf16, random weights;
 nothing is downloaded). Every server gets the same settings: a 48 MiB KV cache
 (``--kv-cache-memory-bytes``, with ``VLLM_CPU_KVCACHE_SPACE`` unset: 4,096 tokens of the 12
@@ -149,9 +149,9 @@ from pathlib import Path
 from typing import Any
 
 import boto3.session
-import models
 import yaml
-from engine import (
+
+from benchmarks.engine import (
     CpuShare,
     GiB,
     KiB,
@@ -161,12 +161,12 @@ from engine import (
     process_cpu_seconds,
     wait_until_quiet,
 )
-from s3_local import SCRUBBED_ENV, MotoServer, irsa_env, patched_env
-from servers import ServerError, VllmServer, connector_arg, error_line, log_tail
-
 from kvtier.bench import BenchConfig, BenchError, LevelResult, WorkloadSpec, run_level
 from kvtier.bench.stats import Percentiles
 from kvtier.bench.trace import load_trace, step_shares
+from tests.fixtures import engines, models
+from tests.fixtures.s3 import SCRUBBED_ENV, MotoServer, irsa_env, patched_env
+from tests.fixtures.servers import ServerError, VllmServer, connector_arg, error_line, log_tail
 
 log = logging.getLogger("kvtier.bench.serving")
 
@@ -185,7 +185,7 @@ LMDB_BUDGET = 1 * GiB
 BUCKET = "kvtier-serving"
 SPEC_TOKENS = 3
 CAPTURE_LAYERS = [2, 6, 9]
-CAPTURE = models.capture_config(CAPTURE_LAYERS)
+CAPTURE = engines.capture_config(CAPTURE_LAYERS)
 """EAGLE-3's auxiliary layers of a 12-layer target: low, middle and high."""
 HEADLINE_CONCURRENCY = 4
 PROFILE_USERS = 4
@@ -1271,7 +1271,7 @@ def write_docs(result: dict[str, Any], docs: Path) -> None:
     text = [
         "# Whole-server benchmark: vLLM alone, kvtier, vLLM's connectors",
         "",
-        f"`python benchmarks/serving.py` ({result['mode']} run, {stamp}, "
+        f"`python -m benchmarks.serving` ({result['mode']} run, {stamp}, "
         f"{result['wall_s'] / 60:.0f} min; other processes used "
         f"{result['other_processes_cpu_share']:.0%} of the CPUs). What is measured and how: the "
         "docstring of benchmarks/serving.py.",

@@ -1,7 +1,7 @@
 """Embedded mode's close under load: SIGTERM to vLLM's API server while requests run (what a pod's
 stop does), then a restart on the same tiers.
 
-Usage: ``python benchmarks/shutdown.py [--json] [--prompts N] [--prompt-tokens T]``
+Usage: ``python -m benchmarks.shutdown [--json] [--prompts N] [--prompt-tokens T]``
 
 An embedded arena lives in the engine process's memory map, and vLLM's API server, on SIGTERM,
 sends its engine process SIGTERM and kills it after ``--shutdown-timeout`` (0 by default: at
@@ -9,7 +9,7 @@ once; vLLM's process manager gives 5 s where no timeout is set): embedded mode's
 count on running. What the arena held and lmdb did not is kept by the next start at the same
 arena path instead (kvtier/tiers/arena_salvage.py). A real
 ``vllm.entrypoints.openai.api_server`` serves the locally built 12-layer model
-(benchmarks/models.py, bf16, 12 KiB of KV per token) with ``KVTierConnector`` embedded on its
+(tests/fixtures/models.py, bf16, 12 KiB of KV per token) with ``KVTierConnector`` embedded on its
 defaults (``writeback_backlog_mib``: 256), an arena and lmdb of their own. ``--prompts``
 distinct prompts of ``--prompt-tokens`` random tokens run at once, each asked for 512 tokens;
 once every prompt's chunks are in the arena (``vllm:kvtier_transfer_chunks_total``) and while
@@ -49,11 +49,12 @@ import psutil
 import yaml
 
 try:
-    from benchmarks import models
-    from benchmarks.servers import VllmServer, connector_arg
+    from tests.fixtures import models
+    from tests.fixtures.servers import VllmServer, connector_arg
 except ImportError:  # run as a script from benchmarks/
     import models  # type: ignore[no-redef]
-    from servers import VllmServer, connector_arg  # type: ignore[no-redef]
+
+    from tests.fixtures.servers import VllmServer, connector_arg  # type: ignore[no-redef]
 
 from kvtier.tiers.commit_checksums import ledger_path
 from kvtier.tiers.lmdb_env import stored_keys_read_only

@@ -2,7 +2,7 @@
 model switches, draft revisions, side pools switched on and off, lmdb readers and kvtierd
 itself SIGKILLed, and a full disk.
 
-Usage: ``python benchmarks/soak.py [--quick] [--json]``
+Usage: ``python -m benchmarks.soak [--quick] [--json]``
 
 Real parts only: each node is a ``kvtier serve`` process (`KvtierdProcess`) with a small arena
 (node 0's 8 MiB with ``--quick``, else 16 MiB; 1 MiB extents; at most 16 slot classes) and
@@ -72,13 +72,14 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from s3_local import MotoServer, free_port, irsa_env
-from soak_bucket import Ledger, RecordingProxy, create_bucket
-from soak_nodes import Node, Vitals
-from soak_schedule import FULL, QUICK, Mode, Soak
 
+from benchmarks.soak_bucket import Ledger, RecordingProxy, create_bucket
+from benchmarks.soak_nodes import Node, Vitals
+from benchmarks.soak_schedule import FULL, QUICK, Mode, Soak
 from kvtier.tiers.commit_checksums import ledger_path
 from kvtier.tiers.lmdb_env import MAP_HEADROOM
+from tests.fixtures.processes import free_port
+from tests.fixtures.s3 import MotoServer, irsa_env
 
 log = logging.getLogger("kvtier.bench.soak")
 

@@ -23,9 +23,9 @@ from typing import Any
 import lmdb
 import numpy as np
 import psutil
-from common import filled, small_spec
-from kvtierd import KvtierdProcess
 
+from benchmarks.common import filled, small_spec
+from benchmarks.kvtierd import KvtierdProcess
 from kvtier.bench.scrape import Samples, parse_counters, total
 from kvtier.core.encoder import encoder_spec
 from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey, NamespaceSpec, Pool, make_key

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from soak_bucket import Ledger, listing
-from soak_nodes import Model, Node, Served, Vitals, fill_disk
-
+from benchmarks.soak_bucket import Ledger, listing
+from benchmarks.soak_nodes import Model, Node, Served, Vitals, fill_disk
 from kvtier.bench.scrape import total
 from kvtier.core.keys import Pool
 

@@ -1,6 +1,6 @@
 """Throughput of the arena and LMDB tiers, against this machine's own limits measured in the run.
 
-Usage: ``python benchmarks/tiers.py [--quick] [--json] [--durability] [--preallocate]``
+Usage: ``python -m benchmarks.tiers [--quick] [--json] [--durability] [--preallocate]``
 
 GB/s is 1e9 payload bytes per second. Chunks are 1, 2 and 4 MiB over a working set (256 MiB,
 128 MiB with ``--quick``) well above the last-level cache. Every figure is the median of several
@@ -58,8 +58,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import filled, geomean, keys_for, no_gc, touched
 
+from benchmarks.common import filled, geomean, no_gc, touched
 from kvtier.core import blockfmt
 from kvtier.core.config import ArenaConfig, Durability, LMDBConfig, from_mapping
 from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
@@ -67,6 +67,7 @@ from kvtier.core.pools import PoolRegistry, Registration
 from kvtier.tiering.manager import TierManager
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
+from tests.fixtures.keys import keys_for
 
 log = logging.getLogger("kvtier.bench")
 

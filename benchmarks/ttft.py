@@ -1,17 +1,17 @@
 """Time to first token with kvtier, against recompute, vLLM's prefix cache and ExampleConnector.
 
-Usage: ``python benchmarks/ttft.py [--quick] [--json] [--block-size N] [--blocks-per-chunk A,B]``
+Usage: ``python -m benchmarks.ttft [--quick] [--json] [--block-size N] [--blocks-per-chunk A,B]``
 ``[--connector-extra JSON] [--cache-dir DIR]``
 
 With ``--gpu`` it measures GPU<->arena copy bandwidth instead (needs a CUDA device):
-``python benchmarks/ttft.py --gpu [--quick] [--json]``
+``python -m benchmarks.ttft --gpu [--quick] [--json]``
 
-The model is built locally into ``--cache-dir`` (benchmarks/models.py, ``build_benchmark_llama``:
-12 layers, hidden 768, 8 heads, 4 KV heads, head_dim 64, bf16, random weights); nothing is
-downloaded. Every engine is an in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-eager, with the same KV size, block size and batch limit (a whole prompt in one step), and is
-shut down before the next one starts. Prompts are random token ids, 3600 tokens each, all
-distinct; every case times the same prompts.
+The model is built locally into ``--cache-dir`` (tests/fixtures/models.py,
+``build_benchmark_llama``: 12 layers, hidden 768, 8 heads, 4 KV heads, head_dim 64, bf16, random
+weights); nothing is downloaded. Every engine is an in-process vLLM engine
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, with the same KV size, block size and batch limit (a
+whole prompt in one step), and is shut down before the next one starts. Prompts are random token
+ids, 3600 tokens each, all distinct; every case times the same prompts.
 
 A TTFT is the wall time of one ``llm.generate()`` of one prompt with ``max_tokens=1``. Every
 engine first serves an untimed warm-up prompt down the same path as its timed ones, then times
@@ -89,11 +89,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hybrid_ttft
-import models
 import yaml
-from common import no_gc
-from engine import (
+
+from benchmarks import hybrid_ttft
+from benchmarks.common import no_gc
+from benchmarks.engine import (
     LMDB_BUDGET,
     PAGE,
     Case,
@@ -112,10 +112,10 @@ from engine import (
     resident,
     round_up,
 )
-
 from kvtier.core.config import ArenaConfig
 from kvtier.core.keys import NamespaceSpec, PageLayout, Pool, make_key
 from kvtier.core.pools import PoolRegistry
+from tests.fixtures import engines, models
 
 log = logging.getLogger("kvtier.bench")
 
@@ -261,7 +261,7 @@ class Bench:
         dtype: str = "bfloat16",
     ) -> Iterator[Any]:
         started = time.perf_counter()
-        llm = models.make_llm(
+        llm = engines.make_llm(
             model or self.model,
             kv_transfer_config=connector,
             dtype=dtype,
@@ -275,18 +275,18 @@ class Bench:
         try:
             yield llm
         finally:
-            models.shutdown_llm(llm)
+            engines.shutdown_llm(llm)
             del llm
             gc.collect()
 
     def first_token(self, llm: Any, prompt: Sequence[int]) -> Sample:
-        params = models.greedy(1)
-        before = models.counter_value(llm, EXTERNAL_HITS)
+        params = engines.greedy(1)
+        before = engines.counter_value(llm, EXTERNAL_HITS)
         with no_gc():
             start = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)
             elapsed = time.perf_counter() - start
-        external = models.counter_value(llm, EXTERNAL_HITS) - before
+        external = engines.counter_value(llm, EXTERNAL_HITS) - before
         return Sample(
             elapsed * 1e3,
             out[0].num_cached_tokens or 0,
@@ -438,9 +438,9 @@ class Bench:
             )
             for rep in range(self.mode.miss_reps + 1)
         ]
-        params = models.greedy(MISS_OUTPUT_TOKENS)
+        params = engines.greedy(MISS_OUTPUT_TOKENS)
         tokens = MISS_PROMPTS * (MISS_PROMPT_TOKENS + MISS_OUTPUT_TOKENS)
-        engines: list[tuple[bool, list[float]]] = []
+        engine_times: list[tuple[bool, list[float]]] = []
         lmdb_written: list[int] = []
         outputs: dict[bool, list[list[list[int]]]] = {False: [], True: []}
         cached = 0
@@ -451,7 +451,7 @@ class Bench:
         for n, with_connector in enumerate(self.mode.miss_engines):
             connector = self.embedded(n, bpc, arena_bytes) if with_connector else None
             times: list[float] = []
-            engines.append((with_connector, times))
+            engine_times.append((with_connector, times))
             with self.engine(connector) as llm:
                 llm.generate(_requests(batches[0]), params, use_tqdm=False)
                 data = self.root / f"embedded-{n}-lmdb" / "data.mdb"
@@ -475,7 +475,7 @@ class Bench:
         )
         # the mean of per-engine medians: the engine order is symmetric, so a steady drift of the
         # machine's speed over the run cancels
-        per_engine = [(w, median(t)) for w, t in engines]
+        per_engine = [(w, median(t)) for w, t in engine_times]
         without = statistics.fmean(m for w, m in per_engine if not w)
         with_ = statistics.fmean(m for w, m in per_engine if w)
         self.miss = {
@@ -485,11 +485,13 @@ class Bench:
             "with_connector_s": with_,
             "without_connector_tokens_per_s": tokens / without,
             "with_connector_tokens_per_s": tokens / with_,
-            "engines": [{"connector": w, "s_each": [round(x, 4) for x in t]} for w, t in engines],
+            "engines": [
+                {"connector": w, "s_each": [round(x, 4) for x in t]} for w, t in engine_times
+            ],
             "cached_tokens": cached,
             "outputs_match": same,
             "lmdb_bytes_grown_while_timed": [
-                n for (w, _), n in zip(engines, lmdb_written, strict=True) if w
+                n for (w, _), n in zip(engine_times, lmdb_written, strict=True) if w
             ],
             "overhead": with_ / without,
         }
@@ -1001,7 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     bench = Bench(mode, args.cache_dir, args.block_size, bpcs, args.connector_extra)
     try:
-        models.apply_engine_env(models.engine_env(bench.root / "engine"))
+        engines.apply_engine_env(engines.engine_env(bench.root / "engine"))
         if args.hybrid_only:
             result = hybrid_ttft.run(bench, bpcs[0])
             result["targets_met"] = {
