@@ -83,9 +83,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from benchmarks.common import filled, geomean, no_gc, small_spec, touched
-from benchmarks.kvtierd import KvtierdProcess
-from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
+from benchmarks.harness.buffers import filled, no_gc, touched
+from benchmarks.harness.kvtierd import KvtierdProcess
+from benchmarks.harness.specs import sixteen_layer_spec, small_spec
+from benchmarks.harness.stats import geomean
+from benchmarks.harness.targets import Target, judged, judged_cell, stated
+from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import SlotRef
 from kvtier.rpc import AdminClient, GrpcTierClient, Pending
 from kvtier.tiers.arena import ArenaMemory
@@ -109,7 +112,7 @@ DROP_TIMEOUT_S = 10.0
 CLIENT_TIMEOUT_S = 120.0
 HEARTBEAT = "HeartbeatRequest"
 
-TARGETS: dict[str, tuple[str, float]] = {
+TARGETS: dict[str, Target] = {
     "lookup_8192_keys_p99_us": ("<=", 3000.0),
     "cross_process_arena_vs_memcpy": (">=", 0.7),
     "rpc_per_chunk": ("<=", 0.1),
@@ -150,24 +153,6 @@ def timed(fn: Callable[[], object]) -> float:
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
-
-
-def transfer_spec(chunk_bytes: int) -> NamespaceSpec:
-    # 16 layers x 16 tokens x 8 heads x (128 + 128) x fp16 is 1 MiB per block
-    layout = PageLayout(
-        tokens_per_block=16,
-        blocks_per_chunk=max(1, chunk_bytes // MiB),
-        num_kv_heads=8,
-        head_sizes=(128, 128),
-        layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(16)),
-    )
-    return NamespaceSpec(
-        model=f"bench-daemon-{chunk_bytes}",
-        model_revision="r1",
-        pool=Pool.TARGET,
-        kv_dtype="float16",
-        layout=layout,
-    )
 
 
 def granted(refs: Sequence[SlotRef | None], what: str) -> list[SlotRef]:
@@ -253,7 +238,9 @@ def client_b(conn: Connection, socket_path: str, total: int) -> None:
                 break
             try:
                 if request[0] == "register":
-                    namespace = client.register_pool(transfer_spec(request[1]), request[1])
+                    namespace = client.register_pool(
+                        sixteen_layer_spec(f"bench-daemon-{request[1]}", request[1]), request[1]
+                    )
                     if arena is None:
                         arena = ArenaMemory.attach(client.arena_path)
                     conn.send(("ok", namespace))
@@ -550,7 +537,7 @@ class Bench:
     def run_transfer(self, chunk: int) -> None:
         client = self.client
         assert client is not None
-        namespace = client.register_pool(transfer_spec(chunk), chunk)
+        namespace = client.register_pool(sixteen_layer_spec(f"bench-daemon-{chunk}", chunk), chunk)
         if self.arena is None:
             self.arena = ArenaMemory.attach(client.arena_path)
         (b_namespace,) = self.ask_b("register", chunk)
@@ -558,7 +545,10 @@ class Bench:
             raise RuntimeError("clients A and B registered different namespaces")
         plain = self.plain_client
         assert plain is not None
-        if plain.register_pool(transfer_spec(chunk), chunk) != namespace:
+        if (
+            plain.register_pool(sixteen_layer_spec(f"bench-daemon-{chunk}", chunk), chunk)
+            != namespace
+        ):
             raise RuntimeError("the two daemons gave one pool different namespaces")
         if self.plain_arena is None:
             self.plain_arena = ArenaMemory.attach(plain.arena_path)
@@ -688,10 +678,8 @@ class Bench:
         out["rpc_per_chunk"] = max(out["rpc_per_chunk_store"], out["rpc_per_chunk_load"])
         out["per_chunk_size"] = per_size
         out["daemon"] = self.daemon_figures
-        out["targets"] = {k: f"{op} {v:g}" for k, (op, v) in TARGETS.items()}
-        out["targets_met"] = {
-            k: bool(out[k] >= v if op == ">=" else out[k] <= v) for k, (op, v) in TARGETS.items()
-        }
+        out["targets"] = stated(TARGETS)
+        out["targets_met"] = judged(out, TARGETS)
         self.phases["total_s"] = sum(self.phases.values())
         out["elapsed_s"] = self.phases
         return out
@@ -724,10 +712,7 @@ ROWS = (
 
 
 def target_cell(result: dict[str, Any], key: str) -> str:
-    if key not in TARGETS:
-        return ""
-    op, bound = TARGETS[key]
-    return f"{op} {bound:g}  {'ok' if result['targets_met'][key] else 'MISSED'}"
+    return judged_cell(TARGETS, result["targets_met"], key)
 
 
 def table(result: dict[str, Any]) -> str:

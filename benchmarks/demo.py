@@ -28,16 +28,10 @@ import time
 import uuid
 from pathlib import Path
 
+from benchmarks.harness.connector import kvtier_connector
 from tests.fixtures import engines, models
 
-CONNECTOR = {
-    "kv_connector": "KVTierConnector",
-    "kv_connector_module_path": "kvtier_vllm.connector",
-    "kv_role": "kv_both",
-    # a failed load is recomputed, never an error: the setting every deployment should use
-    "kv_load_failure_policy": "recompute",
-    "kv_connector_extra_config": {"mode": "embedded"},
-}
+CONNECTOR = kvtier_connector({"mode": "embedded"})
 SOURCES = {"host": "the arena (host memory)", "disk": "lmdb (local disk)"}
 
 

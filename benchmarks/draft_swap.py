@@ -54,6 +54,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.connector import kvtier_connector
 from tests.fixtures.draft_weights import checkpoint_weights, noisy, swap_draft_weights
 from tests.fixtures.engines import (
     apply_engine_env,
@@ -123,12 +124,9 @@ class Bench:
                     }
                 )
             )
-            kwargs["kv_transfer_config"] = {
-                "kv_connector": "KVTierConnector",
-                "kv_connector_module_path": "kvtier_vllm.connector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"kvtier_config": str(config), "draft_fill": fill},
-            }
+            kwargs["kv_transfer_config"] = kvtier_connector(
+                {"kvtier_config": str(config), "draft_fill": fill}, recompute_failed_loads=False
+            )
         llm = make_llm(self.models.target, **kwargs)
         try:
             yield llm

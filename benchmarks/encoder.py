@@ -61,8 +61,11 @@ from typing import Any
 
 import yaml
 
-from benchmarks.common import no_gc
-from benchmarks.engine import PAGE, CpuShare, KiB, drop_page_cache, median, resident
+from benchmarks.harness.buffers import no_gc
+from benchmarks.harness.sizes import KiB
+from benchmarks.harness.stats import median
+from benchmarks.harness.system import PAGE, CpuShare, drop_page_cache, resident
+from benchmarks.harness.targets import met, ok_or_missed
 from tests.fixtures import engines, models
 from tests.fixtures import vision_models as vision
 
@@ -357,7 +360,9 @@ class Bench:
         }
         for key, (num, den, _) in TARGETS.items():
             result[key] = cases[num]["median_ms"] / cases[den]["median_ms"]
-        result["targets_met"] = {k: result[k] <= bound for k, (_, _, bound) in TARGETS.items()}
+        result["targets_met"] = {
+            k: met(result[k], "<=", bound) for k, (_, _, bound) in TARGETS.items()
+        }
         return result
 
     def close(self) -> None:
@@ -389,7 +394,7 @@ def table(result: dict[str, Any]) -> str:
         f"{'ok' if result['encoder_share_ok'] else 'TOO LOW'}"
     )
     for key, (_, _, bound) in TARGETS.items():
-        verdict = "ok" if result["targets_met"][key] else "MISSED"
+        verdict = ok_or_missed(result["targets_met"][key])
         lines.append(f"{key:40}{result[key]:8.3f}  <= {bound:g}  {verdict}")
     lines.append("")
     read_in = result["lmdb_read_in_kib"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -43,14 +42,10 @@ from benchmarks.fleet_costs import (
     measured,
 )
 from benchmarks.fleet_sim import LEVELS, ROUTERS, Shape, Totals, Workload, simulate
+from benchmarks.harness.stats import median, percentile
 
 SIZES = (1, 8, 64, 512)
 QUICK_SIZES = (1, 8)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 def summary(totals: Totals) -> dict[str, Any]:
@@ -58,8 +53,8 @@ def summary(totals: Totals) -> dict[str, Any]:
     return {
         "requests": totals.requests,
         "share": {level: totals.tokens[level] / prompt for level in LEVELS},
-        "ttft_p50_s": statistics.median(totals.ttft) if totals.ttft else 0.0,
-        "ttft_p99_s": percentile(totals.ttft, 0.99),
+        "ttft_p50_s": median(totals.ttft) if totals.ttft else 0.0,
+        "ttft_p99_s": percentile(totals.ttft, 99) if totals.ttft else 0.0,
         "gpu_s_saved": totals.prefill_saved_s,
         "gpu_s_saved_per_request": totals.prefill_saved_s / max(1, totals.requests),
     }

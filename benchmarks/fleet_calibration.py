@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.engine import Kvtierd
+from benchmarks.harness.kvtierd import Kvtierd
 from kvtier.bench.client import RequestResult, completion_body, stream_completion
 from kvtier.bench.scrape import Samples, parse_counters, total
 from tests.fixtures import models

@@ -40,7 +40,6 @@ import boto3.session
 import httpx
 import yaml
 
-from benchmarks.engine import KiB, Kvtierd, MiB, extent_for
 from benchmarks.fleet_calibration import (
     EngineCalibration,
     Window,
@@ -49,6 +48,9 @@ from benchmarks.fleet_calibration import (
 )
 from benchmarks.fleet_costs import NodeCosts
 from benchmarks.fleet_sim import Shape, Workload, simulate
+from benchmarks.harness.connector import kvtier_connector
+from benchmarks.harness.kvtierd import Kvtierd
+from benchmarks.harness.sizes import KiB, MiB, extent_for
 from kvtier.bench import WorkloadSpec
 from kvtier.bench.client import RequestResult, completion_body, stream_completion
 from kvtier.bench.scrape import (
@@ -122,11 +124,8 @@ def node(
     daemon.config_path.write_text(yaml.safe_dump(tree))
     daemon.env = irsa_env(root, moto.url)
     daemon.env_drop = SCRUBBED_ENV
-    connector = {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier_vllm.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
+    connector = kvtier_connector(
+        {
             "mode": "sidecar",
             "socket_path": str(daemon.socket_path),
             "blocks_per_chunk": BLOCKS_PER_CHUNK,
@@ -134,9 +133,8 @@ def node(
             # past the default deadlines (50 and 100 ms) a lookup is a miss, and the check is
             # of the model's hits, not of deadlines on a starved CPU
             **SLOW_CPU_DEADLINES,
-        },
-        "kv_load_failure_policy": "recompute",
-    }
+        }
+    )
     server = VllmServer(
         model,
         home,

@@ -35,7 +35,8 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from benchmarks.kvtierd import KvtierdProcess
+from benchmarks.harness.connector import kvtier_connector
+from benchmarks.harness.kvtierd import KvtierdProcess
 from tests.fixtures import engines, models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,13 +52,7 @@ NO_SAMPLING = {"verify_sample_rate": 0.0}  # a sampled hit is served as a miss
 
 
 def connector(extra: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier_vllm.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {**CONNECTOR_SETTINGS, **NO_SAMPLING, **extra},
-    }
+    return kvtier_connector({**CONNECTOR_SETTINGS, **NO_SAMPLING, **extra})
 
 
 def tiers(shm: Path, lmdb: Path) -> dict[str, Any]:

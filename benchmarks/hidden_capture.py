@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from benchmarks.harness.connector import kvtier_connector
 from tests.fixtures.engines import (
     apply_engine_env,
     capture_config,
@@ -96,11 +97,8 @@ def kvtier_run(model: Path, root: Path, prompts: list[list[int]], dtype: str) ->
             }
         )
     )
-    connector = {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier_vllm.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
+    connector = kvtier_connector(
+        {
             "kvtier_config": str(config),
             "hidden_dtype": dtype,
             "verify_sample_rate": 0.0,
@@ -108,7 +106,8 @@ def kvtier_run(model: Path, root: Path, prompts: list[list[int]], dtype: str) ->
             # is still only in the arena then is not written down
             "write_through": True,
         },
-    }
+        recompute_failed_loads=False,
+    )
     with engine(model, connector) as llm:
         outputs = generate(llm, prompts)
         stored = counter(llm, "vllm:kvtier_transfer_bytes", direction="store", pool="hidden")

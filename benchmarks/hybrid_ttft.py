@@ -20,13 +20,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from benchmarks.engine import Case, EngineBench, Kvtierd, extent_for, round_up
+from benchmarks.harness.cases import Case, EngineBench
+from benchmarks.harness.kvtierd import Kvtierd
+from benchmarks.harness.sizes import extent_for, round_up
+from benchmarks.harness.targets import Target
 from tests.fixtures import engines, models
 
 WINDOW = 256
 LAYERS = ("S", "F") * 6
 HIDDEN = 768
-TARGETS: dict[str, tuple[str, float]] = {
+TARGETS: dict[str, Target] = {
     "hybrid_arena_hit_vs_gpu_prefix_hit": ("<=", 1.2),
     "hybrid_bytes_stored_vs_all_groups": ("<=", 0.6),
 }

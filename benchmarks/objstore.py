@@ -78,10 +78,13 @@ from typing import Any
 import boto3.session
 import botocore.config
 
-from benchmarks.common import filled, no_gc, small_spec
+from benchmarks.harness.buffers import filled, no_gc
+from benchmarks.harness.specs import spec_for_chunk
+from benchmarks.harness.stats import percentile
+from benchmarks.harness.targets import Target, judged, ok_or_missed, stated
 from kvtier.core.config import LMDBConfig, ObjectStoreConfig, from_mapping
 from kvtier.core.counters import Counters
-from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
+from kvtier.core.keys import ChunkKey
 from kvtier.core.pools import PoolRegistry
 from kvtier.tiering.manager import TierManager
 from kvtier.tiers.lmdb_tier import LmdbTier
@@ -102,7 +105,7 @@ EXTENT = 32 * MiB
 STORE_DELAY_MS = 200.0
 REQUEST_TIMEOUT_S = 10.0
 
-TARGETS: dict[str, tuple[str, float]] = {
+TARGETS: dict[str, Target] = {
     "upload_vs_raw_boto3": (">=", 0.8),
     "download_vs_raw_boto3": (">=", 0.8),
 }
@@ -185,31 +188,6 @@ def timed(fn: Callable[[], object], server_pid: int | None = None) -> Cost:
         cpu = process_cpu(None) - cpu
         server = process_cpu(server_pid) - server if server_pid is not None else 0.0
     return Cost(wall, cpu, server)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = q / 100.0 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def spec(model: str, chunk_bytes: int) -> NamespaceSpec:
-    if chunk_bytes >= MiB:
-        # 16 layers x 16 tokens x 8 heads x (128 + 128) x fp16 is 1 MiB per block
-        layout = PageLayout(
-            tokens_per_block=16,
-            blocks_per_chunk=chunk_bytes // MiB,
-            num_kv_heads=8,
-            head_sizes=(128, 128),
-            layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(16)),
-        )
-    else:
-        return small_spec(model, chunk_bytes)
-    return NamespaceSpec(
-        model=model, model_revision="r1", pool=Pool.TARGET, kv_dtype="float16", layout=layout
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,7 +377,9 @@ class Bench:
         self.up_threads = self.config.upload_concurrency
         self.down_threads = self.config.download_concurrency
         self.registry = PoolRegistry()
-        self.namespace = self.registry.register(spec("bench-objstore", CHUNK), CHUNK).namespace
+        self.namespace = self.registry.register(
+            spec_for_chunk("bench-objstore", CHUNK), CHUNK
+        ).namespace
         # one bytes object per pack; the tier sees it as chunk views, boto3 as one body
         self.bodies = [
             filled(self.object_bytes, i * self.object_bytes).tobytes() for i in range(mode.objects)
@@ -657,7 +637,7 @@ class Bench:
 
     def run_lookups(self, proxy: ProxyProcess) -> dict[str, Any]:
         registry = PoolRegistry()
-        lookup_spec = spec("bench-objstore-lookup", LOOKUP_CHUNK)
+        lookup_spec = spec_for_chunk("bench-objstore-lookup", LOOKUP_CHUNK)
         namespace = registry.register(lookup_spec, LOOKUP_CHUNK).namespace
         n = self.mode.lookups
         # two series (store answering at once, store slow), each lookup with fresh keys
@@ -778,10 +758,8 @@ class Bench:
         out["client_cpu_ms_per_mb"] = cpu
         out["server_cpu_ms_per_mb"] = server_cpu
         out.update(lookups)
-        targets = {k: f"{op} {v:g}" for k, (op, v) in TARGETS.items()}
-        met = {
-            k: bool(out[k] >= v if op == ">=" else out[k] <= v) for k, (op, v) in TARGETS.items()
-        }
+        targets = stated(TARGETS)
+        met = judged(out, TARGETS)
         bound = lookups["lookup_budget_ms"] + LOOKUP_SLACK_MS
         targets["lookup_budget_p99_ms"] = f"<= {bound:g} (budget + {LOOKUP_SLACK_MS:g})"
         met["lookup_budget_p99_ms"] = bool(lookups["lookup_budget_p99_ms"] <= bound)
@@ -829,7 +807,7 @@ def table(result: dict[str, Any]) -> str:
     def target(key: str) -> str:
         if key not in result["targets"]:
             return ""
-        return f"  {result['targets'][key]}  {'ok' if result['targets_met'][key] else 'MISSED'}"
+        return f"  {result['targets'][key]}  {ok_or_missed(result['targets_met'][key])}"
 
     lines = [
         f"kvtier object tier vs boto3 on moto, {result['mode']} mode: "

@@ -151,16 +151,12 @@ from typing import Any
 import boto3.session
 import yaml
 
-from benchmarks.engine import (
-    CpuShare,
-    GiB,
-    KiB,
-    Kvtierd,
-    MiB,
-    extent_for,
-    process_cpu_seconds,
-    wait_until_quiet,
-)
+from benchmarks.harness.connector import kvtier_connector
+from benchmarks.harness.kvtierd import Kvtierd
+from benchmarks.harness.sizes import GiB, KiB, MiB, extent_for
+from benchmarks.harness.system import CpuShare, process_cpu_seconds, wait_until_quiet
+from benchmarks.harness.targets import Target
+from benchmarks.harness.targets import met as targets_met
 from kvtier.bench import BenchConfig, BenchError, LevelResult, WorkloadSpec, run_level
 from kvtier.bench.stats import Percentiles
 from kvtier.bench.trace import load_trace, step_shares
@@ -192,7 +188,7 @@ PROFILE_USERS = 4
 PROFILE_ROUNDS = 2
 PROFILE_ANSWER_TOKENS = 8
 
-TARGETS: dict[str, tuple[str, float]] = {
+TARGETS: dict[str, Target] = {
     "throughput_vs_vllm_alone": (">=", 2.0),
     "ttft_p50_vs_vllm_alone": ("<=", 0.25),
     "ttft_p99_vs_vllm_alone": ("<=", 0.5),
@@ -524,17 +520,7 @@ class Bench:
         return path
 
     def kvtier(self, extra: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier_vllm.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                **extra,
-                "blocks_per_chunk": self.bpc,
-                **self.connector_extra,
-            },
-            "kv_load_failure_policy": "recompute",  # kvtier's advice: recompute a failed load
-        }
+        return kvtier_connector({**extra, "blocks_per_chunk": self.bpc, **self.connector_extra})
 
     def embedded_config(self, name: str) -> dict[str, Any]:
         path = self.root / name / "kvtier.yaml"
@@ -1012,7 +998,7 @@ class Bench:
         targets = {}
         for key, (op, bound) in TARGETS.items():
             value = headline[key]
-            met = None if value is None else (value >= bound if op == ">=" else value <= bound)
+            met = None if value is None else targets_met(value, op, bound)
             targets[key] = {"value": value, "target": f"{op} {bound:g}", "met": met}
         servers = {}
         for name, o in outcomes.items():

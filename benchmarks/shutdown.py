@@ -48,6 +48,8 @@ from typing import Any
 import psutil
 import yaml
 
+from benchmarks.harness.connector import kvtier_connector
+
 try:
     from tests.fixtures import models
     from tests.fixtures.servers import VllmServer, connector_arg
@@ -142,16 +144,9 @@ class Run:
             "lmdb": {"path": str(root / "lmdb"), "budget_bytes": lmdb_mib * MiB},
         }
         config.write_text(yaml.safe_dump(tree))
-        self.connector = {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier_vllm.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "kvtier_config": str(config),
-                "blocks_per_chunk": BLOCKS_PER_CHUNK,
-            },
-            "kv_load_failure_policy": "recompute",
-        }
+        self.connector = kvtier_connector(
+            {"kvtier_config": str(config), "blocks_per_chunk": BLOCKS_PER_CHUNK}
+        )
         rng = random.Random(7)
         vocab = models.vocab_size_of(model)
         low = len(models.SPECIAL_TOKENS)

@@ -73,6 +73,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.harness.targets import Target, met
 from benchmarks.soak_bucket import Ledger, RecordingProxy, create_bucket
 from benchmarks.soak_nodes import Node, Vitals
 from benchmarks.soak_schedule import FULL, QUICK, Mode, Soak
@@ -102,7 +103,7 @@ EVENT_LOG_BYTES = 1 * MiB
 """Reached within the run: the log's bytes must stay flat past it."""
 DISK_BYTES = LMDB_BUDGET + MAP_HEADROOM + 8 * MiB
 """kvtierd checks at start that lmdb's budget and its headroom fit the disk."""
-TARGETS: dict[str, tuple[str, float]] = {
+TARGETS: dict[str, Target] = {
     "wedged_tiers": ("<=", 0),
     "foreign_objects_deleted": ("<=", 0),
     "recovery_s_after_model_switch": ("<=", 10.0),
@@ -266,12 +267,6 @@ def measure(soak: Soak, nodes: list[Node], mounted: bool, started: float) -> dic
         for name, (op, bound) in TARGETS.items()
     }
     return figures
-
-
-def met(value: float | None, op: str, bound: float) -> bool:
-    if value is None:
-        return False
-    return value <= bound if op == "<=" else value >= bound
 
 
 def print_report(figures: dict[str, Any]) -> None:

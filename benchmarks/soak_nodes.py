@@ -24,8 +24,9 @@ import lmdb
 import numpy as np
 import psutil
 
-from benchmarks.common import filled, small_spec
-from benchmarks.kvtierd import KvtierdProcess
+from benchmarks.harness.buffers import filled
+from benchmarks.harness.kvtierd import KvtierdProcess
+from benchmarks.harness.specs import small_spec
 from kvtier.bench.scrape import Samples, parse_counters, total
 from kvtier.core.encoder import encoder_spec
 from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey, NamespaceSpec, Pool, make_key

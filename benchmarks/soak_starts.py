@@ -18,8 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import small_spec
-from benchmarks.kvtierd import KvtierdProcess
+from benchmarks.harness.kvtierd import KvtierdProcess
+from benchmarks.harness.specs import small_spec
 from kvtier.core.errors import KVTierError
 from kvtier.rpc import GrpcTierClient
 

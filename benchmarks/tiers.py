@@ -59,7 +59,10 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import filled, geomean, no_gc, touched
+from benchmarks.harness.buffers import filled, no_gc, touched
+from benchmarks.harness.specs import sixteen_layer_spec
+from benchmarks.harness.stats import geomean
+from benchmarks.harness.targets import Target, judged, judged_cell, stated
 from kvtier.core import blockfmt
 from kvtier.core.config import ArenaConfig, Durability, LMDBConfig, from_mapping
 from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
@@ -79,7 +82,7 @@ LOOKUP_KEYS = 8192
 LOOKUP_CHUNK = 4096
 SYNC_INTERVAL_S = 3600.0
 
-TARGETS: dict[str, tuple[str, float]] = {
+TARGETS: dict[str, Target] = {
     "arena_store_vs_memcpy": (">=", 0.8),
     "arena_load_vs_memcpy": (">=", 0.8),
     "lmdb_write_vs_disk": (">=", 0.6),
@@ -122,24 +125,6 @@ def gbps(nbytes: int, fn: Callable[[], object]) -> float:
     return nbytes / elapsed / 1e9
 
 
-def spec_for(chunk_bytes: int) -> NamespaceSpec:
-    # 16 layers x 16 tokens x 8 heads x (128 + 128) x fp16 is 1 MiB per block
-    layout = PageLayout(
-        tokens_per_block=16,
-        blocks_per_chunk=max(1, chunk_bytes // MiB),
-        num_kv_heads=8,
-        head_sizes=(128, 128),
-        layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(16)),
-    )
-    return NamespaceSpec(
-        model=f"bench-{chunk_bytes}",
-        model_revision="r1",
-        pool=Pool.TARGET,
-        kv_dtype="float16",
-        layout=layout,
-    )
-
-
 def lookup_spec() -> NamespaceSpec:
     layout = PageLayout(
         tokens_per_block=16,
@@ -173,7 +158,9 @@ class Bench:
         self.src_mv = memoryview(self.src)
         self.dst_mv = memoryview(self.dst)
         self.registry = PoolRegistry()
-        self.regs = {c: self.registry.register(spec_for(c), c) for c in CHUNK_SIZES}
+        self.regs = {
+            c: self.registry.register(sixteen_layer_spec(f"bench-{c}", c), c) for c in CHUNK_SIZES
+        }
         self.samples = {c: Samples() for c in CHUNK_SIZES}
         self.cpu: CpuTier | None = None
         self.env_bytes: dict[int, int] = {}
@@ -517,10 +504,8 @@ class Bench:
         out["lmdb_env_bytes_after_two_passes"] = {
             f"{chunk // MiB}MiB": size for chunk, size in self.env_bytes.items()
         }
-        out["targets"] = {k: f"{op} {v:g}" for k, (op, v) in TARGETS.items()}
-        out["targets_met"] = {
-            k: bool(out[k] >= v if op == ">=" else out[k] <= v) for k, (op, v) in TARGETS.items()
-        }
+        out["targets"] = stated(TARGETS)
+        out["targets_met"] = judged(out, TARGETS)
         out["elapsed_s"] = phases
         return out
 
@@ -562,16 +547,10 @@ def table(result: dict[str, Any]) -> str:
     ]
     for key, label, unit in ROWS:
         cells = "".join(f"{result['per_chunk_size'][s][key]:9.2f}" for s in sizes)
-        target = ""
-        if key in TARGETS:
-            op, bound = TARGETS[key]
-            target = f"{op} {bound:g}  {'ok' if result['targets_met'][key] else 'MISSED'}"
+        target = judged_cell(TARGETS, result["targets_met"], key)
         lines.append(f"{label + ' (' + unit + ')':34}{cells}{result[key]:9.2f}  {target}")
     for key in ("lookup_8192_keys_us", "lookup_8192_keys_arena_only_us"):
-        target = ""
-        if key in TARGETS:
-            op, bound = TARGETS[key]
-            target = f"{op} {bound:g}  {'ok' if result['targets_met'][key] else 'MISSED'}"
+        target = judged_cell(TARGETS, result["targets_met"], key)
         label = "lookup 8192 keys (us)" if key in TARGETS else "  with lmdb disabled (us)"
         lines.append(f"{label:34}{'':{9 * len(sizes)}}{result[key]:9.0f}  {target}")
     lines.append(f"elapsed: {result['elapsed_s']['total_s']:.1f} s")

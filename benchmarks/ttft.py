@@ -92,26 +92,21 @@ from typing import Any
 import yaml
 
 from benchmarks import hybrid_ttft
-from benchmarks.common import no_gc
-from benchmarks.engine import (
-    LMDB_BUDGET,
+from benchmarks.harness.buffers import no_gc
+from benchmarks.harness.cases import Case, Sample, delta
+from benchmarks.harness.connector import kvtier_connector
+from benchmarks.harness.kvtierd import Kvtierd
+from benchmarks.harness.sizes import LMDB_BUDGET, GiB, KiB, MiB, extent_for, round_up
+from benchmarks.harness.stats import median
+from benchmarks.harness.system import (
     PAGE,
-    Case,
     CpuShare,
-    GiB,
-    KiB,
-    Kvtierd,
-    MiB,
-    Sample,
     cold_read_ms,
-    delta,
     drop_page_cache,
-    extent_for,
     fs_type,
-    median,
     resident,
-    round_up,
 )
+from benchmarks.harness.targets import Target, judged, ok_or_missed, stated
 from kvtier.core.config import ArenaConfig
 from kvtier.core.keys import NamespaceSpec, PageLayout, Pool, make_key
 from kvtier.core.pools import PoolRegistry
@@ -149,7 +144,7 @@ LOAD_COUNTERS = (
     "cpu.writeback_ok",
 )
 
-TARGETS: dict[str, tuple[str, float]] = {
+TARGETS: dict[str, Target] = {
     "arena_hit_vs_gpu_prefix_hit": ("<=", 1.2),
     "arena_hit_vs_example_connector": ("<=", 0.9),
     "lmdb_cold_hit_vs_example_connector_cold": ("<=", 1.0),
@@ -157,7 +152,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "miss_path_overhead": ("<=", 1.02),
     **hybrid_ttft.TARGETS,
 }
-GPU_TARGETS: dict[str, tuple[str, float]] = {
+GPU_TARGETS: dict[str, Target] = {
     "gpu_to_arena_vs_peak": (">=", 0.8),
     "arena_to_gpu_vs_peak": (">=", 0.8),
 }
@@ -181,10 +176,6 @@ class Mode:
 ABBA = (False, True, True, False)
 QUICK = Mode("quick", 3, 2, (128, 512), 2, ABBA, 512 * MiB, 5)
 FULL = Mode("full", 5, 3, (32, 128, 512), 3, ABBA + ABBA[::-1], 1 * GiB, 11)
-
-
-def check(value: float, op: str, bound: float) -> bool:
-    return bool(value >= bound if op == ">=" else value <= bound)
 
 
 # -- engines and timing -----------------------------------------------------------------------
@@ -512,12 +503,7 @@ class Bench:
         return self.kvtier_connector({"kvtier_config": str(config), "blocks_per_chunk": bpc})
 
     def kvtier_connector(self, extra: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier_vllm.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {**extra, **self.connector_extra},
-        }
+        return kvtier_connector({**extra, **self.connector_extra}, recompute_failed_loads=False)
 
     # -- all --------------------------------------------------------------------------------
 
@@ -597,8 +583,8 @@ class Bench:
         out["miss_path_overhead"] = self.miss["overhead"]
         for key in hybrid_ttft.TARGETS:
             out[key] = self.hybrid[key]
-        out["targets"] = {k: f"{op} {v:g}" for k, (op, v) in TARGETS.items()}
-        out["targets_met"] = {k: check(out[k], op, v) for k, (op, v) in TARGETS.items()}
+        out["targets"] = stated(TARGETS)
+        out["targets_met"] = judged(out, TARGETS)
         hits = {
             "cold": c["cold"].hits_ok,
             "gpu_prefix_hit": c["gpu_prefix_hit"].hits_ok,
@@ -836,8 +822,8 @@ class GpuBench:
             "arena_to_gpu_vs_peak": head["arena_to_gpu_vs_peak"],
             "per_block": per_block,
         }
-        out["targets"] = {k: f"{op} {v:g}" for k, (op, v) in GPU_TARGETS.items()}
-        out["targets_met"] = {k: check(out[k], op, v) for k, (op, v) in GPU_TARGETS.items()}
+        out["targets"] = stated(GPU_TARGETS)
+        out["targets_met"] = judged(out, GPU_TARGETS)
         out["elapsed_s"] = time.perf_counter() - started
         return out
 
@@ -869,7 +855,7 @@ def gpu_table(result: dict[str, Any]) -> str:
             f"{row['arena_to_gpu_gbps']:17.1f}{row['arena_to_gpu_vs_peak']:9.2f}"
         )
     for key, (op, bound) in GPU_TARGETS.items():
-        verdict = "ok" if result["targets_met"][key] else "MISSED"
+        verdict = ok_or_missed(result["targets_met"][key])
         head = result["headline_block_bytes"] >> 10
         lines.append(f"{key} ({head} KiB blocks): {result[key]:.2f}  {op} {bound:g}  {verdict}")
     return "\n".join(lines)
@@ -906,7 +892,7 @@ def table(result: dict[str, Any]) -> str:
         )
     lines.append("")
     for key, (op, bound) in TARGETS.items():
-        verdict = "ok" if result["targets_met"][key] else "MISSED"
+        verdict = ok_or_missed(result["targets_met"][key])
         lines.append(f"{key:42}{result[key]:8.3f}  {op} {bound:g}  {verdict}")
     lines.append("")
     lines.append("blocks_per_chunk    chunk   arena hit ms   lmdb cold hit ms   chunks stored")
@@ -1006,9 +992,7 @@ def main(argv: list[str] | None = None) -> int:
         engines.apply_engine_env(engines.engine_env(bench.root / "engine"))
         if args.hybrid_only:
             result = hybrid_ttft.run(bench, bpcs[0])
-            result["targets_met"] = {
-                k: check(result[k], op, v) for k, (op, v) in hybrid_ttft.TARGETS.items()
-            }
+            result["targets_met"] = judged(result, hybrid_ttft.TARGETS)
         else:
             result = bench.run()
     finally:
@@ -1019,7 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.hybrid_only:
         print("\n".join(hybrid_ttft.table(result)))
         for key, (op, bound) in hybrid_ttft.TARGETS.items():
-            verdict = "ok" if result["targets_met"][key] else "MISSED"
+            verdict = ok_or_missed(result["targets_met"][key])
             print(f"{key:42}{result[key]:8.3f}  {op} {bound:g}  {verdict}")
     else:
         print(table(result))

@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from benchmarks.harness.connector import kvtier_connector
 from tests.fixtures.engines import (
     apply_engine_env,
     engine_env,
@@ -52,12 +53,7 @@ TIMED_ROUNDS = 8
 
 
 def connector(config: Path, **extra: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier_vllm.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kvtier_config": str(config), **extra},
-    }
+    return kvtier_connector({"kvtier_config": str(config), **extra}, recompute_failed_loads=False)
 
 
 def embedded_config(tmp: Path, **lmdb: Any) -> Path:
