@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-MiB = 1 << 20
+from benchmarks.harness.sizes import MiB
+
 TOKENS = 256  # tokens per chunk: 16 blocks of 16, or 2 blocks of 128
 
 

@@ -85,6 +85,7 @@ import numpy as np
 
 from benchmarks.harness.buffers import filled, no_gc, touched
 from benchmarks.harness.kvtierd import KvtierdProcess
+from benchmarks.harness.sizes import KiB, MiB
 from benchmarks.harness.specs import sixteen_layer_spec, small_spec
 from benchmarks.harness.stats import geomean
 from benchmarks.harness.targets import Target, judged, judged_cell, stated
@@ -96,8 +97,6 @@ from tests.fixtures.keys import keys_for
 
 log = logging.getLogger("kvtier.bench")
 
-KiB = 1 << 10
-MiB = 1 << 20
 CHUNK_SIZES = (1 * MiB, 2 * MiB, 4 * MiB)
 BATCH = 64  # chunks per call on the transfer paths
 EXTENT = 32 * MiB

@@ -79,6 +79,7 @@ import boto3.session
 import botocore.config
 
 from benchmarks.harness.buffers import filled, no_gc
+from benchmarks.harness.sizes import KiB, MiB
 from benchmarks.harness.specs import spec_for_chunk
 from benchmarks.harness.stats import percentile
 from benchmarks.harness.targets import Target, judged, ok_or_missed, stated
@@ -95,8 +96,6 @@ from tests.fixtures.s3 import LOOPBACK, SCRUBBED_ENV, MotoServer, irsa_env, patc
 
 log = logging.getLogger("kvtier.bench")
 
-KiB = 1 << 10
-MiB = 1 << 20
 BUCKET = "kvtier-bench"
 CHUNK = 1 * MiB
 LOOKUP_CHUNK = 4 * KiB

@@ -49,6 +49,7 @@ import psutil
 import yaml
 
 from benchmarks.harness.connector import kvtier_connector
+from benchmarks.harness.sizes import MiB
 
 try:
     from tests.fixtures import models
@@ -63,7 +64,6 @@ from kvtier.tiers.lmdb_env import stored_keys_read_only
 
 log = logging.getLogger("kvtier.bench.shutdown")
 
-MiB = 1 << 20
 BLOCK_SIZE = 32
 BLOCKS_PER_CHUNK = 4
 CHUNK_TOKENS = BLOCK_SIZE * BLOCKS_PER_CHUNK

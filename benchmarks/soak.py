@@ -73,6 +73,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.harness.sizes import MiB
 from benchmarks.harness.targets import Target, met
 from benchmarks.soak_bucket import Ledger, RecordingProxy, create_bucket
 from benchmarks.soak_nodes import Node, Vitals
@@ -84,7 +85,6 @@ from tests.fixtures.s3 import MotoServer, irsa_env
 
 log = logging.getLogger("kvtier.bench.soak")
 
-MiB = 1 << 20
 BUCKET = "kvtier-soak"
 NODES = 3
 ARENA_BYTES = 16 * MiB

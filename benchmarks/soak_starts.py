@@ -19,11 +19,10 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.harness.kvtierd import KvtierdProcess
+from benchmarks.harness.sizes import MiB
 from benchmarks.harness.specs import small_spec
 from kvtier.core.errors import KVTierError
 from kvtier.rpc import GrpcTierClient
-
-MiB = 1 << 20
 
 
 def config(root: Path) -> dict[str, object]:

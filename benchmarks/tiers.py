@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.harness.buffers import filled, no_gc, touched
+from benchmarks.harness.sizes import MiB
 from benchmarks.harness.specs import sixteen_layer_spec
 from benchmarks.harness.stats import geomean
 from benchmarks.harness.targets import Target, judged, judged_cell, stated
@@ -74,7 +75,6 @@ from tests.fixtures.keys import keys_for
 
 log = logging.getLogger("kvtier.bench")
 
-MiB = 1 << 20
 CHUNK_SIZES = (1 * MiB, 2 * MiB, 4 * MiB)
 BATCH = 8
 EXTENT = 32 * MiB
