@@ -73,236 +73,40 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from benchmarks.harness.buffers import filled, no_gc, touched
-from benchmarks.harness.kvtierd import KvtierdProcess
+from benchmarks.daemon_clients import CountingClient, DaemonProcess, client_b, granted, metric_value
+from benchmarks.daemon_report import Samples, result_of, table
+from benchmarks.daemon_settings import (
+    BATCH,
+    CHUNK_SIZES,
+    CLIENT_TIMEOUT_S,
+    DROP_TIMEOUT_S,
+    EXTENT,
+    FILL_BATCH,
+    FULL,
+    LOOKUP_CHUNK,
+    LOOKUP_KEYS,
+    QUICK,
+    STORE_BATCH,
+    STORE_CHUNK,
+    Mode,
+)
+from benchmarks.harness.buffers import filled, no_gc, timed, touched
 from benchmarks.harness.sizes import KiB, MiB
 from benchmarks.harness.specs import sixteen_layer_spec, small_spec
-from benchmarks.harness.stats import geomean
-from benchmarks.harness.targets import Target, judged, judged_cell, stated
 from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import SlotRef
-from kvtier.rpc import AdminClient, GrpcTierClient, Pending
+from kvtier.rpc import AdminClient
 from kvtier.tiers.arena import ArenaMemory
 from tests.fixtures.keys import keys_for
 
 log = logging.getLogger("kvtier.bench")
-
-CHUNK_SIZES = (1 * MiB, 2 * MiB, 4 * MiB)
-BATCH = 64  # chunks per call on the transfer paths
-EXTENT = 32 * MiB
-LOOKUP_KEYS = 8192
-LOOKUP_CHUNK = 4 * KiB  # 8192 of them fit one extent
-FILL_BATCH = 1024
-STORE_BATCH = 64
-STORE_CHUNK = 64 * KiB
-LMDB_BUDGET = 1 << 30
-SYNC_INTERVAL_S = 3600.0
-DROP_TIMEOUT_S = 10.0
-CLIENT_TIMEOUT_S = 120.0
-HEARTBEAT = "HeartbeatRequest"
-
-TARGETS: dict[str, Target] = {
-    "lookup_8192_keys_p99_us": ("<=", 3000.0),
-    "cross_process_arena_vs_memcpy": (">=", 0.7),
-    "rpc_per_chunk": ("<=", 0.1),
-}
-R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class Mode:
-    name: str
-    working_set: int
-    reps: int
-    lookup_runs: int
-    store_chunks: int
-    store_reps: int
-
-
-QUICK = Mode("quick", 128 * MiB, 5, 50, 1024, 15)
-FULL = Mode("full", 256 * MiB, 11, 200, 2048, 31)
-
-
-@dataclass
-class Samples:
-    """Per chunk size: GB/s samples by figure, and paired ratios by ratio name."""
-
-    gbps: dict[str, list[float]] = field(default_factory=dict)
-    ratios: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, name: str, value: float) -> None:
-        self.gbps.setdefault(name, []).append(value)
-
-    def pair(self, name: str, value: float) -> None:
-        self.ratios.setdefault(name, []).append(value)
-
-
-def timed(fn: Callable[[], object]) -> float:
-    with no_gc():
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-
-def granted(refs: Sequence[SlotRef | None], what: str) -> list[SlotRef]:
-    held = [r for r in refs if r is not None]
-    if len(held) != len(refs):
-        raise RuntimeError(f"{what}: the daemon granted {len(held)} of {len(refs)} slots")
-    return held
-
-
-class CountingClient(GrpcTierClient):
-    """GrpcTierClient that counts the calls it makes, by request type."""
-
-    def __init__(self, socket_path: Path, replica: str) -> None:
-        super().__init__(socket_path, replica)
-        self.calls: Counter[str] = Counter()
-
-    def _rpc(self, method: Callable[..., R], request: Any, timeout: float | None = None) -> R:
-        self.calls[type(request).__name__] += 1
-        return super()._rpc(method, request, timeout)
-
-    def _keys_call_async(
-        self, method: Any, keys: Sequence[ChunkKey], refs: Sequence[SlotRef], convert: Any
-    ) -> Pending[Any]:
-        self.calls["pipelined"] += 1
-        return super()._keys_call_async(method, keys, refs, convert)
-
-    def traffic_since(self, before: Counter[str]) -> int:
-        delta = self.calls - before
-        return sum(n for name, n in delta.items() if name != HEARTBEAT)
-
-
-# -- client B, in its own process ------------------------------------------------------------
-
-
-def load_all(
-    client: CountingClient,
-    arena: ArenaMemory,
-    keys: list[ChunkKey],
-    chunk: int,
-    dst: np.ndarray,
-    verify: bool,
-) -> tuple[float, int]:
-    """Prefetch, copy out and release every key; returns seconds taken and calls made."""
-    whole = np.frombuffer(arena.view(0, arena.size), dtype=np.uint8)
-    if verify:
-        dst.fill(0)
-    before = client.calls.copy()
-
-    def run() -> None:
-        # one call per batch, in flight while the batch before it is copied out: it releases
-        # the batch copied last and leases the one after the current
-        done: list[SlotRef] = []
-        leases = granted(client.lease(keys[:BATCH]), "prefetch")
-        for first in range(0, len(keys), BATCH):
-            following = keys[first + BATCH : first + 2 * BATCH]
-            pending = client.lease_async(following, release=done)
-            off = first * chunk
-            for ref in leases:
-                # numpy copies without the GIL, so the call in flight progresses meanwhile
-                np.copyto(dst[off : off + chunk], whole[ref.offset : ref.offset + chunk])
-                off += chunk
-            done, leases = leases, granted(pending.result(), "prefetch")
-        client.release(done)
-
-    elapsed = timed(run)
-    calls = client.traffic_since(before)
-    n = len(keys) * chunk
-    if verify and not np.array_equal(dst[:n], filled(n)):
-        raise RuntimeError("client B read other bytes than client A stored")
-    return elapsed, calls
-
-
-def client_b(conn: Connection, socket_path: str, total: int) -> None:
-    """Serve client A's requests to register and load until told to stop."""
-    client = CountingClient(Path(socket_path), "bench-b")
-    arena: ArenaMemory | None = None
-    try:
-        dst = touched(total)
-        conn.send(("ok",))
-        while True:
-            request = conn.recv()
-            if request[0] == "stop":
-                break
-            try:
-                if request[0] == "register":
-                    namespace = client.register_pool(
-                        sixteen_layer_spec(f"bench-daemon-{request[1]}", request[1]), request[1]
-                    )
-                    if arena is None:
-                        arena = ArenaMemory.attach(client.arena_path)
-                    conn.send(("ok", namespace))
-                elif request[0] == "load":
-                    _, chunk, keys, verify = request
-                    assert arena is not None
-                    conn.send(("ok", *load_all(client, arena, keys, chunk, dst, verify)))
-                else:
-                    conn.send(("error", f"unknown request {request[0]!r}"))
-            except Exception:
-                conn.send(("error", traceback.format_exc()))
-    finally:
-        if arena is not None:
-            arena.close()
-        client.close()
-        conn.close()
-
-
-# -- the daemon, in its own process ----------------------------------------------------------
-
-
-class DaemonProcess(KvtierdProcess):
-    """kvtierd configured for the data-plane figures: one arena size, no clean reserve (nothing
-    is written back while a client says it is busy)."""
-
-    def __init__(
-        self, root: Path, shm: Path, arena_bytes: int, commit_checksum: bool = True
-    ) -> None:
-        self.shm = shm
-        self.socket_path = root / "kvtierd.sock"
-        config = {
-            "arena": {
-                "path": str(shm),
-                "size_bytes": arena_bytes,
-                "extent_bytes": EXTENT,
-                "min_slot_bytes": LOOKUP_CHUNK,
-                "commit_checksum": commit_checksum,
-            },
-            "lmdb": {
-                "path": str(root / "lmdb"),
-                "budget_bytes": LMDB_BUDGET,
-                "sync_interval_s": SYNC_INTERVAL_S,
-            },
-            "manager": {"clean_reserve": 0.0},
-            "server": {
-                "socket_path": str(self.socket_path),
-                "admin_address": "127.0.0.1:0",
-                "metrics_address": "127.0.0.1:0",
-            },
-        }
-        super().__init__(root, config)
-
-
-def metric_value(text: str, name: str, **labels: str) -> float | None:
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        metric, _, label_text = head.partition("{")
-        if metric == name and all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-            return float(value)
-    return None
-
-
-# -- client A and the run --------------------------------------------------------------------
 
 
 class Bench:
@@ -650,97 +454,6 @@ class Bench:
         self.plain.shm.unlink(missing_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def report(self) -> dict[str, Any]:
-        per_size: dict[str, dict[str, float]] = {}
-        for chunk, s in self.samples.items():
-            row = {name: statistics.median(v) for name, v in s.gbps.items()}
-            row.update({name: statistics.median(v) for name, v in s.ratios.items()})
-            per_size[f"{chunk // MiB}MiB"] = row
-        names = list(next(iter(per_size.values())))
-        out: dict[str, Any] = {
-            "mode": self.mode.name,
-            "chunk_sizes_bytes": list(CHUNK_SIZES),
-            "working_set_bytes": self.total,
-            "repetitions": self.mode.reps,
-            "chunks_per_call": BATCH,
-            "lookup_runs_per_round": self.mode.lookup_runs,
-            "store_commit_keys_per_call": STORE_BATCH,
-            "store_commit_chunk_bytes": STORE_CHUNK,
-            "store_commit_repetitions": self.mode.store_reps,
-        }
-        for name in names:
-            out[name] = geomean([row[name] for row in per_size.values()])
-        out.update(self.figures)
-        chunks = self.rpc["chunks"]
-        out["rpc_per_chunk_store"] = self.rpc["store_calls"] / chunks
-        out["rpc_per_chunk_load"] = self.rpc["load_calls"] / chunks
-        out["rpc_per_chunk"] = max(out["rpc_per_chunk_store"], out["rpc_per_chunk_load"])
-        out["per_chunk_size"] = per_size
-        out["daemon"] = self.daemon_figures
-        out["targets"] = stated(TARGETS)
-        out["targets_met"] = judged(out, TARGETS)
-        self.phases["total_s"] = sum(self.phases.values())
-        out["elapsed_s"] = self.phases
-        return out
-
-
-SIZE_ROWS = (
-    ("memcpy_gbps", "memcpy, client A", "GB/s"),
-    ("arena_store_gbps", "arena store, client A", "GB/s"),
-    ("arena_load_gbps", "arena load, client B", "GB/s"),
-    ("arena_transfer_gbps", "A -> B, slower side", "GB/s"),
-    ("arena_transfer_serial_gbps", "A -> B, both phases", "GB/s"),
-    ("arena_store_vs_memcpy", "arena store / memcpy", "x"),
-    ("arena_load_vs_memcpy", "arena load / memcpy", "x"),
-    ("cross_process_arena_vs_memcpy", "A -> B / memcpy", "x"),
-    ("arena_store_no_checksum_gbps", "arena store, no checksum", "GB/s"),
-    ("commit_checksum_arena_store_ratio", "store, checksum / none", "x"),
-)
-ROWS = (
-    ("lookup_8192_keys_p50_us", "lookup 8192 keys, p50", "us", ".0f"),
-    ("lookup_8192_keys_p99_us", "lookup 8192 keys, p99", "us", ".0f"),
-    ("lookup_8192_keys_mean_us", "lookup 8192 keys, mean", "us", ".0f"),
-    ("lookup_1_key_p50_us", "lookup 1 key, p50", "us", ".0f"),
-    ("store_commit_chunks_per_s", "reserve + commit", "chunks/s", ".0f"),
-    ("store_commit_chunks_per_s_no_checksum", "same, no checksum", "chunks/s", ".0f"),
-    ("commit_checksum_store_ratio", "same, checksum / none", "x", ".3f"),
-    ("rpc_per_chunk_store", "calls per chunk, store", "", ".4f"),
-    ("rpc_per_chunk_load", "calls per chunk, load", "", ".4f"),
-    ("rpc_per_chunk", "calls per chunk", "", ".4f"),
-)
-
-
-def target_cell(result: dict[str, Any], key: str) -> str:
-    return judged_cell(TARGETS, result["targets_met"], key)
-
-
-def table(result: dict[str, Any]) -> str:
-    sizes = list(result["per_chunk_size"])
-    head = f"{'':34}" + "".join(f"{s:>9}" for s in sizes) + f"{'overall':>9}  target"
-    lines = [
-        f"kvtierd data plane, {result['mode']} mode: {result['working_set_bytes'] // MiB} MiB "
-        f"working set, {result['repetitions']} repetitions, {result['chunks_per_call']} chunks "
-        "per call, medians",
-        head,
-        "-" * len(head),
-    ]
-    for key, label, unit in SIZE_ROWS:
-        cells = "".join(f"{result['per_chunk_size'][s][key]:9.2f}" for s in sizes)
-        lines.append(
-            f"{label + ' (' + unit + ')':34}{cells}{result[key]:9.2f}  {target_cell(result, key)}"
-        )
-    for key, label, unit, fmt in ROWS:
-        name = f"{label} ({unit})" if unit else label
-        value = format(result[key], fmt)
-        lines.append(f"{name:34}{'':{9 * len(sizes)}}{value:>9}  {target_cell(result, key)}")
-    daemon = result["daemon"]
-    lines.append(
-        f"kvtierd: ready in {daemon['start_s']:.2f} s, exited {daemon['exit_code']} "
-        f"{daemon['shutdown_s']:.2f} s after SIGTERM"
-    )
-    lines.append(f"elapsed: {result['elapsed_s']['total_s']:.1f} s")
-    return "\n".join(lines)
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -757,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.run()
     finally:
         bench.close()
-    result = bench.report()
+    result = result_of(bench)
     if args.json:
         json.dump(result, sys.stdout, indent=2, sort_keys=False)
         sys.stdout.write("\n")
