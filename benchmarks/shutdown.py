@@ -50,17 +50,10 @@ import yaml
 
 from benchmarks.harness.connector import kvtier_connector
 from benchmarks.harness.sizes import MiB
-
-try:
-    from tests.fixtures import models
-    from tests.fixtures.servers import VllmServer, connector_arg
-except ImportError:  # run as a script from benchmarks/
-    import models  # type: ignore[no-redef]
-
-    from tests.fixtures.servers import VllmServer, connector_arg  # type: ignore[no-redef]
-
 from kvtier.tiers.commit_checksums import ledger_path
 from kvtier.tiers.lmdb_env import stored_keys_read_only
+from tests.fixtures import models
+from tests.fixtures.servers import VllmServer, connector_arg
 
 log = logging.getLogger("kvtier.bench.shutdown")
 
