@@ -81,7 +81,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.daemon_clients import CountingClient, DaemonProcess, client_b, granted, metric_value
-from benchmarks.daemon_report import Samples, result_of, table
+from benchmarks.daemon_report import result_of, table
 from benchmarks.daemon_settings import (
     BATCH,
     CHUNK_SIZES,
@@ -100,6 +100,7 @@ from benchmarks.daemon_settings import (
 from benchmarks.harness.buffers import filled, no_gc, timed, touched
 from benchmarks.harness.sizes import KiB, MiB
 from benchmarks.harness.specs import sixteen_layer_spec, small_spec
+from benchmarks.harness.stats import Samples
 from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import SlotRef
 from kvtier.rpc import AdminClient
@@ -386,11 +387,11 @@ class Bench:
             s.add("arena_load_gbps", load)
             s.add("arena_transfer_gbps", min(store, load))
             s.add("arena_transfer_serial_gbps", self.total / (store_s + load_s) / 1e9)
-            s.pair("arena_store_vs_memcpy", store / base)
-            s.pair("arena_load_vs_memcpy", load / base_load)
-            s.pair("cross_process_arena_vs_memcpy", min(store / base, load / base_load))
+            s.ratio("arena_store_vs_memcpy", store / base)
+            s.ratio("arena_load_vs_memcpy", load / base_load)
+            s.ratio("cross_process_arena_vs_memcpy", min(store / base, load / base_load))
             s.add("arena_store_no_checksum_gbps", self.total / plain_s / 1e9)
-            s.pair("commit_checksum_arena_store_ratio", plain_s / store_s)
+            s.ratio("commit_checksum_arena_store_ratio", plain_s / store_s)
             self.rpc.update(store_calls=store_calls, load_calls=load_calls, chunks=n)
 
     # -- all ------------------------------------------------------------------------------

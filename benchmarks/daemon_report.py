@@ -3,8 +3,6 @@ targets, and the table that prints them."""
 
 from __future__ import annotations
 
-import statistics
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.daemon_settings import BATCH, CHUNK_SIZES, STORE_BATCH, STORE_CHUNK, TARGETS
@@ -16,27 +14,12 @@ if TYPE_CHECKING:
     from benchmarks.daemon import Bench
 
 
-@dataclass
-class Samples:
-    """Per chunk size: GB/s samples by figure, and paired ratios by ratio name."""
-
-    gbps: dict[str, list[float]] = field(default_factory=dict)
-    ratios: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, name: str, value: float) -> None:
-        self.gbps.setdefault(name, []).append(value)
-
-    def pair(self, name: str, value: float) -> None:
-        self.ratios.setdefault(name, []).append(value)
-
-
 def result_of(bench: Bench) -> dict[str, Any]:
     """The run's figures: per chunk size and their geometric means, lookups, the store path,
     calls per chunk, the daemon's start and stop, and the targets."""
     per_size: dict[str, dict[str, float]] = {}
     for chunk, s in bench.samples.items():
-        row = {name: statistics.median(v) for name, v in s.gbps.items()}
-        row.update({name: statistics.median(v) for name, v in s.ratios.items()})
+        row = s.medians()
         per_size[f"{chunk // MiB}MiB"] = row
     names = list(next(iter(per_size.values())))
     out: dict[str, Any] = {

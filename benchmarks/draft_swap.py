@@ -7,7 +7,7 @@ weights; nothing is downloaded). The draft is the target itself (``method: draft
 speculative tokens), so the original draft accepts every proposal. The "new" draft is the same
 weights with Gaussian noise of ``--noise`` (0.05) times each tensor's standard deviation: a
 revision that mostly agrees with the old one, as a fine-tuned draft would. Weights are swapped in
-place with the CPU recipe of tests/e2e/draft_weights.py, between
+place with the CPU recipe of tests/fixtures/draft_weights.py, between
 ``reset_prefix_cache(reset_connector=True)`` (what ``pause_generation(clear_cache=True)`` does)
 and the next request.
 

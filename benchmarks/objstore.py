@@ -73,6 +73,7 @@ import botocore.config
 from benchmarks.harness.buffers import filled
 from benchmarks.harness.sizes import MiB
 from benchmarks.harness.specs import spec_for_chunk
+from benchmarks.harness.stats import Samples
 from benchmarks.objstore_lookups import lookups_against_a_slow_store
 from benchmarks.objstore_proxy import ProxyProcess
 from benchmarks.objstore_report import result_of, table
@@ -87,7 +88,7 @@ from benchmarks.objstore_settings import (
     STORE_DELAY_MS,
     Mode,
 )
-from benchmarks.objstore_timing import Cost, Samples, timed
+from benchmarks.objstore_timing import Cost, timed
 from kvtier.core.config import LMDBConfig, ObjectStoreConfig
 from kvtier.core.counters import Counters
 from kvtier.core.keys import ChunkKey
@@ -375,7 +376,7 @@ class Bench:
                 " ".join(f"{k} {n / 1e6 / c.wall:.0f}" for k, (c, n) in costs.items()),
             )
             for ratio, raw, tiered in RATIOS:
-                s.pair(ratio, costs[raw][0].wall, costs[tiered][0].wall)
+                s.ratio(ratio, costs[raw][0].wall / costs[tiered][0].wall)
 
     # -- all ------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ def result_of(bench: Bench, lookups: dict[str, Any], phases: dict[str, float]) -
     }
     cpu: dict[str, float] = {}
     server_cpu: dict[str, float] = {}
-    for name, values in bench.samples.mbps.items():
+    for name, values in bench.samples.rates.items():
         if name.endswith("_server_cpu_ms_per_mb"):
             server_cpu[name.removesuffix("_server_cpu_ms_per_mb")] = statistics.median(values)
         elif name.endswith("_cpu_ms_per_mb"):

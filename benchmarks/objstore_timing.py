@@ -1,5 +1,4 @@
-"""What the object benchmark's transfers cost: wall time, this process's CPU and moto's, and the
-samples (MB/s, ratios to boto3) of every repetition."""
+"""What the object benchmark's transfers cost: wall time, this process's CPU and moto's."""
 
 from __future__ import annotations
 
@@ -7,24 +6,11 @@ import os
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from benchmarks.harness.buffers import no_gc
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass
-class Samples:
-    mbps: dict[str, list[float]] = field(default_factory=dict)
-    ratios: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, name: str, value: float) -> None:
-        self.mbps.setdefault(name, []).append(value)
-
-    def pair(self, name: str, raw_s: float, tier_s: float) -> None:
-        """Tier throughput over raw throughput, from the times both took for the same bytes."""
-        self.ratios.setdefault(name, []).append(raw_s / tier_s)
 
 
 @dataclass

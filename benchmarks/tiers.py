@@ -61,8 +61,8 @@ import numpy as np
 from benchmarks.harness.buffers import filled, no_gc, touched
 from benchmarks.harness.sizes import MiB
 from benchmarks.harness.specs import sixteen_layer_spec, small_spec
-from benchmarks.harness.stats import geomean
-from benchmarks.tiers_report import Samples, durability_table, result_of, table
+from benchmarks.harness.stats import Samples, geomean
+from benchmarks.tiers_report import durability_table, result_of, table
 from benchmarks.tiers_settings import (
     BATCH,
     CHUNK_SIZES,
@@ -202,8 +202,8 @@ class Bench:
             s.add("memcpy_gbps", base_load)
             s.add("arena_store_gbps", store)
             s.add("arena_load_gbps", load)
-            s.pair("arena_store_vs_memcpy", store, base)
-            s.pair("arena_load_vs_memcpy", load, base_load)
+            s.ratio("arena_store_vs_memcpy", store / base)
+            s.ratio("arena_load_vs_memcpy", load / base_load)
 
     # -- lmdb -----------------------------------------------------------------------------
 
@@ -282,9 +282,9 @@ class Bench:
             s.add("lmdb_write_steady_gbps", steady)
             s.add("memcpy_gbps", base)
             s.add("lmdb_hot_read_gbps", read)
-            s.pair("lmdb_write_vs_disk", fresh, disk)
-            s.pair("lmdb_write_steady_vs_disk_overwrite", steady, disk_over)
-            s.pair("lmdb_hot_read_vs_memcpy", read, base)
+            s.ratio("lmdb_write_vs_disk", fresh / disk)
+            s.ratio("lmdb_write_steady_vs_disk_overwrite", steady / disk_over)
+            s.ratio("lmdb_hot_read_vs_memcpy", read / base)
 
     def run_durability(self, chunk: int) -> None:
         keys = keys_for(self.regs[chunk].namespace, self.total // chunk)
@@ -307,7 +307,7 @@ class Bench:
                 baseline = "disk_write_synced_gbps" if synced else "disk_write_gbps"
                 s.add(baseline, disk)
                 s.add(f"lmdb_write_{setting}_gbps", rate)
-                s.pair(f"lmdb_write_{setting}_vs_{baseline.removesuffix('_gbps')}", rate, disk)
+                s.ratio(f"lmdb_write_{setting}_vs_{baseline.removesuffix('_gbps')}", rate / disk)
 
     def run_durability_only(self) -> dict[str, Any]:
         started = time.perf_counter()
@@ -316,10 +316,9 @@ class Bench:
             self.run_durability(chunk)
         per_size: dict[str, dict[str, float]] = {}
         for chunk, s in self.samples.items():
-            row = {name: statistics.median(v) for name, v in s.gbps.items()}
-            row.update({name: statistics.median(v) for name, v in s.ratios.items()})
-            row.update({f"{name}_min": min(v) for name, v in s.gbps.items()})
-            row.update({f"{name}_max": max(v) for name, v in s.gbps.items()})
+            row = s.medians()
+            row.update({f"{name}_min": min(v) for name, v in s.rates.items()})
+            row.update({f"{name}_max": max(v) for name, v in s.rates.items()})
             per_size[f"{chunk // MiB}MiB"] = row
         out: dict[str, Any] = {
             "mode": self.mode.name,

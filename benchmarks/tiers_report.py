@@ -3,8 +3,6 @@ targets, and the tables that print them."""
 
 from __future__ import annotations
 
-import statistics
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.harness.sizes import MiB
@@ -16,20 +14,6 @@ if TYPE_CHECKING:
     from benchmarks.tiers import Bench
 
 
-@dataclass
-class Samples:
-    """Per chunk size: GB/s samples by figure, and paired ratios by ratio name."""
-
-    gbps: dict[str, list[float]] = field(default_factory=dict)
-    ratios: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, name: str, value: float) -> None:
-        self.gbps.setdefault(name, []).append(value)
-
-    def pair(self, name: str, num: float, den: float) -> None:
-        self.ratios.setdefault(name, []).append(num / den)
-
-
 def result_of(
     bench: Bench, lookup_us: float, lookup_arena_us: float, phases: dict[str, float]
 ) -> dict[str, Any]:
@@ -37,8 +21,7 @@ def result_of(
     two passes, and the targets."""
     per_size: dict[str, dict[str, float]] = {}
     for chunk, s in bench.samples.items():
-        row = {name: statistics.median(v) for name, v in s.gbps.items()}
-        row.update({name: statistics.median(v) for name, v in s.ratios.items()})
+        row = s.medians()
         per_size[f"{chunk // MiB}MiB"] = row
     names = list(next(iter(per_size.values())))
     out: dict[str, Any] = {

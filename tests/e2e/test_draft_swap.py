@@ -2,7 +2,7 @@
 
 The target as its own draft accepts every proposal, and noisy weights accept almost none, so
 acceptance shows which draft KV an engine used. Weights are swapped with the recipe in
-`tests.e2e.draft_weights`; vLLM's `reset_prefix_cache(reset_connector=True)` is what
+`tests.fixtures.draft_weights`; vLLM's `reset_prefix_cache(reset_connector=True)` is what
 `pause_generation(clear_cache=True)` does around a weight update.
 """
 
