@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from benchmarks.daemon_settings import BATCH, CHUNK_SIZES, STORE_BATCH, STORE_CHUNK, TARGETS
 from benchmarks.harness.sizes import MiB
-from benchmarks.harness.stats import geomean
+from benchmarks.harness.stats import geomeans_across, medians_by_chunk_size
 from benchmarks.harness.targets import judged, judged_cell, stated
 
 if TYPE_CHECKING:
@@ -17,11 +17,7 @@ if TYPE_CHECKING:
 def result_of(bench: Bench) -> dict[str, Any]:
     """The run's figures: per chunk size and their geometric means, lookups, the store path,
     calls per chunk, the daemon's start and stop, and the targets."""
-    per_size: dict[str, dict[str, float]] = {}
-    for chunk, s in bench.samples.items():
-        row = s.medians()
-        per_size[f"{chunk // MiB}MiB"] = row
-    names = list(next(iter(per_size.values())))
+    per_size = medians_by_chunk_size(bench.samples)
     out: dict[str, Any] = {
         "mode": bench.mode.name,
         "chunk_sizes_bytes": list(CHUNK_SIZES),
@@ -33,8 +29,7 @@ def result_of(bench: Bench) -> dict[str, Any]:
         "store_commit_chunk_bytes": STORE_CHUNK,
         "store_commit_repetitions": bench.mode.store_reps,
     }
-    for name in names:
-        out[name] = geomean([row[name] for row in per_size.values()])
+    out.update(geomeans_across(per_size))
     out.update(bench.figures)
     chunks = bench.rpc["chunks"]
     out["rpc_per_chunk_store"] = bench.rpc["store_calls"] / chunks

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.harness.sizes import MiB
-from benchmarks.harness.stats import geomean
+from benchmarks.harness.stats import geomeans_across, medians_by_chunk_size
 from benchmarks.harness.targets import judged, judged_cell, stated
 from benchmarks.tiers_settings import BATCH, CHUNK_SIZES, TARGETS
 
@@ -19,11 +19,7 @@ def result_of(
 ) -> dict[str, Any]:
     """The run's figures: per chunk size and their geometric means, lookups, lmdb's size after
     two passes, and the targets."""
-    per_size: dict[str, dict[str, float]] = {}
-    for chunk, s in bench.samples.items():
-        row = s.medians()
-        per_size[f"{chunk // MiB}MiB"] = row
-    names = list(next(iter(per_size.values())))
+    per_size = medians_by_chunk_size(bench.samples)
     out: dict[str, Any] = {
         "mode": bench.mode.name,
         "lmdb_preallocate": bench.preallocate,
@@ -32,8 +28,7 @@ def result_of(
         "repetitions": bench.mode.reps,
         "chunks_per_txn": BATCH,
     }
-    for name in names:
-        out[name] = geomean([row[name] for row in per_size.values()])
+    out.update(geomeans_across(per_size))
     out["lookup_8192_keys_us"] = lookup_us
     out["lookup_8192_keys_arena_only_us"] = lookup_arena_us
     out["lookup_runs"] = bench.mode.lookup_runs

@@ -5,9 +5,10 @@ mean of ratios."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from benchmarks.harness.sizes import MiB
 from kvtier.bench.stats import Percentiles, percentile
 
 __all__ = ["Percentiles", "Samples", "geomean", "median", "percentile"]
@@ -39,3 +40,14 @@ class Samples:
     def medians(self) -> dict[str, float]:
         """Every figure's median, rates then ratios."""
         return {name: median(v) for name, v in (*self.rates.items(), *self.ratios.items())}
+
+
+def medians_by_chunk_size(samples: Mapping[int, Samples]) -> dict[str, dict[str, float]]:
+    """Each chunk size's medians, keyed by the size in MiB (``"4MiB"``)."""
+    return {f"{chunk // MiB}MiB": s.medians() for chunk, s in samples.items()}
+
+
+def geomeans_across(rows: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Every figure's geometric mean over the rows (chunk sizes), in the first row's order."""
+    names = list(next(iter(rows.values())))
+    return {name: geomean([row[name] for row in rows.values()]) for name in names}
