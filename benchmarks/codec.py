@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.harness.cli import MODEL_CACHE
 from benchmarks.verify_errors import connector, embedded_config, summary
 from kvtier.core import kvcodec
 from kvtier.core.kvcodec import Codec, error_bound
@@ -150,9 +151,7 @@ def speed(codec: Codec, rounds: int = 20) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--cache-dir", type=Path, default=Path.home() / ".cache" / "kvtier-bench", help="models"
-    )
+    parser.add_argument("--cache-dir", type=Path, default=MODEL_CACHE, help="models")
     args = parser.parse_args(argv)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     model = build_benchmark_llama(args.cache_dir, tokenizer_dir=build_tokenizer(args.cache_dir))

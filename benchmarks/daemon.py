@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import math
 import multiprocessing
@@ -98,6 +97,7 @@ from benchmarks.daemon_settings import (
     Mode,
 )
 from benchmarks.harness.buffers import filled, no_gc, timed, touched
+from benchmarks.harness.cli import emit
 from benchmarks.harness.sizes import KiB, MiB
 from benchmarks.harness.specs import sixteen_layer_spec, small_spec
 from benchmarks.harness.stats import Samples
@@ -472,11 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bench.close()
     result = result_of(bench)
-    if args.json:
-        json.dump(result, sys.stdout, indent=2, sort_keys=False)
-        sys.stdout.write("\n")
-    else:
-        print(table(result))
+    emit(result, args.json, lambda: table(result))
     daemon = result["daemon"]
     return 0 if daemon["exit_code"] == 0 and daemon["no_checksum_exit_code"] == 0 else 1
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import logging
 import math
 import os
@@ -62,6 +61,7 @@ from typing import Any
 import yaml
 
 from benchmarks.harness.buffers import no_gc
+from benchmarks.harness.cli import MODEL_CACHE, emit
 from benchmarks.harness.sizes import KiB
 from benchmarks.harness.stats import median
 from benchmarks.harness.system import PAGE, CpuShare, drop_page_cache, resident
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cache-dir",
         type=Path,
-        default=Path.home() / ".cache" / "kvtier-bench",
+        default=MODEL_CACHE,
         help="where the model is built and the run's files go (a disk-backed file system)",
     )
     args = parser.parse_args(argv)
@@ -445,11 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(want >= {MIN_ENCODER_SHARE:.0%}): the hit figures say little",
             file=sys.stderr,
         )
-    if args.json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(table(result))
+    emit(result, args.json, lambda: table(result))
     return 0
 
 

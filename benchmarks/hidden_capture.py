@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from benchmarks.harness.cli import MODEL_CACHE
 from benchmarks.harness.connector import kvtier_connector
 from tests.fixtures.engines import (
     apply_engine_env,
@@ -131,7 +132,7 @@ def kvtier_run(model: Path, root: Path, prompts: list[list[int]], dtype: str) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "kvtier-bench")
+    parser.add_argument("--cache-dir", type=Path, default=MODEL_CACHE)
     args = parser.parse_args(argv)
     import torch
     from safetensors.torch import load_file

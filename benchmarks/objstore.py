@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import os
 import shutil
@@ -71,6 +70,7 @@ import boto3.session
 import botocore.config
 
 from benchmarks.harness.buffers import filled
+from benchmarks.harness.cli import emit
 from benchmarks.harness.sizes import MiB
 from benchmarks.harness.specs import spec_for_chunk
 from benchmarks.harness.stats import Samples
@@ -433,11 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             bench.close()
         moto.stop()
         shutil.rmtree(root, ignore_errors=True)
-    if args.json:
-        json.dump(result, sys.stdout, indent=2, sort_keys=False)
-        sys.stdout.write("\n")
-    else:
-        print(table(result))
+    emit(result, args.json, lambda: table(result))
     return 0
 
 

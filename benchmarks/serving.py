@@ -143,6 +143,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.cli import MODEL_CACHE, emit
 from benchmarks.harness.system import CpuShare
 from benchmarks.serving_cases import (
     ANSWER_TOKENS,
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cache-dir",
         type=Path,
-        default=Path.home() / ".cache" / "kvtier-bench",
+        default=MODEL_CACHE,
         help="where the models are built and the run's files go",
     )
     parser.add_argument(
@@ -455,11 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.close()
         if not args.keep:
             shutil.rmtree(bench.root, ignore_errors=True)
-    if args.json:
-        json.dump(clean(result), sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(tables(clean(result)))
+    emit(clean(result), args.json, lambda: tables(clean(result)))
     return 0
 
 

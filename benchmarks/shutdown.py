@@ -48,6 +48,7 @@ from typing import Any
 import psutil
 import yaml
 
+from benchmarks.harness.cli import MODEL_CACHE
 from benchmarks.harness.connector import kvtier_connector
 from benchmarks.harness.sizes import MiB
 from kvtier.tiers.commit_checksums import ledger_path
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=3072)
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "kvtier-bench")
+    parser.add_argument("--cache-dir", type=Path, default=MODEL_CACHE)
     args = parser.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO)
     tokenizer = models.build_tokenizer(args.cache_dir)

@@ -44,7 +44,6 @@ later speed (pages backed lazily by the host); the warm-up repetition absorbs mo
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -59,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.harness.buffers import filled, no_gc, touched
+from benchmarks.harness.cli import emit
 from benchmarks.harness.sizes import MiB
 from benchmarks.harness.specs import sixteen_layer_spec, small_spec
 from benchmarks.harness.stats import Samples, geomean
@@ -460,11 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         result = bench.run_durability_only() if args.durability else bench.run()
     finally:
         bench.close()
-    if args.json:
-        json.dump(result, sys.stdout, indent=2, sort_keys=False)
-        sys.stdout.write("\n")
-    else:
-        print(durability_table(result) if args.durability else table(result))
+    emit(result, args.json, lambda: durability_table(result) if args.durability else table(result))
     return 0
 
 

@@ -92,6 +92,7 @@ import yaml
 from benchmarks import hybrid_ttft
 from benchmarks.harness.buffers import no_gc
 from benchmarks.harness.cases import Case, Sample
+from benchmarks.harness.cli import MODEL_CACHE
 from benchmarks.harness.connector import kvtier_connector
 from benchmarks.harness.kvtierd import Kvtierd
 from benchmarks.harness.sizes import LMDB_BUDGET, KiB, MiB, extent_for, round_up
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cache-dir",
         type=Path,
-        default=Path.home() / ".cache" / "kvtier-bench",
+        default=MODEL_CACHE,
         help="where the model is built and the run's files go (a disk-backed file system)",
     )
     parser.add_argument("--block-size", type=int, default=models.BLOCK_SIZE)

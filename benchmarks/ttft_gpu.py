@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.buffers import no_gc
+from benchmarks.harness.cli import emit
 from benchmarks.harness.sizes import KiB, MiB
 from benchmarks.harness.stats import median
 from benchmarks.harness.targets import Target, judged, ok_or_missed, stated
@@ -246,9 +246,5 @@ def gpu_main(mode: Mode, headline_block: int, as_json: bool) -> int:
         result = bench.run()
     finally:
         bench.close()
-    if as_json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(gpu_table(result))
+    emit(result, as_json, lambda: gpu_table(result))
     return 0

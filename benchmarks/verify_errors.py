@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from benchmarks.harness.cli import MODEL_CACHE
 from benchmarks.harness.connector import kvtier_connector
 from tests.fixtures.engines import (
     apply_engine_env,
@@ -165,9 +166,7 @@ def sampled_cost(model: Path, dtype: str, tmp: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--cache-dir", type=Path, default=Path.home() / ".cache" / "kvtier-bench", help="models"
-    )
+    parser.add_argument("--cache-dir", type=Path, default=MODEL_CACHE, help="models")
     args = parser.parse_args(argv)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(args.cache_dir)
