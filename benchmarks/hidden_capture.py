@@ -6,7 +6,7 @@ requests that share a 1,024-token system prompt, each with a private 80-token su
 multiprocess engines run the same requests:
 
 - the reference: vLLM's ``ExampleHiddenStatesConnector`` (its device copy made synchronous for
-  the CPU, `benchmarks.hidden_reference`), one safetensors file per request;
+  the CPU, `tests.fixtures.hidden_reference`), one safetensors file per request;
 - kvtier embedded, ``hidden_dtype: auto`` (bf16, as captured), then ``fp8``.
 
 Figures: the hidden pool's bytes stored (vLLM's ``kvtier_transfer_bytes{pool="hidden"}``) over
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     reference = {
         "kv_connector": "CpuHiddenStatesConnector",
-        "kv_connector_module_path": "benchmarks.hidden_reference",
+        "kv_connector_module_path": "tests.fixtures.hidden_reference",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(root / "files")},
     }
