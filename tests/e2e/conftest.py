@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from benchmarks.vision_models import build_idefics3
 from tests.e2e.models import (
     EagleModels,
     ModelSet,
@@ -29,6 +28,7 @@ from tests.e2e.models import (
     shared_prefix_prompts,
     vocab_size_of,
 )
+from tests.fixtures.vision_models import build_idefics3
 from tests.integration.daemon_harness import DaemonFiles, write_config
 
 MAX_TOKENS = 12
@@ -142,7 +142,7 @@ def hybrid_five_to_one(models_dir: Path, tiny_models: ModelSet) -> Path:
 
 @pytest.fixture(scope="session")
 def vlm(models_dir: Path) -> Path:
-    """A tiny Idefics3 (`benchmarks.vision_models`)."""
+    """A tiny Idefics3 (`tests.fixtures.vision_models`)."""
     return build_idefics3(models_dir)
 
 
