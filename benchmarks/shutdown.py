@@ -54,7 +54,7 @@ from benchmarks.harness.sizes import MiB
 from kvtier.tiers.commit_checksums import ledger_path
 from kvtier.tiers.lmdb_env import stored_keys_read_only
 from tests.fixtures import models
-from tests.fixtures.servers import VllmServer, connector_arg
+from tests.fixtures.servers import STOP_S, VllmServer, connector_arg
 
 log = logging.getLogger("kvtier.bench.shutdown")
 
@@ -166,6 +166,7 @@ class Run:
         """Serve the prompts at once, SIGTERM the API server mid-decode; what the close did."""
         server = self.server("a")
         server.start()
+        exit_s: float | None = None
         try:
             threads = [
                 threading.Thread(target=self._request, args=(server.url, p), daemon=True)
@@ -191,7 +192,9 @@ class Run:
             os.kill(server.proc.pid, signal.SIGTERM)
             exit_s = gone(engine, EXIT_TIMEOUT_S)
         finally:
-            server.stop()  # the rest of the group, as a pod's grace period ends
+            # the rest of the group, as a pod's grace period ends: with the engine gone, only
+            # the API server is left, waiting for the cut requests' connections to close
+            server.stop(grace_s=0.0 if exit_s is not None else STOP_S)
         text = server.log.read_text(errors="replace")
         close = _CLOSE_LINE.search(text)
         return {
