@@ -13,22 +13,21 @@ import logging
 from typing import Any
 
 import torch
-from vllm.distributed.ec_transfer.ec_connector.base import (
-    ECConnectorBase,
-    ECConnectorMetadata,
-    ECConnectorRole,
-    ECConnectorWorkerMetadata,
-)
-from vllm.distributed.ec_transfer.ec_connector.metrics import (
-    ECConnectorPromMetrics,
-    ECConnectorStats,
-)
 
 from kvtier_vllm.encoder.connector_stats import Deltas, KVTierECPromMetrics, KVTierECStats
 from kvtier_vllm.encoder.metadata import ECReport, ECStepPlan
 from kvtier_vllm.encoder.settings import parse
 from kvtier_vllm.shared.build_check import say_build_once
 from kvtier_vllm.shared.guard import contained
+from kvtier_vllm.shared.vllm_compat import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorPromMetrics,
+    ECConnectorRole,
+    ECConnectorStats,
+    ECConnectorWorkerMetadata,
+    tensor_parallel_rank,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +67,10 @@ class KVTierECConnector(ECConnectorBase):
             )
             self._worker = None
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
             from kvtier_vllm.encoder.worker import EncoderCacheWorker
 
             device = torch.device(vllm_config.device_config.device)
-            writes = self.is_producer and get_tensor_model_parallel_rank() == 0
+            writes = self.is_producer and tensor_parallel_rank() == 0
             self._scheduler = None
             self._worker = EncoderCacheWorker(device, writes)
 

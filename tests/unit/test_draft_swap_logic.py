@@ -14,11 +14,11 @@ from kvtier_vllm.drafts.swaps import (
     DraftTracker,
     DraftWatch,
     Fill,
-    FillPolicy,
     fingerprint,
     lease_draft,
 )
 from kvtier_vllm.kv.connector_stats import KVTierPromMetrics, KVTierStats
+from kvtier_vllm.shared.settings import FillPolicy
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvtier.client import InProcessClient

@@ -27,17 +27,13 @@ from typing import Any
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import NamespaceSpec, make_key
 from kvtier.core.protocol import DraftState, SlotRef, TierClient
+from kvtier_vllm.shared.settings import FillPolicy
 
 log = logging.getLogger(__name__)
 
 _SAMPLES = 16  # elements read per weight tensor
 UNKNOWN = "unknown"  # the fingerprint of weights the worker cannot see
 _STACK_DEPTH = 12
-
-
-class FillPolicy(StrEnum):
-    PREVIOUS = "previous"
-    ZEROS = "zeros"
 
 
 class Fill(StrEnum):

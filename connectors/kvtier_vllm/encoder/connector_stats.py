@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.ec_transfer.ec_connector.metrics import (
+from kvtier_vllm.encoder.scheduler import ECCounters
+from kvtier_vllm.shared.vllm_compat import (
     ECConnectorPromMetrics,
     ECConnectorStats,
 )
-
-from kvtier_vllm.encoder.scheduler import ECCounters
 
 POOL = "encoder"
 ITEM_RESULTS = {

@@ -14,12 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+from kvtier_vllm.shared.guard import take_seconds
+from kvtier_vllm.shared.vllm_compat import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
-
-from kvtier_vllm.shared.guard import take_seconds
 
 DIRECTIONS = ("load", "store")
 FILLS = ("none", "previous", "zeros")

@@ -132,12 +132,13 @@ def split_layers(names: Iterable[str], target_layers: int) -> dict[Pool, tuple[s
 
 
 def _page_bytes(model_config: Any, heads: int, cache_dtype: str, block_size: int) -> int:
-    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    # vLLM is loaded only where an engine plans its pools: this module's other users need none
+    from kvtier_vllm.shared.vllm_compat import kv_cache_dtype_bytes
 
-    dtype = kv_cache_dtype_str_to_dtype(cache_dtype, model_config)
+    itemsize = kv_cache_dtype_bytes(cache_dtype, model_config)
     # MLA keeps one latent vector per token; other attention keeps K and V side by side
     per_token = 1 if getattr(model_config, "use_mla", False) else 2
-    return int(block_size * heads * per_token * model_config.get_head_size() * dtype.itemsize)
+    return int(block_size * heads * per_token * model_config.get_head_size() * itemsize)
 
 
 def _shard(model_config: Any, parallel_config: Any) -> Shard:

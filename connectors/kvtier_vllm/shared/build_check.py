@@ -69,7 +69,8 @@ def assess(build: VllmBuild) -> tuple[int, str]:
 
 def installed_build() -> VllmBuild:
     import torch
-    import vllm
+
+    from kvtier_vllm.shared.vllm_compat import vllm_version
 
     distribution = "unknown"
     for name in _DISTRIBUTIONS:
@@ -79,7 +80,7 @@ def installed_build() -> VllmBuild:
             continue
         distribution = name
         break
-    return VllmBuild(str(vllm.__version__), distribution, bool(torch.cuda.is_available()))
+    return VllmBuild(vllm_version(), distribution, bool(torch.cuda.is_available()))
 
 
 _said = False

@@ -23,15 +23,13 @@ from kvtier.core.errors import KVTierError, PoolLayoutError
 from kvtier.core.keys import NamespaceSpec, Pool
 from kvtier.core.protocol import TierClient
 from kvtier.rpc import GrpcTierClient
-from kvtier_vllm.drafts.swaps import DraftTracker
-from kvtier_vllm.kv.scheduler_side.events import KVEventFeed
 from kvtier_vllm.shared.settings import Mode, TiersConfig
 
 log = logging.getLogger(__name__)
 
 
 class Registered(Protocol):
-    """A pool a session registers (`layout.PoolPlan`, or the encoder cache's)."""
+    """A pool a session registers (the KV connector's `PoolPlan`, or the encoder cache's)."""
 
     @property
     def key(self) -> str: ...
@@ -41,6 +39,18 @@ class Registered(Protocol):
     def spec(self) -> NamespaceSpec: ...
     @property
     def chunk_bytes(self) -> int: ...
+
+
+class DraftRevision(Protocol):
+    """The draft pool's namespace at the revision swapped to (the KV connector's tracker)."""
+
+    def current_spec(self) -> NamespaceSpec: ...
+
+
+class JournalFollower(Protocol):
+    """What reads the tiers' journal from each new client on (the KV connector's events)."""
+
+    def follow(self, client: TierClient) -> None: ...
 
 
 RECONNECT_S = 5
@@ -141,8 +151,8 @@ class Session:
         plans: Sequence[Registered],
         namespaces: dict[str, bytes],
         on_exit: Callable[[], None],
-        draft: DraftTracker | None = None,
-        events: KVEventFeed | None = None,
+        draft: DraftRevision | None = None,
+        events: JournalFollower | None = None,
     ) -> None:
         self.cfg = cfg
         self.replica = replica

@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import REVISION_PATTERN, TENANT_PATTERN
 from kvtier.rpc import Deadlines
-from kvtier_vllm.drafts.swaps import FillPolicy
 
 Settings = TypeVar("Settings", bound="TiersConfig")
 
@@ -20,6 +19,14 @@ Settings = TypeVar("Settings", bound="TiersConfig")
 class Mode(StrEnum):
     EMBEDDED = "embedded"
     SIDECAR = "sidecar"
+
+
+class FillPolicy(StrEnum):
+    """How the draft pages of a target hit are set where the current draft revision has no
+    chunk for them."""
+
+    PREVIOUS = "previous"
+    ZEROS = "zeros"
 
 
 class TiersConfig(BaseModel):

@@ -1,10 +1,24 @@
-"""The connector's side of vLLM's connector API: its base and metadata types, what the connector
-reads from a ``VllmConfig`` (replica, drafter block drop, load failure policy), and the KV
-events, cache-hit sources and transfer results it hands back, each written once for the vLLM
-versions we support (0.32 CPU build, 0.33). `stats` imports vLLM's connector metrics types."""
+"""The connectors' side of vLLM's connector APIs, the one module that imports vLLM: the KV and
+encoder-cache connectors' base, metadata and metrics types, what they read from a ``VllmConfig``
+and vLLM's state (replica, drafter block drop, load failure policy, KV cache dtype, tensor
+parallel rank), and the KV events, cache-hit sources and transfer results the KV connector hands
+back, each written once for the vLLM versions we support (0.32 CPU build, 0.33)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import vllm
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+    ECConnectorWorkerMetadata,
+)
+from vllm.distributed.ec_transfer.ec_connector.metrics import (
+    ECConnectorPromMetrics,
+    ECConnectorStats,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -13,11 +27,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 __all__ = [
+    "ECConnectorBase",
+    "ECConnectorMetadata",
+    "ECConnectorPromMetrics",
+    "ECConnectorRole",
+    "ECConnectorStats",
+    "ECConnectorWorkerMetadata",
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
+    "KVConnectorPromMetrics",
     "KVConnectorRole",
+    "KVConnectorStats",
     "KVConnectorWorkerMetadata",
     "SupportsHMA",
     "block_removed_event",
@@ -25,9 +51,17 @@ __all__ = [
     "cache_hit_source",
     "eagle_block_drop",
     "failure_policy_warning",
+    "kv_cache_dtype_bytes",
     "replica_of",
+    "tensor_parallel_rank",
     "transfer_results",
+    "vllm_version",
 ]
+
+
+def vllm_version() -> str:
+    """The running vLLM's version, as its package says it."""
+    return str(vllm.__version__)
 
 
 def replica_of(vllm_config: object) -> str:
@@ -65,6 +99,20 @@ def failure_policy_warning(vllm_config: object) -> str:
         'a daemon gone) ends with an error; set "kv_load_failure_policy": "recompute" in '
         "--kv-transfer-config to have vLLM compute it instead"
     )
+
+
+def kv_cache_dtype_bytes(cache_dtype: str, model_config: Any) -> int:
+    """Bytes per element of the KV cache, for ``--kv-cache-dtype`` (``auto``: the model's)."""
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+
+    return int(kv_cache_dtype_str_to_dtype(cache_dtype, model_config).itemsize)
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank, once vLLM has set up its parallel state."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def cache_hit_source(name: str) -> object:
