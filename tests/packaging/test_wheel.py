@@ -125,6 +125,8 @@ def test_the_wheel_carries_the_code_its_stubs_and_its_metadata(installed: Instal
     # every module of the source tree: a package left out of pyproject's list imports here
     # (a namespace package) and nowhere else
     sources = {str(p.relative_to(ROOT)) for p in (ROOT / "kvtier").rglob("*.py")}
+    connectors = ROOT / "connectors"
+    sources |= {str(p.relative_to(connectors)) for p in (connectors / "kvtier_vllm").rglob("*.py")}
     assert sources <= names, sorted(sources - names)
     for stub in ("admin_pb2.pyi", "admin_pb2_grpc.pyi", "tier_pb2.pyi", "tier_pb2_grpc.pyi"):
         assert f"kvtier/api/v1/{stub}" in names
