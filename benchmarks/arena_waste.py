@@ -5,8 +5,8 @@ extent is never used while that class holds it (internal waste). A chunk larger 
 stored at all. This prints, for 256-token chunks of published model shapes and for each candidate
 `arena.extent_bytes`, the share of each extent left unused, and a summary per candidate.
 
-    python benchmarks/arena_waste.py            # the table and the summary
-    python benchmarks/arena_waste.py --summary  # the summary alone
+    python -m benchmarks.arena_waste            # the table and the summary
+    python -m benchmarks.arena_waste --summary  # the summary alone
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-MiB = 1 << 20
+from benchmarks.harness.sizes import MiB
+
 TOKENS = 256  # tokens per chunk: 16 blocks of 16, or 2 blocks of 128
 
 

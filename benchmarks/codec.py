@@ -16,7 +16,7 @@ engine (so every hit is read from lmdb):
 - bytes: what lmdb holds per chunk in each codec;
 - speed: coding and decoding a chunk against a memcpy of its bytes, timed in the same run.
 
-    python benchmarks/codec.py [--json]
+    python -m benchmarks.codec [--json]
 """
 
 from __future__ import annotations
@@ -33,28 +33,23 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.models import (  # noqa: E402
+from benchmarks.harness.cli import MODEL_CACHE
+from benchmarks.verify_errors import connector, embedded_config, summary
+from kvtier.core import kvcodec
+from kvtier.core.kvcodec import Codec, error_bound
+from tests.fixtures.engines import (
     apply_engine_env,
-    build_benchmark_llama,
-    build_tokenizer,
     engine_env,
     generate_tokens,
     running_llm,
+    scheduler_of,
+)
+from tests.fixtures.models import (
+    build_benchmark_llama,
+    build_tokenizer,
     shared_prefix_prompts,
     vocab_size_of,
 )
-from benchmarks.verify_errors import (  # noqa: E402
-    connector,
-    embedded_config,
-    scheduler_of,
-    summary,
-)
-from kvtier.core import kvcodec  # noqa: E402
-from kvtier.core.kvcodec import Codec, error_bound  # noqa: E402
 
 PROMPTS = 16
 MAX_TOKENS = 32
@@ -156,9 +151,7 @@ def speed(codec: Codec, rounds: int = 20) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--cache-dir", type=Path, default=Path.home() / ".cache" / "kvtier-bench", help="models"
-    )
+    parser.add_argument("--cache-dir", type=Path, default=MODEL_CACHE, help="models")
     args = parser.parse_args(argv)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     model = build_benchmark_llama(args.cache_dir, tokenizer_dir=build_tokenizer(args.cache_dir))

@@ -1,6 +1,6 @@
 """The kvtierd data plane as engines see it: a daemon in its own process, clients in others.
 
-Usage: ``python benchmarks/daemon.py [--quick] [--json]``
+Usage: ``python -m benchmarks.daemon [--quick] [--json]``
 
 kvtierd runs as ``kvtier serve`` in a subprocess, with a configuration written for the run: the
 arena in a fresh /dev/shm file, LMDB and the data-plane socket in a temporary directory, the admin
@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import math
 import multiprocessing
@@ -73,272 +72,42 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import filled, geomean, keys_for, no_gc, small_spec, touched
-from kvtierd import KvtierdProcess
 
-from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
+from benchmarks.daemon_clients import CountingClient, DaemonProcess, client_b, granted, metric_value
+from benchmarks.daemon_report import result_of, table
+from benchmarks.daemon_settings import (
+    BATCH,
+    CHUNK_SIZES,
+    CLIENT_TIMEOUT_S,
+    DROP_TIMEOUT_S,
+    EXTENT,
+    FILL_BATCH,
+    FULL,
+    LOOKUP_CHUNK,
+    LOOKUP_KEYS,
+    QUICK,
+    STORE_BATCH,
+    STORE_CHUNK,
+    Mode,
+)
+from benchmarks.harness.buffers import filled, no_gc, timed, touched
+from benchmarks.harness.cli import emit
+from benchmarks.harness.sizes import KiB, MiB
+from benchmarks.harness.specs import sixteen_layer_spec, small_spec
+from benchmarks.harness.stats import Samples
+from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import SlotRef
-from kvtier.rpc import AdminClient, GrpcTierClient
+from kvtier.rpc import AdminClient
 from kvtier.tiers.arena import ArenaMemory
+from tests.fixtures.keys import keys_for
 
 log = logging.getLogger("kvtier.bench")
-
-KiB = 1 << 10
-MiB = 1 << 20
-CHUNK_SIZES = (1 * MiB, 2 * MiB, 4 * MiB)
-BATCH = 64  # chunks per call on the transfer paths
-EXTENT = 32 * MiB
-LOOKUP_KEYS = 8192
-LOOKUP_CHUNK = 4 * KiB  # 8192 of them fit one extent
-FILL_BATCH = 1024
-STORE_BATCH = 64
-STORE_CHUNK = 64 * KiB
-LMDB_BUDGET = 1 << 30
-SYNC_INTERVAL_S = 3600.0
-DROP_TIMEOUT_S = 10.0
-CLIENT_TIMEOUT_S = 120.0
-
-TARGETS: dict[str, tuple[str, float]] = {
-    "lookup_8192_keys_p99_us": ("<=", 3000.0),
-    "cross_process_arena_vs_memcpy": (">=", 0.7),
-    "rpc_per_chunk": ("<=", 0.1),
-}
-
-
-@dataclass(frozen=True)
-class Mode:
-    name: str
-    working_set: int
-    reps: int
-    lookup_runs: int
-    store_chunks: int
-    store_reps: int
-
-
-QUICK = Mode("quick", 128 * MiB, 5, 50, 1024, 15)
-FULL = Mode("full", 256 * MiB, 11, 200, 2048, 31)
-
-
-@dataclass
-class Samples:
-    """Per chunk size: GB/s samples by figure, and paired ratios by ratio name."""
-
-    gbps: dict[str, list[float]] = field(default_factory=dict)
-    ratios: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, name: str, value: float) -> None:
-        self.gbps.setdefault(name, []).append(value)
-
-    def pair(self, name: str, value: float) -> None:
-        self.ratios.setdefault(name, []).append(value)
-
-
-def timed(fn: Callable[[], object]) -> float:
-    with no_gc():
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-
-def transfer_spec(chunk_bytes: int) -> NamespaceSpec:
-    # 16 layers x 16 tokens x 8 heads x (128 + 128) x fp16 is 1 MiB per block
-    layout = PageLayout(
-        tokens_per_block=16,
-        blocks_per_chunk=max(1, chunk_bytes // MiB),
-        num_kv_heads=8,
-        head_sizes=(128, 128),
-        layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(16)),
-    )
-    return NamespaceSpec(
-        model=f"bench-daemon-{chunk_bytes}",
-        model_revision="r1",
-        pool=Pool.TARGET,
-        kv_dtype="float16",
-        layout=layout,
-    )
-
-
-def granted(refs: Sequence[SlotRef | None], what: str) -> list[SlotRef]:
-    held = [r for r in refs if r is not None]
-    if len(held) != len(refs):
-        raise RuntimeError(f"{what}: the daemon granted {len(held)} of {len(refs)} slots")
-    return held
-
-
-class CountingClient(GrpcTierClient):
-    """GrpcTierClient that counts the data-plane calls the transfers make, by method, and
-    makes a transfer's next call on a thread of its own, so that it overlaps copying a batch
-    (numpy copies without the GIL)."""
-
-    def __init__(self, socket_path: Path, replica: str) -> None:
-        super().__init__(socket_path, replica)
-        self.calls: Counter[str] = Counter()
-        self._pipeline = ThreadPoolExecutor(1, thread_name_prefix="bench-call")
-
-    def reserve(self, keys: Sequence[ChunkKey], **kwargs: Any) -> Any:
-        self.calls["reserve"] += 1
-        return super().reserve(keys, **kwargs)
-
-    def lease(self, keys: Sequence[ChunkKey], **kwargs: Any) -> list[SlotRef | None]:
-        self.calls["lease"] += 1
-        return super().lease(keys, **kwargs)
-
-    def commit(self, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()) -> int:
-        self.calls["commit"] += 1
-        return super().commit(refs, lineages)
-
-    def release(self, refs: Sequence[SlotRef]) -> None:
-        self.calls["release"] += 1
-        super().release(refs)
-
-    def reserve_behind(
-        self, keys: Sequence[ChunkKey], commit: Sequence[SlotRef]
-    ) -> Future[tuple[int, list[SlotRef | None]]]:
-        """`reserve` with ``commit``, without waiting."""
-        return self._pipeline.submit(self.reserve, keys, commit=commit)
-
-    def lease_behind(
-        self, keys: Sequence[ChunkKey], release: Sequence[SlotRef]
-    ) -> Future[list[SlotRef | None]]:
-        """`lease` with ``release``, without waiting."""
-        return self._pipeline.submit(self.lease, keys, release=release)
-
-    def traffic_since(self, before: Counter[str]) -> int:
-        return sum((self.calls - before).values())
-
-    def close(self) -> None:
-        self._pipeline.shutdown(wait=True)
-        super().close()
-
-
-# -- client B, in its own process ------------------------------------------------------------
-
-
-def load_all(
-    client: CountingClient,
-    arena: ArenaMemory,
-    keys: list[ChunkKey],
-    chunk: int,
-    dst: np.ndarray,
-    verify: bool,
-) -> tuple[float, int]:
-    """Prefetch, copy out and release every key; returns seconds taken and calls made."""
-    whole = np.frombuffer(arena.view(0, arena.size), dtype=np.uint8)
-    if verify:
-        dst.fill(0)
-    before = client.calls.copy()
-
-    def run() -> None:
-        # one call per batch, in flight while the batch before it is copied out: it releases
-        # the batch copied last and leases the one after the current
-        done: list[SlotRef] = []
-        leases = granted(client.lease(keys[:BATCH]), "prefetch")
-        for first in range(0, len(keys), BATCH):
-            following = keys[first + BATCH : first + 2 * BATCH]
-            pending = client.lease_behind(following, release=done)
-            off = first * chunk
-            for ref in leases:
-                # numpy copies without the GIL, so the call in flight progresses meanwhile
-                np.copyto(dst[off : off + chunk], whole[ref.offset : ref.offset + chunk])
-                off += chunk
-            done, leases = leases, granted(pending.result(), "prefetch")
-        client.release(done)
-
-    elapsed = timed(run)
-    calls = client.traffic_since(before)
-    n = len(keys) * chunk
-    if verify and not np.array_equal(dst[:n], filled(n)):
-        raise RuntimeError("client B read other bytes than client A stored")
-    return elapsed, calls
-
-
-def client_b(conn: Connection, socket_path: str, total: int) -> None:
-    """Serve client A's requests to register and load until told to stop."""
-    client = CountingClient(Path(socket_path), "bench-b")
-    arena: ArenaMemory | None = None
-    try:
-        dst = touched(total)
-        conn.send(("ok",))
-        while True:
-            request = conn.recv()
-            if request[0] == "stop":
-                break
-            try:
-                if request[0] == "register":
-                    namespace = client.register_pool(transfer_spec(request[1]), request[1])
-                    if arena is None:
-                        arena = ArenaMemory.attach(client.arena_path)
-                    conn.send(("ok", namespace))
-                elif request[0] == "load":
-                    _, chunk, keys, verify = request
-                    assert arena is not None
-                    conn.send(("ok", *load_all(client, arena, keys, chunk, dst, verify)))
-                else:
-                    conn.send(("error", f"unknown request {request[0]!r}"))
-            except Exception:
-                conn.send(("error", traceback.format_exc()))
-    finally:
-        if arena is not None:
-            arena.close()
-        client.close()
-        conn.close()
-
-
-# -- the daemon, in its own process ----------------------------------------------------------
-
-
-class DaemonProcess(KvtierdProcess):
-    """kvtierd configured for the data-plane figures: one arena size, no clean reserve (nothing
-    is written back while a client says it is busy)."""
-
-    def __init__(
-        self, root: Path, shm: Path, arena_bytes: int, commit_checksum: bool = True
-    ) -> None:
-        self.shm = shm
-        self.socket_path = root / "kvtierd.sock"
-        config = {
-            "arena": {
-                "path": str(shm),
-                "size_bytes": arena_bytes,
-                "extent_bytes": EXTENT,
-                "min_slot_bytes": LOOKUP_CHUNK,
-                "commit_checksum": commit_checksum,
-            },
-            "lmdb": {
-                "path": str(root / "lmdb"),
-                "budget_bytes": LMDB_BUDGET,
-                "sync_interval_s": SYNC_INTERVAL_S,
-            },
-            "manager": {"clean_reserve": 0.0},
-            "server": {
-                "socket_path": str(self.socket_path),
-                "admin_address": "127.0.0.1:0",
-                "metrics_address": "127.0.0.1:0",
-            },
-        }
-        super().__init__(root, config)
-
-
-def metric_value(text: str, name: str, **labels: str) -> float | None:
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        metric, _, label_text = head.partition("{")
-        if metric == name and all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-            return float(value)
-    return None
-
-
-# -- client A and the run --------------------------------------------------------------------
 
 
 class Bench:
@@ -572,7 +341,7 @@ class Bench:
     def run_transfer(self, chunk: int) -> None:
         client = self.client
         assert client is not None
-        namespace = client.register_pool(transfer_spec(chunk), chunk)
+        namespace = client.register_pool(sixteen_layer_spec(f"bench-daemon-{chunk}", chunk), chunk)
         if self.arena is None:
             self.arena = ArenaMemory.attach(client.arena_path)
         (b_namespace,) = self.ask_b("register", chunk)
@@ -580,7 +349,10 @@ class Bench:
             raise RuntimeError("clients A and B registered different namespaces")
         plain = self.plain_client
         assert plain is not None
-        if plain.register_pool(transfer_spec(chunk), chunk) != namespace:
+        if (
+            plain.register_pool(sixteen_layer_spec(f"bench-daemon-{chunk}", chunk), chunk)
+            != namespace
+        ):
             raise RuntimeError("the two daemons gave one pool different namespaces")
         if self.plain_arena is None:
             self.plain_arena = ArenaMemory.attach(plain.arena_path)
@@ -615,11 +387,11 @@ class Bench:
             s.add("arena_load_gbps", load)
             s.add("arena_transfer_gbps", min(store, load))
             s.add("arena_transfer_serial_gbps", self.total / (store_s + load_s) / 1e9)
-            s.pair("arena_store_vs_memcpy", store / base)
-            s.pair("arena_load_vs_memcpy", load / base_load)
-            s.pair("cross_process_arena_vs_memcpy", min(store / base, load / base_load))
+            s.ratio("arena_store_vs_memcpy", store / base)
+            s.ratio("arena_load_vs_memcpy", load / base_load)
+            s.ratio("cross_process_arena_vs_memcpy", min(store / base, load / base_load))
             s.add("arena_store_no_checksum_gbps", self.total / plain_s / 1e9)
-            s.pair("commit_checksum_arena_store_ratio", plain_s / store_s)
+            s.ratio("commit_checksum_arena_store_ratio", plain_s / store_s)
             self.rpc.update(store_calls=store_calls, load_calls=load_calls, chunks=n)
 
     # -- all ------------------------------------------------------------------------------
@@ -683,102 +455,6 @@ class Bench:
         self.plain.shm.unlink(missing_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def report(self) -> dict[str, Any]:
-        per_size: dict[str, dict[str, float]] = {}
-        for chunk, s in self.samples.items():
-            row = {name: statistics.median(v) for name, v in s.gbps.items()}
-            row.update({name: statistics.median(v) for name, v in s.ratios.items()})
-            per_size[f"{chunk // MiB}MiB"] = row
-        names = list(next(iter(per_size.values())))
-        out: dict[str, Any] = {
-            "mode": self.mode.name,
-            "chunk_sizes_bytes": list(CHUNK_SIZES),
-            "working_set_bytes": self.total,
-            "repetitions": self.mode.reps,
-            "chunks_per_call": BATCH,
-            "lookup_runs_per_round": self.mode.lookup_runs,
-            "store_commit_keys_per_call": STORE_BATCH,
-            "store_commit_chunk_bytes": STORE_CHUNK,
-            "store_commit_repetitions": self.mode.store_reps,
-        }
-        for name in names:
-            out[name] = geomean([row[name] for row in per_size.values()])
-        out.update(self.figures)
-        chunks = self.rpc["chunks"]
-        out["rpc_per_chunk_store"] = self.rpc["store_calls"] / chunks
-        out["rpc_per_chunk_load"] = self.rpc["load_calls"] / chunks
-        out["rpc_per_chunk"] = max(out["rpc_per_chunk_store"], out["rpc_per_chunk_load"])
-        out["per_chunk_size"] = per_size
-        out["daemon"] = self.daemon_figures
-        out["targets"] = {k: f"{op} {v:g}" for k, (op, v) in TARGETS.items()}
-        out["targets_met"] = {
-            k: bool(out[k] >= v if op == ">=" else out[k] <= v) for k, (op, v) in TARGETS.items()
-        }
-        self.phases["total_s"] = sum(self.phases.values())
-        out["elapsed_s"] = self.phases
-        return out
-
-
-SIZE_ROWS = (
-    ("memcpy_gbps", "memcpy, client A", "GB/s"),
-    ("arena_store_gbps", "arena store, client A", "GB/s"),
-    ("arena_load_gbps", "arena load, client B", "GB/s"),
-    ("arena_transfer_gbps", "A -> B, slower side", "GB/s"),
-    ("arena_transfer_serial_gbps", "A -> B, both phases", "GB/s"),
-    ("arena_store_vs_memcpy", "arena store / memcpy", "x"),
-    ("arena_load_vs_memcpy", "arena load / memcpy", "x"),
-    ("cross_process_arena_vs_memcpy", "A -> B / memcpy", "x"),
-    ("arena_store_no_checksum_gbps", "arena store, no checksum", "GB/s"),
-    ("commit_checksum_arena_store_ratio", "store, checksum / none", "x"),
-)
-ROWS = (
-    ("lookup_8192_keys_p50_us", "lookup 8192 keys, p50", "us", ".0f"),
-    ("lookup_8192_keys_p99_us", "lookup 8192 keys, p99", "us", ".0f"),
-    ("lookup_8192_keys_mean_us", "lookup 8192 keys, mean", "us", ".0f"),
-    ("lookup_1_key_p50_us", "lookup 1 key, p50", "us", ".0f"),
-    ("store_commit_chunks_per_s", "reserve + commit", "chunks/s", ".0f"),
-    ("store_commit_chunks_per_s_no_checksum", "same, no checksum", "chunks/s", ".0f"),
-    ("commit_checksum_store_ratio", "same, checksum / none", "x", ".3f"),
-    ("rpc_per_chunk_store", "calls per chunk, store", "", ".4f"),
-    ("rpc_per_chunk_load", "calls per chunk, load", "", ".4f"),
-    ("rpc_per_chunk", "calls per chunk", "", ".4f"),
-)
-
-
-def target_cell(result: dict[str, Any], key: str) -> str:
-    if key not in TARGETS:
-        return ""
-    op, bound = TARGETS[key]
-    return f"{op} {bound:g}  {'ok' if result['targets_met'][key] else 'MISSED'}"
-
-
-def table(result: dict[str, Any]) -> str:
-    sizes = list(result["per_chunk_size"])
-    head = f"{'':34}" + "".join(f"{s:>9}" for s in sizes) + f"{'overall':>9}  target"
-    lines = [
-        f"kvtierd data plane, {result['mode']} mode: {result['working_set_bytes'] // MiB} MiB "
-        f"working set, {result['repetitions']} repetitions, {result['chunks_per_call']} chunks "
-        "per call, medians",
-        head,
-        "-" * len(head),
-    ]
-    for key, label, unit in SIZE_ROWS:
-        cells = "".join(f"{result['per_chunk_size'][s][key]:9.2f}" for s in sizes)
-        lines.append(
-            f"{label + ' (' + unit + ')':34}{cells}{result[key]:9.2f}  {target_cell(result, key)}"
-        )
-    for key, label, unit, fmt in ROWS:
-        name = f"{label} ({unit})" if unit else label
-        value = format(result[key], fmt)
-        lines.append(f"{name:34}{'':{9 * len(sizes)}}{value:>9}  {target_cell(result, key)}")
-    daemon = result["daemon"]
-    lines.append(
-        f"kvtierd: ready in {daemon['start_s']:.2f} s, exited {daemon['exit_code']} "
-        f"{daemon['shutdown_s']:.2f} s after SIGTERM"
-    )
-    lines.append(f"elapsed: {result['elapsed_s']['total_s']:.1f} s")
-    return "\n".join(lines)
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -795,12 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.run()
     finally:
         bench.close()
-    result = bench.report()
-    if args.json:
-        json.dump(result, sys.stdout, indent=2, sort_keys=False)
-        sys.stdout.write("\n")
-    else:
-        print(table(result))
+    result = result_of(bench)
+    emit(result, args.json, lambda: table(result))
     daemon = result["daemon"]
     return 0 if daemon["exit_code"] == 0 and daemon["no_checksum_exit_code"] == 0 else 1
 

@@ -1,10 +1,10 @@
 """kvtier in one run: a long prompt's time to first token cold, then from a fresh engine that
 loads its KV from kvtier instead of computing it, and the tier that served it.
 
-Usage: ``python benchmarks/demo.py [--cache-dir DIR] [--tokens N]`` (``scripts/demo.sh`` installs
+Usage: ``python -m benchmarks.demo [--cache-dir DIR] [--tokens N]`` (``scripts/demo.sh`` installs
 what it needs and runs it).
 
-The model is built locally (benchmarks/models.py, ``build_benchmark_llama``: 12 layers, hidden
+The model is built locally (tests/fixtures/models.py, ``build_benchmark_llama``: 12 layers, hidden
 768, random weights; nothing is downloaded). Each engine is a fresh in-process vLLM engine with
 ``KVTierConnector`` in embedded mode on its default configuration: the tiers live in the
 engine's process, the arena in /dev/shm and lmdb under the state directory. Only the state
@@ -28,30 +28,25 @@ import time
 import uuid
 from pathlib import Path
 
-import models
+from benchmarks.harness.connector import kvtier_connector
+from tests.fixtures import engines, models
 
-CONNECTOR = {
-    "kv_connector": "KVTierConnector",
-    "kv_connector_module_path": "kvtier_vllm.connector",
-    "kv_role": "kv_both",
-    # a failed load is recomputed, never an error: the setting every deployment should use
-    "kv_load_failure_policy": "recompute",
-    "kv_connector_extra_config": {"mode": "embedded"},
-}
+CONNECTOR = kvtier_connector({"mode": "embedded"})
 SOURCES = {"host": "the arena (host memory)", "disk": "lmdb (local disk)"}
 
 
 def first_token(model: Path, prompt: list[int]) -> tuple[float, int, dict[str, float], int]:
     """(TTFT ms, tokens vLLM did not compute, cached tokens per source, first token) of one
     fresh engine."""
-    with models.running_llm(
+    with engines.running_llm(
         model, kv_transfer_config=CONNECTOR, dtype="bfloat16", max_num_batched_tokens=8192
     ) as llm:
         started = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": prompt}], models.greedy(1), use_tqdm=False)
+        out = llm.generate([{"prompt_token_ids": prompt}], engines.greedy(1), use_tqdm=False)
         ttft_ms = (time.perf_counter() - started) * 1e3
         sources = {
-            s: models.counter(llm, "vllm:prompt_tokens_cached_by_source", source=s) for s in SOURCES
+            s: engines.counter(llm, "vllm:prompt_tokens_cached_by_source", source=s)
+            for s in SOURCES
         }
     return ttft_ms, out[0].num_cached_tokens or 0, sources, out[0].outputs[0].token_ids[0]
 
@@ -71,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             "KVTIER_ARENA__SIZE_BYTES": "1GiB",
         }
     )
-    models.apply_engine_env(models.engine_env(root / f"run-{os.getpid()}", caches=root))
+    engines.apply_engine_env(engines.engine_env(root / f"run-{os.getpid()}", caches=root))
     print("building the model (once per --cache-dir) ...", flush=True)
     model = models.build_benchmark_llama(
         root / "models", tokenizer_dir=models.build_tokenizer(root)

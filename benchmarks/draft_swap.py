@@ -1,13 +1,13 @@
 """A draft-weight swap in a running engine: what happens to the prefix cache and to acceptance.
 
-Usage: ``python benchmarks/draft_swap.py [--quick] [--json] [--cache-dir DIR]``
+Usage: ``python -m benchmarks.draft_swap [--quick] [--json] [--cache-dir DIR]``
 
 The models are built locally (tests/e2e/models.py: a 2-layer Llama, hidden 128, fp32, random
 weights; nothing is downloaded). The draft is the target itself (``method: draft_model``, 3
 speculative tokens), so the original draft accepts every proposal. The "new" draft is the same
 weights with Gaussian noise of ``--noise`` (0.05) times each tensor's standard deviation: a
 revision that mostly agrees with the old one, as a fine-tuned draft would. Weights are swapped in
-place with the CPU recipe of tests/e2e/draft_weights.py, between
+place with the CPU recipe of tests/fixtures/draft_weights.py, between
 ``reset_prefix_cache(reset_connector=True)`` (what ``pause_generation(clear_cache=True)`` does)
 and the next request.
 
@@ -54,19 +54,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from draft_weights import checkpoint_weights, noisy, swap_draft_weights
-from models import (
-    BLOCK_SIZE,
+from benchmarks.harness.connector import kvtier_connector
+from tests.fixtures.draft_weights import checkpoint_weights, noisy, swap_draft_weights
+from tests.fixtures.engines import (
     apply_engine_env,
-    build_models,
     counter_value,
     engine_env,
     generate_tokens,
     greedy,
     make_llm,
     shutdown_llm,
-    vocab_size_of,
 )
+from tests.fixtures.models import BLOCK_SIZE, build_models, vocab_size_of
 
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 DRAFTED = "vllm:spec_decode_num_draft_tokens"
@@ -125,12 +124,9 @@ class Bench:
                     }
                 )
             )
-            kwargs["kv_transfer_config"] = {
-                "kv_connector": "KVTierConnector",
-                "kv_connector_module_path": "kvtier_vllm.connector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"kvtier_config": str(config), "draft_fill": fill},
-            }
+            kwargs["kv_transfer_config"] = kvtier_connector(
+                {"kvtier_config": str(config), "draft_fill": fill}, recompute_failed_loads=False
+            )
         llm = make_llm(self.models.target, **kwargs)
         try:
             yield llm

@@ -1,10 +1,10 @@
 """Time to first token of image requests with kvtier's encoder cache (``KVTierECConnector``),
 against running the encoder, vLLM's in-engine encoder cache and vLLM's ``ECExampleConnector``.
 
-Usage: ``python benchmarks/encoder.py [--quick] [--json] [--cache-dir DIR]``
+Usage: ``python -m benchmarks.encoder [--quick] [--json] [--cache-dir DIR]``
 
 The model is a random-weight Idefics3 built locally into ``--cache-dir``
-(benchmarks/vision_models.py, ``BENCHMARK_VISION``: a 448-pixel, 6-layer vision tower of hidden
+(tests/fixtures/vision_models.py, ``BENCHMARK_VISION``: a 448-pixel, 6-layer vision tower of hidden
 384 whose 256 output rows feed a 2-layer text model of hidden 128, fp32); nothing is downloaded.
 Engines are in-process, eager, prefix caching on, one at a time (vLLM's worker-side encoder
 connector is global). A TTFT is the wall time of one ``llm.generate()`` with ``max_tokens=1``.
@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import logging
 import math
 import os
@@ -60,16 +59,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from common import no_gc
-from engine import PAGE, CpuShare, KiB, drop_page_cache, median, resident
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "connectors"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from benchmarks import models  # noqa: E402  (after the path is set)
-from benchmarks import vision_models as vision  # noqa: E402
+from benchmarks.harness.buffers import no_gc
+from benchmarks.harness.cli import MODEL_CACHE, emit
+from benchmarks.harness.sizes import KiB
+from benchmarks.harness.stats import median
+from benchmarks.harness.system import PAGE, CpuShare, drop_page_cache, resident
+from benchmarks.harness.targets import met, ok_or_missed
+from tests.fixtures import engines, models
+from tests.fixtures import vision_models as vision
 
 log = logging.getLogger("kvtier.bench")
 
@@ -236,7 +234,7 @@ class Bench:
     @contextlib.contextmanager
     def engine(self, ec: dict[str, Any] | None = None) -> Iterator[Any]:
         started = time.perf_counter()
-        llm = models.make_llm(
+        llm = engines.make_llm(
             self.model,
             max_model_len=MAX_MODEL_LEN,
             limit_mm_per_prompt={"image": 1},
@@ -246,7 +244,7 @@ class Bench:
         try:
             yield llm
         finally:
-            models.shutdown_llm(llm)
+            engines.shutdown_llm(llm)
             del llm
             gc.collect()
 
@@ -260,7 +258,7 @@ class Bench:
             "prompt": vision.image_prompt(self.question()),
             "multi_modal_data": {"image": vision.colour_blocks(seed, SIDE)},
         }
-        params = models.greedy(1)
+        params = engines.greedy(1)
         with no_gc():
             start = time.perf_counter()
             out = llm.generate([request], params, use_tqdm=False)
@@ -362,7 +360,9 @@ class Bench:
         }
         for key, (num, den, _) in TARGETS.items():
             result[key] = cases[num]["median_ms"] / cases[den]["median_ms"]
-        result["targets_met"] = {k: result[k] <= bound for k, (_, _, bound) in TARGETS.items()}
+        result["targets_met"] = {
+            k: met(result[k], "<=", bound) for k, (_, _, bound) in TARGETS.items()
+        }
         return result
 
     def close(self) -> None:
@@ -394,7 +394,7 @@ def table(result: dict[str, Any]) -> str:
         f"{'ok' if result['encoder_share_ok'] else 'TOO LOW'}"
     )
     for key, (_, _, bound) in TARGETS.items():
-        verdict = "ok" if result["targets_met"][key] else "MISSED"
+        verdict = ok_or_missed(result["targets_met"][key])
         lines.append(f"{key:40}{result[key]:8.3f}  <= {bound:g}  {verdict}")
     lines.append("")
     read_in = result["lmdb_read_in_kib"]
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cache-dir",
         type=Path,
-        default=Path.home() / ".cache" / "kvtier-bench",
+        default=MODEL_CACHE,
         help="where the model is built and the run's files go (a disk-backed file system)",
     )
     args = parser.parse_args(argv)
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     bench = Bench(QUICK if args.quick else FULL, args.cache_dir)
     try:
-        models.apply_engine_env(models.engine_env(bench.root / "engine"))
+        engines.apply_engine_env(engines.engine_env(bench.root / "engine"))
         result = bench.run()
     finally:
         bench.close()
@@ -445,11 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(want >= {MIN_ENCODER_SHARE:.0%}): the hit figures say little",
             file=sys.stderr,
         )
-    if args.json:
-        json.dump(result, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(table(result))
+    emit(result, args.json, lambda: table(result))
     return 0
 
 

@@ -3,7 +3,7 @@ against vLLM alone and vLLM's ``ECExampleConnector``: `kvtier bench serve`'s mul
 workload (users asking, in conversations of their own, about a shared set of images) at 4
 users.
 
-Usage: ``python benchmarks/encoder_serving.py [--quick] [--json] [--cache-dir DIR]``
+Usage: ``python -m benchmarks.encoder_serving [--quick] [--json] [--cache-dir DIR]``
 
 Each configuration serves twice. The first server answers a warm-up of the workload (every
 image of the set is asked about, so a cache stores it) and stops; the second one, fresh, is
@@ -29,16 +29,11 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "connectors"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from benchmarks import vision_models as vision  # noqa: E402  (after the path is set)
-from benchmarks.servers import vllm_server  # noqa: E402
-from kvtier.bench import BenchConfig, WorkloadSpec  # noqa: E402
-from kvtier.bench.runner import LevelResult, run_level  # noqa: E402
-from kvtier.bench.scrape import parse_counters, total  # noqa: E402
+from kvtier.bench import BenchConfig, WorkloadSpec
+from kvtier.bench.runner import LevelResult, run_level
+from kvtier.bench.scrape import parse_counters, total
+from tests.fixtures import vision_models as vision
+from tests.fixtures.servers import vllm_server
 
 USERS = 4
 MAX_MODEL_LEN = 4096

@@ -1,9 +1,9 @@
 """What tier-aware routing is worth across a fleet: `benchmarks/fleet_sim.py`'s model of nodes
 serving multi-turn sessions through kvtier, at 1, 8, 64 and 512 nodes, under four routers.
 
-    .venv/bin/python benchmarks/fleet.py                # table; --json for one JSON object
-    .venv/bin/python benchmarks/fleet.py --quick        # 1 and 8 nodes only
-    .venv/bin/python benchmarks/fleet.py --no-validate  # the model only
+    .venv/bin/python -m benchmarks.fleet                # table; --json for one JSON object
+    .venv/bin/python -m benchmarks.fleet --quick        # 1 and 8 nodes only
+    .venv/bin/python -m benchmarks.fleet --no-validate  # the model only
 
 Unless told not to, it then checks the model against a real fleet of two
 (`benchmarks/fleet_check.py`) and reports ``validation_error``.
@@ -26,16 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.fleet_costs import (
     GPU_FIGURES,
@@ -46,14 +42,10 @@ from benchmarks.fleet_costs import (
     measured,
 )
 from benchmarks.fleet_sim import LEVELS, ROUTERS, Shape, Totals, Workload, simulate
+from benchmarks.harness.stats import median, percentile
 
 SIZES = (1, 8, 64, 512)
 QUICK_SIZES = (1, 8)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 def summary(totals: Totals) -> dict[str, Any]:
@@ -61,8 +53,8 @@ def summary(totals: Totals) -> dict[str, Any]:
     return {
         "requests": totals.requests,
         "share": {level: totals.tokens[level] / prompt for level in LEVELS},
-        "ttft_p50_s": statistics.median(totals.ttft) if totals.ttft else 0.0,
-        "ttft_p99_s": percentile(totals.ttft, 0.99),
+        "ttft_p50_s": median(totals.ttft) if totals.ttft else 0.0,
+        "ttft_p99_s": percentile(totals.ttft, 99) if totals.ttft else 0.0,
         "gpu_s_saved": totals.prefill_saved_s,
         "gpu_s_saved_per_request": totals.prefill_saved_s / max(1, totals.requests),
     }

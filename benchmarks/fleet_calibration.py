@@ -9,21 +9,16 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+import httpx
 
-import httpx  # noqa: E402
-import models  # noqa: E402
-from engine import Kvtierd  # noqa: E402
-
-from kvtier.bench.client import RequestResult, completion_body, stream_completion  # noqa: E402
-from kvtier.bench.scrape import Samples, parse_counters, total  # noqa: E402
+from benchmarks.harness.kvtierd import Kvtierd
+from kvtier.bench.client import RequestResult, completion_body, stream_completion
+from kvtier.bench.scrape import Samples, parse_counters, total
+from tests.fixtures import models
 
 CALIBRATIONS = 3
 UPLOADS = "kvtier_object_store_uploads_total"

@@ -28,7 +28,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -37,28 +36,24 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+import boto3.session
+import httpx
+import yaml
 
-import boto3.session  # noqa: E402
-import httpx  # noqa: E402
-import models  # noqa: E402
-import yaml  # noqa: E402
-from engine import KiB, Kvtierd, MiB, extent_for  # noqa: E402
-from s3_local import SCRUBBED_ENV, MotoServer, irsa_env, patched_env  # noqa: E402
-from servers import VllmServer, connector_arg  # noqa: E402
-
-from benchmarks.fleet_calibration import (  # noqa: E402
+from benchmarks.fleet_calibration import (
     EngineCalibration,
     Window,
     warm,
     warm_the_store,
 )
-from benchmarks.fleet_costs import NodeCosts  # noqa: E402
-from benchmarks.fleet_sim import Shape, Workload, simulate  # noqa: E402
-from kvtier.bench import WorkloadSpec  # noqa: E402
-from kvtier.bench.client import RequestResult, completion_body, stream_completion  # noqa: E402
-from kvtier.bench.scrape import (  # noqa: E402
+from benchmarks.fleet_costs import NodeCosts
+from benchmarks.fleet_sim import Shape, Workload, simulate
+from benchmarks.harness.connector import kvtier_connector
+from benchmarks.harness.kvtierd import Kvtierd
+from benchmarks.harness.sizes import KiB, MiB, extent_for
+from kvtier.bench import WorkloadSpec
+from kvtier.bench.client import RequestResult, completion_body, stream_completion
+from kvtier.bench.scrape import (
     CACHED_BY_SOURCE,
     DAEMON_HITS,
     Samples,
@@ -66,6 +61,9 @@ from kvtier.bench.scrape import (  # noqa: E402
     parse_counters,
     total,
 )
+from tests.fixtures import models
+from tests.fixtures.s3 import SCRUBBED_ENV, MotoServer, irsa_env, patched_env
+from tests.fixtures.servers import VllmServer, connector_arg
 
 BLOCK_SIZE = 32
 BLOCKS_PER_CHUNK = 4
@@ -126,11 +124,8 @@ def node(
     daemon.config_path.write_text(yaml.safe_dump(tree))
     daemon.env = irsa_env(root, moto.url)
     daemon.env_drop = SCRUBBED_ENV
-    connector = {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier_vllm.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
+    connector = kvtier_connector(
+        {
             "mode": "sidecar",
             "socket_path": str(daemon.socket_path),
             "blocks_per_chunk": BLOCKS_PER_CHUNK,
@@ -138,9 +133,8 @@ def node(
             # past the default deadlines (50 and 100 ms) a lookup is a miss, and the check is
             # of the model's hits, not of deadlines on a starved CPU
             **SLOW_CPU_DEADLINES,
-        },
-        "kv_load_failure_policy": "recompute",
-    }
+        }
+    )
     server = VllmServer(
         model,
         home,

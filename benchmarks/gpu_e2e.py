@@ -1,9 +1,9 @@
 """The connector end to end on whatever device vLLM runs on: the check a GPU node runs
 (scripts/gpu-check.sh), and the same run on vLLM's CPU build here.
 
-Usage: ``python benchmarks/gpu_e2e.py [--cache-dir DIR] [--require-cuda] [--out FILE]``
+Usage: ``python -m benchmarks.gpu_e2e [--cache-dir DIR] [--require-cuda] [--out FILE]``
 
-Small models are built locally (benchmarks/models.py: a 2-layer llama target and a 1-layer
+Small models are built locally (tests/fixtures/models.py: a 2-layer llama target and a 1-layer
 draft, one tokenizer); nothing is downloaded. Each case runs fresh engines, one at a time:
 
 - ``baseline``: vLLM alone, greedy outputs of prompts that share an 800-token prefix.
@@ -35,8 +35,9 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import models
-from kvtierd import KvtierdProcess
+from benchmarks.harness.connector import kvtier_connector
+from benchmarks.harness.kvtierd import KvtierdProcess
+from tests.fixtures import engines, models
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("kvtier.bench")
@@ -51,13 +52,7 @@ NO_SAMPLING = {"verify_sample_rate": 0.0}  # a sampled hit is served as a miss
 
 
 def connector(extra: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier_vllm.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {**CONNECTOR_SETTINGS, **NO_SAMPLING, **extra},
-    }
+    return kvtier_connector({**CONNECTOR_SETTINGS, **NO_SAMPLING, **extra})
 
 
 def tiers(shm: Path, lmdb: Path) -> dict[str, Any]:
@@ -102,9 +97,9 @@ class Run:
 
     def generate(self, **engine: Any) -> tuple[list[list[int]], list[int], int]:
         started = time.perf_counter()
-        with models.running_llm(self.models.target, **engine) as llm:
-            tokens, cached = models.generate_tokens(llm, self.prompts, max_tokens=MAX_TOKENS)
-            hits = models.counter_value(llm, EXTERNAL_HITS)
+        with engines.running_llm(self.models.target, **engine) as llm:
+            tokens, cached = engines.generate_tokens(llm, self.prompts, max_tokens=MAX_TOKENS)
+            hits = engines.counter_value(llm, EXTERNAL_HITS)
         log.info("engine ran in %.1f s: cached %s, external hits %d", _since(started), cached, hits)
         return tokens, cached, hits
 
@@ -202,7 +197,6 @@ def _draft_dtype_patch(device: str) -> Any:
     """vLLM's CPU build needs the tests' fix to run a draft KV dtype of its own; CUDA does not."""
     if device == "cuda":
         return nullcontext()
-    sys.path.insert(0, str(ROOT))
     from tests.e2e.cpu_patches import per_layer_kv_dtype_on_cpu
 
     return per_layer_kv_dtype_on_cpu()
@@ -221,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     root = args.cache_dir / f"run-{os.getpid()}"
     root.mkdir(parents=True, exist_ok=True)
-    models.apply_engine_env(models.engine_env(root, caches=args.cache_dir))
+    engines.apply_engine_env(engines.engine_env(root, caches=args.cache_dir))
     run = Run(root, args.require_cuda)
     try:
         result = run.run()

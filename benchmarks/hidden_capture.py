@@ -6,7 +6,7 @@ requests that share a 1,024-token system prompt, each with a private 80-token su
 multiprocess engines run the same requests:
 
 - the reference: vLLM's ``ExampleHiddenStatesConnector`` (its device copy made synchronous for
-  the CPU, `benchmarks.hidden_reference`), one safetensors file per request;
+  the CPU, `tests.fixtures.hidden_reference`), one safetensors file per request;
 - kvtier embedded, ``hidden_dtype: auto`` (bf16, as captured), then ``fp8``.
 
 Figures: the hidden pool's bytes stored (vLLM's ``kvtier_transfer_bytes{pool="hidden"}``) over
@@ -16,7 +16,7 @@ the engine is gone (``HiddenStatesReader``, the states in memory) against ``safe
 loading the reference's files and copying their tensors out, both from a warm page cache, each
 the best of three.
 
-    python benchmarks/hidden_capture.py [--json FILE]
+    python -m benchmarks.hidden_capture [--json FILE]
 """
 
 from __future__ import annotations
@@ -32,18 +32,18 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.models import (  # noqa: E402
+from benchmarks.harness.cli import MODEL_CACHE
+from benchmarks.harness.connector import kvtier_connector
+from tests.fixtures.engines import (
     apply_engine_env,
-    build_benchmark_llama,
-    build_tokenizer,
     capture_config,
     counter,
     engine_env,
     running_llm,
+)
+from tests.fixtures.models import (
+    build_benchmark_llama,
+    build_tokenizer,
     shared_prefix_prompts,
     vocab_size_of,
 )
@@ -98,11 +98,8 @@ def kvtier_run(model: Path, root: Path, prompts: list[list[int]], dtype: str) ->
             }
         )
     )
-    connector = {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier_vllm.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
+    connector = kvtier_connector(
+        {
             "kvtier_config": str(config),
             "hidden_dtype": dtype,
             "verify_sample_rate": 0.0,
@@ -110,7 +107,8 @@ def kvtier_run(model: Path, root: Path, prompts: list[list[int]], dtype: str) ->
             # is still only in the arena then is not written down
             "write_through": True,
         },
-    }
+        recompute_failed_loads=False,
+    )
     with engine(model, connector) as llm:
         outputs = generate(llm, prompts)
         stored = counter(llm, "vllm:kvtier_transfer_bytes", direction="store", pool="hidden")
@@ -134,7 +132,7 @@ def kvtier_run(model: Path, root: Path, prompts: list[list[int]], dtype: str) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "kvtier-bench")
+    parser.add_argument("--cache-dir", type=Path, default=MODEL_CACHE)
     args = parser.parse_args(argv)
     import torch
     from safetensors.torch import load_file
@@ -149,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     reference = {
         "kv_connector": "CpuHiddenStatesConnector",
-        "kv_connector_module_path": "benchmarks.hidden_reference",
+        "kv_connector_module_path": "tests.fixtures.hidden_reference",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(root / "files")},
     }

@@ -1,7 +1,7 @@
 """The hybrid case of ``ttft.py``: a model whose sliding-window and full-attention layers vLLM
 keeps in separate KV-cache groups (its hybrid allocator on, which kvtier keeps on).
 
-The model is a locally built Gemma3-text (benchmarks/models.py, ``build_gemma3_hybrid``): 12
+The model is a locally built Gemma3-text (tests/fixtures/models.py, ``build_gemma3_hybrid``): 12
 layers alternating sliding (window ``WINDOW`` tokens, much shorter than the prompts) and full,
 hidden 768, head_dim 32, 2 KV heads, fp32, random weights. On the same prompts as the other
 cases:
@@ -20,13 +20,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import models
-from engine import Case, EngineBench, Kvtierd, extent_for, round_up
+from benchmarks.harness.cases import Case, EngineBench
+from benchmarks.harness.kvtierd import Kvtierd
+from benchmarks.harness.sizes import extent_for, round_up
+from benchmarks.harness.targets import Target
+from tests.fixtures import engines, models
 
 WINDOW = 256
 LAYERS = ("S", "F") * 6
 HIDDEN = 768
-TARGETS: dict[str, tuple[str, float]] = {
+TARGETS: dict[str, Target] = {
     "hybrid_arena_hit_vs_gpu_prefix_hit": ("<=", 1.2),
     "hybrid_bytes_stored_vs_all_groups": ("<=", 0.6),
 }
@@ -95,8 +98,8 @@ def run(bench: EngineBench, bpc: int) -> dict[str, Any]:
         connector = bench.sidecar(daemon, bpc)
         with bench.engine(connector, **engine) as llm:
             bench.compute(llm, [bench.warmup, *bench.prompts])
-            stored = models.counter(llm, STORED, direction="store")
-            skipped = models.counter(llm, SKIPPED)
+            stored = engines.counter(llm, STORED, direction="store")
+            skipped = engines.counter(llm, SKIPPED)
         with bench.engine(connector, **engine) as llm:
             bench.first_token(llm, bench.warmup)
             for _ in bench.rounds(llm):

@@ -1,6 +1,6 @@
 """The object tier against plain boto3, on a moto S3 server started for the run.
 
-Usage: ``python benchmarks/objstore.py [--quick] [--json]``
+Usage: ``python -m benchmarks.objstore [--quick] [--json]``
 
 moto's S3/STS server runs as a subprocess on a free loopback port (killed at exit). Both sides
 reach it the way a pod on EKS reaches S3 with IRSA: ``AWS_ROLE_ARN`` and
@@ -54,330 +54,54 @@ than about the tier; the ratios are the point.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import json
 import logging
 import os
-import resource
 import shutil
-import signal
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import boto3.session
 import botocore.config
-from common import filled, keys_for, no_gc, small_spec
-from s3_local import LOOPBACK, SCRUBBED_ENV, MotoServer, irsa_env, patched_env
 
-from kvtier.core.config import LMDBConfig, ObjectStoreConfig, from_mapping
+from benchmarks.harness.buffers import filled
+from benchmarks.harness.cli import emit
+from benchmarks.harness.sizes import MiB
+from benchmarks.harness.specs import spec_for_chunk
+from benchmarks.harness.stats import Samples
+from benchmarks.objstore_lookups import lookups_against_a_slow_store
+from benchmarks.objstore_proxy import ProxyProcess
+from benchmarks.objstore_report import result_of, table
+from benchmarks.objstore_settings import (
+    BUCKET,
+    CHUNK,
+    FULL,
+    GET_PASSES,
+    QUICK,
+    RATIOS,
+    REQUEST_TIMEOUT_S,
+    STORE_DELAY_MS,
+    Mode,
+)
+from benchmarks.objstore_timing import Cost, timed
+from kvtier.core.config import LMDBConfig, ObjectStoreConfig
 from kvtier.core.counters import Counters
-from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
+from kvtier.core.keys import ChunkKey
 from kvtier.core.pools import PoolRegistry
-from kvtier.tiering.manager import TierManager
 from kvtier.tiers.lmdb_tier import LmdbTier
 from kvtier.tiers.objstore.tier import ObjectTier
 from kvtier.tiers.objstore.uploader import Uploader
+from tests.fixtures.keys import keys_for
+from tests.fixtures.s3 import SCRUBBED_ENV, MotoServer, irsa_env, patched_env
 
 log = logging.getLogger("kvtier.bench")
 
-KiB = 1 << 10
-MiB = 1 << 20
-BUCKET = "kvtier-bench"
-CHUNK = 1 * MiB
-LOOKUP_CHUNK = 4 * KiB
-LOOKUP_KEYS = 8
-EXTENT = 32 * MiB
-STORE_DELAY_MS = 200.0
-REQUEST_TIMEOUT_S = 10.0
-
-TARGETS: dict[str, tuple[str, float]] = {
-    "upload_vs_raw_boto3": (">=", 0.8),
-    "download_vs_raw_boto3": (">=", 0.8),
-}
-GET_PASSES = 3
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-RATIOS = (
-    ("upload_vs_raw_boto3", "raw_put", "tier_put"),
-    ("uploader_vs_raw_boto3", "raw_put", "uploader_put"),
-    ("download_vs_raw_boto3", "raw_get", "tier_fetch"),
-    ("read_into_vs_raw_range", "raw_range_get", "tier_read_into"),
-)
-"""Ratio name, boto3 figure, tier figure: tier throughput over boto3 throughput."""
-LOOKUP_SLACK_MS = 10.0
-"""lookup_budget_p99_ms is held to the configured budget plus this much."""
-
-
-@dataclass(frozen=True)
-class Mode:
-    name: str
-    objects: int
-    reps: int
-    lookups: int
-
-
 Pack = list[tuple[ChunkKey, memoryview]]
-
-QUICK = Mode("quick", 16, 3, 60)
-FULL = Mode("full", 32, 7, 300)
-
-
-@dataclass
-class Samples:
-    mbps: dict[str, list[float]] = field(default_factory=dict)
-    ratios: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, name: str, value: float) -> None:
-        self.mbps.setdefault(name, []).append(value)
-
-    def pair(self, name: str, raw_s: float, tier_s: float) -> None:
-        """Tier throughput over raw throughput, from the times both took for the same bytes."""
-        self.ratios.setdefault(name, []).append(raw_s / tier_s)
-
-
-@dataclass
-class Cost:
-    """What moving some bytes took: wall seconds, CPU seconds of this process (all its
-    threads) and CPU seconds of the moto server process."""
-
-    wall: float = 0.0
-    cpu: float = 0.0
-    server_cpu: float = 0.0
-
-    def __iadd__(self, other: Cost) -> Cost:
-        self.wall += other.wall
-        self.cpu += other.cpu
-        self.server_cpu += other.server_cpu
-        return self
-
-
-def process_cpu(pid: int | None) -> float:
-    """CPU seconds of this process, or of another one from /proc (0 where there is none)."""
-    if pid is None:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return usage.ru_utime + usage.ru_stime
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def timed(fn: Callable[[], object], server_pid: int | None = None) -> Cost:
-    with no_gc():
-        server = process_cpu(server_pid) if server_pid is not None else 0.0
-        cpu = process_cpu(None)
-        start = time.perf_counter()
-        fn()
-        wall = time.perf_counter() - start
-        cpu = process_cpu(None) - cpu
-        server = process_cpu(server_pid) - server if server_pid is not None else 0.0
-    return Cost(wall, cpu, server)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = q / 100.0 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def spec(model: str, chunk_bytes: int) -> NamespaceSpec:
-    if chunk_bytes >= MiB:
-        # 16 layers x 16 tokens x 8 heads x (128 + 128) x fp16 is 1 MiB per block
-        layout = PageLayout(
-            tokens_per_block=16,
-            blocks_per_chunk=chunk_bytes // MiB,
-            num_kv_heads=8,
-            head_sizes=(128, 128),
-            layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(16)),
-        )
-    else:
-        return small_spec(model, chunk_bytes)
-    return NamespaceSpec(
-        model=model, model_revision="r1", pool=Pool.TARGET, kv_dtype="float16", layout=layout
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# the delaying proxy
-
-
-class DelayProxy:
-    """A loopback TCP proxy that holds the first bytes of every response until ``delay_s``
-    after the request (or its last part) reached it. ``delay_s`` may change at any time."""
-
-    def __init__(self, upstream_port: int, delay_s: float) -> None:
-        self.upstream = (LOOPBACK, upstream_port)
-        self.delay_s = delay_s
-        self._listener = socket.create_server((LOOPBACK, 0), backlog=128)
-        self.port: int = self._listener.getsockname()[1]
-        self._closing = threading.Event()
-        self._lock = threading.Lock()
-        self._socks: set[socket.socket] = set()
-        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True)
-        self._acceptor.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
-
-    def _accept_loop(self) -> None:
-        while not self._closing.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(self.upstream, timeout=5.0)
-            except OSError:
-                client.close()
-                continue
-            upstream.settimeout(None)
-            for s in (client, upstream):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._socks.update((client, upstream))
-            asked: list[float | None] = [None]  # when the unanswered request arrived
-            mark = threading.Lock()
-            threading.Thread(
-                target=self._requests, args=(client, upstream, asked, mark), daemon=True
-            ).start()
-            threading.Thread(
-                target=self._responses, args=(upstream, client, asked, mark), daemon=True
-            ).start()
-
-    def _requests(
-        self,
-        src: socket.socket,
-        dst: socket.socket,
-        asked: list[float | None],
-        mark: threading.Lock,
-    ) -> None:
-        try:
-            while data := src.recv(256 * KiB):
-                with mark:
-                    asked[0] = time.monotonic()
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            self._drop(src, dst)
-
-    def _responses(
-        self,
-        src: socket.socket,
-        dst: socket.socket,
-        asked: list[float | None],
-        mark: threading.Lock,
-    ) -> None:
-        try:
-            while data := src.recv(256 * KiB):
-                with mark:
-                    since, asked[0] = asked[0], None
-                if since is not None:
-                    wait = since + self.delay_s - time.monotonic()
-                    if wait > 0:
-                        time.sleep(wait)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            self._drop(src, dst)
-
-    def _drop(self, *socks: socket.socket) -> None:
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-            with self._lock:
-                self._socks.discard(s)
-
-    def close(self) -> None:
-        self._closing.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        self._acceptor.join(5.0)
-        with self._lock:
-            socks = list(self._socks)
-        self._drop(*socks)
-
-
-class ProxyProcess:
-    """A `DelayProxy` in a child process (this script with ``--proxy``), so that its threads
-    do not compete for the measured process's GIL. Its delay is set over a pipe."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--proxy", str(upstream_port)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.strip().isdigit():
-            self.close()
-            raise RuntimeError(f"the proxy did not start: {line!r}")
-        self.port = int(line)
-        self.delay_ms = 0.0
-
-    @property
-    def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
-
-    def set_delay(self, delay_ms: float) -> None:
-        assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
-        self.proc.stdin.write(f"{delay_ms}\n")
-        self.proc.stdin.flush()
-        if self.proc.stdout.readline().strip() != "ok":
-            raise RuntimeError("the proxy did not take its new delay")
-        self.delay_ms = delay_ms
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()  # end of input: the proxy exits
-        try:
-            self.proc.wait(5.0)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-
-def serve_proxy(upstream_port: int) -> int:
-    """The ``--proxy`` child: print the port, then take one delay in ms per stdin line."""
-    proxy = DelayProxy(upstream_port, 0.0)
-    print(proxy.port, flush=True)
-    try:
-        for line in sys.stdin:
-            proxy.delay_s = float(line) / 1e3
-            print("ok", flush=True)
-    finally:
-        proxy.close()
-    return 0
-
-
-# --------------------------------------------------------------------------------------------
-# the benchmark
 
 
 class Bench:
@@ -398,7 +122,9 @@ class Bench:
         self.up_threads = self.config.upload_concurrency
         self.down_threads = self.config.download_concurrency
         self.registry = PoolRegistry()
-        self.namespace = self.registry.register(spec("bench-objstore", CHUNK), CHUNK).namespace
+        self.namespace = self.registry.register(
+            spec_for_chunk("bench-objstore", CHUNK), CHUNK
+        ).namespace
         # one bytes object per pack; the tier sees it as chunk views, boto3 as one body
         self.bodies = [
             filled(self.object_bytes, i * self.object_bytes).tobytes() for i in range(mode.objects)
@@ -650,89 +376,7 @@ class Bench:
                 " ".join(f"{k} {n / 1e6 / c.wall:.0f}" for k, (c, n) in costs.items()),
             )
             for ratio, raw, tiered in RATIOS:
-                s.pair(ratio, costs[raw][0].wall, costs[tiered][0].wall)
-
-    # -- lookups against a slow store -----------------------------------------------------
-
-    def run_lookups(self, proxy: ProxyProcess) -> dict[str, Any]:
-        registry = PoolRegistry()
-        lookup_spec = spec("bench-objstore-lookup", LOOKUP_CHUNK)
-        namespace = registry.register(lookup_spec, LOOKUP_CHUNK).namespace
-        n = self.mode.lookups
-        # two series (store answering at once, store slow), each lookup with fresh keys
-        batches = [keys_for(namespace, LOOKUP_KEYS, i * LOOKUP_KEYS) for i in range(2 * n)]
-        # another node's uploads: every other batch starts with a chunk that is in the store
-        other = ObjectTier(
-            ObjectStoreConfig(url=f"s3://{BUCKET}/lookup", index_path=self.root / "other-index"),
-            registry,
-        )
-        try:
-            payload = filled(LOOKUP_CHUNK, 7).tobytes()
-            seeded = [batch[0] for batch in batches[::2]]
-            for ok in self.pool_up.map(lambda key: other.put(key, payload), seeded):
-                if not ok:
-                    raise RuntimeError("seeding the store failed")
-        finally:
-            other.close()
-        config = from_mapping(
-            {
-                "arena": {
-                    "path": str(self.shm),
-                    "size_bytes": 2 * EXTENT + 4 * MiB,
-                    "extent_bytes": EXTENT,
-                    "min_slot_bytes": LOOKUP_CHUNK,
-                },
-                "lmdb": {
-                    "path": str(self.root / "lmdb"),
-                    "budget_bytes": 256 * MiB,
-                    "sync_interval_s": 3600.0,
-                },
-                "object": {
-                    "url": f"s3://{BUCKET}/lookup",
-                    "index_path": str(self.root / "lookup-index"),
-                    "request_timeout_s": REQUEST_TIMEOUT_S,
-                },
-            }
-        )
-        # S3 requests go through the proxy, STS straight to moto
-        with patched_env({"AWS_ENDPOINT_URL_S3": proxy.url}):
-            manager = TierManager(config)
-        budget_ms = config.object.lookup_budget_ms
-        try:
-            manager.register_pool(lookup_spec, LOOKUP_CHUNK)
-            proxy.set_delay(0.0)
-            fast, _ = self.time_lookups(manager, batches[:n], budget_ms)
-            proxy.set_delay(STORE_DELAY_MS)
-            slow, pending = self.time_lookups(manager, batches[n:], budget_ms)
-        finally:
-            manager.close(flush_timeout=5.0)
-        return {
-            "lookup_budget_ms": budget_ms,
-            "lookup_store_delay_ms": proxy.delay_ms,
-            "lookup_budget_p50_ms": percentile(slow, 50),
-            "lookup_budget_p99_ms": percentile(slow, 99),
-            "lookup_budget_max_ms": max(slow),
-            "lookup_pending_fraction": pending / len(slow),
-            "lookup_fast_store_p50_ms": percentile(fast, 50),
-            "lookup_fast_store_p99_ms": percentile(fast, 99),
-            "lookups": len(slow),
-            "lookup_keys": LOOKUP_KEYS,
-        }
-
-    @staticmethod
-    def time_lookups(
-        manager: TierManager, batches: list[list[ChunkKey]], budget_ms: float
-    ) -> tuple[list[float], int]:
-        times: list[float] = []
-        pending = 0
-        for keys in batches:
-            start = time.perf_counter()
-            result = manager.lookup(keys)
-            times.append((time.perf_counter() - start) * 1e3)
-            pending += result.pending
-            # leave the probe pool time to drain, as lookups of one engine are spaced
-            time.sleep(max(0.0, budget_ms / 1e3 - (time.perf_counter() - start)))
-        return times, pending
+                s.ratio(ratio, costs[raw][0].wall / costs[tiered][0].wall)
 
     # -- all ------------------------------------------------------------------------------
 
@@ -745,49 +389,14 @@ class Bench:
         log.info("lookups against a store delayed by %.0f ms", STORE_DELAY_MS)
         proxy = ProxyProcess(self.moto.port)
         try:
-            lookups = self.run_lookups(proxy)
+            lookups = lookups_against_a_slow_store(
+                proxy, self.root, self.shm, self.mode.lookups, self.pool_up
+            )
         finally:
             proxy.close()
         phases["lookups_s"] = time.perf_counter() - started - phases["transfers_s"]
         phases["total_s"] = time.perf_counter() - started
-        return self.report(lookups, phases)
-
-    def report(self, lookups: dict[str, Any], phases: dict[str, float]) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "mode": self.mode.name,
-            "object_bytes": self.object_bytes,
-            "chunk_bytes": CHUNK,
-            "chunks_per_object": self.chunks_per_object,
-            "objects_per_repetition": self.mode.objects,
-            "upload_concurrency": self.up_threads,
-            "download_concurrency": self.down_threads,
-            "repetitions": self.mode.reps,
-        }
-        cpu: dict[str, float] = {}
-        server_cpu: dict[str, float] = {}
-        for name, values in self.samples.mbps.items():
-            if name.endswith("_server_cpu_ms_per_mb"):
-                server_cpu[name.removesuffix("_server_cpu_ms_per_mb")] = statistics.median(values)
-            elif name.endswith("_cpu_ms_per_mb"):
-                cpu[name.removesuffix("_cpu_ms_per_mb")] = statistics.median(values)
-            else:
-                out[name] = statistics.median(values)
-        for name, values in self.samples.ratios.items():
-            out[name] = statistics.median(values)
-        out["client_cpu_ms_per_mb"] = cpu
-        out["server_cpu_ms_per_mb"] = server_cpu
-        out.update(lookups)
-        targets = {k: f"{op} {v:g}" for k, (op, v) in TARGETS.items()}
-        met = {
-            k: bool(out[k] >= v if op == ">=" else out[k] <= v) for k, (op, v) in TARGETS.items()
-        }
-        bound = lookups["lookup_budget_ms"] + LOOKUP_SLACK_MS
-        targets["lookup_budget_p99_ms"] = f"<= {bound:g} (budget + {LOOKUP_SLACK_MS:g})"
-        met["lookup_budget_p99_ms"] = bool(lookups["lookup_budget_p99_ms"] <= bound)
-        out["targets"] = targets
-        out["targets_met"] = met
-        out["elapsed_s"] = phases
-        return out
+        return result_of(self, lookups, phases)
 
     def close(self) -> None:
         self.pool_up.shutdown(wait=True, cancel_futures=True)
@@ -800,74 +409,11 @@ class Bench:
         self.shm.unlink(missing_ok=True)
 
 
-TRANSFER_ROWS = (
-    ("raw_put", "boto3 put_object"),
-    ("tier_put", "ObjectTier.put_pack"),
-    ("uploader_put", "Uploader, offer until idle"),
-    ("raw_get", "boto3 get_object"),
-    ("tier_fetch", "ObjectTier.fetch"),
-    ("raw_range_get", "boto3 get_object, 1-chunk range"),
-    ("tier_read_into", "ObjectTier.read_into"),
-)
-RATIO_ROWS = (
-    ("upload_vs_raw_boto3", "put_pack / put_object"),
-    ("uploader_vs_raw_boto3", "Uploader / put_object"),
-    ("download_vs_raw_boto3", "fetch / get_object"),
-    ("read_into_vs_raw_range", "read_into / ranged get_object"),
-)
-LOOKUP_ROWS = (
-    ("lookup_fast_store_p50_ms", "lookup, store answering, p50"),
-    ("lookup_fast_store_p99_ms", "lookup, store answering, p99"),
-    ("lookup_budget_p50_ms", "lookup, store delayed, p50"),
-    ("lookup_budget_p99_ms", "lookup, store delayed, p99"),
-    ("lookup_budget_max_ms", "lookup, store delayed, max"),
-)
-
-
-def table(result: dict[str, Any]) -> str:
-    def target(key: str) -> str:
-        if key not in result["targets"]:
-            return ""
-        return f"  {result['targets'][key]}  {'ok' if result['targets_met'][key] else 'MISSED'}"
-
-    lines = [
-        f"kvtier object tier vs boto3 on moto, {result['mode']} mode: "
-        f"{result['objects_per_repetition']} objects of {result['object_bytes'] // MiB} MiB "
-        f"({result['chunks_per_object']} chunks of {result['chunk_bytes'] // MiB} MiB), "
-        f"{result['upload_concurrency']} upload / {result['download_concurrency']} download "
-        f"threads, {result['repetitions']} repetitions, medians",
-    ]
-    head = f"{'':36}{'MB/s':>8}{'client CPU':>12}{'moto CPU':>10}  (ms per MB)"
-    lines += [head, "-" * len(head)]
-    for key, label in TRANSFER_ROWS:
-        lines.append(
-            f"{label:36}{result[key + '_mbps']:8.0f}{result['client_cpu_ms_per_mb'][key]:12.2f}"
-            f"{result['server_cpu_ms_per_mb'][key]:10.2f}"
-        )
-    lines.append("")
-    for key, label in RATIO_ROWS:
-        lines.append(f"{label + ' (x)':36}{result[key]:8.2f}{target(key)}")
-    lines += [
-        "",
-        f"lookups of {result['lookup_keys']} keys, {result['lookups']} per series; the store "
-        f"delayed by {result['lookup_store_delay_ms']:.0f} ms; object.lookup_budget_ms "
-        f"{result['lookup_budget_ms']:g}; answered pending: "
-        f"{result['lookup_pending_fraction']:.0%}",
-    ]
-    for key, label in LOOKUP_ROWS:
-        lines.append(f"{label + ' (ms)':36}{result[key]:8.1f}{target(key)}")
-    lines.append(f"elapsed: {result['elapsed_s']['total_s']:.1f} s")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer objects and repetitions")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    parser.add_argument("--proxy", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.proxy is not None:
-        return serve_proxy(args.proxy)
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
     )
@@ -887,11 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             bench.close()
         moto.stop()
         shutil.rmtree(root, ignore_errors=True)
-    if args.json:
-        json.dump(result, sys.stdout, indent=2, sort_keys=False)
-        sys.stdout.write("\n")
-    else:
-        print(table(result))
+    emit(result, args.json, lambda: table(result))
     return 0
 
 

@@ -1,11 +1,11 @@
 """Whole-server throughput and TTFT: vLLM alone against kvtier and vLLM's own connectors.
 
-Usage: ``python benchmarks/serving.py [--quick] [--json] [--profile] [--blocks-per-chunk N]``
+Usage: ``python -m benchmarks.serving [--quick] [--json] [--profile] [--blocks-per-chunk N]``
 ``[--concurrency 1,2,4,8] [--servers NAME,...] [--connector-extra JSON] [--cache-dir DIR]``
 ``[--docs DIR] [--keep]``
 
 Every server is a real ``python -m vllm.entrypoints.openai.api_server`` process
-(benchmarks/servers.py) serving the locally built 12-layer model (benchmarks/models.py,
+(tests/fixtures/servers.py) serving the locally built 12-layer model (tests/fixtures/models.py,
 ``build_benchmark_llama``: hidden 768, 8 heads, 4 KV heads, head_dim 64, bf16, random weights;
 nothing is downloaded). Every server gets the same settings: a 48 MiB KV cache
 (``--kv-cache-memory-bytes``, with ``VLLM_CPU_KVCACHE_SPACE`` unset: 4,096 tokens of the 12
@@ -135,319 +135,48 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
-import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import boto3.session
-import models
-import yaml
-from engine import (
-    CpuShare,
-    GiB,
-    KiB,
-    Kvtierd,
-    MiB,
-    extent_for,
-    process_cpu_seconds,
-    wait_until_quiet,
+from benchmarks.harness.cli import MODEL_CACHE, emit
+from benchmarks.harness.system import CpuShare
+from benchmarks.serving_cases import (
+    ANSWER_TOKENS,
+    BLOCK_SIZE,
+    CAPTURE_LAYERS,
+    DOC_TOKENS,
+    FULL,
+    HEADLINE_CONCURRENCY,
+    PROFILE_ANSWER_TOKENS,
+    PROFILE_ROUNDS,
+    PROFILE_USERS,
+    QUESTION_TOKENS,
+    QUICK,
+    ROUNDS,
+    SERVERS,
+    USERS,
+    WARMUP,
+    Case,
+    Mode,
+    Plan,
+    every_case,
 )
-from s3_local import SCRUBBED_ENV, MotoServer, irsa_env, patched_env
-from servers import ServerError, VllmServer, connector_arg, error_line, log_tail
-
+from benchmarks.serving_figures import Outcome, read_profile, summary
+from benchmarks.serving_no_reuse import NoReusePhase
+from benchmarks.serving_report import clean, result_of, tables, write_docs
+from benchmarks.serving_servers import Servers
 from kvtier.bench import BenchConfig, BenchError, LevelResult, WorkloadSpec, run_level
-from kvtier.bench.stats import Percentiles
-from kvtier.bench.trace import load_trace, step_shares
+from tests.fixtures import models
+from tests.fixtures.servers import ServerError, VllmServer, error_line, log_tail
 
 log = logging.getLogger("kvtier.bench.serving")
 
 ROOT = Path(__file__).resolve().parents[1]
-KV_CACHE_BYTES = 48 * MiB
-MAX_MODEL_LEN = 3744  # what 48 MiB holds with the draft's layer beside the target's 12
-BLOCK_SIZE = 32
-DOC_TOKENS = 1664
-QUESTION_TOKENS = 32
-ANSWER_TOKENS = 64
-ROUNDS = 4
-USERS = 8
-WARMUP = ROUNDS  # one session of its own before a server's first level
-ARENA_BYTES = 768 * MiB
-LMDB_BUDGET = 1 * GiB
-BUCKET = "kvtier-serving"
-SPEC_TOKENS = 3
-CAPTURE_LAYERS = [2, 6, 9]
-CAPTURE = models.capture_config(CAPTURE_LAYERS)
-"""EAGLE-3's auxiliary layers of a 12-layer target: low, middle and high."""
-HEADLINE_CONCURRENCY = 4
-PROFILE_USERS = 4
-PROFILE_ROUNDS = 2
-PROFILE_ANSWER_TOKENS = 8
-
-TARGETS: dict[str, tuple[str, float]] = {
-    "throughput_vs_vllm_alone": (">=", 2.0),
-    "ttft_p50_vs_vllm_alone": ("<=", 0.25),
-    "ttft_p99_vs_vllm_alone": ("<=", 0.5),
-    "no_reuse_throughput_vs_vllm_alone": (">=", 0.98),
-    "no_reuse_throughput_vs_vllm_alone_embedded": (">=", 0.98),
-    "spec_throughput_vs_vllm_alone_spec": (">=", 2.0),
-    "throughput_vs_example_connector": (">=", 1.5),
-    "lmdb_backed_vs_arena_backed": (">=", 0.9),
-    "object_backed_vs_arena_backed": (">=", 0.75),
-}
-PAST_THE_ARENA = (
-    "kvtier_sidecar",
-    "kvtier_sidecar_lmdb",
-    "kvtier_sidecar_lmdb_fp8",
-    "kvtier_sidecar_lmdb_i8",
-    "kvtier_sidecar_object",
-    "kvtier_sidecar_obj_fp8",
-    "vllm_more_hbm",
-)
-
-
-SERVERS = (
-    "vllm",
-    "kvtier_embedded",
-    "kvtier_sidecar",
-    "vllm_b",
-    "example_connector",
-    "offloading_connector",
-    "vllm_spec",
-    "kvtier_sidecar_spec",
-    "kvtier_embedded_capture",
-    *PAST_THE_ARENA[1:],
-)
-
-
-@dataclass(frozen=True)
-class Mode:
-    name: str
-    concurrency: tuple[int, ...]
-    no_reuse_cycles: int
-
-
-QUICK = Mode("quick", (HEADLINE_CONCURRENCY,), 3)
-FULL = Mode("full", (1, 2, 4, 8), 12)
-NO_REUSE_REQUESTS = 8
-NO_REUSE_BACKLOG = 4
-"""Unmeasured requests right before each measured no-reuse level: its write-back backlog."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one server runs, in order."""
-
-    multi_round: bool = True
-    profile: bool = False
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    label: str
-    connector: str | None = None
-    """None, "embedded", "sidecar", "example" or "offloading"."""
-    spec: bool = False
-    capture: bool = False
-    """Capture hidden states (``extract_hidden_states``)."""
-    below: str = ""
-    """Past the arena (sidecar): "lmdb" (an arena of a quarter of the working set, lmdb the
-    rest) or "object" (arena and lmdb a quarter each, the object store all)."""
-    kv_cache_scale: int = 1
-    """The KV cache over every other server's (``vllm_more_hbm``)."""
-    codec: str = "none"
-    """``lmdb.codec`` and ``object.codec`` below the arena."""
-
-
-VLLM = Case("vllm", "vLLM alone")
-EMBEDDED = Case("kvtier_embedded", "kvtier embedded", "embedded")
-SIDECAR = Case("kvtier_sidecar", "kvtier sidecar", "sidecar")
-VLLM_B = Case("vllm_b", "vLLM alone (a second server)")
-"""No-reuse only: one vLLM-alone server over another is the floor of what the figure resolves,
-since each server started runs at a speed of its own (several per cent apart here)."""
-NO_REUSE_CASES = {case.name: case for case in (VLLM, VLLM_B, EMBEDDED, SIDECAR)}
-LMDB_BACKED = Case(
-    "kvtier_sidecar_lmdb", "kvtier sidecar, arena 1/4, lmdb", "sidecar", below="lmdb"
-)
-LMDB_FP8_BACKED = Case(
-    "kvtier_sidecar_lmdb_fp8",
-    "kvtier sidecar, arena 1/4, lmdb in fp8",
-    "sidecar",
-    below="lmdb",
-    codec="fp8",
-)
-LMDB_INT8_BACKED = Case(
-    "kvtier_sidecar_lmdb_i8",
-    "kvtier sidecar, arena 1/4, lmdb in int8",
-    "sidecar",
-    below="lmdb",
-    codec="int8",
-)
-OBJECT_BACKED = Case(
-    "kvtier_sidecar_object",
-    "kvtier sidecar, arena 1/4, lmdb 1/4, S3",
-    "sidecar",
-    below="object",
-)
-OBJECT_FP8_BACKED = Case(
-    "kvtier_sidecar_obj_fp8",
-    "kvtier sidecar, arena 1/4, lmdb 1/4, S3, both in fp8",
-    "sidecar",
-    below="object",
-    codec="fp8",
-)
-MORE_HBM = Case("vllm_more_hbm", "vLLM alone, 6x the KV cache", kv_cache_scale=6)
-"""6 x 4,096 tokens: every user's history (16,384 tokens) with room for the batch."""
-
-
-@dataclass
-class Outcome:
-    case: Case
-    start_s: float = math.nan
-    wall_s: float = math.nan
-    multi_round: list[LevelResult] = field(default_factory=list)
-    no_reuse: list[LevelResult] = field(default_factory=list)
-    profile: dict[str, Any] = field(default_factory=dict)
-    error: str = ""
-    log_tail: str = ""
-    log_path: str = ""
-    daemon_counters: dict[str, int] = field(default_factory=dict)
-    """kvtierd's counters over the multi-round levels (moves, promotions, evictions)."""
-
-    def at(self, concurrency: int) -> LevelResult | None:
-        return next((lv for lv in self.multi_round if lv.concurrency == concurrency), None)
-
-
-def by_round(level: LevelResult) -> list[float | None]:
-    """Per round: cached tokens the server reported over prompt tokens sent."""
-    out: list[float | None] = []
-    for r in range(max((rec.round for rec in level.records), default=-1) + 1):
-        recs = [rec for rec in level.records if rec.round == r and rec.ok]
-        sent = sum(rec.prompt_len for rec in recs)
-        cached = [rec.cached_tokens for rec in recs if rec.cached_tokens is not None]
-        out.append(sum(cached) / sent if sent and cached else None)
-    return out
-
-
-def later_rounds_ttft(level: LevelResult) -> dict[str, float]:
-    """TTFT over the rounds after each user's first: those a cache can serve (a first round
-    is a cold prefill for every server, a quarter of multi-round requests)."""
-    later = Percentiles.of([r.ttft_s for r in level.records if r.ok and r.round > 0])
-    return {"ttft_p50_s_later_rounds": later.p50, "ttft_p99_s_later_rounds": later.p99}
-
-
-def summary(level: LevelResult) -> dict[str, Any]:
-    server = level.server
-    return {
-        "concurrency": level.concurrency,
-        "requests": level.requests,
-        "ok": level.ok,
-        "errors": level.errors,
-        "error_messages": level.error_messages[:3],
-        "duration_s": level.duration_s,
-        "output_tps": level.output_tps,
-        "output_tps_per_user": level.output_tps_per_user,
-        "ttft_p50_s": level.ttft_s.p50,
-        "ttft_p90_s": level.ttft_s.p90,
-        "ttft_p99_s": level.ttft_s.p99,
-        "itl_p50_s": level.itl_s.p50,
-        "itl_p99_s": level.itl_s.p99,
-        "latency_p50_s": level.latency_s.p50,
-        "prompt_tokens": level.prompt_tokens,
-        "cached_tokens_reported": level.cached_tokens,
-        "cached_share_by_round": by_round(level),
-        **later_rounds_ttft(level),
-        "hit_ratio": server.hit_ratio,
-        "hit_ratio_by_source": server.hit_ratio_by_source,
-        "prompt_tokens_cached_by_source": server.cached_tokens_by_source,
-        "prompt_tokens_by_source": server.prompt_tokens_by_source,
-        "connector_chunks": server.connector_chunks,
-        "verify_draws": server.verify_draws,
-        "realized_sample_rate": server.realized_sample_rate,
-        "daemon_hit_ratio": server.daemon_hit_ratio,
-        "daemon_lookup_chunks": server.daemon_lookup_chunks,
-        "daemon_hit_chunks_by_tier": server.daemon_hit_chunks_by_tier,
-    }
-
-
-# -- the profiler trace -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Ratios:
-    """A server's no-reuse throughput over vLLM alone's in the same cycle, one per cycle."""
-
-    values: list[float]
-
-    @property
-    def mean(self) -> float | None:
-        return statistics.fmean(self.values) if self.values else None
-
-    @property
-    def se(self) -> float | None:
-        """The mean's standard error."""
-        n = len(self.values)
-        return statistics.stdev(self.values) / math.sqrt(n) if n > 1 else None
-
-
-def no_reuse_ratios(cycles: list[dict[str, float]], name: str) -> Ratios:
-    """Cycles where both levels ran whole count; a cycle missing either is left out."""
-    values = [
-        row[name] / row["vllm"]
-        for row in cycles
-        if row.get("vllm") and name in row and not math.isnan(row[name] + row["vllm"])
-    ]
-    return Ratios(values)
-
-
-def daemon_cpu_seconds(daemon: Kvtierd | None) -> float:
-    """kvtierd's CPU time so far; NaN without one."""
-    if daemon is None or daemon.proc is None:
-        return math.nan
-    return process_cpu_seconds(daemon.proc.pid)
-
-
-def kvtier_time(level: LevelResult, daemon_cpu_s: float) -> dict[str, float]:
-    """What kvtier itself took during a level, as shares of its wall time: vLLM's engine loop
-    inside kvtier's hooks (``hooks``; 0 for a server without kvtier; also in milliseconds per
-    request, which a faster or slower model does not change) and kvtierd's CPU, a share of one
-    core (``kvtierd_cpu``; NaN without kvtierd)."""
-    wall = level.duration_s or math.nan
-    hooks = sum(level.server.connector_hook_seconds.values())
-    return {
-        "hooks": hooks / wall,
-        "hooks_ms_per_request": 1000 * hooks / level.ok if level.ok else math.nan,
-        "kvtierd_cpu": daemon_cpu_s / wall,
-    }
-
-
-def mean_cost(costs: list[dict[str, float]], what: str) -> float | None:
-    values = [c[what] for c in costs if c.get(what) is not None and not math.isnan(c[what])]
-    return statistics.fmean(values) if values else None
-
-
-def profiler_args(trace_dir: Path) -> list[str]:
-    config = {
-        "profiler": "torch",
-        "torch_profiler_dir": str(trace_dir),
-        "torch_profiler_activities": ["CPU"],
-        "torch_profiler_with_stack": True,
-        "torch_profiler_use_gzip": False,
-        "ignore_frontend": True,
-    }
-    return ["--profiler-config", json.dumps(config)]
-
-
-# -- the bench --------------------------------------------------------------------------------
 
 
 class Bench:
@@ -484,23 +213,26 @@ class Bench:
         self.draft = models.build_draft(cache_dir, tokenizer_dir=tokenizer, **shape)
         self.vocab = models.vocab_size_of(self.model)
         self.root = Path(tempfile.mkdtemp(prefix="serving-", dir=cache_dir))
-        self.shm_paths: list[Path] = []
-        self.nr_index = 100  # no-reuse levels use indices of their own, never repeated
-        self.daemons: dict[str, Kvtierd] = {}  # by run name, while their servers run
-        self.nr_costs: dict[str, list[dict[str, float]]] = {}
-        self.moto: MotoServer | None = None
-        self.no_reuse_error = ""
         config = json.loads((self.model / "config.json").read_text())
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         # K and V, bf16
         per_token = config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2 * 2
-        self.chunk_bytes = per_token * BLOCK_SIZE * blocks_per_chunk
-        self.kv_per_token = per_token
-        self.hidden_per_token = len(CAPTURE_LAYERS) * config["hidden_size"] * 2  # bf16
-
-    def hidden_bytes(self, kv_bytes: int) -> int:
-        """The captured hidden states' cache for the tokens ``kv_bytes`` of KV hold."""
-        return kv_bytes * self.hidden_per_token // self.kv_per_token
+        chunk_bytes = per_token * BLOCK_SIZE * blocks_per_chunk
+        chunks = self.workload().longest_request() // (BLOCK_SIZE * blocks_per_chunk)
+        self.servers = Servers(
+            self.root,
+            self.model,
+            self.draft,
+            blocks_per_chunk=blocks_per_chunk,
+            chunk_bytes=chunk_bytes,
+            working_set_bytes=USERS * chunks * chunk_bytes,
+            kv_per_token=per_token,
+            hidden_per_token=len(CAPTURE_LAYERS) * config["hidden_size"] * 2,  # bf16
+            connector_extra=self.connector_extra,
+        )
+        self.no_reuse = NoReusePhase(
+            self.servers, self.level, self.workload, self.failed, mode.no_reuse_cycles
+        )
 
     def workload(self, kind: str = "multi-round", **overrides: Any) -> WorkloadSpec:
         settings: dict[str, Any] = {
@@ -515,167 +247,6 @@ class Bench:
         }
         settings.update(overrides)
         return WorkloadSpec(**settings)
-
-    # -- servers ----------------------------------------------------------------------------
-
-    def shm(self, name: str) -> Path:
-        path = Path(f"/dev/shm/kvtier-serving-{os.getpid()}-{name}")
-        self.shm_paths.append(path)
-        return path
-
-    def kvtier(self, extra: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier_vllm.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                **extra,
-                "blocks_per_chunk": self.bpc,
-                **self.connector_extra,
-            },
-            "kv_load_failure_policy": "recompute",  # kvtier's advice: recompute a failed load
-        }
-
-    def embedded_config(self, name: str) -> dict[str, Any]:
-        path = self.root / name / "kvtier.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tree = {
-            "arena": {
-                "path": str(self.shm(name)),
-                "size_bytes": ARENA_BYTES,
-                "extent_bytes": extent_for(self.chunk_bytes),
-                "min_slot_bytes": 64 * KiB,
-            },
-            "lmdb": {"path": str(self.root / name / "lmdb"), "budget_bytes": LMDB_BUDGET},
-        }
-        path.write_text(yaml.safe_dump(tree))
-        return self.kvtier({"kvtier_config": str(path)})
-
-    @property
-    def working_set_bytes(self) -> int:
-        """Every user's whole history, in the chunks it is stored as."""
-        chunk_tokens = BLOCK_SIZE * self.bpc
-        return USERS * (self.workload().longest_request() // chunk_tokens) * self.chunk_bytes
-
-    def past_the_arena(self, tree: dict[str, Any], below: str, daemon: Kvtierd) -> None:
-        """Tiers that hold less than the working set: an arena of a quarter of it (extents of
-        8 chunks, so that a quarter is whole extents), then lmdb the rest, or lmdb a quarter
-        and the object store (moto, reached through IRSA) everything."""
-        extent = 8 * self.chunk_bytes
-        quarter = max(extent, round(self.working_set_bytes / 4 / extent) * extent)
-        tree["arena"].update(size_bytes=quarter, extent_bytes=extent)
-        if below == "object":
-            moto = self.s3()
-            tree["lmdb"]["budget_bytes"] = quarter
-            tree["object"] = {
-                "url": f"s3://{BUCKET}/{daemon.root.parent.name}",
-                "index_path": str(daemon.root / "objindex"),
-            }
-            daemon.env = irsa_env(self.root, moto.url)
-            daemon.env_drop = SCRUBBED_ENV
-
-    def s3(self) -> MotoServer:
-        """moto's S3, started at first use, with the run's bucket."""
-        if self.moto is None:
-            self.moto = MotoServer(self.root / "moto.log").start()
-            with patched_env(irsa_env(self.root, self.moto.url), drop=SCRUBBED_ENV):
-                client = boto3.session.Session().client("s3")
-                client.create_bucket(Bucket=BUCKET)
-                client.close()
-        return self.moto
-
-    @contextmanager
-    def server(
-        self, case: Case, plan: Plan, run_name: str = ""
-    ) -> Iterator[tuple[VllmServer, str | None]]:
-        """``case``'s server, its files under ``run_name`` (the case's name by default)."""
-        run_name = run_name or case.name
-        tmp = self.root / run_name
-        tmp.mkdir(parents=True, exist_ok=True)
-        args: list[str] = []
-        daemon: Kvtierd | None = None
-        metrics_url = None
-        if case.connector == "embedded":
-            args += connector_arg(self.embedded_config(run_name))
-        elif case.connector == "sidecar":
-            (tmp / "kvtierd").mkdir(exist_ok=True)
-            daemon = Kvtierd(
-                tmp / "kvtierd", self.shm(run_name), ARENA_BYTES, extent_for(self.chunk_bytes)
-            )
-            tree = yaml.safe_load(daemon.config_path.read_text())
-            tree["lmdb"]["budget_bytes"] = LMDB_BUDGET
-            if case.below:
-                self.past_the_arena(tree, case.below, daemon)
-                tree["lmdb"]["codec"] = case.codec
-                if "object" in tree:
-                    tree["object"]["codec"] = case.codec
-            daemon.config_path.write_text(yaml.safe_dump(tree))
-            try:
-                daemon.start()
-            except BaseException:
-                daemon.stop()
-                raise
-            metrics_url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
-            self.daemons[run_name] = daemon
-            extra = {"mode": "sidecar", "socket_path": str(daemon.socket_path)}
-            args += connector_arg(self.kvtier(extra))
-        elif case.connector == "example":
-            storage = tmp / "example-storage"
-            storage.mkdir(exist_ok=True)
-            args += connector_arg(
-                {
-                    "kv_connector": "ExampleConnector",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"shared_storage_path": str(storage)},
-                }
-            )
-        elif case.connector == "offloading":
-            args += connector_arg(
-                {
-                    "kv_connector": "OffloadingConnector",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"cpu_bytes_to_use": ARENA_BYTES},
-                }
-            )
-        if case.spec:
-            spec = {
-                "method": "draft_model",
-                "model": str(self.draft),
-                "num_speculative_tokens": SPEC_TOKENS,
-            }
-            args += ["--speculative-config", json.dumps(spec)]
-        if case.capture:
-            args += ["--speculative-config", json.dumps(CAPTURE)]
-        env = {"VLLM_SERVER_DEV_MODE": "1"}
-        if plan.profile:
-            args += profiler_args(tmp / "traces")
-            env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # vLLM's own ranges, forward included
-        # the hidden-state cache shares the KV memory: as much again for it, the same tokens held
-        kv_bytes = KV_CACHE_BYTES * case.kv_cache_scale
-        kv_bytes += self.hidden_bytes(KV_CACHE_BYTES) if case.capture else 0
-        server = VllmServer(
-            self.model,
-            tmp,
-            args=args,
-            kv_cache_bytes=kv_bytes,
-            max_model_len=MAX_MODEL_LEN,
-            block_size=BLOCK_SIZE,
-            dtype="bfloat16",
-            env=env,
-        )
-        try:
-            server.start()
-            yield server, metrics_url
-        finally:
-            server.stop()
-            if daemon is not None:
-                daemon.stop()
-                self.daemons.pop(run_name, None)
-            # its own arena only: other servers may still be running
-            self.shm(run_name).unlink(missing_ok=True)
-            # the stored KV (a preallocated LMDB file is its whole budget): keep the logs only
-            for heavy in (tmp / "lmdb", tmp / "kvtierd" / "lmdb", tmp / "example-storage"):
-                shutil.rmtree(heavy, ignore_errors=True)
 
     # -- levels -----------------------------------------------------------------------------
 
@@ -719,12 +290,12 @@ class Bench:
         started = time.perf_counter()
         log.info("%s: starting", case.name)
         try:
-            with self.server(case, plan) as (server, metrics_url):
+            with self.servers.server(case, plan) as (server, metrics_url):
                 out.start_s = server.start_s
                 out.log_path = str(server.log)
                 log.info("%s: healthy in %.1f s", case.name, server.start_s)
                 warmup = WARMUP
-                daemon = self.daemons.get(case.name)
+                daemon = self.servers.daemons.get(case.name)
                 before = daemon.counters() if daemon is not None else {}
                 if plan.multi_round:
                     for i, c in enumerate(self.concurrency):
@@ -763,68 +334,6 @@ class Bench:
             out.log_tail = log_tail(log_file, 25)
         log.error("%s failed: %s", run_name, out.error)
 
-    def no_reuse_level(self, server: VllmServer, metrics_url: str | None, n: int) -> LevelResult:
-        self.nr_index += 1  # a level of prompts of its own
-        spec = self.workload("no-reuse")
-        return self.level(server, metrics_url, spec, HEADLINE_CONCURRENCY, n, self.nr_index, 0)
-
-    def no_reuse_phase(self, outcomes: dict[str, Outcome]) -> list[dict[str, float]]:
-        """The no-reuse servers up at once and measured in turn, cycle after cycle (see the
-        module's docstring); each cycle's output tokens/s by server. A server that fails to
-        start fails the phase, whose levels then go unmeasured."""
-        names = [n for n in NO_REUSE_CASES if self.only is None or n in self.only]
-        if "vllm" not in names or len(names) < 2 or not self.mode.no_reuse_cycles:
-            return []
-        cases = {n: outcomes.setdefault(n, Outcome(NO_REUSE_CASES[n])) for n in names}
-        cycles: list[dict[str, float]] = []
-        current = names[0]
-
-        def run_name(name: str) -> str:
-            return f"{name}_nr"  # short: vLLM puts sockets under it (sun_path holds 107)
-
-        try:
-            with ExitStack() as stack:
-                up: dict[str, tuple[VllmServer, str | None]] = {}
-                for current in names:
-                    log.info("%s: starting", run_name(current))
-                    up[current] = stack.enter_context(
-                        self.server(cases[current].case, Plan(), run_name(current))
-                    )
-                for server, url in up.values():  # the first requests of a server, unmeasured
-                    self.no_reuse_level(server, url, NO_REUSE_REQUESTS)
-                for cycle in range(self.mode.no_reuse_cycles):
-                    turn = cycle % len(names)
-                    row: dict[str, float] = {}
-                    for current in names[turn:] + names[:turn]:
-                        server, url = up[current]
-                        if wait_until_quiet() is None:
-                            log.warning("the machine stayed busy: the level runs anyway")
-                        self.no_reuse_level(server, url, NO_REUSE_BACKLOG)
-                        daemon = self.daemons.get(run_name(current))
-                        daemon_cpu = daemon_cpu_seconds(daemon)
-                        level = self.no_reuse_level(server, url, NO_REUSE_REQUESTS)
-                        cases[current].no_reuse.append(level)
-                        cost = kvtier_time(level, daemon_cpu_seconds(daemon) - daemon_cpu)
-                        self.nr_costs.setdefault(current, []).append(cost)
-                        log.info(
-                            "  kvtier's own time: hooks %.2f%% of the level (%.1f ms per "
-                            "request), kvtierd %.2f%% of a core",
-                            100 * cost["hooks"],
-                            cost["hooks_ms_per_request"],
-                            100 * cost["kvtierd_cpu"],
-                        )
-                        whole = level.ok == level.requests
-                        row[current] = level.output_tps if whole else math.nan
-                    cycles.append(row)
-                    log.info(
-                        "no-reuse cycle %d: %s", cycle, {k: round(v, 1) for k, v in row.items()}
-                    )
-        except (ServerError, BenchError, RuntimeError, OSError) as exc:
-            failure = Outcome(cases[current].case)
-            self.failed(failure, exc, run_name(current))
-            self.no_reuse_error = f"{run_name(current)}: {failure.error}"
-        return cycles
-
     def profile_level(self, server: VllmServer, metrics_url: str | None) -> dict[str, Any]:
         trace_dir = self.root / server.tmp.name / "traces"
         spec = self.workload(rounds=PROFILE_ROUNDS, answer_tokens=PROFILE_ANSWER_TOKENS)
@@ -841,26 +350,9 @@ class Bench:
             )
         finally:
             server.post("/stop_profile", timeout=600)
-        deadline = time.monotonic() + 120
-        traces: list[Path] = []
-        while time.monotonic() < deadline:
-            traces = sorted(p for p in trace_dir.rglob("*.json*") if p.is_file())
-            if traces and all(_settled(p) for p in traces):
-                break
-            time.sleep(1)
-        if not traces:
-            return {"error": f"no trace written under {trace_dir}"}
-        best: dict[str, Any] = {}
-        for path in traces:
-            try:
-                shares = step_shares(load_trace(path))
-            except (OSError, ValueError) as exc:
-                log.warning("cannot read trace %s: %s", path, exc)
-                continue
-            if shares["steps"] and (not best or shares["steps"] > best["steps"]):
-                best = {**shares, "trace": str(path), "trace_bytes": path.stat().st_size}
-        if not best:
-            return {"error": f"no step annotations in {[str(p) for p in traces]}"}
+        best = read_profile(trace_dir)
+        if "error" in best:
+            return best
         best["level"] = summary(level)
         log.info(
             "profile: kvtier %.1f%% of step time (%s), model forward %.1f%%, %d steps",
@@ -876,412 +368,19 @@ class Bench:
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
         share = CpuShare()
-        cases = [
-            (VLLM, Plan()),
-            (EMBEDDED, Plan()),
-            (SIDECAR, Plan(profile=self.profile)),
-            (Case("example_connector", "ExampleConnector", "example"), Plan()),
-            (Case("offloading_connector", "OffloadingConnector", "offloading"), Plan()),
-            (Case("vllm_spec", "vLLM alone + spec", spec=True), Plan()),
-            (Case("kvtier_sidecar_spec", "kvtier sidecar + spec", "sidecar", spec=True), Plan()),
-            (
-                Case(
-                    "kvtier_embedded_capture",
-                    "kvtier embedded + hidden-state capture",
-                    "embedded",
-                    capture=True,
-                ),
-                Plan(),
-            ),
-            (LMDB_BACKED, Plan()),
-            (LMDB_FP8_BACKED, Plan()),
-            (LMDB_INT8_BACKED, Plan()),
-            (OBJECT_BACKED, Plan()),
-            (OBJECT_FP8_BACKED, Plan()),
-            (MORE_HBM, Plan()),
-        ]
         outcomes = {
             case.name: self.run_case(case, plan)
-            for case, plan in cases
+            for case, plan in every_case(self.profile)
             if (self.only is None or case.name in self.only) and not self.no_reuse_only
         }
-        cycles = self.no_reuse_phase(outcomes)
-        result = self.result(outcomes, cycles)
+        cycles = self.no_reuse.run(outcomes, self.only)
+        result = result_of(self, outcomes, cycles)
         result["wall_s"] = time.perf_counter() - started
         result["other_processes_cpu_share"] = share.others()
         return result
 
-    def result(
-        self, outcomes: dict[str, Outcome], cycles: list[dict[str, float]]
-    ) -> dict[str, Any]:
-        c = HEADLINE_CONCURRENCY
-
-        def mr(name: str) -> LevelResult | None:
-            outcome = outcomes.get(name)
-            return outcome.at(c) if outcome else None
-
-        def ratio(a: float | None, b: float | None) -> float | None:
-            if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
-                return None
-            return a / b
-
-        def tps(name: str) -> float | None:
-            level = mr(name)
-            return level.output_tps if level and level.ok else None
-
-        def ttft(name: str, p: str) -> float | None:
-            level = mr(name)
-            return getattr(level.ttft_s, p) if level and level.ok else None
-
-        def later(name: str, p: str) -> float | None:
-            level = mr(name)
-            return later_rounds_ttft(level)[f"ttft_{p}_s_later_rounds"] if level else None
-
-        nr_side = no_reuse_ratios(cycles, "kvtier_sidecar")
-        nr_emb = no_reuse_ratios(cycles, "kvtier_embedded")
-        profile = outcomes["kvtier_sidecar"].profile if "kvtier_sidecar" in outcomes else {}
-        headline: dict[str, Any] = {
-            "throughput_vs_vllm_alone": ratio(tps("kvtier_sidecar"), tps("vllm")),
-            "ttft_p50_vs_vllm_alone": ratio(ttft("kvtier_sidecar", "p50"), ttft("vllm", "p50")),
-            "ttft_p99_vs_vllm_alone": ratio(ttft("kvtier_sidecar", "p99"), ttft("vllm", "p99")),
-            "no_reuse_throughput_vs_vllm_alone": nr_side.mean,
-            "no_reuse_throughput_vs_vllm_alone_embedded": nr_emb.mean,
-            "spec_throughput_vs_vllm_alone_spec": ratio(
-                tps("kvtier_sidecar_spec"), tps("vllm_spec")
-            ),
-            "throughput_vs_example_connector": ratio(
-                tps("kvtier_sidecar"), tps("example_connector")
-            ),
-            "capture_throughput_vs_kvtier_embedded": ratio(
-                tps("kvtier_embedded_capture"), tps("kvtier_embedded")
-            ),
-            "kvtier_step_share": profile.get("kvtier_step_share"),
-            "throughput_vs_vllm_alone_embedded": ratio(tps("kvtier_embedded"), tps("vllm")),
-            "ttft_p50_vs_vllm_alone_embedded": ratio(
-                ttft("kvtier_embedded", "p50"), ttft("vllm", "p50")
-            ),
-            "ttft_p99_vs_vllm_alone_embedded": ratio(
-                ttft("kvtier_embedded", "p99"), ttft("vllm", "p99")
-            ),
-            "ttft_p50_vs_vllm_alone_later_rounds": ratio(
-                later("kvtier_sidecar", "p50"), later("vllm", "p50")
-            ),
-            "ttft_p99_vs_vllm_alone_later_rounds": ratio(
-                later("kvtier_sidecar", "p99"), later("vllm", "p99")
-            ),
-            "throughput_vs_offloading_connector": ratio(
-                tps("kvtier_sidecar"), tps("offloading_connector")
-            ),
-            "lmdb_backed_vs_arena_backed": ratio(tps(LMDB_BACKED.name), tps("kvtier_sidecar")),
-            "object_backed_vs_arena_backed": ratio(tps(OBJECT_BACKED.name), tps("kvtier_sidecar")),
-            "lmdb_fp8_backed_vs_arena_backed": ratio(
-                tps(LMDB_FP8_BACKED.name), tps("kvtier_sidecar")
-            ),
-            "lmdb_int8_backed_vs_arena_backed": ratio(
-                tps(LMDB_INT8_BACKED.name), tps("kvtier_sidecar")
-            ),
-            "object_fp8_backed_vs_arena_backed": ratio(
-                tps(OBJECT_FP8_BACKED.name), tps("kvtier_sidecar")
-            ),
-            "throughput_vs_more_hbm": ratio(tps("kvtier_sidecar"), tps(MORE_HBM.name)),
-            "past_the_arena": {
-                name: {
-                    "output_tps": tps(name),
-                    "ttft_p50_s": ttft(name, "p50"),
-                    "ttft_p99_s": ttft(name, "p99"),
-                    "ttft_p50_s_later_rounds": later(name, "p50"),
-                    "hit_chunks_by_tier": (level := mr(name))
-                    and level.server.daemon_hit_chunks_by_tier,
-                }
-                for name in PAST_THE_ARENA
-                if mr(name) is not None
-            },
-            "no_reuse_se": {"sidecar": nr_side.se, "embedded": nr_emb.se},
-            "no_reuse_second_vllm_alone": no_reuse_ratios(cycles, "vllm_b").mean,
-            "no_reuse_cycles": cycles,
-            "no_reuse_error": self.no_reuse_error or None,
-            "no_reuse_hook_share": mean_cost(self.nr_costs.get("kvtier_sidecar", []), "hooks"),
-            "no_reuse_hook_share_embedded": mean_cost(
-                self.nr_costs.get("kvtier_embedded", []), "hooks"
-            ),
-            "no_reuse_kvtierd_cpu_share": mean_cost(
-                self.nr_costs.get("kvtier_sidecar", []), "kvtierd_cpu"
-            ),
-            "no_reuse_kvtier_time": self.nr_costs,
-        }
-        targets = {}
-        for key, (op, bound) in TARGETS.items():
-            value = headline[key]
-            met = None if value is None else (value >= bound if op == ">=" else value <= bound)
-            targets[key] = {"value": value, "target": f"{op} {bound:g}", "met": met}
-        servers = {}
-        for name, o in outcomes.items():
-            servers[name] = {
-                "label": o.case.label,
-                "start_s": o.start_s,
-                "wall_s": o.wall_s,
-                "error": o.error or None,
-                "log": o.log_path or str(self.root / name / "server.log"),
-                "multi_round": [summary(lv) for lv in o.multi_round],
-                "daemon_counters": o.daemon_counters,
-                "no_reuse": [summary(lv) for lv in o.no_reuse],
-            }
-            if o.error:
-                servers[name]["log_tail"] = o.log_tail
-        return {
-            "mode": self.mode.name,
-            "headline_concurrency": c,
-            **headline,
-            "targets": targets,
-            "profile": profile,
-            "servers": servers,
-            "settings": {
-                "model": self.model.name,
-                "draft": self.draft.name,
-                "kv_cache_bytes": KV_CACHE_BYTES,
-                "max_model_len": MAX_MODEL_LEN,
-                "block_size": BLOCK_SIZE,
-                "blocks_per_chunk": self.bpc,
-                "arena_bytes": ARENA_BYTES,
-                "working_set_bytes": self.working_set_bytes,
-                "multi_round": {
-                    "users": USERS,
-                    "doc_tokens": DOC_TOKENS,
-                    "question_tokens": QUESTION_TOKENS,
-                    "answer_tokens": ANSWER_TOKENS,
-                    "rounds": ROUNDS,
-                    "working_set_tokens": USERS * self.workload().longest_request(),
-                    "concurrency": list(self.concurrency),
-                },
-                "no_reuse": {
-                    "cycles": self.mode.no_reuse_cycles,
-                    "requests": NO_REUSE_REQUESTS,
-                    "backlog_requests": NO_REUSE_BACKLOG,
-                },
-                "connector_extra": self.connector_extra,
-                "speculative_tokens": SPEC_TOKENS,
-                "run_dir": str(self.root),
-            },
-            "_outcomes": outcomes,
-        }
-
     def close(self) -> None:
-        if self.moto is not None:
-            self.moto.stop()
-        for path in self.shm_paths:
-            path.unlink(missing_ok=True)
-
-
-def _settled(path: Path) -> bool:
-    """A trace file the profiler has finished writing (its size holds still for a second)."""
-    size = path.stat().st_size
-    time.sleep(1.0)
-    return size > 0 and path.stat().st_size == size
-
-
-# -- output -----------------------------------------------------------------------------------
-
-
-def _f(value: Any, fmt: str = ".2f") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, fmt)
-
-
-def _ms(seconds: float | None, fmt: str = ".0f") -> str:
-    return _f(None if seconds is None else seconds * 1e3, fmt)
-
-
-def _pct3(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.2f}%"
-
-
-def _pct(value: Any) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
-def tables(result: dict[str, Any]) -> str:
-    lines = [
-        f"## Multi-round ({result['settings']['multi_round']['users']} users x "
-        f"{ROUNDS} rounds, working set {result['settings']['multi_round']['working_set_tokens']}"
-        f" tokens, KV cache 4,096 tokens)",
-        "",
-        "| server | conc | out tok/s | tok/s/user | TTFT p50 ms | TTFT p99 ms | TTFT p50/p99 ms, "
-        "rounds 2-4 | ITL p50 ms | hit ratio | kvtierd hit ratio | ok/sent |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for s in result["servers"].values():
-        if s["error"]:
-            lines.append(f"| {s['label']} | - | failed: {s['error'][:160]} | | | | | | | | |")
-            continue
-        for lv in s["multi_round"]:
-            lines.append(
-                f"| {s['label']} | {lv['concurrency']} | {_f(lv['output_tps'], '.1f')} | "
-                f"{_f(lv['output_tps_per_user'], '.2f')} | {_ms(lv['ttft_p50_s'], '.0f')} | "
-                f"{_ms(lv['ttft_p99_s'], '.0f')} | "
-                f"{_ms(lv['ttft_p50_s_later_rounds'], '.0f')}/"
-                f"{_ms(lv['ttft_p99_s_later_rounds'], '.0f')} | "
-                f"{_ms(lv['itl_p50_s'], '.1f')} | "
-                f"{_pct(lv['hit_ratio'])} | {_pct(lv['daemon_hit_ratio'])} | "
-                f"{lv['ok']}/{lv['requests']} |"
-            )
-    lines += past_the_arena_table(result)
-    lines += ["", *no_reuse_table(result)]
-    lines += ["", "## Ratios", "", "| ratio | value | target | met |", "|---|---:|---:|---|"]
-    for key, t in result["targets"].items():
-        met = "-" if t["met"] is None else ("yes" if t["met"] else "no")
-        lines.append(f"| {key} | {_f(t['value'], '.3f')} | {t['target']} | {met} |")
-    for key in (
-        "throughput_vs_vllm_alone_embedded",
-        "ttft_p50_vs_vllm_alone_embedded",
-        "ttft_p99_vs_vllm_alone_embedded",
-        "ttft_p50_vs_vllm_alone_later_rounds",
-        "ttft_p99_vs_vllm_alone_later_rounds",
-        "throughput_vs_offloading_connector",
-        "throughput_vs_more_hbm",
-        "kvtier_step_share",
-    ):
-        lines.append(f"| {key} | {_f(result.get(key), '.3f')} | | |")
-    profile = result.get("profile") or {}
-    if profile.get("steps"):
-        lines += [
-            "",
-            f"Profile ({profile['kvtier_ranges']}): {profile['steps']} steps, "
-            f"{profile['step_time_s']:.2f} s of step time, model forward "
-            f"{profile['model_step_share']:.1%}, kvtier {profile['kvtier_step_share']:.1%} "
-            f"({profile['kvtier_outside_steps_s']:.3f} s of kvtier outside steps).",
-        ]
-    return "\n".join(lines)
-
-
-def past_the_arena_table(result: dict[str, Any]) -> list[str]:
-    """The servers whose tiers hold less than the working set, beside the one whose arena holds
-    it all and vLLM alone with the KV cache that holds it."""
-    past = result.get("past_the_arena") or {}
-    if not past:
-        return []
-    base = (past.get("kvtier_sidecar") or {}).get("output_tps")
-    working_set = result["settings"]["working_set_bytes"]
-    lines = [
-        "",
-        f"## Past the arena (concurrency {HEADLINE_CONCURRENCY}; working set "
-        f"{working_set / MiB:.0f} MiB of chunks)",
-        "",
-        "| server | out tok/s | vs arena-backed | TTFT p50 ms | TTFT p99 ms | "
-        "TTFT p50 ms, rounds 2-4 | kvtierd hits by tier (chunks) |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for name, row in past.items():
-        tiers = row.get("hit_chunks_by_tier") or {}
-        lines.append(
-            f"| {result['servers'][name]['label']} | {_f(row['output_tps'], '.1f')} | "
-            f"{_f(row['output_tps'] / base if base and row['output_tps'] else None, '.3f')} | "
-            f"{_ms(row['ttft_p50_s'])} | {_ms(row['ttft_p99_s'])} | "
-            f"{_ms(row['ttft_p50_s_later_rounds'])} | "
-            + (", ".join(f"{t} {int(n)}" for t, n in sorted(tiers.items())) or "-")
-            + " |"
-        )
-    return lines
-
-
-def no_reuse_table(result: dict[str, Any]) -> list[str]:
-    """Each cycle's output tokens/s by server, then each kvtier mode's ratios."""
-    settings = result["settings"]["no_reuse"]
-    lines = [
-        f"## No reuse (every prompt unique, concurrency {HEADLINE_CONCURRENCY}, all servers up "
-        f"at once, {settings['requests']} measured requests per level)",
-        "",
-    ]
-    if result["no_reuse_error"]:
-        lines += [f"Not measured: {result['no_reuse_error']}", ""]
-    cycles = result["no_reuse_cycles"]
-    names = [n for n in NO_REUSE_CASES if any(n in row for row in cycles)]
-    if not cycles:
-        return lines
-    labels = [NO_REUSE_CASES[n].label for n in names]
-    lines += [
-        "| cycle | " + " | ".join(f"{label} tok/s" for label in labels) + " |",
-        "|---:|" + "---:|" * len(names),
-    ]
-    for i, row in enumerate(cycles):
-        lines.append(f"| {i} | " + " | ".join(_f(row.get(n), ".1f") for n in names) + " |")
-    lines += [
-        "",
-        "| over vLLM alone | cycles | mean | se | min | max |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for name in names[1:]:
-        ratios = no_reuse_ratios(cycles, name)
-        values = ratios.values or [math.nan]
-        lines.append(
-            f"| {NO_REUSE_CASES[name].label} | {len(ratios.values)} | {_f(ratios.mean, '.3f')} | "
-            f"{_f(ratios.se, '.3f')} | {_f(min(values), '.3f')} | {_f(max(values), '.3f')} |"
-        )
-    costs = result["no_reuse_kvtier_time"]
-    if any(costs.get(name) for name in ("kvtier_embedded", "kvtier_sidecar")):
-        lines += [
-            "",
-            "| kvtier's own time, mean over levels | levels | vLLM inside kvtier's hooks, "
-            "share of wall time | the same, ms per request | kvtierd CPU, share of a core |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for name in ("kvtier_embedded", "kvtier_sidecar"):
-            if costs.get(name):
-                lines.append(
-                    f"| {NO_REUSE_CASES[name].label} | {len(costs[name])} | "
-                    f"{_pct3(mean_cost(costs[name], 'hooks'))} | "
-                    f"{_f(mean_cost(costs[name], 'hooks_ms_per_request'), '.1f')} | "
-                    f"{_pct3(mean_cost(costs[name], 'kvtierd_cpu'))} |"
-                )
-    return lines
-
-
-def clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: clean(v) for k, v in value.items() if not str(k).startswith("_")}
-    if isinstance(value, list | tuple):
-        return [clean(v) for v in value]
-    return value
-
-
-def write_docs(result: dict[str, Any], docs: Path) -> None:
-    from kvtier.bench.plot import Curve, save_plot
-
-    docs.mkdir(parents=True, exist_ok=True)
-    curves = []
-    for o in result["_outcomes"].values():
-        levels = o.multi_round
-        if not levels:
-            continue
-        curves.append(
-            Curve(
-                o.case.label,
-                [lv.concurrency for lv in levels],
-                [lv.output_tps for lv in levels],
-                [lv.output_tps_per_user for lv in levels],
-                [lv.ttft_s.p50 for lv in levels],
-                [lv.ttft_s.p99 for lv in levels],
-            )
-        )
-    if curves:
-        save_plot(curves, docs / "serving.png")
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    text = [
-        "# Whole-server benchmark: vLLM alone, kvtier, vLLM's connectors",
-        "",
-        f"`python benchmarks/serving.py` ({result['mode']} run, {stamp}, "
-        f"{result['wall_s'] / 60:.0f} min; other processes used "
-        f"{result['other_processes_cpu_share']:.0%} of the CPUs). What is measured and how: the "
-        "docstring of benchmarks/serving.py.",
-        "",
-        "![throughput vs interactivity, TTFT vs concurrency](serving.png)",
-        "",
-        tables(result),
-        "",
-    ]
-    (docs / "serving.md").write_text("\n".join(text))
+        self.servers.close()
 
 
 def parse_list(text: str) -> tuple[int, ...]:
@@ -1306,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cache-dir",
         type=Path,
-        default=Path.home() / ".cache" / "kvtier-bench",
+        default=MODEL_CACHE,
         help="where the models are built and the run's files go",
     )
     parser.add_argument(
@@ -1357,11 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.close()
         if not args.keep:
             shutil.rmtree(bench.root, ignore_errors=True)
-    if args.json:
-        json.dump(clean(result), sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(tables(clean(result)))
+    emit(clean(result), args.json, lambda: tables(clean(result)))
     return 0
 
 

@@ -1,7 +1,7 @@
 """Embedded mode's close under load: SIGTERM to vLLM's API server while requests run (what a pod's
 stop does), then a restart on the same tiers.
 
-Usage: ``python benchmarks/shutdown.py [--json] [--prompts N] [--prompt-tokens T]``
+Usage: ``python -m benchmarks.shutdown [--json] [--prompts N] [--prompt-tokens T]``
 
 An embedded arena lives in the engine process's memory map, and vLLM's API server, on SIGTERM,
 sends its engine process SIGTERM and kills it after ``--shutdown-timeout`` (0 by default: at
@@ -9,7 +9,7 @@ once; vLLM's process manager gives 5 s where no timeout is set): embedded mode's
 count on running. What the arena held and lmdb did not is kept by the next start at the same
 arena path instead (kvtier/tiers/arena_salvage.py). A real
 ``vllm.entrypoints.openai.api_server`` serves the locally built 12-layer model
-(benchmarks/models.py, bf16, 12 KiB of KV per token) with ``KVTierConnector`` embedded on its
+(tests/fixtures/models.py, bf16, 12 KiB of KV per token) with ``KVTierConnector`` embedded on its
 defaults (``writeback_backlog_mib``: 256), an arena and lmdb of their own. ``--prompts``
 distinct prompts of ``--prompt-tokens`` random tokens run at once, each asked for 512 tokens;
 once every prompt's chunks are in the arena (``vllm:kvtier_transfer_chunks_total``) and while
@@ -48,19 +48,16 @@ from typing import Any
 import psutil
 import yaml
 
-try:
-    from benchmarks import models
-    from benchmarks.servers import VllmServer, connector_arg
-except ImportError:  # run as a script from benchmarks/
-    import models  # type: ignore[no-redef]
-    from servers import VllmServer, connector_arg  # type: ignore[no-redef]
-
+from benchmarks.harness.cli import MODEL_CACHE
+from benchmarks.harness.connector import kvtier_connector
+from benchmarks.harness.sizes import MiB
 from kvtier.tiers.commit_checksums import ledger_path
 from kvtier.tiers.lmdb_env import stored_keys_read_only
+from tests.fixtures import models
+from tests.fixtures.servers import STOP_S, VllmServer, connector_arg
 
 log = logging.getLogger("kvtier.bench.shutdown")
 
-MiB = 1 << 20
 BLOCK_SIZE = 32
 BLOCKS_PER_CHUNK = 4
 CHUNK_TOKENS = BLOCK_SIZE * BLOCKS_PER_CHUNK
@@ -141,16 +138,9 @@ class Run:
             "lmdb": {"path": str(root / "lmdb"), "budget_bytes": lmdb_mib * MiB},
         }
         config.write_text(yaml.safe_dump(tree))
-        self.connector = {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier_vllm.connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "kvtier_config": str(config),
-                "blocks_per_chunk": BLOCKS_PER_CHUNK,
-            },
-            "kv_load_failure_policy": "recompute",
-        }
+        self.connector = kvtier_connector(
+            {"kvtier_config": str(config), "blocks_per_chunk": BLOCKS_PER_CHUNK}
+        )
         rng = random.Random(7)
         vocab = models.vocab_size_of(model)
         low = len(models.SPECIAL_TOKENS)
@@ -176,6 +166,7 @@ class Run:
         """Serve the prompts at once, SIGTERM the API server mid-decode; what the close did."""
         server = self.server("a")
         server.start()
+        exit_s: float | None = None
         try:
             threads = [
                 threading.Thread(target=self._request, args=(server.url, p), daemon=True)
@@ -201,7 +192,9 @@ class Run:
             os.kill(server.proc.pid, signal.SIGTERM)
             exit_s = gone(engine, EXIT_TIMEOUT_S)
         finally:
-            server.stop()  # the rest of the group, as a pod's grace period ends
+            # the rest of the group, as a pod's grace period ends: with the engine gone, only
+            # the API server is left, waiting for the cut requests' connections to close
+            server.stop(grace_s=0.0 if exit_s is not None else STOP_S)
         text = server.log.read_text(errors="replace")
         close = _CLOSE_LINE.search(text)
         return {
@@ -252,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=3072)
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "kvtier-bench")
+    parser.add_argument("--cache-dir", type=Path, default=MODEL_CACHE)
     args = parser.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO)
     tokenizer = models.build_tokenizer(args.cache_dir)

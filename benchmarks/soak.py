@@ -2,7 +2,7 @@
 model switches, draft revisions, side pools switched on and off, lmdb readers and kvtierd
 itself SIGKILLed, and a full disk.
 
-Usage: ``python benchmarks/soak.py [--quick] [--json]``
+Usage: ``python -m benchmarks.soak [--quick] [--json]``
 
 Real parts only: each node is a ``kvtier serve`` process (`KvtierdProcess`) with a small arena
 (node 0's 8 MiB with ``--quick``, else 16 MiB; 1 MiB extents; at most 16 slot classes) and
@@ -72,17 +72,19 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from s3_local import MotoServer, free_port, irsa_env
-from soak_bucket import Ledger, RecordingProxy, create_bucket
-from soak_nodes import Node, Vitals
-from soak_schedule import FULL, QUICK, Mode, Soak
 
+from benchmarks.harness.sizes import MiB
+from benchmarks.harness.targets import Target, met
+from benchmarks.soak_bucket import Ledger, RecordingProxy, create_bucket
+from benchmarks.soak_nodes import Node, Vitals
+from benchmarks.soak_schedule import FULL, QUICK, Mode, Soak
 from kvtier.tiers.commit_checksums import ledger_path
 from kvtier.tiers.lmdb_env import MAP_HEADROOM
+from tests.fixtures.processes import free_port
+from tests.fixtures.s3 import MotoServer, irsa_env
 
 log = logging.getLogger("kvtier.bench.soak")
 
-MiB = 1 << 20
 BUCKET = "kvtier-soak"
 NODES = 3
 ARENA_BYTES = 16 * MiB
@@ -101,7 +103,7 @@ EVENT_LOG_BYTES = 1 * MiB
 """Reached within the run: the log's bytes must stay flat past it."""
 DISK_BYTES = LMDB_BUDGET + MAP_HEADROOM + 8 * MiB
 """kvtierd checks at start that lmdb's budget and its headroom fit the disk."""
-TARGETS: dict[str, tuple[str, float]] = {
+TARGETS: dict[str, Target] = {
     "wedged_tiers": ("<=", 0),
     "foreign_objects_deleted": ("<=", 0),
     "recovery_s_after_model_switch": ("<=", 10.0),
@@ -265,12 +267,6 @@ def measure(soak: Soak, nodes: list[Node], mounted: bool, started: float) -> dic
         for name, (op, bound) in TARGETS.items()
     }
     return figures
-
-
-def met(value: float | None, op: str, bound: float) -> bool:
-    if value is None:
-        return False
-    return value <= bound if op == "<=" else value >= bound
 
 
 def print_report(figures: dict[str, Any]) -> None:

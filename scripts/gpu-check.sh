@@ -88,10 +88,10 @@ echo "python: $RUN; vLLM: $VLLM" >>"$LOG"
 step gpu-tests 240 "$RUN" -m pytest -q -p no:cacheprovider --basetemp /tmp/kvt-gpu-tests \
   --junitxml "$OUT/gpu-tests.xml" tests/gpu -rA
 if [ "$VLLM" = installed ]; then
-  (cd benchmarks && step e2e 300 "$RUN" gpu_e2e.py --require-cuda --out "$OUT/e2e.json" \
-    --cache-dir /tmp/kvt-gpu-e2e)
+  step e2e 300 "$RUN" -m benchmarks.gpu_e2e --require-cuda --out "$OUT/e2e.json" \
+    --cache-dir /tmp/kvt-gpu-e2e
 fi
-(cd benchmarks && step bandwidth 240 bash -c "'$RUN' ttft.py --gpu --quick --json >'$OUT/bandwidth.json'")
+step bandwidth 240 bash -c "'$RUN' -m benchmarks.ttft --gpu --quick --json >'$OUT/bandwidth.json'"
 
 "$PY" - "$OUT" "$VLLM" "$VLLM_VERSION" $((SECONDS - STARTED)) <<'PYEOF'
 import json, subprocess, sys

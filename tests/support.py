@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.common import keys_for as keys_for  # one copy; benchmarks never import tests/
 from kvtier.core.config import (
     ArenaConfig,
     KVTierConfig,
@@ -13,6 +12,7 @@ from kvtier.core.config import (
     from_mapping,
 )
 from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
+from tests.fixtures.keys import keys_for as keys_for  # one copy, shared with the benchmarks
 
 MiB = 1 << 20
 

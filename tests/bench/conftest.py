@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.models import build_llama, build_tokenizer
 from tests.bench.servers import vllm_server
+from tests.fixtures.models import build_llama, build_tokenizer
 
 
 @pytest.fixture(scope="session")

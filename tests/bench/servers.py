@@ -1,5 +1,5 @@
-"""The real vLLM OpenAI server (from benchmarks/servers.py), its counters, and a proxy in front of
-it that fails requests."""
+"""The real vLLM OpenAI server (from tests/fixtures/servers.py), its counters, and a proxy in front
+of it that fails requests."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.servers import BLOCK_SIZE, MAX_MODEL_LEN, free_port, vllm_server
+from tests.fixtures.processes import free_port
+from tests.fixtures.servers import BLOCK_SIZE, MAX_MODEL_LEN, vllm_server
 
 __all__ = ["BLOCK_SIZE", "MAX_MODEL_LEN", "FaultProxy", "counters", "free_port", "vllm_server"]
 

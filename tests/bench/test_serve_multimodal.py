@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.vision_models import build_idefics3
 from kvtier.bench import BenchConfig, WorkloadSpec
 from kvtier.bench.runner import run_level
 from kvtier.bench.scrape import parse_counters, total
 from kvtier.bench.workloads import ChatSession
 from tests.bench.servers import vllm_server
+from tests.fixtures.vision_models import build_idefics3
 
 pytestmark = pytest.mark.timeout(300)
 

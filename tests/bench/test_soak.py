@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SOAK = ROOT / "benchmarks" / "soak.py"
 EVENTS = {
     "model_switch",
     "draft_revision",
@@ -60,7 +59,7 @@ def quick_run() -> dict[str, Any]:
         [str(ROOT), str(ROOT / "connectors"), env.get("PYTHONPATH", "")]
     )
     done = subprocess.run(
-        [sys.executable, str(SOAK), "--quick", "--json"],
+        [sys.executable, "-m", "benchmarks.soak", "--quick", "--json"],
         cwd=ROOT,
         env=env,
         capture_output=True,

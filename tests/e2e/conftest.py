@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from benchmarks.vision_models import build_idefics3
 from tests.e2e.models import (
     EagleModels,
     ModelSet,
@@ -29,6 +28,7 @@ from tests.e2e.models import (
     shared_prefix_prompts,
     vocab_size_of,
 )
+from tests.fixtures.vision_models import build_idefics3
 from tests.integration.daemon_harness import DaemonFiles, write_config
 
 MAX_TOKENS = 12
@@ -142,7 +142,7 @@ def hybrid_five_to_one(models_dir: Path, tiny_models: ModelSet) -> Path:
 
 @pytest.fixture(scope="session")
 def vlm(models_dir: Path) -> Path:
-    """A tiny Idefics3 (`benchmarks.vision_models`)."""
+    """A tiny Idefics3 (`tests.fixtures.vision_models`)."""
     return build_idefics3(models_dir)
 
 
@@ -170,6 +170,11 @@ def fresh_prompts(tiny_models: ModelSet) -> list[list[int]]:
     )
 
 
+_baselines: dict[tuple[str, tuple[tuple[int, ...], ...]], list[list[int]]] = {}
+"""`baseline`'s tokens by model and prompts. Greedy decoding with no connector gives the same
+tokens each time, so the modules of one process that ask for the same prompts share one engine."""
+
+
 @pytest.fixture(scope="module")
 def baseline(
     tiny_models: ModelSet,
@@ -178,8 +183,11 @@ def baseline(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> list[list[int]]:
     """Greedy tokens with no connector: `prompts`, then `fresh_prompts`."""
-    with pytest.MonkeyPatch.context() as mp:
-        set_engine_env(mp, tmp_path_factory.mktemp("baseline"))
-        with running_llm(tiny_models.target) as llm:
-            tokens, _ = generate_tokens(llm, prompts + fresh_prompts, max_tokens=MAX_TOKENS)
-    return tokens
+    asked = prompts + fresh_prompts
+    key = (str(tiny_models.target), tuple(tuple(p) for p in asked))
+    if key not in _baselines:
+        with pytest.MonkeyPatch.context() as mp:
+            set_engine_env(mp, tmp_path_factory.mktemp("baseline"))
+            with running_llm(tiny_models.target) as llm:
+                _baselines[key], _ = generate_tokens(llm, asked, max_tokens=MAX_TOKENS)
+    return [list(tokens) for tokens in _baselines[key]]  # a module's own copy

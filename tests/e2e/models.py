@@ -1,3 +1,5 @@
-"""The tiny models and engine settings of `benchmarks.models`, under the name the tests use."""
+"""The locally built models and in-process engines of `tests.fixtures`, under the one name the
+e2e tests import."""
 
-from benchmarks.models import *  # noqa: F403
+from tests.fixtures.engines import *  # noqa: F403
+from tests.fixtures.models import *  # noqa: F403

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.verify_errors import scheduler_of
 from kvtier.core.kvcodec import Codec, error_bound
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import ModelSet, counter_value, generate_tokens, running_llm
@@ -21,6 +20,7 @@ from tests.e2e.test_connector import (
     kvtier_config,
     verified,
 )
+from tests.fixtures.engines import scheduler_of
 
 VERIFY_MAX_ERROR = 0.05  # the connector's default
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.models import vocab_size_of
 from tests.e2e.models import ModelSet, counter, generate_tokens, running_llm
 from tests.e2e.test_connector import kvtier_config
+from tests.fixtures.models import vocab_size_of
 from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon
 
 BLOCK = 32
@@ -29,7 +29,7 @@ DATA_PLANE = {"lookup", "reserve", "commit", "abort", "prefetch", "release", "pr
 
 
 def unique_prompts(models: ModelSet, n: int, seed: int) -> list[list[int]]:
-    from benchmarks.models import shared_prefix_prompts
+    from tests.fixtures.models import shared_prefix_prompts
 
     vocab = vocab_size_of(models.target)
     return shared_prefix_prompts(

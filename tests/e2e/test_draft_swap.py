@@ -2,7 +2,7 @@
 
 The target as its own draft accepts every proposal, and noisy weights accept almost none, so
 acceptance shows which draft KV an engine used. Weights are swapped with the recipe in
-`tests.e2e.draft_weights`; vLLM's `reset_prefix_cache(reset_connector=True)` is what
+`tests.fixtures.draft_weights`; vLLM's `reset_prefix_cache(reset_connector=True)` is what
 `pause_generation(clear_cache=True)` does around a weight update.
 """
 
@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from benchmarks.draft_weights import checkpoint_weights, noisy, swap_draft_weights
 from kvtier.cli.main import main as kvtier_cli
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import (
@@ -28,6 +27,7 @@ from tests.e2e.models import (
     vocab_size_of,
 )
 from tests.e2e.test_connector import counter, embedded_yaml, kvtier_config
+from tests.fixtures.draft_weights import checkpoint_weights, noisy, swap_draft_weights
 from tests.integration.daemon_harness import DaemonFiles, Processes
 
 pytestmark = pytest.mark.slow

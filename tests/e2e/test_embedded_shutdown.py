@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.models import ModelSet
 from benchmarks.shutdown import EXIT_TIMEOUT_S, Run
+from tests.fixtures.models import ModelSet
 
 
 def test_a_sigterm_under_load_loses_nothing_the_arena_held(

@@ -16,7 +16,6 @@ from typing import Any
 import lmdb
 import pytest
 
-from benchmarks.vision_models import colour_blocks, image_prompt
 from kvtier.core.blockfmt import peek_header
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import Pool
@@ -25,6 +24,7 @@ from tests.e2e.conftest import deploy, set_engine_env
 from tests.e2e.models import BLOCK_SIZE, counter, greedy, running_llm
 from tests.e2e.test_connector import NO_VERIFICATION, embedded_yaml, kvtier_config
 from tests.e2e.test_connector_objstore import node_yaml
+from tests.fixtures.vision_models import colour_blocks, image_prompt
 from tests.integration.daemon_harness import DaemonFiles, Processes
 from tests.objstore.fixtures import AwsIrsa
 

@@ -29,7 +29,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
 def _run(argv: list[str], tmp_path: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         argv,
-        cwd=ROOT / "benchmarks",
+        cwd=ROOT,
         env=_env(tmp_path),
         capture_output=True,
         text=True,
@@ -40,7 +40,15 @@ def _run(argv: list[str], tmp_path: Path, timeout_s: float) -> subprocess.Comple
 
 def test_the_demo_prints_a_hit_and_where_it_came_from(tmp_path: Path) -> None:
     proc = _run(
-        [sys.executable, "demo.py", "--cache-dir", str(tmp_path / "c"), "--tokens", "1200"],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.demo",
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--tokens",
+            "1200",
+        ],
         tmp_path,
         240,
     )
@@ -62,7 +70,8 @@ def test_the_gpu_checks_end_to_end_part_passes_on_the_cpu_build(tmp_path: Path) 
     proc = _run(
         [
             sys.executable,
-            "gpu_e2e.py",
+            "-m",
+            "benchmarks.gpu_e2e",
             "--out",
             str(tmp_path / "e2e.json"),
             "--cache-dir",

@@ -2,7 +2,7 @@
 stored as kvtier's hidden pool, against vLLM's reference connector writing them to files.
 
 The reference is `ExampleHiddenStatesConnector` with its device copy made synchronous for the
-CPU (`benchmarks.hidden_reference`); both run as multiprocess engines, as in serving.
+CPU (`tests.fixtures.hidden_reference`); both run as multiprocess engines, as in serving.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ OUTPUT_TOKENS = 6
 SHARED = 512
 REFERENCE = {
     "kv_connector": "CpuHiddenStatesConnector",
-    "kv_connector_module_path": "benchmarks.hidden_reference",
+    "kv_connector_module_path": "tests.fixtures.hidden_reference",
     "kv_role": "kv_producer",
 }
 

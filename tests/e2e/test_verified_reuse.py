@@ -12,7 +12,6 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from benchmarks.verify_errors import scheduler_of, swap_chunks
 from tests.e2e.conftest import MAX_TOKENS, deploy
 from tests.e2e.models import ModelSet, counter, counter_value, generate_tokens, running_llm
 from tests.e2e.test_connector import (
@@ -25,6 +24,7 @@ from tests.e2e.test_connector import (
     verified,
 )
 from tests.e2e.test_connector_tp import engine, sidecar
+from tests.fixtures.engines import scheduler_of, swap_chunks
 from tests.integration.daemon_harness import DaemonFiles, Processes
 
 POOLS = ("target", "draft")

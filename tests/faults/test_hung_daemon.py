@@ -384,7 +384,7 @@ def test_a_new_request_waits_for_a_stopped_kvtierd_without_holding_up_the_runnin
     """A miss's lookup is asked in the background: while kvtierd cannot answer, the running
     request decodes a token every step and the lookup hook never waits for the answer (it
     would wait up to the lookup deadline, 1 s here, were it asked in the step)."""
-    from benchmarks.models import greedy
+    from tests.fixtures.engines import greedy
 
     daemon = procs.start_daemon(daemon_files)
     connector = kvtier_config({"mode": "sidecar", "socket_path": str(daemon_files.socket)})

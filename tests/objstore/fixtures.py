@@ -55,8 +55,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.s3_local import SCRUBBED_ENV
 from kvtier.tiers.objstore.backend import ObjectBackend, open_backend
+from tests.fixtures.s3 import SCRUBBED_ENV
 from tests.objstore.servers import (
     FakeGceMetadata,
     FakeGoogleSts,

@@ -31,18 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from benchmarks.s3_local import http_ready
-
-LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on now (a server started right after almost surely gets
-    it; `ServerProcess` retries on the rare collision)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        port: int = s.getsockname()[1]
-        return port
+from tests.fixtures.processes import LOOPBACK, free_port, http_ready
 
 
 def jwt_like(claims: dict[str, Any]) -> str:

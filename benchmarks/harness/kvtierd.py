@@ -1,5 +1,6 @@
 """kvtierd for the benchmarks: ``kvtier serve`` in a subprocess with a configuration written for
-the run, found ready from its first line, stopped with SIGTERM (killed if it ignores it)."""
+the run, found ready from its first line, stopped with SIGTERM (killed if it ignores it); and
+`Kvtierd`, one with an arena and lmdb sized for an engine benchmark and its admin client."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -18,10 +20,11 @@ from typing import Any
 
 import yaml
 
+from benchmarks.harness.sizes import LMDB_BUDGET, MAX_SOCKET_PATH, KiB
 from kvtier.core.config import ENV_PREFIX
 from kvtier.rpc import AdminClient
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger("kvtier.bench")
 
 READY = "kvtierd ready: "
@@ -148,3 +151,55 @@ class KvtierdProcess:
             proc.stdout.close()
         if self.exit_code != 0:
             log.error("kvtierd exited %d:\n%s", self.exit_code, self.log_tail())
+
+
+class Kvtierd(KvtierdProcess):
+    """kvtierd with an arena and lmdb sized for an engine benchmark, and its admin client."""
+
+    def __init__(self, root: Path, shm: Path, arena_bytes: int, extent_bytes: int) -> None:
+        self.shm = shm
+        self.socket_dir = root
+        if len(str(root / "kvtierd.sock")) > MAX_SOCKET_PATH:
+            self.socket_dir = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+        self.socket_path = self.socket_dir / "kvtierd.sock"
+        self.lmdb_path = root / "lmdb"
+        config = {
+            "arena": {
+                "path": str(shm),
+                "size_bytes": arena_bytes,
+                "extent_bytes": extent_bytes,
+                "min_slot_bytes": 64 * KiB,
+            },
+            "lmdb": {"path": str(self.lmdb_path), "budget_bytes": LMDB_BUDGET},
+            "server": {
+                "socket_path": str(self.socket_path),
+                "admin_address": "127.0.0.1:0",
+                "metrics_address": "127.0.0.1:0",
+            },
+        }
+        super().__init__(root, config)
+        self.admin: AdminClient | None = None
+
+    def start(self) -> None:
+        super().start()
+        self.admin = self.admin_client(timeout_s=STOP_TIMEOUT_S)
+
+    def counters(self) -> dict[str, int]:
+        """The manager's counters, and each tier's as ``<tier>.<name>``."""
+        assert self.admin is not None
+        stats = self.admin.stats()
+        out = {k: int(v) for k, v in stats.counters.items()}
+        for tier in stats.tiers:
+            out.update({f"{tier.tier}.{k}": int(v) for k, v in tier.counters.items()})
+        return out
+
+    def stop(self) -> None:
+        if self.admin is not None:
+            self.admin.close()
+            self.admin = None
+        stopping = self.proc is not None and self.exit_code is None
+        super().stop()
+        if stopping:
+            self.shm.unlink(missing_ok=True)
+            if self.socket_dir != self.root:
+                shutil.rmtree(self.socket_dir, ignore_errors=True)

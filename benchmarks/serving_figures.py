@@ -1,0 +1,190 @@
+"""The serving benchmark's figures: a case's outcome, a level's summary (hits by round, TTFT of
+later rounds), no-reuse ratios, kvtier's own time, and the profiler's step shares."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.kvtierd import Kvtierd
+from benchmarks.harness.system import process_cpu_seconds
+from benchmarks.serving_cases import Case
+from kvtier.bench import LevelResult
+from kvtier.bench.stats import Percentiles
+from kvtier.bench.trace import load_trace, step_shares
+
+log = logging.getLogger("kvtier.bench.serving")
+
+
+@dataclass
+class Outcome:
+    case: Case
+    start_s: float = math.nan
+    wall_s: float = math.nan
+    multi_round: list[LevelResult] = field(default_factory=list)
+    no_reuse: list[LevelResult] = field(default_factory=list)
+    profile: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    log_tail: str = ""
+    log_path: str = ""
+    daemon_counters: dict[str, int] = field(default_factory=dict)
+    """kvtierd's counters over the multi-round levels (moves, promotions, evictions)."""
+
+    def at(self, concurrency: int) -> LevelResult | None:
+        return next((lv for lv in self.multi_round if lv.concurrency == concurrency), None)
+
+
+def by_round(level: LevelResult) -> list[float | None]:
+    """Per round: cached tokens the server reported over prompt tokens sent."""
+    out: list[float | None] = []
+    for r in range(max((rec.round for rec in level.records), default=-1) + 1):
+        recs = [rec for rec in level.records if rec.round == r and rec.ok]
+        sent = sum(rec.prompt_len for rec in recs)
+        cached = [rec.cached_tokens for rec in recs if rec.cached_tokens is not None]
+        out.append(sum(cached) / sent if sent and cached else None)
+    return out
+
+
+def later_rounds_ttft(level: LevelResult) -> dict[str, float]:
+    """TTFT over the rounds after each user's first: those a cache can serve (a first round
+    is a cold prefill for every server, a quarter of multi-round requests)."""
+    later = Percentiles.of([r.ttft_s for r in level.records if r.ok and r.round > 0])
+    return {"ttft_p50_s_later_rounds": later.p50, "ttft_p99_s_later_rounds": later.p99}
+
+
+def summary(level: LevelResult) -> dict[str, Any]:
+    server = level.server
+    return {
+        "concurrency": level.concurrency,
+        "requests": level.requests,
+        "ok": level.ok,
+        "errors": level.errors,
+        "error_messages": level.error_messages[:3],
+        "duration_s": level.duration_s,
+        "output_tps": level.output_tps,
+        "output_tps_per_user": level.output_tps_per_user,
+        "ttft_p50_s": level.ttft_s.p50,
+        "ttft_p90_s": level.ttft_s.p90,
+        "ttft_p99_s": level.ttft_s.p99,
+        "itl_p50_s": level.itl_s.p50,
+        "itl_p99_s": level.itl_s.p99,
+        "latency_p50_s": level.latency_s.p50,
+        "prompt_tokens": level.prompt_tokens,
+        "cached_tokens_reported": level.cached_tokens,
+        "cached_share_by_round": by_round(level),
+        **later_rounds_ttft(level),
+        "hit_ratio": server.hit_ratio,
+        "hit_ratio_by_source": server.hit_ratio_by_source,
+        "prompt_tokens_cached_by_source": server.cached_tokens_by_source,
+        "prompt_tokens_by_source": server.prompt_tokens_by_source,
+        "connector_chunks": server.connector_chunks,
+        "verify_draws": server.verify_draws,
+        "realized_sample_rate": server.realized_sample_rate,
+        "daemon_hit_ratio": server.daemon_hit_ratio,
+        "daemon_lookup_chunks": server.daemon_lookup_chunks,
+        "daemon_hit_chunks_by_tier": server.daemon_hit_chunks_by_tier,
+    }
+
+
+@dataclass(frozen=True)
+class Ratios:
+    """A server's no-reuse throughput over vLLM alone's in the same cycle, one per cycle."""
+
+    values: list[float]
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.values) if self.values else None
+
+    @property
+    def se(self) -> float | None:
+        """The mean's standard error."""
+        n = len(self.values)
+        return statistics.stdev(self.values) / math.sqrt(n) if n > 1 else None
+
+
+def no_reuse_ratios(cycles: list[dict[str, float]], name: str) -> Ratios:
+    """Cycles where both levels ran whole count; a cycle missing either is left out."""
+    values = [
+        row[name] / row["vllm"]
+        for row in cycles
+        if row.get("vllm") and name in row and not math.isnan(row[name] + row["vllm"])
+    ]
+    return Ratios(values)
+
+
+def daemon_cpu_seconds(daemon: Kvtierd | None) -> float:
+    """kvtierd's CPU time so far; NaN without one."""
+    if daemon is None or daemon.proc is None:
+        return math.nan
+    return process_cpu_seconds(daemon.proc.pid)
+
+
+def kvtier_time(level: LevelResult, daemon_cpu_s: float) -> dict[str, float]:
+    """What kvtier itself took during a level, as shares of its wall time: vLLM's engine loop
+    inside kvtier's hooks (``hooks``; 0 for a server without kvtier; also in milliseconds per
+    request, which a faster or slower model does not change) and kvtierd's CPU, a share of one
+    core (``kvtierd_cpu``; NaN without kvtierd)."""
+    wall = level.duration_s or math.nan
+    hooks = sum(level.server.connector_hook_seconds.values())
+    return {
+        "hooks": hooks / wall,
+        "hooks_ms_per_request": 1000 * hooks / level.ok if level.ok else math.nan,
+        "kvtierd_cpu": daemon_cpu_s / wall,
+    }
+
+
+def mean_cost(costs: list[dict[str, float]], what: str) -> float | None:
+    values = [c[what] for c in costs if c.get(what) is not None and not math.isnan(c[what])]
+    return statistics.fmean(values) if values else None
+
+
+def profiler_args(trace_dir: Path) -> list[str]:
+    config = {
+        "profiler": "torch",
+        "torch_profiler_dir": str(trace_dir),
+        "torch_profiler_activities": ["CPU"],
+        "torch_profiler_with_stack": True,
+        "torch_profiler_use_gzip": False,
+        "ignore_frontend": True,
+    }
+    return ["--profiler-config", json.dumps(config)]
+
+
+def read_profile(trace_dir: Path) -> dict[str, Any]:
+    """The step shares of the trace with the most steps under ``trace_dir``, once the profiler
+    has written it; an ``error`` instead when none shows steps."""
+    deadline = time.monotonic() + 120
+    traces: list[Path] = []
+    while time.monotonic() < deadline:
+        traces = sorted(p for p in trace_dir.rglob("*.json*") if p.is_file())
+        if traces and all(_settled(p) for p in traces):
+            break
+        time.sleep(1)
+    if not traces:
+        return {"error": f"no trace written under {trace_dir}"}
+    best: dict[str, Any] = {}
+    for path in traces:
+        try:
+            shares = step_shares(load_trace(path))
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read trace %s: %s", path, exc)
+            continue
+        if shares["steps"] and (not best or shares["steps"] > best["steps"]):
+            best = {**shares, "trace": str(path), "trace_bytes": path.stat().st_size}
+    if not best:
+        return {"error": f"no step annotations in {[str(p) for p in traces]}"}
+    return best
+
+
+def _settled(path: Path) -> bool:
+    """A trace file the profiler has finished writing (its size holds still for a second)."""
+    size = path.stat().st_size
+    time.sleep(1.0)
+    return size > 0 and path.stat().st_size == size

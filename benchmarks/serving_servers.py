@@ -1,0 +1,220 @@
+"""The serving benchmark's servers: one case's vLLM server (its connector, kvtierd for a sidecar,
+tiers past the arena, speculation, capture, profiling) and what they share (arenas in /dev/shm,
+moto's S3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import boto3.session
+import yaml
+
+from benchmarks.harness.connector import kvtier_connector
+from benchmarks.harness.kvtierd import Kvtierd
+from benchmarks.harness.sizes import KiB, extent_for
+from benchmarks.serving_cases import (
+    ARENA_BYTES,
+    BLOCK_SIZE,
+    BUCKET,
+    CAPTURE,
+    KV_CACHE_BYTES,
+    LMDB_BUDGET,
+    MAX_MODEL_LEN,
+    SPEC_TOKENS,
+    Case,
+    Plan,
+)
+from benchmarks.serving_figures import profiler_args
+from tests.fixtures.s3 import SCRUBBED_ENV, MotoServer, irsa_env, patched_env
+from tests.fixtures.servers import VllmServer, connector_arg
+
+
+class Servers:
+    """Starts and stops the cases' servers under ``root``; ``daemons`` are the sidecars' kvtierd
+    by run name while their servers run."""
+
+    def __init__(
+        self,
+        root: Path,
+        model: Path,
+        draft: Path,
+        *,
+        blocks_per_chunk: int,
+        chunk_bytes: int,
+        working_set_bytes: int,
+        kv_per_token: int,
+        hidden_per_token: int,
+        connector_extra: dict[str, Any],
+    ) -> None:
+        self.root = root
+        self.model = model
+        self.draft = draft
+        self.bpc = blocks_per_chunk
+        self.chunk_bytes = chunk_bytes
+        self.working_set_bytes = working_set_bytes
+        """Every user's whole history, in the chunks it is stored as."""
+        self.kv_per_token = kv_per_token
+        self.hidden_per_token = hidden_per_token
+        self.connector_extra = connector_extra
+        self.shm_paths: list[Path] = []
+        self.daemons: dict[str, Kvtierd] = {}
+        self.moto: MotoServer | None = None
+
+    def hidden_bytes(self, kv_bytes: int) -> int:
+        """The captured hidden states' cache for the tokens ``kv_bytes`` of KV hold."""
+        return kv_bytes * self.hidden_per_token // self.kv_per_token
+
+    def shm(self, name: str) -> Path:
+        path = Path(f"/dev/shm/kvtier-serving-{os.getpid()}-{name}")
+        self.shm_paths.append(path)
+        return path
+
+    def kvtier(self, extra: dict[str, Any]) -> dict[str, Any]:
+        return kvtier_connector({**extra, "blocks_per_chunk": self.bpc, **self.connector_extra})
+
+    def embedded_config(self, name: str) -> dict[str, Any]:
+        path = self.root / name / "kvtier.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tree = {
+            "arena": {
+                "path": str(self.shm(name)),
+                "size_bytes": ARENA_BYTES,
+                "extent_bytes": extent_for(self.chunk_bytes),
+                "min_slot_bytes": 64 * KiB,
+            },
+            "lmdb": {"path": str(self.root / name / "lmdb"), "budget_bytes": LMDB_BUDGET},
+        }
+        path.write_text(yaml.safe_dump(tree))
+        return self.kvtier({"kvtier_config": str(path)})
+
+    def past_the_arena(self, tree: dict[str, Any], below: str, daemon: Kvtierd) -> None:
+        """Tiers that hold less than the working set: an arena of a quarter of it (extents of
+        8 chunks, so that a quarter is whole extents), then lmdb the rest, or lmdb a quarter
+        and the object store (moto, reached through IRSA) everything."""
+        extent = 8 * self.chunk_bytes
+        quarter = max(extent, round(self.working_set_bytes / 4 / extent) * extent)
+        tree["arena"].update(size_bytes=quarter, extent_bytes=extent)
+        if below == "object":
+            moto = self.s3()
+            tree["lmdb"]["budget_bytes"] = quarter
+            tree["object"] = {
+                "url": f"s3://{BUCKET}/{daemon.root.parent.name}",
+                "index_path": str(daemon.root / "objindex"),
+            }
+            daemon.env = irsa_env(self.root, moto.url)
+            daemon.env_drop = SCRUBBED_ENV
+
+    def s3(self) -> MotoServer:
+        """moto's S3, started at first use, with the run's bucket."""
+        if self.moto is None:
+            self.moto = MotoServer(self.root / "moto.log").start()
+            with patched_env(irsa_env(self.root, self.moto.url), drop=SCRUBBED_ENV):
+                client = boto3.session.Session().client("s3")
+                client.create_bucket(Bucket=BUCKET)
+                client.close()
+        return self.moto
+
+    @contextmanager
+    def server(
+        self, case: Case, plan: Plan, run_name: str = ""
+    ) -> Iterator[tuple[VllmServer, str | None]]:
+        """``case``'s server, its files under ``run_name`` (the case's name by default)."""
+        run_name = run_name or case.name
+        tmp = self.root / run_name
+        tmp.mkdir(parents=True, exist_ok=True)
+        args: list[str] = []
+        daemon: Kvtierd | None = None
+        metrics_url = None
+        if case.connector == "embedded":
+            args += connector_arg(self.embedded_config(run_name))
+        elif case.connector == "sidecar":
+            (tmp / "kvtierd").mkdir(exist_ok=True)
+            daemon = Kvtierd(
+                tmp / "kvtierd", self.shm(run_name), ARENA_BYTES, extent_for(self.chunk_bytes)
+            )
+            tree = yaml.safe_load(daemon.config_path.read_text())
+            tree["lmdb"]["budget_bytes"] = LMDB_BUDGET
+            if case.below:
+                self.past_the_arena(tree, case.below, daemon)
+                tree["lmdb"]["codec"] = case.codec
+                if "object" in tree:
+                    tree["object"]["codec"] = case.codec
+            daemon.config_path.write_text(yaml.safe_dump(tree))
+            try:
+                daemon.start()
+            except BaseException:
+                daemon.stop()
+                raise
+            metrics_url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
+            self.daemons[run_name] = daemon
+            extra = {"mode": "sidecar", "socket_path": str(daemon.socket_path)}
+            args += connector_arg(self.kvtier(extra))
+        elif case.connector == "example":
+            storage = tmp / "example-storage"
+            storage.mkdir(exist_ok=True)
+            args += connector_arg(
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+                }
+            )
+        elif case.connector == "offloading":
+            args += connector_arg(
+                {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"cpu_bytes_to_use": ARENA_BYTES},
+                }
+            )
+        if case.spec:
+            spec = {
+                "method": "draft_model",
+                "model": str(self.draft),
+                "num_speculative_tokens": SPEC_TOKENS,
+            }
+            args += ["--speculative-config", json.dumps(spec)]
+        if case.capture:
+            args += ["--speculative-config", json.dumps(CAPTURE)]
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if plan.profile:
+            args += profiler_args(tmp / "traces")
+            env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # vLLM's own ranges, forward included
+        # the hidden-state cache shares the KV memory: as much again for it, the same tokens held
+        kv_bytes = KV_CACHE_BYTES * case.kv_cache_scale
+        kv_bytes += self.hidden_bytes(KV_CACHE_BYTES) if case.capture else 0
+        server = VllmServer(
+            self.model,
+            tmp,
+            args=args,
+            kv_cache_bytes=kv_bytes,
+            max_model_len=MAX_MODEL_LEN,
+            block_size=BLOCK_SIZE,
+            dtype="bfloat16",
+            env=env,
+        )
+        try:
+            server.start()
+            yield server, metrics_url
+        finally:
+            server.stop()
+            if daemon is not None:
+                daemon.stop()
+                self.daemons.pop(run_name, None)
+            # its own arena only: other servers may still be running
+            self.shm(run_name).unlink(missing_ok=True)
+            # the stored KV (a preallocated LMDB file is its whole budget): keep the logs only
+            for heavy in (tmp / "lmdb", tmp / "kvtierd" / "lmdb", tmp / "example-storage"):
+                shutil.rmtree(heavy, ignore_errors=True)
+
+    def close(self) -> None:
+        if self.moto is not None:
+            self.moto.stop()
+        for path in self.shm_paths:
+            path.unlink(missing_ok=True)
