@@ -82,7 +82,7 @@ def best_of(runs: int, work: Any) -> float:
 
 
 def kvtier_run(model: Path, root: Path, prompts: list[list[int]], dtype: str) -> dict[str, Any]:
-    from kvtier_vllm.hidden_states import as_tensor
+    from kvtier_vllm.hidden_capture.tensors import as_tensor
 
     from kvtier.client import InProcessClient
     from kvtier.core.config import load_config

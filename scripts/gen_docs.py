@@ -219,8 +219,8 @@ def _table(rows: list[Row]) -> list[str]:
 
 
 def configuration_page() -> str:
-    from kvtier_vllm.config import ConnectorConfig, TiersConfig
-    from kvtier_vllm.ec_config import EncoderCacheConfig
+    from kvtier_vllm.encoder.settings import EncoderCacheConfig
+    from kvtier_vllm.shared.settings import ConnectorConfig, TiersConfig
 
     from kvtier.core.config import KVTierConfig
 
@@ -232,8 +232,8 @@ def configuration_page() -> str:
         "",
         "Every key kvtier reads, with its type, default and meaning, as the code declares them",
         "(`kvtier/core/config_sections.py`, `kvtier/core/config_server.py`,",
-        "`connectors/kvtier_vllm/config.py` and `connectors/kvtier_vllm/ec_config.py`). How the",
-        "tree is loaded and checked is in",
+        "`connectors/kvtier_vllm/shared/settings.py` and",
+        "`connectors/kvtier_vllm/encoder/settings.py`). How the tree is loaded and checked is in",
         "[Configuration](../configuration.md).",
         "",
         "## kvtier's tree",
@@ -299,8 +299,8 @@ def connector_metrics() -> list[Declared]:
     from prometheus_client import Counter, Gauge, Histogram
 
     try:
-        from kvtier_vllm.ec_stats import KVTierECPromMetrics
-        from kvtier_vllm.stats import KVTierPromMetrics
+        from kvtier_vllm.encoder.connector_stats import KVTierECPromMetrics
+        from kvtier_vllm.kv.connector_stats import KVTierPromMetrics
     except ModuleNotFoundError as exc:
         raise SystemExit(
             f"scripts/gen_docs.py reads the connector's metrics from its classes, which need "
@@ -346,8 +346,9 @@ def metrics_page() -> str:
         "",
         "Every metric kvtier exports, as the code declares it: kvtierd's in",
         "`kvtier/observability/metric_specs.py`, the connectors' in",
-        "`connectors/kvtier_vllm/stats.py` and `connectors/kvtier_vllm/ec_stats.py`. What they",
-        "mean together, with queries, dashboards and alerts, is in",
+        "`connectors/kvtier_vllm/kv/connector_stats.py` and",
+        "`connectors/kvtier_vllm/encoder/connector_stats.py`. What they mean together, with",
+        "queries, dashboards and alerts, is in",
         "[Observability](../observability.md).",
         "",
         "## kvtierd",

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvtier_vllm.adapter import (
+from kvtier_vllm.kv.connector_stats import KVTierPromMetrics, KVTierStats
+from kvtier_vllm.kv.metadata import KVTierMetadata
+from kvtier_vllm.shared.build_check import say_build_once
+from kvtier_vllm.shared.guard import contained, report_with_next_stats
+from kvtier_vllm.shared.settings import parse
+from kvtier_vllm.shared.vllm_compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
@@ -12,17 +17,12 @@ from kvtier_vllm.adapter import (
     cache_hit_source,
     transfer_results,
 )
-from kvtier_vllm.build_check import say_build_once
-from kvtier_vllm.config import parse
-from kvtier_vllm.guard import contained, report_with_next_stats
-from kvtier_vllm.metadata import KVTierMetadata
-from kvtier_vllm.stats import KVTierPromMetrics, KVTierStats
 
 if TYPE_CHECKING:
     import torch
 
-    from kvtier_vllm.scheduler import KVTierScheduler
-    from kvtier_vllm.worker import KVTierWorker
+    from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
+    from kvtier_vllm.kv.worker_side.worker import KVTierWorker
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -33,11 +33,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from kvtier_vllm.scheduler import KVTierScheduler
+            from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
 
             self._scheduler = KVTierScheduler(vllm_config, kv_cache_config, cfg)
         else:
-            from kvtier_vllm.worker import KVTierWorker
+            from kvtier_vllm.kv.worker_side.worker import KVTierWorker
 
             self._worker = KVTierWorker(vllm_config, cfg, kv_cache_config)
 

@@ -13,22 +13,21 @@ import logging
 from typing import Any
 
 import torch
-from vllm.distributed.ec_transfer.ec_connector.base import (
+
+from kvtier_vllm.encoder.connector_stats import Deltas, KVTierECPromMetrics, KVTierECStats
+from kvtier_vllm.encoder.metadata import ECReport, ECStepPlan
+from kvtier_vllm.encoder.settings import parse
+from kvtier_vllm.shared.build_check import say_build_once
+from kvtier_vllm.shared.guard import contained
+from kvtier_vllm.shared.vllm_compat import (
     ECConnectorBase,
     ECConnectorMetadata,
-    ECConnectorRole,
-    ECConnectorWorkerMetadata,
-)
-from vllm.distributed.ec_transfer.ec_connector.metrics import (
     ECConnectorPromMetrics,
+    ECConnectorRole,
     ECConnectorStats,
+    ECConnectorWorkerMetadata,
+    tensor_parallel_rank,
 )
-
-from kvtier_vllm.build_check import say_build_once
-from kvtier_vllm.ec_config import parse
-from kvtier_vllm.ec_metadata import ECReport, ECStepPlan
-from kvtier_vllm.ec_stats import Deltas, KVTierECPromMetrics, KVTierECStats
-from kvtier_vllm.guard import contained
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +54,8 @@ class KVTierECConnector(ECConnectorBase):
         cfg = parse(transfer.ec_connector_extra_config)
         self._deltas = Deltas()
         if role == ECConnectorRole.SCHEDULER:
-            from kvtier_vllm.ec_identity import encoder_specs
-            from kvtier_vllm.ec_scheduler import EncoderCacheScheduler
+            from kvtier_vllm.encoder.identity import encoder_specs
+            from kvtier_vllm.encoder.scheduler import EncoderCacheScheduler
 
             replica = cfg.replica_id or f"dp{vllm_config.parallel_config.data_parallel_index}"
             self._scheduler: EncoderCacheScheduler | None = EncoderCacheScheduler(
@@ -68,12 +67,10 @@ class KVTierECConnector(ECConnectorBase):
             )
             self._worker = None
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            from kvtier_vllm.ec_worker import EncoderCacheWorker
+            from kvtier_vllm.encoder.worker import EncoderCacheWorker
 
             device = torch.device(vllm_config.device_config.device)
-            writes = self.is_producer and get_tensor_model_parallel_rank() == 0
+            writes = self.is_producer and tensor_parallel_rank() == 0
             self._scheduler = None
             self._worker = EncoderCacheWorker(device, writes)
 

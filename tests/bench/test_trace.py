@@ -34,7 +34,7 @@ def test_python_functions_nested_count_once_and_only_inside_steps() -> None:
         *STEPS,
         ev("gpu_model_runner: forward", 100, 800),
         py("connectors/kvtier_vllm/connector.py(146): start_load_kv", 0, 100),
-        py("connectors/kvtier_vllm/worker.py(293): start_load_kv", 10, 80),  # nested
+        py("connectors/kvtier_vllm/kv/worker_side/worker.py(293): start_load_kv", 10, 80),  # nested
         py("connectors/kvtier_vllm/connector.py(165): wait_for_save", 2900, 200),  # half out
         py("connectors/kvtier_vllm/connector.py(176): get_finished", 1500, 50),  # between
         py("vllm/v1/worker/gpu_model_runner.py(10): execute_model", 0, 1000),

@@ -103,7 +103,7 @@ def daemon_files(tmp_path: Path, shm_path: Path) -> DaemonFiles:
 @pytest.fixture
 def kv_events(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Every KV event the connector hands vLLM during the test (in-process engines)."""
-    from kvtier_vllm.scheduler import KVTierScheduler
+    from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
 
     events: list[Any] = []
     take_events = KVTierScheduler.take_events

@@ -49,7 +49,7 @@ CHUNK_HEADER = 128
 @contextmanager
 def recorded_worker_plans(mp: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """The pools each in-process worker planned from the caches vLLM registered."""
-    from kvtier_vllm.worker import KVTierWorker
+    from kvtier_vllm.kv.worker_side.worker import KVTierWorker
 
     plans: dict[str, Any] = {}
     register = KVTierWorker.register_kv_caches

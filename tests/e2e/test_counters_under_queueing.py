@@ -76,7 +76,7 @@ def counted_asks(monkeypatch: pytest.MonkeyPatch, replan: bool) -> Counter[str]:
     """How often vLLM asks the connector about each request; with ``replan``, the load is
     planned anew at every ask (as when vLLM's own cache grew, the arena lost a chunk or the
     request was preempted)."""
-    from kvtier_vllm.scheduler import KVTierScheduler
+    from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
 
     seen: Counter[str] = Counter()
     original = KVTierScheduler.get_num_new_matched_tokens

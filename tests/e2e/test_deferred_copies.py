@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtier_vllm import worker as worker_module
 from kvtier_vllm.connector import KVTierConnector
-from kvtier_vllm.copies import DeferredCopies, Pair
-from kvtier_vllm.metadata import KVTierMetadata
-from kvtier_vllm.worker import KVTierWorker
+from kvtier_vllm.kv.metadata import KVTierMetadata
+from kvtier_vllm.kv.worker_side import worker as worker_module
+from kvtier_vllm.kv.worker_side.worker import KVTierWorker
+from kvtier_vllm.shared.copies import DeferredCopies, Pair
 
 from kvtier.core.protocol import SlotRef
 from kvtier.rpc import GrpcTierClient

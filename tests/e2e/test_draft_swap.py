@@ -198,8 +198,8 @@ def test_fill_policies_write_defined_draft_pages_and_swaps_are_found_without_kvt
     shm_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvtier_vllm.metadata import KVTierMetadata
-    from kvtier_vllm.worker import KVTierWorker
+    from kvtier_vllm.kv.metadata import KVTierMetadata
+    from kvtier_vllm.kv.worker_side.worker import KVTierWorker
 
     poison = 0x7F  # 3.4e38 in every float32 lane: no fill or KV ever holds it
     seen: dict[str, int] = {"poisoned": 0, "zero": 0, "loaded": 0, "left": 0}

@@ -246,7 +246,7 @@ def test_a_wrong_setting_is_named(vlm: Path, tmp_path: Path, shm_path: Path) -> 
 
 
 def test_config_errors_are_config_errors() -> None:
-    from kvtier_vllm.ec_config import parse
+    from kvtier_vllm.encoder.settings import parse
 
     with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.part_kib"):
         parse({"part_kib": 1})

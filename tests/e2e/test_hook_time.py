@@ -23,8 +23,8 @@ def test_hook_seconds_hold_what_the_hooks_took_and_no_more(
     shm_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvtier_vllm import guard
-    from kvtier_vllm.scheduler import KVTierScheduler
+    from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
+    from kvtier_vllm.shared import guard
 
     monkeypatch.setattr(guard, "REPORT_INTERVAL_S", 0.0)  # every step's time, reported at once
     built = KVTierScheduler.build_connector_meta

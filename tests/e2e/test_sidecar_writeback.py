@@ -21,7 +21,7 @@ def test_chunks_reach_lmdb_once_the_engine_is_idle_and_not_before(
     daemon_files: DaemonFiles,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvtier_vllm.scheduler import KVTierScheduler
+    from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
 
     daemon = procs.start_daemon(daemon_files)
     during: list[float] = []

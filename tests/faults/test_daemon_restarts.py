@@ -70,7 +70,7 @@ def round_baseline(
 @pytest.fixture
 def workers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The connector's workers, as they register their caches."""
-    from kvtier_vllm.worker import KVTierWorker
+    from kvtier_vllm.kv.worker_side.worker import KVTierWorker
 
     found: list[Any] = []
     register = KVTierWorker.register_kv_caches
@@ -122,7 +122,7 @@ class MidStore:
     slots then name free slots of a fresh arena, which must stay as they were."""
 
     def __init__(self, mp: pytest.MonkeyPatch, procs: Processes) -> None:
-        from kvtier_vllm.worker import KVTierWorker
+        from kvtier_vllm.kv.worker_side.worker import KVTierWorker
 
         self.procs = procs
         self.armed: tuple[RunningDaemon, DaemonFiles] | None = None

@@ -28,7 +28,7 @@ class Breaker:
     engine would read noise."""
 
     def __init__(self, mp: pytest.MonkeyPatch) -> None:
-        from kvtier_vllm.worker import KVTierWorker
+        from kvtier_vllm.kv.worker_side.worker import KVTierWorker
 
         self.workers: list[Any] = []
         self.raised: list[str] = []
@@ -67,8 +67,8 @@ def _load_blocks(meta: Any) -> list[int]:
 
 
 def _arm(breaker: Breaker, hook: str) -> None:
-    from kvtier_vllm.scheduler import KVTierScheduler
-    from kvtier_vllm.worker import KVTierWorker
+    from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
+    from kvtier_vllm.kv.worker_side.worker import KVTierWorker
 
     if hook == "start_load_kv":
         breaker.arm(KVTierWorker, hook, lambda w, meta: _load_blocks(meta))

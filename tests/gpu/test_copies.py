@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvtier_vllm.copies import CpuCopies, CudaCopies, copies_for
+from kvtier_vllm.shared.copies import CpuCopies, CudaCopies, copies_for
 
 from kvtier.client import ArenaMemory
 from kvtier.core.pools import PoolRegistry

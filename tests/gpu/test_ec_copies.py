@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvtier_vllm.ec_metadata import ECStepPlan, ItemSlots
-from kvtier_vllm.ec_worker import EncoderCacheWorker
+from kvtier_vllm.encoder.metadata import ECStepPlan, ItemSlots
+from kvtier_vllm.encoder.worker import EncoderCacheWorker
 
 from kvtier.core.encoder import PartLayout, encoder_spec, item_keys, rows_per_part
 from kvtier.core.pools import PoolRegistry

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
-from kvtier_vllm.unreturned import Handback, Unreturned
+from kvtier_vllm.kv.scheduler_side.unreturned import Handback, Unreturned
 
 from kvtier.api.v1 import admin_pb2, tier_pb2, tier_pb2_grpc
 from kvtier.core.codec import spec_to

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import lmdb
 import pytest
-from kvtier_vllm.lmdb_loads import LmdbStaging
-from kvtier_vllm.metadata import ChunkCopy
+from kvtier_vllm.kv.lmdb_staging import LmdbStaging
+from kvtier_vllm.kv.metadata import ChunkCopy
 
 from kvtier.client import InProcessClient
 from kvtier.core.encoder import PartLayout, encoder_spec, item_keys

@@ -154,9 +154,9 @@ def test_a_process_that_gives_its_reader_back_opens_lmdb_again_past_max_readers(
 
 
 def test_an_engine_shut_down_closes_lmdb_so_the_process_opens_it_again(tmp_path: Path) -> None:
-    from kvtier_vllm.config import ConnectorConfig
-    from kvtier_vllm.metadata import ChunkCopy
-    from kvtier_vllm.worker import KVTierWorker
+    from kvtier_vllm.kv.metadata import ChunkCopy
+    from kvtier_vllm.kv.worker_side.worker import KVTierWorker
+    from kvtier_vllm.shared.settings import ConnectorConfig
 
     registry = PoolRegistry()
     namespace = registry.register(target_spec(), CHUNK).namespace

@@ -40,7 +40,7 @@ def _vllm_source_names() -> set[str]:
     # the connector's own series in vLLM's /metrics, as its source declares them
     ours = "".join(
         (ROOT / "connectors" / "kvtier_vllm" / name).read_text()
-        for name in ("stats.py", "ec_stats.py")
+        for name in ("kv/connector_stats.py", "encoder/connector_stats.py")
     )
     for name in re.findall(r'"(vllm:kvtier_[a-z_]+)"', ours):
         names |= {name} if name.endswith("_total") else {f"{name}_bucket", f"{name}_count"}

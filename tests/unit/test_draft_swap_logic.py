@@ -9,16 +9,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from kvtier_vllm.draft import (
+from kvtier_vllm.drafts.swaps import (
     AcceptanceMeter,
     DraftTracker,
     DraftWatch,
     Fill,
-    FillPolicy,
     fingerprint,
     lease_draft,
 )
-from kvtier_vllm.stats import KVTierPromMetrics, KVTierStats
+from kvtier_vllm.kv.connector_stats import KVTierPromMetrics, KVTierStats
+from kvtier_vllm.shared.settings import FillPolicy
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvtier.client import InProcessClient

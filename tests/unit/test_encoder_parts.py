@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 import torch
-from kvtier_vllm.ec_metadata import ECReport, ECStepPlan, ItemSlots
-from kvtier_vllm.ec_scheduler import tagged
-from kvtier_vllm.ec_steps import MAX_UNREPORTED_STEPS, StepLedger
-from kvtier_vllm.ec_worker import relative_error
+from kvtier_vllm.encoder.metadata import ECReport, ECStepPlan, ItemSlots
+from kvtier_vllm.encoder.scheduler import tagged
+from kvtier_vllm.encoder.steps import MAX_UNREPORTED_STEPS, StepLedger
+from kvtier_vllm.encoder.worker import relative_error
 
 from kvtier.core.blockfmt import ChunkDescriptor, decode, encode
 from kvtier.core.codec import spec_from, spec_to
@@ -143,7 +143,7 @@ def test_unreported_steps_expire_their_writes_are_never_committed(
         ledger.record(ECStepPlan())
         assert ledger.expire().abort == []
     ledger.record(ECStepPlan())
-    with caplog.at_level("ERROR", logger="kvtier_vllm.ec_steps"):
+    with caplog.at_level("ERROR", logger="kvtier_vllm.encoder.steps"):
         gone = ledger.expire()
     assert [r.slot for r in gone.abort] == [1]
     assert [r.slot for r in gone.release] == [0]

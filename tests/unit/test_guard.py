@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from kvtier_vllm import guard
-from kvtier_vllm.guard import contained, failures
-from kvtier_vllm.stats import KVTierPromMetrics, KVTierStats, take_report
+from kvtier_vllm.kv.connector_stats import KVTierPromMetrics, KVTierStats, take_report
+from kvtier_vllm.shared import guard
+from kvtier_vllm.shared.guard import contained, failures
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from torch.profiler import ProfilerActivity, profile
 

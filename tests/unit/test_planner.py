@@ -14,13 +14,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kvtier_vllm.draft import DraftTracker, Fill
-from kvtier_vllm.layout import PoolPlan
-from kvtier_vllm.loads import LoadPlan
-from kvtier_vllm.planner import PROMOTE_WAIT_ASKS, HitPlanner
-from kvtier_vllm.requests import RequestState
-from kvtier_vllm.spans import PromptKeys, keys_in
-from kvtier_vllm.timings import StepTimings
+from kvtier_vllm.drafts.swaps import DraftTracker, Fill
+from kvtier_vllm.kv.layout import PoolPlan
+from kvtier_vllm.kv.scheduler_side.loads import LoadPlan
+from kvtier_vllm.kv.scheduler_side.planner import PROMOTE_WAIT_ASKS, HitPlanner
+from kvtier_vllm.kv.scheduler_side.requests import RequestState
+from kvtier_vllm.kv.scheduler_side.spans import PromptKeys, keys_in
+from kvtier_vllm.kv.scheduler_side.timings import StepTimings
 
 from kvtier.client import InProcessClient
 from kvtier.core.keys import ChunkKey, Pool

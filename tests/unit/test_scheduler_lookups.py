@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from kvtier_vllm.config import ConnectorConfig
-from kvtier_vllm.scheduler import KVTierScheduler
-from kvtier_vllm.spans import keys_in
+from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
+from kvtier_vllm.kv.scheduler_side.spans import keys_in
+from kvtier_vllm.shared.settings import ConnectorConfig
 
 from kvtier.client import InProcessClient
 from kvtier.core.keys import ChunkKey

@@ -10,10 +10,17 @@ from typing import Any
 
 import pytest
 import torch
-from kvtier_vllm.config import ConnectorConfig
-from kvtier_vllm.metadata import ChunkCopy
-from kvtier_vllm.shapes import HEADS_FIRST, TOKENS_FIRST, Shard, page_order, refusal, tp_shard
-from kvtier_vllm.worker import KVTierWorker
+from kvtier_vllm.kv.metadata import ChunkCopy
+from kvtier_vllm.kv.worker_side.worker import KVTierWorker
+from kvtier_vllm.shared.settings import ConnectorConfig
+from kvtier_vllm.shared.shapes import (
+    HEADS_FIRST,
+    TOKENS_FIRST,
+    Shard,
+    page_order,
+    refusal,
+    tp_shard,
+)
 
 from kvtier.tiers.arena import ArenaMemory
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kvtier_vllm.config import parse
+from kvtier_vllm.shared.settings import parse
 
 from kvtier.core.errors import ConfigError
 from kvtier.rpc import Deadlines

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 
 import pytest
-from kvtier_vllm.config import parse
+from kvtier_vllm.shared.settings import parse
 
 from kvtier.api.v1 import tier_pb2
 from kvtier.core.codec import spec_from, spec_to
@@ -159,7 +159,7 @@ def test_the_connector_accepts_exactly_the_revisions_a_spec_accepts(revision: st
 def test_a_process_local_tenant_stays_valid_and_distinct(
     monkeypatch: pytest.MonkeyPatch, tenant: str
 ) -> None:
-    from kvtier_vllm.scheduler import KVTierScheduler
+    from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
 
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     vllm_config = SimpleNamespace(cache_config=SimpleNamespace(prefix_caching_hash_algo="xxhash"))

@@ -6,8 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from kvtier_vllm import timings as timings_module
-from kvtier_vllm.timings import StepTimings
+from kvtier_vllm.kv.scheduler_side import timings as timings_module
+from kvtier_vllm.kv.scheduler_side.timings import StepTimings
 
 
 class Clock:

@@ -9,8 +9,8 @@ import logging
 from collections.abc import Sequence
 
 import pytest
-from kvtier_vllm.tier_calls import TierCalls
-from kvtier_vllm.unreturned import Handback, Unreturned
+from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
+from kvtier_vllm.kv.scheduler_side.unreturned import Handback, Unreturned
 
 from kvtier.core.errors import TierUnavailableError
 from kvtier.core.keys import ChunkKey
@@ -114,7 +114,7 @@ def test_a_failed_release_is_handed_back_later_and_logged_once_while_the_tiers_f
     client = Client()
     calls = TierCalls(client)  # type: ignore[arg-type]
     client.failing = True
-    with caplog.at_level(logging.ERROR, logger="kvtier_vllm.tier_calls"):
+    with caplog.at_level(logging.ERROR, logger="kvtier_vllm.kv.scheduler_side.tier_calls"):
         calls.release(_refs(1))
         calls.release(_refs(2))
         assert len(caplog.records) == 1  # once, not at every call until they are back

@@ -3,10 +3,10 @@ their chunks go to the workers and when, and what a comparison does."""
 
 from __future__ import annotations
 
-from kvtier_vllm.draft import Fill
-from kvtier_vllm.loads import LoadPlan
-from kvtier_vllm.stats import KVTierStats
-from kvtier_vllm.verify import Sampled, Verifier
+from kvtier_vllm.drafts.swaps import Fill
+from kvtier_vllm.kv.connector_stats import KVTierStats
+from kvtier_vllm.kv.scheduler_side.loads import LoadPlan
+from kvtier_vllm.kv.scheduler_side.verify import Sampled, Verifier
 
 from kvtier.core.keys import make_key
 from kvtier.core.protocol import SlotRef

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvtier_vllm import weights
-from kvtier_vllm.shapes import UnsupportedGroupError
+from kvtier_vllm.shared import weights
+from kvtier_vllm.shared.shapes import UnsupportedGroupError
 from safetensors.numpy import save_file
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_hidden_layers": 2}

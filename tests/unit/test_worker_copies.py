@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvtier_vllm.copies import DeferredCopies, Pair
-from kvtier_vllm.metadata import ChunkCopy, KVTierMetadata
-from kvtier_vllm.pages import block_runs, pages_of, stacked
+from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata
+from kvtier_vllm.kv.worker_side.pages import block_runs, pages_of, stacked
+from kvtier_vllm.shared.copies import DeferredCopies, Pair
 
 from kvtier.core.protocol import FailedChunk, Failure, SlotRef, TierCode
 from tests.bare_worker import BareWorker, bare_worker
@@ -74,8 +74,8 @@ def test_run_copies_equal_page_by_page_copies() -> None:
 
 
 def test_a_layer_reading_another_layers_cache_is_not_stored_twice() -> None:
-    from kvtier_vllm.layout import KVGroup
-    from kvtier_vllm.pages import own_caches
+    from kvtier_vllm.kv.layout import KVGroup
+    from kvtier_vllm.kv.worker_side.pages import own_caches
 
     buffer, _ = cache()
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]

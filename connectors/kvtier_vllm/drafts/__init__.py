@@ -1,0 +1,1 @@
+"""The draft model's pool through weight swaps: its revision, fills and acceptance."""

@@ -1,0 +1,198 @@
+"""The encoder-cache connector's worker side: encoder outputs copied between vLLM's encoder
+cache and the arena slots the scheduler side leased or reserved.
+
+Every worker reads the hits (each holds the whole output); only the first tensor-parallel rank
+writes, since every rank computes the same output. A read is checked against the slots'
+generations once copied: a slot reused meanwhile (its daemon restarted) makes a load error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.client import ArenaAtPath, ArenaMemory
+from kvtier.core.errors import KVTierError
+from kvtier_vllm.encoder.metadata import ECReport, ECStepPlan, ItemSlots
+from kvtier_vllm.shared.copies import copies_for
+
+log = logging.getLogger(__name__)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+class EncoderCacheWorker:
+    def __init__(self, device: torch.device, writes: bool) -> None:
+        self.device = device
+        self.writes = writes
+        self.copies = copies_for(device)
+        """Pins the arena for a CUDA device (cudaHostRegister): parts copy at DMA speed."""
+        self._arena: ArenaAtPath | None = None
+        self._pinned: ArenaMemory | None = None
+        self._plan = ECStepPlan()
+        self._report = ECReport()
+        self._said: set[str] = set()
+
+    def bind(self, plan: ECStepPlan) -> None:
+        self._plan = plan
+        self._report = ECReport(step=plan.step)
+
+    def _memory(self) -> ArenaMemory:
+        path = Path(self._plan.arena_path)
+        if self._arena is None or self._arena.path != path:
+            self.close()
+            self._arena = ArenaAtPath(path, populate=False)
+        memory = self._arena.current()
+        if memory is not self._pinned:  # mapped anew (a restarted daemon's file)
+            self.copies.attach(torch.frombuffer(memory.view(0, memory.size), dtype=torch.uint8))
+            self._pinned = memory
+        return memory
+
+    # -- loads -------------------------------------------------------------------------------
+
+    def load(self, encoder_cache: dict[str, torch.Tensor]) -> None:
+        """Read this step's hits into ``encoder_cache``. vLLM needs each one there: one that
+        cannot be read is filled with zeros and reported, and its requests fail."""
+        started = time.perf_counter()
+        for slots in self._plan.loads:
+            if slots.identifier in encoder_cache:
+                self._report.loaded.add(slots.identifier)
+                continue
+            try:
+                tensor = self._read(slots)
+            except Exception:  # never let vLLM find the item missing: it would stop the engine
+                log.exception("kvtier: reading encoder output %s failed", slots.identifier)
+                tensor = None
+            if tensor is None:
+                self._report.load_failed.add(slots.identifier)
+                shape = (slots.rows, slots.layout.width)
+                tensor = torch.zeros(shape, dtype=self._dtype(slots), device=self.device)
+            else:
+                self._report.loaded.add(slots.identifier)
+                self._report.loaded_bytes += slots.nbytes
+            encoder_cache[slots.identifier] = tensor
+        self._report.load_seconds += time.perf_counter() - started
+
+    @staticmethod
+    def _dtype(slots: ItemSlots) -> torch.dtype:
+        return _torch_dtype(slots.layout.dtype)
+
+    def _read(self, slots: ItemSlots, device: torch.device | None = None) -> torch.Tensor | None:
+        """The stored output on ``device`` (the worker's), or None where a slot changed while
+        it was read. Each part is copied from the arena straight to the device: one copy, at
+        the arena's pinned bandwidth where the KV connector registered it with CUDA."""
+        try:
+            arena = self._memory()
+        except KVTierError as exc:
+            self._say("arena", f"kvtier: encoder outputs cannot be read: {exc}")
+            return None
+        layout = slots.layout
+        out = torch.empty(
+            slots.rows * layout.row_bytes, dtype=torch.uint8, device=device or self.device
+        )
+        for part, ref in enumerate(slots.refs):
+            rows = layout.rows_of(part, slots.rows)
+            start = part * layout.part_bytes
+            view = arena.view(ref.offset, rows * layout.row_bytes)
+            src = torch.frombuffer(view, dtype=torch.uint8)
+            out[start : start + len(view)].copy_(src, non_blocking=True)
+        _landed(out)  # the bytes read are those the generations below vouch for
+        if not all(arena.is_current(ref.slot, ref.generation) for ref in slots.refs):
+            self._say("reused", "kvtier: an encoder output's slot was reused while read")
+            return None
+        return out.view(self._dtype(slots)).view(slots.rows, layout.width)
+
+    # -- stores and checks -------------------------------------------------------------------
+
+    def save(self, encoder_cache: dict[str, torch.Tensor], identifier: str) -> None:
+        """An output the encoder computed: written where the scheduler reserved slots for it,
+        compared where its hit was sampled."""
+        for slots in self._plan.checks:
+            if slots.identifier == identifier:
+                stored = self._read(slots, torch.device("cpu"))
+                if stored is not None:
+                    computed = encoder_cache[identifier]
+                    self._report.errors[identifier] = relative_error(stored, computed)
+        if not self.writes:
+            return
+        for slots in self._plan.stores:
+            if slots.identifier == identifier:
+                if self._write(slots, encoder_cache[identifier]):
+                    self._report.stored.add(identifier)
+                    self._report.stored_bytes += slots.nbytes
+                else:
+                    self._report.store_failed.add(identifier)
+
+    def _write(self, slots: ItemSlots, output: torch.Tensor) -> bool:
+        layout = slots.layout
+        shape = (slots.rows, layout.width)
+        if tuple(output.shape) != shape or output.dtype != self._dtype(slots):
+            self._say(
+                "shape",
+                f"kvtier: encoder outputs of shape {tuple(output.shape)} {output.dtype} are not "
+                f"stored: this namespace holds [rows, {layout.width}] {layout.dtype} (set "
+                "ec_connector_extra_config.output_width to the encoder's width)",
+            )
+            return False
+        try:
+            arena = self._memory()
+        except KVTierError as exc:
+            self._say("arena", f"kvtier: encoder outputs cannot be written: {exc}")
+            return False
+        # each part straight from the device into its slot, all queued before one wait
+        raw = output.detach().contiguous().view(torch.uint8).reshape(-1)
+        for part, ref in enumerate(slots.refs):
+            rows = layout.rows_of(part, slots.rows)
+            start = part * layout.part_bytes
+            dest = torch.frombuffer(arena.view(ref.offset, layout.part_bytes), dtype=torch.uint8)
+            used = rows * layout.row_bytes
+            dest[:used].copy_(raw[start : start + used], non_blocking=True)
+            dest[used:] = 0  # the last part's padding: every copy of an item is the same bytes
+        _landed(raw)  # in the slots before the scheduler side commits them
+        return True
+
+    def report(self) -> ECReport:
+        """This step's report: items planned and never saved were not stored."""
+        report = self._report
+        if self.writes:
+            report.store_failed |= {
+                s.identifier for s in self._plan.stores if s.identifier not in report.stored
+            }
+        self._plan, self._report = ECStepPlan(), ECReport()
+        return report
+
+    def _say(self, what: str, message: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            log.error(message)
+
+    def close(self) -> None:
+        self.copies.detach()
+        self._pinned = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+
+def _landed(tensor: torch.Tensor) -> None:
+    """Wait for the copies queued on the tensor's device (none to wait for on the CPU)."""
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def relative_error(stored: torch.Tensor, computed: Any) -> float:
+    """Norm of the difference over the computed output's norm."""
+    computed = computed.detach().to("cpu", torch.float32)
+    stored = stored.to(torch.float32)
+    if stored.shape != computed.shape:
+        return float("inf")
+    scale = float(torch.linalg.vector_norm(computed)) or 1.0
+    return float(torch.linalg.vector_norm(stored - computed)) / scale

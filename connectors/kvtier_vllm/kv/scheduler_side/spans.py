@@ -1,0 +1,102 @@
+"""Which chunks of a hit each pool plan needs, and their keys: a hit's chunks are asked for
+as consecutive spans, one per plan. A request's keys are made once (`PromptKeys`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvtier.core.keys import ChunkKey, Pool, make_key
+from kvtier_vllm.kv.layout import PoolPlan
+
+Items = TypeVar("Items", bytes, list[Any])
+
+
+@dataclass(frozen=True)
+class Needed:
+    """What a hit from chunk ``first`` up to ``end`` needs of each plan: its span, and the keys
+    of every span, one span after the other (a lookup asks for them in one call)."""
+
+    first: int
+    end: int
+    spans: list[tuple[PoolPlan, range]]
+    keys: list[ChunkKey]
+
+    def split(self, items: Items) -> list[Items]:
+        """``items`` of the keys (tier codes, leases), span by span."""
+        out = []
+        offset = 0
+        for _, span in self.spans:
+            out.append(items[offset : offset + len(span)])
+            offset += len(span)
+        return out
+
+    def by_plan(self, items: Items) -> dict[str, tuple[int, Items]]:
+        """Per plan key, the first chunk of its span and its part of ``items``."""
+        return {
+            plan.key: (span.start, part)
+            for (plan, span), part in zip(self.spans, self.split(items), strict=True)
+        }
+
+
+def needed(plan: PoolPlan, first: int, chunks: int, chunk_tokens: int) -> range:
+    """The chunks a hit of ``chunks`` chunks needs from ``plan``, from ``first`` on."""
+    return range(max(first, plan.first_needed(chunks, chunk_tokens)), chunks)
+
+
+def keys_in(
+    namespace: bytes, hashes: Any, chunks: Iterable[int], blocks_per_chunk: int
+) -> list[ChunkKey]:
+    return [make_key(namespace, chunk_hash(hashes, c, blocks_per_chunk)) for c in chunks]
+
+
+def chunk_hash(hashes: Any, chunk: int, blocks_per_chunk: int) -> bytes:
+    """What names a chunk in its key: its last block's hash."""
+    last: bytes = hashes[(chunk + 1) * blocks_per_chunk - 1]
+    return last
+
+
+class PromptKeys:
+    """A prompt's chunk keys, each made once per namespace and kept for the request's life (at
+    most its chunks per namespace it was asked in). ``hashes`` is read as it grows: vLLM
+    appends the hashes of the blocks it computes."""
+
+    def __init__(self, hashes: Any, blocks_per_chunk: int) -> None:
+        self.hashes = hashes
+        self.blocks_per_chunk = blocks_per_chunk
+        self._made: dict[bytes, dict[int, ChunkKey]] = {}
+
+    def hash_of(self, chunk: int) -> bytes:
+        return chunk_hash(self.hashes, chunk, self.blocks_per_chunk)
+
+    def needed(
+        self,
+        plans: Sequence[PoolPlan],
+        namespaces: Mapping[str, bytes],
+        first: int,
+        end: int,
+        chunk_tokens: int,
+    ) -> Needed:
+        """What a hit from chunk ``first`` up to ``end`` needs of ``plans``."""
+        spans = [(plan, needed(plan, first, end, chunk_tokens)) for plan in plans]
+        keys = [k for plan, span in spans for k in self.of(namespaces[plan.key], span)]
+        return Needed(first, end, spans, keys)
+
+    def of(self, namespace: bytes, chunks: Iterable[int]) -> list[ChunkKey]:
+        made = self._made.setdefault(namespace, {})
+        out = []
+        for chunk in chunks:
+            key = made.get(chunk)
+            if key is None:
+                key = made[chunk] = make_key(namespace, self.hash_of(chunk))
+            out.append(key)
+        return out
+
+
+def targets_of(plans: Iterable[PoolPlan]) -> list[PoolPlan]:
+    """The plans a hit needs every chunk of, full attention first (a shorter hit they find never
+    moves their own start): the target's, and the captured hidden states' (a hit without them
+    would leave its prefix's states unwritten for the request's reference)."""
+    needed = (p for p in plans if p.pool in (Pool.TARGET, Pool.HIDDEN))
+    return sorted(needed, key=lambda p: bool(p.window))

@@ -1,0 +1,57 @@
+"""Whether the scheduler's calls into the tiers are failing, and the references it hands back.
+
+A failed call is logged once when the tiers start failing, not at every call until they are
+back; the engine serves meanwhile as if kvtier had missed. A reference a failed release could
+not hand back is kept in `Unreturned` and handed back on a later step."""
+
+from __future__ import annotations
+
+import logging
+
+from kvtier.core.errors import KVTierError
+from kvtier.core.protocol import SlotRef, TierClient
+from kvtier.rpc import DaemonStalledError
+from kvtier_vllm.kv.scheduler_side.unreturned import Handback, Unreturned
+
+log = logging.getLogger(__name__)
+
+
+class TierCalls:
+    """The failure state of the calls over ``client``, and the releases of the leases those
+    calls took."""
+
+    def __init__(self, client: TierClient | None, unreturned: Unreturned | None = None) -> None:
+        self.client = client
+        """The client in use (None: none is open, nothing is released)."""
+        self.unreturned = unreturned if unreturned is not None else Unreturned()
+        """References a failed call did not hand back: handed back on later steps."""
+        self._failing = False
+
+    def failed(self, what: str, error: KVTierError) -> None:
+        """A call (``what``) failed: logged unless the tiers were failing already."""
+        if not self._failing and not isinstance(error, DaemonStalledError):  # the client said
+            log.error("kvtier %s failed; serving without it until it is back: %s", what, error)
+        self._failing = True
+
+    def answered(self) -> None:
+        """A lookup was answered: the next failure is news again."""
+        self._failing = False
+
+    def release(self, refs: list[SlotRef]) -> None:
+        """End leases; those a failed call could not end are handed back later."""
+        client = self.client
+        if not refs or client is None:
+            return
+        try:
+            client.release(refs)
+        except KVTierError as exc:
+            self.release_later(refs)
+            self.failed("release", exc)
+
+    def release_later(self, refs: list[SlotRef]) -> None:
+        self.unreturned.keep(Handback.RELEASE, refs)
+
+    def hand_back(self, force: bool = False) -> None:
+        """Hand back what failed calls kept, when due (everything with ``force``: at shutdown)."""
+        if self.client is not None:
+            self.unreturned.retry(self.client, force=force)

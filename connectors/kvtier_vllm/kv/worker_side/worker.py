@@ -1,0 +1,477 @@
+"""The connector's worker side: copies between vLLM's KV blocks and arena slots.
+
+The worker maps the arena by path. Loads run in ``start_load_kv`` before the forward; stores run
+in ``wait_for_save``, after the forward (and the draft's) wrote the blocks. A load copied from a
+slot that was reused meanwhile (its generation moved) is reported as a load error, so vLLM
+recomputes those blocks instead of using them: per block with one KV-cache group, per request
+(an asynchronous load) with several. The generation is checked once the copy landed, never when
+it is queued: on a device the bytes are read later, and an arena-index hit holds no lease, so
+its slot may be evicted and rewritten in between. A chunk leased in lmdb is read from lmdb's map
+into a buffer of its own first (`kvtier_vllm.kv.lmdb_staging`), verified there, and copied from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.client import ArenaMemory
+from kvtier.core.costs import CPU, LMDB, EngineTimings
+from kvtier.core.errors import KVTierError
+from kvtier.core.keys import ChunkKey, Pool
+from kvtier.core.protocol import FailedChunk, Failure, TierCode
+from kvtier_vllm.drafts.swaps import DraftWatch, Fill, find_draft_model_source
+from kvtier_vllm.kv.connector_stats import KVTierStats, take_report
+from kvtier_vllm.kv.layout import kv_groups, plan_pools
+from kvtier_vllm.kv.lmdb_staging import LmdbStaging
+from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
+from kvtier_vllm.kv.worker_side.chunk_views import ChunkViews
+from kvtier_vllm.kv.worker_side.pages import own_caches, pages_of, stacked
+from kvtier_vllm.kv.worker_side.sends import PendingSends
+from kvtier_vllm.shared.copies import CpuCopies, Fence, copies_for
+from kvtier_vllm.shared.settings import ConnectorConfig
+from kvtier_vllm.shared.shapes import UnsupportedGroupError, refusal
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Issued:
+    """Loads queued out of the arena, checked once their fence passed."""
+
+    fence: Fence
+    arena: ArenaMemory | None
+    """The mapping they were read from; a remapped arena fails them."""
+    copies: list[tuple[ChunkCopy, float]]
+    """Each load, with the seconds its copy took to issue."""
+    read: list[torch.Tensor]
+    """The chunks read from lmdb that the copies read from: kept until they landed."""
+
+
+class KVTierWorker:
+    def __init__(self, vllm_config: Any, cfg: ConnectorConfig, kv_cache_config: Any = None) -> None:
+        self.vllm_config = vllm_config
+        self.cfg = cfg
+        self.kv_cache_config = kv_cache_config
+        self.views = ChunkViews()
+        self.plans = self.views.plans
+        self.pages = self.views.pages
+        self.dtypes = self.views.dtypes
+        """Each plan's KV dtype, to compare chunks in."""
+        self.stacks = self.views.stacks
+        self._arena_bytes: torch.Tensor | None = None
+        self._arena_inode = 0
+        self._announced = ""
+        self._stored: list[tuple[int, int]] = []
+        self._compared: list[tuple[int, int, float]] = []
+        self._timings = EngineTimings()
+        """Loads by tier since the last report, timed here: kvtierd's cost estimates."""
+        self._landing: list[tuple[Fence, list[tuple[int, int]]]] = []
+        """Stores issued on a device stream, reported once their event completed."""
+        self.copies: CpuCopies = copies_for(torch.device("cpu"))
+        self._failed: list[tuple[int, int]] = []
+        self._load_errors: set[int] = set()
+        self._loads: list[_Issued] = []
+        """Synchronous loads issued, checked when vLLM asks for load errors."""
+        self._receiving: list[tuple[_Issued, set[str], set[str]]] = []
+        """Asynchronous loads issued: (loads, requests, failed requests)."""
+        self.sends = PendingSends()
+        self.stats = KVTierStats()
+        self._draft_watch: DraftWatch | None = None
+        self._draft_ok = True
+        self._fingerprints: dict[int, str] = {}
+        self.staging = LmdbStaging()
+        self._moved: list[FailedChunk] = []
+        """Arena loads whose slot's generation moved under the copy, to report."""
+
+    @property
+    def _arena(self) -> ArenaMemory | None:
+        """The arena mapped here: the views check their slots' generations against it."""
+        return self.views.arena
+
+    @_arena.setter
+    def _arena(self, arena: ArenaMemory | None) -> None:
+        self.views.arena = arena
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        try:
+            groups = own_caches(kv_groups(self.kv_cache_config, kv_caches), kv_caches)
+            # the scheduler names the chunks: a worker reads no weights to name them again
+            plans = (
+                []
+                if refusal(self.vllm_config)
+                else plan_pools(self.vllm_config, groups, self.cfg, named=False)
+            )
+        except UnsupportedGroupError:
+            return  # the scheduler side says why, and plans nothing
+        for plan in plans:
+            held = [pages_of(kv_caches[name]) for name in plan.layer_names]
+            pages = [p for p, _ in filter(None, held)]
+            orders = {order for _, order in filter(None, held)} - {""}
+            actual = {p.shape[1] for p in pages}
+            if len(pages) < len(held) or orders - {plan.order} or actual != {plan.page_bytes}:
+                log.error(
+                    "kvtier: %s pool pages are %s bytes in order %s, expected %d in %s; not "
+                    "offloading this pool",
+                    plan.key,
+                    sorted(actual),
+                    sorted(orders) if len(pages) == len(held) else "not contiguous per block",
+                    plan.page_bytes,
+                    plan.order,
+                )
+                continue
+            self.plans[plan.key] = plan
+            self.pages[plan.key] = pages
+            self.dtypes[plan.key] = kv_caches[plan.layer_names[0]].dtype
+            if pages[0].device != self.copies.device:
+                self.copies = copies_for(pages[0].device)
+            stack = stacked(pages)
+            if stack is not None:
+                self.stacks[plan.key] = stack
+        if any(plan.pool is Pool.DRAFT for plan in self.plans.values()):
+            # the model runner calls this: the draft model is found from it, to fingerprint
+            source = find_draft_model_source()
+            if source is None:
+                log.warning("kvtier: draft model not found; draft swaps need kvtier's draft-swap")
+            rank = self.vllm_config.parallel_config.rank
+            self._draft_watch = DraftWatch(source, rank, self.cfg.draft_check_transfers)
+
+    def _slots(self, arena_path: str) -> torch.Tensor | None:
+        """The arena as bytes; mapped again when the file at the path is a new one (a restarted
+        daemon), so nothing is ever copied into an arena nobody reads."""
+        try:
+            inode = os.stat(arena_path).st_ino
+        except OSError:
+            return None
+        if self._arena is None or self._arena_inode != inode:
+            self.shutdown()
+            try:
+                self._arena = ArenaMemory.attach(Path(arena_path))
+            except KVTierError as exc:
+                log.error("kvtier: cannot map the arena at %s: %s", arena_path, exc)
+                return None
+            self._arena_inode = inode
+            self._arena_bytes = torch.frombuffer(
+                self._arena.view(0, self._arena.size), dtype=torch.uint8
+            )
+            self.copies.attach(self._arena_bytes)
+        return self._arena_bytes
+
+    def _copy(self, job: ChunkCopy, slots: torch.Tensor, into_arena: bool) -> bool:
+        plan = self.plans.get(job.plan)
+        if plan is not None and plan.codec is not None:
+            # coded chunks move a step's at once: `ChunkViews.encode_stores`, `.decode_loads`
+            return False
+        pairs = self.views.pairs(job, slots, per_layer=False)
+        if pairs is None:
+            return False
+        for arena, pages in pairs:
+            if into_arena:
+                self.copies.copy(arena, pages)
+            else:
+                self.copies.copy(pages, arena)
+        return True
+
+    def _check_draft(self, meta: KVTierMetadata) -> str:
+        """Whether the draft weights are still those the scheduler planned for; the
+        fingerprint taken, if one was."""
+        watch = self._draft_watch
+        self._draft_ok = True
+        if watch is None:
+            return ""
+        moves = any(self._is_draft(j) for j in meta.loads) or any(
+            self._is_draft(j) for j in meta.stores
+        )
+        self._draft_ok, taken = watch.check(meta.draft_check, moves, meta.draft_fingerprints)
+        if taken:
+            self._fingerprints[watch.rank] = taken
+            self.stats.stale(watch.stale_after(self._draft_ok))
+        return taken
+
+    def _is_draft(self, job: ChunkCopy) -> bool:
+        plan = self.plans.get(job.plan)
+        return plan is not None and plan.pool is Pool.DRAFT
+
+    def _zero(self, key: str, blocks: list[int]) -> None:
+        stack = self.stacks.get(key)
+        if stack is not None:
+            stack[:, blocks] = 0
+            return
+        for pages in self.pages.get(key, []):
+            pages[blocks] = 0
+
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
+        if meta.arena_path != self._announced:
+            # map it on the first step that names it: populating the mapping of a large arena
+            # takes a while, and would otherwise delay the first copy
+            self._announced = meta.arena_path
+            self._slots(meta.arena_path)
+        self._load_errors.update(meta.invalid_blocks)
+        self._fail_requests(set(meta.failed_requests))
+        checked = self._check_draft(meta)
+        if not meta.loads and not meta.zero and not meta.receiving:
+            return
+        failed: set[str] = set()
+        issued: list[tuple[ChunkCopy, float]] = []
+        read: list[torch.Tensor] = []
+        slots = self._slots(meta.arena_path)
+        if slots is None or self._arena is None:
+            self._fail_loads(meta.loads, failed)
+        else:
+            self.copies.begin_loads()
+            self.staging.read_ahead(meta.lmdb_path, [job for job in meta.loads if job.key])
+            coded: list[ChunkCopy] = []
+            for job in meta.loads:
+                plan = self.plans.get(job.plan)
+                source = slots
+                staged_s = 0.0  # reading a chunk from lmdb's map is part of its load
+                if job.key and plan is not None:
+                    started = time.perf_counter()
+                    chunk = self.staging.stage(meta.lmdb_path, job, plan.chunk_bytes)
+                    if chunk is None:
+                        self._fail_loads([job], failed)
+                        self._record("load", job, started, False)
+                        continue
+                    read.append(source := chunk)
+                    staged_s = time.perf_counter() - started
+                if plan is not None and plan.codec is not None:
+                    if not job.key:
+                        coded.append(job)
+                        continue
+                    if self.views.decode_loads([job], source)[0]:
+                        issued.append((job, staged_s))
+                    else:
+                        self._fail_loads([job], failed)
+                    continue
+                if self._is_draft(job) and not job.fill:
+                    if not self._draft_ok:  # planned for other weights: a defined fill instead
+                        self._zero(job.plan, list(job.block_ids))
+                        self.stats.fill(Fill.ZEROS, 1)
+                        continue
+                    if not checked and self._draft_watch is not None:
+                        self._draft_watch.unverified += 1
+                started = time.perf_counter()
+                if self._copy(job, source, into_arena=False):
+                    issued.append((job, staged_s + time.perf_counter() - started))
+                else:
+                    self._fail_loads([job], failed)
+                    self._record("load", job, started, False)
+            if coded:
+                started = time.perf_counter()
+                decoded = self.views.decode_loads(coded, slots)
+                each = (time.perf_counter() - started) / len(coded)
+                for job, ok in zip(coded, decoded, strict=True):
+                    if ok:
+                        issued.append((job, each))
+                    else:
+                        self._fail_loads([job], failed)
+                        self._count("load", job, each, False)
+            self.copies.end_loads()
+        for key, blocks in meta.zero.items():
+            self._zero(key, blocks)
+        # only queued so far: each slot's generation is checked once its bytes landed
+        if not issued and not meta.receiving:
+            return
+        fence = self.copies.fence()
+        sync = [c for c in issued if not c[0].request]
+        if sync:
+            self._loads.append(_Issued(fence, self._arena, sync, read))
+        if meta.receiving:
+            asynchronous = [c for c in issued if c[0].request]
+            loads = _Issued(fence, self._arena, asynchronous, read)
+            self._receiving.append((loads, set(meta.receiving), failed))
+
+    def _check_landed(self, loads: _Issued, failed: set[str]) -> None:
+        """Loads whose fence passed: a slot still at the generation the scheduler looked up
+        held that chunk's bytes while they were read (its generation moves before it is
+        rewritten); any other slot is a load error."""
+        arena = loads.arena
+        for job, seconds in loads.copies:
+            ok = bool(job.key) or (  # read from lmdb, verified: no slot to check
+                arena is not None
+                and arena is self._arena
+                and arena.is_current(job.slot, job.generation)
+            )
+            if not ok:
+                self._fail_loads([job], failed)
+                if arena is not None and arena is self._arena and job.chunk:  # reused under it
+                    moved = FailedChunk(ChunkKey(job.chunk), TierCode.CPU, Failure.GENERATION)
+                    self._moved.append(moved)
+            self._count("load", job, seconds, ok)
+
+    def fail_step(self, meta: KVTierMetadata, loads: bool) -> None:
+        """A hook failed part way: this step's loads (``loads``) or stores are failures, so
+        vLLM recomputes those blocks and no slot is committed from half a copy."""
+        if not loads:
+            self._failed.extend((job.slot, job.generation) for job in meta.stores)
+            self.sends.after(Fence(), meta.sending)
+            return
+        self._load_errors.update(meta.invalid_blocks)
+        failed = set(meta.receiving) | set(meta.failed_requests)
+        self._fail_loads(meta.loads, failed)
+        self._fail_requests(failed)
+
+    def _fail_requests(self, requests: set[str]) -> None:
+        """Asynchronous loads that will not come: reported finished and failed at once."""
+        if requests:
+            self._receiving.append((_Issued(Fence(), None, [], []), requests, requests))
+
+    def unchecked_errors(self) -> set[int]:
+        """Every block loaded since vLLM last asked: what it must recompute when the check
+        itself failed."""
+        errors = self._load_errors | {
+            b for i in self._loads for j, _ in i.copies for b in j.block_ids
+        }
+        self._loads, self._load_errors = [], set()
+        return errors - {0}
+
+    def fail_receiving(self) -> tuple[set[str], set[str]]:
+        """Every asynchronous load in flight, failed: when checking them failed."""
+        requests = {r for _, reqs, _ in self._receiving for r in reqs}
+        self._receiving = []
+        return set(), requests
+
+    def _fail_loads(self, jobs: list[ChunkCopy], failed: set[str]) -> None:
+        """Blocks vLLM must recompute: per request for asynchronous loads, else per block."""
+        for job in jobs:
+            if job.request:
+                failed.add(job.request)
+            else:
+                self._load_errors.update(b for b in job.block_ids if b)
+
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous loads landed, and those among them that failed."""
+        done: set[str] = set()
+        failed: set[str] = set()
+        waiting = []
+        for loads, requests, bad in self._receiving:
+            if loads.fence():
+                self._check_landed(loads, bad)
+                done |= requests - bad
+                failed |= bad
+            else:
+                waiting.append((loads, requests, bad))
+        self._receiving = waiting
+        return done, failed
+
+    def wait_for_save(self, meta: KVTierMetadata) -> None:
+        if meta.checks:
+            self._compare_checks(meta)
+        if not meta.stores:
+            self.sends.after(Fence(), meta.sending)
+            return
+        slots = self._slots(meta.arena_path)
+        if slots is None:
+            self._failed.extend((job.slot, job.generation) for job in meta.stores)
+            self.sends.after(Fence(), meta.sending)
+            return
+        self.copies.begin_stores()
+        issued: list[tuple[int, int]] = []
+        coded: list[ChunkCopy] = []
+        for job in meta.stores:
+            plan = self.plans.get(job.plan)
+            if plan is not None and not plan.shard.writes:
+                continue  # another rank holding the same heads writes them
+            if self._is_draft(job) and not self._draft_ok:
+                self._failed.append((job.slot, job.generation))  # other weights' KV: not stored
+                continue
+            if plan is not None and plan.codec is not None:
+                coded.append(job)
+                continue
+            started = time.perf_counter()
+            ok = self._copy(job, slots, into_arena=True)
+            (issued if ok else self._failed).append((job.slot, job.generation))
+            self._record("store", job, started, ok)
+        if coded:
+            started = time.perf_counter()
+            written = self.views.encode_stores(coded, slots)
+            each = (time.perf_counter() - started) / len(coded)
+            for job, ok in zip(coded, written, strict=True):
+                (issued if ok else self._failed).append((job.slot, job.generation))
+                self._count("store", job, each, ok)
+        fence = self.copies.end_stores()
+        self._landing.append((fence, issued))
+        self.sends.after(fence, meta.sending)
+
+    def finished_sends(self, finished: set[str]) -> set[str]:
+        return self.sends.sent(finished)
+
+    def all_sends(self) -> set[str]:
+        """Every request waiting for its stores, as sent: when checking them failed."""
+        return self.sends.release_all()
+
+    def _compare_checks(self, meta: KVTierMetadata) -> None:
+        slots = self._slots(meta.arena_path)
+        for job in meta.checks:
+            plan = self.plans.get(job.plan)
+            if plan is not None and not plan.shard.writes:
+                continue  # another rank holding the same heads compares them
+            error = -1.0
+            source = slots
+            if job.key and plan is not None:
+                source = self.staging.stage(meta.lmdb_path, job, plan.chunk_bytes)
+            # other weights' draft KV than the chunk's: no comparison says anything
+            if source is not None and (self._draft_ok or not self._is_draft(job)):
+                error = self.views.compare(job, source)
+            self._compared.append((job.slot, job.generation, error))
+
+    def _record(self, direction: str, job: ChunkCopy, started: float, ok: bool) -> None:
+        self._count(direction, job, time.perf_counter() - started, ok)
+
+    def _count(self, direction: str, job: ChunkCopy, seconds: float, ok: bool) -> None:
+        plan = self.plans.get(job.plan)
+        if plan is None:
+            return
+        blocks = sum(1 for b in job.block_ids if b)
+        page = plan.page_bytes if plan.codec is None else plan.codec.page_bytes
+        nbytes = page * len(plan.layer_names) * blocks  # this rank's part
+        self.stats.record(direction, str(plan.pool), nbytes, seconds, ok)
+        if direction == "load" and ok:  # a chunk staged from lmdb's map names its key
+            self._timings.loaded(LMDB if job.key else CPU, 1, nbytes, seconds)
+
+    def take_stats(self) -> KVTierStats | None:
+        stats, self.stats = take_report(self.stats)
+        return stats
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of synchronous loads that vLLM must recompute. It asks after the forward, which
+        on a device already waits on the loads' fence: the host waits for it too, then checks."""
+        for loads in self._loads:
+            loads.fence.wait()
+            self._check_landed(loads, set())
+        self._loads = []
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def worker_meta(self) -> KVTierWorkerMetadata | None:
+        waiting = []
+        for done, issued in self._landing:  # a slot is committed only once its bytes landed
+            if done():
+                self._stored.extend(issued)
+            else:
+                waiting.append((done, issued))
+        self._landing = waiting
+        corrupt, self._moved = self.staging.take_failed() + self._moved, []
+        reports = (self._stored, self._failed, self._fingerprints, self._compared, self._timings)
+        if not any(reports) and not corrupt:
+            return None
+        meta = KVTierWorkerMetadata(
+            self._stored, self._failed, self._fingerprints, self._compared, self._timings, corrupt
+        )
+        self._stored, self._failed, self._fingerprints, self._compared = [], [], {}, []
+        self._timings = EngineTimings()
+        return meta
+
+    def shutdown(self) -> None:
+        self.staging.close()
+        self.copies.detach()
+        self._arena_bytes = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
