@@ -36,6 +36,16 @@ def state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_arena_left() -> Iterator[None]:
+    """At the end of this process's run, the arenas its tests named (`kvtier-test-<pid>-*`) and
+    their ledgers go: some tests name one without this module's fixture, and a kvtierd that
+    exits cleanly keeps its arena for the next start."""
+    yield
+    for path in Path("/dev/shm").glob(f"kvtier-test-{os.getpid()}-*"):
+        path.unlink(missing_ok=True)
+
+
 @pytest.fixture
 def shm_path() -> Iterator[Path]:
     path = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
