@@ -5,15 +5,24 @@ plans' namespaces, and the speculative tokens accepted per revision and fill."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import NamespaceSpec
 from kvtier.core.protocol import TierClient
 from kvtier_vllm.drafts.swaps import AcceptanceMeter, DraftTracker, Fill
-from kvtier_vllm.kv.connector_stats import KVTierStats
-from kvtier_vllm.kv.layout import PoolPlan
+from kvtier_vllm.layout.plans import PoolPlan
 from kvtier_vllm.shared.settings import ConnectorConfig
+
+
+class DraftStats(Protocol):
+    """What the draft pool counts (in the KV connector's stats)."""
+
+    def spec(self, revision: str, fill: str, drafted: int, accepted: int) -> None: ...
+
+    def revision(self, revision: str) -> None: ...
+
+    def swap(self, source: str) -> None: ...
 
 
 class DraftPool:
@@ -93,7 +102,7 @@ class DraftPool:
         self.sync(follow=False)
 
     def scheduled(
-        self, stats: KVTierStats, req_id: str, computed: int, fill: Fill, out: Any
+        self, stats: DraftStats, req_id: str, computed: int, fill: Fill, out: Any
     ) -> None:
         """A step of ``req_id`` is scheduled: settle its last step's acceptance and note the
         draft tokens this one verifies."""
@@ -102,12 +111,12 @@ class DraftPool:
         if drafts:
             self._acceptance.scheduled(req_id, computed, len(drafts), self.tracker.revision, fill)
 
-    def settle(self, stats: KVTierStats, req_id: str, computed: int) -> None:
+    def settle(self, stats: DraftStats, req_id: str, computed: int) -> None:
         settled = self._acceptance.progressed(req_id, computed)
         if settled is not None:
             stats.spec(*settled)
 
-    def report(self, stats: KVTierStats) -> None:
+    def report(self, stats: DraftStats) -> None:
         """The revision in use, when it changed, and the swaps followed since the last report."""
         if self.tracker.revision != self._revision_reported:
             self._revision_reported = self.tracker.revision

@@ -29,7 +29,7 @@ from kvtier.hidden.reader import (
     manifest_spec,
     tail_hash,
 )
-from kvtier_vllm.kv.layout import PoolPlan
+from kvtier_vllm.layout.plans import PoolPlan
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,6 @@ from kvtier.hidden.reader import HiddenStatesRef
 from kvtier_vllm.drafts.pool import DraftPool
 from kvtier_vllm.hidden_capture.tails import Capture, Manifests
 from kvtier_vllm.kv.connector_stats import KVTierStats, take_report
-from kvtier_vllm.kv.layout import engine_plans
 from kvtier_vllm.kv.lmdb_staging import readable_lmdb
 from kvtier_vllm.kv.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.kv.scheduler_side.events import KVEventFeed
@@ -39,6 +38,7 @@ from kvtier_vllm.kv.scheduler_side.stores import Stores
 from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
 from kvtier_vllm.kv.scheduler_side.timings import StepTimings
 from kvtier_vllm.kv.scheduler_side.verify import Verifier
+from kvtier_vllm.layout.plans import engine_plans
 from kvtier_vllm.shared.connection import Session, close_client
 from kvtier_vllm.shared.settings import ConnectorConfig
 from kvtier_vllm.shared.vllm_compat import (

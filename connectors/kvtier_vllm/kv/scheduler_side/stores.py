@@ -19,11 +19,11 @@ from kvtier.core.lineage import BlockLineage, lineage_of
 from kvtier.core.protocol import SlotRef, TierClient
 from kvtier_vllm.drafts.swaps import DraftTracker
 from kvtier_vllm.kv.connector_stats import KVTierStats
-from kvtier_vllm.kv.layout import PoolPlan
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.kv.scheduler_side.events import KVEventFeed
 from kvtier_vllm.kv.scheduler_side.spans import keys_in, targets_of
 from kvtier_vllm.kv.scheduler_side.unreturned import Handback, Unreturned
+from kvtier_vllm.layout.plans import PoolPlan
 
 log = logging.getLogger(__name__)
 
