@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from kvtier_vllm.kv.layout import PoolPlan
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.kv.worker_side.pages import stacked
 from kvtier_vllm.kv.worker_side.worker import KVTierWorker
+from kvtier_vllm.layout.plans import PoolPlan
 from kvtier_vllm.shared.settings import ConnectorConfig
 
 from kvtier.core.keys import Pool

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from kvtier_vllm.hidden_capture.fp8 import decode, encode
 from kvtier_vllm.hidden_capture.tensors import as_tensor, load
+from kvtier_vllm.layout.fp8 import decode, encode
 from safetensors.torch import load_file
 
 from kvtier.client import InProcessClient

@@ -1,8 +1,9 @@
 """The dependency rules: the layer order inside kvtier and the connector, no circle between
-modules, no module past 500 lines (the benchmarks' and the shared fixtures' too); kvtier never
-imports vLLM or torch; the connector uses kvtier's public surface only, reaches vLLM through one
-module and names no module as kvtier does; the client modules never load the server, the tier
-manager or a tier; the benchmarks import each other as a package, never by editing sys.path."""
+modules nor between packages, no module past 500 lines (the benchmarks' and the shared
+fixtures' too); kvtier never imports vLLM or torch; the connector uses kvtier's public surface
+only, reaches vLLM through one module and names no module as kvtier does; the client modules
+never load the server, the tier manager or a tier; the benchmarks import each other as a
+package, never by editing sys.path."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -62,16 +64,18 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "kvtier_vllm": KVTIER_SURFACE,  # the two modules vLLM loads: every package below
     "kvtier_vllm.shared": KVTIER_SURFACE,  # what both connectors use, knowing neither
     "kvtier_vllm.encoder": (*KVTIER_SURFACE, "kvtier_vllm.shared"),
-    # the KV layout sizes the draft and hidden pools' pages; the draft pool and the hidden tail
-    # read the layout's plans
+    # the pools' plans and chunk shapes, which the KV connector, the draft pool and the hidden
+    # tail all read
+    "kvtier_vllm.layout": (*KVTIER_SURFACE, "kvtier_vllm.shared"),
+    "kvtier_vllm.drafts": (*KVTIER_SURFACE, "kvtier_vllm.shared", "kvtier_vllm.layout"),
+    "kvtier_vllm.hidden_capture": (*KVTIER_SURFACE, "kvtier_vllm.shared", "kvtier_vllm.layout"),
     "kvtier_vllm.kv": (
         *KVTIER_SURFACE,
         "kvtier_vllm.shared",
+        "kvtier_vllm.layout",
         "kvtier_vllm.drafts",
         "kvtier_vllm.hidden_capture",
     ),
-    "kvtier_vllm.drafts": (*KVTIER_SURFACE, "kvtier_vllm.shared", "kvtier_vllm.kv"),
-    "kvtier_vllm.hidden_capture": (*KVTIER_SURFACE, "kvtier_vllm.shared", "kvtier_vllm.kv"),
 }
 # The KV connector's sides run in different processes and meet only in what kvtier_vllm.kv holds.
 KV_SIDES = ("kvtier_vllm.kv.scheduler_side", "kvtier_vllm.kv.worker_side")
@@ -213,6 +217,66 @@ def test_no_module_is_in_a_circle() -> None:
     assert not circles, "modules that import each other: " + "; ".join(
         " -> ".join(c) for c in circles
     )
+
+
+def _package_of(module: str) -> tuple[str, ...]:
+    path = _module_path(module)
+    assert path is not None, module
+    parts = tuple(module.split("."))
+    return parts if path.name == "__init__.py" else parts[:-1]
+
+
+def _package_edges() -> dict[str, dict[str, str]]:
+    """Which package imports which, with a module import that shows it. Packages are compared
+    where they part: an import from ``a.b.x`` of ``a.c.d.y`` is ``a.b`` -> ``a.c``, and one
+    of ``a.y`` is ``a.b`` -> ``a``'s own modules (named ``a``)."""
+    edges: dict[str, dict[str, str]] = {}
+    for name, path in _modules():
+        importer = _package_of(name)
+        for imported in _imports(path):
+            if not _ours(imported) or imported == name or _within(imported, (GENERATED,)):
+                continue
+            target = _module_path(imported)
+            assert target is not None
+            if target.name == "__init__.py" and not _imports(target):
+                continue  # an empty package's __init__ carries no code
+            owner = _package_of(imported)
+            common = 0
+            while common < min(len(importer), len(owner)) and importer[common] == owner[common]:
+                common += 1
+            # the package below the common one each is in; the common one's own modules: itself
+            ours, theirs = importer[: common + 1], owner[: common + 1]
+            if ours != theirs:
+                edges.setdefault(".".join(ours), {}).setdefault(
+                    ".".join(theirs), f"{name} imports {imported}"
+                )
+    return edges
+
+
+def test_no_package_is_in_a_circle() -> None:
+    # a package whose modules import another's that imports it back is one package in two
+    # places: what both need belongs in a package below both
+    edges = _package_edges()
+    circles: list[str] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, {})):
+            if state.get(nxt) == 1:
+                ring = [*stack[stack.index(nxt) :], nxt]
+                circles.append("; ".join(f"{a} -> {b} ({edges[a][b]})" for a, b in pairwise(ring)))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    assert not circles, "packages that import each other: " + " | ".join(circles)
 
 
 def test_no_module_is_past_500_lines() -> None:

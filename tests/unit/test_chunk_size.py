@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kvtier_vllm.hidden_capture.fp8 import FP8, Fp8Layout
-from kvtier_vllm.kv.layout import kv_groups, plan_pools
+from kvtier_vllm.layout.fp8 import FP8, Fp8Layout
+from kvtier_vllm.layout.plans import kv_groups, plan_pools
 from kvtier_vllm.shared.settings import ConnectorConfig
 
 from kvtier.core.chunk_size import chunk_payload_bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from kvtier_vllm.kv.layout import is_draft_layer, split_layers
+from kvtier_vllm.layout.plans import is_draft_layer, split_layers
 from kvtier_vllm.shared.settings import Mode, parse
 
 from kvtier.core.errors import ConfigError

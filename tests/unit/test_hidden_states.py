@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvtier_vllm.hidden_capture.fp8 import Fp8Layout, decode, encode
 from kvtier_vllm.hidden_capture.tensors import as_tensor
+from kvtier_vllm.layout.fp8 import Fp8Layout, decode, encode
 from safetensors.torch import load_file
 
 from kvtier.core.keys import NamespaceSpec, PageLayout, Pool

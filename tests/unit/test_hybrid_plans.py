@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kvtier_vllm.kv.layout import PoolPlan, kv_groups, misplaced_draft
+from kvtier_vllm.layout.plans import PoolPlan, kv_groups, misplaced_draft
 from kvtier_vllm.shared.shapes import UnsupportedGroupError
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,

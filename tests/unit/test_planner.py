@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 from kvtier_vllm.drafts.swaps import DraftTracker, Fill
-from kvtier_vllm.kv.layout import PoolPlan
 from kvtier_vllm.kv.scheduler_side.loads import LoadPlan
 from kvtier_vllm.kv.scheduler_side.planner import PROMOTE_WAIT_ASKS, HitPlanner
 from kvtier_vllm.kv.scheduler_side.requests import RequestState
 from kvtier_vllm.kv.scheduler_side.spans import PromptKeys, keys_in
 from kvtier_vllm.kv.scheduler_side.timings import StepTimings
+from kvtier_vllm.layout.plans import PoolPlan
 
 from kvtier.client import InProcessClient
 from kvtier.core.keys import ChunkKey, Pool

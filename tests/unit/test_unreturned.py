@@ -41,7 +41,7 @@ class Client:
     def release(self, refs: Sequence[SlotRef]) -> None:
         self._call("release", refs)
 
-    def commit(self, refs: Sequence[SlotRef]) -> int:
+    def commit(self, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()) -> int:
         self._call("commit", refs)
         return len(refs)
 
@@ -129,3 +129,23 @@ def test_a_failed_release_is_handed_back_later_and_logged_once_while_the_tiers_f
     calls.client = None
     calls.release(_refs(4))  # no client open: nothing to end
     assert client.calls[-1] == ("release", [3])
+
+
+def test_a_failed_commit_or_abort_is_handed_back_later_and_logged_once_with_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = Client()
+    calls = TierCalls(client)  # type: ignore[arg-type]
+    assert calls.commit(_refs(1, 2)) == 2
+    client.failing = True
+    with caplog.at_level(logging.ERROR, logger="kvtier_vllm.kv.scheduler_side.tier_calls"):
+        assert calls.commit(_refs(3)) == 0
+        calls.abort(_refs(4))
+        calls.release(_refs(5))
+        calls.failed("draft state", TierUnavailableError("not answering"))
+    assert len(caplog.records) == 1  # one owner of "the tiers are failing", whoever called
+    assert len(calls.unreturned) == 3
+    client.failing = False
+    calls.hand_back(force=True)
+    assert client.calls[-3:] == [("commit", [3]), ("abort", [4]), ("release", [5])]
+    assert len(calls.unreturned) == 0

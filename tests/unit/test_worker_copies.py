@@ -74,8 +74,8 @@ def test_run_copies_equal_page_by_page_copies() -> None:
 
 
 def test_a_layer_reading_another_layers_cache_is_not_stored_twice() -> None:
-    from kvtier_vllm.kv.layout import KVGroup
     from kvtier_vllm.kv.worker_side.pages import own_caches
+    from kvtier_vllm.layout.plans import KVGroup
 
     buffer, _ = cache()
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]

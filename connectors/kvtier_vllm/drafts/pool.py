@@ -4,16 +4,24 @@ plans' namespaces, and the speculative tokens accepted per revision and fill."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import NamespaceSpec
-from kvtier.core.protocol import TierClient
 from kvtier_vllm.drafts.swaps import AcceptanceMeter, DraftTracker, Fill
-from kvtier_vllm.kv.connector_stats import KVTierStats
-from kvtier_vllm.kv.layout import PoolPlan
+from kvtier_vllm.layout.plans import PoolPlan
 from kvtier_vllm.shared.settings import ConnectorConfig
+from kvtier_vllm.shared.tier_access import TierAccess
+
+
+class DraftStats(Protocol):
+    """What the draft pool counts (in the KV connector's stats)."""
+
+    def spec(self, revision: str, fill: str, drafted: int, accepted: int) -> None: ...
+
+    def revision(self, revision: str) -> None: ...
+
+    def swap(self, source: str) -> None: ...
 
 
 class DraftPool:
@@ -22,14 +30,13 @@ class DraftPool:
         plan: PoolPlan,
         cfg: ConnectorConfig,
         namespaces: dict[str, bytes],
-        client: Callable[[], TierClient | None],
-        on_error: Callable[[str, KVTierError], None],
+        calls: TierAccess,
     ) -> None:
         self.plan = plan
         self.namespaces = namespaces
         """The scheduler's, per plan key: the draft's entry is this pool's current namespace."""
-        self._client = client
-        self._on_error = on_error
+        self.calls = calls
+        """The client in use, and where a failed call is reported."""
         self.tracker = DraftTracker(
             plan.spec, self._register, cfg.draft_fill, cfg.draft_check_steps
         )
@@ -40,7 +47,7 @@ class DraftPool:
 
     def _register(self, spec: NamespaceSpec) -> bytes:
         """Register a draft revision with kvtier; returns its namespace."""
-        client = self._client()
+        client = self.calls.client
         if client is None:
             raise KVTierError("kvtier is not connected")
         return client.register_pool(spec, self.plan.chunk_bytes)
@@ -62,14 +69,14 @@ class DraftPool:
 
     def sync(self, follow: bool) -> None:
         """Follow kvtier's view of the draft pool (``follow``), then use its namespace."""
-        client = self._client()
+        client = self.calls.client
         if client is None:
             return
         if follow:
             try:
                 self.tracker.follow(client.draft_states())
             except KVTierError as exc:
-                self._on_error("draft state", exc)
+                self.calls.failed("draft state", exc)
         if self.tracker.namespace is None:
             self.namespaces.pop(self.plan.key, None)
         else:
@@ -79,12 +86,12 @@ class DraftPool:
         """vLLM dropped its prefix cache: drop the pool until its weights are fingerprinted
         again or kvtier names the revision."""
         self.tracker.reset()
-        client = self._client()
+        client = self.calls.client
         if client is not None:
             try:
                 self.tracker.follow(client.draft_states(refresh=True))
             except KVTierError as exc:
-                self._on_error("draft state", exc)
+                self.calls.failed("draft state", exc)
             self.sync(follow=False)
 
     def reported(self, fingerprints: dict[Any, Any]) -> None:
@@ -93,7 +100,7 @@ class DraftPool:
         self.sync(follow=False)
 
     def scheduled(
-        self, stats: KVTierStats, req_id: str, computed: int, fill: Fill, out: Any
+        self, stats: DraftStats, req_id: str, computed: int, fill: Fill, out: Any
     ) -> None:
         """A step of ``req_id`` is scheduled: settle its last step's acceptance and note the
         draft tokens this one verifies."""
@@ -102,12 +109,12 @@ class DraftPool:
         if drafts:
             self._acceptance.scheduled(req_id, computed, len(drafts), self.tracker.revision, fill)
 
-    def settle(self, stats: KVTierStats, req_id: str, computed: int) -> None:
+    def settle(self, stats: DraftStats, req_id: str, computed: int) -> None:
         settled = self._acceptance.progressed(req_id, computed)
         if settled is not None:
             stats.spec(*settled)
 
-    def report(self, stats: KVTierStats) -> None:
+    def report(self, stats: DraftStats) -> None:
         """The revision in use, when it changed, and the swaps followed since the last report."""
         if self.tracker.revision != self._revision_reported:
             self._revision_reported = self.tracker.revision

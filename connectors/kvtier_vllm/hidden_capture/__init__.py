@@ -1,2 +1,2 @@
-"""Hidden-state capture: the tail chunk a request adds, fp8 storage, and reading captured states
-as tensors."""
+"""Hidden-state capture: the tail chunk a request adds, the manifests beside its states, and
+reading captured states as tensors."""

@@ -12,7 +12,6 @@ under ``kvtier_hidden_states``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,8 @@ from kvtier.hidden.reader import (
     manifest_spec,
     tail_hash,
 )
-from kvtier_vllm.kv.layout import PoolPlan
+from kvtier_vllm.layout.plans import PoolPlan
+from kvtier_vllm.shared.tier_access import TierAccess
 
 log = logging.getLogger(__name__)
 
@@ -110,34 +110,31 @@ class Manifests:
     """Writes each reference's manifest beside the states
     (`kvtier.hidden.reader.manifest_parts`), so that ``kvtier hidden export --namespace`` can list
     a pool's requests from the tiers alone.
-    The parts are written into the arena from this process, as the workers write chunks."""
+    The parts are written into the arena from this process, as the workers write chunks; a
+    failed call is reported to ``calls``, which commits or aborts later what it could not."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls: TierAccess) -> None:
+        self.calls = calls
         self._client: TierClient | None = None
         self._pools: dict[bytes, bool] = {}
         """Per manifest pool registered with ``_client``, whether the tiers took it."""
         self._arena: ArenaAtPath | None = None
 
-    def reference(
-        self,
-        capture: Capture,
-        request: Any,
-        client: TierClient | None,
-        on_error: Callable[[str, KVTierError], None],
-    ) -> tuple[HiddenStatesRef, dict[str, Any]]:
+    def reference(self, capture: Capture, request: Any) -> tuple[HiddenStatesRef, dict[str, Any]]:
         """A finished request's reference, as its ``kv_transfer_params``; its manifest is
         written beside the states (a failure loses only the listing, the reference stands)."""
         ref = capture.reference(request)
+        client = self.calls.client
         if client is not None:
             try:
                 self.write(client, ref)
             except KVTierError as exc:
-                on_error("manifest", exc)
+                self.calls.failed("manifest", exc)
         return ref, {REF_FIELD: ref.to_json()}
 
     def write(self, client: TierClient, ref: HiddenStatesRef) -> int:
-        """Parts written (0: present already, no room, or the tiers refuse manifests); raises
-        `KVTierError`."""
+        """Parts committed (0: present already, no room, the tiers refuse manifests, or the
+        commit failed and is retried on a later step); raises `KVTierError`."""
         spec = manifest_spec(ref.namespace, ref.spec.tenant)
         manifests = spec.digest()
         if client is not self._client:  # a new session: its pools are registered anew
@@ -166,9 +163,9 @@ class Manifests:
                 if slot is not None:
                     arena.view(slot.offset, len(payload))[:] = payload
         except BaseException:
-            client.abort(written)
+            self.calls.abort(written)
             raise
-        return client.commit(written)
+        return self.calls.commit(written)
 
     def _memory(self, path: Path) -> ArenaMemory:
         if self._arena is None or self._arena.path != path:

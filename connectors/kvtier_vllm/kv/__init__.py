@@ -1,2 +1,1 @@
-"""The KV connector: the pool layout, and the messages, stats and lmdb reads its scheduler and
-worker sides share."""
+"""The KV connector: the messages, stats and lmdb reads its scheduler and worker sides share."""

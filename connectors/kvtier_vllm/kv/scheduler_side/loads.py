@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from kvtier.core.keys import Pool
 from kvtier.core.protocol import SlotRef, TierCode
 from kvtier_vllm.drafts.swaps import Fill
-from kvtier_vllm.kv.layout import PoolPlan
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata, lmdb_key
 from kvtier_vllm.kv.scheduler_side.spans import needed
+from kvtier_vllm.layout.plans import PoolPlan
 
 # vLLM's CacheHitSource values per tier; the object store is remote, shared storage
 _HIT_SOURCES = {int(TierCode.CPU): "host", int(TierCode.LMDB): "disk"}

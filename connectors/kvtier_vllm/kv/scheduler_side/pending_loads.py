@@ -11,11 +11,11 @@ from typing import Any
 from kvtier.core.protocol import SlotRef
 from kvtier_vllm.drafts.swaps import Fill
 from kvtier_vllm.kv.connector_stats import KVTierStats
-from kvtier_vllm.kv.layout import PoolPlan
 from kvtier_vllm.kv.metadata import KVTierMetadata
 from kvtier_vllm.kv.scheduler_side.loads import LoadPlan
 from kvtier_vllm.kv.scheduler_side.requests import RequestState
 from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
+from kvtier_vllm.layout.plans import PoolPlan
 
 
 class PendingLoads:

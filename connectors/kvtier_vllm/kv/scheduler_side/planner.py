@@ -17,12 +17,12 @@ from kvtier.core.errors import KVTierError
 from kvtier.core.keys import ChunkKey, Pool
 from kvtier.core.protocol import SlotRef, TierClient, TierCode, in_lmdb
 from kvtier_vllm.drafts.swaps import DraftTracker, Fill, lease_draft
-from kvtier_vllm.kv.layout import PoolPlan
 from kvtier_vllm.kv.scheduler_side.leases import Leases
 from kvtier_vllm.kv.scheduler_side.loads import LoadPlan
 from kvtier_vllm.kv.scheduler_side.requests import RequestState
 from kvtier_vllm.kv.scheduler_side.spans import Needed, PromptKeys, needed, targets_of
 from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
+from kvtier_vllm.layout.plans import PoolPlan
 
 R = TypeVar("R")
 

@@ -6,8 +6,9 @@ embedded mode, or a session with kvtierd) and opens again after a failure:
 `lookups.HitLookup` answers vLLM's asks (over `planner.HitPlanner`), `pending_loads.PendingLoads`
 keeps the loads vLLM granted until a step's metadata carries them (or reports them failed),
 and `stores.Stores` reserves and commits what the workers store. `tier_calls.TierCalls` holds
-whether the calls into the tiers are failing and ends the leases they took: while they fail,
-the engine goes on as if kvtier had missed.
+whether the calls into the tiers are failing, for every part that calls them (the draft pool and
+the hidden-state manifests too), and hands back what they took: while they fail, the engine goes
+on as if kvtier had missed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from kvtier.hidden.reader import HiddenStatesRef
 from kvtier_vllm.drafts.pool import DraftPool
 from kvtier_vllm.hidden_capture.tails import Capture, Manifests
 from kvtier_vllm.kv.connector_stats import KVTierStats, take_report
-from kvtier_vllm.kv.layout import engine_plans
 from kvtier_vllm.kv.lmdb_staging import readable_lmdb
 from kvtier_vllm.kv.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.kv.scheduler_side.events import KVEventFeed
@@ -39,6 +39,7 @@ from kvtier_vllm.kv.scheduler_side.stores import Stores
 from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
 from kvtier_vllm.kv.scheduler_side.timings import StepTimings
 from kvtier_vllm.kv.scheduler_side.verify import Verifier
+from kvtier_vllm.layout.plans import engine_plans
 from kvtier_vllm.shared.connection import Session, close_client
 from kvtier_vllm.shared.settings import ConnectorConfig
 from kvtier_vllm.shared.vllm_compat import (
@@ -86,15 +87,16 @@ class KVTierScheduler:
         hidden = next((p for p in self.plans if p.pool is Pool.HIDDEN), None)
         self.capture = Capture(hidden) if hidden is not None else None
         """Hidden states captured: each finished request gets a reference to them."""
-        self.manifests = Manifests()
         self.async_loads = len(groups) > 1
         """Several groups: vLLM takes load failures only per request, after an async load."""
         self.stats = KVTierStats()
         self.namespaces: dict[str, bytes] = {}
         """Per plan key; a pool without one is not stored (a draft mid-swap)."""
         self.calls = TierCalls(None)
+        self.manifests = Manifests(self.calls)
+        """Captured states' manifests, written beside them."""
         self.draft_pool = (
-            DraftPool(self.draft_plan, cfg, self.namespaces, lambda: self.client, self.calls.failed)
+            DraftPool(self.draft_plan, cfg, self.namespaces, self.calls)
             if self.draft_plan is not None
             else None
         )
@@ -180,8 +182,7 @@ class KVTierScheduler:
                 self.plans,
                 self.namespaces,
                 self.events,
-                self.calls.unreturned,
-                self.calls.failed,
+                self.calls,
                 chunk_tokens=self.chunk_tokens,
                 blocks_per_chunk=self.cfg.blocks_per_chunk,
                 checkpoint=self.checkpoint,
@@ -417,7 +418,7 @@ class KVTierScheduler:
         capture = self.capture
         if capture is None or capture.plan.key not in self.namespaces:
             return False, None
-        ref, params = self.manifests.reference(capture, request, self.client, self.calls.failed)
+        ref, params = self.manifests.reference(capture, request)
         if not capture.with_outputs(request):
             return False, params  # the prompt's tail was stored with its last token
         # vLLM asserts each request reported sent is one it keeps: the last step here

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvtier.core.keys import ChunkKey, Pool, make_key
-from kvtier_vllm.kv.layout import PoolPlan
+from kvtier_vllm.layout.plans import PoolPlan
 
 Items = TypeVar("Items", bytes, list[Any])
 

@@ -9,7 +9,7 @@ steps.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +19,11 @@ from kvtier.core.lineage import BlockLineage, lineage_of
 from kvtier.core.protocol import SlotRef, TierClient
 from kvtier_vllm.drafts.swaps import DraftTracker
 from kvtier_vllm.kv.connector_stats import KVTierStats
-from kvtier_vllm.kv.layout import PoolPlan
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.kv.scheduler_side.events import KVEventFeed
 from kvtier_vllm.kv.scheduler_side.spans import keys_in, targets_of
-from kvtier_vllm.kv.scheduler_side.unreturned import Handback, Unreturned
+from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
+from kvtier_vllm.layout.plans import PoolPlan
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class _PendingStore:
 class Stores:
     """Reservations over ``client`` for every plan with a namespace (``namespaces``, read at
     each call), and their commits. The anchor plan's chunks stand for their blocks in KV events.
-    A commit or abort that fails is kept in ``unreturned`` and reported to ``on_error``."""
+    A call that fails is reported to ``calls``, which commits or aborts later what it could not."""
 
     def __init__(
         self,
@@ -52,8 +52,7 @@ class Stores:
         plans: Sequence[PoolPlan],
         namespaces: dict[str, bytes],
         events: KVEventFeed,
-        unreturned: Unreturned,
-        on_error: Callable[[str, KVTierError], None],
+        calls: TierCalls,
         *,
         chunk_tokens: int,
         blocks_per_chunk: int,
@@ -64,8 +63,7 @@ class Stores:
         self.plans = list(plans)
         self.namespaces = namespaces
         self.events = events
-        self.unreturned = unreturned
-        self.on_error = on_error
+        self.calls = calls
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = blocks_per_chunk
         self.checkpoint = checkpoint
@@ -110,7 +108,7 @@ class Stores:
             try:
                 refs = self.client.reserve(keys)
             except KVTierError as exc:
-                self.on_error("reserve", exc)
+                self.calls.failed("reserve", exc)
                 return
             for chunk, ref in zip(storable, refs, strict=True):
                 if ref is None:
@@ -140,7 +138,7 @@ class Stores:
         try:
             ref = self.client.reserve([key])[0]
         except KVTierError as exc:
-            self.on_error("reserve", exc)
+            self.calls.failed("reserve", exc)
             return False
         if ref is not None:
             self._queue(meta, plan, ref, blocks, step)
@@ -177,7 +175,7 @@ class Stores:
         if stale:
             for handle in stale:
                 self.events.store_dropped(handle)
-            self._abort([self._pending.pop(h).ref for h in stale])
+            self.calls.abort([self._pending.pop(h).ref for h in stale])
 
     def reported(
         self, stored: Iterable[tuple[int, int]], failed: Iterable[tuple[int, int]]
@@ -201,22 +199,8 @@ class Stores:
                 done.append(pending.ref)
                 lineages.append(pending.lineage)
                 self.events.store_done(handle)
-        try:
-            if done:
-                self.client.commit(done, lineages if any(lineages) else ())
-        except KVTierError as exc:
-            self.unreturned.keep(Handback.COMMIT, done)
-            self.on_error("commit", exc)
-        self._abort(spoiled)
+        self.calls.commit(done, lineages if any(lineages) else ())
+        self.calls.abort(spoiled)
 
     def abort_all(self) -> None:
-        self._abort([pending.ref for pending in self._pending.values()])
-
-    def _abort(self, refs: list[SlotRef]) -> None:
-        if not refs:
-            return
-        try:
-            self.client.abort(refs)
-        except KVTierError as exc:
-            self.unreturned.keep(Handback.ABORT, refs)
-            self.on_error("abort", exc)
+        self.calls.abort([pending.ref for pending in self._pending.values()])

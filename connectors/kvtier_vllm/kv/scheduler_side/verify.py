@@ -23,9 +23,9 @@ from kvtier.core.keys import Pool, namespace_of
 from kvtier.core.protocol import SlotRef
 from kvtier_vllm.drafts.swaps import Fill
 from kvtier_vllm.kv.connector_stats import KVTierStats
-from kvtier_vllm.kv.layout import PoolPlan
 from kvtier_vllm.kv.metadata import ChunkCopy, lmdb_key
 from kvtier_vllm.kv.scheduler_side.loads import LoadPlan
+from kvtier_vllm.layout.plans import PoolPlan
 
 log = logging.getLogger(__name__)
 MAX_CHECKS = 1024

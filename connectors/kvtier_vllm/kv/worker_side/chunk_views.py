@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import torch
 
 from kvtier.client import ArenaMemory
-from kvtier_vllm.hidden_capture import fp8
-from kvtier_vllm.hidden_capture.fp8 import Fp8Layout
-from kvtier_vllm.kv.layout import PoolPlan
 from kvtier_vllm.kv.metadata import ChunkCopy
 from kvtier_vllm.kv.worker_side.pages import block_runs, page_dims
+from kvtier_vllm.layout import fp8
+from kvtier_vllm.layout.fp8 import Fp8Layout
+from kvtier_vllm.layout.plans import PoolPlan
 
 
 class ChunkViews:

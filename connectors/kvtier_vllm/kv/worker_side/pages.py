@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from kvtier_vllm.kv.layout import KVGroup, PoolPlan
+from kvtier_vllm.layout.plans import KVGroup, PoolPlan
 from kvtier_vllm.shared.shapes import HEADS_FIRST, TOKENS_FIRST
 
 

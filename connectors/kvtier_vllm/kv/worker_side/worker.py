@@ -28,12 +28,12 @@ from kvtier.core.keys import ChunkKey, Pool
 from kvtier.core.protocol import FailedChunk, Failure, TierCode
 from kvtier_vllm.drafts.swaps import DraftWatch, Fill, find_draft_model_source
 from kvtier_vllm.kv.connector_stats import KVTierStats, take_report
-from kvtier_vllm.kv.layout import kv_groups, plan_pools
 from kvtier_vllm.kv.lmdb_staging import LmdbStaging
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.kv.worker_side.chunk_views import ChunkViews
 from kvtier_vllm.kv.worker_side.pages import own_caches, pages_of, stacked
 from kvtier_vllm.kv.worker_side.sends import PendingSends
+from kvtier_vllm.layout.plans import kv_groups, plan_pools
 from kvtier_vllm.shared.copies import CpuCopies, Fence, copies_for
 from kvtier_vllm.shared.settings import ConnectorConfig
 from kvtier_vllm.shared.shapes import UnsupportedGroupError, refusal

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvtier.core.keys import NamespaceSpec, PageLayout, Pool
 from kvtier.hidden.reader import HIDDEN_ATTENTION
-from kvtier_vllm.hidden_capture.fp8 import FP8, Fp8Layout
+from kvtier_vllm.layout.fp8 import FP8, Fp8Layout
 from kvtier_vllm.shared import weights
 from kvtier_vllm.shared.settings import ConnectorConfig
 from kvtier_vllm.shared.shapes import (
