@@ -4,15 +4,15 @@ tmp_path), with no engine: vLLM's configs and requests are the few fields the sc
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from kvtier_vllm.kv.scheduler_side.prompt_keys import keys_in
 from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
-from kvtier_vllm.kv.scheduler_side.spans import keys_in
 from kvtier_vllm.shared.settings import ConnectorConfig
 
 from kvtier.client import InProcessClient
@@ -150,6 +150,50 @@ def test_a_granted_hit_is_loaded_into_its_blocks_and_its_leases_go_back(
     assert evictable() == 2
 
 
+class FirstRun:
+    """A load chooser that loads the hit's first run of one tier; keeps the runs it was asked
+    about."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[tuple[str, int]]] = []
+
+    def tokens_to_load(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> int:
+        self.asked.append(list(runs))
+        return runs[0][1] * chunk_tokens if runs else 0
+
+
+def test_a_hit_cut_to_its_first_run_loads_only_that_run(scheduler: KVTierScheduler) -> None:
+    """Chunks 0-1 in the arena, 2-3 in lmdb: loaded whole, the hit would wait for 2-3 to be
+    promoted; cut to its arena run, it is answered at once and only 0-1 are copied."""
+    req = request("a", 5)
+    assert isinstance(scheduler.client, InProcessClient)
+    assert scheduler.hits is not None
+    store(scheduler, chunk_keys(scheduler, req, range(2, 4)))
+    assert scheduler.client.flush()
+    scheduler.client.manager.evict("cpu", namespace=scheduler.namespaces["target"])
+    store(scheduler, chunk_keys(scheduler, req, range(2)))
+    scheduler.hits.chooser = chooser = FirstRun()
+    tokens, _ = scheduler.get_num_new_matched_tokens(req, 0)
+    assert chooser.asked == [[("cpu", 2), ("lmdb", 2)]]
+    assert tokens == 2 * CHUNK_TOKENS
+    blocks = list(range(1, len(req.block_hashes) + 1))
+    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: [blocks]), tokens)
+    assert scheduler.hit_sources(req, tokens) == {"host": tokens}
+    new = SimpleNamespace(req_id="a", block_ids=[blocks], num_computed_tokens=0)
+    out = SimpleNamespace(
+        total_num_scheduled_tokens=1,
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
+        ),
+        num_scheduled_tokens={"a": 1},
+    )
+    meta = scheduler.build_connector_meta(out)
+    assert [c.chunk for c in meta.loads] == [bytes(k) for k in chunk_keys(scheduler, req, range(2))]
+    assert [c.block_ids for c in meta.loads] == [(1, 2, 3, 4), (5, 6, 7, 8)]
+    scheduler.request_finished(req)
+
+
 class CountedCalls(ArenaReading):
     """Reads the arena's index as a sidecar client does, and counts the calls a daemon would
     answer (index reads are local)."""
@@ -172,9 +216,9 @@ class CountedCalls(ArenaReading):
 
 def counting_calls(s: KVTierScheduler) -> CountedCalls:
     """The lookup's client, as a sidecar's: see `CountedCalls`."""
-    assert s.lookup is not None
+    assert s.hits is not None
     assert isinstance(s.client, InProcessClient)
-    s.lookup.planner.client = counted = CountedCalls(s.client)  # type: ignore[assignment]
+    s.hits.client = counted = CountedCalls(s.client)  # type: ignore[assignment]
     return counted
 
 

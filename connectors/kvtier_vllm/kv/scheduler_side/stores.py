@@ -22,7 +22,7 @@ from kvtier_vllm.kv.connector_stats import KVTierStats
 from kvtier_vllm.kv.layout import PoolPlan
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.kv.scheduler_side.events import KVEventFeed
-from kvtier_vllm.kv.scheduler_side.spans import keys_in, targets_of
+from kvtier_vllm.kv.scheduler_side.prompt_keys import keys_in, targets_of
 from kvtier_vllm.kv.scheduler_side.unreturned import Handback, Unreturned
 
 log = logging.getLogger(__name__)
