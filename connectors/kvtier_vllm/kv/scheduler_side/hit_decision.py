@@ -111,7 +111,7 @@ class HitDecision:
     looked: bool = False
     """Whether it was looked up already: lookups asked again are not counted again."""
     planned: int = 0
-    """Times a load was planned for it (`plan`)."""
+    """Times a load was planned for it (`plan_load`)."""
     first_tiers: dict[int, int] = field(default_factory=dict)
     """Per chunk, where it was when first asked for (promoted ones came from lmdb)."""
     behind: tuple[list[ChunkKey], Answer[LookupResult]] | None = None
@@ -191,7 +191,7 @@ class HitDecision:
         plan, self.plan = self.plan, None
         return plan
 
-    def drop_plan(self) -> list[Any]:
+    def drop_plan(self) -> list[SlotRef]:
         """Forget the load answered last time; returns its leases, to give back."""
         plan = self.take_plan()
         return plan.refs() if plan is not None else []
@@ -288,10 +288,10 @@ class HitDecision:
         anchor_start, anchor_codes = found.tiers[setup.anchor.key]
         for chunk, code in enumerate(anchor_codes, anchor_start):
             self.first_tiers.setdefault(chunk, code)
-        # the chooser may take a shorter prefix: only that is promoted and leased
-        chunks = first + chosen_chunks(
-            setup.chooser, self._tiers(first, chunks), setup.chunk_tokens
-        )
+        if chunks > first:
+            # the chooser may take a shorter prefix: only that is promoted and leased
+            tiers = self._tiers(first, chunks)
+            chunks = first + chosen_chunks(setup.chooser, tiers, setup.chunk_tokens)
         # per plan, the chunks of the hit to bring up first
         below = {
             plan.key: [
