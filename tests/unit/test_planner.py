@@ -81,12 +81,13 @@ def in_arena(client: InProcessClient, keys: list[ChunkKey]) -> None:
         time.sleep(0.01)
 
 
-def planner(
+def shared(
     client: InProcessClient,
     namespaces: dict[str, bytes],
     wait_s: float = 0.0,
     draft: DraftTracker | None = None,
 ) -> HitSetup:
+    """What the decisions of requests over ``client`` share."""
     plans = [TARGET, DRAFT] if draft is not None else [TARGET]
     return HitSetup(
         client,
@@ -112,7 +113,7 @@ def leased(plan: LoadPlan, key: str) -> tuple[int, list[ChunkKey]]:
 def test_a_hit_in_the_arena_is_leased_in_one_ask(client: InProcessClient) -> None:
     ns = register(client, TARGET)
     store(client, keys(ns["target"], range(4)))
-    p = planner(client, ns)
+    p = shared(client, ns)
     plan = ask(p).plan_load(0, 6)
     assert plan is not None
     assert (plan.first_chunk, plan.chunks) == (0, 4)  # chunks 4 and 5 are nowhere
@@ -164,7 +165,7 @@ def test_a_chooser_that_loads_a_shorter_prefix_leases_only_its_chunks(
 def test_chunks_in_lmdb_are_promoted_and_asked_again(client: InProcessClient) -> None:
     ns, hit = four_in_lmdb(client)
     assert client.lookup(hit).tier_codes == bytes([LMDB] * 4)
-    p = planner(client, ns, wait_s=30)
+    p = shared(client, ns, wait_s=30)
     asked = ask(p)
     assert asked.plan_load(0, 4) is None  # on their way into the arena: ask again
     in_arena(client, hit)
@@ -180,7 +181,7 @@ def test_past_the_wait_a_hit_shrinks_to_the_arenas_prefix(client: InProcessClien
     store(client, keys(ns["target"], range(2, 4)))
     to_lmdb_only(client, ns["target"])
     store(client, keys(ns["target"], range(2)))  # chunks 0-1 in the arena, 2-3 in lmdb
-    p = planner(client, ns, wait_s=0)
+    p = shared(client, ns, wait_s=0)
     plan = ask(p).plan_load(0, 4)
     assert plan is not None
     assert (plan.first_chunk, plan.chunks) == (0, 2)
@@ -197,17 +198,17 @@ def test_a_request_waits_some_asks_for_promotions_however_long_its_steps(
     first ask after the promotions were queued."""
     ns, _ = four_in_lmdb(client)
     client.promote = lambda keys: 0  # type: ignore[method-assign]  # the daemon has no room
-    p = planner(client, ns, wait_s=1e-9)  # every ask comes after the wait
+    p = shared(client, ns, wait_s=1e-9)  # every ask comes after the wait
     asked = ask(p)
     for _ in range(PROMOTE_WAIT_ASKS):
         assert asked.plan_load(0, 4) is None
     assert asked.plan_load(0, 4) == LoadPlan(0, 0, {}, [])  # then it gives up
 
 
-def slow_engine_planner(
+def slow_engine_setup(
     client: InProcessClient, namespaces: dict[str, bytes], timings: StepTimings
 ) -> HitSetup:
-    """A planner whose ``wait_s`` is over at once, beside an engine that measured a second a
+    """A setup whose ``wait_s`` is over at once, beside an engine that measured a second a
     prefilled token."""
     timings.prefill.observe(1.0, 100)
     return HitSetup(
@@ -230,7 +231,7 @@ def test_a_hit_is_waited_for_a_share_of_what_recomputing_it_takes(
     client.promote = lambda keys: 0  # type: ignore[method-assign]  # they never arrive
     timings = StepTimings(wait_share=0.5)
     assert timings.recompute_wait(1000) == 0.0, "nothing measured yet: no longer wait"
-    p = slow_engine_planner(client, ns, timings)  # a second a token: 4 chunks are worth minutes
+    p = slow_engine_setup(client, ns, timings)  # a second a token: 4 chunks are worth minutes
     worth = timings.recompute_wait(4 * CHUNK_TOKENS)
     assert worth == pytest.approx(0.5 * 4 * CHUNK_TOKENS)
     asked = ask(p)
@@ -255,7 +256,7 @@ def test_a_probe_of_the_store_is_waited_for_a_share_of_recomputing_the_rest(
 
     client.lookup = probing  # type: ignore[method-assign,assignment]
     timings = StepTimings(wait_share=0.5)
-    p = slow_engine_planner(client, ns, timings)
+    p = slow_engine_setup(client, ns, timings)
     asked = ask(p)
     for _ in range(PROMOTE_WAIT_ASKS + 3):
         assert asked.plan_load(0, 6) is None
@@ -288,7 +289,7 @@ def test_a_draft_pool_loads_with_its_target_or_is_zeroed(client: InProcessClient
     ns = register(client, TARGET, DRAFT)
     store(client, keys(ns["target"], range(4)))
     store(client, keys(ns["draft"], range(2)))
-    p = planner(client, ns, draft=tracker(client, ns))
+    p = shared(client, ns, draft=tracker(client, ns))
     # the draft holds two chunks of a four-chunk hit: its pages are zeroed, never half loaded
     plan = ask(p).plan_load(0, 4)
     assert plan is not None
@@ -313,7 +314,7 @@ def test_draft_chunks_on_their_way_hold_the_hit_back(client: InProcessClient) ->
     store(client, drafts)
     to_lmdb_only(client, ns["draft"])
     store(client, keys(ns["target"], range(3)))
-    p = planner(client, ns, wait_s=30, draft=tracker(client, ns))
+    p = shared(client, ns, wait_s=30, draft=tracker(client, ns))
     asked = ask(p)
     assert asked.plan_load(0, 3) is None  # the draft's chunks are promoted first
     in_arena(client, drafts)
@@ -330,7 +331,7 @@ def test_asking_again_while_a_promotion_lands_counts_the_lookup_once(
 ) -> None:
     ns, hit = four_in_lmdb(client)
     counted = client.manager.stats().counters
-    p = planner(client, ns, wait_s=30)
+    p = shared(client, ns, wait_s=30)
     asked = ask(p)
     assert asked.plan_load(0, 4) is None
     in_arena(client, hit)
@@ -371,11 +372,11 @@ def test_a_plan_still_holds_until_its_slots_change_or_the_hit_could_be_longer(
 ) -> None:
     ns = register(client, TARGET)
     store(client, keys(ns["target"], range(3)))
-    p = planner(client, ns)
+    p = shared(client, ns)
     plan = ask(p).plan_load(0, 6)
     assert plan is not None
     assert plan.chunks == 3
-    reading = planner(ArenaReading(client), ns)  # type: ignore[arg-type]
+    reading = shared(ArenaReading(client), ns)  # type: ignore[arg-type]
     assert ask(reading).still_holds(plan, 6)
     assert not ask(p).still_holds(plan, 6)  # this client cannot read the arena so
     store(client, keys(ns["target"], range(3, 4)))  # a longer hit is there now
@@ -390,7 +391,7 @@ def test_a_miss_is_asked_again_only_once_its_first_chunk_is_in_the_arena(
     client: InProcessClient,
 ) -> None:
     ns = register(client, TARGET)
-    reading = planner(ArenaReading(client), ns)  # type: ignore[arg-type]
+    reading = shared(ArenaReading(client), ns)  # type: ignore[arg-type]
     plan = ask(reading).plan_load(1, 4)
     assert plan is not None
     assert plan.chunks == 0
@@ -398,7 +399,7 @@ def test_a_miss_is_asked_again_only_once_its_first_chunk_is_in_the_arena(
     store(client, keys(ns["target"], range(1, 2)))
     assert ask(reading).may_have_appeared(1)
     assert not ask(reading).may_have_appeared(2)
-    assert ask(planner(client, ns)).may_have_appeared(2)  # cannot read the arena: ask
+    assert ask(shared(client, ns)).may_have_appeared(2)  # cannot read the arena: ask
 
 
 class AnsweredLater(ArenaReading):
@@ -442,7 +443,7 @@ def test_a_miss_is_asked_in_the_background_and_planned_with_no_call_once_answere
 ) -> None:
     ns = register(client, TARGET)
     counted = client.manager.stats().counters
-    p = planner(later, ns)  # type: ignore[arg-type]
+    p = shared(later, ns)  # type: ignore[arg-type]
     asked = ask(p)
     # nothing in the arena's index: kvtierd is asked without waiting, once
     assert not asked.answered(0, 6, 0.0)
@@ -463,7 +464,7 @@ def test_a_hit_answered_in_the_background_from_lmdb_is_promoted_then_leased(
 ) -> None:
     ns, hit = four_in_lmdb(client)
     counted = client.manager.stats().counters
-    p = planner(later, ns, wait_s=30)  # type: ignore[arg-type]
+    p = shared(later, ns, wait_s=30)  # type: ignore[arg-type]
     asked = ask(p)
     later.gate.set()
     assert asked.answered(0, 4, None)
@@ -485,9 +486,9 @@ def test_a_first_chunk_in_the_arena_or_a_client_without_its_index_plans_at_once(
 ) -> None:
     ns = register(client, TARGET)
     store(client, keys(ns["target"], range(2)))
-    reading = planner(later, ns)  # type: ignore[arg-type]
+    reading = shared(later, ns)  # type: ignore[arg-type]
     assert ask(reading).answered(0, 6, 0.0)  # a hit, most likely: no wait
-    assert ask(planner(client, ns)).answered(2, 6, 0.0)  # a call is no dearer
+    assert ask(shared(client, ns)).answered(2, 6, 0.0)  # a call is no dearer
     assert later.behind == []
     asked = ask(reading)
     assert not asked.answered(2, 6, 0.0)
