@@ -1,12 +1,12 @@
 """Hit planning over the in-process client: a real TierManager, a small arena in /dev/shm and
-LMDB under tmp_path, with no engine. Each test stores chunks, then asks the planner what a
-request would load."""
+LMDB under tmp_path, with no engine. Each test stores chunks, then asks a request's hit
+decision what it would load."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 from kvtier_vllm.drafts.swaps import DraftTracker, Fill
+from kvtier_vllm.kv.scheduler_side.hit_decision import PROMOTE_WAIT_ASKS, HitDecision
+from kvtier_vllm.kv.scheduler_side.hit_setup import HitSetup
 from kvtier_vllm.kv.scheduler_side.loads import LoadPlan
-from kvtier_vllm.kv.scheduler_side.planner import PROMOTE_WAIT_ASKS, HitPlanner
-from kvtier_vllm.kv.scheduler_side.requests import RequestState
-from kvtier_vllm.kv.scheduler_side.spans import PromptKeys, keys_in
+from kvtier_vllm.kv.scheduler_side.prompt_keys import keys_in
 from kvtier_vllm.kv.scheduler_side.timings import StepTimings
 from kvtier_vllm.layout.plans import PoolPlan
 
@@ -81,14 +81,15 @@ def in_arena(client: InProcessClient, keys: list[ChunkKey]) -> None:
         time.sleep(0.01)
 
 
-def planner(
+def shared(
     client: InProcessClient,
     namespaces: dict[str, bytes],
     wait_s: float = 0.0,
     draft: DraftTracker | None = None,
-) -> HitPlanner:
+) -> HitSetup:
+    """What the decisions of requests over ``client`` share."""
     plans = [TARGET, DRAFT] if draft is not None else [TARGET]
-    return HitPlanner(
+    return HitSetup(
         client,
         plans,
         namespaces,
@@ -99,13 +100,9 @@ def planner(
     )
 
 
-def ask() -> RequestState:
-    """A request of ``HASHES`` not asked about yet."""
-    return RequestState.of(SimpleNamespace(block_hashes=HASHES), BPC)
-
-
-def prompt() -> PromptKeys:
-    return PromptKeys(HASHES, BPC)
+def ask(setup: HitSetup) -> HitDecision:
+    """The decision of a request of ``HASHES`` not asked about yet."""
+    return HitDecision(setup, SimpleNamespace(block_hashes=HASHES))
 
 
 def leased(plan: LoadPlan, key: str) -> tuple[int, list[ChunkKey]]:
@@ -116,8 +113,8 @@ def leased(plan: LoadPlan, key: str) -> tuple[int, list[ChunkKey]]:
 def test_a_hit_in_the_arena_is_leased_in_one_ask(client: InProcessClient) -> None:
     ns = register(client, TARGET)
     store(client, keys(ns["target"], range(4)))
-    p = planner(client, ns)
-    plan = p.plan(ask(), 0, 6)
+    p = shared(client, ns)
+    plan = ask(p).plan_load(0, 6)
     assert plan is not None
     assert (plan.first_chunk, plan.chunks) == (0, 4)  # chunks 4 and 5 are nowhere
     assert leased(plan, "target") == (0, keys(ns["target"], range(4)))
@@ -125,21 +122,54 @@ def test_a_hit_in_the_arena_is_leased_in_one_ask(client: InProcessClient) -> Non
     assert plan.zero_plans == []
     assert plan.fill is Fill.NONE
     # vLLM holds the first chunk: only the rest is leased
-    later = p.plan(ask(), 1, 6)
+    later = ask(p).plan_load(1, 6)
     assert later is not None
     assert (later.first_chunk, later.chunks) == (1, 3)
     client.release(plan.refs() + later.refs())
     assert len(p.calls.unreturned) == 0
 
 
+class FirstChunks:
+    """A load chooser that loads the hit's first ``chunks`` chunks at most; keeps the runs it
+    was asked about."""
+
+    def __init__(self, chunks: int) -> None:
+        self.chunks = chunks
+        self.asked: list[list[tuple[str, int]]] = []
+
+    def tokens_to_load(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> int:
+        self.asked.append(list(runs))
+        return min(self.chunks, sum(n for _, n in runs)) * chunk_tokens
+
+
+def test_a_chooser_that_loads_a_shorter_prefix_leases_only_its_chunks(
+    client: InProcessClient,
+) -> None:
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(4)))
+    chooser = FirstChunks(2)
+    p = HitSetup(
+        client, [TARGET], ns, chunk_tokens=CHUNK_TOKENS, blocks_per_chunk=BPC, chooser=chooser
+    )
+    plan = ask(p).plan_load(0, 6)
+    assert plan is not None
+    assert chooser.asked == [[("cpu", 4)]]
+    assert (plan.first_chunk, plan.chunks, plan.tiers) == (0, 2, bytes([CPU] * 2))
+    assert leased(plan, "target") == (0, keys(ns["target"], range(2)))
+    # the lookup leased all four: the two past the prefix went back at once
+    assert client.manager.evict("cpu", namespace=ns["target"]) == {"cpu": 2}
+    client.release(plan.refs())
+    assert client.manager.evict("cpu", namespace=ns["target"]) == {"cpu": 2}
+
+
 def test_chunks_in_lmdb_are_promoted_and_asked_again(client: InProcessClient) -> None:
     ns, hit = four_in_lmdb(client)
     assert client.lookup(hit).tier_codes == bytes([LMDB] * 4)
-    p = planner(client, ns, wait_s=30)
-    asked = ask()
-    assert p.plan(asked, 0, 4) is None  # on their way into the arena: ask again
+    p = shared(client, ns, wait_s=30)
+    asked = ask(p)
+    assert asked.plan_load(0, 4) is None  # on their way into the arena: ask again
     in_arena(client, hit)
-    plan = p.plan(asked, 0, 4)
+    plan = asked.plan_load(0, 4)
     assert plan is not None
     assert plan.chunks == 4
     assert plan.tiers == bytes([LMDB] * 4)  # where they were when first asked for
@@ -151,14 +181,14 @@ def test_past_the_wait_a_hit_shrinks_to_the_arenas_prefix(client: InProcessClien
     store(client, keys(ns["target"], range(2, 4)))
     to_lmdb_only(client, ns["target"])
     store(client, keys(ns["target"], range(2)))  # chunks 0-1 in the arena, 2-3 in lmdb
-    p = planner(client, ns, wait_s=0)
-    plan = p.plan(ask(), 0, 4)
+    p = shared(client, ns, wait_s=0)
+    plan = ask(p).plan_load(0, 4)
     assert plan is not None
     assert (plan.first_chunk, plan.chunks) == (0, 2)
     assert plan.tiers == bytes([CPU] * 2)
     client.release(plan.refs())
     # nothing of the hit in the arena: no hit at all
-    assert p.plan(ask(), 2, 4) == LoadPlan(2, 0, {}, [])
+    assert ask(p).plan_load(2, 4) == LoadPlan(2, 0, {}, [])
 
 
 def test_a_request_waits_some_asks_for_promotions_however_long_its_steps(
@@ -168,20 +198,20 @@ def test_a_request_waits_some_asks_for_promotions_however_long_its_steps(
     first ask after the promotions were queued."""
     ns, _ = four_in_lmdb(client)
     client.promote = lambda keys: 0  # type: ignore[method-assign]  # the daemon has no room
-    p = planner(client, ns, wait_s=1e-9)  # every ask comes after the wait
-    asked = ask()
+    p = shared(client, ns, wait_s=1e-9)  # every ask comes after the wait
+    asked = ask(p)
     for _ in range(PROMOTE_WAIT_ASKS):
-        assert p.plan(asked, 0, 4) is None
-    assert p.plan(asked, 0, 4) == LoadPlan(0, 0, {}, [])  # then it gives up
+        assert asked.plan_load(0, 4) is None
+    assert asked.plan_load(0, 4) == LoadPlan(0, 0, {}, [])  # then it gives up
 
 
-def slow_engine_planner(
+def slow_engine_setup(
     client: InProcessClient, namespaces: dict[str, bytes], timings: StepTimings
-) -> HitPlanner:
-    """A planner whose ``wait_s`` is over at once, beside an engine that measured a second a
+) -> HitSetup:
+    """A setup whose ``wait_s`` is over at once, beside an engine that measured a second a
     prefilled token."""
     timings.prefill.observe(1.0, 100)
-    return HitPlanner(
+    return HitSetup(
         client,
         [TARGET],
         namespaces,
@@ -201,15 +231,15 @@ def test_a_hit_is_waited_for_a_share_of_what_recomputing_it_takes(
     client.promote = lambda keys: 0  # type: ignore[method-assign]  # they never arrive
     timings = StepTimings(wait_share=0.5)
     assert timings.recompute_wait(1000) == 0.0, "nothing measured yet: no longer wait"
-    p = slow_engine_planner(client, ns, timings)  # a second a token: 4 chunks are worth minutes
+    p = slow_engine_setup(client, ns, timings)  # a second a token: 4 chunks are worth minutes
     worth = timings.recompute_wait(4 * CHUNK_TOKENS)
     assert worth == pytest.approx(0.5 * 4 * CHUNK_TOKENS)
-    asked = ask()
+    asked = ask(p)
     for _ in range(PROMOTE_WAIT_ASKS + 3):
-        assert p.plan(asked, 0, 4) is None
+        assert asked.plan_load(0, 4) is None
     assert asked.waiting_since is not None
     asked.waiting_since -= worth  # as if that long had passed
-    assert p.plan(asked, 0, 4) == LoadPlan(0, 0, {}, [])
+    assert asked.plan_load(0, 4) == LoadPlan(0, 0, {}, [])
 
 
 def test_a_probe_of_the_store_is_waited_for_a_share_of_recomputing_the_rest(
@@ -226,27 +256,27 @@ def test_a_probe_of_the_store_is_waited_for_a_share_of_recomputing_the_rest(
 
     client.lookup = probing  # type: ignore[method-assign,assignment]
     timings = StepTimings(wait_share=0.5)
-    p = slow_engine_planner(client, ns, timings)
-    asked = ask()
+    p = slow_engine_setup(client, ns, timings)
+    asked = ask(p)
     for _ in range(PROMOTE_WAIT_ASKS + 3):
-        assert p.plan(asked, 0, 6) is None
+        assert asked.plan_load(0, 6) is None
     assert asked.waiting_since is not None
     # as if what the whole prompt is worth had passed
     asked.waiting_since -= timings.recompute_wait(6 * CHUNK_TOKENS)
-    assert p.plan(asked, 0, 6) == LoadPlan(0, 0, {}, [])
+    assert asked.plan_load(0, 6) == LoadPlan(0, 0, {}, [])
 
 
 def test_the_last_chunk_is_dropped_for_eagle_style_drafters(client: InProcessClient) -> None:
     ns = register(client, TARGET)
     store(client, keys(ns["target"], range(3)))
-    p = HitPlanner(
+    p = HitSetup(
         client, [TARGET], ns, chunk_tokens=CHUNK_TOKENS, blocks_per_chunk=BPC, drop_last=True
     )
-    plan = p.plan(ask(), 0, 3)
+    plan = ask(p).plan_load(0, 3)
     assert plan is not None
     assert plan.chunks == 2
     client.release(plan.refs())
-    assert p.plan(ask(), 2, 3) == LoadPlan(2, 0, {}, [])
+    assert ask(p).plan_load(2, 3) == LoadPlan(2, 0, {}, [])
 
 
 def tracker(client: InProcessClient, namespaces: dict[str, bytes]) -> DraftTracker:
@@ -259,9 +289,9 @@ def test_a_draft_pool_loads_with_its_target_or_is_zeroed(client: InProcessClient
     ns = register(client, TARGET, DRAFT)
     store(client, keys(ns["target"], range(4)))
     store(client, keys(ns["draft"], range(2)))
-    p = planner(client, ns, draft=tracker(client, ns))
+    p = shared(client, ns, draft=tracker(client, ns))
     # the draft holds two chunks of a four-chunk hit: its pages are zeroed, never half loaded
-    plan = p.plan(ask(), 0, 4)
+    plan = ask(p).plan_load(0, 4)
     assert plan is not None
     assert plan.chunks == 4
     assert set(plan.leases) == {"target"}
@@ -269,7 +299,7 @@ def test_a_draft_pool_loads_with_its_target_or_is_zeroed(client: InProcessClient
     assert plan.fill is Fill.ZEROS
     client.release(plan.refs())
     # a hit the draft holds whole loads both pools
-    plan = p.plan(ask(), 0, 2)
+    plan = ask(p).plan_load(0, 2)
     assert plan is not None
     assert plan.chunks == 2
     assert leased(plan, "draft") == (0, keys(ns["draft"], range(2)))
@@ -284,11 +314,11 @@ def test_draft_chunks_on_their_way_hold_the_hit_back(client: InProcessClient) ->
     store(client, drafts)
     to_lmdb_only(client, ns["draft"])
     store(client, keys(ns["target"], range(3)))
-    p = planner(client, ns, wait_s=30, draft=tracker(client, ns))
-    asked = ask()
-    assert p.plan(asked, 0, 3) is None  # the draft's chunks are promoted first
+    p = shared(client, ns, wait_s=30, draft=tracker(client, ns))
+    asked = ask(p)
+    assert asked.plan_load(0, 3) is None  # the draft's chunks are promoted first
     in_arena(client, drafts)
-    plan = p.plan(asked, 0, 3)
+    plan = asked.plan_load(0, 3)
     assert plan is not None
     assert plan.chunks == 3
     assert set(plan.leases) == {"target", "draft"}
@@ -301,11 +331,11 @@ def test_asking_again_while_a_promotion_lands_counts_the_lookup_once(
 ) -> None:
     ns, hit = four_in_lmdb(client)
     counted = client.manager.stats().counters
-    p = planner(client, ns, wait_s=30)
-    asked = ask()
-    assert p.plan(asked, 0, 4) is None
+    p = shared(client, ns, wait_s=30)
+    asked = ask(p)
+    assert asked.plan_load(0, 4) is None
     in_arena(client, hit)
-    plan = p.plan(asked, 0, 4)
+    plan = asked.plan_load(0, 4)
     assert plan is not None
     now = client.manager.stats().counters
     # two asks of one request: one lookup of 4 chunks counted, found in lmdb
@@ -342,34 +372,34 @@ def test_a_plan_still_holds_until_its_slots_change_or_the_hit_could_be_longer(
 ) -> None:
     ns = register(client, TARGET)
     store(client, keys(ns["target"], range(3)))
-    p = planner(client, ns)
-    plan = p.plan(ask(), 0, 6)
+    p = shared(client, ns)
+    plan = ask(p).plan_load(0, 6)
     assert plan is not None
     assert plan.chunks == 3
-    reading = planner(ArenaReading(client), ns)  # type: ignore[arg-type]
-    assert reading.still_holds(plan, prompt(), 6)
-    assert not p.still_holds(plan, prompt(), 6)  # this client cannot read the arena so
+    reading = shared(ArenaReading(client), ns)  # type: ignore[arg-type]
+    assert ask(reading).still_holds(plan, 6)
+    assert not ask(p).still_holds(plan, 6)  # this client cannot read the arena so
     store(client, keys(ns["target"], range(3, 4)))  # a longer hit is there now
-    assert not reading.still_holds(plan, prompt(), 6)
-    assert reading.still_holds(plan, prompt(), 3)  # ...unless the hit may be no longer
+    assert not ask(reading).still_holds(plan, 6)
+    assert ask(reading).still_holds(plan, 3)  # ...unless the hit may be no longer
     client.release(plan.refs())
     client.manager.evict("cpu", namespace=ns["target"])  # its slots go
-    assert not reading.still_holds(plan, prompt(), 3)
+    assert not ask(reading).still_holds(plan, 3)
 
 
 def test_a_miss_is_asked_again_only_once_its_first_chunk_is_in_the_arena(
     client: InProcessClient,
 ) -> None:
     ns = register(client, TARGET)
-    reading = planner(ArenaReading(client), ns)  # type: ignore[arg-type]
-    plan = reading.plan(ask(), 1, 4)
+    reading = shared(ArenaReading(client), ns)  # type: ignore[arg-type]
+    plan = ask(reading).plan_load(1, 4)
     assert plan is not None
     assert plan.chunks == 0
-    assert not reading.may_have_appeared(prompt(), 1)
+    assert not ask(reading).may_have_appeared(1)
     store(client, keys(ns["target"], range(1, 2)))
-    assert reading.may_have_appeared(prompt(), 1)
-    assert not reading.may_have_appeared(prompt(), 2)
-    assert planner(client, ns).may_have_appeared(prompt(), 2)  # cannot read the arena: ask
+    assert ask(reading).may_have_appeared(1)
+    assert not ask(reading).may_have_appeared(2)
+    assert ask(shared(client, ns)).may_have_appeared(2)  # cannot read the arena: ask
 
 
 class AnsweredLater(ArenaReading):
@@ -413,16 +443,16 @@ def test_a_miss_is_asked_in_the_background_and_planned_with_no_call_once_answere
 ) -> None:
     ns = register(client, TARGET)
     counted = client.manager.stats().counters
-    p = planner(later, ns)  # type: ignore[arg-type]
-    asked = ask()
+    p = shared(later, ns)  # type: ignore[arg-type]
+    asked = ask(p)
     # nothing in the arena's index: kvtierd is asked without waiting, once
-    assert not p.answered(asked, 0, 6, 0.0)
-    assert not p.answered(asked, 0, 6, 0.01)
+    assert not asked.answered(0, 6, 0.0)
+    assert not asked.answered(0, 6, 0.01)
     assert later.behind == [keys(ns["target"], range(6))]
     assert later.waited_on == 0
     later.gate.set()
-    assert p.answered(asked, 0, 6, None)
-    assert p.plan(asked, 0, 6) == LoadPlan(0, 0, {}, [])
+    assert asked.answered(0, 6, None)
+    assert asked.plan_load(0, 6) == LoadPlan(0, 0, {}, [])
     assert later.waited_on == 0  # the plan took the answer
     now = client.manager.stats().counters
     assert now["lookups"] - counted["lookups"] == 1
@@ -434,15 +464,15 @@ def test_a_hit_answered_in_the_background_from_lmdb_is_promoted_then_leased(
 ) -> None:
     ns, hit = four_in_lmdb(client)
     counted = client.manager.stats().counters
-    p = planner(later, ns, wait_s=30)  # type: ignore[arg-type]
-    asked = ask()
+    p = shared(later, ns, wait_s=30)  # type: ignore[arg-type]
+    asked = ask(p)
     later.gate.set()
-    assert p.answered(asked, 0, 4, None)
-    assert p.plan(asked, 0, 4) is None  # promoted: ask again
+    assert asked.answered(0, 4, None)
+    assert asked.plan_load(0, 4) is None  # promoted: ask again
     assert later.waited_on == 0
     in_arena(client, hit)
-    assert p.answered(asked, 0, 4, 0.0)  # asked already: planned as before
-    plan = p.plan(asked, 0, 4)
+    assert asked.answered(0, 4, 0.0)  # asked already: planned as before
+    plan = asked.plan_load(0, 4)
     assert plan is not None
     assert (plan.chunks, plan.tiers) == (4, bytes([LMDB] * 4))
     now = client.manager.stats().counters
@@ -456,10 +486,10 @@ def test_a_first_chunk_in_the_arena_or_a_client_without_its_index_plans_at_once(
 ) -> None:
     ns = register(client, TARGET)
     store(client, keys(ns["target"], range(2)))
-    reading = planner(later, ns)  # type: ignore[arg-type]
-    assert reading.answered(ask(), 0, 6, 0.0)  # a hit, most likely: no wait
-    assert planner(client, ns).answered(ask(), 2, 6, 0.0)  # a call is no dearer
+    reading = shared(later, ns)  # type: ignore[arg-type]
+    assert ask(reading).answered(0, 6, 0.0)  # a hit, most likely: no wait
+    assert ask(shared(client, ns)).answered(2, 6, 0.0)  # a call is no dearer
     assert later.behind == []
-    asked = ask()
-    assert not reading.answered(asked, 2, 6, 0.0)
+    asked = ask(reading)
+    assert not asked.answered(2, 6, 0.0)
     assert later.behind == [keys(ns["target"], range(2, 6))]

@@ -4,15 +4,16 @@ tmp_path), with no engine: vLLM's configs and requests are the few fields the sc
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from kvtier_vllm.kv.metadata import KVTierMetadata
+from kvtier_vllm.kv.scheduler_side.prompt_keys import keys_in
 from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
-from kvtier_vllm.kv.scheduler_side.spans import keys_in
 from kvtier_vllm.shared.settings import ConnectorConfig
 
 from kvtier.client import InProcessClient
@@ -127,27 +128,74 @@ def test_a_granted_hit_is_loaded_into_its_blocks_and_its_leases_go_back(
     store(scheduler, chunk_keys(scheduler, req, range(2)))
     tokens, _ = scheduler.get_num_new_matched_tokens(req, 0)
     assert tokens == 2 * CHUNK_TOKENS
+    meta = granted_and_scheduled(scheduler, req, tokens)
+    assert [c.block_ids for c in meta.loads] == [(1, 2, 3, 4), (5, 6, 7, 8)]
+    copied_and_released(scheduler, req, 2)
+
+
+def granted_and_scheduled(scheduler: KVTierScheduler, req: Any, tokens: int) -> KVTierMetadata:
+    """vLLM grants ``req`` the hit of ``tokens`` and schedules it: the step's metadata."""
     blocks = list(range(1, len(req.block_hashes) + 1))
     scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: [blocks]), tokens)
     assert scheduler.hit_sources(req, tokens) == {"host": tokens}
-    new = SimpleNamespace(req_id="a", block_ids=[blocks], num_computed_tokens=0)
-    out = SimpleNamespace(
-        total_num_scheduled_tokens=1,
-        scheduled_new_reqs=[new],
+    new = SimpleNamespace(req_id=req.request_id, block_ids=[blocks], num_computed_tokens=0)
+    return scheduler.build_connector_meta(step([new], {req.request_id: 1}))
+
+
+def step(new: list[Any], scheduled: dict[str, int]) -> Any:
+    """A scheduler step's output, of new requests only."""
+    return SimpleNamespace(
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_new_reqs=new,
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
         ),
-        num_scheduled_tokens={"a": 1},
+        num_scheduled_tokens=scheduled,
     )
-    meta = scheduler.build_connector_meta(out)
-    assert [c.block_ids for c in meta.loads] == [(1, 2, 3, 4), (5, 6, 7, 8)]
+
+
+def copied_and_released(scheduler: KVTierScheduler, req: Any, chunks: int) -> None:
+    """``req`` finishes: its load's ``chunks`` stay leased until the workers copied them, then
+    go back with the next lookup (and the arena may evict them)."""
     scheduler.request_finished(req)
     evictable = lambda: arena(scheduler).evict(namespace=scheduler.namespaces["target"])  # noqa: E731
     assert evictable() == 0  # leased until the workers copied them
-    scheduler.build_connector_meta(SimpleNamespace(**{**vars(out), "scheduled_new_reqs": []}))
+    scheduler.build_connector_meta(step([], {req.request_id: 1}))
     assert evictable() == 0  # due with the next call that releases
     scheduler.get_num_new_matched_tokens(request("c", 1), 0)  # a lookup takes them along
-    assert evictable() == 2
+    assert evictable() == chunks
+
+
+class FirstRun:
+    """A load chooser that loads the hit's first run of one tier; keeps the runs it was asked
+    about."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[tuple[str, int]]] = []
+
+    def tokens_to_load(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> int:
+        self.asked.append(list(runs))
+        return runs[0][1] * chunk_tokens if runs else 0
+
+
+def test_a_hit_cut_to_its_first_run_loads_only_that_run(scheduler: KVTierScheduler) -> None:
+    """Chunks 0-1 in the arena, 2-3 in lmdb (read from lmdb's map when loaded): cut to its
+    arena run, the hit is those two, and only they are leased and copied."""
+    req = request("a", 5)
+    assert isinstance(scheduler.client, InProcessClient)
+    assert scheduler.hits is not None
+    store(scheduler, chunk_keys(scheduler, req, range(2, 4)))
+    assert scheduler.client.flush()
+    scheduler.client.manager.evict("cpu", namespace=scheduler.namespaces["target"])
+    store(scheduler, chunk_keys(scheduler, req, range(2)))
+    scheduler.hits.chooser = chooser = FirstRun()
+    tokens, _ = scheduler.get_num_new_matched_tokens(req, 0)
+    assert chooser.asked == [[("cpu", 2), ("lmdb", 2)]]
+    assert tokens == 2 * CHUNK_TOKENS
+    meta = granted_and_scheduled(scheduler, req, tokens)
+    assert [c.chunk for c in meta.loads] == [bytes(k) for k in chunk_keys(scheduler, req, range(2))]
+    assert [c.block_ids for c in meta.loads] == [(1, 2, 3, 4), (5, 6, 7, 8)]
+    copied_and_released(scheduler, req, 2)  # 2-3 were neither leased nor promoted
 
 
 class CountedCalls(ArenaReading):
@@ -172,9 +220,9 @@ class CountedCalls(ArenaReading):
 
 def counting_calls(s: KVTierScheduler) -> CountedCalls:
     """The lookup's client, as a sidecar's: see `CountedCalls`."""
-    assert s.lookup is not None
+    assert s.hits is not None
     assert isinstance(s.client, InProcessClient)
-    s.lookup.planner.client = counted = CountedCalls(s.client)  # type: ignore[assignment]
+    s.hits.client = counted = CountedCalls(s.client)  # type: ignore[assignment]
     return counted
 
 

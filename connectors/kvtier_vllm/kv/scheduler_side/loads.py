@@ -10,7 +10,7 @@ from kvtier.core.keys import Pool
 from kvtier.core.protocol import SlotRef, TierCode
 from kvtier_vllm.drafts.swaps import Fill
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata, lmdb_key
-from kvtier_vllm.kv.scheduler_side.spans import needed
+from kvtier_vllm.kv.scheduler_side.prompt_keys import plan_span
 from kvtier_vllm.layout.plans import PoolPlan
 
 # vLLM's CacheHitSource values per tier; the object store is remote, shared storage
@@ -31,21 +31,27 @@ class LoadPlan:
     """Where each chunk was when first asked for (promoted ones came from lmdb)."""
     fill: Fill = Fill.NONE
     """How the draft pages of these chunks are set."""
+    computed: int = 0
+    """Tokens vLLM held when it was answered: it loads the ones past them."""
 
     @property
     def end(self) -> int:
         """The chunk after the hit's last."""
         return self.first_chunk + self.chunks
 
+    def tokens(self, chunk_tokens: int) -> int:
+        """The hit's tokens past the ``computed`` ones vLLM holds."""
+        return self.end * chunk_tokens - self.computed
+
     def refs(self) -> list[SlotRef]:
         return [r for _, refs in self.leases.values() for r in refs]
 
-    def sources(self, local_tokens: int, chunk_tokens: int) -> dict[str, int]:
-        """Tokens of the hit past ``local_tokens`` by the tier that held them: "host" (arena),
-        "disk" (lmdb) or "external_unspecified" (the object store)."""
+    def sources(self, chunk_tokens: int) -> dict[str, int]:
+        """The tokens it loads by the tier that held them: "host" (arena), "disk" (lmdb) or
+        "external_unspecified" (the object store)."""
         sources: dict[str, int] = {}
         for i, code in enumerate(self.tiers):
-            start = max((self.first_chunk + i) * chunk_tokens, local_tokens)
+            start = max((self.first_chunk + i) * chunk_tokens, self.computed)
             end = (self.first_chunk + i + 1) * chunk_tokens
             source = _HIT_SOURCES.get(code, _REMOTE_SOURCE)
             sources[source] = sources.get(source, 0) + max(0, end - start)
@@ -78,7 +84,7 @@ class LoadPlan:
                 meta.loads.append(ChunkCopy(*args, lmdb_key(ref), bytes(ref.key)))
         end = self.end * bpc
         for key in self.zero_plans:
-            zeroed = needed(by_key[key], self.first_chunk, self.end, chunk_tokens)
+            zeroed = plan_span(by_key[key], self.first_chunk, self.end, chunk_tokens)
             ids = block_ids[by_key[key].group]
             start = max(skip, zeroed.start * bpc)
             meta.zero.setdefault(key, []).extend(b for b in ids[start:end] if b)

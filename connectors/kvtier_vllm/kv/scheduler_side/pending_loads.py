@@ -76,7 +76,7 @@ class PendingLoads:
             meta,
             state.block_ids,
             self.by_key,
-            skip=state.local_tokens // self.block_size,
+            skip=plan.computed // self.block_size,
             request=state.request.request_id if self.async_loads else "",
             chunk_tokens=self.block_size * self.blocks_per_chunk,
             blocks_per_chunk=self.blocks_per_chunk,
@@ -127,7 +127,7 @@ class PendingLoads:
             state = requests.get(new.req_id)
             if plan is None or state is None:
                 continue
-            first = state.local_tokens // self.block_size
+            first = plan.computed // self.block_size
             end = plan.end * self.blocks_per_chunk
             for ids in new.block_ids:
                 failed.invalid_blocks.extend(b for b in ids[first:end] if b)

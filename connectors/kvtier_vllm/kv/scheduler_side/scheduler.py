@@ -2,8 +2,9 @@
 
 `KVTierScheduler` keeps each request's `requests.RequestState` and composes the parts that do
 the work over the only TierClient, which `session.Session` opens (the tiers themselves in
-embedded mode, or a session with kvtierd) and opens again after a failure:
-`lookups.HitLookup` answers vLLM's asks (over `planner.HitPlanner`), `pending_loads.PendingLoads`
+embedded mode, or a session with kvtierd) and opens again after a failure: each request's
+`hit_decision.HitDecision` answers vLLM's asks (over the `hit_setup.HitSetup` they share, its
+leases taken and cut by `leases.LoadLeases`), `pending_loads.PendingLoads`
 keeps the loads vLLM granted until a step's metadata carries them (or reports them failed),
 and `stores.Stores` reserves and commits what the workers store. `tier_calls.TierCalls` holds
 whether the calls into the tiers are failing, for every part that calls them (the draft pool and
@@ -29,12 +30,12 @@ from kvtier_vllm.kv.connector_stats import KVTierStats, take_report
 from kvtier_vllm.kv.lmdb_staging import readable_lmdb
 from kvtier_vllm.kv.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.kv.scheduler_side.events import KVEventFeed
+from kvtier_vllm.kv.scheduler_side.hit_decision import HitDecision, hit_limit
+from kvtier_vllm.kv.scheduler_side.hit_setup import HitSetup
 from kvtier_vllm.kv.scheduler_side.leases import Leases
-from kvtier_vllm.kv.scheduler_side.lookups import HitLookup, hit_limit
 from kvtier_vllm.kv.scheduler_side.pending_loads import PendingLoads
-from kvtier_vllm.kv.scheduler_side.planner import HitPlanner
+from kvtier_vllm.kv.scheduler_side.prompt_keys import targets_of
 from kvtier_vllm.kv.scheduler_side.requests import RequestState
-from kvtier_vllm.kv.scheduler_side.spans import targets_of
 from kvtier_vllm.kv.scheduler_side.stores import Stores
 from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
 from kvtier_vllm.kv.scheduler_side.timings import StepTimings
@@ -56,7 +57,7 @@ _REPORT_EVERY_S = 0.25  # hits answered from the arena index reach kvtierd this 
 
 
 class KVTierScheduler:
-    """vLLM's scheduler-side hooks: per request, its `RequestState` and the lookup's answer;
+    """vLLM's scheduler-side hooks: per request, its `RequestState` and its hit decision;
     per step, the metadata of the loads granted and the stores reserved for the workers."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig) -> None:
@@ -116,7 +117,7 @@ class KVTierScheduler:
             blocks_per_chunk=cfg.blocks_per_chunk,
             async_loads=self.async_loads,
         )
-        self.lookup: HitLookup | None = None
+        self.hits: HitSetup | None = None
         self.stores: Stores | None = None
         """Find hits and plan stores over the client in use; made when one is taken up."""
         self.session = Session(
@@ -151,7 +152,7 @@ class KVTierScheduler:
         if not self.session.connect(wait):
             return False
         client = self.session.client
-        if self.lookup is None and client is not None:
+        if self.hits is None and client is not None:
             self.calls.client = client
             self.arena_path = str(client.arena_path)
             self.lmdb_path = readable_lmdb(client, self.cfg.lmdb_loads)
@@ -159,7 +160,7 @@ class KVTierScheduler:
             self.verifier.codes({k: coded[ns] for k, ns in self.namespaces.items() if ns in coded})
             if self.draft_pool is not None:
                 self.draft_pool.connected()
-            planner = HitPlanner(
+            self.hits = HitSetup(
                 client,
                 self.plans,
                 self.namespaces,
@@ -168,14 +169,15 @@ class KVTierScheduler:
                 checkpoint=self.checkpoint,
                 drop_last=self.drop_last,
                 wait_s=self.cfg.promote_wait_ms / 1000,
+                lookup_wait_s=self.cfg.lookup_wait_ms / 1000,
                 recompute_wait=self.timings.recompute_wait,
                 draft=self.draft,
+                draft_pool=self.draft_pool,
                 leases=self.leases,
                 calls=self.calls,
                 in_lmdb=bool(self.lmdb_path),
-            )
-            self.lookup = HitLookup(
-                planner, self.calls, self.cfg, self.session, self.verifier, self.draft_pool
+                verifier=self.verifier,
+                session=self.session,
             )
             self.stores = Stores(
                 client,
@@ -223,7 +225,7 @@ class KVTierScheduler:
     def state(self, request: Any) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = RequestState.of(request, self.cfg.blocks_per_chunk)
+            state = RequestState(request)
             self._requests[request.request_id] = state
         return state
 
@@ -237,18 +239,23 @@ class KVTierScheduler:
             return 0, False  # kvtierd does not answer in time: no call, no wait
         if adapter_uncached(request):
             return 0, False
-        assert self.lookup is not None  # made with the client
-        tokens = self.lookup.ask(self.state(request), num_computed_tokens, self._step, self.stats)
+        assert self.hits is not None  # made with the client
+        state = self.state(request)
+        if state.decision is None:
+            state.decision = HitDecision(self.hits, request)
+        tokens = state.decision.ask(num_computed_tokens, self._step, self.stats)
         return tokens, bool(tokens) and self.async_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if adapter_uncached(request):
             return  # no state: nothing of it is stored
         state = self.state(request)
-        if num_external_tokens == 0 or state.plan is None:
-            self.calls.release(state.drop_plan())
+        plan = state.decision.take_plan() if state.decision is not None else None
+        if plan is None:
             return
-        plan, state.plan = state.plan, None
+        if num_external_tokens == 0:
+            self.calls.release(plan.refs())
+            return
         self.pending.grant(state, plan, blocks, self.stats)
 
     def abandon_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -263,17 +270,17 @@ class KVTierScheduler:
         plan = state.hit if state is not None else None
         if state is None or plan is None or num_external_tokens == 0:
             return {}
-        sources = plan.sources(state.local_tokens, self.chunk_tokens)
+        sources = plan.sources(self.chunk_tokens)
         return sources if sum(sources.values()) == num_external_tokens else {}
 
     # -- per step -------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         self._step += 1
-        if self.lookup is not None:
+        if self.hits is not None:
             # nothing runs: waiting holds up no one, and the next step schedules them all
             idle = not scheduler_output.total_num_scheduled_tokens
-            self.lookup.next_step(self.cfg.lookup_deadline_ms / 1000 if idle else None)
+            self.hits.next_step(self.cfg.lookup_deadline_ms / 1000 if idle else None)
         self.session.touch(bool(self._requests))
         meta = self.pending.take_queued()
         if self.client is not None:  # a restarted daemon may have put its arena elsewhere
@@ -344,8 +351,9 @@ class KVTierScheduler:
             return
         chunks = range(state.stored_chunks, full)
         state.stored_chunks = full
-        if state.sampled is not None:
-            self.verifier.computed(state.sampled, state.block_ids, chunks, bpc)
+        sampled = state.decision.sampled if state.decision is not None else None
+        if sampled is not None:
+            self.verifier.computed(sampled, state.block_ids, chunks, bpc)
         assert self.stores is not None  # made with the client
         # a sliding window is stored where the prompt's own hit would read it, and past it
         end = hit_limit(request, self.chunk_tokens, bpc, self.drop_last) - int(self.drop_last)
@@ -446,10 +454,11 @@ class KVTierScheduler:
         if self.draft_pool is not None:
             self.draft_pool.settle(self.stats, request.request_id, request.num_computed_tokens)
         state = self._requests.pop(request.request_id, None)
-        if state is not None:
-            self.calls.release(state.drop_plan())
-            if state.sampled is not None:
-                self.calls.release(state.sampled.unchecked())
+        decision = state.decision if state is not None else None
+        if decision is not None:
+            self.calls.release(decision.drop_plan())
+            if decision.sampled is not None:
+                self.calls.release(decision.sampled.unchecked())
         self.pending.forget(request.request_id)
         self.session.touch(bool(self._requests))
 
@@ -465,6 +474,7 @@ class KVTierScheduler:
         self.calls.hand_back(force=True)
         client = self.session.detach()
         self.calls.client = None
-        self.lookup = self.stores = None
+        self.hits = None
+        self.stores = None
         assert client is not None
         close_client(client)

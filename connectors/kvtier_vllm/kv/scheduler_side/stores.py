@@ -21,7 +21,7 @@ from kvtier_vllm.drafts.swaps import DraftTracker
 from kvtier_vllm.kv.connector_stats import KVTierStats
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.kv.scheduler_side.events import KVEventFeed
-from kvtier_vllm.kv.scheduler_side.spans import keys_in, targets_of
+from kvtier_vllm.kv.scheduler_side.prompt_keys import keys_in, targets_of
 from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
 from kvtier_vllm.layout.plans import PoolPlan
 

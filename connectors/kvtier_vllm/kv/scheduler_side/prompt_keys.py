@@ -1,16 +1,14 @@
-"""Which chunks of a hit each pool plan needs, and their keys: a hit's chunks are asked for
-as consecutive spans, one per plan. A request's keys are made once (`PromptKeys`)."""
+"""A prompt's chunk keys, made once per request (`PromptKeys`), and which chunks of a hit each
+pool plan needs: a hit's chunks are asked for as consecutive spans, one per plan (`Needed`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.core.keys import ChunkKey, Pool, make_key
 from kvtier_vllm.layout.plans import PoolPlan
-
-Items = TypeVar("Items", bytes, list[Any])
 
 
 @dataclass(frozen=True)
@@ -23,24 +21,8 @@ class Needed:
     spans: list[tuple[PoolPlan, range]]
     keys: list[ChunkKey]
 
-    def split(self, items: Items) -> list[Items]:
-        """``items`` of the keys (tier codes, leases), span by span."""
-        out = []
-        offset = 0
-        for _, span in self.spans:
-            out.append(items[offset : offset + len(span)])
-            offset += len(span)
-        return out
 
-    def by_plan(self, items: Items) -> dict[str, tuple[int, Items]]:
-        """Per plan key, the first chunk of its span and its part of ``items``."""
-        return {
-            plan.key: (span.start, part)
-            for (plan, span), part in zip(self.spans, self.split(items), strict=True)
-        }
-
-
-def needed(plan: PoolPlan, first: int, chunks: int, chunk_tokens: int) -> range:
+def plan_span(plan: PoolPlan, first: int, chunks: int, chunk_tokens: int) -> range:
     """The chunks a hit of ``chunks`` chunks needs from ``plan``, from ``first`` on."""
     return range(max(first, plan.first_needed(chunks, chunk_tokens)), chunks)
 
@@ -57,18 +39,21 @@ def chunk_hash(hashes: Any, chunk: int, blocks_per_chunk: int) -> bytes:
     return last
 
 
+@dataclass
 class PromptKeys:
     """A prompt's chunk keys, each made once per namespace and kept for the request's life (at
     most its chunks per namespace it was asked in). ``hashes`` is read as it grows: vLLM
     appends the hashes of the blocks it computes."""
 
-    def __init__(self, hashes: Any, blocks_per_chunk: int) -> None:
-        self.hashes = hashes
-        self.blocks_per_chunk = blocks_per_chunk
-        self._made: dict[bytes, dict[int, ChunkKey]] = {}
+    hashes: Any
+    blocks_per_chunk: int
+    _made: dict[bytes, dict[int, ChunkKey]] = field(default_factory=dict)
 
     def hash_of(self, chunk: int) -> bytes:
         return chunk_hash(self.hashes, chunk, self.blocks_per_chunk)
+
+    def hashes_of(self, chunks: Iterable[int]) -> list[bytes]:
+        return [self.hash_of(c) for c in chunks]
 
     def needed(
         self,
@@ -79,7 +64,7 @@ class PromptKeys:
         chunk_tokens: int,
     ) -> Needed:
         """What a hit from chunk ``first`` up to ``end`` needs of ``plans``."""
-        spans = [(plan, needed(plan, first, end, chunk_tokens)) for plan in plans]
+        spans = [(plan, plan_span(plan, first, end, chunk_tokens)) for plan in plans]
         keys = [k for plan, span in spans for k in self.of(namespaces[plan.key], span)]
         return Needed(first, end, spans, keys)
 
