@@ -4,7 +4,6 @@ store does."""
 
 from __future__ import annotations
 
-import os
 import signal
 import statistics
 import time
@@ -25,11 +24,11 @@ from tests.integration.daemon_harness import (
     Processes,
     RunningDaemon,
     key_of,
-    write_config,
+    object_node,
 )
 from tests.objstore.fixtures import AwsIrsa, StoreFactory
 from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
-from tests.support import MiB, target_spec
+from tests.support import target_spec
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -45,12 +44,9 @@ def arenas() -> Iterator[list[Path]]:
 def node(
     root: Path, arenas: list[Path], url: str, server: dict[str, Any] | None = None, **store: Any
 ) -> DaemonFiles:
-    directory = root / uuid.uuid4().hex[:8]
-    directory.mkdir()
-    arena = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    arenas.append(arena)
-    settings = {"url": url, "index_path": str(directory / "objindex"), "index_map_bytes": 64 * MiB}
-    return write_config(directory, arena, {"object": settings | store, "server": server or {}})
+    files = object_node(root / uuid.uuid4().hex[:8], url, {"server": server or {}}, **store)
+    arenas.append(files.arena)
+    return files
 
 
 def gauge(daemon: RunningDaemon, name: str, **labels: str) -> float:

@@ -3,44 +3,31 @@ and lmdb) on a file:// bucket: uploads, probes, promotion, restart, corruption."
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from kvtier.core.config import KVTierConfig, from_mapping
+from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.tiering.manager import TierManager
 from kvtier.tiers.objstore.tier import ObjectTier
-from tests.support import MiB, keys_for, payload_for, target_spec
+from tests.support import keys_for, object_node_config, payload_for, target_spec
 
 CHUNK = 256 << 10
 Node = Callable[..., TierManager]
 
 
 def node_config(root: Path, bucket: str, **object_overrides: object) -> KVTierConfig:
-    shm = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     obj: dict[str, object] = {
-        "url": bucket,
-        "index_path": str(root / "objindex"),
-        "index_map_bytes": 64 * MiB,
         "pack_target_bytes": 4 * CHUNK,
         "pack_linger_ms": 20,
         "lookup_budget_ms": 2000,
         "retries": 1,
         "backoff_s": 0.01,
     }
-    obj.update(object_overrides)
-    return from_mapping(
-        {
-            "arena": {"path": str(shm), "size_bytes": 16 * MiB, "extent_bytes": 2 * MiB},
-            "lmdb": {"path": str(root / "lmdb"), "budget_bytes": 64 * MiB},
-            "object": obj,
-        }
-    )
+    return object_node_config(root, bucket, **{**obj, **object_overrides})
 
 
 @pytest.fixture

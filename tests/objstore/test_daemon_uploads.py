@@ -3,10 +3,8 @@ stopped before it could upload them."""
 
 from __future__ import annotations
 
-import os
 import signal
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +12,14 @@ from typing import Any
 from kvtier.core import blockfmt
 from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.tiers.objstore.backend import open_backend
-from tests.integration.daemon_harness import CHUNK, DaemonFiles, Processes, key_of, write_config
+from tests.integration.daemon_harness import (
+    CHUNK,
+    QUICK_TO_GIVE_UP,
+    DaemonFiles,
+    Processes,
+    key_of,
+    object_node,
+)
 from tests.objstore.fixtures import StoreFactory
 from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
 
@@ -22,21 +27,8 @@ from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
 def node(
     root: Path, url: str, name: str, drain_timeout_s: float = 20.0, **object_overrides: Any
 ) -> DaemonFiles:
-    directory = root / name
-    directory.mkdir()
-    arena = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    obj: dict[str, Any] = {
-        "url": url,
-        "index_path": str(directory / "objindex"),
-        "index_map_bytes": 64 << 20,
-        "lookup_budget_ms": 3000,
-        "request_timeout_s": 2.0,
-        "breaker_reset_s": 0.5,
-    }
-    obj.update(object_overrides)
-    return write_config(
-        directory, arena, {"object": obj, "server": {"drain_timeout_s": drain_timeout_s}}
-    )
+    server = {"server": {"drain_timeout_s": drain_timeout_s}}
+    return object_node(root / name, url, server, **{**QUICK_TO_GIVE_UP, **object_overrides})
 
 
 def stored_keys(url: str) -> set[ChunkKey]:

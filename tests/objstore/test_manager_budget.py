@@ -2,41 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from kvtier.core.config import from_mapping
 from kvtier.tiering.manager import TierManager
 from tests.objstore.fixtures import StoreFactory
 from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
-from tests.support import MiB, keys_for, payload_for, target_spec
+from tests.support import keys_for, object_node_config, payload_for, target_spec
 
 CHUNK = 256 << 10
 BUDGET_MS = 50.0
 
 
 def manager_on(url: str, root: Path) -> TierManager:
-    shm = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return TierManager(
-        from_mapping(
-            {
-                "arena": {"path": str(shm), "size_bytes": 16 * MiB, "extent_bytes": 2 * MiB},
-                "lmdb": {"path": str(root / "lmdb"), "budget_bytes": 64 * MiB},
-                "object": {
-                    "url": url,
-                    "index_path": str(root / "objindex"),
-                    "index_map_bytes": 64 * MiB,
-                    "lookup_budget_ms": BUDGET_MS,
-                    "request_timeout_s": 5.0,
-                },
-            }
-        )
-    )
+    config = object_node_config(root, url, lookup_budget_ms=BUDGET_MS, request_timeout_s=5.0)
+    return TierManager(config)
 
 
 @pytest.fixture
