@@ -41,6 +41,9 @@ Faults:
       url = store_factory("s3", endpoint=proxy.url)
       backend = open_backend(url, timeout_s=1.0)
       proxy.set_mode(FaultMode.HTTP_500)
+
+- ``proxied_store(scheme)`` -> (URL, `FaultProxy`): those two steps for ``"s3"`` or ``"gs"``,
+  the proxy in front of the session's server.
 """
 
 from __future__ import annotations
@@ -378,3 +381,25 @@ def fault_proxy() -> Iterator[Callable[[str], FaultProxy]]:
         proxy.close()
     errors = [e for p in proxies for e in p.errors]
     assert not errors, f"fault proxy failed: {errors!r}"
+
+
+ProxiedStore = Callable[[str], tuple[str, FaultProxy]]
+
+
+@pytest.fixture
+def proxied_store(
+    request: pytest.FixtureRequest,
+    fault_proxy: Callable[[str], FaultProxy],
+    store_factory: StoreFactory,
+) -> ProxiedStore:
+    """``proxied_store(scheme)`` -> a store URL of ``scheme`` ("s3": moto, "gs": the emulator)
+    with a fresh bucket, reached through a `FaultProxy` in PASS mode, and that proxy."""
+
+    def make(scheme: str) -> tuple[str, FaultProxy]:
+        server: ServerProcess = request.getfixturevalue(
+            "moto_server" if scheme == "s3" else "gcs_emulator"
+        )
+        proxy = fault_proxy(server.url)
+        return store_factory(scheme, endpoint=proxy.url), proxy
+
+    return make
