@@ -36,14 +36,6 @@ KEY_FILE = {
 }
 
 
-@pytest.fixture
-def arenas() -> Iterator[list[Path]]:
-    made: list[Path] = []
-    yield made
-    for path in made:
-        path.unlink(missing_ok=True)
-
-
 def principal(daemon: RunningDaemon) -> str:
     [info] = [labels for n, labels, _ in daemon.metrics() if n == "kvtier_object_store_info"]
     return info["principal"]

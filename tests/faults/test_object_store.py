@@ -8,7 +8,7 @@ import signal
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +26,11 @@ from tests.integration.daemon_harness import (
     key_of,
     object_node,
 )
-from tests.objstore.fixtures import AwsIrsa, StoreFactory
-from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
+from tests.objstore.fixtures import AwsIrsa, ProxiedStore, StoreFactory
+from tests.objstore.servers import FaultMode, ServerProcess
 from tests.support import target_spec
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-@pytest.fixture
-def arenas() -> Iterator[list[Path]]:
-    made: list[Path] = []
-    yield made
-    for path in made:
-        path.unlink(missing_ok=True)
 
 
 def node(
@@ -72,13 +64,10 @@ def test_the_health_gauge_reads_0_while_a_half_open_trial_is_in_flight(
     procs: Processes,
     tmp_path: Path,
     arenas: list[Path],
-    store_factory: StoreFactory,
     aws_irsa: AwsIrsa,
-    moto_server: ServerProcess,
-    fault_proxy: Callable[[str], FaultProxy],
+    proxied_store: ProxiedStore,
 ) -> None:
-    proxy = fault_proxy(moto_server.url)
-    url = store_factory("s3", endpoint=proxy.url)
+    url, proxy = proxied_store("s3")
     files = node(
         tmp_path,
         arenas,

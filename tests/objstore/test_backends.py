@@ -109,39 +109,40 @@ def test_s3_refresh_rereads_the_token_file(
     assert backend.get("x") == b"4"
 
 
-def test_s3_sts_failure_is_a_credential_error_without_retries(
-    s3_store: str,
+@pytest.fixture
+def sts_proxy(
     moto_server: ServerProcess,
     fault_proxy: Callable[[str], FaultProxy],
-    opened: OpenBackend,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> FaultProxy:
+    """A `FaultProxy` in front of moto that STS calls alone go through (ask for it after the
+    store, whose identity sets the endpoints)."""
     proxy = fault_proxy(moto_server.url)
     monkeypatch.setenv("AWS_ENDPOINT_URL_STS", proxy.url)
-    proxy.set_mode(FaultMode.HTTP_500)
+    return proxy
+
+
+def test_s3_sts_failure_is_a_credential_error_without_retries(
+    s3_store: str, sts_proxy: FaultProxy, opened: OpenBackend
+) -> None:
+    sts_proxy.set_mode(FaultMode.HTTP_500)
     backend = opened(s3_store)
     with pytest.raises(CredentialError, match="AssumeRoleWithWebIdentity: 500"):
         backend.put("x", b"1", {})
-    assert len(proxy.requests) == 1  # the session's config reached botocore's STS client
-    proxy.set_mode(FaultMode.PASS)
+    assert len(sts_proxy.requests) == 1  # the session's config reached botocore's STS client
+    sts_proxy.set_mode(FaultMode.PASS)
     backend.put("x", b"1", {})
     assert backend.get("x") == b"1"
 
 
 def test_s3_principal_falls_back_when_sts_is_unreachable(
-    s3_store: str,
-    moto_server: ServerProcess,
-    fault_proxy: Callable[[str], FaultProxy],
-    opened: OpenBackend,
-    monkeypatch: pytest.MonkeyPatch,
+    s3_store: str, sts_proxy: FaultProxy, opened: OpenBackend
 ) -> None:
-    proxy = fault_proxy(moto_server.url)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_STS", proxy.url)
     backend = opened(s3_store)
     backend.put("x", b"1", {})  # the exchange happened; the keys are cached
-    proxy.set_mode(FaultMode.RESET)
+    sts_proxy.set_mode(FaultMode.RESET)
     assert backend.principal() == "aws:assume-role-with-web-identity"
-    proxy.set_mode(FaultMode.PASS)
+    sts_proxy.set_mode(FaultMode.PASS)
     assert backend.principal().startswith(ASSUMED_ROLE)
 
 

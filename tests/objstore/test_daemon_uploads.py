@@ -20,8 +20,8 @@ from tests.integration.daemon_harness import (
     key_of,
     object_node,
 )
-from tests.objstore.fixtures import StoreFactory
-from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
+from tests.objstore.fixtures import ProxiedStore
+from tests.objstore.servers import FaultMode
 
 
 def node(
@@ -79,14 +79,9 @@ def test_every_prompt_drained_together_starts_an_object_a_probe_finds(
 
 
 def test_uploads_queued_at_shutdown_reach_the_store_after_a_restart(
-    procs: Processes,
-    tmp_path: Path,
-    moto_server: ServerProcess,
-    store_factory: StoreFactory,
-    fault_proxy: Callable[[str], FaultProxy],
+    procs: Processes, tmp_path: Path, proxied_store: ProxiedStore
 ) -> None:
-    proxy = fault_proxy(moto_server.url)
-    url = store_factory("s3", endpoint=proxy.url)
+    url, proxy = proxied_store("s3")
     files = node(
         tmp_path,
         url,
