@@ -4,30 +4,28 @@ and lmdb) on a file:// bucket: uploads, probes, promotion, restart, corruption."
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ChunkKey
 from kvtier.tiering.manager import TierManager
 from kvtier.tiers.objstore.tier import ObjectTier
-from tests.support import keys_for, object_node_config, payload_for, target_spec
+from tests.objstore.fixtures import ObjectNodes
+from tests.support import keys_for, payload_for, target_spec
 
 CHUNK = 256 << 10
 Node = Callable[..., TierManager]
 
 
-def node_config(root: Path, bucket: str, **object_overrides: object) -> KVTierConfig:
-    obj: dict[str, object] = {
-        "pack_target_bytes": 4 * CHUNK,
-        "pack_linger_ms": 20,
-        "lookup_budget_ms": 2000,
-        "retries": 1,
-        "backoff_s": 0.01,
-    }
-    return object_node_config(root, bucket, **{**obj, **object_overrides})
+SETTINGS: dict[str, object] = {
+    "pack_target_bytes": 4 * CHUNK,
+    "pack_linger_ms": 20,
+    "lookup_budget_ms": 2000,
+    "retries": 1,
+    "backoff_s": 0.01,
+}
 
 
 @pytest.fixture
@@ -36,19 +34,11 @@ def bucket(tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def node(tmp_path: Path, bucket: str) -> Iterator[Node]:
-    made: list[TierManager] = []
-
+def node(object_nodes: ObjectNodes, bucket: str) -> Node:
     def make(name: str = "a", **object_overrides: object) -> TierManager:
-        config = node_config(tmp_path / name, bucket, **object_overrides)
-        manager = TierManager(config)
-        made.append(manager)
-        return manager
+        return object_nodes(bucket, name, **{**SETTINGS, **object_overrides})
 
-    yield make
-    for manager in made:
-        manager.close()
-        manager.config.arena.path.unlink(missing_ok=True)
+    return make
 
 
 def store(m: TierManager, keys: list[ChunkKey]) -> int:
