@@ -21,7 +21,6 @@ engine (so every hit is read from lmdb):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -33,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness.cli import MODEL_CACHE
-from benchmarks.verify_errors import connector, embedded_config, summary
+from benchmarks.harness.cli import model_bench_args
+from benchmarks.verify_errors import connector, embedded_config, summary, verifying_every_hit
 from kvtier.core import kvcodec
 from kvtier.core.kvcodec import Codec, error_bound
 from tests.fixtures.engines import (
@@ -76,13 +75,7 @@ def measure(model: Path, codec: str, tmp: Path, prompts: list[list[int]]) -> dic
     """Store the prompts, verify every hit, then serve them: errors, outputs and bytes."""
     config = embedded_config(tmp, codec=codec)
     engine = {"dtype": "bfloat16", "kv_cache_memory_bytes": 256 << 20}
-    with running_llm(model, kv_transfer_config=connector(config), **engine) as llm:
-        generate_tokens(llm, prompts, max_tokens=1)
-    with running_llm(
-        model, kv_transfer_config=connector(config, verify_sample_rate=1.0), **engine
-    ) as llm:
-        for prompt in prompts:  # one at a time: another batch than the one that stored them
-            generate_tokens(llm, [prompt], max_tokens=1)
+    with verifying_every_hit(model, config, engine, prompts, 1) as llm:
         verifier = scheduler_of(llm).verifier
         errors = [e for _, e in verifier.errors]
         quarantined = len(verifier.quarantined)
@@ -149,11 +142,7 @@ def speed(codec: Codec, rounds: int = 20) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--cache-dir", type=Path, default=MODEL_CACHE, help="models")
-    args = parser.parse_args(argv)
-    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    args = model_bench_args(__doc__.splitlines()[0], argv)
     model = build_benchmark_llama(args.cache_dir, tokenizer_dir=build_tokenizer(args.cache_dir))
     prompts = shared_prefix_prompts(
         PROMPTS,

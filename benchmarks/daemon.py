@@ -69,17 +69,25 @@ import multiprocessing
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.daemon_clients import CountingClient, DaemonProcess, client_b, granted, metric_value
+from benchmarks.daemon_clients import (
+    Answer,
+    CountingClient,
+    DaemonProcess,
+    client_b,
+    granted,
+    in_batches,
+    metric_value,
+)
 from benchmarks.daemon_report import result_of, table
 from benchmarks.daemon_settings import (
     BATCH,
@@ -97,7 +105,7 @@ from benchmarks.daemon_settings import (
     Mode,
 )
 from benchmarks.harness.buffers import filled, no_gc, timed, touched
-from benchmarks.harness.cli import emit
+from benchmarks.harness.cli import emit, log_progress
 from benchmarks.harness.sizes import KiB, MiB
 from benchmarks.harness.specs import sixteen_layer_spec, small_spec
 from benchmarks.harness.stats import Samples
@@ -317,22 +325,26 @@ class Bench:
         src = self.src
         whole = np.frombuffer(arena.view(0, arena.size), dtype=np.uint8)
 
-        def run() -> None:
-            # one call per batch, in flight while a batch is copied in: it commits the batch
-            # written last and reserves the one after the current
-            written: list[SlotRef] = []
-            refs = granted(client.reserve(keys[:BATCH]), "reserve")
-            for first in range(0, len(keys), BATCH):
-                following = keys[first + BATCH : first + 2 * BATCH]
-                pending = client.reserve_behind(following, commit=written)
-                off = first * chunk
-                for ref in refs:
-                    np.copyto(whole[ref.offset : ref.offset + chunk], src[off : off + chunk])
-                    off += chunk
+        def reserve_behind(following: Sequence[ChunkKey], written: list[SlotRef]) -> Answer:
+            pending = client.reserve_behind(following, commit=written)
+
+            def answer() -> list[SlotRef]:
                 committed, grants = pending.result()
                 if committed != len(written):
                     raise RuntimeError("the daemon did not commit every written slot")
-                written, refs = refs, granted(grants, "reserve")
+                return granted(grants, "reserve")
+
+            return answer
+
+        def copy_in(first: int, refs: list[SlotRef]) -> None:
+            off = first * chunk
+            for ref in refs:
+                np.copyto(whole[ref.offset : ref.offset + chunk], src[off : off + chunk])
+                off += chunk
+
+        def run() -> None:
+            refs = granted(client.reserve(keys[:BATCH]), "reserve")
+            written = in_batches(keys, refs, reserve_behind, copy_in)
             if client.commit(written) != len(written):
                 raise RuntimeError("the daemon did not commit every written slot")
 
@@ -461,11 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller working set, fewer reps")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
-    )
-    logging.getLogger("kvtier").setLevel(logging.WARNING)
-    log.setLevel(logging.INFO)
+    log_progress(log)
     bench = Bench(QUICK if args.quick else FULL)
     try:
         bench.run()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import traceback
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -82,6 +82,29 @@ class CountingClient(GrpcTierClient):
         super().close()
 
 
+Answer = Callable[[], list[SlotRef]]
+"""Waits for a call in flight and answers its slots."""
+
+
+def in_batches(
+    keys: Sequence[ChunkKey],
+    first: list[SlotRef],
+    behind: Callable[[Sequence[ChunkKey], list[SlotRef]], Answer],
+    copy: Callable[[int, list[SlotRef]], None],
+) -> list[SlotRef]:
+    """Copy the slots of ``keys`` batch after batch (``copy(index of its first key, slots)``),
+    ``first`` the first batch's, with one call per batch in flight meanwhile: ``behind(keys,
+    copied)`` hands back the batch copied last and asks for the slots of the batch after the
+    current one. Returns the last batch copied, not handed back."""
+    copied: list[SlotRef] = []
+    held = first
+    for start in range(0, len(keys), BATCH):
+        answer = behind(keys[start + BATCH : start + 2 * BATCH], copied)
+        copy(start, held)  # numpy copies without the GIL: the call in flight progresses
+        copied, held = held, answer()
+    return copied
+
+
 def load_all(
     client: CountingClient,
     arena: ArenaMemory,
@@ -96,21 +119,19 @@ def load_all(
         dst.fill(0)
     before = client.calls.copy()
 
+    def lease_behind(following: Sequence[ChunkKey], done: list[SlotRef]) -> Answer:
+        pending = client.lease_behind(following, release=done)
+        return lambda: granted(pending.result(), "prefetch")
+
+    def copy_out(first: int, leases: list[SlotRef]) -> None:
+        off = first * chunk
+        for ref in leases:
+            np.copyto(dst[off : off + chunk], whole[ref.offset : ref.offset + chunk])
+            off += chunk
+
     def run() -> None:
-        # one call per batch, in flight while the batch before it is copied out: it releases
-        # the batch copied last and leases the one after the current
-        done: list[SlotRef] = []
         leases = granted(client.lease(keys[:BATCH]), "prefetch")
-        for first in range(0, len(keys), BATCH):
-            following = keys[first + BATCH : first + 2 * BATCH]
-            pending = client.lease_behind(following, release=done)
-            off = first * chunk
-            for ref in leases:
-                # numpy copies without the GIL, so the call in flight progresses meanwhile
-                np.copyto(dst[off : off + chunk], whole[ref.offset : ref.offset + chunk])
-                off += chunk
-            done, leases = leases, granted(pending.result(), "prefetch")
-        client.release(done)
+        client.release(in_batches(keys, leases, lease_behind, copy_out))
 
     elapsed = timed(run)
     calls = client.traffic_since(before)

@@ -1,23 +1,22 @@
 """The daemon benchmark's settings: chunk sizes and batches, the daemon's arena and lmdb, its
-modes and targets."""
+modes and targets (what it shares with the tier benchmark is in `benchmarks.harness.arena_runs`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from benchmarks.harness.arena_runs import CHUNK_SIZES as CHUNK_SIZES
+from benchmarks.harness.arena_runs import EXTENT as EXTENT
+from benchmarks.harness.arena_runs import LOOKUP_CHUNK as LOOKUP_CHUNK
+from benchmarks.harness.arena_runs import LOOKUP_KEYS as LOOKUP_KEYS
+from benchmarks.harness.arena_runs import SYNC_INTERVAL_S as SYNC_INTERVAL_S
+from benchmarks.harness.arena_runs import Mode
 from benchmarks.harness.sizes import KiB, MiB
 from benchmarks.harness.targets import Target
 
-CHUNK_SIZES = (1 * MiB, 2 * MiB, 4 * MiB)
 BATCH = 64  # chunks per call on the transfer paths
-EXTENT = 32 * MiB
-LOOKUP_KEYS = 8192
-LOOKUP_CHUNK = 4 * KiB  # 8192 of them fit one extent
 FILL_BATCH = 1024
 STORE_BATCH = 64
 STORE_CHUNK = 64 * KiB
 LMDB_BUDGET = 1 << 30
-SYNC_INTERVAL_S = 3600.0
 DROP_TIMEOUT_S = 10.0
 CLIENT_TIMEOUT_S = 120.0
 
@@ -27,16 +26,5 @@ TARGETS: dict[str, Target] = {
     "rpc_per_chunk": ("<=", 0.1),
 }
 
-
-@dataclass(frozen=True)
-class Mode:
-    name: str
-    working_set: int
-    reps: int
-    lookup_runs: int
-    store_chunks: int
-    store_reps: int
-
-
-QUICK = Mode("quick", 128 * MiB, 5, 50, 1024, 15)
-FULL = Mode("full", 256 * MiB, 11, 200, 2048, 31)
+QUICK = Mode("quick", 128 * MiB, 5, 50, store_chunks=1024, store_reps=15)
+FULL = Mode("full", 256 * MiB, 11, 200, store_chunks=2048, store_reps=31)

@@ -58,7 +58,6 @@ import functools
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -70,7 +69,7 @@ import boto3.session
 import botocore.config
 
 from benchmarks.harness.buffers import filled
-from benchmarks.harness.cli import emit
+from benchmarks.harness.cli import emit, log_progress
 from benchmarks.harness.sizes import MiB
 from benchmarks.harness.specs import spec_for_chunk
 from benchmarks.harness.stats import Samples
@@ -414,12 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer objects and repetitions")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
-    )
-    logging.getLogger("kvtier").setLevel(logging.WARNING)
-    logging.getLogger("botocore").setLevel(logging.WARNING)
-    log.setLevel(logging.INFO)
+    log_progress(log, "botocore")
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-objstore-"))
     moto = MotoServer(root / "moto.log")
     bench: Bench | None = None

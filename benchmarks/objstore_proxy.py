@@ -11,9 +11,32 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from benchmarks.harness.sizes import KiB
-from tests.fixtures.s3 import LOOPBACK
+from tests.fixtures.loopback import Acceptor
+from tests.fixtures.processes import LOOPBACK
+
+
+class _Unanswered:
+    """When a connection's unanswered request (its last part) arrived: the first bytes of the
+    answer wait for that moment plus the delay."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+        self._lock = threading.Lock()
+
+    def arrived(self) -> None:
+        with self._lock:
+            self._since = time.monotonic()
+
+    def answer_after(self, delay_s: float) -> None:
+        with self._lock:
+            since, self._since = self._since, None
+        if since is not None:
+            wait = since + delay_s - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
 
 
 class DelayProxy:
@@ -23,75 +46,42 @@ class DelayProxy:
     def __init__(self, upstream_port: int, delay_s: float) -> None:
         self.upstream = (LOOPBACK, upstream_port)
         self.delay_s = delay_s
-        self._listener = socket.create_server((LOOPBACK, 0), backlog=128)
-        self.port: int = self._listener.getsockname()[1]
-        self._closing = threading.Event()
         self._lock = threading.Lock()
         self._socks: set[socket.socket] = set()
-        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True)
-        self._acceptor.start()
+        self._acceptor = Acceptor(self._accept)
+        self.port = self._acceptor.port
 
     @property
     def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+        return self._acceptor.url
 
-    def _accept_loop(self) -> None:
-        while not self._closing.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(self.upstream, timeout=5.0)
-            except OSError:
-                client.close()
-                continue
-            upstream.settimeout(None)
-            for s in (client, upstream):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._socks.update((client, upstream))
-            asked: list[float | None] = [None]  # when the unanswered request arrived
-            mark = threading.Lock()
-            threading.Thread(
-                target=self._requests, args=(client, upstream, asked, mark), daemon=True
-            ).start()
-            threading.Thread(
-                target=self._responses, args=(upstream, client, asked, mark), daemon=True
-            ).start()
-
-    def _requests(
-        self,
-        src: socket.socket,
-        dst: socket.socket,
-        asked: list[float | None],
-        mark: threading.Lock,
-    ) -> None:
+    def _accept(self, client: socket.socket) -> None:
         try:
-            while data := src.recv(256 * KiB):
-                with mark:
-                    asked[0] = time.monotonic()
-                dst.sendall(data)
+            upstream = socket.create_connection(self.upstream, timeout=5.0)
         except OSError:
-            pass
-        finally:
-            self._drop(src, dst)
+            client.close()
+            return
+        upstream.settimeout(None)
+        for s in (client, upstream):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            self._socks.update((client, upstream))
+        unanswered = _Unanswered()
+        pumps = (
+            (client, upstream, unanswered.arrived),
+            (upstream, client, lambda: unanswered.answer_after(self.delay_s)),
+        )
+        for src, dst, before_sending in pumps:
+            threading.Thread(
+                target=self._pump, args=(src, dst, before_sending), daemon=True
+            ).start()
 
-    def _responses(
-        self,
-        src: socket.socket,
-        dst: socket.socket,
-        asked: list[float | None],
-        mark: threading.Lock,
+    def _pump(
+        self, src: socket.socket, dst: socket.socket, before_sending: Callable[[], None]
     ) -> None:
         try:
             while data := src.recv(256 * KiB):
-                with mark:
-                    since, asked[0] = asked[0], None
-                if since is not None:
-                    wait = since + self.delay_s - time.monotonic()
-                    if wait > 0:
-                        time.sleep(wait)
+                before_sending()
                 dst.sendall(data)
         except OSError:
             pass
@@ -107,11 +97,7 @@ class DelayProxy:
                 self._socks.discard(s)
 
     def close(self) -> None:
-        self._closing.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        self._acceptor.join(5.0)
+        self._acceptor.close()
         with self._lock:
             socks = list(self._socks)
         self._drop(*socks)

@@ -48,7 +48,6 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -58,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.harness.buffers import filled, no_gc, touched
-from benchmarks.harness.cli import emit
+from benchmarks.harness.cli import emit, log_progress
 from benchmarks.harness.sizes import MiB
 from benchmarks.harness.specs import sixteen_layer_spec, small_spec
 from benchmarks.harness.stats import Samples, geomean
@@ -450,11 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         "--preallocate", action="store_true", help="lmdb.preallocate: write through the map"
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
-    )
-    logging.getLogger("kvtier").setLevel(logging.WARNING)
-    log.setLevel(logging.INFO)
+    log_progress(log)
     bench = Bench(QUICK if args.quick else FULL, preallocate=args.preallocate)
     try:
         result = bench.run_durability_only() if args.durability else bench.run()

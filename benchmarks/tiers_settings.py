@@ -1,19 +1,18 @@
 """The tier benchmark's settings: chunk sizes, batches, the arena's extents, lookups, its modes
-and targets."""
+and targets (what it shares with the daemon benchmark is in `benchmarks.harness.arena_runs`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from benchmarks.harness.arena_runs import CHUNK_SIZES as CHUNK_SIZES
+from benchmarks.harness.arena_runs import EXTENT as EXTENT
+from benchmarks.harness.arena_runs import LOOKUP_CHUNK as LOOKUP_CHUNK
+from benchmarks.harness.arena_runs import LOOKUP_KEYS as LOOKUP_KEYS
+from benchmarks.harness.arena_runs import SYNC_INTERVAL_S as SYNC_INTERVAL_S
+from benchmarks.harness.arena_runs import Mode
 from benchmarks.harness.sizes import MiB
 from benchmarks.harness.targets import Target
 
-CHUNK_SIZES = (1 * MiB, 2 * MiB, 4 * MiB)
 BATCH = 8
-EXTENT = 32 * MiB
-LOOKUP_KEYS = 8192
-LOOKUP_CHUNK = 4096
-SYNC_INTERVAL_S = 3600.0
 
 TARGETS: dict[str, Target] = {
     "arena_store_vs_memcpy": (">=", 0.8),
@@ -22,15 +21,6 @@ TARGETS: dict[str, Target] = {
     "lmdb_hot_read_vs_memcpy": (">=", 0.7),
     "lookup_8192_keys_us": ("<=", 2000.0),
 }
-
-
-@dataclass(frozen=True)
-class Mode:
-    name: str
-    working_set: int
-    reps: int
-    lookup_runs: int
-
 
 QUICK = Mode("quick", 128 * MiB, 3, 11)
 FULL = Mode("full", 256 * MiB, 7, 31)

@@ -92,7 +92,7 @@ import yaml
 from benchmarks import hybrid_ttft
 from benchmarks.harness.buffers import no_gc
 from benchmarks.harness.cases import Case, Sample
-from benchmarks.harness.cli import MODEL_CACHE
+from benchmarks.harness.cli import MODEL_CACHE, log_progress
 from benchmarks.harness.connector import kvtier_connector
 from benchmarks.harness.kvtierd import Kvtierd
 from benchmarks.harness.sizes import LMDB_BUDGET, KiB, MiB, extent_for, round_up
@@ -372,12 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", action="store_true", help="GPU<->arena copy bandwidth instead")
     parser.add_argument("--gpu-block-kib", type=int, default=1024, help="headline GPU block size")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
-    )
-    logging.getLogger("kvtier").setLevel(logging.WARNING)
-    logging.getLogger("kvtier_vllm").setLevel(logging.WARNING)
-    log.setLevel(logging.INFO)
+    log_progress(log, "kvtier_vllm")
     mode = QUICK if args.quick else FULL
     if args.gpu:
         if args.gpu_block_kib <= 0 or args.gpu_block_kib % 64:

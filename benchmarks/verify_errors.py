@@ -19,18 +19,19 @@ under ``--cache-dir``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from benchmarks.harness.cli import MODEL_CACHE
+from benchmarks.harness.cli import model_bench_args
 from benchmarks.harness.connector import kvtier_connector
 from tests.fixtures.engines import (
     apply_engine_env,
@@ -88,19 +89,28 @@ def summary(errors: list[float]) -> dict[str, float | int]:
     }
 
 
-def measure(model: Path, dtype: str, tmp: Path) -> dict[str, Any]:
-    prompts = shared_prefix_prompts(
-        PROMPTS, vocab_size=vocab_size_of(model), prefix_len=640, suffix_len=48, num_prefixes=4
-    )
-    config = embedded_config(tmp)
-    engine = {"dtype": dtype, "kv_cache_memory_bytes": 256 << 20}
+@contextmanager
+def verifying_every_hit(
+    model: Path, config: Path, engine: dict[str, Any], prompts: list[list[int]], max_tokens: int
+) -> Iterator[Any]:
+    """An engine that verifies every hit, after one that stored ``prompts`` in the tiers of
+    ``config``, and that has asked each of them already."""
     with running_llm(model, kv_transfer_config=connector(config), **engine) as llm:
-        generate_tokens(llm, prompts, max_tokens=4)
+        generate_tokens(llm, prompts, max_tokens=max_tokens)
     with running_llm(
         model, kv_transfer_config=connector(config, verify_sample_rate=1.0), **engine
     ) as llm:
         for prompt in prompts:  # one at a time: another batch than the one that stored them
-            generate_tokens(llm, [prompt], max_tokens=4)
+            generate_tokens(llm, [prompt], max_tokens=max_tokens)
+        yield llm
+
+
+def measure(model: Path, dtype: str, tmp: Path) -> dict[str, Any]:
+    prompts = shared_prefix_prompts(
+        PROMPTS, vocab_size=vocab_size_of(model), prefix_len=640, suffix_len=48, num_prefixes=4
+    )
+    engine = {"dtype": dtype, "kv_cache_memory_bytes": 256 << 20}
+    with verifying_every_hit(model, embedded_config(tmp), engine, prompts, 4) as llm:
         verifier = scheduler_of(llm).verifier
         right = [e for _, e in verifier.errors]
         verifier.errors.clear()
@@ -164,11 +174,7 @@ def sampled_cost(model: Path, dtype: str, tmp: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--cache-dir", type=Path, default=MODEL_CACHE, help="models")
-    args = parser.parse_args(argv)
-    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    args = model_bench_args(__doc__.splitlines()[0], argv)
     tokenizer = build_tokenizer(args.cache_dir)
     models = {
         "float32": build_llama(args.cache_dir, tokenizer_dir=tokenizer),

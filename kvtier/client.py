@@ -12,12 +12,19 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Generic, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from kvtier.core.costs import EngineTimings
 from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, NamespaceSpec
-from kvtier.core.protocol import Answer, DraftState, FailedChunk, LookupResult, SlotRef
+from kvtier.core.protocol import (
+    Answer,
+    DraftState,
+    FailedChunk,
+    LookupResult,
+    SlotRef,
+    TierClient,
+)
 from kvtier.tiers.arena import ArenaAtPath, ArenaMemory
 from kvtier.tiers.lmdb_reader import LmdbReader, failure_of, reader_at, release_reader
 
@@ -57,7 +64,7 @@ class Ready(Generic[T]):
         return self._value
 
 
-class InProcessClient:
+class InProcessClient(TierClient):
     """Embedded mode: the TierManager lives in this process."""
 
     def __init__(self, manager: TierManager, replica: str = "default") -> None:
@@ -80,56 +87,25 @@ class InProcessClient:
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes:
         return self.manager.register_pool(spec, chunk_bytes)
 
-    @overload
-    def lookup(
-        self,
-        keys: Sequence[ChunkKey],
-        *,
-        release: Sequence[SlotRef] = ...,
-        lease: Literal[False] = ...,
-        again: bool = ...,
-        verify: bool = ...,
-    ) -> LookupResult: ...
-
-    @overload
-    def lookup(
-        self,
-        keys: Sequence[ChunkKey],
-        *,
-        release: Sequence[SlotRef] = ...,
-        lease: Literal[True],
-        again: bool = ...,
-        verify: bool = ...,
-    ) -> tuple[LookupResult, list[SlotRef | None]]: ...
-
-    def lookup(
-        self,
-        keys: Sequence[ChunkKey],
-        *,
-        release: Sequence[SlotRef] = (),
-        lease: bool = False,
-        again: bool = False,
-        verify: bool = False,
-    ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
-        if release or lease:
+    def lookup_unleased(
+        self, keys: Sequence[ChunkKey], release: Sequence[SlotRef], again: bool, verify: bool
+    ) -> LookupResult:
+        if release:
             self.manager.release(release)
-        if lease:
-            return self.manager.lookup(keys, self.replica, lease=True, again=again, verify=verify)
         return self.manager.lookup(keys, again=again, verify=verify)
 
-    @overload
-    def reserve(self, keys: Sequence[ChunkKey], *, commit: None = ...) -> list[SlotRef | None]: ...
+    def lookup_leasing(
+        self, keys: Sequence[ChunkKey], release: Sequence[SlotRef], again: bool, verify: bool
+    ) -> tuple[LookupResult, list[SlotRef | None]]:
+        self.manager.release(release)
+        return self.manager.lookup_leasing(keys, self.replica, again=again, verify=verify)
 
-    @overload
-    def reserve(
-        self, keys: Sequence[ChunkKey], *, commit: Sequence[SlotRef]
-    ) -> tuple[int, list[SlotRef | None]]: ...
+    def reserve_slots(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
+        return self.manager.reserve(keys, self.replica)
 
-    def reserve(
-        self, keys: Sequence[ChunkKey], *, commit: Sequence[SlotRef] | None = None
-    ) -> list[SlotRef | None] | tuple[int, list[SlotRef | None]]:
-        if commit is None:
-            return self.manager.reserve(keys, self.replica)
+    def reserve_committing(
+        self, keys: Sequence[ChunkKey], commit: Sequence[SlotRef]
+    ) -> tuple[int, list[SlotRef | None]]:
         return self.manager.commit(commit), self.manager.reserve(keys, self.replica)
 
     def commit(self, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()) -> int:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvtier.tiering.manager import TierManager
 from kvtier.tiers.commit_checksums import ledger_path
 from tests.integration.daemon_harness import Processes
+from tests.support import arenas_of_this_process, manager_config, new_arena_path
 
 # real object-store servers and identities (moto, the GCS emulator, fault proxy), for any test
 pytest_plugins = ["tests.objstore.fixtures"]
@@ -38,20 +38,28 @@ def state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="session", autouse=True)
 def no_arena_left() -> Iterator[None]:
-    """At the end of this process's run, the arenas its tests named (`kvtier-test-<pid>-*`) and
+    """At the end of this process's run, the arenas its tests named (`new_arena_path`) and
     their ledgers go: some tests name one without this module's fixture, and a kvtierd that
     exits cleanly keeps its arena for the next start."""
     yield
-    for path in Path("/dev/shm").glob(f"kvtier-test-{os.getpid()}-*"):
+    for path in arenas_of_this_process():
         path.unlink(missing_ok=True)
 
 
 @pytest.fixture
 def shm_path() -> Iterator[Path]:
-    path = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path = new_arena_path()
     yield path
     path.unlink(missing_ok=True)
     ledger_path(path).unlink(missing_ok=True)  # an owner killed in the test leaves it
+
+
+@pytest.fixture
+def manager(shm_path: Path, tmp_path: Path) -> Iterator[TierManager]:
+    """A TierManager over a small arena and lmdb (`manager_config`), closed after the test."""
+    m = TierManager(manager_config(shm_path, tmp_path))
+    yield m
+    m.close()
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
 
 from kvtier.core.config import (
@@ -15,6 +17,28 @@ from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
 from tests.fixtures.keys import keys_for as keys_for  # one copy, shared with the benchmarks
 
 MiB = 1 << 20
+SHM = Path("/dev/shm")
+
+
+class HandClock:
+    """A clock the test moves by hand (``now``), for code that takes a clock."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def new_arena_path() -> Path:
+    """A fresh arena path in /dev/shm, named for this test process: `no_arena_left`
+    (tests/conftest.py) removes it, and its ledger, when the process's run ends."""
+    return SHM / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def arenas_of_this_process() -> list[Path]:
+    """The arenas (and their ledgers) `new_arena_path` named in this process."""
+    return list(SHM.glob(f"kvtier-test-{os.getpid()}-*"))
 
 
 def layout(layers: int = 2, heads: int = 16) -> PageLayout:
@@ -80,6 +104,29 @@ def manager_config(
             "arena": {"path": str(shm), "size_bytes": arena_mib * MiB, "extent_bytes": 2 * MiB},
             "lmdb": {"path": str(tmp / "lmdb"), "budget_bytes": lmdb_mib * MiB},
             "manager": manager,
+        }
+    )
+
+
+def object_node_config(
+    root: Path, url: str, lmdb: dict[str, object] | None = None, **store: object
+) -> KVTierConfig:
+    """A node of the three tiers: a 16 MiB arena of its own, 64 MiB of lmdb under ``root`` (with
+    ``lmdb``'s settings), and the object store ``url``, indexed under ``root``."""
+    return from_mapping(
+        {
+            "arena": {
+                "path": str(new_arena_path()),
+                "size_bytes": 16 * MiB,
+                "extent_bytes": 2 * MiB,
+            },
+            "lmdb": {"path": str(root / "lmdb"), "budget_bytes": 64 * MiB, **(lmdb or {})},
+            "object": {
+                "url": url,
+                "index_path": str(root / "objindex"),
+                "index_map_bytes": 64 * MiB,
+                **store,
+            },
         }
     )
 

@@ -3,7 +3,9 @@ run's result printed as one JSON object or as its table."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -11,6 +13,28 @@ from typing import Any
 
 MODEL_CACHE = Path.home() / ".cache" / "kvtier-bench"
 """``--cache-dir``'s default: built models are reused from here by every benchmark."""
+
+
+def model_bench_args(description: str, argv: list[str] | None) -> argparse.Namespace:
+    """The command line of a benchmark that builds its models: ``--json`` (print one JSON
+    object) and ``--cache-dir``, created if missing."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--cache-dir", type=Path, default=MODEL_CACHE, help="models")
+    args = parser.parse_args(argv)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def log_progress(log: logging.Logger, *quiet: str) -> None:
+    """``log``, a benchmark's own progress, on stderr with times; kvtier's loggers (and those
+    named in ``quiet``) only with warnings."""
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
+    )
+    for name in ("kvtier", *quiet):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    log.setLevel(logging.INFO)
 
 
 def emit(result: Mapping[str, Any], as_json: bool, table: Callable[[], str]) -> None:

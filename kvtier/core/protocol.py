@@ -247,7 +247,24 @@ class TierClient(Protocol):
         the found chunks when the arena holds them all, all in one call. ``again``: the same
         request asks again while it waits; its keys and hits are not counted twice.
         ``verify``: the request is sampled for verification, so what is found is counted as
-        verified, not as hits: none of it is served."""
+        verified, not as hits: none of it is served.
+
+        A client that subclasses this protocol inherits this method (and `reserve`) and serves
+        its two forms, `lookup_unleased` and `lookup_leasing`: the overloads are written once."""
+        if lease:
+            return self.lookup_leasing(keys, release, again, verify)
+        return self.lookup_unleased(keys, release, again, verify)
+
+    def lookup_unleased(
+        self, keys: Sequence[ChunkKey], release: Sequence[SlotRef], again: bool, verify: bool
+    ) -> LookupResult:
+        """`lookup` without ``lease``."""
+        ...
+
+    def lookup_leasing(
+        self, keys: Sequence[ChunkKey], release: Sequence[SlotRef], again: bool, verify: bool
+    ) -> tuple[LookupResult, list[SlotRef | None]]:
+        """`lookup` with ``lease``: the answer and the lease of each found chunk."""
         ...
 
     def lookup_behind(self, keys: Sequence[ChunkKey], verify: bool = False) -> Answer[LookupResult]:
@@ -268,6 +285,18 @@ class TierClient(Protocol):
     ) -> list[SlotRef | None] | tuple[int, list[SlotRef | None]]:
         """Arena slots to write. With ``commit``, first commit those written slots, in one
         call, and answer how many were committed too."""
+        if commit is None:
+            return self.reserve_slots(keys)
+        return self.reserve_committing(keys, commit)
+
+    def reserve_slots(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
+        """`reserve` without ``commit``."""
+        ...
+
+    def reserve_committing(
+        self, keys: Sequence[ChunkKey], commit: Sequence[SlotRef]
+    ) -> tuple[int, list[SlotRef | None]]:
+        """`reserve` with ``commit``: how many were committed, and the slots."""
         ...
 
     def commit(self, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any
 
 import grpc
 
@@ -25,6 +25,7 @@ from kvtier.core.protocol import (
     IndexedRef,
     LookupResult,
     SlotRef,
+    TierClient,
     TierCode,
 )
 from kvtier.rpc.arena_view import ArenaView
@@ -40,7 +41,7 @@ _PREFETCH_IN_LMDB = tier_pb2.PrefetchRequest.IN_LMDB_FIELD_NUMBER
 _IN_ARENA = int(TierCode.CPU)
 
 
-class GrpcTierClient:
+class GrpcTierClient(TierClient):
     """The TierClient protocol served by kvtierd over its unix socket."""
 
     def __init__(
@@ -156,42 +157,12 @@ class GrpcTierClient:
         stub = self._channel.stub
         self._session.in_session(lambda: self._channel.call(stub.QuarantineNamespace, request))
 
-    @overload
-    def lookup(
-        self,
-        keys: Sequence[ChunkKey],
-        *,
-        release: Sequence[SlotRef] = ...,
-        lease: Literal[False] = ...,
-        again: bool = ...,
-        verify: bool = ...,
-    ) -> LookupResult: ...
-
-    @overload
-    def lookup(
-        self,
-        keys: Sequence[ChunkKey],
-        *,
-        release: Sequence[SlotRef] = ...,
-        lease: Literal[True],
-        again: bool = ...,
-        verify: bool = ...,
-    ) -> tuple[LookupResult, list[SlotRef | None]]: ...
-
-    def lookup(
-        self,
-        keys: Sequence[ChunkKey],
-        *,
-        release: Sequence[SlotRef] = (),
-        lease: bool = False,
-        again: bool = False,
-        verify: bool = False,
-    ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
+    def lookup_unleased(
+        self, keys: Sequence[ChunkKey], release: Sequence[SlotRef], again: bool, verify: bool
+    ) -> LookupResult:
         flags = _counting(again, verify)
-        if not lease:
-            lookup = self._channel.lookup
-            return lookup_from(self._keys_call(lookup, keys, self._leased(release), flags))
-        return self._lookup_leasing(release, keys, flags)
+        lookup = self._channel.lookup
+        return lookup_from(self._keys_call(lookup, keys, self._leased(release), flags))
 
     def lookup_behind(
         self, keys: Sequence[ChunkKey], verify: bool = False
@@ -202,28 +173,29 @@ class GrpcTierClient:
         )
         return Pending(future, lookup_from, self.target)
 
-    def _lookup_leasing(
-        self, refs: Sequence[SlotRef], keys: Sequence[ChunkKey], flags: tuple[int, ...]
+    def lookup_leasing(
+        self, keys: Sequence[ChunkKey], release: Sequence[SlotRef], again: bool, verify: bool
     ) -> tuple[LookupResult, list[SlotRef | None]]:
         """The part of a hit the arena holds is answered from its key index, with no call and
         no lease: whoever copies a slot checks its generation afterwards anyway, and a call
         made now would compete with that copy for the CPU (it cost more than the call itself).
         kvtierd is asked only about the keys past it; `report_hits` tells it of the rest later."""
-        self._channel.check()  # no hit, at once; ``refs`` stay the caller's
+        flags = _counting(again, verify)
+        self._channel.check()  # no hit, at once; ``release`` stays the caller's
         found = self._arena.find(keys, self._session.quarantined)
         if keys and len(found) == len(keys):
             # the leases handed back end with the next report: no call now
-            self._reports.answered(flags, keys, self._leased(refs))
+            self._reports.answered(flags, keys, self._leased(release))
             return LookupResult(len(found), bytes([_IN_ARENA]) * len(found)), list(found)
         owned = self._reports.take_due()
-        release = [*owned, *self._leased(refs)]
+        ended = [*owned, *self._leased(release)]
         rest = keys[len(found) :]
         try:
             lookup = self._channel.lookup
-            response = self._keys_call(lookup, rest, release, (_LOOKUP_LEASE, *flags))
+            response = self._keys_call(lookup, rest, ended, (_LOOKUP_LEASE, *flags))
         except KVTierError:
-            self._reports.due_again(owned)  # these end with the next call; ``refs`` stay
-            raise  # the caller's
+            self._reports.due_again(owned)  # these end with the next call; ``release``
+            raise  # stays the caller's
         result, leases = lookup_from(response), grants_from(response.leases)
         if not found:
             return result, leases
@@ -260,21 +232,15 @@ class GrpcTierClient:
         another holder's lease on the same slot."""
         return [r for r in refs if not isinstance(r, IndexedRef)]
 
-    @overload
-    def reserve(self, keys: Sequence[ChunkKey], *, commit: None = ...) -> list[SlotRef | None]: ...
-
-    @overload
-    def reserve(
-        self, keys: Sequence[ChunkKey], *, commit: Sequence[SlotRef]
-    ) -> tuple[int, list[SlotRef | None]]: ...
-
-    def reserve(
-        self, keys: Sequence[ChunkKey], *, commit: Sequence[SlotRef] | None = None
-    ) -> list[SlotRef | None] | tuple[int, list[SlotRef | None]]:
-        """Reserve slots; with ``commit``, commit written slots first, in one call."""
+    def reserve_slots(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
         reserve, store_s = self._channel.reserve, self._channel.store_s
-        if commit is None:
-            return grants_from(self._keys_call(reserve, keys, timeout=store_s).grants)
+        return grants_from(self._keys_call(reserve, keys, timeout=store_s).grants)
+
+    def reserve_committing(
+        self, keys: Sequence[ChunkKey], commit: Sequence[SlotRef]
+    ) -> tuple[int, list[SlotRef | None]]:
+        """Commit written slots and reserve others, in one call."""
+        reserve, store_s = self._channel.reserve, self._channel.store_s
         response = self._keys_call(reserve, keys, commit, timeout=store_s)
         return response.committed, grants_from(response.grants)
 

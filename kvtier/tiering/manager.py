@@ -1,7 +1,7 @@
 """TierManager: the one place where tiers are composed.
 
-- ``lookup`` answers with the longest present prefix and the tier of each of its chunks (and,
-  with ``lease=True``, leases them when the arena holds them all);
+- ``lookup`` answers with the longest present prefix and the tier of each of its chunks
+  (``lookup_leasing`` also leases them when the arena holds them all);
 - stores are reserve -> write into the slot -> commit, or abort; uncommitted chunks are unseen;
 - ``lease`` leases arena chunks, promoting lmdb chunks into the arena first (or, for a client that
   reads lmdb's map itself, leasing them in lmdb);
@@ -29,7 +29,6 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Literal, overload
 
 from kvtier.core.config import KVTierConfig
 from kvtier.core.costs import LoadCosts
@@ -226,42 +225,12 @@ class TierManager:
         for tier, n in result.by_tier.items():
             counters.add(f"hit_chunks_{tier}", n)
 
-    @overload
     def lookup(
-        self,
-        keys: Sequence[ChunkKey],
-        replica: str = ...,
-        *,
-        lease: Literal[False] = ...,
-        again: bool = ...,
-        verify: bool = ...,
-    ) -> LookupResult: ...
-
-    @overload
-    def lookup(
-        self,
-        keys: Sequence[ChunkKey],
-        replica: str = ...,
-        *,
-        lease: Literal[True],
-        again: bool = ...,
-        verify: bool = ...,
-    ) -> tuple[LookupResult, list[SlotRef | None]]: ...
-
-    def lookup(
-        self,
-        keys: Sequence[ChunkKey],
-        replica: str = "default",
-        *,
-        lease: bool = False,
-        again: bool = False,
-        verify: bool = False,
-    ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
-        """The tier of each chunk of the longest stored prefix. With ``lease``, also lease the
-        found chunks when the arena holds them all: a hit served from the arena then takes one
-        call. ``again``: a request asking again while it waits, not counted as a lookup.
-        ``verify``: a request sampled for verification, whose found chunks are counted as
-        verified, not hits (none is served)."""
+        self, keys: Sequence[ChunkKey], *, again: bool = False, verify: bool = False
+    ) -> LookupResult:
+        """The tier of each chunk of the longest stored prefix. ``again``: a request asking
+        again while it waits, not counted as a lookup. ``verify``: a request sampled for
+        verification, whose found chunks are counted as verified, not hits (none is served)."""
         keys = self.quarantines.cut(keys)
         self._check_pools(keys)
         result = self.finder.find(keys)
@@ -271,8 +240,19 @@ class TierManager:
             self._count_lookup(len(keys), result, verify)
         elif result.from_store:
             self._counters.add("hit_chunks_object", result.from_store)
-        if not lease:
-            return result
+        return result
+
+    def lookup_leasing(
+        self,
+        keys: Sequence[ChunkKey],
+        replica: str = "default",
+        *,
+        again: bool = False,
+        verify: bool = False,
+    ) -> tuple[LookupResult, list[SlotRef | None]]:
+        """`lookup`, also leasing the found chunks when the arena holds them all: a hit served
+        from the arena then takes one call."""
+        result = self.lookup(keys, again=again, verify=verify)
         return result, self.lease(keys[: arena_hit(result)], replica)
 
     # -- store ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from benchmarks.harness.connector import kvtier_connector
 from tests.e2e.conftest import MAX_TOKENS, set_engine_env
 from tests.e2e.models import (
     ModelSet,
@@ -67,12 +68,10 @@ def hook_seconds(hook: str | None = None) -> float:
 
 
 def kvtier_config(extra: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier_vllm.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {**SHARED_CORE_DEADLINES, **NO_VERIFICATION, **extra},
-    }
+    """The connector with ``extra``, under the tests' deadlines and without verification; a
+    failed load is vLLM's default (an error), so that tests see one."""
+    settings = {**SHARED_CORE_DEADLINES, **NO_VERIFICATION, **extra}
+    return kvtier_connector(settings, recompute_failed_loads=False)
 
 
 def embedded_yaml(

@@ -19,6 +19,7 @@ from kvtier_vllm.kv.worker_side import worker as worker_module
 from kvtier_vllm.kv.worker_side.worker import KVTierWorker
 from kvtier_vllm.shared.copies import DeferredCopies, Pair
 
+from benchmarks.harness.connector import kvtier_connector
 from kvtier.core.protocol import SlotRef
 from kvtier.rpc import GrpcTierClient
 from kvtier.tiers.arena import ArenaMemory
@@ -85,18 +86,14 @@ class Rewriter:
 
 
 def sidecar(socket: Path) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier_vllm.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
+    return kvtier_connector(
+        {
             "mode": "sidecar",
             "socket_path": str(socket),
             **SHARED_CORE_DEADLINES,
             **NO_VERIFICATION,
-        },
-    }
+        }
+    )
 
 
 def test_a_slot_rewritten_before_its_load_landed_is_recomputed(

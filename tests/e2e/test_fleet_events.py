@@ -5,10 +5,8 @@ for chunk, under the engine's own block hashes, through uploads, gc and a kvtier
 
 from __future__ import annotations
 
-import os
 import signal
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from kvtier.tiers.objstore.backend import open_backend
 from kvtier.tiers.objstore.tier import COMPANION_SUFFIX
 from tests.e2e.models import ModelSet, generate_tokens, running_llm
 from tests.e2e.test_connector import kvtier_config
-from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon, write_config
+from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon, object_node
 from tests.objstore.fixtures import AwsIrsa
 from tests.router_index import RouterIndex
 
@@ -30,26 +28,19 @@ SETTLE_S = 60.0
 
 
 def node(root: Path, url: str) -> DaemonFiles:
-    root.mkdir()
-    arena = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return write_config(
+    return object_node(
         root,
-        arena,
+        url,
         {
             "arena": {"size_bytes": 64 << 20, "min_slot_bytes": 16 << 10},
-            "object": {
-                "url": url,
-                "index_path": str(root / "objindex"),
-                "index_map_bytes": 64 << 20,
-                "admission": "all",
-                "pack_linger_ms": 20,
-                "request_timeout_s": 5.0,
-            },
             "events": {
                 "endpoint": f"ipc://{root}/kvtierd-pub.sock",
                 "replay_endpoint": f"ipc://{root}/kvtierd-replay.sock",
             },
         },
+        admission="all",
+        pack_linger_ms=20,
+        request_timeout_s=5.0,
     )
 
 

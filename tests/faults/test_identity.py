@@ -36,14 +36,6 @@ KEY_FILE = {
 }
 
 
-@pytest.fixture
-def arenas() -> Iterator[list[Path]]:
-    made: list[Path] = []
-    yield made
-    for path in made:
-        path.unlink(missing_ok=True)
-
-
 def principal(daemon: RunningDaemon) -> str:
     [info] = [labels for n, labels, _ in daemon.metrics() if n == "kvtier_object_store_info"]
     return info["principal"]
@@ -52,21 +44,25 @@ def principal(daemon: RunningDaemon) -> str:
 # -- long-lived keys ----------------------------------------------------------------------------
 
 
-def test_a_gcs_service_account_key_file_is_refused_at_start(
-    procs: Processes,
-    tmp_path: Path,
-    arenas: list[Path],
-    gke_metadata: FakeGceMetadata,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def sa_key_file(
+    tmp_path: Path, gke_metadata: FakeGceMetadata, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """A service-account key file named by GOOGLE_APPLICATION_CREDENTIALS, on a GKE node."""
     key_file = tmp_path / "sa-key.json"
     key_file.write_text(json.dumps(KEY_FILE))
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key_file))
+    return key_file
+
+
+def test_a_gcs_service_account_key_file_is_refused_at_start(
+    procs: Processes, tmp_path: Path, arenas: list[Path], sa_key_file: Path
+) -> None:
     files = node(tmp_path, arenas, "gs://kvtier-bucket/objects")
     rc, out, err = procs.run_daemon_to_exit(files)
     assert rc == 2, (out, err)
     assert "static credentials are refused" in err
-    assert f"GOOGLE_APPLICATION_CREDENTIALS={key_file} is a service-account key file" in err
+    assert f"GOOGLE_APPLICATION_CREDENTIALS={sa_key_file} is a service-account key file" in err
     assert "GKE Workload Identity" in err
     assert "external_account" in err
     assert "object.allow_static_keys" in err
@@ -88,15 +84,8 @@ def test_gcloud_s_default_credentials_file_is_judged_too(
 
 
 def test_allow_static_keys_lets_a_key_file_through_with_a_warning(
-    procs: Processes,
-    tmp_path: Path,
-    arenas: list[Path],
-    gke_metadata: FakeGceMetadata,
-    monkeypatch: pytest.MonkeyPatch,
+    procs: Processes, tmp_path: Path, arenas: list[Path], sa_key_file: Path
 ) -> None:
-    key_file = tmp_path / "sa-key.json"
-    key_file.write_text(json.dumps(KEY_FILE))
-    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key_file))
     files = node(tmp_path, arenas, "gs://kvtier-bucket/objects", allow_static_keys=True)
     daemon = procs.start_daemon(files)
     assert "WARNING" in daemon.log_text()

@@ -4,12 +4,11 @@ store does."""
 
 from __future__ import annotations
 
-import os
 import signal
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,32 +24,21 @@ from tests.integration.daemon_harness import (
     Processes,
     RunningDaemon,
     key_of,
-    write_config,
+    object_node,
 )
-from tests.objstore.fixtures import AwsIrsa, StoreFactory
-from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
-from tests.support import MiB, target_spec
+from tests.objstore.fixtures import AwsIrsa, ProxiedStore, StoreFactory
+from tests.objstore.servers import FaultMode, ServerProcess
+from tests.support import target_spec
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-@pytest.fixture
-def arenas() -> Iterator[list[Path]]:
-    made: list[Path] = []
-    yield made
-    for path in made:
-        path.unlink(missing_ok=True)
 
 
 def node(
     root: Path, arenas: list[Path], url: str, server: dict[str, Any] | None = None, **store: Any
 ) -> DaemonFiles:
-    directory = root / uuid.uuid4().hex[:8]
-    directory.mkdir()
-    arena = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    arenas.append(arena)
-    settings = {"url": url, "index_path": str(directory / "objindex"), "index_map_bytes": 64 * MiB}
-    return write_config(directory, arena, {"object": settings | store, "server": server or {}})
+    files = object_node(root / uuid.uuid4().hex[:8], url, {"server": server or {}}, **store)
+    arenas.append(files.arena)
+    return files
 
 
 def gauge(daemon: RunningDaemon, name: str, **labels: str) -> float:
@@ -76,13 +64,10 @@ def test_the_health_gauge_reads_0_while_a_half_open_trial_is_in_flight(
     procs: Processes,
     tmp_path: Path,
     arenas: list[Path],
-    store_factory: StoreFactory,
     aws_irsa: AwsIrsa,
-    moto_server: ServerProcess,
-    fault_proxy: Callable[[str], FaultProxy],
+    proxied_store: ProxiedStore,
 ) -> None:
-    proxy = fault_proxy(moto_server.url)
-    url = store_factory("s3", endpoint=proxy.url)
+    url, proxy = proxied_store("s3")
     files = node(
         tmp_path,
         arenas,

@@ -45,7 +45,7 @@ from kvtier.rpc.admin_client import bearer
 from kvtier.rpc.session import read_ticket
 from kvtier.tiers.arena import ArenaMemory
 from kvtier.tiers.commit_checksums import ledger_path
-from tests.support import MiB, keys_for, payload_for, target_spec
+from tests.support import MiB, keys_for, new_arena_path, payload_for, target_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 256 << 10
@@ -137,6 +137,26 @@ def write_config(
     config = directory / "kvtier.yaml"
     config.write_text(yaml.safe_dump(tree))
     return DaemonFiles(config, socket, arena, directory / "lmdb", directory / "kvtierd.log")
+
+
+QUICK_TO_GIVE_UP: Mapping[str, Any] = {
+    "lookup_budget_ms": 3000,
+    "request_timeout_s": 2.0,
+    "breaker_reset_s": 0.5,
+}
+"""Object-store settings that turn a store that stopped answering into misses within seconds."""
+
+
+def object_node(
+    directory: Path, url: str, overrides: Mapping[str, Any] | None = None, **store: Any
+) -> DaemonFiles:
+    """A small daemon (`write_config`) in a new ``directory``, with an arena of its own and the
+    object store ``url`` (``store``: its other settings), indexed in ``directory``;
+    ``overrides``: other sections."""
+    directory.mkdir()
+    index = {"index_path": str(directory / "objindex"), "index_map_bytes": 64 * MiB}
+    tree = _merge({"object": {"url": url, **index, **store}}, overrides or {})
+    return write_config(directory, new_arena_path(), tree)
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

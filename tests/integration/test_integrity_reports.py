@@ -12,7 +12,7 @@ import gc
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import lmdb
@@ -40,7 +40,7 @@ from tests.integration.daemon_harness import (
     write_config,
 )
 from tests.integration.test_manager import store
-from tests.support import keys_for, manager_config, target_spec
+from tests.support import keys_for, target_spec
 
 STORED = 6
 CORRUPT = (0, 2, 4)
@@ -257,13 +257,6 @@ def test_a_report_of_a_sound_chunk_a_reused_slot_or_another_pools_chunk_drops_no
     assert metric(daemon, "kvtier_integrity_reports_total", result="confirmed") == 0
     assert lmdb_chunks(daemon) == STORED
     assert lmdb_health(daemon) == 0
-
-
-@pytest.fixture
-def manager(shm_path: Path, tmp_path: Path) -> Iterator[TierManager]:
-    m = TierManager(manager_config(shm_path, tmp_path))
-    yield m
-    m.close()
 
 
 def _checked(manager: TierManager, confirmed: int) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
@@ -18,13 +17,6 @@ from kvtier.tiers.lmdb_reader import will_need
 from tests.support import MiB, draft_spec, keys_for, manager_config, payload_for, target_spec
 
 CHUNK = 256 << 10
-
-
-@pytest.fixture
-def manager(shm_path: Path, tmp_path: Path) -> Iterator[TierManager]:
-    m = TierManager(manager_config(shm_path, tmp_path))
-    yield m
-    m.close()
 
 
 def store(m: TierManager | TierClient, keys: list[ChunkKey], replica: str = "r0") -> int:

@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from tests.integration.daemon_harness import (
     namespace,
     write_config,
 )
-from tests.support import MiB, target_spec
+from tests.support import MiB, new_arena_path, target_spec
 
 N = 12
 RETENTION_S = 86400.0
@@ -52,7 +51,7 @@ class Fleet:
     ) -> RunningDaemon:
         directory = self.root / name
         directory.mkdir()
-        arena = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        arena = new_arena_path()
         self.arenas.append(arena)
         overrides: dict[str, Any] = {"server": server or {}}
         if object_tier:

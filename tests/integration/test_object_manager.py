@@ -3,44 +3,29 @@ and lmdb) on a file:// bucket: uploads, probes, promotion, restart, corruption."
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from kvtier.core.config import KVTierConfig, from_mapping
 from kvtier.core.keys import ChunkKey
 from kvtier.tiering.manager import TierManager
 from kvtier.tiers.objstore.tier import ObjectTier
-from tests.support import MiB, keys_for, payload_for, target_spec
+from tests.objstore.fixtures import ObjectNodes
+from tests.support import keys_for, payload_for, target_spec
 
 CHUNK = 256 << 10
 Node = Callable[..., TierManager]
 
 
-def node_config(root: Path, bucket: str, **object_overrides: object) -> KVTierConfig:
-    shm = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    obj: dict[str, object] = {
-        "url": bucket,
-        "index_path": str(root / "objindex"),
-        "index_map_bytes": 64 * MiB,
-        "pack_target_bytes": 4 * CHUNK,
-        "pack_linger_ms": 20,
-        "lookup_budget_ms": 2000,
-        "retries": 1,
-        "backoff_s": 0.01,
-    }
-    obj.update(object_overrides)
-    return from_mapping(
-        {
-            "arena": {"path": str(shm), "size_bytes": 16 * MiB, "extent_bytes": 2 * MiB},
-            "lmdb": {"path": str(root / "lmdb"), "budget_bytes": 64 * MiB},
-            "object": obj,
-        }
-    )
+SETTINGS: dict[str, object] = {
+    "pack_target_bytes": 4 * CHUNK,
+    "pack_linger_ms": 20,
+    "lookup_budget_ms": 2000,
+    "retries": 1,
+    "backoff_s": 0.01,
+}
 
 
 @pytest.fixture
@@ -49,19 +34,11 @@ def bucket(tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def node(tmp_path: Path, bucket: str) -> Iterator[Node]:
-    made: list[TierManager] = []
-
+def node(object_nodes: ObjectNodes, bucket: str) -> Node:
     def make(name: str = "a", **object_overrides: object) -> TierManager:
-        config = node_config(tmp_path / name, bucket, **object_overrides)
-        manager = TierManager(config)
-        made.append(manager)
-        return manager
+        return object_nodes(bucket, name, **{**SETTINGS, **object_overrides})
 
-    yield make
-    for manager in made:
-        manager.close()
-        manager.config.arena.path.unlink(missing_ok=True)
+    return make
 
 
 def store(m: TierManager, keys: list[ChunkKey]) -> int:

@@ -31,6 +31,8 @@ Stores (each a fresh bucket, so tests do not see each other's objects):
 - ``s3_store``, ``gcs_store``, ``file_store`` -> URL; ``store_url`` is parametrized over the
   three (ids ``file``, ``s3``, ``gs``).
 - ``opened(url, timeout_s=5.0)`` -> `open_backend`'s backend, closed at teardown.
+- ``object_nodes(url, name, lmdb=None, **store)`` -> a TierManager of the three tiers on ``url``,
+  closed at teardown.
 
 Faults:
 
@@ -41,6 +43,9 @@ Faults:
       url = store_factory("s3", endpoint=proxy.url)
       backend = open_backend(url, timeout_s=1.0)
       proxy.set_mode(FaultMode.HTTP_500)
+
+- ``proxied_store(scheme)`` -> (URL, `FaultProxy`): those two steps for ``"s3"`` or ``"gs"``,
+  the proxy in front of the session's server.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.tiering.manager import TierManager
 from kvtier.tiers.objstore.backend import ObjectBackend, open_backend
 from tests.fixtures.s3 import SCRUBBED_ENV
 from tests.objstore.servers import (
@@ -70,6 +76,7 @@ from tests.objstore.servers import (
 from tests.objstore.servers import (
     moto_server as make_moto_server,
 )
+from tests.support import object_node_config
 
 BIN_DIR = Path(sys.executable).parent
 AWS_ACCOUNT = "123456789012"  # moto's default account
@@ -378,3 +385,48 @@ def fault_proxy() -> Iterator[Callable[[str], FaultProxy]]:
         proxy.close()
     errors = [e for p in proxies for e in p.errors]
     assert not errors, f"fault proxy failed: {errors!r}"
+
+
+ProxiedStore = Callable[[str], tuple[str, FaultProxy]]
+
+
+@pytest.fixture
+def proxied_store(
+    request: pytest.FixtureRequest,
+    fault_proxy: Callable[[str], FaultProxy],
+    store_factory: StoreFactory,
+) -> ProxiedStore:
+    """``proxied_store(scheme)`` -> a store URL of ``scheme`` ("s3": moto, "gs": the emulator)
+    with a fresh bucket, reached through a `FaultProxy` in PASS mode, and that proxy."""
+
+    def make(scheme: str) -> tuple[str, FaultProxy]:
+        server: ServerProcess = request.getfixturevalue(
+            "moto_server" if scheme == "s3" else "gcs_emulator"
+        )
+        proxy = fault_proxy(server.url)
+        return store_factory(scheme, endpoint=proxy.url), proxy
+
+    return make
+
+
+ObjectNodes = Callable[..., TierManager]
+
+
+@pytest.fixture
+def object_nodes(tmp_path: Path) -> Iterator[ObjectNodes]:
+    """``object_nodes(url, name, lmdb=None, **store)`` -> a TierManager of the three tiers
+    (`tests.support.object_node_config`) under ``tmp_path / name``; closed at teardown, with
+    5 s to write back, and its arena removed."""
+    made: list[TierManager] = []
+
+    def make(
+        url: str, name: str, lmdb: dict[str, object] | None = None, **store: object
+    ) -> TierManager:
+        manager = TierManager(object_node_config(tmp_path / name, url, lmdb, **store))
+        made.append(manager)
+        return manager
+
+    yield make
+    for manager in made:
+        manager.close(flush_timeout=5.0)
+        manager.config.arena.path.unlink(missing_ok=True)

@@ -31,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from tests.fixtures.loopback import Acceptor
 from tests.fixtures.processes import LOOPBACK, free_port, http_ready
 
 
@@ -406,18 +407,15 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._conns: set[_Conn] = set()
         self._seen: list[SeenRequest] = []
-        self._closing = threading.Event()
         self.errors: list[BaseException] = []
         """Unexpected exceptions in the proxy's threads; a working proxy leaves it empty."""
         self.connections_accepted = 0
-        self._listener = socket.create_server((LOOPBACK, 0), backlog=128)
-        self.port: int = self._listener.getsockname()[1]
-        self._acceptor = threading.Thread(target=self._guard(self._accept_loop), daemon=True)
-        self._acceptor.start()
+        self._acceptor = Acceptor(self._accept, self._guard)
+        self.port = self._acceptor.port
 
     @property
     def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+        return self._acceptor.url
 
     @property
     def mode(self) -> FaultMode:
@@ -443,11 +441,7 @@ class FaultProxy:
             conn.abort()
 
     def close(self) -> None:
-        self._closing.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        self._acceptor.join(5.0)
+        self._acceptor.close()
         with self._lock:
             conns = list(self._conns)
         for conn in conns:
@@ -475,23 +469,18 @@ class FaultProxy:
 
         return run
 
-    def _accept_loop(self) -> None:
-        while not self._closing.is_set():
-            try:
-                client, _addr = self._listener.accept()
-            except OSError:
-                return
-            self.connections_accepted += 1
-            if self._mode is FaultMode.RESET:
-                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                client.close()
-                continue
-            conn = _Conn(client)
-            with self._lock:
-                self._conns.add(conn)
-            t = threading.Thread(target=self._guard(lambda c=conn: self._serve(c)), daemon=True)
-            conn.threads.append(t)
-            t.start()
+    def _accept(self, client: socket.socket) -> None:
+        self.connections_accepted += 1
+        if self._mode is FaultMode.RESET:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.close()
+            return
+        conn = _Conn(client)
+        with self._lock:
+            self._conns.add(conn)
+        t = threading.Thread(target=self._guard(lambda c=conn: self._serve(c)), daemon=True)
+        conn.threads.append(t)
+        t.start()
 
     def _serve(self, conn: _Conn) -> None:
         reader = conn.client.makefile("rb")
@@ -541,7 +530,7 @@ class FaultProxy:
                     return
                 if conn.responses_started < conn.requests_sent:
                     conn.responses_started = conn.requests_sent
-                    if self._mode is FaultMode.DELAY and self._closing.wait(self._delay_s):
+                    if self._mode is FaultMode.DELAY and self._acceptor.closing.wait(self._delay_s):
                         return
                 conn.client.sendall(data)
         finally:

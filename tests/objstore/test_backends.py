@@ -23,6 +23,7 @@ from tests.objstore.fixtures import (
     AwsIrsa,
     GcpWif,
     OpenBackend,
+    ProxiedStore,
     StoreFactory,
 )
 from tests.objstore.servers import FakeGceMetadata, FaultMode, FaultProxy, ServerProcess
@@ -67,16 +68,14 @@ def test_s3_missing_token_file_is_a_credential_error(
 
 def test_s3_refresh_rereads_the_token_file(
     aws_irsa: AwsIrsa,
-    moto_server: ServerProcess,
-    fault_proxy: Callable[[str], FaultProxy],
-    store_factory: StoreFactory,
+    proxied_store: ProxiedStore,
     opened: OpenBackend,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import botocore.credentials
 
-    proxy = fault_proxy(moto_server.url)
-    backend = opened(store_factory("s3", endpoint=proxy.url))
+    url, proxy = proxied_store("s3")
+    backend = opened(url)
     backend.put("x", b"1", {})
     credentials = backend._session.get_credentials()  # type: ignore[attr-defined]
     first_key = credentials.get_frozen_credentials().access_key
@@ -110,50 +109,48 @@ def test_s3_refresh_rereads_the_token_file(
     assert backend.get("x") == b"4"
 
 
-def test_s3_sts_failure_is_a_credential_error_without_retries(
-    s3_store: str,
+@pytest.fixture
+def sts_proxy(
     moto_server: ServerProcess,
     fault_proxy: Callable[[str], FaultProxy],
-    opened: OpenBackend,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> FaultProxy:
+    """A `FaultProxy` in front of moto that STS calls alone go through (ask for it after the
+    store, whose identity sets the endpoints)."""
     proxy = fault_proxy(moto_server.url)
     monkeypatch.setenv("AWS_ENDPOINT_URL_STS", proxy.url)
-    proxy.set_mode(FaultMode.HTTP_500)
+    return proxy
+
+
+def test_s3_sts_failure_is_a_credential_error_without_retries(
+    s3_store: str, sts_proxy: FaultProxy, opened: OpenBackend
+) -> None:
+    sts_proxy.set_mode(FaultMode.HTTP_500)
     backend = opened(s3_store)
     with pytest.raises(CredentialError, match="AssumeRoleWithWebIdentity: 500"):
         backend.put("x", b"1", {})
-    assert len(proxy.requests) == 1  # the session's config reached botocore's STS client
-    proxy.set_mode(FaultMode.PASS)
+    assert len(sts_proxy.requests) == 1  # the session's config reached botocore's STS client
+    sts_proxy.set_mode(FaultMode.PASS)
     backend.put("x", b"1", {})
     assert backend.get("x") == b"1"
 
 
 def test_s3_principal_falls_back_when_sts_is_unreachable(
-    s3_store: str,
-    moto_server: ServerProcess,
-    fault_proxy: Callable[[str], FaultProxy],
-    opened: OpenBackend,
-    monkeypatch: pytest.MonkeyPatch,
+    s3_store: str, sts_proxy: FaultProxy, opened: OpenBackend
 ) -> None:
-    proxy = fault_proxy(moto_server.url)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_STS", proxy.url)
     backend = opened(s3_store)
     backend.put("x", b"1", {})  # the exchange happened; the keys are cached
-    proxy.set_mode(FaultMode.RESET)
+    sts_proxy.set_mode(FaultMode.RESET)
     assert backend.principal() == "aws:assume-role-with-web-identity"
-    proxy.set_mode(FaultMode.PASS)
+    sts_proxy.set_mode(FaultMode.PASS)
     assert backend.principal().startswith(ASSUMED_ROLE)
 
 
 def test_s3_delete_goes_in_batches_of_1000(
-    moto_server: ServerProcess,
-    fault_proxy: Callable[[str], FaultProxy],
-    store_factory: StoreFactory,
-    opened: OpenBackend,
+    proxied_store: ProxiedStore, opened: OpenBackend
 ) -> None:
-    proxy = fault_proxy(moto_server.url)
-    backend = opened(store_factory("s3", endpoint=proxy.url))
+    url, proxy = proxied_store("s3")
+    backend = opened(url)
     for name in ("k0", "k1500"):
         backend.put(name, b"x", {})
     backend.delete([f"k{i}" for i in range(2001)])
@@ -171,14 +168,10 @@ def _bearers(proxy: FaultProxy) -> list[str]:
 
 
 def test_gcs_metadata_token_reaches_the_server(
-    gke_metadata: FakeGceMetadata,
-    gcs_emulator: ServerProcess,
-    fault_proxy: Callable[[str], FaultProxy],
-    store_factory: StoreFactory,
-    opened: OpenBackend,
+    gke_metadata: FakeGceMetadata, proxied_store: ProxiedStore, opened: OpenBackend
 ) -> None:
-    proxy = fault_proxy(gcs_emulator.url)
-    backend = opened(store_factory("gs", endpoint=proxy.url))
+    url, proxy = proxied_store("gs")
+    backend = opened(url)
     proxy.clear_requests()
     backend.put("x", b"data", {"k": "v"})
     assert backend.get("x") == b"data"
@@ -191,14 +184,9 @@ def test_gcs_metadata_token_reaches_the_server(
 
 
 def test_gcs_expired_token_is_fetched_again(
-    gke_metadata: FakeGceMetadata,
-    gcs_emulator: ServerProcess,
-    fault_proxy: Callable[[str], FaultProxy],
-    store_factory: StoreFactory,
-    opened: OpenBackend,
+    gke_metadata: FakeGceMetadata, proxied_store: ProxiedStore, opened: OpenBackend
 ) -> None:
-    proxy = fault_proxy(gcs_emulator.url)
-    url = store_factory("gs", endpoint=proxy.url)
+    url, proxy = proxied_store("gs")
 
     def three_requests(backend: ObjectBackend) -> list[str]:
         proxy.clear_requests()
@@ -234,15 +222,13 @@ def test_gcs_refused_token_is_a_credential_error(
 
 def test_gcs_workload_identity_federation(
     gcp_wif: GcpWif,
-    gcs_emulator: ServerProcess,
-    fault_proxy: Callable[[str], FaultProxy],
-    store_factory: StoreFactory,
+    proxied_store: ProxiedStore,
     opened: OpenBackend,
     request: pytest.FixtureRequest,
 ) -> None:
     assert "gke_metadata" not in request.fixturenames
-    proxy = fault_proxy(gcs_emulator.url)
-    backend = opened(store_factory("gs", endpoint=proxy.url))
+    url, proxy = proxied_store("gs")
+    backend = opened(url)
     proxy.clear_requests()
     backend.put("x", b"federated", {})
     assert backend.get("x") == b"federated"
@@ -321,19 +307,11 @@ def _operations(backend: ObjectBackend) -> dict[str, Callable[[], object]]:
 
 
 def _proxied(
-    scheme: str,
-    request: pytest.FixtureRequest,
-    fault_proxy: Callable[[str], FaultProxy],
-    store_factory: StoreFactory,
-    opened: OpenBackend,
-    timeout_s: float,
+    scheme: str, proxied_store: ProxiedStore, opened: OpenBackend, timeout_s: float
 ) -> tuple[ObjectBackend, FaultProxy]:
     """A backend behind a proxy, its identity already resolved (so faults hit the store)."""
-    server: ServerProcess = request.getfixturevalue(
-        "moto_server" if scheme == "s3" else "gcs_emulator"
-    )
-    proxy = fault_proxy(server.url)
-    backend = opened(store_factory(scheme, endpoint=proxy.url), timeout_s=timeout_s)
+    url, proxy = proxied_store(scheme)
+    backend = opened(url, timeout_s=timeout_s)
     backend.put("x", b"hello", {})
     return backend, proxy
 
@@ -341,12 +319,10 @@ def _proxied(
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_http_500_is_a_store_error_after_one_request(
     scheme: str,
-    request: pytest.FixtureRequest,
-    fault_proxy: Callable[[str], FaultProxy],
-    store_factory: StoreFactory,
+    proxied_store: ProxiedStore,
     opened: OpenBackend,
 ) -> None:
-    backend, proxy = _proxied(scheme, request, fault_proxy, store_factory, opened, 2.0)
+    backend, proxy = _proxied(scheme, proxied_store, opened, 2.0)
     proxy.set_mode(FaultMode.HTTP_500)
     for what, operation in _operations(backend).items():
         proxy.clear_requests()
@@ -364,13 +340,11 @@ def test_http_500_is_a_store_error_after_one_request(
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_slow_server_is_a_store_error_within_the_timeout(
     scheme: str,
-    request: pytest.FixtureRequest,
-    fault_proxy: Callable[[str], FaultProxy],
-    store_factory: StoreFactory,
+    proxied_store: ProxiedStore,
     opened: OpenBackend,
 ) -> None:
     timeout_s = 0.5
-    backend, proxy = _proxied(scheme, request, fault_proxy, store_factory, opened, timeout_s)
+    backend, proxy = _proxied(scheme, proxied_store, opened, timeout_s)
     proxy.set_mode(FaultMode.DELAY, delay_ms=5000)
     operations = _operations(backend)
     # botocore sends every PutObject with "Expect: 100-continue" and waits up to 1 s for the
@@ -393,12 +367,10 @@ def test_slow_server_is_a_store_error_within_the_timeout(
 def test_dropped_connections_are_store_errors(
     scheme: str,
     mode: FaultMode,
-    request: pytest.FixtureRequest,
-    fault_proxy: Callable[[str], FaultProxy],
-    store_factory: StoreFactory,
+    proxied_store: ProxiedStore,
     opened: OpenBackend,
 ) -> None:
-    backend, proxy = _proxied(scheme, request, fault_proxy, store_factory, opened, 2.0)
+    backend, proxy = _proxied(scheme, proxied_store, opened, 2.0)
     proxy.set_mode(mode)
     # a connection reset as it is accepted may count as never made; one closed after the
     # request was read was made

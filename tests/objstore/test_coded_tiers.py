@@ -5,22 +5,18 @@ codecs, reads every chunk back into its arena within the codec's bound."""
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from kvtier.core import blockfmt
-from kvtier.core.config import from_mapping
 from kvtier.core.keys import ChunkKey
 from kvtier.core.kvcodec import Codec, error_bound
 from kvtier.tiering.manager import TierManager
-from tests.objstore.fixtures import StoreFactory
-from tests.support import MiB, keys_for, target_spec
+from tests.objstore.fixtures import ObjectNodes, StoreFactory
+from tests.support import keys_for, target_spec
 
 CHUNK = 64 << 10
 HEAD = 32  # tests.support.layout's head size
@@ -44,38 +40,13 @@ def row_errors(stored: np.ndarray, loaded: bytes) -> np.ndarray:
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[Callable[[str, str, Codec, Codec], TierManager]]:
-    made: list[TierManager] = []
-
+def node(object_nodes: ObjectNodes) -> Callable[[str, str, Codec, Codec], TierManager]:
     def make(url: str, name: str, lmdb: Codec, store: Codec) -> TierManager:
-        root = tmp_path / name
-        shm = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        manager = TierManager(
-            from_mapping(
-                {
-                    "arena": {"path": str(shm), "size_bytes": 16 * MiB, "extent_bytes": 2 * MiB},
-                    "lmdb": {
-                        "path": str(root / "lmdb"),
-                        "budget_bytes": 64 * MiB,
-                        "codec": lmdb.value,
-                    },
-                    "object": {
-                        "url": url,
-                        "index_path": str(root / "objindex"),
-                        "index_map_bytes": 64 * MiB,
-                        "codec": store.value,
-                        "request_timeout_s": 5.0,
-                    },
-                }
-            )
+        return object_nodes(
+            url, name, {"codec": lmdb.value}, codec=store.value, request_timeout_s=5.0
         )
-        made.append(manager)
-        return manager
 
-    yield make
-    for manager in made:
-        manager.close(flush_timeout=5.0)
-        manager.config.arena.path.unlink(missing_ok=True)
+    return make
 
 
 @pytest.mark.parametrize(

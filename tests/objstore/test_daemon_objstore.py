@@ -3,17 +3,21 @@ first uploaded, reports the identity it runs as, and a broken identity costs onl
 
 from __future__ import annotations
 
-import os
 import signal
 import time
-import uuid
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.server.daemon import OBJECT_HEALTH_SERVICE
-from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon, write_config
+from tests.integration.daemon_harness import (
+    QUICK_TO_GIVE_UP,
+    DaemonFiles,
+    Processes,
+    RunningDaemon,
+    object_node,
+)
 from tests.objstore.fixtures import AwsIrsa
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -21,23 +25,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def node(root: Path, url: str, name: str) -> DaemonFiles:
-    directory = root / name
-    directory.mkdir()
-    arena = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return write_config(
-        directory,
-        arena,
-        {
-            "object": {
-                "url": url,
-                "index_path": str(directory / "objindex"),
-                "index_map_bytes": 64 << 20,
-                "lookup_budget_ms": 3000,
-                "request_timeout_s": 2.0,
-                "breaker_reset_s": 0.5,
-            }
-        },
-    )
+    return object_node(root / name, url, **QUICK_TO_GIVE_UP)
 
 
 def object_health(daemon: RunningDaemon) -> int:

@@ -3,10 +3,8 @@ stopped before it could upload them."""
 
 from __future__ import annotations
 
-import os
 import signal
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,29 +12,23 @@ from typing import Any
 from kvtier.core import blockfmt
 from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey
 from kvtier.tiers.objstore.backend import open_backend
-from tests.integration.daemon_harness import CHUNK, DaemonFiles, Processes, key_of, write_config
-from tests.objstore.fixtures import StoreFactory
-from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
+from tests.integration.daemon_harness import (
+    CHUNK,
+    QUICK_TO_GIVE_UP,
+    DaemonFiles,
+    Processes,
+    key_of,
+    object_node,
+)
+from tests.objstore.fixtures import ProxiedStore
+from tests.objstore.servers import FaultMode
 
 
 def node(
     root: Path, url: str, name: str, drain_timeout_s: float = 20.0, **object_overrides: Any
 ) -> DaemonFiles:
-    directory = root / name
-    directory.mkdir()
-    arena = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    obj: dict[str, Any] = {
-        "url": url,
-        "index_path": str(directory / "objindex"),
-        "index_map_bytes": 64 << 20,
-        "lookup_budget_ms": 3000,
-        "request_timeout_s": 2.0,
-        "breaker_reset_s": 0.5,
-    }
-    obj.update(object_overrides)
-    return write_config(
-        directory, arena, {"object": obj, "server": {"drain_timeout_s": drain_timeout_s}}
-    )
+    server = {"server": {"drain_timeout_s": drain_timeout_s}}
+    return object_node(root / name, url, server, **{**QUICK_TO_GIVE_UP, **object_overrides})
 
 
 def stored_keys(url: str) -> set[ChunkKey]:
@@ -87,14 +79,9 @@ def test_every_prompt_drained_together_starts_an_object_a_probe_finds(
 
 
 def test_uploads_queued_at_shutdown_reach_the_store_after_a_restart(
-    procs: Processes,
-    tmp_path: Path,
-    moto_server: ServerProcess,
-    store_factory: StoreFactory,
-    fault_proxy: Callable[[str], FaultProxy],
+    procs: Processes, tmp_path: Path, proxied_store: ProxiedStore
 ) -> None:
-    proxy = fault_proxy(moto_server.url)
-    url = store_factory("s3", endpoint=proxy.url)
+    url, proxy = proxied_store("s3")
     files = node(
         tmp_path,
         url,

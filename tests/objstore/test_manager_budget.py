@@ -2,67 +2,33 @@
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
-from kvtier.core.config import from_mapping
 from kvtier.tiering.manager import TierManager
-from tests.objstore.fixtures import StoreFactory
-from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
-from tests.support import MiB, keys_for, payload_for, target_spec
+from tests.objstore.fixtures import ObjectNodes, ProxiedStore
+from tests.objstore.servers import FaultMode
+from tests.support import keys_for, payload_for, target_spec
 
 CHUNK = 256 << 10
 BUDGET_MS = 50.0
 
 
-def manager_on(url: str, root: Path) -> TierManager:
-    shm = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return TierManager(
-        from_mapping(
-            {
-                "arena": {"path": str(shm), "size_bytes": 16 * MiB, "extent_bytes": 2 * MiB},
-                "lmdb": {"path": str(root / "lmdb"), "budget_bytes": 64 * MiB},
-                "object": {
-                    "url": url,
-                    "index_path": str(root / "objindex"),
-                    "index_map_bytes": 64 * MiB,
-                    "lookup_budget_ms": BUDGET_MS,
-                    "request_timeout_s": 5.0,
-                },
-            }
-        )
-    )
-
-
 @pytest.fixture
-def managers(tmp_path: Path) -> Iterator[Callable[[str, str], TierManager]]:
-    made: list[TierManager] = []
-
+def managers(object_nodes: ObjectNodes) -> Callable[[str, str], TierManager]:
     def make(url: str, name: str) -> TierManager:
-        manager = manager_on(url, tmp_path / name)
-        made.append(manager)
-        return manager
+        return object_nodes(url, name, lookup_budget_ms=BUDGET_MS, request_timeout_s=5.0)
 
-    yield make
-    for manager in made:
-        manager.close(flush_timeout=5.0)
-        manager.config.arena.path.unlink(missing_ok=True)
+    return make
 
 
 @pytest.mark.serial  # holds each lookup to its 50 ms budget plus 40 ms
 def test_a_slow_store_costs_a_lookup_at_most_its_budget_and_asking_again_finds_the_chunks(
-    managers: Callable[[str, str], TierManager],
-    store_factory: StoreFactory,
-    moto_server: ServerProcess,
-    fault_proxy: Callable[[str], FaultProxy],
+    managers: Callable[[str, str], TierManager], proxied_store: ProxiedStore
 ) -> None:
-    proxy = fault_proxy(moto_server.url)
-    url = store_factory("s3", endpoint=proxy.url)
+    url, proxy = proxied_store("s3")
     writer = managers(url, "writer")
     ns = writer.register_pool(target_spec(), CHUNK)
     keys = keys_for(ns, 4)

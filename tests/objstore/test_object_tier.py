@@ -15,7 +15,7 @@ from kvtier.core.keys import ChunkKey
 from kvtier.core.pools import PoolRegistry
 from kvtier.tiers.objstore.tier import ObjectTier
 from tests.contract.tier_contract import CHUNK, TierContract
-from tests.objstore.fixtures import AwsIrsa, StoreFactory
+from tests.objstore.fixtures import AwsIrsa, ProxiedStore, StoreFactory
 from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess
 from tests.support import MiB, keys_for, object_config, payload_for, target_spec
 
@@ -59,15 +59,6 @@ def keys(n: int, start: int = 0) -> list[ChunkKey]:
 def read(tier: ObjectTier, key: ChunkKey) -> bytes | None:
     dst = bytearray(CHUNK)
     return bytes(dst) if tier.read_into(key, memoryview(dst)) else None
-
-
-def proxied_s3(
-    store_factory: StoreFactory,
-    moto_server: ServerProcess,
-    fault_proxy: Callable[[str], FaultProxy],
-) -> tuple[str, FaultProxy]:
-    proxy = fault_proxy(moto_server.url)
-    return store_factory("s3", endpoint=proxy.url), proxy
 
 
 def wait_healthy(tier: ObjectTier, timeout_s: float = 10.0) -> None:
@@ -136,12 +127,9 @@ def test_a_corrupt_object_is_a_miss_deleted_and_counted(
 
 
 def test_500s_fail_fast_open_the_breaker_and_the_tier_recovers(
-    make_tier: Tier,
-    store_factory: StoreFactory,
-    moto_server: ServerProcess,
-    fault_proxy: Callable[[str], FaultProxy],
+    make_tier: Tier, proxied_store: ProxiedStore
 ) -> None:
-    url, proxy = proxied_s3(store_factory, moto_server, fault_proxy)
+    url, proxy = proxied_store("s3")
     tier = make_tier(url, breaker_failures=3, **FAST_FAIL)
     stored, later = keys(2)
     put_when_ready(tier, stored)
@@ -163,12 +151,9 @@ def test_500s_fail_fast_open_the_breaker_and_the_tier_recovers(
 
 
 def test_a_slow_store_never_holds_a_request_past_its_timeout(
-    make_tier: Tier,
-    store_factory: StoreFactory,
-    moto_server: ServerProcess,
-    fault_proxy: Callable[[str], FaultProxy],
+    make_tier: Tier, proxied_store: ProxiedStore
 ) -> None:
-    url, proxy = proxied_s3(store_factory, moto_server, fault_proxy)
+    url, proxy = proxied_store("s3")
     tier = make_tier(url, **{**FAST_FAIL, "retries": 0})
     (key,) = keys(1)
     put_when_ready(tier, key)

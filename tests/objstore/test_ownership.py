@@ -9,7 +9,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import ClassVar
@@ -24,8 +24,8 @@ from kvtier.tiers.objstore.pins import PINS_DIR, PINS_FORMAT
 from kvtier.tiers.objstore.tier import COMPANION_SUFFIX, META_NODE, ObjectTier
 from tests.contract.tier_contract import CHUNK
 from tests.objstore import test_object_tier
-from tests.objstore.fixtures import GCS_ENDPOINT_ENV, StoreFactory
-from tests.objstore.servers import FaultMode, FaultProxy, ServerProcess, _Handler, _LoopbackHttp
+from tests.objstore.fixtures import GCS_ENDPOINT_ENV, ProxiedStore, StoreFactory
+from tests.objstore.servers import FaultMode, _Handler, _LoopbackHttp
 from tests.objstore.test_object_tier import Tier, keys, put_when_ready, read
 from tests.support import object_config, payload_for, target_spec
 
@@ -210,13 +210,9 @@ def test_the_budget_keeps_an_object_another_node_pinned(
 
 
 def test_eight_concurrent_uploads_stay_within_the_budget_plus_one_pack(
-    make_tier: Tier,
-    store_factory: StoreFactory,
-    moto_server: ServerProcess,
-    fault_proxy: Callable[[str], FaultProxy],
+    make_tier: Tier, proxied_store: ProxiedStore
 ) -> None:
-    proxy = fault_proxy(moto_server.url)
-    url = store_factory("s3", endpoint=proxy.url)
+    url, proxy = proxied_store("s3")
     budget = 4 * OBJECT
     tier = make_tier(url, pack_target_bytes=0, budget_bytes=budget, request_timeout_s=10.0)
     (ready,) = keys(1, start=50)

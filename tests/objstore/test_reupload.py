@@ -3,34 +3,19 @@ bounded per start, at a bounded rate, newest first, on a file:// store."""
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from kvtier.core.config import KVTierConfig, from_mapping
+from kvtier.core.config import KVTierConfig
 from kvtier.tiering.manager import TierManager
-from tests.support import MiB, keys_for, payload_for, target_spec
+from tests.support import keys_for, object_node_config, payload_for, target_spec
 
 CHUNK = 256 << 10
 
 
 def config(root: Path, **obj: Any) -> KVTierConfig:
-    shm = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return from_mapping(
-        {
-            "arena": {"path": str(shm), "size_bytes": 16 * MiB, "extent_bytes": 2 * MiB},
-            "lmdb": {"path": str(root / "lmdb"), "budget_bytes": 64 * MiB},
-            "object": {
-                "url": f"file://{root}/bucket",
-                "index_path": str(root / "objindex"),
-                "index_map_bytes": 64 * MiB,
-                "pack_linger_ms": 10,
-                **obj,
-            },
-        }
-    )
+    return object_node_config(root, f"file://{root}/bucket", **{"pack_linger_ms": 10, **obj})
 
 
 def test_a_restart_offers_what_was_never_uploaded_up_to_its_cap(tmp_path: Path) -> None:

@@ -4,40 +4,26 @@ packer in, on a file:// store."""
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvtier.core.config import from_mapping
 from kvtier.tiering.manager import TierManager
 from kvtier.tiers.objstore.tier import ObjectTier
-from tests.support import MiB, keys_for, payload_for, target_spec
+from tests.support import keys_for, object_node_config, payload_for, target_spec
 
 CHUNK = 256 << 10
 
 
 @pytest.fixture
 def manager(tmp_path: Path) -> Iterator[TierManager]:
-    shm = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    config = from_mapping(
-        {
-            "arena": {"path": str(shm), "size_bytes": 16 * MiB, "extent_bytes": 2 * MiB},
-            "lmdb": {"path": str(tmp_path / "lmdb"), "budget_bytes": 64 * MiB},
-            "object": {
-                "url": f"file://{tmp_path}/bucket",
-                "index_path": str(tmp_path / "objindex"),
-                "index_map_bytes": 64 * MiB,
-                "pack_linger_ms": 2000,  # every chunk reaches the packer before a pack leaves
-            },
-        }
-    )
+    # every chunk reaches the packer before a pack leaves
+    config = object_node_config(tmp_path, f"file://{tmp_path}/bucket", pack_linger_ms=2000)
     m = TierManager(config)
     yield m
     m.close()
-    shm.unlink(missing_ok=True)
+    config.arena.path.unlink(missing_ok=True)
 
 
 def objects(bucket: Path) -> dict[str, int]:

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.integration.daemon_harness import Processes
 from tests.operability.stack import Stack, start
+from tests.support import new_arena_path
 
 
 @pytest.fixture(scope="package")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     directory = tmp_path_factory.mktemp("operability")
-    arena = Path("/dev/shm") / f"kvtier-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    arena = new_arena_path()
     (directory / "logs").mkdir()
     procs = Processes(directory / "logs")
     live = vllm = None

@@ -16,23 +16,16 @@ from kvtier.core.peers import peer_socket_path
 from kvtier.rpc.session import read_ticket
 from kvtier.server import peers
 from kvtier.server.peers import Peer, TenantPolicy, TicketOffice
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import HandClock
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> HandClock:
+    return HandClock()
 
 
 @pytest.fixture
-def office(tmp_path: Path, clock: Clock) -> Iterator[TicketOffice]:
+def office(tmp_path: Path, clock: HandClock) -> Iterator[TicketOffice]:
     office = TicketOffice(tmp_path / "kvtierd.sock", None, ttl_s=10.0, clock=clock)
     office.start()
     yield office
@@ -61,7 +54,7 @@ def test_a_ticket_stands_for_the_reader_as_the_kernel_says_and_opens_once(
 
 
 def test_a_ticket_expires_and_the_unredeemed_ones_are_bounded(
-    office: TicketOffice, clock: Clock, monkeypatch: pytest.MonkeyPatch
+    office: TicketOffice, clock: HandClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     late = _ticket(office)
     clock.now += 11.0

@@ -4,8 +4,7 @@ are forced by the test (a hand-driven clock, a manager call that reaps midway)."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,33 +13,18 @@ from kvtier.core.errors import CapacityError, SessionNotFoundError
 from kvtier.core.keys import ChunkKey
 from kvtier.server.sessions import EXPIRED_COUNTER, EXPIRED_LEASES_COUNTER, SessionRegistry
 from kvtier.tiering.manager import TierManager
-from tests.support import keys_for, manager_config, payload_for, target_spec
+from tests.support import HandClock, keys_for, payload_for, target_spec
 
 CHUNK = 256 << 10
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+@pytest.fixture
+def clock() -> HandClock:
+    return HandClock()
 
 
 @pytest.fixture
-def manager(shm_path: Path, tmp_path: Path) -> Iterator[TierManager]:
-    m = TierManager(manager_config(shm_path, tmp_path))
-    yield m
-    m.close()
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-def sessions(manager: TierManager, clock: FakeClock) -> SessionRegistry:
+def sessions(manager: TierManager, clock: HandClock) -> SessionRegistry:
     return SessionRegistry(
         manager, timeout_s=5.0, clock=clock, reservation_timeout_s=30.0, lease_timeout_s=60.0
     )
@@ -62,7 +46,7 @@ def _reaping_midway(
     monkeypatch: pytest.MonkeyPatch,
     manager: TierManager,
     name: str,
-    clock: FakeClock,
+    clock: HandClock,
     sessions: SessionRegistry,
 ) -> list[int]:
     """``manager.name`` reaps every session right after it did its work, as if the reaper ran
@@ -83,7 +67,7 @@ def _reaping_midway(
 def test_a_lease_granted_while_the_reaper_ends_the_session_is_given_back(
     manager: TierManager,
     sessions: SessionRegistry,
-    clock: FakeClock,
+    clock: HandClock,
     ns: bytes,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -102,7 +86,7 @@ def test_a_lease_granted_while_the_reaper_ends_the_session_is_given_back(
 def test_a_reservation_made_while_the_reaper_ends_the_session_is_given_back(
     manager: TierManager,
     sessions: SessionRegistry,
-    clock: FakeClock,
+    clock: HandClock,
     ns: bytes,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -117,7 +101,7 @@ def test_a_reservation_made_while_the_reaper_ends_the_session_is_given_back(
 
 
 def test_a_reaped_session_answers_expired_and_takes_no_more_calls(
-    sessions: SessionRegistry, clock: FakeClock, ns: bytes
+    sessions: SessionRegistry, clock: HandClock, ns: bytes
 ) -> None:
     session = sessions.open("r0", "e0", 0, 0)
     clock.now += 10
@@ -134,7 +118,7 @@ def test_a_reaped_session_answers_expired_and_takes_no_more_calls(
 def test_the_reaper_survives_an_error_and_reaps_on_the_next_round(
     manager: TierManager,
     sessions: SessionRegistry,
-    clock: FakeClock,
+    clock: HandClock,
     ns: bytes,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -205,7 +189,7 @@ def test_a_retried_commit_or_abort_changes_nothing(
 
 
 def test_a_reservation_never_committed_is_aborted_after_its_timeout(
-    manager: TierManager, sessions: SessionRegistry, clock: FakeClock, ns: bytes
+    manager: TierManager, sessions: SessionRegistry, clock: HandClock, ns: bytes
 ) -> None:
     stuck, fresh = keys_for(ns, 2)
     session = sessions.open("r0", "e0", 0, 0)
@@ -227,7 +211,7 @@ def test_a_reservation_never_committed_is_aborted_after_its_timeout(
 
 
 def test_a_lease_never_released_is_released_after_its_timeout(
-    manager: TierManager, sessions: SessionRegistry, clock: FakeClock, ns: bytes
+    manager: TierManager, sessions: SessionRegistry, clock: HandClock, ns: bytes
 ) -> None:
     (key,) = keys_for(ns, 1)
     _store(manager, key)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,28 +14,13 @@ from kvtier.server.dataplane import TierServicer
 from kvtier.server.peers import TenantPolicy, TicketOffice
 from kvtier.server.sessions import SessionRegistry
 from kvtier.tiering.manager import TierManager
-from tests.support import keys_for, manager_config, payload_for, target_spec
+from tests.support import HandClock, keys_for, payload_for, target_spec
 
 CHUNK = 256 << 10
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def manager(shm_path: Path, tmp_path: Path) -> Iterator[TierManager]:
-    m = TierManager(manager_config(shm_path, tmp_path))
-    yield m
-    m.close()
-
-
 def test_lapsed_session_gives_back_leases_and_reservations(manager: TierManager) -> None:
-    clock = FakeClock()
+    clock = HandClock()
     sessions = SessionRegistry(manager, timeout_s=5.0, clock=clock)
     ns = manager.register_pool(target_spec(), CHUNK)
     stored, pending = keys_for(ns, 2)

@@ -9,16 +9,10 @@ import pytest
 from kvtier_vllm.kv.scheduler_side import timings as timings_module
 from kvtier_vllm.kv.scheduler_side.timings import StepTimings
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import HandClock
 
 
-def step(timings: StepTimings, clock: Clock, per_request: list[int], seconds: float) -> None:
+def step(timings: StepTimings, clock: HandClock, per_request: list[int], seconds: float) -> None:
     scheduled = {f"r{i}": n for i, n in enumerate(per_request)}
     timings.began(
         SimpleNamespace(total_num_scheduled_tokens=sum(per_request), num_scheduled_tokens=scheduled)
@@ -30,7 +24,7 @@ def step(timings: StepTimings, clock: Clock, per_request: list[int], seconds: fl
 def test_steps_are_priced_at_their_part_per_token_not_their_mean(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    clock = Clock()
+    clock = HandClock()
     monkeypatch.setattr(timings_module.time, "perf_counter", clock)
     timings = StepTimings(wait_share=0.5)
     for tokens in (800, 64, 800, 96):  # whole prompts and suffixes: 20 ms a step, 1 ms a token
@@ -47,7 +41,7 @@ def test_steps_are_priced_at_their_part_per_token_not_their_mean(
 
 
 def test_steps_of_one_length_are_priced_at_their_mean(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = Clock()
+    clock = HandClock()
     monkeypatch.setattr(timings_module.time, "perf_counter", clock)
     timings = StepTimings(wait_share=1.0)
     assert timings.recompute_wait(100) == 0.0, "nothing timed: no longer wait"

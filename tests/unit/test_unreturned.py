@@ -15,14 +15,7 @@ from kvtier_vllm.kv.scheduler_side.unreturned import Handback, Unreturned
 from kvtier.core.errors import TierUnavailableError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import SlotRef
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import HandClock
 
 
 class Client:
@@ -54,7 +47,7 @@ def _refs(*slots: int) -> list[SlotRef]:
 
 
 def test_refs_go_back_on_a_later_try_in_the_order_they_failed() -> None:
-    clock, client = Clock(), Client()
+    clock, client = HandClock(0.0), Client()
     owed = Unreturned(every_s=1.0, clock=clock)
     owed.keep(Handback.COMMIT, _refs(1, 2))
     owed.keep(Handback.RELEASE, _refs(3))
@@ -67,7 +60,7 @@ def test_refs_go_back_on_a_later_try_in_the_order_they_failed() -> None:
 
 
 def test_a_failing_daemon_gets_one_call_per_try_and_a_bounded_number_of_tries() -> None:
-    clock, client = Clock(), Client()
+    clock, client = HandClock(0.0), Client()
     owed = Unreturned(every_s=1.0, max_tries=3, clock=clock)
     owed.keep(Handback.RELEASE, _refs(1))
     owed.keep(Handback.RELEASE, _refs(2))
@@ -81,7 +74,7 @@ def test_a_failing_daemon_gets_one_call_per_try_and_a_bounded_number_of_tries() 
 
 
 def test_nothing_is_tried_while_the_client_says_the_daemon_is_not_serving() -> None:
-    clock, client = Clock(), Client()
+    clock, client = HandClock(0.0), Client()
     owed = Unreturned(every_s=0.0, clock=clock)
     owed.keep(Handback.RELEASE, _refs(1))
     client.serving = False
@@ -92,7 +85,7 @@ def test_nothing_is_tried_while_the_client_says_the_daemon_is_not_serving() -> N
 
 def test_at_shutdown_one_failure_gives_up_the_rest() -> None:
     client = Client()
-    owed = Unreturned(every_s=60.0, clock=Clock())
+    owed = Unreturned(every_s=60.0, clock=HandClock(0.0))
     owed.keep(Handback.RELEASE, _refs(1))
     owed.keep(Handback.COMMIT, _refs(2))
     client.failing = True
@@ -102,7 +95,7 @@ def test_at_shutdown_one_failure_gives_up_the_rest() -> None:
 
 
 def test_the_oldest_refs_are_given_up_past_the_bound() -> None:
-    owed = Unreturned(max_refs=3, clock=Clock())
+    owed = Unreturned(max_refs=3, clock=HandClock(0.0))
     owed.keep(Handback.RELEASE, _refs(1, 2))
     owed.keep(Handback.RELEASE, _refs(3, 4))
     assert (len(owed), owed.given_up) == (2, 2)
