@@ -306,18 +306,17 @@ class ArenaRoom:
     def allocate(self, cls: SlotClass, q: int) -> int | None:
         """A free slot of ``cls`` for replica ``q``, room made if need be; None, counted as
         refused, when there is none to make."""
-        slot = self._take(cls, q)
+        slot = cls.take_free()
         if slot is None:
-            self._counters.add("store_rejected", 1)
-            self.refused += 1
+            slot = self._make_room(cls, q)
+            if slot is None:
+                self._counters.add("store_rejected", 1)
+                self.refused += 1
         return slot
 
-    def _take(self, cls: SlotClass, q: int) -> int | None:
-        slot = cls.take_free()
-        if slot is None and self._grow(cls):
-            slot = cls.take_free()
-        if slot is not None:
-            return slot
+    def _make_room(self, cls: SlotClass, q: int) -> int | None:
+        if self._grow(cls):
+            return cls.take_free()
         if self._usage.over_quota(q, cls.pool, cls.slot_bytes):
             # a replica at its quota makes room from its own chunks only, or stores nothing
             victim = self._retired_victim(cls, q, "quota")
