@@ -93,6 +93,11 @@ class ArenaRoom:
         self.by_key: Mapping[ClassKey, SlotClass] = MappingProxyType(self._classes)
         """The classes, read-only."""
         self._extents = Extents(memory)  # the owner's own table; the file's copy is for clients
+        # the extent table's own lookups, bound here: they sit on every store's and load's path
+        self.class_of: Callable[[int], SlotClass] = self._extents.class_of
+        """The class holding a slot."""
+        self.slot_offset: Callable[[int], int] = self._extents.slot_offset
+        """Where a slot's bytes start in the arena."""
         self._policy_node = [0] * (memory.num_extents * memory.max_slots_per_extent)
         """slot -> its node in its class's eviction policy"""
 
@@ -337,15 +342,9 @@ class ArenaRoom:
         self._slots.evict_slot(slot, reason)
         return cls.take_free()
 
-    def free_slot(self, slot: int, keep_extent: bool) -> None:
-        """Return a slot to its class; an extent left with no slot in use goes back to the
-        arena, unless ``keep_extent``."""
+    def free_slot(self, slot: int, cls: SlotClass, keep_extent: bool) -> None:
+        """Return a slot to its class ``cls``; an extent left with no slot in use goes back to
+        the arena, unless ``keep_extent``."""
         extent = self._extents.extent_of(slot)
-        if self._extents.class_of(slot).put_free(extent, slot) and not keep_extent:
+        if cls.put_free(extent, slot) and not keep_extent:
             self._give_back(extent)
-
-    def class_of(self, slot: int) -> SlotClass:
-        return self._extents.class_of(slot)
-
-    def slot_offset(self, slot: int) -> int:
-        return self._extents.slot_offset(slot)

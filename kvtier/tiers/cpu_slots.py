@@ -464,7 +464,7 @@ class ArenaSlots:
         self._checksums.forget(slot)
         self._table.bump_generation(slot)
         self._table.set_state(slot, FREE)
-        self._room.free_slot(slot, keep_extent)
+        self._room.free_slot(slot, cls, keep_extent)
 
     def _unpublish(self, key: ChunkKey) -> None:
         del self._committed[key]
