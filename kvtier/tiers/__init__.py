@@ -1,6 +1,7 @@
-"""The storage media, each behind the `base.Tier` contract: the shared-memory arena (`cpu`, holding
-its slot bookkeeping from `cpu_slots`, with its file layout in `arena` and `arena_index`, slot
-tables in `slots`, eviction policies and commit checksums), lmdb (`lmdb_tier` holding `lmdb_store`,
+"""The storage media, each behind the `base.Tier` contract: the shared-memory arena (`cpu`, asking
+the slots it holds, `cpu_slots`, which choose room in `arena_room` and count replicas in
+`arena_usage`, with its file layout in `arena` and `arena_index`, slot tables in `slots`, eviction
+policies and commit checksums), lmdb (`lmdb_tier` holding `lmdb_store`,
 with its environment, index and values) and the object store (`objstore`).
 
 It may import `kvtier.core` only; the tier manager (`kvtier.tiering`) moves chunks between them.

@@ -263,7 +263,7 @@ def test_a_full_lmdb_turns_stores_into_misses_not_errors(
         def disk_full(*args: object, **kwargs: object) -> list[bool]:
             raise lmdb.DiskError("No space left on device")
 
-        monkeypatch.setattr(tier, "_put_txn", disk_full)
+        monkeypatch.setattr(tier.store, "write", disk_full)
         keys = keys_for(ns, 4)
         assert tier.put_many([(k, payload_for(k, CHUNK)) for k in keys]) == [False] * 4
         assert tier.stats().counters["store_failed"] == 4

@@ -79,7 +79,8 @@ def test_a_lease_granted_while_the_reaper_ends_the_session_is_given_back(
         sessions.lease(session, [key])
     assert reaped == [1]
     assert sessions.counts() == (0, 0, 0)
-    slot = manager.cpu.slots.committed[key]
+    slot = manager.cpu.slots.slot_of(key)
+    assert slot is not None
     assert manager.cpu.memory.refcount[slot] == 0, "a lease was left in a reaped session"
 
 
