@@ -163,7 +163,7 @@ def test_heartbeats_bring_kvtierds_costs_back_to_the_engine(
     """The engine reads kvtierd's costs without a call: each heartbeat reply carries them, the
     load fit of a fixed part per load included, and they decide a hit's load against its
     recompute."""
-    procs.start_daemon(files)
+    daemon = procs.start_daemon(files)
     client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
     try:
         client.register_pool(target_spec(), CHUNK)
@@ -184,5 +184,14 @@ def test_heartbeats_bring_kvtierds_costs_back_to_the_engine(
         # one chunk: a 30 ms load against 13 ms of recompute; twelve: 42 ms against 154 ms
         assert chooser.tokens_to_load([("lmdb", 1)], TOKENS_PER_CHUNK) == 0
         assert chooser.tokens_to_load([("lmdb", 12)], TOKENS_PER_CHUNK) == 12 * TOKENS_PER_CHUNK
+        gauges = {
+            (labels["tier"], labels["part"]): value
+            for name, labels, value in daemon.metrics()
+            if name == "kvtier_load_fit_seconds"
+        }
+        assert gauges == {
+            ("lmdb", "load"): pytest.approx(0.030),
+            ("lmdb", "chunk"): pytest.approx(0.001),
+        }
     finally:
         client.close()

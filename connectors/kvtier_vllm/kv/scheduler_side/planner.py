@@ -19,6 +19,7 @@ from kvtier.core.protocol import SlotRef, TierClient, TierCode, in_lmdb
 from kvtier_vllm.drafts.swaps import DraftTracker, Fill, lease_draft
 from kvtier_vllm.kv.layout import PoolPlan
 from kvtier_vllm.kv.scheduler_side.leases import Leases
+from kvtier_vllm.kv.scheduler_side.load_decisions import LoadDecisions, tier_runs
 from kvtier_vllm.kv.scheduler_side.loads import LoadPlan
 from kvtier_vllm.kv.scheduler_side.requests import RequestState
 from kvtier_vllm.kv.scheduler_side.spans import Needed, PromptKeys, needed, targets_of
@@ -72,6 +73,7 @@ class HitPlanner:
         calls: TierCalls | None = None,
         in_lmdb: bool = False,
         recompute_wait: Callable[[int], float] | None = None,
+        decisions: LoadDecisions | None = None,
     ) -> None:
         self.client = client
         self.in_lmdb = in_lmdb
@@ -88,6 +90,8 @@ class HitPlanner:
         self.recompute_wait = recompute_wait
         """How long a hit of so many tokens may be waited for past ``wait_s`` (a share of what
         recomputing it takes: `StepTimings.recompute_wait`)."""
+        self.decisions = decisions
+        """How much of a hit is worth loading (None: all of it)."""
         self.targets = targets_of(plans)
         assert self.targets, "a hit needs a target plan"
         self.anchor = self.targets[0]
@@ -180,6 +184,11 @@ class HitPlanner:
         anchor_start, anchor_codes = found.tiers[self.anchor.key]
         for chunk, code in enumerate(anchor_codes, anchor_start):
             state.first_tiers.setdefault(chunk, code)
+        if self.decisions is not None and chunks > first:  # only what beats recomputing it
+            runs = tier_runs(bytes(state.first_tiers.get(c, CPU) for c in range(first, chunks)))
+            chunks = (
+                first + self.decisions.tokens_to_load(runs, self.chunk_tokens) // self.chunk_tokens
+            )
         # per plan, the chunks of the hit to bring up first
         loadable = self.loadable
         below = {

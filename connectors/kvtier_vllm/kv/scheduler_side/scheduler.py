@@ -30,6 +30,7 @@ from kvtier_vllm.kv.lmdb_staging import readable_lmdb
 from kvtier_vllm.kv.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.kv.scheduler_side.events import KVEventFeed
 from kvtier_vllm.kv.scheduler_side.leases import Leases
+from kvtier_vllm.kv.scheduler_side.load_decisions import LoadDecisions
 from kvtier_vllm.kv.scheduler_side.lookups import HitLookup, hit_limit
 from kvtier_vllm.kv.scheduler_side.pending_loads import PendingLoads
 from kvtier_vllm.kv.scheduler_side.planner import HitPlanner
@@ -90,6 +91,9 @@ class KVTierScheduler:
         self.async_loads = len(groups) > 1
         """Several groups: vLLM takes load failures only per request, after an async load."""
         self.stats = KVTierStats()
+        self.decisions = LoadDecisions(
+            cfg.load_policy, lambda: self.client.costs() if self.client is not None else None
+        )
         self.namespaces: dict[str, bytes] = {}
         """Per plan key; a pool without one is not stored (a draft mid-swap)."""
         self.calls = TierCalls(None)
@@ -167,6 +171,7 @@ class KVTierScheduler:
                 drop_last=self.drop_last,
                 wait_s=self.cfg.promote_wait_ms / 1000,
                 recompute_wait=self.timings.recompute_wait,
+                decisions=self.decisions,
                 draft=self.draft,
                 leases=self.leases,
                 calls=self.calls,
@@ -214,6 +219,7 @@ class KVTierScheduler:
         """Acceptance per draft revision and fill, fills, swaps and the revision in use."""
         if self.draft_pool is not None:
             self.draft_pool.report(self.stats)
+        self.decisions.report(self.stats)
         stats, self.stats = take_report(self.stats)
         return stats
 
