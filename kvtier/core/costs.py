@@ -4,7 +4,9 @@ compute it.
 
 Every estimate decays: recent loads weigh the most, so a tier that slows down (a busy disk, a
 store far away) shows it within a few dozen loads. Each keeps its spread (a decaying standard
-deviation), so a consumer can tell a steady tier from a noisy one.
+deviation), so a consumer can tell a steady tier from a noisy one. Loads and prefill steps are
+also fitted as a fixed part plus a part per chunk (or token): an object's first byte is paid
+once a load, a step's fixed part with or without a hit.
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ class CostSnapshot:
     lengths were timed."""
 
     def load_seconds(self, tier: str, chunks: int) -> float | None:
-        """Expected seconds to load ``chunks`` chunks from ``tier``; None before any was timed.
-        The object tier's chunks are fetched into lmdb, then loaded from there."""
+        """Expected seconds to load ``chunks`` chunks from ``tier`` in one load (its fixed part
+        and its part per chunk, where fitted; else the mean per chunk); None before any was
+        timed. The object tier's chunks are fetched into lmdb, then loaded from there."""
         cost = self.tiers.get(tier)
         if cost is None or not cost.samples:
             return None
