@@ -9,7 +9,11 @@ from typing import Any
 
 import pytest
 from kvtier_vllm.kv.connector_stats import KVTierPromMetrics, KVTierStats
-from kvtier_vllm.kv.scheduler_side.load_decisions import LoadDecisions, tier_runs
+from kvtier_vllm.kv.scheduler_side.load_decisions import (
+    REMEASURE_EVERY,
+    LoadDecisions,
+    tier_runs,
+)
 from kvtier_vllm.shared.settings import LoadPolicy, parse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -99,3 +103,22 @@ def test_decisions_reach_vllms_metrics() -> None:
         "vllm:kvtier_load_decision_saved_seconds_total", {"e": "0", "decision": "load"}
     )
     assert saved == pytest.approx(2 * 3 * (8.3e-3 - 0.52e-3))
+
+
+def test_a_hit_cut_short_is_loaded_whole_now_and_then_to_be_measured_again() -> None:
+    """A tier's cost is measured on its loads: were a slow one never loaded again, it could
+    never show that it sped up. One cut hit in REMEASURE_EVERY loads whole."""
+    measured = LoadDecisions(LoadPolicy.MEASURED, lambda: GPU)
+    loaded = [measured.tokens_to_load(MIXED, TOKENS) for _ in range(2 * REMEASURE_EVERY)]
+    whole = [i for i, tokens in enumerate(loaded) if tokens == 5 * TOKENS]
+    assert whole == [REMEASURE_EVERY - 1, 2 * REMEASURE_EVERY - 1]
+    assert set(loaded) == {3 * TOKENS, 5 * TOKENS}
+    stats = KVTierStats()
+    measured.report(stats)
+    assert stats.data["decided|object|load"] == 2
+    assert stats.data["decided|object|recompute"] == 2 * REMEASURE_EVERY - 2
+    for _ in range(REMEASURE_EVERY - 1):  # whole anyway: not counted toward the next
+        assert measured.tokens_to_load([("cpu", 4)], TOKENS) == 4 * TOKENS
+    later = [measured.tokens_to_load(MIXED, TOKENS) for _ in range(REMEASURE_EVERY)]
+    assert later[-1] == 5 * TOKENS
+    assert set(later[:-1]) == {3 * TOKENS}

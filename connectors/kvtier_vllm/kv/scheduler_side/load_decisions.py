@@ -9,10 +9,14 @@ from collections.abc import Callable, Sequence
 from itertools import groupby
 
 from kvtier.core.costs import CostSnapshot
-from kvtier.core.load_choice import LoadChoice, LoadChooser
+from kvtier.core.load_choice import LoadChoice, LoadChooser, RunChoice
 from kvtier.core.protocol import TierCode
 from kvtier_vllm.kv.connector_stats import KVTierStats
 from kvtier_vllm.shared.settings import LoadPolicy
+
+REMEASURE_EVERY = 32
+"""One hit in this many that the costs would cut short is loaded whole: a tier's cost is only
+measured on its loads, so one that sped up again (a disk no longer busy) shows it."""
 
 
 def tier_runs(codes: bytes) -> list[tuple[str, int]]:
@@ -23,7 +27,7 @@ def tier_runs(codes: bytes) -> list[tuple[str, int]]:
 class LoadDecisions:
     """Decides, per lookup, how many tokens of a hit to load, and counts each run's decision
     and the seconds it is expected to save. A request asked again while its chunks are
-    promoted is decided again, on where they are now."""
+    promoted is decided again at each ask."""
 
     def __init__(self, policy: LoadPolicy, costs: Callable[[], CostSnapshot | None]) -> None:
         self.policy = policy
@@ -32,12 +36,20 @@ class LoadDecisions:
         """Runs decided since the last report, by tier and decision."""
         self._saved: defaultdict[str, float] = defaultdict(float)
         """Seconds the decisions are expected to save, by decision."""
+        self._cut = 0
+        """Hits the costs cut short, loaded whole every `REMEASURE_EVERY`."""
 
     def tokens_to_load(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> int:
         """The tokens of the hit ``runs`` (``(tier, chunks)`` in prefix order) to load."""
         if self.policy is LoadPolicy.ALWAYS:
             return sum(chunks for _, chunks in runs) * chunk_tokens
         choice = self._chooser.choose(runs, chunk_tokens)
+        whole = sum(run.chunks for run in choice.runs) * chunk_tokens
+        if choice.tokens < whole:
+            self._cut += 1
+            if self._cut % REMEASURE_EVERY == 0:  # loaded to be measured: no saving counted
+                loads = tuple(RunChoice(r.tier, r.chunks, True, None) for r in choice.runs)
+                choice = LoadChoice(whole, loads)
         self._count(choice)
         return choice.tokens
 
