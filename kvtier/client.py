@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from kvtier.core.costs import EngineTimings
+from kvtier.core.costs import CostSnapshot, EngineTimings
 from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, NamespaceSpec
 from kvtier.core.protocol import (
@@ -148,6 +148,9 @@ class InProcessClient(TierClient):
 
     def report_timings(self, timings: EngineTimings) -> None:
         self.manager.costs.reported(timings)
+
+    def costs(self) -> CostSnapshot | None:
+        return self.manager.costs.snapshot()
 
     def report_failed(self, chunks: Sequence[FailedChunk]) -> None:
         self.manager.integrity.submit(chunks, f"replica {self.replica}")

@@ -318,6 +318,25 @@ def overview() -> Board:
         "the share of serving time kvtier took (summed over tensor-parallel workers, an upper "
         "bound there).",
     )
+    b.panel(
+        "Load or recompute (vLLM)",
+        [
+            target(
+                "sum by (tier, decision) (rate(vllm:kvtier_load_decisions_total"
+                f'{{model_name=~"$model_name"}}[{RI}]))',
+                "{{decision}} {{tier}}",
+            ),
+            target(
+                "sum by (decision) (rate(vllm:kvtier_load_decision_saved_seconds_total"
+                f'{{model_name=~"$model_name"}}[{RI}]))',
+                "seconds saved by {{decision}}",
+            ),
+        ],
+        description="load_policy: measured. Runs of hits per second, per tier, loaded or "
+        "recomputed (a run is recomputed where loading it is measured to take longer), and "
+        "the seconds per second those decisions are expected to save: load against "
+        "recomputing, recompute against loading.",
+    )
     b.row("Object store")
     b.panel(
         "Healthy",

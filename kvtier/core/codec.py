@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvtier.api.v1 import admin_pb2, tier_pb2
-from kvtier.core.costs import TIERS, CostSnapshot, EngineTimings
+from kvtier.core.costs import TIERS, CostSnapshot, EngineTimings, LoadFit, StepFit, Tally, TierCost
 from kvtier.core.errors import InvalidRequestError
 from kvtier.core.journal import ChunkEvent, ChunkEvents
 from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool
@@ -230,7 +230,15 @@ def heartbeat_to(
         session_id=session_id,
         busy=busy,
         loads=[
-            tier_pb2.LoadTiming(tier=tier, chunks=t.chunks, bytes=t.nbytes, seconds=t.seconds)
+            tier_pb2.LoadTiming(
+                tier=tier,
+                chunks=t.chunks,
+                bytes=t.nbytes,
+                seconds=t.seconds,
+                loads=t.loads,
+                chunks_squared=t.chunks_squared,
+                chunk_seconds=t.chunk_seconds,
+            )
             for tier, t in timings.loads.items()
         ],
         prefill_tokens=timings.prefill_tokens,
@@ -252,7 +260,15 @@ def timings_from(request: tier_pb2.HeartbeatRequest) -> EngineTimings:
     )
     for load in request.loads:
         if load.tier in TIERS:
-            timings.loaded(load.tier, load.chunks, load.bytes, load.seconds)
+            tally = Tally(
+                load.chunks,
+                load.bytes,
+                load.seconds,
+                load.loads,
+                load.chunks_squared,
+                load.chunk_seconds,
+            )
+            timings.loads.setdefault(load.tier, Tally()).merge(tally)
     return timings
 
 
@@ -277,6 +293,11 @@ def costs_to(costs: CostSnapshot) -> admin_pb2.Costs:
                 seconds_per_byte=c.seconds_per_byte,
                 seconds_per_byte_spread=c.seconds_per_byte_spread,
                 samples=c.samples,
+                load_fit=(
+                    admin_pb2.LoadFit(per_load=line.per_load, per_chunk=line.per_chunk)
+                    if (line := c.load_fit) is not None
+                    else None
+                ),
             )
             for tier, c in costs.tiers.items()
         ],
@@ -288,4 +309,31 @@ def costs_to(costs: CostSnapshot) -> admin_pb2.Costs:
             if (fit := costs.prefill_fit) is not None
             else None
         ),
+    )
+
+
+def costs_from(costs: admin_pb2.Costs) -> CostSnapshot:
+    """kvtierd's costs as a heartbeat or `Locate` carries them; tiers this build does not know
+    are left out."""
+    return CostSnapshot(
+        {
+            c.tier: TierCost(
+                c.seconds_per_chunk,
+                c.seconds_per_chunk_spread,
+                c.seconds_per_byte,
+                c.seconds_per_byte_spread,
+                c.samples,
+                LoadFit(c.load_fit.per_load, c.load_fit.per_chunk)
+                if c.HasField("load_fit")
+                else None,
+            )
+            for c in costs.tiers
+            if c.tier in TIERS
+        },
+        costs.prefill_seconds_per_token,
+        costs.prefill_spread,
+        costs.prefill_samples,
+        StepFit(costs.prefill_fit.per_step, costs.prefill_fit.per_token)
+        if costs.HasField("prefill_fit")
+        else None,
     )

@@ -4,7 +4,9 @@ compute it.
 
 Every estimate decays: recent loads weigh the most, so a tier that slows down (a busy disk, a
 store far away) shows it within a few dozen loads. Each keeps its spread (a decaying standard
-deviation), so a consumer can tell a steady tier from a noisy one.
+deviation), so a consumer can tell a steady tier from a noisy one. Loads and prefill steps are
+also fitted as a fixed part plus a part per chunk (or token): an object's first byte is paid
+once a load, a step's fixed part with or without a hit.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class TierCost:
     seconds_per_byte: float
     seconds_per_byte_spread: float
     samples: int
+    load_fit: LoadFit | None = None
+    """A load's time as a fixed part (a first byte, a request) plus a part per chunk; None
+    until loads of different lengths were timed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +67,18 @@ class CostSnapshot:
     lengths were timed."""
 
     def load_seconds(self, tier: str, chunks: int) -> float | None:
-        """Expected seconds to load ``chunks`` chunks from ``tier``; None before any was timed.
-        The object tier's chunks are fetched into lmdb, then loaded from there."""
+        """Expected seconds to load ``chunks`` chunks from ``tier`` in one load (its fixed part
+        and its part per chunk, where fitted; else the mean per chunk); None before any was
+        timed. The object tier's chunks are fetched into lmdb, then loaded from there."""
         cost = self.tiers.get(tier)
         if cost is None or not cost.samples:
             return None
-        seconds = cost.seconds_per_chunk * chunks
+        fit = cost.load_fit
+        seconds = (
+            fit.per_load + fit.per_chunk * chunks
+            if fit is not None
+            else cost.seconds_per_chunk * chunks
+        )
         if tier == OBJECT:
             after = self.load_seconds(LMDB, chunks)
             return None if after is None else seconds + after
@@ -86,16 +97,28 @@ TIERS = (CPU, LMDB, OBJECT)
 
 @dataclass(slots=True)
 class Tally:
-    """Loads from one tier, summed until they are reported."""
+    """Loads from one tier, summed until they are reported: with their count and their sums of
+    chunks squared and of chunks times seconds, what a fit of a load's time as a fixed part
+    plus a part per chunk needs (a report without the count feeds only the mean per chunk)."""
 
     chunks: int = 0
     nbytes: int = 0
     seconds: float = 0.0
+    loads: int = 0
+    chunks_squared: float = 0.0
+    chunk_seconds: float = 0.0
 
     def add(self, chunks: int, nbytes: int, seconds: float) -> None:
-        self.chunks += chunks
-        self.nbytes += nbytes
-        self.seconds += seconds
+        """One load of ``chunks`` chunks."""
+        self.merge(Tally(chunks, nbytes, seconds, 1, chunks * chunks, chunks * seconds))
+
+    def merge(self, other: Tally) -> None:
+        self.chunks += other.chunks
+        self.nbytes += other.nbytes
+        self.seconds += other.seconds
+        self.loads += other.loads
+        self.chunks_squared += other.chunks_squared
+        self.chunk_seconds += other.chunk_seconds
 
 
 @dataclass(slots=True)
@@ -123,7 +146,7 @@ class EngineTimings:
 
     def merge(self, other: EngineTimings) -> None:
         for tier, tally in other.loads.items():
-            self.loaded(tier, tally.chunks, tally.nbytes, tally.seconds)
+            self.loads.setdefault(tier, Tally()).merge(tally)
         self.prefill_tokens += other.prefill_tokens
         self.prefill_seconds += other.prefill_seconds
         self.prefill_steps += other.prefill_steps
@@ -149,45 +172,70 @@ def per_token(fit: StepFit | None, mean: float) -> float:
     return fit.per_token if fit is not None else mean
 
 
+@dataclass(frozen=True, slots=True)
+class LoadFit:
+    per_load: float
+    """Seconds every load from the tier pays whatever its length (an object's first byte)."""
+    per_chunk: float
+    """Seconds each chunk more adds."""
+
+
 @dataclass(slots=True)
-class StepSums:
-    """Decaying sums over prefill steps (each weighs half as much after ``HALF_LIFE`` more):
-    a least-squares fit of a step's seconds as ``per_step + per_token * tokens``."""
+class LineSums:
+    """Decaying sums over timed operations (each weighs half as much after ``HALF_LIFE``
+    more): a least-squares fit of an operation's seconds as ``fixed + per_unit * size``."""
 
-    steps: float = 0.0
-    tokens: float = 0.0
-    tokens_squared: float = 0.0
+    count: float = 0.0
+    size: float = 0.0
+    size_squared: float = 0.0
     seconds: float = 0.0
-    token_seconds: float = 0.0
+    size_seconds: float = 0.0
 
-    def add(self, t: EngineTimings) -> None:
-        if t.prefill_steps <= 0:
+    def add(
+        self, count: int, size: float, size_squared: float, seconds: float, size_seconds: float
+    ) -> None:
+        """``count`` operations, their sizes, seconds and the sums the fit needs, summed."""
+        if count <= 0:
             return
-        keep = _DECAY**t.prefill_steps
-        self.steps = self.steps * keep + t.prefill_steps
-        self.tokens = self.tokens * keep + t.prefill_tokens
-        self.tokens_squared = self.tokens_squared * keep + t.prefill_tokens_squared
-        self.seconds = self.seconds * keep + t.prefill_seconds
-        self.token_seconds = self.token_seconds * keep + t.prefill_token_seconds
+        keep = _DECAY**count
+        self.count = self.count * keep + count
+        self.size = self.size * keep + size
+        self.size_squared = self.size_squared * keep + size_squared
+        self.seconds = self.seconds * keep + seconds
+        self.size_seconds = self.size_seconds * keep + size_seconds
 
-    def fit(self) -> StepFit | None:
-        """None until steps of different lengths were seen (the two parts cannot be told apart
-        from steps of one length)."""
-        n, x, xx, y, xy = (
-            self.steps,
-            self.tokens,
-            self.tokens_squared,
-            self.seconds,
-            self.token_seconds,
-        )
-        spread = n * xx - x * x  # n^2 times the variance of the steps' lengths
+    def fit(self) -> tuple[float, float] | None:
+        """``(fixed, per_unit)``; None until operations of different sizes were seen (the two
+        parts cannot be told apart from operations of one size)."""
+        n, x, xx, y, xy = self.count, self.size, self.size_squared, self.seconds, self.size_seconds
+        spread = n * xx - x * x  # n^2 times the variance of the sizes
         if n < 2 or spread <= 1e-6 * n * xx:
             return None
-        per_token = (n * xy - x * y) / spread
-        per_step = (y - per_token * x) / n
-        if per_step < 0:  # noise past a fixed part of 0: the fit through the origin
-            per_step, per_token = 0.0, xy / xx
-        return StepFit(per_step, per_token) if per_token > 0 else None
+        per_unit = (n * xy - x * y) / spread
+        fixed = (y - per_unit * x) / n
+        if fixed < 0:  # noise past a fixed part of 0: the fit through the origin
+            fixed, per_unit = 0.0, xy / xx
+        return (fixed, per_unit) if per_unit > 0 else None
+
+
+class StepSums:
+    """The prefill steps' `LineSums`: a step's seconds as ``per_step + per_token * tokens``."""
+
+    def __init__(self) -> None:
+        self.sums = LineSums()
+
+    def add(self, t: EngineTimings) -> None:
+        self.sums.add(
+            t.prefill_steps,
+            t.prefill_tokens,
+            t.prefill_tokens_squared,
+            t.prefill_seconds,
+            t.prefill_token_seconds,
+        )
+
+    def fit(self) -> StepFit | None:
+        line = self.sums.fit()
+        return None if line is None else StepFit(*line)
 
 
 class LoadCosts:
@@ -198,6 +246,7 @@ class LoadCosts:
         self._lock = threading.Lock()
         self._per_chunk = {tier: Estimate() for tier in TIERS}
         self._per_byte = {tier: Estimate() for tier in TIERS}
+        self._loads = {tier: LineSums() for tier in TIERS}
         self._prefill = Estimate()
         self._steps = StepSums()
         self._totals = EngineTimings({tier: Tally() for tier in TIERS})
@@ -205,18 +254,28 @@ class LoadCosts:
         tokens) is the mean cost in it, where the estimates weigh the last loads most."""
 
     def loaded(self, tier: str, chunks: int, nbytes: int, seconds: float) -> None:
-        """``chunks`` chunks of ``nbytes`` in all came from ``tier`` in ``seconds``."""
+        """One load of ``chunks`` chunks of ``nbytes`` in all came from ``tier`` in
+        ``seconds``."""
+        tally = Tally()
+        tally.add(chunks, nbytes, seconds)
+        self._tallied(tier, tally)
+
+    def _tallied(self, tier: str, tally: Tally) -> None:
+        chunks, nbytes, seconds = tally.chunks, tally.nbytes, tally.seconds
         if chunks <= 0 or seconds < 0 or tier not in self._per_chunk:
             return
         with self._lock:
-            self._totals.loaded(tier, chunks, nbytes, seconds)
+            self._totals.loads[tier].merge(tally)
             self._per_chunk[tier].observe(seconds / chunks, chunks)
             if nbytes > 0:
                 self._per_byte[tier].observe(seconds / nbytes, chunks)
+            self._loads[tier].add(
+                tally.loads, chunks, tally.chunks_squared, seconds, tally.chunk_seconds
+            )
 
     def reported(self, timings: EngineTimings) -> None:
         for tier, tally in timings.loads.items():
-            self.loaded(tier, tally.chunks, tally.nbytes, tally.seconds)
+            self._tallied(tier, tally)
         self.prefilled(timings.prefill_tokens, timings.prefill_seconds)
         with self._lock:
             self._steps.add(timings)
@@ -245,6 +304,7 @@ class LoadCosts:
                     self._per_byte[tier].mean,
                     self._per_byte[tier].spread,
                     per_chunk.samples,
+                    None if (line := self._loads[tier].fit()) is None else LoadFit(*line),
                 )
                 for tier, per_chunk in self._per_chunk.items()
             }

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar, overload, runtime_checkable
 
-from kvtier.core.costs import EngineTimings
+from kvtier.core.costs import CostSnapshot, EngineTimings
 from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, NamespaceSpec
 
@@ -341,6 +341,11 @@ class TierClient(Protocol):
     def report_timings(self, timings: EngineTimings) -> None:
         """What the engine measured (its loads per tier, its prefill), for the tiers' cost
         estimates (`kvtier locate`); never waits: in sidecar mode it goes with a heartbeat."""
+        ...
+
+    def costs(self) -> CostSnapshot | None:
+        """What loads from each tier and prefilling cost, as the tiers measured them, read
+        without a call (in sidecar mode, as of the last heartbeat; None before the first)."""
         ...
 
     def report_failed(self, chunks: Sequence[FailedChunk]) -> None:

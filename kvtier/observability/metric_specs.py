@@ -318,6 +318,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "per token above counts short steps' fixed part as their tokens'.",
     ),
     _spec(
+        "gauge",
+        "load_fit_seconds",
+        "tier part",
+        "Each tier's loads fitted as a fixed part (part load: seconds every load pays, an "
+        "object's first byte) plus a part per chunk (part chunk); decaying least squares, "
+        "shown once loads of different lengths were timed. What the engines price a hit's "
+        "load at against its recompute.",
+    ),
+    _spec(
         "counter",
         "loaded_chunks",
         "tier",

@@ -299,10 +299,16 @@ class TierCollector(Collector):
         if costs.prefill_fit is not None:
             fit.add_metric(["step"], costs.prefill_fit.per_step)
             fit.add_metric(["token"], costs.prefill_fit.per_token)
+        load_fit = metric_family("load_fit_seconds")
+        for tier, c in costs.tiers.items():
+            if c.load_fit is not None:
+                load_fit.add_metric([tier, "load"], c.load_fit.per_load)
+                load_fit.add_metric([tier, "chunk"], c.load_fit.per_chunk)
         yield per_chunk
         yield per_byte
         yield prefill
         yield fit
+        yield load_fit
         totals = self.manager.costs.totals()
         chunks, seconds = metric_family("loaded_chunks"), metric_family("load_seconds")
         for tier, tally in totals.loads.items():

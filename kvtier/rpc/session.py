@@ -1,7 +1,7 @@
 """A session with kvtierd: registering pools (and registering them again in a new session when
 the daemon restarted or the session expired, the one place a lost session is handled), and the
 heartbeat thread, which carries what `reports.Reports` holds and brings back the daemon's draft
-pools and quarantines; with a breaker, it is also the probe that closes it."""
+pools, quarantines and measured costs; with a breaker, it is also the probe that closes it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from typing import TypeVar
 import grpc
 
 from kvtier.api.v1 import tier_pb2
-from kvtier.core.codec import drafts_from, spec_to
+from kvtier.core.codec import costs_from, drafts_from, spec_to
+from kvtier.core.costs import CostSnapshot
 from kvtier.core.errors import KVTierError, SessionNotFoundError
 from kvtier.core.keys import NamespaceSpec
 from kvtier.core.peers import TICKET_METADATA, peer_socket_path
@@ -81,6 +82,8 @@ class DaemonSession:
         self.lmdb_path: Path | None = None
         self.drafts: dict[bytes, DraftState] = {}
         self.quarantined: frozenset[bytes] = frozenset()
+        self.costs: CostSnapshot | None = None
+        """kvtierd's measured costs, as its last heartbeat reply carried them."""
         self.coded: dict[bytes, float] = {}
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -218,6 +221,8 @@ class DaemonSession:
         """Takes what a heartbeat brought back; False if the session is gone."""
         self.drafts = drafts_from(response.drafts)
         self.quarantined = frozenset(response.quarantined)
+        if response.HasField("costs"):
+            self.costs = costs_from(response.costs)
         return response.alive
 
     def stop_heartbeats(self) -> None:

@@ -14,7 +14,7 @@ import grpc
 from kvtier.api.v1 import tier_pb2
 from kvtier.core import wire
 from kvtier.core.codec import chunk_events_from, grants_from, lookup_from, ref_to
-from kvtier.core.costs import EngineTimings
+from kvtier.core.costs import CostSnapshot, EngineTimings
 from kvtier.core.errors import InvalidRequestError, KVTierError
 from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, NamespaceSpec
@@ -115,6 +115,10 @@ class GrpcTierClient(TierClient):
     def quarantined(self) -> frozenset[bytes]:
         """The daemon's quarantined namespaces, as of the last heartbeat."""
         return self._session.quarantined
+
+    def costs(self) -> CostSnapshot | None:
+        """The daemon's measured costs, as of the last heartbeat."""
+        return self._session.costs
 
     def coded(self) -> dict[bytes, float]:
         """The registered namespaces the daemon's tiers below the arena store coded, with each

@@ -13,6 +13,7 @@ import grpc
 from kvtier.api.v1 import tier_pb2, tier_pb2_grpc
 from kvtier.core.codec import (
     chunk_events_to,
+    costs_to,
     drafts_to,
     failed_from,
     grants_to,
@@ -302,6 +303,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
             alive=alive,
             drafts=drafts_to(self.manager.draft_states()),
             quarantined=self.manager.quarantines.namespaces,
+            costs=costs_to(self.manager.costs.snapshot()),
         )
 
     def _failed(self, session: Session, request: tier_pb2.HeartbeatRequest) -> None:

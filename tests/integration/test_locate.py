@@ -15,6 +15,7 @@ import pytest
 
 from kvtier.core.costs import EngineTimings
 from kvtier.core.errors import InvalidRequestError, UnknownPoolError
+from kvtier.core.load_choice import CostChooser
 from kvtier.rpc import GrpcTierClient
 from tests.integration.daemon_harness import CHUNK, DaemonFiles, Processes, RunningDaemon
 from tests.support import keys_for, target_spec
@@ -153,4 +154,44 @@ def test_locate_answers_each_tiers_leading_tokens_and_their_measured_costs(
         }
     finally:
         admin.close()
+        client.close()
+
+
+def test_heartbeats_bring_kvtierds_costs_back_to_the_engine(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    """The engine reads kvtierd's costs without a call: each heartbeat reply carries them, the
+    load fit of a fixed part per load included, and they decide a hit's load against its
+    recompute."""
+    daemon = procs.start_daemon(files)
+    client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
+    try:
+        client.register_pool(target_spec(), CHUNK)
+        timings = EngineTimings()
+        for chunks, tokens in [(1, 64), (8, 512), (2, 128), (12, 768)] * 2:
+            timings.loaded("lmdb", chunks, chunks * CHUNK, 0.030 + 0.001 * chunks)
+            timings.prefilled(tokens, 0.01 + 0.0002 * tokens)
+        client.report_timings(timings)
+        deadline = time.monotonic() + 10.0
+        while (costs := client.costs()) is None or costs.prefill_fit is None:
+            assert time.monotonic() < deadline, "no heartbeat reply carried kvtierd's costs"
+            time.sleep(0.05)
+        fit = costs.tiers["lmdb"].load_fit
+        assert fit is not None
+        assert (fit.per_load, fit.per_chunk) == (pytest.approx(0.030), pytest.approx(0.001))
+        assert costs.prefill_fit.per_token == pytest.approx(0.0002)
+        chooser = CostChooser(client.costs)
+        # one chunk: a 30 ms load against 13 ms of recompute; twelve: 42 ms against 154 ms
+        assert chooser.tokens_to_load([("lmdb", 1)], TOKENS_PER_CHUNK) == 0
+        assert chooser.tokens_to_load([("lmdb", 12)], TOKENS_PER_CHUNK) == 12 * TOKENS_PER_CHUNK
+        gauges = {
+            (labels["tier"], labels["part"]): value
+            for name, labels, value in daemon.metrics()
+            if name == "kvtier_load_fit_seconds"
+        }
+        assert gauges == {
+            ("lmdb", "load"): pytest.approx(0.030),
+            ("lmdb", "chunk"): pytest.approx(0.001),
+        }
+    finally:
         client.close()

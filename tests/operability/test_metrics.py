@@ -32,7 +32,7 @@ LABELS = {
     "policy": {"lru", "fifo"},
     "outcome": {"deferred", "expired"},
     "stat": {"mean", "spread"},
-    "part": {"step", "token"},
+    "part": {"step", "token", "load", "chunk"},
     "store": {"lmdb", "events"},
 }
 FREE_LABELS = {"replica", "event", "le", "version", "url", "principal", "model"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvtier.api.v1 import tier_pb2
 from kvtier.core import codec
+from kvtier.core.costs import EngineTimings, LoadCosts
 from kvtier.core.journal import ChunkEvent, ChunkEvents
 from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import DraftState, LookupResult, SlotRef, TierCode, arena_hit
@@ -38,3 +39,23 @@ def test_arena_hit_only_when_the_arena_holds_every_chunk() -> None:
     assert arena_hit(LookupResult(2, bytes([TierCode.CPU] * 2))) == 2
     assert arena_hit(LookupResult(2, bytes([TierCode.CPU, TierCode.LMDB]))) == 0
     assert arena_hit(LookupResult(0, b"")) == 0
+
+
+def test_costs_and_load_timings_decode_what_they_encode() -> None:
+    """A heartbeat carries its loads' count and fit sums; its reply carries kvtierd's costs,
+    load fits included."""
+    costs = LoadCosts()
+    for chunks in (1, 4, 2):
+        costs.loaded("object", chunks, chunks << 20, 0.03 + 0.009 * chunks)
+    timings = EngineTimings()
+    timings.loaded("cpu", 2, 2 << 20, 0.001)
+    timings.loaded("cpu", 5, 5 << 20, 0.002)
+    timings.prefilled(100, 0.1)
+    timings.prefilled(300, 0.25)
+    costs.reported(timings)
+    decoded = codec.timings_from(codec.heartbeat_to("s", False, timings))
+    assert decoded == timings
+    snap = costs.snapshot()
+    assert snap.tiers["object"].load_fit is not None
+    assert snap.prefill_fit is not None
+    assert codec.costs_from(codec.costs_to(snap)) == snap

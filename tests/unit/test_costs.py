@@ -14,6 +14,7 @@ from kvtier.core.costs import (
     Estimate,
     LoadCosts,
     StepFit,
+    Tally,
 )
 
 
@@ -139,3 +140,46 @@ def test_the_fit_follows_the_last_steps() -> None:
     fit = costs.snapshot().prefill_fit
     assert fit is not None
     assert 1.9e-3 < fit.per_token <= 2e-3
+
+
+def test_loads_are_fitted_as_a_fixed_part_and_a_part_per_chunk() -> None:
+    """An object's first byte is paid once a load: 3 chunks cost it plus 3 x the chunk's part,
+    not 3 x a mean that spreads the first byte over whatever lengths were timed."""
+    costs = LoadCosts()
+    for chunks in (1, 8, 2, 16, 4) * 4:
+        costs.loaded("object", chunks, chunks << 20, 0.030 + 0.0091 * chunks)
+    timings = EngineTimings()
+    for _ in range(3):
+        timings.loaded("lmdb", 1, 1 << 20, 0.0064)
+    costs.reported(timings)
+    snap = costs.snapshot()
+    fit = snap.tiers["object"].load_fit
+    assert fit is not None
+    assert (fit.per_load, fit.per_chunk) == (pytest.approx(0.030), pytest.approx(0.0091))
+    assert snap.load_seconds("object", 3) == pytest.approx(0.030 + 3 * 0.0091 + 3 * 0.0064)
+    assert snap.tiers["lmdb"].load_fit is None, "loads of one length: the mean per chunk"
+
+
+def test_an_engines_summed_loads_are_fitted_load_by_load() -> None:
+    """Loads summed in one report (the workers' reports merged before a heartbeat) fit their
+    fixed part: the report counts the loads, not one load of all their chunks."""
+    costs = LoadCosts()
+    timings = EngineTimings()
+    for chunks in (1, 6, 3):
+        timings.loaded("lmdb", chunks, chunks << 20, 0.002 + 0.005 * chunks)
+    merged = EngineTimings()
+    merged.merge(timings)
+    costs.reported(merged)
+    fit = costs.snapshot().tiers["lmdb"].load_fit
+    assert fit is not None
+    assert (fit.per_load, fit.per_chunk) == (pytest.approx(0.002), pytest.approx(0.005))
+
+
+def test_a_report_without_load_counts_feeds_only_the_mean() -> None:
+    """An engine of an older build sends sums without their count: no fit is made of them."""
+    costs = LoadCosts()
+    costs.reported(EngineTimings({"lmdb": Tally(chunks=10, nbytes=10, seconds=0.05)}))
+    costs.reported(EngineTimings({"lmdb": Tally(chunks=2, nbytes=2, seconds=0.03)}))
+    tier = costs.snapshot().tiers["lmdb"]
+    assert tier.load_fit is None
+    assert tier.samples == 2

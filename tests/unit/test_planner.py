@@ -17,12 +17,15 @@ import pytest
 from kvtier_vllm.drafts.swaps import DraftTracker, Fill
 from kvtier_vllm.kv.scheduler_side.hit_decision import PROMOTE_WAIT_ASKS, HitDecision
 from kvtier_vllm.kv.scheduler_side.hit_setup import HitSetup
+from kvtier_vllm.kv.scheduler_side.load_decisions import LoadDecisions
 from kvtier_vllm.kv.scheduler_side.loads import LoadPlan
 from kvtier_vllm.kv.scheduler_side.prompt_keys import keys_in
 from kvtier_vllm.kv.scheduler_side.timings import StepTimings
 from kvtier_vllm.layout.plans import PoolPlan
+from kvtier_vllm.shared.settings import LoadPolicy
 
 from kvtier.client import InProcessClient
+from kvtier.core.costs import EngineTimings
 from kvtier.core.keys import ChunkKey, Pool
 from kvtier.core.protocol import LookupResult, TierCode
 from kvtier.rpc.calls import Pending
@@ -493,3 +496,61 @@ def test_a_first_chunk_in_the_arena_or_a_client_without_its_index_plans_at_once(
     asked = ask(reading)
     assert not asked.answered(2, 6, 0.0)
     assert later.behind == [keys(ns["target"], range(2, 6))]
+
+
+def slow_arena(client: InProcessClient) -> None:
+    """Costs under which the arena's loads take far longer than recomputing: a 0.5 s fixed
+    part per load, against a microsecond a prefilled token."""
+    timings = EngineTimings()
+    for chunks, tokens in [(1, 64), (4, 256), (2, 128)] * 2:
+        timings.loaded("cpu", chunks, chunks << 20, 0.5 + 0.01 * chunks)
+        timings.prefilled(tokens, 0.001 + 1e-6 * tokens)
+    client.report_timings(timings)
+
+
+def test_measured_costs_recompute_a_hit_slower_to_load(client: InProcessClient) -> None:
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(4)))
+    slow_arena(client)
+    decide = LoadDecisions(LoadPolicy.MEASURED, client.costs)
+    p = with_chooser(shared(client, ns), decide)
+    none = ask(p).plan_load(0, 6)
+    assert none is not None
+    assert (none.chunks, none.leases) == (0, {})
+    assert len(p.calls.unreturned) == 0
+    # always: the same hit, loaded whole as before costs were asked
+    p = with_chooser(shared(client, ns), LoadDecisions(LoadPolicy.ALWAYS, client.costs))
+    plan = ask(p).plan_load(0, 6)
+    assert plan is not None
+    assert plan.chunks == 4
+    client.release(plan.refs())
+
+
+def test_a_slow_tier_past_a_cheap_prefix_is_recomputed_not_waited_for(
+    client: InProcessClient,
+) -> None:
+    """Chunks 0-1 in the arena, 2-3 in lmdb, whose loads are measured to cost more than their
+    recompute: the arena's two load at the first ask, with no promotion waited for."""
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(2, 4)))
+    to_lmdb_only(client, ns["target"])
+    store(client, keys(ns["target"], range(2)))
+    timings = EngineTimings()
+    for chunks, tokens in [(1, 64), (4, 256)] * 2:
+        timings.loaded("cpu", chunks, chunks << 20, 1e-6 * chunks)
+        timings.loaded("lmdb", chunks, chunks << 20, 0.5 * chunks)
+        timings.prefilled(tokens, 0.001 + 1e-4 * tokens)
+    client.report_timings(timings)
+    p = with_chooser(
+        shared(client, ns, wait_s=30), LoadDecisions(LoadPolicy.MEASURED, client.costs)
+    )
+    plan = ask(p).plan_load(0, 4)
+    assert plan is not None, "nothing to wait for: the lmdb chunks are recomputed"
+    assert (plan.first_chunk, plan.chunks) == (0, 2)
+    assert plan.tiers == bytes([CPU] * 2)
+    client.release(plan.refs())
+
+
+def with_chooser(p: HitSetup, decisions: LoadDecisions) -> HitSetup:
+    p.chooser = decisions
+    return p

@@ -4,7 +4,8 @@ Workers count bytes, chunks and seconds per direction and pool; vLLM sums them a
 and hands them to the logger and to `KVTierPromMetrics`. The scheduler side adds what only it
 sees: speculative tokens proposed and accepted per draft revision and fill, draft fills, stale
 draft chunks served, swaps, the current draft revision, and the bytes of sliding-window chunks
-it did not store because no hit would read them. Both sides add the seconds vLLM spent inside
+it did not store because no hit would read them, and its load decisions (load or recompute, per
+tier) with the seconds they are expected to save. Both sides add the seconds vLLM spent inside
 kvtier's hooks (`kvtier_vllm.shared.guard`). Label values come from fixed sets (hooks are named in
 code), except draft revisions, which are bounded by `MAX_REVISIONS`.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.core.costs import TIERS
 from kvtier_vllm.shared.guard import take_seconds
 from kvtier_vllm.shared.vllm_compat import (
     KVConnectorPromMetrics,
@@ -31,6 +33,8 @@ DRAW_OUTCOMES = ("sampled", "served")
 ERROR_BUCKETS = (1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, float("inf"))
 """Upper bounds of the relative-error histogram's buckets."""
 POOLS = ("target", "draft", "hidden")
+DECISIONS = ("load", "recompute")
+"""What `load_policy: measured` made of a run of a hit's chunks held in one tier."""
 MAX_REVISIONS = 16
 _SEP = "|"  # draft keys; revisions may hold dots, never this
 OTHER = "other"
@@ -87,6 +91,14 @@ class KVTierStats(KVConnectorStats):
     def drawn(self, sampled: bool) -> None:
         """The sampler drew for a request with a hit: verified (sampled) or served."""
         self.add(_SEP.join(("draw", "sampled" if sampled else "served")), 1)
+
+    def load_decided(self, tier: str, decision: str, runs: int) -> None:
+        """``runs`` runs of hits held in ``tier`` were loaded or recomputed (``decision``)."""
+        self.add(_SEP.join(("decided", tier, decision)), runs)
+
+    def load_saved(self, decision: str, seconds: float) -> None:
+        """Seconds loading (or recomputing) instead of the other is expected to have saved."""
+        self.add(_SEP.join(("saved", decision)), seconds)
 
     def hooks(self, seconds: dict[str, float]) -> None:
         """Seconds spent inside each of kvtier's hooks."""
@@ -234,6 +246,20 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             "workers, whose hooks run at once).",
             labelnames=[*base, "hook"],
         )
+        self._decided: Any = self._counter_cls(
+            name="vllm:kvtier_load_decisions_total",
+            documentation="Runs of hits' chunks held in one tier that load_policy: measured "
+            "loaded or recomputed: a hit loads the prefix expected to take less than "
+            "recomputing it. A request waiting for its promotions is decided at each ask.",
+            labelnames=[*base, "tier", "decision"],
+        )
+        self._saved: Any = self._counter_cls(
+            name="vllm:kvtier_load_decision_saved_seconds_total",
+            documentation="Seconds the load decisions are expected to have saved, by decision: "
+            "load, against recomputing those runs; recompute, against loading them (what "
+            "load_policy: always would have spent more), from kvtier's measured costs.",
+            labelnames=[*base, "decision"],
+        )
         histogram: Any = self._histogram_cls
         self._errors: Any = histogram(
             name="vllm:kvtier_verify_relative_error",
@@ -288,6 +314,10 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 self._errors.labels(*labels, parts[1]).observe(observed)
         elif kind == "draw" and parts[1] in DRAW_OUTCOMES:
             self._draws.labels(*labels, parts[1]).inc(value)
+        elif kind == "decided" and parts[1] in TIERS and parts[2] in DECISIONS and value:
+            self._decided.labels(*labels, parts[1], parts[2]).inc(value)
+        elif kind == "saved" and parts[1] in DECISIONS and value > 0:
+            self._saved.labels(*labels, parts[1]).inc(value)
         elif kind == "hook" and value:
             self._hooks.labels(*labels, parts[1]).inc(value)
         elif kind == "stale":

@@ -29,6 +29,14 @@ class FillPolicy(StrEnum):
     ZEROS = "zeros"
 
 
+class LoadPolicy(StrEnum):
+    """Which part of a hit is loaded: every chunk, or the prefix measured to beat
+    recomputing it."""
+
+    ALWAYS = "always"
+    MEASURED = "measured"
+
+
 class TiersConfig(BaseModel):
     """What every kvtier connector of vLLM (KV and encoder cache) sets the same way: how it
     reaches the tiers, names its tenant and replica, verifies its hits and waits for them."""
@@ -207,6 +215,13 @@ class ConnectorConfig(TiersConfig):
         "first otherwise. Sidecar mode needs lmdb's directory (lmdb.path) mounted here as "
         "kvtierd sees it, readable and its lock file writable; where it cannot be opened, the "
         "connector logs why at start and promotes instead.",
+    )
+    load_policy: LoadPolicy = Field(
+        LoadPolicy.MEASURED,
+        description="measured: load only the prefix of a hit whose load is expected to take "
+        "less than recomputing it, from the costs kvtier measures (each tier's load time, a "
+        "fixed part per load included, and the engine's prefill); the whole hit while a cost "
+        "is not measured yet. always: load every hit.",
     )
     window_checkpoint_tokens: int = Field(
         0,

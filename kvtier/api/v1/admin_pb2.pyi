@@ -188,12 +188,19 @@ class TierCost(_message.Message):
     SECONDS_PER_BYTE_FIELD_NUMBER: _builtins.int
     SECONDS_PER_BYTE_SPREAD_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
+    LOAD_FIT_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     seconds_per_chunk: _builtins.float
     seconds_per_chunk_spread: _builtins.float
     seconds_per_byte: _builtins.float
     seconds_per_byte_spread: _builtins.float
     samples: _builtins.int
+    @_builtins.property
+    def load_fit(self) -> Global___LoadFit:
+        """A load's time as a fixed part plus a part per chunk; unset until loads of different
+        lengths were timed.
+        """
+
     def __init__(
         self,
         *,
@@ -203,14 +210,39 @@ class TierCost(_message.Message):
         seconds_per_byte: _builtins.float = ...,
         seconds_per_byte_spread: _builtins.float = ...,
         samples: _builtins.int = ...,
+        load_fit: Global___LoadFit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["load_fit", b"load_fit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["samples", b"samples", "seconds_per_byte", b"seconds_per_byte", "seconds_per_byte_spread", b"seconds_per_byte_spread", "seconds_per_chunk", b"seconds_per_chunk", "seconds_per_chunk_spread", b"seconds_per_chunk_spread", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_fit", b"load_fit", "samples", b"samples", "seconds_per_byte", b"seconds_per_byte", "seconds_per_byte_spread", b"seconds_per_byte_spread", "seconds_per_chunk", b"seconds_per_chunk", "seconds_per_chunk_spread", b"seconds_per_chunk_spread", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TierCost: _TypeAlias = TierCost  # noqa: Y015
+
+@_typing.final
+class LoadFit(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PER_LOAD_FIELD_NUMBER: _builtins.int
+    PER_CHUNK_FIELD_NUMBER: _builtins.int
+    per_load: _builtins.float
+    """Seconds every load from the tier pays whatever its length (an object's first byte)."""
+    per_chunk: _builtins.float
+    """Seconds each chunk more adds."""
+    def __init__(
+        self,
+        *,
+        per_load: _builtins.float = ...,
+        per_chunk: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["per_chunk", b"per_chunk", "per_load", b"per_load"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadFit: _TypeAlias = LoadFit  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):

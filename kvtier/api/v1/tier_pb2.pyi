@@ -11,6 +11,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from kvtier.api.v1 import admin_pb2 as _admin_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -918,11 +919,20 @@ class LoadTiming(_message.Message):
     CHUNKS_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
+    LOADS_FIELD_NUMBER: _builtins.int
+    CHUNKS_SQUARED_FIELD_NUMBER: _builtins.int
+    CHUNK_SECONDS_FIELD_NUMBER: _builtins.int
     tier: _builtins.str
     """"cpu" (the arena) or "lmdb" """
     chunks: _builtins.int
     bytes: _builtins.int
     seconds: _builtins.float
+    loads: _builtins.int
+    """How many loads these were, and their sums of chunks squared and of chunks times seconds:
+    what a fit of a load's time as a fixed part plus a part per chunk needs.
+    """
+    chunks_squared: _builtins.float
+    chunk_seconds: _builtins.float
     def __init__(
         self,
         *,
@@ -930,10 +940,13 @@ class LoadTiming(_message.Message):
         chunks: _builtins.int = ...,
         bytes: _builtins.int = ...,
         seconds: _builtins.float = ...,
+        loads: _builtins.int = ...,
+        chunks_squared: _builtins.float = ...,
+        chunk_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "chunks", b"chunks", "seconds", b"seconds", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "chunk_seconds", b"chunk_seconds", "chunks", b"chunks", "chunks_squared", b"chunks_squared", "loads", b"loads", "seconds", b"seconds", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -946,6 +959,7 @@ class HeartbeatResponse(_message.Message):
     ALIVE_FIELD_NUMBER: _builtins.int
     DRAFTS_FIELD_NUMBER: _builtins.int
     QUARANTINED_FIELD_NUMBER: _builtins.int
+    COSTS_FIELD_NUMBER: _builtins.int
     alive: _builtins.bool
     """False when the session is unknown (expired, or the daemon restarted): register again."""
     @_builtins.property
@@ -956,16 +970,23 @@ class HeartbeatResponse(_message.Message):
     def quarantined(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """The namespaces quarantined now: how engines learn of one, and of its lifting."""
 
+    @_builtins.property
+    def costs(self) -> _admin_pb2.Costs:
+        """What loads from each tier and prefilling cost, as measured: how engines choose between
+        loading a hit and recomputing it without a call.
+        """
+
     def __init__(
         self,
         *,
         alive: _builtins.bool = ...,
         drafts: _abc.Iterable[Global___DraftState] | None = ...,
         quarantined: _abc.Iterable[_builtins.bytes] | None = ...,
+        costs: _admin_pb2.Costs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["costs", b"costs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "drafts", b"drafts", "quarantined", b"quarantined"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "costs", b"costs", "drafts", b"drafts", "quarantined", b"quarantined"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -33,6 +33,7 @@ from kvtier_vllm.kv.scheduler_side.events import KVEventFeed
 from kvtier_vllm.kv.scheduler_side.hit_decision import HitDecision, hit_limit
 from kvtier_vllm.kv.scheduler_side.hit_setup import HitSetup
 from kvtier_vllm.kv.scheduler_side.leases import Leases
+from kvtier_vllm.kv.scheduler_side.load_decisions import LoadDecisions
 from kvtier_vllm.kv.scheduler_side.pending_loads import PendingLoads
 from kvtier_vllm.kv.scheduler_side.prompt_keys import targets_of
 from kvtier_vllm.kv.scheduler_side.requests import RequestState
@@ -91,6 +92,9 @@ class KVTierScheduler:
         self.async_loads = len(groups) > 1
         """Several groups: vLLM takes load failures only per request, after an async load."""
         self.stats = KVTierStats()
+        self.decisions = LoadDecisions(
+            cfg.load_policy, lambda: self.client.costs() if self.client is not None else None
+        )
         self.namespaces: dict[str, bytes] = {}
         """Per plan key; a pool without one is not stored (a draft mid-swap)."""
         self.calls = TierCalls(None)
@@ -171,6 +175,7 @@ class KVTierScheduler:
                 wait_s=self.cfg.promote_wait_ms / 1000,
                 lookup_wait_s=self.cfg.lookup_wait_ms / 1000,
                 recompute_wait=self.timings.recompute_wait,
+                chooser=self.decisions,
                 draft=self.draft,
                 draft_pool=self.draft_pool,
                 leases=self.leases,
@@ -217,6 +222,7 @@ class KVTierScheduler:
         """Acceptance per draft revision and fill, fills, swaps and the revision in use."""
         if self.draft_pool is not None:
             self.draft_pool.report(self.stats)
+        self.decisions.report(self.stats)
         stats, self.stats = take_report(self.stats)
         return stats
 

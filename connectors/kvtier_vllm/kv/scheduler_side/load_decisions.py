@@ -1,0 +1,68 @@
+"""Which part of a hit the connector loads: the prefix measured to beat recomputing it
+(`kvtier.core.load_choice`, over the costs its client reads without a call), or every chunk
+(``load_policy: always``). Decisions are counted for the metrics until the next report."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+
+from kvtier.core.costs import CostSnapshot
+from kvtier.core.load_choice import CostChooser, LoadChoice, RunChoice
+from kvtier_vllm.kv.connector_stats import KVTierStats
+from kvtier_vllm.shared.settings import LoadPolicy
+
+REMEASURE_EVERY = 32
+"""One hit in this many that the costs would cut short is loaded whole: a tier's cost is only
+measured on its loads, so one that sped up again (a disk no longer busy) shows it."""
+
+
+class LoadDecisions:
+    """Decides, per lookup, how many tokens of a hit to load, and counts each run's decision
+    and the seconds it is expected to save. A request asked again while its chunks are
+    promoted is decided again at each ask."""
+
+    def __init__(self, policy: LoadPolicy, costs: Callable[[], CostSnapshot | None]) -> None:
+        self.policy = policy
+        self._chooser = CostChooser(costs)
+        self._decided: Counter[tuple[str, str]] = Counter()
+        """Runs decided since the last report, by tier and decision."""
+        self._saved: defaultdict[str, float] = defaultdict(float)
+        """Seconds the decisions are expected to save, by decision."""
+        self._cut = 0
+        """Hits the costs cut short, loaded whole every `REMEASURE_EVERY`."""
+
+    def tokens_to_load(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> int:
+        """The tokens of the hit ``runs`` (``(tier, chunks)`` in prefix order) to load."""
+        if self.policy is LoadPolicy.ALWAYS:
+            return sum(chunks for _, chunks in runs) * chunk_tokens
+        choice = self._chooser.choose(runs, chunk_tokens)
+        whole = sum(run.chunks for run in choice.runs) * chunk_tokens
+        if choice.tokens < whole:
+            self._cut += 1
+            if self._cut % REMEASURE_EVERY == 0:  # loaded to be measured: no saving counted
+                loads = tuple(RunChoice(r.tier, r.chunks, True, None) for r in choice.runs)
+                choice = LoadChoice(whole, loads)
+        self._count(choice)
+        return choice.tokens
+
+    def _count(self, choice: LoadChoice) -> None:
+        saved: defaultdict[str, float] = defaultdict(float)
+        for run in choice.runs:
+            decision = "load" if run.load else "recompute"
+            self._decided[run.tier, decision] += 1
+            if run.seconds_saved is not None:
+                saved[decision] += run.seconds_saved
+        # a run alone may save less than nothing (a cheap one behind a slow one), never the
+        # choice's loads or recomputes together: the prefix chosen saves the most
+        for decision, seconds in saved.items():
+            self._saved[decision] += max(0.0, seconds)
+
+    def report(self, stats: KVTierStats) -> None:
+        """Add the decisions counted since the last report to ``stats``."""
+        for (tier, decision), runs in self._decided.items():
+            stats.load_decided(tier, decision, runs)
+        for decision, seconds in self._saved.items():
+            stats.load_saved(decision, seconds)
+        self._decided.clear()
+        self._saved.clear()
