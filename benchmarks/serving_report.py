@@ -256,6 +256,8 @@ def tables(result: dict[str, Any]) -> str:
     if "gpu_ratio_targets" in result:
         lines += serving_gpu_ratio.tables(result)
     lines += ["", *no_reuse_table(result)]
+    if "gpu_ratio_targets" in result:
+        return "\n".join(lines)  # its own targets stand for the present model's
     lines += ["", "## Ratios", "", "| ratio | value | target | met |", "|---|---:|---:|---|"]
     for key, t in result["targets"].items():
         met = "-" if t["met"] is None else ("yes" if t["met"] else "no")
