@@ -24,6 +24,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -73,6 +74,35 @@ def drop_page_cache(data_file: Path) -> str:
         finally:
             os.close(fd)
         return "fadvise"
+
+
+class PageCacheDropper:
+    """While entered, syncs and drops the page cache every ``interval_s`` (a thread): a tier
+    below the arena then reads from the disk what was written a moment before, as a node whose
+    page cache holds other data would. Pages a process keeps mapped stay; ``drops`` counts."""
+
+    def __init__(self, data_file: Path, interval_s: float = 2.0) -> None:
+        self.data_file = data_file
+        self.interval_s = interval_s
+        self.drops = 0
+        self.dropped_by = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="page-cache-dropper", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            os.sync()  # only clean pages drop
+            if self.data_file.exists():
+                self.dropped_by = drop_page_cache(self.data_file)
+                self.drops += 1
+
+    def __enter__(self) -> PageCacheDropper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def measure_loads(

@@ -137,6 +137,7 @@ low.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shutil
@@ -148,7 +149,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import serving_gpu_ratio
-from benchmarks.gpu_ratio import measure_prefill
+from benchmarks.gpu_ratio import PageCacheDropper, measure_prefill
 from benchmarks.harness.cli import MODEL_CACHE, emit
 from benchmarks.harness.connector import connector_knows
 from benchmarks.harness.system import CpuShare
@@ -304,20 +305,13 @@ class Bench:
                 daemon = self.servers.daemons.get(case.name)
                 before = daemon.counters() if daemon is not None else {}
                 decisions = serving_gpu_ratio.decision_counters(server.url)
-                if plan.multi_round:
-                    for i, c in enumerate(self.concurrency):
-                        out.multi_round.append(
-                            self.level(
-                                server,
-                                metrics_url,
-                                self.workload(),
-                                c,
-                                USERS * ROUNDS,
-                                i,
-                                warmup,
-                            )
-                        )
+                dropper, spec = self.page_cache_dropper(case), self.workload()
+                with dropper or contextlib.nullcontext():
+                    for i, c in enumerate(self.concurrency if plan.multi_round else ()):
+                        level = self.level(server, metrics_url, spec, c, USERS * ROUNDS, i, warmup)
+                        out.multi_round.append(level)
                         warmup = 0
+                out.page_cache_drops = dropper.drops if dropper else 0
                 out.load_decisions = serving_gpu_ratio.decisions_between(
                     decisions, serving_gpu_ratio.decision_counters(server.url)
                 )
@@ -335,6 +329,13 @@ class Bench:
         out.wall_s = time.perf_counter() - started
         log.info("%s: done in %.0f s", case.name, out.wall_s)
         return out
+
+    def page_cache_dropper(self, case: Case) -> PageCacheDropper | None:
+        """On the GPU-ratio model, what a server keeps below its arena is read from the disk."""
+        daemon = self.servers.daemons.get(case.name)
+        if not (self.sizes.gpu_ratio and case.below and daemon):
+            return None
+        return PageCacheDropper(daemon.lmdb_path / "data.mdb")
 
     def measure_prefill(self, server: VllmServer) -> dict[str, float]:
         """The engine's prefill time per token over what a hit of the workload's first prompt

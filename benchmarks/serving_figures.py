@@ -37,6 +37,8 @@ class Outcome:
     """kvtierd's counters over the multi-round levels (moves, promotions, evictions)."""
     load_decisions: dict[str, float] = field(default_factory=dict)
     """The connector's load-decision counters over the multi-round levels."""
+    page_cache_drops: int = 0
+    """Page-cache drops during its levels (below the arena, on the GPU-ratio model)."""
     prefill: dict[str, float] = field(default_factory=dict)
     """The engine's prefill time per token (``Plan.measure_prefill``)."""
 

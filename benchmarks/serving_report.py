@@ -161,6 +161,7 @@ def result_of(
             "multi_round": [summary(lv) for lv in o.multi_round],
             "daemon_counters": o.daemon_counters,
             "load_decisions": o.load_decisions,
+            "page_cache_drops": o.page_cache_drops,
             "no_reuse": [summary(lv) for lv in o.no_reuse],
         }
         if o.error:

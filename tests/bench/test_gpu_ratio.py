@@ -5,12 +5,20 @@ token on the GPU-ratio model served by a real vLLM server."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_ratio import LoadCosts, gpu_ratios, measure_loads, measure_prefill, ratios
+from benchmarks.gpu_ratio import (
+    LoadCosts,
+    PageCacheDropper,
+    gpu_ratios,
+    measure_loads,
+    measure_prefill,
+    ratios,
+)
 from benchmarks.harness.sizes import KiB, MiB
 from benchmarks.models import GPU_RATIO
 from tests.fixtures import models
@@ -44,6 +52,20 @@ def test_loads_are_timed_from_the_arena_and_from_lmdb_with_its_pages_dropped() -
     for seconds in (loads.arena_s_per_token, loads.lmdb_cold_s_per_token):
         assert math.isfinite(seconds)
         assert 0 < seconds < 1e-3
+
+
+def test_the_dropper_drops_the_page_cache_until_it_is_left(tmp_path: Path) -> None:
+    data = tmp_path / "data.mdb"
+    data.write_bytes(b"x" * 4096)
+    with PageCacheDropper(data, interval_s=0.01) as dropper:
+        deadline = time.monotonic() + 30
+        while dropper.drops < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert dropper.drops >= 2
+    assert dropper.dropped_by in ("drop_caches", "fadvise")
+    after = dropper.drops
+    time.sleep(0.05)
+    assert dropper.drops == after  # its thread is gone
 
 
 @pytest.fixture(scope="module")
