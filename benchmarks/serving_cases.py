@@ -224,4 +224,5 @@ def server_names(gpu_ratio: bool, policies: bool) -> tuple[str, ...]:
     """What ``--servers`` may name: the model's servers and the no-reuse phase's."""
     if not gpu_ratio:
         return SERVERS
-    return (*(case.name for case, _ in gpu_ratio_cases(policies)), VLLM_B.name, *NO_REUSE_CASES)
+    names = [case.name for case, _ in gpu_ratio_cases(policies)] + list(NO_REUSE_CASES)
+    return tuple(dict.fromkeys(names))
