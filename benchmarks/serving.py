@@ -2,7 +2,11 @@
 
 Usage: ``python -m benchmarks.serving [--quick] [--json] [--profile] [--blocks-per-chunk N]``
 ``[--concurrency 1,2,4,8] [--servers NAME,...] [--connector-extra JSON] [--cache-dir DIR]``
-``[--docs DIR] [--keep]``
+``[--docs DIR] [--keep] [--model present|gpu-ratio] [--lmcache-python PATH]``
+
+``--model gpu-ratio`` runs the workload on a model shaped to a GPU node's recompute:load ratio
+(benchmarks/models.py) against vLLM alone, kvtier and LMCache, with the ratios measured in the
+run: benchmarks/serving_gpu_ratio.py says what it runs and judges. What follows is the default.
 
 Every server is a real ``python -m vllm.entrypoints.openai.api_server`` process
 (tests/fixtures/servers.py) serving the locally built 12-layer model (tests/fixtures/models.py,
@@ -133,6 +137,7 @@ low.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shutil
@@ -143,19 +148,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks import serving_gpu_ratio
+from benchmarks.gpu_ratio import PageCacheDropper, measure_prefill
 from benchmarks.harness.cli import MODEL_CACHE, emit
+from benchmarks.harness.connector import connector_knows
 from benchmarks.harness.system import CpuShare
+from benchmarks.models import MODELS, PRESENT, ServingModel
 from benchmarks.serving_cases import (
-    ANSWER_TOKENS,
     BLOCK_SIZE,
     CAPTURE_LAYERS,
-    DOC_TOKENS,
     FULL,
     HEADLINE_CONCURRENCY,
     PROFILE_ANSWER_TOKENS,
     PROFILE_ROUNDS,
     PROFILE_USERS,
-    QUESTION_TOKENS,
     QUICK,
     ROUNDS,
     SERVERS,
@@ -165,8 +171,11 @@ from benchmarks.serving_cases import (
     Mode,
     Plan,
     every_case,
+    gpu_ratio_cases,
+    server_names,
 )
 from benchmarks.serving_figures import Outcome, read_profile, summary
+from benchmarks.serving_lmcache import lmcache_python
 from benchmarks.serving_no_reuse import NoReusePhase
 from benchmarks.serving_report import clean, result_of, tables, write_docs
 from benchmarks.serving_servers import Servers
@@ -185,6 +194,8 @@ class Bench:
         mode: Mode,
         cache_dir: Path,
         *,
+        sizes: ServingModel = PRESENT,
+        lmcache: str = "",
         blocks_per_chunk: int,
         concurrency: tuple[int, ...],
         profile: bool,
@@ -193,6 +204,8 @@ class Bench:
         no_reuse_only: bool = False,
     ) -> None:
         self.mode = mode
+        self.sizes = sizes
+        self.policies = connector_knows("load_policy")
         self.no_reuse_only = no_reuse_only
         self.connector_extra = dict(connector_extra or {})
         self.only = only
@@ -201,33 +214,25 @@ class Bench:
         self.profile = profile
         cache_dir.mkdir(parents=True, exist_ok=True)
         tokenizer = models.build_tokenizer(cache_dir)
-        shape = {
-            "hidden": 768,
-            "heads": 8,
-            "kv_heads": 4,
-            "head_dim": 64,
-            "intermediate": 2048,
-            "dtype": "bfloat16",
-        }
-        self.model = models.build_benchmark_llama(cache_dir, tokenizer_dir=tokenizer)
-        self.draft = models.build_draft(cache_dir, tokenizer_dir=tokenizer, **shape)
+        self.model = sizes.build(cache_dir, tokenizer)
+        self.draft = sizes.build_draft(cache_dir, tokenizer)
         self.vocab = models.vocab_size_of(self.model)
         self.root = Path(tempfile.mkdtemp(prefix="serving-", dir=cache_dir))
         config = json.loads((self.model / "config.json").read_text())
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        # K and V, bf16
-        per_token = config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2 * 2
+        per_token = self.kv_per_token = models.kv_bytes_per_token(self.model)
         chunk_bytes = per_token * BLOCK_SIZE * blocks_per_chunk
         chunks = self.workload().longest_request() // (BLOCK_SIZE * blocks_per_chunk)
         self.servers = Servers(
             self.root,
             self.model,
             self.draft,
+            sizes=sizes,
+            lmcache_python=lmcache,
             blocks_per_chunk=blocks_per_chunk,
             chunk_bytes=chunk_bytes,
             working_set_bytes=USERS * chunks * chunk_bytes,
             kv_per_token=per_token,
-            hidden_per_token=len(CAPTURE_LAYERS) * config["hidden_size"] * 2,  # bf16
+            hidden_per_token=len(CAPTURE_LAYERS) * config["hidden_size"] * 2,  # captured in bf16
             connector_extra=self.connector_extra,
         )
         self.no_reuse = NoReusePhase(
@@ -237,9 +242,9 @@ class Bench:
     def workload(self, kind: str = "multi-round", **overrides: Any) -> WorkloadSpec:
         settings: dict[str, Any] = {
             "kind": kind,
-            "doc_tokens": DOC_TOKENS,
-            "question_tokens": QUESTION_TOKENS,
-            "answer_tokens": ANSWER_TOKENS,
+            "doc_tokens": self.sizes.doc_tokens,
+            "question_tokens": self.sizes.question_tokens,
+            "answer_tokens": self.sizes.answer_tokens,
             "rounds": ROUNDS,
             "vocab_size": self.vocab,
             "min_token_id": len(models.SPECIAL_TOKENS),
@@ -294,23 +299,22 @@ class Bench:
                 out.start_s = server.start_s
                 out.log_path = str(server.log)
                 log.info("%s: healthy in %.1f s", case.name, server.start_s)
+                if plan.measure_prefill:
+                    out.prefill = self.measure_prefill(server)
                 warmup = WARMUP
                 daemon = self.servers.daemons.get(case.name)
                 before = daemon.counters() if daemon is not None else {}
-                if plan.multi_round:
-                    for i, c in enumerate(self.concurrency):
-                        out.multi_round.append(
-                            self.level(
-                                server,
-                                metrics_url,
-                                self.workload(),
-                                c,
-                                USERS * ROUNDS,
-                                i,
-                                warmup,
-                            )
-                        )
+                decisions = serving_gpu_ratio.decision_counters(server.url)
+                dropper, spec = self.page_cache_dropper(case), self.workload()
+                with dropper or contextlib.nullcontext():
+                    for i, c in enumerate(self.concurrency if plan.multi_round else ()):
+                        level = self.level(server, metrics_url, spec, c, USERS * ROUNDS, i, warmup)
+                        out.multi_round.append(level)
                         warmup = 0
+                out.page_cache_drops = dropper.drops if dropper else 0
+                out.load_decisions = serving_gpu_ratio.decisions_between(
+                    decisions, serving_gpu_ratio.decision_counters(server.url)
+                )
                 if daemon is not None:
                     after = daemon.counters()
                     out.daemon_counters = {
@@ -325,6 +329,22 @@ class Bench:
         out.wall_s = time.perf_counter() - started
         log.info("%s: done in %.0f s", case.name, out.wall_s)
         return out
+
+    def page_cache_dropper(self, case: Case) -> PageCacheDropper | None:
+        """On the GPU-ratio model, what a server keeps below its arena is read from the disk."""
+        daemon = self.servers.daemons.get(case.name)
+        if not (self.sizes.gpu_ratio and case.below and daemon):
+            return None
+        return PageCacheDropper(daemon.lmdb_path / "data.mdb")
+
+    def measure_prefill(self, server: VllmServer) -> dict[str, float]:
+        """The engine's prefill time per token over what a hit of the workload's first prompt
+        would save (benchmarks/gpu_ratio.py)."""
+        long = self.sizes.doc_tokens + self.sizes.question_tokens
+        prompts = serving_gpu_ratio.prefill_prompts(self.vocab, long)
+        prefill = measure_prefill(server.url, str(self.model), prompts)
+        log.info("prefill: %.1f us/token", prefill["prefill_s_per_token"] * 1e6)
+        return prefill
 
     def failed(self, out: Outcome, exc: BaseException, run_name: str) -> None:
         out.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -368,13 +388,17 @@ class Bench:
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
         share = CpuShare()
+        cases = gpu_ratio_cases(self.policies) if self.sizes.gpu_ratio else every_case(self.profile)
         outcomes = {
             case.name: self.run_case(case, plan)
-            for case, plan in every_case(self.profile)
+            for case, plan in cases
             if (self.only is None or case.name in self.only) and not self.no_reuse_only
         }
+        ratios = {}
+        if self.sizes.gpu_ratio:  # now, while no server runs
+            ratios = serving_gpu_ratio.measure(outcomes, self.kv_per_token, self.bpc * BLOCK_SIZE)
         cycles = self.no_reuse.run(outcomes, self.only)
-        result = result_of(self, outcomes, cycles)
+        result = result_of(self, outcomes, cycles, ratios)
         result["wall_s"] = time.perf_counter() - started
         result["other_processes_cpu_share"] = share.others()
         return result
@@ -395,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", action="store_true", help="record a torch profiler trace of one level"
     )
     parser.add_argument("--blocks-per-chunk", type=int, default=4)
+    parser.add_argument("--model", choices=sorted(MODELS), default=PRESENT.name)
+    parser.add_argument(
+        "--lmcache-python", help="LMCache's environment's python (gpu-ratio's LMCache server)"
+    )
     parser.add_argument(
         "--no-reuse-cycles", type=int, help="no-reuse cycles (3 quick, 12 full; 0: none)"
     )
@@ -421,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--servers", help=f"comma-separated: only these servers (of {', '.join(SERVERS)})"
-    )
+    )  # the GPU-ratio model's: vllm, lmcache, kvtier_* (with _always or _measured)
     args = parser.parse_args(argv)
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
@@ -429,9 +457,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kvtier").setLevel(logging.WARNING)
     log.setLevel(logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    unknown = set(args.servers.split(",")) - set(SERVERS) if args.servers else set()
+    known = server_names(MODELS[args.model].gpu_ratio, connector_knows("load_policy"))
+    unknown = set(args.servers.split(",")) - set(known) if args.servers else set()
     if unknown:
-        parser.error(f"unknown servers {sorted(unknown)} (choose from {', '.join(SERVERS)})")
+        parser.error(f"unknown servers {sorted(unknown)} (choose from {', '.join(known)})")
     mode = QUICK if args.quick else FULL
     if args.no_reuse_cycles is not None:
         mode = replace(mode, no_reuse_cycles=args.no_reuse_cycles)
@@ -441,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(
         mode,
         args.cache_dir,
+        sizes=MODELS[args.model],
+        lmcache=lmcache_python(args.lmcache_python),
         blocks_per_chunk=args.blocks_per_chunk,
         concurrency=concurrency,
         profile=args.profile or args.json,
@@ -450,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         result = bench.run()
-        if mode is FULL and bench.only is None:
+        if mode is FULL and bench.only is None and not bench.sizes.gpu_ratio:
             write_docs(result, args.docs)
     finally:
         bench.close()

@@ -3,18 +3,14 @@ each runs (plans), its modes and targets."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from benchmarks.harness.sizes import GiB, MiB
 from benchmarks.harness.targets import Target
 from tests.fixtures import engines
 
-KV_CACHE_BYTES = 48 * MiB
-MAX_MODEL_LEN = 3744  # what 48 MiB holds with the draft's layer beside the target's 12
 BLOCK_SIZE = 32
-DOC_TOKENS = 1664
-QUESTION_TOKENS = 32
-ANSWER_TOKENS = 64
 ROUNDS = 4
 USERS = 8
 WARMUP = ROUNDS  # one session of its own before a server's first level
@@ -22,6 +18,8 @@ ARENA_BYTES = 768 * MiB
 LMDB_BUDGET = 1 * GiB
 BUCKET = "kvtier-serving"
 SPEC_TOKENS = 3
+SERVER_START_S = 600.0
+"""A server's start on a 2-core machine others share can take minutes."""
 CAPTURE_LAYERS = [2, 6, 9]
 CAPTURE = engines.capture_config(CAPTURE_LAYERS)
 """EAGLE-3's auxiliary layers of a 12-layer target: low, middle and high."""
@@ -86,6 +84,8 @@ class Plan:
 
     multi_round: bool = True
     profile: bool = False
+    measure_prefill: bool = False
+    """First the engine's prefill time per token (benchmarks/gpu_ratio.py)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,8 @@ class Case:
     """The KV cache over every other server's (``vllm_more_hbm``)."""
     codec: str = "none"
     """``lmdb.codec`` and ``object.codec`` below the arena."""
+    load_policy: str = ""
+    """The connector's ``load_policy`` (none given when empty)."""
 
 
 VLLM = Case("vllm", "vLLM alone")
@@ -173,3 +175,54 @@ def every_case(profile: bool) -> list[tuple[Case, Plan]]:
         (OBJECT_FP8_BACKED, Plan()),
         (MORE_HBM, Plan()),
     ]
+
+
+# -- the GPU-ratio model (``--model gpu-ratio``) ---------------------------------------------
+
+LMCACHE = Case("lmcache", "LMCache 0.5.6, multiprocess", "lmcache")
+LOAD_POLICIES = ("always", "measured")
+GPU_RATIO_TARGETS: dict[str, Target] = {
+    "gpu_ratio_throughput_vs_vllm_alone": (">=", 1.3),
+    "gpu_ratio_vs_lmcache": (">=", 1.1),
+    "hit_ttft_vs_recompute_p90": ("<=", 1.0),
+    "hit_ttft_vs_recompute_p90_lmdb": ("<=", 1.0),
+    "hit_ttft_vs_recompute_p90_object": ("<=", 1.0),
+    "gpu_ratio_no_reuse": (">=", 0.98),
+}
+HEADLINE_POLICY = "measured"
+"""The policy whose servers the GPU-ratio targets judge, where the connector has policies."""
+
+
+def with_policy(case: Case, policy: str) -> Case:
+    return dataclasses.replace(
+        case,
+        name=f"{case.name}_{policy}",
+        label=f"{case.label}, load_policy {policy}",
+        load_policy=policy,
+    )
+
+
+def gpu_ratio_cases(policies: bool) -> list[tuple[Case, Plan]]:
+    """vLLM alone, kvtier (embedded, sidecar, lmdb- and object-backed), each with every load
+    policy where the connector has them, and LMCache."""
+    kvtier = [EMBEDDED, SIDECAR, LMDB_BACKED, OBJECT_BACKED]
+    if policies:
+        kvtier = [with_policy(case, p) for case in kvtier for p in LOAD_POLICIES]
+    return [
+        (VLLM, Plan(measure_prefill=True)),
+        *((case, Plan()) for case in kvtier),
+        (LMCACHE, Plan()),
+    ]
+
+
+def headline_name(name: str, policies: bool) -> str:
+    """The server the GPU-ratio targets judge for the case ``name``."""
+    return f"{name}_{HEADLINE_POLICY}" if policies else name
+
+
+def server_names(gpu_ratio: bool, policies: bool) -> tuple[str, ...]:
+    """What ``--servers`` may name: the model's servers and the no-reuse phase's."""
+    if not gpu_ratio:
+        return SERVERS
+    names = [case.name for case, _ in gpu_ratio_cases(policies)] + list(NO_REUSE_CASES)
+    return tuple(dict.fromkeys(names))

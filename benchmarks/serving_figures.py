@@ -35,6 +35,12 @@ class Outcome:
     log_path: str = ""
     daemon_counters: dict[str, int] = field(default_factory=dict)
     """kvtierd's counters over the multi-round levels (moves, promotions, evictions)."""
+    load_decisions: dict[str, float] = field(default_factory=dict)
+    """The connector's load-decision counters over the multi-round levels."""
+    page_cache_drops: int = 0
+    """Page-cache drops during its levels (below the arena, on the GPU-ratio model)."""
+    prefill: dict[str, float] = field(default_factory=dict)
+    """The engine's prefill time per token (``Plan.measure_prefill``)."""
 
     def at(self, concurrency: int) -> LevelResult | None:
         return next((lv for lv in self.multi_round if lv.concurrency == concurrency), None)

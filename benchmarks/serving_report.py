@@ -8,19 +8,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks import serving_gpu_ratio
 from benchmarks.harness.sizes import MiB
 from benchmarks.harness.targets import met as target_met
 from benchmarks.serving_cases import (
-    ANSWER_TOKENS,
     ARENA_BYTES,
     BLOCK_SIZE,
-    DOC_TOKENS,
     HEADLINE_CONCURRENCY,
-    KV_CACHE_BYTES,
     LMDB_BACKED,
     LMDB_FP8_BACKED,
     LMDB_INT8_BACKED,
-    MAX_MODEL_LEN,
     MORE_HBM,
     NO_REUSE_BACKLOG,
     NO_REUSE_CASES,
@@ -28,7 +25,6 @@ from benchmarks.serving_cases import (
     OBJECT_BACKED,
     OBJECT_FP8_BACKED,
     PAST_THE_ARENA,
-    QUESTION_TOKENS,
     ROUNDS,
     SPEC_TOKENS,
     TARGETS,
@@ -48,10 +44,14 @@ if TYPE_CHECKING:
 
 
 def result_of(
-    bench: Bench, outcomes: dict[str, Outcome], cycles: list[dict[str, float]]
+    bench: Bench,
+    outcomes: dict[str, Outcome],
+    cycles: list[dict[str, float]],
+    gpu_ratios: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The run's figures: the headline ratios against their targets, each server's levels, and
-    the settings it ran with."""
+    """The run's figures: the headline ratios against their targets (the GPU-ratio model's
+    with ``gpu_ratios``, the ratios measured), each server's levels, and the settings it ran
+    with."""
     c = HEADLINE_CONCURRENCY
 
     def mr(name: str) -> LevelResult | None:
@@ -141,6 +141,10 @@ def result_of(
         ),
         "no_reuse_kvtier_time": bench.no_reuse.costs,
     }
+    if bench.sizes.gpu_ratio:
+        headline.update(
+            serving_gpu_ratio.headline(outcomes, cycles, c, bench.policies, gpu_ratios or {})
+        )
     targets = {}
     for key, (op, bound) in TARGETS.items():
         value = headline[key]
@@ -156,6 +160,8 @@ def result_of(
             "log": o.log_path or str(bench.servers.root / name / "server.log"),
             "multi_round": [summary(lv) for lv in o.multi_round],
             "daemon_counters": o.daemon_counters,
+            "load_decisions": o.load_decisions,
+            "page_cache_drops": o.page_cache_drops,
             "no_reuse": [summary(lv) for lv in o.no_reuse],
         }
         if o.error:
@@ -169,18 +175,20 @@ def result_of(
         "servers": servers,
         "settings": {
             "model": bench.model.name,
+            "model_label": bench.sizes.label,
+            "load_policies": bench.policies,
             "draft": bench.draft.name,
-            "kv_cache_bytes": KV_CACHE_BYTES,
-            "max_model_len": MAX_MODEL_LEN,
+            "kv_cache_bytes": bench.sizes.kv_cache_bytes,
+            "max_model_len": bench.sizes.max_model_len,
             "block_size": BLOCK_SIZE,
             "blocks_per_chunk": bench.bpc,
             "arena_bytes": ARENA_BYTES,
             "working_set_bytes": bench.servers.working_set_bytes,
             "multi_round": {
                 "users": USERS,
-                "doc_tokens": DOC_TOKENS,
-                "question_tokens": QUESTION_TOKENS,
-                "answer_tokens": ANSWER_TOKENS,
+                "doc_tokens": bench.sizes.doc_tokens,
+                "question_tokens": bench.sizes.question_tokens,
+                "answer_tokens": bench.sizes.answer_tokens,
                 "rounds": ROUNDS,
                 "working_set_tokens": USERS * bench.workload().longest_request(),
                 "concurrency": list(bench.concurrency),
@@ -223,7 +231,8 @@ def tables(result: dict[str, Any]) -> str:
     lines = [
         f"## Multi-round ({result['settings']['multi_round']['users']} users x "
         f"{ROUNDS} rounds, working set {result['settings']['multi_round']['working_set_tokens']}"
-        f" tokens, KV cache 4,096 tokens)",
+        f" tokens, KV cache {result['settings']['kv_cache_bytes'] / MiB:.0f} MiB; "
+        f"{result['settings']['model']}: {result['settings']['model_label']})",
         "",
         "| server | conc | out tok/s | tok/s/user | TTFT p50 ms | TTFT p99 ms | TTFT p50/p99 ms, "
         "rounds 2-4 | ITL p50 ms | hit ratio | kvtierd hit ratio | ok/sent |",
@@ -245,7 +254,11 @@ def tables(result: dict[str, Any]) -> str:
                 f"{lv['ok']}/{lv['requests']} |"
             )
     lines += past_the_arena_table(result)
+    if "gpu_ratio_targets" in result:
+        lines += serving_gpu_ratio.tables(result)
     lines += ["", *no_reuse_table(result)]
+    if "gpu_ratio_targets" in result:
+        return "\n".join(lines)  # its own targets stand for the present model's
     lines += ["", "## Ratios", "", "| ratio | value | target | met |", "|---|---:|---:|---|"]
     for key, t in result["targets"].items():
         met = "-" if t["met"] is None else ("yes" if t["met"] else "no")

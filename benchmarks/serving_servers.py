@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,19 +19,20 @@ import yaml
 from benchmarks.harness.connector import kvtier_connector
 from benchmarks.harness.kvtierd import Kvtierd
 from benchmarks.harness.sizes import KiB, extent_for
+from benchmarks.models import ServingModel
 from benchmarks.serving_cases import (
     ARENA_BYTES,
     BLOCK_SIZE,
     BUCKET,
     CAPTURE,
-    KV_CACHE_BYTES,
     LMDB_BUDGET,
-    MAX_MODEL_LEN,
+    SERVER_START_S,
     SPEC_TOKENS,
     Case,
     Plan,
 )
 from benchmarks.serving_figures import profiler_args
+from benchmarks.serving_lmcache import LmcacheServer
 from tests.fixtures.s3 import SCRUBBED_ENV, MotoServer, irsa_env, patched_env
 from tests.fixtures.servers import VllmServer, connector_arg
 
@@ -45,6 +47,8 @@ class Servers:
         model: Path,
         draft: Path,
         *,
+        sizes: ServingModel,
+        lmcache_python: str = "",
         blocks_per_chunk: int,
         chunk_bytes: int,
         working_set_bytes: int,
@@ -55,6 +59,8 @@ class Servers:
         self.root = root
         self.model = model
         self.draft = draft
+        self.sizes = sizes
+        self.lmcache_python = lmcache_python
         self.bpc = blocks_per_chunk
         self.chunk_bytes = chunk_bytes
         self.working_set_bytes = working_set_bytes
@@ -75,10 +81,13 @@ class Servers:
         self.shm_paths.append(path)
         return path
 
-    def kvtier(self, extra: dict[str, Any]) -> dict[str, Any]:
-        return kvtier_connector({**extra, "blocks_per_chunk": self.bpc, **self.connector_extra})
+    def kvtier(self, extra: dict[str, Any], case: Case) -> dict[str, Any]:
+        policy = {"load_policy": case.load_policy} if case.load_policy else {}
+        return kvtier_connector(
+            {**extra, "blocks_per_chunk": self.bpc, **policy, **self.connector_extra}
+        )
 
-    def embedded_config(self, name: str) -> dict[str, Any]:
+    def embedded_config(self, name: str, case: Case) -> dict[str, Any]:
         path = self.root / name / "kvtier.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         tree = {
@@ -91,7 +100,7 @@ class Servers:
             "lmdb": {"path": str(self.root / name / "lmdb"), "budget_bytes": LMDB_BUDGET},
         }
         path.write_text(yaml.safe_dump(tree))
-        return self.kvtier({"kvtier_config": str(path)})
+        return self.kvtier({"kvtier_config": str(path)}, case)
 
     def past_the_arena(self, tree: dict[str, Any], below: str, daemon: Kvtierd) -> None:
         """Tiers that hold less than the working set: an arena of a quarter of it (extents of
@@ -130,9 +139,11 @@ class Servers:
         tmp.mkdir(parents=True, exist_ok=True)
         args: list[str] = []
         daemon: Kvtierd | None = None
+        lmcache: LmcacheServer | None = None
+        python = sys.executable
         metrics_url = None
         if case.connector == "embedded":
-            args += connector_arg(self.embedded_config(run_name))
+            args += connector_arg(self.embedded_config(run_name, case))
         elif case.connector == "sidecar":
             (tmp / "kvtierd").mkdir(exist_ok=True)
             daemon = Kvtierd(
@@ -154,7 +165,14 @@ class Servers:
             metrics_url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
             self.daemons[run_name] = daemon
             extra = {"mode": "sidecar", "socket_path": str(daemon.socket_path)}
-            args += connector_arg(self.kvtier(extra))
+            args += connector_arg(self.kvtier(extra, case))
+        elif case.connector == "lmcache":
+            python = self.lmcache_python
+            lmcache = LmcacheServer(
+                python, tmp, budget_bytes=ARENA_BYTES, chunk_tokens=self.bpc * BLOCK_SIZE
+            )
+            lmcache.start()
+            args += connector_arg(lmcache.connector())
         elif case.connector == "example":
             storage = tmp / "example-storage"
             storage.mkdir(exist_ok=True)
@@ -187,17 +205,19 @@ class Servers:
             args += profiler_args(tmp / "traces")
             env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # vLLM's own ranges, forward included
         # the hidden-state cache shares the KV memory: as much again for it, the same tokens held
-        kv_bytes = KV_CACHE_BYTES * case.kv_cache_scale
-        kv_bytes += self.hidden_bytes(KV_CACHE_BYTES) if case.capture else 0
+        kv_bytes = self.sizes.kv_cache_bytes * case.kv_cache_scale
+        kv_bytes += self.hidden_bytes(self.sizes.kv_cache_bytes) if case.capture else 0
         server = VllmServer(
             self.model,
             tmp,
             args=args,
             kv_cache_bytes=kv_bytes,
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=self.sizes.max_model_len,
             block_size=BLOCK_SIZE,
-            dtype="bfloat16",
+            dtype=self.sizes.dtype,
             env=env,
+            python=python,
+            startup_s=SERVER_START_S,
         )
         try:
             server.start()
@@ -207,6 +227,8 @@ class Servers:
             if daemon is not None:
                 daemon.stop()
                 self.daemons.pop(run_name, None)
+            if lmcache is not None:
+                lmcache.stop()
             # its own arena only: other servers may still be running
             self.shm(run_name).unlink(missing_ok=True)
             # the stored KV (a preallocated LMDB file is its whole budget): keep the logs only

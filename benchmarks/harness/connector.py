@@ -21,3 +21,11 @@ def kvtier_connector(
     if recompute_failed_loads:
         config["kv_load_failure_policy"] = "recompute"
     return config
+
+
+def connector_knows(setting: str) -> bool:
+    """Whether `KVTierConnector`'s settings have ``setting``: a benchmark passes a setting only
+    to a connector that takes it (an unknown one is refused)."""
+    from kvtier_vllm.shared.settings import ConnectorConfig
+
+    return setting in ConnectorConfig.model_fields

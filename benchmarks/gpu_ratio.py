@@ -1,0 +1,274 @@
+"""Recompute against load, per token, measured here and on a GPU node.
+
+A hit is worth loading when loading its tokens is faster than recomputing them. On a GPU node
+(benchmarks/fleet_costs.py: Llama-3.1-8B bf16 on an H100) recomputing a token costs about 16
+times what loading its KV from the arena costs, 1.3 times what reading it from NVMe lmdb costs,
+and less than a load from the object store. The GPU-ratio model (tests/fixtures/models.py) is
+shaped so that this machine's ratios land near the GPU's; this module measures them in the run:
+
+- recompute: the engine's prefill time (vLLM's ``vllm:request_prefill_time_seconds``) of
+  prompts no cache holds, at two lengths, one request at a time; the time per token is the
+  difference over the difference in tokens (what a hit of the longer prompt's extra tokens
+  saves), from the median of each length.
+- arena: CpuTier lease, copy of each chunk into a buffer, release.
+- lmdb: LmdbTier.read_into (checksum verified) of chunks written earlier, after the
+  environment was closed, its file synced and its pages dropped from the page cache
+  (``/proc/sys/vm/drop_caches``, or ``posix_fadvise(DONTNEED)`` on the data file where that
+  cannot be written): a read from the disk, as on a node whose page cache holds other data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.fleet_costs import gpu_node
+from benchmarks.harness.buffers import filled, timed, touched
+from benchmarks.harness.sizes import MiB, extent_for
+from benchmarks.harness.specs import spec_for_chunk
+from kvtier.core.config import ArenaConfig, LMDBConfig
+from kvtier.core.keys import ChunkKey
+from kvtier.core.pools import PoolRegistry
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.lmdb_tier import LmdbTier
+from tests.fixtures.keys import keys_for
+
+PREFILL_TIME = "vllm:request_prefill_time_seconds"
+GPU_WINDOW = 2.0
+"""A ratio measured here counts as the GPU's when it lies within this factor of it."""
+
+
+def gpu_ratios(chunk_tokens: int = 256) -> dict[str, float]:
+    """Recompute time over load time per token on the GPU node, by tier."""
+    node = gpu_node(chunk_tokens)
+    recompute = node.prefill_s_per_token * chunk_tokens
+    return {tier: recompute / node.load_s(tier, 1) for tier in ("cpu", "lmdb", "object")}
+
+
+@dataclass(frozen=True)
+class LoadCosts:
+    """Seconds per token of KV, by tier, and how lmdb's pages left the page cache."""
+
+    arena_s_per_token: float
+    lmdb_cold_s_per_token: float
+    dropped_by: str
+
+
+def drop_page_cache(data_file: Path) -> str:
+    """Evicts ``data_file``'s clean pages (it must be synced and mapped by no one); says how."""
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return "drop_caches"
+    except OSError:
+        fd = os.open(data_file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return "fadvise"
+
+
+class PageCacheDropper:
+    """While entered, syncs and drops the page cache every ``interval_s`` (a thread): a tier
+    below the arena then reads from the disk what was written a moment before, as a node whose
+    page cache holds other data would. Pages a process keeps mapped stay; ``drops`` counts."""
+
+    def __init__(self, data_file: Path, interval_s: float = 2.0) -> None:
+        self.data_file = data_file
+        self.interval_s = interval_s
+        self.drops = 0
+        self.dropped_by = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="page-cache-dropper", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            os.sync()  # only clean pages drop
+            if self.data_file.exists():
+                self.dropped_by = drop_page_cache(self.data_file)
+                self.drops += 1
+
+    def __enter__(self) -> PageCacheDropper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def measure_loads(
+    kv_bytes_per_token: int, chunk_tokens: int, *, total_bytes: int = 64 * MiB, reps: int = 3
+) -> LoadCosts:
+    """The median over ``reps`` of loading ``total_bytes`` of chunks of ``chunk_tokens``
+    tokens from the arena and, with its pages dropped, from lmdb."""
+    chunk = kv_bytes_per_token * chunk_tokens
+    n = max(1, total_bytes // chunk)
+    registry = PoolRegistry()
+    namespace = registry.register(spec_for_chunk("gpu-ratio", chunk), chunk).namespace
+    keys = keys_for(namespace, n)
+    src, dst = memoryview(filled(n * chunk)), memoryview(touched(n * chunk))
+    spans = [slice(i * chunk, (i + 1) * chunk) for i in range(n)]
+    chunks = [(src[span], dst[span]) for span in spans]
+    root = Path(tempfile.mkdtemp(prefix="kvtier-gpu-ratio-"))
+    try:
+        arena_s = _arena_load_s(root, registry, keys, chunks, reps)
+        lmdb_s, dropped_by = _lmdb_cold_load_s(root, registry, keys, chunks, reps)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    tokens = n * chunk_tokens
+    return LoadCosts(arena_s / tokens, lmdb_s / tokens, dropped_by)
+
+
+Chunks = list[tuple[memoryview, memoryview]]
+"""Each chunk's bytes to store and where its load goes."""
+
+
+def _arena_load_s(
+    root: Path, registry: PoolRegistry, keys: list[ChunkKey], chunks: Chunks, reps: int
+) -> float:
+    chunk = len(chunks[0][0])
+    extent = extent_for(chunk)
+    shm = Path(f"/dev/shm/kvtier-gpu-ratio-{os.getpid()}")
+    size = len(chunks) * chunk + 2 * extent
+    arena = CpuTier(ArenaConfig(path=shm, size_bytes=size, extent_bytes=extent), registry)
+    try:
+        refs = [ref for ref in arena.reserve(keys) if ref is not None]
+        if len(refs) != len(keys):
+            raise RuntimeError("the arena is sized to hold every chunk")
+        for ref, (data, _) in zip(refs, chunks, strict=True):
+            arena.view(ref)[:] = data
+        arena.commit(refs)
+
+        def load() -> None:
+            leased = [ref for ref in arena.lease(keys) if ref is not None]
+            for ref, (_, out) in zip(leased, chunks, strict=True):
+                out[:] = arena.view(ref)
+            arena.release(leased)
+
+        load()  # untimed: the destination's pages and the arena's extents warm
+        _check(chunks, "the arena")
+        return statistics.median(timed(load) for _ in range(reps))
+    finally:
+        arena.close()
+        shm.unlink(missing_ok=True)
+
+
+def _lmdb_cold_load_s(
+    root: Path, registry: PoolRegistry, keys: list[ChunkKey], chunks: Chunks, reps: int
+) -> tuple[float, str]:
+    budget = 2 * len(chunks) * len(chunks[0][0]) + 64 * MiB
+    config = LMDBConfig(path=root / "lmdb", budget_bytes=budget)
+    writer = LmdbTier(config, registry)
+    try:
+        items = [(key, data) for key, (data, _) in zip(keys, chunks, strict=True)]
+        for first in range(0, len(items), 8):
+            if not all(writer.put_many(items[first : first + 8])):
+                raise RuntimeError("lmdb rejected a chunk; its budget holds them all")
+    finally:
+        writer.close()
+
+    def load(reader: LmdbTier) -> None:
+        for key, (_, out) in zip(keys, chunks, strict=True):
+            if not reader.read_into(key, out):
+                raise RuntimeError("lmdb missed a chunk it holds")
+
+    samples, dropped_by = [], ""
+    for _ in range(reps):
+        # closed (unmapped) and synced first: the kernel drops only clean, unmapped pages
+        os.sync()
+        dropped_by = drop_page_cache(config.path / "data.mdb")
+        reader = LmdbTier(config, registry)
+        try:
+            for out in (out for _, out in chunks):
+                out[:1] = b"\xff" if out[0] != 0xFF else b"\x00"  # a load must write it back
+            samples.append(timed(lambda: load(reader)))  # noqa: B023 (called at once)
+        finally:
+            reader.close()
+        _check(chunks, "lmdb")
+    return statistics.median(samples), dropped_by
+
+
+def _check(chunks: Chunks, tier: str) -> None:
+    if any(data != out for data, out in chunks):
+        raise RuntimeError(f"{tier} loaded other bytes than were stored")
+
+
+def _prefill_seconds(url: str) -> tuple[float, float]:
+    """The engine's prefill-time histogram: its sum and count."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{PREFILL_TIME}_sum":
+                total += sample.value
+            elif sample.name == f"{PREFILL_TIME}_count":
+                count += sample.value
+    return total, count
+
+
+def _complete(url: str, model: str, prompt: list[int]) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "ignore_eos": True}
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as r:
+        r.read()
+
+
+def measure_prefill(url: str, model: str, prompts: dict[int, list[list[int]]]) -> dict[str, float]:
+    """The engine's prefill seconds per token from ``prompts`` by length (two lengths, prompts
+    no cache holds), sent one at a time; each length's first prompt is left out (warm-up)."""
+    medians: dict[int, float] = {}
+    for length, batch in sorted(prompts.items()):
+        times = []
+        for i, prompt in enumerate(batch):
+            before = _prefill_seconds(url)
+            _complete(url, model, prompt)
+            after = _prefill_seconds(url)
+            if after[1] != before[1] + 1:
+                raise RuntimeError(f"the engine counted {after[1] - before[1]} prefills for one")
+            if i:
+                times.append(after[0] - before[0])
+        medians[length] = statistics.median(times)
+    short, long = sorted(medians)
+    return {
+        "prefill_s_per_token": (medians[long] - medians[short]) / (long - short),
+        "prefill_s_short": medians[short],
+        "prefill_s_long": medians[long],
+        "short_tokens": short,
+        "long_tokens": long,
+    }
+
+
+def ratios(prefill_s_per_token: float, loads: LoadCosts, chunk_tokens: int) -> dict[str, Any]:
+    """This machine's ratios beside the GPU node's, and whether each lies within
+    ``GPU_WINDOW`` of it (the object store's is not shaped: reported only)."""
+    here = {
+        "cpu": prefill_s_per_token / loads.arena_s_per_token,
+        "lmdb": prefill_s_per_token / loads.lmdb_cold_s_per_token,
+    }
+    gpu = gpu_ratios(chunk_tokens)
+    return {
+        "recompute_vs_load_here": here,
+        "recompute_vs_load_gpu": gpu,
+        "within_gpu_window": {
+            tier: gpu[tier] / GPU_WINDOW <= value <= gpu[tier] * GPU_WINDOW
+            for tier, value in here.items()
+        },
+        "prefill_s_per_token": prefill_s_per_token,
+        "loads": asdict(loads),
+    }

@@ -1,0 +1,194 @@
+"""The serving benchmark on the GPU-ratio model (``--model gpu-ratio``): its recompute:load
+ratios measured in the run beside a GPU node's, the connector's load decisions, and the targets
+that hold on a GPU node.
+
+Targets, each a ratio measured in the same run at concurrency 4 (kvtier: the sidecar with the
+``measured`` load policy where the connector has load policies, else its default):
+
+- ``gpu_ratio_throughput_vs_vllm_alone`` (>= 1.3): multi-round output tokens/s, the arena
+  holding the working set, over vLLM alone's.
+- ``gpu_ratio_vs_lmcache`` (>= 1.1): the same over LMCache's (multiprocess mode, the arena's
+  budget).
+- ``hit_ttft_vs_recompute_p90`` (<= 1.0), ``..._lmdb``, ``..._object``: TTFT p90 of the rounds
+  after each user's first (those a cache can serve) over vLLM alone's for the same rounds
+  (which it recomputes: its KV cache holds a quarter of the working set), with the arena, then
+  lmdb, then the object store holding the history.
+- ``gpu_ratio_no_reuse`` (>= 0.98): the no-reuse phase's sidecar over vLLM alone.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+from typing import Any
+
+from benchmarks.gpu_ratio import measure_loads, ratios
+from benchmarks.harness.targets import met as target_met
+from benchmarks.serving_cases import (
+    GPU_RATIO_TARGETS,
+    LMCACHE,
+    LMDB_BACKED,
+    OBJECT_BACKED,
+    SIDECAR,
+    VLLM,
+    headline_name,
+)
+from benchmarks.serving_figures import Outcome, no_reuse_ratios
+from kvtier.bench.scrape import Samples, delta, parse_counters
+from tests.fixtures import models
+
+PREFILL_PROMPTS = 5
+"""Prompts of each length the prefill time is measured with (the first one unmeasured)."""
+SHORT_PROMPT = 64
+
+
+def prefill_prompts(vocab: int, long_tokens: int) -> dict[int, list[list[int]]]:
+    """Prompts no cache holds (each its own), of ``SHORT_PROMPT`` and ``long_tokens`` tokens."""
+    return {
+        length: models.shared_prefix_prompts(
+            PREFILL_PROMPTS,
+            vocab_size=vocab,
+            prefix_len=length - 1,
+            suffix_len=1,
+            num_prefixes=PREFILL_PROMPTS,
+            seed=7000 + length,
+        )
+        for length in (SHORT_PROMPT, long_tokens)
+    }
+
+
+def decision_counters(url: str) -> Samples:
+    """The connector's load-decision series on the engine's /metrics (none before the
+    connector counts them)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        samples = parse_counters(r.read().decode())
+    return {key: v for key, v in samples.items() if "decision" in key[0]}
+
+
+def decisions_between(before: Samples, after: Samples) -> dict[str, float]:
+    """Each series' count over the levels, named with its labels."""
+    out: dict[str, float] = {}
+    for (name, labels), value in delta(before, after).items():
+        label = ",".join(f"{k}={v}" for k, v in labels if k not in ("engine", "model_name"))
+        out[f"{name}{{{label}}}" if label else name] = value
+    return out
+
+
+def headline(
+    outcomes: dict[str, Outcome],
+    cycles: list[dict[str, float]],
+    concurrency: int,
+    policies: bool,
+    measured_ratios: dict[str, Any],
+) -> dict[str, Any]:
+    """The GPU-ratio targets' values, the ratios measured, and each server's load decisions and
+    share of its levels spent in kvtier's hooks."""
+
+    def level(name: str) -> Any:
+        outcome = outcomes.get(name)
+        found = outcome.at(concurrency) if outcome else None
+        return found if found is not None and found.ok else None
+
+    def tps(name: str) -> float | None:
+        found = level(name)
+        return found.output_tps if found is not None else None
+
+    def hit_ttft_p90(name: str) -> float | None:
+        found = level(name)
+        later = [r.ttft_s for r in found.records if r.ok and r.round > 0] if found else []
+        return sorted(later)[math.ceil(0.9 * len(later)) - 1] if later else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    side = headline_name(SIDECAR.name, policies)
+    values = {
+        "gpu_ratio_throughput_vs_vllm_alone": ratio(tps(side), tps(VLLM.name)),
+        "gpu_ratio_vs_lmcache": ratio(tps(side), tps(LMCACHE.name)),
+        "hit_ttft_vs_recompute_p90": ratio(hit_ttft_p90(side), hit_ttft_p90(VLLM.name)),
+        "hit_ttft_vs_recompute_p90_lmdb": ratio(
+            hit_ttft_p90(headline_name(LMDB_BACKED.name, policies)), hit_ttft_p90(VLLM.name)
+        ),
+        "hit_ttft_vs_recompute_p90_object": ratio(
+            hit_ttft_p90(headline_name(OBJECT_BACKED.name, policies)), hit_ttft_p90(VLLM.name)
+        ),
+        "gpu_ratio_no_reuse": no_reuse_ratios(cycles, SIDECAR.name).mean,
+    }
+    targets = {}
+    for key, (op, bound) in GPU_RATIO_TARGETS.items():
+        value = values[key]
+        met = None if value is None else target_met(value, op, bound)
+        targets[key] = {"value": value, "target": f"{op} {bound:g}", "met": met}
+    return {
+        **values,
+        "gpu_ratio_targets": targets,
+        "gpu_ratios": measured_ratios,
+        "load_decisions": {n: o.load_decisions for n, o in outcomes.items() if o.load_decisions},
+        "kvtier_hook_share": {
+            n: _hook_share(found)
+            for n in outcomes
+            if (found := level(n)) is not None and found.server.connector_hook_seconds
+        },
+    }
+
+
+def _hook_share(level: Any) -> float:
+    """vLLM's engine loop inside kvtier's hooks over the level's wall time."""
+    return float(sum(level.server.connector_hook_seconds.values()) / level.duration_s)
+
+
+def measure(
+    outcomes: dict[str, Outcome], kv_bytes_per_token: int, chunk_tokens: int
+) -> dict[str, Any]:
+    """The loads' costs measured now, and the ratios of the engine's prefill time (vLLM alone's
+    ``Plan.measure_prefill``) to them."""
+    prefill = next((o.prefill for o in outcomes.values() if o.prefill), None)
+    if prefill is None:
+        return {"error": "vLLM alone did not run: no prefill time"}
+    loads = measure_loads(kv_bytes_per_token, chunk_tokens)
+    return {**ratios(prefill["prefill_s_per_token"], loads, chunk_tokens), "prefill": prefill}
+
+
+def _f(value: Any, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def tables(result: dict[str, Any]) -> list[str]:
+    """The ratios beside the GPU's, the targets, the load decisions and kvtier's hook share."""
+    measured = result.get("gpu_ratios") or {}
+    lines = ["", "## Recompute over load, per token (this machine, in this run; GPU node)", ""]
+    if measured.get("error"):
+        lines.append(f"Not measured: {measured['error']}")
+    elif measured:
+        here, gpu = measured["recompute_vs_load_here"], measured["recompute_vs_load_gpu"]
+        loads, prefill = measured["loads"], measured["prefill"]
+        lines += [
+            f"Prefill {prefill['prefill_s_per_token'] * 1e6:.1f} us/token (engine, "
+            f"{prefill['short_tokens']} vs {prefill['long_tokens']} tokens); arena load "
+            f"{loads['arena_s_per_token'] * 1e6:.2f} us/token; lmdb, pages dropped "
+            f"({loads['dropped_by']}), {loads['lmdb_cold_s_per_token'] * 1e6:.2f} us/token.",
+            "",
+            "| tier | here | GPU node | within 2x |",
+            "|---|---:|---:|---|",
+        ]
+        for tier, gpu_value in gpu.items():
+            within = measured["within_gpu_window"].get(tier)
+            lines.append(
+                f"| {tier} | {_f(here.get(tier), '.2f')} | {gpu_value:.2f} | "
+                f"{'-' if within is None else ('yes' if within else 'no')} |"
+            )
+    lines += ["", "## GPU-ratio targets", "", "| ratio | value | target | met |"]
+    lines.append("|---|---:|---:|---|")
+    for key, t in result.get("gpu_ratio_targets", {}).items():
+        met = "-" if t["met"] is None else ("yes" if t["met"] else "no")
+        lines.append(f"| {key} | {_f(t['value'], '.3f')} | {t['target']} | {met} |")
+    lines += [
+        "",
+        "| server | kvtier hooks, share of the level | load decisions |",
+        "|---|---:|---|",
+    ]
+    shares, decisions = result.get("kvtier_hook_share", {}), result.get("load_decisions", {})
+    for name in sorted(set(shares) | set(decisions)):
+        counted = ", ".join(f"{k} {v:g}" for k, v in sorted(decisions.get(name, {}).items()))
+        lines.append(f"| {name} | {_f(shares.get(name), '.2%')} | {counted or '-'} |")
+    return lines
