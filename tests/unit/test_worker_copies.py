@@ -6,8 +6,10 @@ rewritten in between is a load error."""
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -187,9 +189,46 @@ def test_an_asynchronous_load_whose_slot_moved_before_landing_fails_its_request(
     deferred(bare, hook)
     loads = [bare.load(moved, (3, 4), "r1"), bare.load(kept, (7, 8), "r2")]
     bare.worker.start_load_kv(bare.meta(loads, receiving=["r1", "r2"]))
-    assert bare.worker.finished_loads() == ({"r2"}, {"r1"})
+    assert bare.finished_loads() == ({"r2"}, {"r1"})
     assert bare.worker.block_ids_with_load_errors() == set()  # per request, never per block
     assert torch.equal(bare.blocks("target", (7, 8)), bare.slot(kept))
+
+
+def test_an_asynchronous_load_of_one_group_fails_only_the_blocks_whose_slot_moved(
+    bare: BareWorker,
+) -> None:
+    # one KV-cache group: vLLM takes the failed blocks and computes the request from the first
+    moved, kept = bare.store(), bare.store()
+    hook, _ = rewriting(bare, moved)
+    deferred(bare, hook)
+    loads = [bare.load(kept, (7, 8), "r1"), bare.load(moved, (3, 4), "r1")]
+    bare.worker.start_load_kv(bare.meta(loads, receiving=["r1"], block_errors=True))
+    assert bare.finished_loads() == ({"r1"}, set())
+    assert bare.worker.block_ids_with_load_errors() == {3, 4}
+    assert torch.equal(bare.blocks("target", (7, 8)), bare.slot(kept))
+
+
+def test_an_asynchronous_load_is_copied_off_the_engines_thread(
+    bare: BareWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = bare.store()
+    release, entered = threading.Event(), threading.Event()
+    issue = bare.worker._issue_loads
+
+    def held(*args: Any) -> Any:
+        entered.set()
+        assert release.wait(30)
+        return issue(*args)
+
+    monkeypatch.setattr(bare.worker, "_issue_loads", held)
+    bare.worker.start_load_kv(bare.meta([bare.load(ref, (1, 2), "r1")], receiving=["r1"]))
+    # start_load_kv returned while the load is held: the engine's step goes on without it
+    assert entered.wait(30)
+    assert bare.worker.finished_loads() == (set(), set())
+    assert not bare.blocks("target", (1, 2)).any()
+    release.set()
+    assert bare.finished_loads() == ({"r1"}, set())
+    assert torch.equal(bare.blocks("target", (1, 2)), bare.slot(ref))
 
 
 def test_a_store_is_reported_only_once_its_copies_landed(bare: BareWorker) -> None:

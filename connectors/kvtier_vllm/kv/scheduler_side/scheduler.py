@@ -40,7 +40,7 @@ from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
 from kvtier_vllm.kv.scheduler_side.timings import StepTimings
 from kvtier_vllm.kv.scheduler_side.verify import Verifier
 from kvtier_vllm.shared.connection import Session, close_client
-from kvtier_vllm.shared.settings import ConnectorConfig
+from kvtier_vllm.shared.settings import ConnectorConfig, LoadMode
 from kvtier_vllm.shared.vllm_compat import (
     eagle_block_drop,
     failure_policy_warning,
@@ -87,8 +87,9 @@ class KVTierScheduler:
         self.capture = Capture(hidden) if hidden is not None else None
         """Hidden states captured: each finished request gets a reference to them."""
         self.manifests = Manifests()
-        self.async_loads = len(groups) > 1
-        """Several groups: vLLM takes load failures only per request, after an async load."""
+        self.async_loads = len(groups) > 1 or cfg.load_mode is LoadMode.ASYNC
+        """A hit's request waits for its load while the others run (several groups: always,
+        vLLM takes their load failures only per request, after an async load)."""
         self.stats = KVTierStats()
         self.namespaces: dict[str, bytes] = {}
         """Per plan key; a pool without one is not stored (a draft mid-swap)."""
@@ -113,6 +114,7 @@ class KVTierScheduler:
             block_size=self.block_size,
             blocks_per_chunk=cfg.blocks_per_chunk,
             async_loads=self.async_loads,
+            block_errors=len(groups) == 1,
         )
         self.lookup: HitLookup | None = None
         self.stores: Stores | None = None
@@ -366,11 +368,21 @@ class KVTierScheduler:
                 self.calls.failed("hit report", exc)
         return self.events.take()
 
-    def update_connector_output(self, worker_meta: Any, failed_loads: Iterable[str] = ()) -> None:
+    def update_connector_output(
+        self, worker_meta: Any, failed_loads: Iterable[str] = (), failed_blocks: Iterable[int] = ()
+    ) -> None:
         for req_id in failed_loads:
             if (state := self._requests.get(req_id)) is not None:
                 log.warning("kvtier: the load of request %s failed; vLLM recomputes it", req_id)
                 state.load_failed = True
+        if invalid := set(failed_blocks):
+            # one group: a load fails per block, and vLLM recomputes from the first failed one
+            for req_id, state in self._requests.items():
+                if state.hit is not None and any(
+                    not invalid.isdisjoint(b) for b in state.block_ids
+                ):
+                    log.warning("kvtier: part of request %s's load failed; recomputed", req_id)
+                    state.load_failed = True
         if self.client is None:
             return
         ours = isinstance(worker_meta, KVTierWorkerMetadata)
