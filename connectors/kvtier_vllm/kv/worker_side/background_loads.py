@@ -87,6 +87,14 @@ class BackgroundLoads:
             batch.done.wait()
         self._submitted = []
 
+    @staticmethod
+    def wait_landed(batches: list[LoadBatch]) -> None:
+        """Wait until each of ``batches`` was issued and its copies landed."""
+        for batch in batches:
+            batch.done.wait()
+            if batch.issued is not None:
+                batch.issued.fence.wait()
+
     def close(self) -> None:
         """Drain, then end the thread."""
         self.drain()

@@ -289,17 +289,15 @@ class KVTierWorker:
         return loads
 
     def _landed_or_failed(self, loads: IssuedLoads, failed: set[str], block_errors: bool) -> None:
-        """Count and report what issuing ``loads`` noted: the loads that failed, the draft
-        chunks zeroed or loaded unverified."""
+        """Count and report, once, what issuing ``loads`` noted: the loads that failed, the
+        draft chunks zeroed or loaded unverified."""
         for job, seconds in loads.failed:
             self._fail_loads([job], failed, block_errors)
             self._count("load", job, seconds, False)
-        loads.failed = []
         if loads.zero_filled:
             self.stats.fill(Fill.ZEROS, loads.zero_filled)
         if loads.unverified and self._draft_watch is not None:
             self._draft_watch.unverified += loads.unverified
-        loads.zero_filled = loads.unverified = 0
 
     def _check_landed(self, loads: IssuedLoads, failed: set[str], block_errors: bool) -> None:
         """Loads whose fence passed: a slot still at the generation the scheduler looked up
@@ -348,7 +346,9 @@ class KVTierWorker:
         return errors - {0}
 
     def fail_receiving(self) -> tuple[set[str], set[str]]:
-        """Every asynchronous load in flight, failed: when checking them failed."""
+        """Every asynchronous load in flight, failed (when checking them failed), once no copy
+        of theirs is still landing: vLLM may hand their blocks to other requests at once."""
+        self.background.wait_landed(self._receiving)
         requests = {r for batch in self._receiving for r in batch.requests}
         self._receiving = []
         return set(), requests
