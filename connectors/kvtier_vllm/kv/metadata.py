@@ -53,6 +53,9 @@ class KVTierMetadata(KVConnectorMetadata):
     receiving: list[str] = field(default_factory=list)
     """Requests whose loads are asynchronous: each worker reports them finished, or failed,
     once their copies are done."""
+    idle: bool = False
+    """Nothing is computed in this step: the workers may wait for the asynchronous loads in
+    flight before they report (`BackgroundLoads.wait_if_idle`), which holds up no one."""
     block_errors: bool = False
     """The asynchronous loads' failed chunks are reported as load errors of their blocks, their
     requests finished (one KV-cache group: vLLM computes from the first failed block); else

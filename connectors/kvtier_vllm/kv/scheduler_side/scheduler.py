@@ -277,6 +277,7 @@ class KVTierScheduler:
             self.lookup.next_step(self.cfg.lookup_deadline_ms / 1000 if idle else None)
         self.session.touch(bool(self._requests))
         meta = self.pending.take_queued()
+        meta.idle = not scheduler_output.total_num_scheduled_tokens
         if self.client is not None:  # a restarted daemon may have put its arena elsewhere
             self.arena_path = str(self.client.arena_path)
         meta.arena_path = self.arena_path

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,9 @@ from kvtier_vllm.kv.metadata import ChunkCopy
 from kvtier_vllm.shared.copies import Fence
 
 log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.05
+"""The longest a step that computes nothing waits for loads in flight (a chunk read from a cold
+disk may take longer: it is reported at a later step)."""
 
 
 @dataclass(slots=True)
@@ -71,6 +75,8 @@ class BackgroundLoads:
         self._thread: threading.Thread | None = None
         self._submitted: list[LoadBatch] = []
         """Batches not yet issued, for `drain`."""
+        self.idle = False
+        """Nothing is computed in the engine's step (`KVTierMetadata.idle`)."""
 
     def submit(self, batch: LoadBatch, issue: Callable[[], IssuedLoads]) -> None:
         """Run ``issue`` for ``batch`` on the loading thread; ``batch.done`` is set after."""
@@ -88,12 +94,24 @@ class BackgroundLoads:
         self._submitted = []
 
     @staticmethod
-    def wait_landed(batches: list[LoadBatch]) -> None:
-        """Wait until each of ``batches`` was issued and its copies landed."""
+    def wait_landed(batches: list[LoadBatch], timeout_s: float | None = None) -> None:
+        """Wait until each of ``batches`` was issued and its copies landed, or ``timeout_s``
+        passed (None: however long it takes)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for batch in batches:
-            batch.done.wait()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not batch.done.wait(left):
+                return
             if batch.issued is not None:
                 batch.issued.fence.wait()
+
+    def wait_if_idle(self, batches: list[LoadBatch]) -> None:
+        """In a step that computes nothing, wait (up to ``IDLE_WAIT_S``) for ``batches`` to land
+        before they are reported: nothing else runs, and the engine's thread, stepping idle,
+        would otherwise hold the interpreter's lock against the loading thread at each of its
+        copies (a lone request's arena hit took several times its copy time)."""
+        if self.idle:
+            self.wait_landed(batches, IDLE_WAIT_S)
 
     def close(self) -> None:
         """Drain, then end the thread."""

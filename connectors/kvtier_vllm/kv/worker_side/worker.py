@@ -206,6 +206,7 @@ class KVTierWorker:
             self._slots(meta.arena_path)
         self._load_errors.update(meta.invalid_blocks)
         self._fail_requests(set(meta.failed_requests))
+        self.background.idle = meta.idle
         checked = self._check_draft(meta)
         if not meta.loads and not meta.zero and not meta.receiving:
             return
@@ -240,8 +241,7 @@ class KVTierWorker:
     ) -> IssuedLoads:
         """Queue the copies of ``jobs`` into vLLM's pages (chunks leased in lmdb staged from
         its map first); what failed is only noted, for the engine's thread to report."""
-        arena = self._arena
-        loads = IssuedLoads(Fence(), arena, [], [])
+        loads = IssuedLoads(Fence(), arena := self._arena, [], [])
         if slots is None or arena is None:
             loads.failed = [(job, 0.0) for job in jobs]
             return loads
@@ -289,8 +289,7 @@ class KVTierWorker:
         return loads
 
     def _landed_or_failed(self, loads: IssuedLoads, failed: set[str], block_errors: bool) -> None:
-        """Count and report, once, what issuing ``loads`` noted: the loads that failed, the
-        draft chunks zeroed or loaded unverified."""
+        """Count and report, once, what issuing ``loads`` noted."""
         for job, seconds in loads.failed:
             self._fail_loads([job], failed, block_errors)
             self._count("load", job, seconds, False)
@@ -364,6 +363,7 @@ class KVTierWorker:
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """Requests whose asynchronous loads landed, and those among them that failed."""
+        self.background.wait_if_idle(self._receiving)
         done: set[str] = set()
         failed: set[str] = set()
         waiting = []
