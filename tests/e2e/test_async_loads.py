@@ -36,9 +36,9 @@ def submitted(monkeypatch: pytest.MonkeyPatch) -> list[set[str]]:
     batches: list[set[str]] = []
     submit = BackgroundLoads.submit
 
-    def recording(self: BackgroundLoads, batch: LoadBatch, issue: Any) -> None:
+    def recording(self: BackgroundLoads, batch: LoadBatch, issue: Any, fence: Any) -> None:
         batches.append(set(batch.requests))
-        submit(self, batch, issue)
+        submit(self, batch, issue, fence)
 
     monkeypatch.setattr(BackgroundLoads, "submit", recording)
     return batches

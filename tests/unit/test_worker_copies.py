@@ -244,3 +244,17 @@ def test_a_store_is_reported_only_once_its_copies_landed(bare: BareWorker) -> No
     assert reported is not None
     assert reported.stored == [(ref.slot, ref.generation)]
     assert torch.equal(bare.slot(ref), bare.blocks("target", (5, 6)))
+
+
+def test_an_asynchronous_load_whose_issuing_raised_fails_its_request_whole(
+    bare: BareWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("issuing broken by the test")
+
+    monkeypatch.setattr(bare.worker, "_issue_loads", broken)
+    loads = [bare.load(bare.store(), (1, 2), "r1")]
+    bare.worker.start_load_kv(bare.meta(loads, receiving=["r1"], block_errors=True))
+    # never left waiting: reported finished and failed, so vLLM recomputes it
+    assert bare.finished_loads() == (set(), {"r1"})
+    assert bare.worker.block_ids_with_load_errors() == set()

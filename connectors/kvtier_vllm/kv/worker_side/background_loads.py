@@ -64,28 +64,32 @@ class LoadBatch:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+_Job = tuple[LoadBatch, Callable[[], IssuedLoads], Callable[[], Fence]]
+
+
 class BackgroundLoads:
     """The worker's loading thread, started with the first batch: batches run in the order
     they were submitted; a batch whose issuing raised is issued as failed whole."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[LoadBatch, Callable[[], IssuedLoads]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._submitted: list[LoadBatch] = []
         """Batches not yet issued, for `drain`."""
         self.idle = False
         """Nothing is computed in the engine's step (`KVTierMetadata.idle`)."""
 
-    def submit(self, batch: LoadBatch, issue: Callable[[], IssuedLoads]) -> None:
-        """Run ``issue`` for ``batch`` on the loading thread; ``batch.done`` is set after."""
+    def submit(
+        self, batch: LoadBatch, issue: Callable[[], IssuedLoads], fence: Callable[[], Fence]
+    ) -> None:
+        """Run ``issue`` for ``batch`` on the loading thread; ``batch.done`` is set after. Where
+        it raises, the batch fails whole once what it issued landed (``fence``)."""
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="kvtier-loads", daemon=True)
             self._thread.start()
         self._submitted = [b for b in self._submitted if not b.done.is_set()]
         self._submitted.append(batch)
-        self._queue.put((batch, issue))
+        self._queue.put((batch, issue, fence))
 
     def drain(self) -> None:
         """Wait until every batch submitted was issued."""
@@ -123,12 +127,12 @@ class BackgroundLoads:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            batch, issue = item
+            batch, issue, fence = item
             try:
                 batch.issued = issue()
             except Exception:  # a load never leaves its request waiting: it fails instead
                 log.exception("kvtier: issuing asynchronous loads failed; they are recomputed")
                 batch.failed |= batch.requests
-                batch.issued = IssuedLoads(Fence(), None, [], [])
+                batch.issued = IssuedLoads(fence(), None, [], [])
             finally:
                 batch.done.set()

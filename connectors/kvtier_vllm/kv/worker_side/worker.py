@@ -227,7 +227,7 @@ class KVTierWorker:
             jobs = [job for job in meta.loads if job.request]
             self.copies.begin_loads()  # after what the engine's stream did so far, on a device
             args = (jobs, meta.lmdb_path, slots, self.background_staging, checked, self._draft_ok)
-            self.background.submit(batch, partial(self._issue_loads, *args))
+            self.background.submit(batch, partial(self._issue_loads, *args), self.copies.fence)
             self._receiving.append(batch)
 
     def _issue_loads(
