@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata
+from kvtier_vllm.kv.worker_side import background_loads
 from kvtier_vllm.kv.worker_side.pages import block_runs, pages_of, stacked
 from kvtier_vllm.shared.copies import DeferredCopies, Pair
 
@@ -258,3 +259,25 @@ def test_an_asynchronous_load_whose_issuing_raised_fails_its_request_whole(
     # never left waiting: reported finished and failed, so vLLM recomputes it
     assert bare.finished_loads() == (set(), {"r1"})
     assert bare.worker.block_ids_with_load_errors() == set()
+
+
+def test_a_step_that_computes_nothing_reports_the_load_it_started(
+    bare: BareWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(background_loads, "IDLE_WAIT_S", 30.0)  # however slow this machine is
+    release = threading.Event()
+    issue = bare.worker._issue_loads
+
+    def held(*args: Any) -> Any:
+        assert release.wait(30)
+        return issue(*args)
+
+    monkeypatch.setattr(bare.worker, "_issue_loads", held)
+    ref = bare.store()
+    meta = bare.meta([bare.load(ref, (1, 2), "r1")], receiving=["r1"])
+    meta.idle = True
+    bare.worker.start_load_kv(meta)
+    threading.Timer(0.01, release.set).start()
+    # nothing else runs: the worker waits for the load rather than step on without it
+    assert bare.worker.finished_loads() == ({"r1"}, set())
+    assert torch.equal(bare.blocks("target", (1, 2)), bare.slot(ref))
