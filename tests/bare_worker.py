@@ -4,6 +4,7 @@ pages are plain tensors (on the CPU or a GPU), and chunks to load into them."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,8 +83,22 @@ class BareWorker:
             chunk=bytes(ref.key),
         )
 
-    def meta(self, loads: list[ChunkCopy], receiving: Sequence[str] = ()) -> KVTierMetadata:
-        return KVTierMetadata(str(self.arena_path), loads=loads, receiving=list(receiving))
+    def meta(
+        self, loads: list[ChunkCopy], receiving: Sequence[str] = (), block_errors: bool = False
+    ) -> KVTierMetadata:
+        return KVTierMetadata(
+            str(self.arena_path), loads=loads, receiving=list(receiving), block_errors=block_errors
+        )
+
+    def finished_loads(self, timeout_s: float = 30.0) -> tuple[set[str], set[str]]:
+        """The worker's first report of asynchronous loads finished (and failed), once its
+        loading thread issued them: asked until one comes, for up to ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done, failed = self.worker.finished_loads()
+            if done or failed or time.monotonic() > deadline:
+                return done, failed
+            time.sleep(0.01)
 
     def close(self) -> None:
         self.worker.shutdown()

@@ -107,6 +107,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             lambda: scheduler.update_connector_output(
                 connector_output.kv_connector_worker_meta,
                 getattr(connector_output, "failed_recving", None) or (),
+                getattr(connector_output, "invalid_block_ids", None) or (),
             ),
             lambda: None,
         )
@@ -167,7 +168,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads complete in start_load_kv
+        return None  # synchronous loads complete in start_load_kv
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
@@ -186,7 +187,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        """Asynchronous loads (several KV-cache groups) done, and those that failed; finished
+        """Asynchronous loads done, and those that failed as a whole; finished
         requests whose last stores landed."""
         worker = self._worker
         if worker is None:

@@ -58,14 +58,15 @@ def _lmdb_counters(admin: AdminClient) -> dict[str, int]:
     return dict(tier.counters)
 
 
-_CORRUPT_EVERY_CHUNK = """
+_CORRUPT_CHUNKS = """
 import sys
 import lmdb
 from kvtier.tiers.lmdb_reader import DATABASES
 env = lmdb.open(sys.argv[1], max_dbs=len(DATABASES), subdir=True)
 chunks = env.open_db(b"chunks", create=False)
+only = {bytes.fromhex(k) for k in sys.argv[2:]}
 with env.begin(write=True, db=chunks) as txn:
-    stored = [(bytes(k), bytearray(v)) for k, v in txn.cursor()]
+    stored = [(bytes(k), bytearray(v)) for k, v in txn.cursor() if not only or bytes(k) in only]
     for key, value in stored:
         value[-1] ^= 0xFF
         txn.put(key, bytes(value))
@@ -73,12 +74,13 @@ print(len(stored))
 """
 
 
-def _corrupt_every_chunk(path: Path) -> int:
-    """Flip the last payload byte of every stored chunk, as a failing disk would; returns how
-    many. Another process does it (this one has the environment open to read, through the
-    engines' connector): LMDB takes its writer beside kvtierd's, one transaction at a time."""
+def corrupt_chunks(path: Path, keys: list[bytes] | None = None) -> int:
+    """Flip the last payload byte of the stored chunks ``keys`` (default: every one), as a
+    failing disk would; returns how many. Another process does it (this one has the environment
+    open to read, through the engines' connector): LMDB takes its writer beside kvtierd's, one
+    transaction at a time."""
     done = subprocess.run(
-        [sys.executable, "-c", _CORRUPT_EVERY_CHUNK, str(path)],
+        [sys.executable, "-c", _CORRUPT_CHUNKS, str(path), *(k.hex() for k in keys or ())],
         capture_output=True,
         text=True,
         check=True,
@@ -145,7 +147,7 @@ def test_chunks_corrupted_in_lmdb_are_recomputed_reported_dropped_and_stored_aga
     _unhealthy_after(daemon_files, 8)
     connector, admin = _stored_in_lmdb_only(tiny_models, prompts, procs, daemon_files, {})
     try:
-        assert _corrupt_every_chunk(daemon_files.lmdb) > 0
+        assert corrupt_chunks(daemon_files.lmdb) > 0
         held = _lmdb_chunks(admin)
         with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
             tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)

@@ -66,12 +66,26 @@ def _load_blocks(meta: Any) -> list[int]:
     return [b for job in meta.loads for b in job.block_ids if b]
 
 
-def _arm(breaker: Breaker, hook: str) -> None:
+def _arm(breaker: Breaker, hook: str, load_mode: str) -> None:
     from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
     from kvtier_vllm.kv.worker_side.worker import KVTierWorker
 
     if hook == "start_load_kv":
         breaker.arm(KVTierWorker, hook, lambda w, meta: _load_blocks(meta))
+    elif hook == "finished_loads":
+        breaker.arm(
+            KVTierWorker,
+            hook,
+            # waits for each batch to land, as the hook itself may: a batch still copying
+            # would otherwise be left for a later call, and this one raise for nothing
+            lambda w: [
+                b
+                for batch in w._receiving
+                if batch.done.wait(60) and batch.issued is not None
+                for j, _ in batch.issued.copies
+                for b in j.block_ids
+            ],
+        )
     elif hook == "block_ids_with_load_errors":
         breaker.arm(
             KVTierWorker,
@@ -85,6 +99,9 @@ def _arm(breaker: Breaker, hook: str) -> None:
             return [b for ids in blocks.get_block_ids() for b in ids[: n // s.block_size] if b]
 
         breaker.arm(KVTierScheduler, hook, external)
+    elif load_mode == "async":
+        # the loads granted since the last step go out with this one's metadata
+        breaker.arm(KVTierScheduler, hook, lambda s, out: _load_blocks(s.pending.queued))
     else:
 
         def ready(s: Any, out: Any) -> list[int]:
@@ -102,16 +119,19 @@ def _arm(breaker: Breaker, hook: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "hook",
+    ("hook", "load_mode"),
     [
-        "update_state_after_alloc",
-        "build_connector_meta",
-        "start_load_kv",
-        "block_ids_with_load_errors",
+        ("update_state_after_alloc", "async"),
+        ("build_connector_meta", "sync"),
+        ("build_connector_meta", "async"),
+        ("start_load_kv", "async"),
+        ("block_ids_with_load_errors", "sync"),
+        ("finished_loads", "async"),
     ],
 )
 def test_a_hook_that_raises_costs_a_recompute_never_an_error(
     hook: str,
+    load_mode: str,
     tiny_models: ModelSet,
     prompts: list[list[int]],
     baseline: list[list[int]],
@@ -120,11 +140,12 @@ def test_a_hook_that_raises_costs_a_recompute_never_an_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     breaker = Breaker(monkeypatch)
-    connector = recomputing({"kvtier_config": str(embedded_yaml(tmp_path, shm_path))})
+    tiers = str(embedded_yaml(tmp_path, shm_path))
+    connector = recomputing({"kvtier_config": tiers, "load_mode": load_mode})
     expected = baseline[: len(prompts)]
     with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
         assert generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)[0] == expected
-        _arm(breaker, hook)
+        _arm(breaker, hook, load_mode)
         llm.reset_prefix_cache()  # the next lookups go to kvtier
         tokens, _ = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
         assert breaker.raised == [hook]

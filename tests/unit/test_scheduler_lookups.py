@@ -107,12 +107,12 @@ def store(s: KVTierScheduler, keys: list[ChunkKey]) -> None:
 def test_a_stored_prefix_is_a_hit_of_its_tokens_past_vllms_own(scheduler: KVTierScheduler) -> None:
     req = request("a", 6)
     store(scheduler, chunk_keys(scheduler, req, range(4)))
-    assert scheduler.get_num_new_matched_tokens(req, 0) == (4 * CHUNK_TOKENS, False)
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (4 * CHUNK_TOKENS, True)
     assert scheduler.hit_sources(req, 4 * CHUNK_TOKENS) == {}  # not granted yet
     # vLLM holds the first chunk itself: the hit is what lies past it
     other = request("a", 6)
     other.request_id = "b"
-    assert scheduler.get_num_new_matched_tokens(other, CHUNK_TOKENS) == (3 * CHUNK_TOKENS, False)
+    assert scheduler.get_num_new_matched_tokens(other, CHUNK_TOKENS) == (3 * CHUNK_TOKENS, True)
 
 
 def test_a_prompt_nothing_holds_is_a_miss(scheduler: KVTierScheduler) -> None:
@@ -232,13 +232,13 @@ def test_an_answer_stands_with_no_call_until_the_arena_could_answer_otherwise(
     client = counting_calls(scheduler)
     req = request("a", 6)
     store(scheduler, chunk_keys(scheduler, req, range(4)))
-    assert scheduler.get_num_new_matched_tokens(req, 0) == (4 * CHUNK_TOKENS, False)
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (4 * CHUNK_TOKENS, True)
     calls = client.calls
     # vLLM asks again while the request waits for room: the same answer, with no call
-    assert scheduler.get_num_new_matched_tokens(req, 0) == (4 * CHUNK_TOKENS, False)
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (4 * CHUNK_TOKENS, True)
     assert client.calls == calls
     store(scheduler, chunk_keys(scheduler, req, range(4, 5)))  # a longer hit is there now
-    assert scheduler.get_num_new_matched_tokens(req, 0) == (5 * CHUNK_TOKENS, False)
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (5 * CHUNK_TOKENS, True)
     assert client.calls > calls
 
     miss = request("m", 6)
@@ -247,4 +247,19 @@ def test_an_answer_stands_with_no_call_until_the_arena_could_answer_otherwise(
     assert scheduler.get_num_new_matched_tokens(miss, 0) == (0, False)
     assert client.calls == calls  # nothing where its hit would start: no call
     store(scheduler, chunk_keys(scheduler, miss, range(2)))
-    assert scheduler.get_num_new_matched_tokens(miss, 0) == (2 * CHUNK_TOKENS, False)
+    assert scheduler.get_num_new_matched_tokens(miss, 0) == (2 * CHUNK_TOKENS, True)
+
+
+def test_a_request_whose_load_failed_in_some_blocks_is_not_looked_up_again(
+    scheduler: KVTierScheduler,
+) -> None:
+    # one group: a failed chunk comes back as load errors of its blocks, and vLLM computes the
+    # request from the first; asked again (preempted), it is computed, not loaded again
+    req = request("a", 3)
+    store(scheduler, chunk_keys(scheduler, req, range(2)))
+    tokens, asynchronous = scheduler.get_num_new_matched_tokens(req, 0)
+    assert (tokens, asynchronous) == (2 * CHUNK_TOKENS, True)
+    blocks = list(range(1, len(req.block_hashes) + 1))
+    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: [blocks]), tokens)
+    scheduler.update_connector_output(None, (), {blocks[BPC]})  # the second chunk's first block
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)

@@ -6,12 +6,15 @@ rewritten in between is a load error."""
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata
+from kvtier_vllm.kv.worker_side import background_loads
 from kvtier_vllm.kv.worker_side.pages import block_runs, pages_of, stacked
 from kvtier_vllm.shared.copies import DeferredCopies, Pair
 
@@ -187,9 +190,46 @@ def test_an_asynchronous_load_whose_slot_moved_before_landing_fails_its_request(
     deferred(bare, hook)
     loads = [bare.load(moved, (3, 4), "r1"), bare.load(kept, (7, 8), "r2")]
     bare.worker.start_load_kv(bare.meta(loads, receiving=["r1", "r2"]))
-    assert bare.worker.finished_loads() == ({"r2"}, {"r1"})
+    assert bare.finished_loads() == ({"r2"}, {"r1"})
     assert bare.worker.block_ids_with_load_errors() == set()  # per request, never per block
     assert torch.equal(bare.blocks("target", (7, 8)), bare.slot(kept))
+
+
+def test_an_asynchronous_load_of_one_group_fails_only_the_blocks_whose_slot_moved(
+    bare: BareWorker,
+) -> None:
+    # one KV-cache group: vLLM takes the failed blocks and computes the request from the first
+    moved, kept = bare.store(), bare.store()
+    hook, _ = rewriting(bare, moved)
+    deferred(bare, hook)
+    loads = [bare.load(kept, (7, 8), "r1"), bare.load(moved, (3, 4), "r1")]
+    bare.worker.start_load_kv(bare.meta(loads, receiving=["r1"], block_errors=True))
+    assert bare.finished_loads() == ({"r1"}, set())
+    assert bare.worker.block_ids_with_load_errors() == {3, 4}
+    assert torch.equal(bare.blocks("target", (7, 8)), bare.slot(kept))
+
+
+def test_an_asynchronous_load_is_copied_off_the_engines_thread(
+    bare: BareWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = bare.store()
+    release, entered = threading.Event(), threading.Event()
+    issue = bare.worker._issue_loads
+
+    def held(*args: Any) -> Any:
+        entered.set()
+        assert release.wait(30)
+        return issue(*args)
+
+    monkeypatch.setattr(bare.worker, "_issue_loads", held)
+    bare.worker.start_load_kv(bare.meta([bare.load(ref, (1, 2), "r1")], receiving=["r1"]))
+    # start_load_kv returned while the load is held: the engine's step goes on without it
+    assert entered.wait(30)
+    assert bare.worker.finished_loads() == (set(), set())
+    assert not bare.blocks("target", (1, 2)).any()
+    release.set()
+    assert bare.finished_loads() == ({"r1"}, set())
+    assert torch.equal(bare.blocks("target", (1, 2)), bare.slot(ref))
 
 
 def test_a_store_is_reported_only_once_its_copies_landed(bare: BareWorker) -> None:
@@ -205,3 +245,39 @@ def test_a_store_is_reported_only_once_its_copies_landed(bare: BareWorker) -> No
     assert reported is not None
     assert reported.stored == [(ref.slot, ref.generation)]
     assert torch.equal(bare.slot(ref), bare.blocks("target", (5, 6)))
+
+
+def test_an_asynchronous_load_whose_issuing_raised_fails_its_request_whole(
+    bare: BareWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("issuing broken by the test")
+
+    monkeypatch.setattr(bare.worker, "_issue_loads", broken)
+    loads = [bare.load(bare.store(), (1, 2), "r1")]
+    bare.worker.start_load_kv(bare.meta(loads, receiving=["r1"], block_errors=True))
+    # never left waiting: reported finished and failed, so vLLM recomputes it
+    assert bare.finished_loads() == (set(), {"r1"})
+    assert bare.worker.block_ids_with_load_errors() == set()
+
+
+def test_a_step_that_computes_nothing_reports_the_load_it_started(
+    bare: BareWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(background_loads, "IDLE_WAIT_S", 30.0)  # however slow this machine is
+    release = threading.Event()
+    issue = bare.worker._issue_loads
+
+    def held(*args: Any) -> Any:
+        assert release.wait(30)
+        return issue(*args)
+
+    monkeypatch.setattr(bare.worker, "_issue_loads", held)
+    ref = bare.store()
+    meta = bare.meta([bare.load(ref, (1, 2), "r1")], receiving=["r1"])
+    meta.idle = True
+    bare.worker.start_load_kv(meta)
+    threading.Timer(0.01, release.set).start()
+    # nothing else runs: the worker waits for the load rather than step on without it
+    assert bare.worker.finished_loads() == ({"r1"}, set())
+    assert torch.equal(bare.blocks("target", (1, 2)), bare.slot(ref))

@@ -51,8 +51,15 @@ class KVTierMetadata(KVConnectorMetadata):
     zero: dict[str, list[int]] = field(default_factory=dict)
     """Per plan key, blocks whose pages must be zeroed: a hit with no chunk of that pool."""
     receiving: list[str] = field(default_factory=list)
-    """Requests whose loads are asynchronous (several KV-cache groups): each worker reports
-    them finished, or failed, once their copies are done."""
+    """Requests whose loads are asynchronous: each worker reports them finished, or failed,
+    once their copies are done."""
+    idle: bool = False
+    """Nothing is computed in this step: the workers may wait for the asynchronous loads in
+    flight before they report (`BackgroundLoads.wait_if_idle`), which holds up no one."""
+    block_errors: bool = False
+    """The asynchronous loads' failed chunks are reported as load errors of their blocks, their
+    requests finished (one KV-cache group: vLLM computes from the first failed block); else
+    their requests fail whole."""
     draft_check: bool = False
     """Fingerprint the draft weights this step."""
     draft_fingerprints: dict[int, str] = field(default_factory=dict)

@@ -30,13 +30,16 @@ class PendingLoads:
         block_size: int,
         blocks_per_chunk: int,
         async_loads: bool,
+        block_errors: bool = False,
     ) -> None:
         self.calls = calls
         self.by_key = by_key
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.async_loads = async_loads
-        """Several groups: vLLM takes load failures only per request, after an async load."""
+        """A hit's request waits for its load while the others run."""
+        self.block_errors = block_errors
+        """One KV-cache group: an asynchronous load fails per block, not per request."""
         self.queued = KVTierMetadata()
         """Asynchronous loads planned since the last step, for the next step's metadata."""
         self._queued_leases: list[SlotRef] = []
@@ -53,6 +56,7 @@ class PendingLoads:
         state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         self._queued_leases.extend(self.add_copies(self.queued, state, plan, stats))
         self.queued.receiving.append(state.request.request_id)
+        self.queued.block_errors = self.block_errors
 
     def take_queued(self) -> KVTierMetadata:
         """The next step's metadata, with the asynchronous loads queued for it."""

@@ -43,7 +43,7 @@ from kvtier_vllm.kv.scheduler_side.timings import StepTimings
 from kvtier_vllm.kv.scheduler_side.verify import Verifier
 from kvtier_vllm.layout.plans import engine_plans
 from kvtier_vllm.shared.connection import Session, close_client
-from kvtier_vllm.shared.settings import ConnectorConfig
+from kvtier_vllm.shared.settings import ConnectorConfig, LoadMode
 from kvtier_vllm.shared.vllm_compat import (
     eagle_block_drop,
     failure_policy_warning,
@@ -89,8 +89,9 @@ class KVTierScheduler:
         hidden = next((p for p in self.plans if p.pool is Pool.HIDDEN), None)
         self.capture = Capture(hidden) if hidden is not None else None
         """Hidden states captured: each finished request gets a reference to them."""
-        self.async_loads = len(groups) > 1
-        """Several groups: vLLM takes load failures only per request, after an async load."""
+        self.async_loads = len(groups) > 1 or cfg.load_mode is LoadMode.ASYNC
+        """A hit's request waits for its load while the others run (several groups: always,
+        vLLM takes their load failures only per request, after an async load)."""
         self.stats = KVTierStats()
         self.decisions = LoadDecisions(
             cfg.load_policy, lambda: self.client.costs() if self.client is not None else None
@@ -120,6 +121,7 @@ class KVTierScheduler:
             block_size=self.block_size,
             blocks_per_chunk=cfg.blocks_per_chunk,
             async_loads=self.async_loads,
+            block_errors=len(groups) == 1,
         )
         self.hits: HitSetup | None = None
         self.stores: Stores | None = None
@@ -289,6 +291,7 @@ class KVTierScheduler:
             self.hits.next_step(self.cfg.lookup_deadline_ms / 1000 if idle else None)
         self.session.touch(bool(self._requests))
         meta = self.pending.take_queued()
+        meta.idle = not scheduler_output.total_num_scheduled_tokens
         if self.client is not None:  # a restarted daemon may have put its arena elsewhere
             self.arena_path = str(self.client.arena_path)
         meta.arena_path = self.arena_path
@@ -381,11 +384,21 @@ class KVTierScheduler:
                 self.calls.failed("hit report", exc)
         return self.events.take()
 
-    def update_connector_output(self, worker_meta: Any, failed_loads: Iterable[str] = ()) -> None:
+    def update_connector_output(
+        self, worker_meta: Any, failed_loads: Iterable[str] = (), failed_blocks: Iterable[int] = ()
+    ) -> None:
         for req_id in failed_loads:
             if (state := self._requests.get(req_id)) is not None:
                 log.warning("kvtier: the load of request %s failed; vLLM recomputes it", req_id)
                 state.load_failed = True
+        if invalid := set(failed_blocks):
+            # one group: a load fails per block, and vLLM recomputes from the first failed one
+            for req_id, state in self._requests.items():
+                if state.hit is not None and any(
+                    not invalid.isdisjoint(b) for b in state.block_ids
+                ):
+                    log.warning("kvtier: part of request %s's load failed; recomputed", req_id)
+                    state.load_failed = True
         if self.client is None:
             return
         ours = isinstance(worker_meta, KVTierWorkerMetadata)

@@ -1,7 +1,8 @@
 """The connector's worker side: copies between vLLM's KV blocks and arena slots.
 
-The worker maps the arena by path. Loads run in ``start_load_kv`` before the forward; stores run
-in ``wait_for_save``, after the forward (and the draft's) wrote the blocks. A load copied from a
+The worker maps the arena by path. Synchronous loads run in ``start_load_kv`` before the
+forward, asynchronous ones on the loading thread (`background_loads`); stores run in
+``wait_for_save``, after the forward (and the draft's) wrote the blocks. A load copied from a
 slot that was reused meanwhile (its generation moved) is reported as a load error, so vLLM
 recomputes those blocks instead of using them: per block with one KV-cache group, per request
 (an asynchronous load) with several. The generation is checked once the copy landed, never when
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from kvtier_vllm.drafts.swaps import DraftWatch, Fill, find_draft_model_source
 from kvtier_vllm.kv.connector_stats import KVTierStats, take_report
 from kvtier_vllm.kv.lmdb_staging import LmdbStaging
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
+from kvtier_vllm.kv.worker_side.background_loads import BackgroundLoads, IssuedLoads, LoadBatch
 from kvtier_vllm.kv.worker_side.chunk_views import ChunkViews
 from kvtier_vllm.kv.worker_side.pages import own_caches, pages_of, stacked
 from kvtier_vllm.kv.worker_side.sends import PendingSends
@@ -39,19 +41,6 @@ from kvtier_vllm.shared.settings import ConnectorConfig
 from kvtier_vllm.shared.shapes import UnsupportedGroupError, refusal
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Issued:
-    """Loads queued out of the arena, checked once their fence passed."""
-
-    fence: Fence
-    arena: ArenaMemory | None
-    """The mapping they were read from; a remapped arena fails them."""
-    copies: list[tuple[ChunkCopy, float]]
-    """Each load, with the seconds its copy took to issue."""
-    read: list[torch.Tensor]
-    """The chunks read from lmdb that the copies read from: kept until they landed."""
 
 
 class KVTierWorker:
@@ -77,16 +66,19 @@ class KVTierWorker:
         self.copies: CpuCopies = copies_for(torch.device("cpu"))
         self._failed: list[tuple[int, int]] = []
         self._load_errors: set[int] = set()
-        self._loads: list[_Issued] = []
+        self._loads: list[IssuedLoads] = []
         """Synchronous loads issued, checked when vLLM asks for load errors."""
-        self._receiving: list[tuple[_Issued, set[str], set[str]]] = []
-        """Asynchronous loads issued: (loads, requests, failed requests)."""
+        self._receiving: list[LoadBatch] = []
+        """Asynchronous loads submitted, until reported finished."""
+        self.background = BackgroundLoads()
         self.sends = PendingSends()
         self.stats = KVTierStats()
         self._draft_watch: DraftWatch | None = None
         self._draft_ok = True
         self._fingerprints: dict[int, str] = {}
         self.staging = LmdbStaging()
+        self.background_staging = LmdbStaging()
+        """The loading thread's reads of lmdb (a reader of its own)."""
         self._moved: list[FailedChunk] = []
         """Arena loads whose slot's generation moved under the copy, to report."""
 
@@ -214,80 +206,99 @@ class KVTierWorker:
             self._slots(meta.arena_path)
         self._load_errors.update(meta.invalid_blocks)
         self._fail_requests(set(meta.failed_requests))
+        self.background.idle = meta.idle
         checked = self._check_draft(meta)
         if not meta.loads and not meta.zero and not meta.receiving:
             return
-        failed: set[str] = set()
-        issued: list[tuple[ChunkCopy, float]] = []
-        read: list[torch.Tensor] = []
         slots = self._slots(meta.arena_path)
-        if slots is None or self._arena is None:
-            self._fail_loads(meta.loads, failed)
-        else:
-            self.copies.begin_loads()
-            self.staging.read_ahead(meta.lmdb_path, [job for job in meta.loads if job.key])
-            coded: list[ChunkCopy] = []
-            for job in meta.loads:
-                plan = self.plans.get(job.plan)
-                source = slots
-                staged_s = 0.0  # reading a chunk from lmdb's map is part of its load
-                if job.key and plan is not None:
-                    started = time.perf_counter()
-                    chunk = self.staging.stage(meta.lmdb_path, job, plan.chunk_bytes)
-                    if chunk is None:
-                        self._fail_loads([job], failed)
-                        self._record("load", job, started, False)
-                        continue
-                    read.append(source := chunk)
-                    staged_s = time.perf_counter() - started
-                if plan is not None and plan.codec is not None:
-                    if not job.key:
-                        coded.append(job)
-                        continue
-                    if self.views.decode_loads([job], source)[0]:
-                        issued.append((job, staged_s))
-                    else:
-                        self._fail_loads([job], failed)
-                    continue
-                if self._is_draft(job) and not job.fill:
-                    if not self._draft_ok:  # planned for other weights: a defined fill instead
-                        self._zero(job.plan, list(job.block_ids))
-                        self.stats.fill(Fill.ZEROS, 1)
-                        continue
-                    if not checked and self._draft_watch is not None:
-                        self._draft_watch.unverified += 1
-                started = time.perf_counter()
-                if self._copy(job, source, into_arena=False):
-                    issued.append((job, staged_s + time.perf_counter() - started))
-                else:
-                    self._fail_loads([job], failed)
-                    self._record("load", job, started, False)
-            if coded:
-                started = time.perf_counter()
-                decoded = self.views.decode_loads(coded, slots)
-                each = (time.perf_counter() - started) / len(coded)
-                for job, ok in zip(coded, decoded, strict=True):
-                    if ok:
-                        issued.append((job, each))
-                    else:
-                        self._fail_loads([job], failed)
-                        self._count("load", job, each, False)
-            self.copies.end_loads()
         for key, blocks in meta.zero.items():
             self._zero(key, blocks)
-        # only queued so far: each slot's generation is checked once its bytes landed
-        if not issued and not meta.receiving:
-            return
-        fence = self.copies.fence()
-        sync = [c for c in issued if not c[0].request]
+        sync = [job for job in meta.loads if not job.request]
         if sync:
-            self._loads.append(_Issued(fence, self._arena, sync, read))
+            self.copies.begin_loads()
+            loads = self._issue_loads(
+                sync, meta.lmdb_path, slots, self.staging, checked, self._draft_ok
+            )
+            self.copies.end_loads()
+            self._loads.append(loads)
+            self._landed_or_failed(loads, set(), block_errors=True)
         if meta.receiving:
-            asynchronous = [c for c in issued if c[0].request]
-            loads = _Issued(fence, self._arena, asynchronous, read)
-            self._receiving.append((loads, set(meta.receiving), failed))
+            batch = LoadBatch(set(meta.receiving), block_errors=meta.block_errors)
+            jobs = [job for job in meta.loads if job.request]
+            self.copies.begin_loads()  # after what the engine's stream did so far, on a device
+            args = (jobs, meta.lmdb_path, slots, self.background_staging, checked, self._draft_ok)
+            self.background.submit(batch, partial(self._issue_loads, *args), self.copies.fence)
+            self._receiving.append(batch)
 
-    def _check_landed(self, loads: _Issued, failed: set[str]) -> None:
+    def _issue_loads(
+        self,
+        jobs: list[ChunkCopy],
+        lmdb_path: str,
+        slots: torch.Tensor | None,
+        staging: LmdbStaging,
+        checked: str,
+        draft_ok: bool,
+    ) -> IssuedLoads:
+        """Queue the copies of ``jobs`` into vLLM's pages (chunks leased in lmdb staged from
+        its map first); what failed is only noted, for the engine's thread to report."""
+        loads = IssuedLoads(Fence(), arena := self._arena, [], [])
+        if slots is None or arena is None:
+            loads.failed = [(job, 0.0) for job in jobs]
+            return loads
+        staging.read_ahead(lmdb_path, [job for job in jobs if job.key])
+        coded: list[ChunkCopy] = []
+        for job in jobs:
+            plan = self.plans.get(job.plan)
+            source = slots
+            staged_s = 0.0  # reading a chunk from lmdb's map is part of its load
+            started = time.perf_counter()
+            if job.key and plan is not None:
+                chunk = staging.stage(lmdb_path, job, plan.chunk_bytes)
+                if chunk is None:
+                    loads.failed.append((job, time.perf_counter() - started))
+                    continue
+                loads.read.append(source := chunk)
+                staged_s = time.perf_counter() - started
+            if plan is not None and plan.codec is not None:
+                if not job.key:
+                    coded.append(job)
+                    continue
+                ok = self.views.decode_loads([job], source)[0]
+                (loads.copies if ok else loads.failed).append((job, staged_s))
+                continue
+            if self._is_draft(job) and not job.fill:
+                if not draft_ok:  # planned for other weights: a defined fill instead
+                    self._zero(job.plan, list(job.block_ids))
+                    loads.zero_filled += 1
+                    continue
+                if not checked and self._draft_watch is not None:
+                    loads.unverified += 1
+            started = time.perf_counter()
+            ok = self._copy(job, source, into_arena=False)
+            (loads.copies if ok else loads.failed).append(
+                (job, staged_s + time.perf_counter() - started)
+            )
+        if coded:
+            started = time.perf_counter()
+            decoded = self.views.decode_loads(coded, slots)
+            each = (time.perf_counter() - started) / len(coded)
+            for job, ok in zip(coded, decoded, strict=True):
+                (loads.copies if ok else loads.failed).append((job, each))
+        # only queued so far: each slot's generation is checked once its bytes landed
+        loads.fence = self.copies.fence()
+        return loads
+
+    def _landed_or_failed(self, loads: IssuedLoads, failed: set[str], block_errors: bool) -> None:
+        """Count and report, once, what issuing ``loads`` noted."""
+        for job, seconds in loads.failed:
+            self._fail_loads([job], failed, block_errors)
+            self._count("load", job, seconds, False)
+        if loads.zero_filled:
+            self.stats.fill(Fill.ZEROS, loads.zero_filled)
+        if loads.unverified and self._draft_watch is not None:
+            self._draft_watch.unverified += loads.unverified
+
+    def _check_landed(self, loads: IssuedLoads, failed: set[str], block_errors: bool) -> None:
         """Loads whose fence passed: a slot still at the generation the scheduler looked up
         held that chunk's bytes while they were read (its generation moves before it is
         rewritten); any other slot is a load error."""
@@ -299,7 +310,7 @@ class KVTierWorker:
                 and arena.is_current(job.slot, job.generation)
             )
             if not ok:
-                self._fail_loads([job], failed)
+                self._fail_loads([job], failed, block_errors)
                 if arena is not None and arena is self._arena and job.chunk:  # reused under it
                     moved = FailedChunk(ChunkKey(job.chunk), TierCode.CPU, Failure.GENERATION)
                     self._moved.append(moved)
@@ -314,13 +325,15 @@ class KVTierWorker:
             return
         self._load_errors.update(meta.invalid_blocks)
         failed = set(meta.receiving) | set(meta.failed_requests)
-        self._fail_loads(meta.loads, failed)
+        self._fail_loads(meta.loads, failed, block_errors=False)
         self._fail_requests(failed)
 
     def _fail_requests(self, requests: set[str]) -> None:
         """Asynchronous loads that will not come: reported finished and failed at once."""
         if requests:
-            self._receiving.append((_Issued(Fence(), None, [], []), requests, requests))
+            batch = LoadBatch(requests, set(requests), issued=IssuedLoads(Fence(), None, [], []))
+            batch.done.set()
+            self._receiving.append(batch)
 
     def unchecked_errors(self) -> set[int]:
         """Every block loaded since vLLM last asked: what it must recompute when the check
@@ -332,31 +345,37 @@ class KVTierWorker:
         return errors - {0}
 
     def fail_receiving(self) -> tuple[set[str], set[str]]:
-        """Every asynchronous load in flight, failed: when checking them failed."""
-        requests = {r for _, reqs, _ in self._receiving for r in reqs}
+        """Every asynchronous load in flight, failed (when checking them failed), once no copy
+        of theirs is still landing: vLLM may hand their blocks to other requests at once."""
+        self.background.wait_landed(self._receiving)
+        requests = {r for batch in self._receiving for r in batch.requests}
         self._receiving = []
         return set(), requests
 
-    def _fail_loads(self, jobs: list[ChunkCopy], failed: set[str]) -> None:
-        """Blocks vLLM must recompute: per request for asynchronous loads, else per block."""
+    def _fail_loads(self, jobs: list[ChunkCopy], failed: set[str], block_errors: bool) -> None:
+        """Blocks vLLM must recompute: per request for asynchronous loads (unless
+        ``block_errors``), else per block."""
         for job in jobs:
-            if job.request:
+            if job.request and not block_errors:
                 failed.add(job.request)
             else:
                 self._load_errors.update(b for b in job.block_ids if b)
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """Requests whose asynchronous loads landed, and those among them that failed."""
+        self.background.wait_if_idle(self._receiving)
         done: set[str] = set()
         failed: set[str] = set()
         waiting = []
-        for loads, requests, bad in self._receiving:
-            if loads.fence():
-                self._check_landed(loads, bad)
-                done |= requests - bad
-                failed |= bad
-            else:
-                waiting.append((loads, requests, bad))
+        for batch in self._receiving:
+            loads = batch.issued
+            if loads is None or not batch.done.is_set() or not loads.fence():
+                waiting.append(batch)
+                continue
+            self._landed_or_failed(loads, batch.failed, batch.block_errors)
+            self._check_landed(loads, batch.failed, batch.block_errors)
+            done |= batch.requests - batch.failed
+            failed |= batch.failed
         self._receiving = waiting
         return done, failed
 
@@ -444,7 +463,7 @@ class KVTierWorker:
         on a device already waits on the loads' fence: the host waits for it too, then checks."""
         for loads in self._loads:
             loads.fence.wait()
-            self._check_landed(loads, set())
+            self._check_landed(loads, set(), block_errors=True)
         self._loads = []
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -457,7 +476,8 @@ class KVTierWorker:
             else:
                 waiting.append((done, issued))
         self._landing = waiting
-        corrupt, self._moved = self.staging.take_failed() + self._moved, []
+        corrupt = self.staging.take_failed() + self.background_staging.take_failed()
+        corrupt, self._moved = corrupt + self._moved, []
         reports = (self._stored, self._failed, self._fingerprints, self._compared, self._timings)
         if not any(reports) and not corrupt:
             return None
@@ -469,7 +489,9 @@ class KVTierWorker:
         return meta
 
     def shutdown(self) -> None:
+        self.background.close()  # no copy may still read the mapping closed here
         self.staging.close()
+        self.background_staging.close()
         self.copies.detach()
         self._arena_bytes = None
         if self._arena is not None:
