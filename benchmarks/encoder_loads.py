@@ -57,7 +57,7 @@ class Bench:
         self.shm = Path(f"/dev/shm/kvtier-encoder-loads-{id(self)}")
         self.config = root / "kvtier.yaml"
         self.config.write_text(
-            f"arena: {{path: {self.shm}, size_bytes: 256MiB, extent_bytes: 8MiB, "
+            f"arena: {{path: {self.shm}, size_bytes: 512MiB, extent_bytes: 8MiB, "
             f"min_slot_bytes: 64KiB}}\nlmdb: {{path: {root / 'lmdb'}, budget_bytes: 1GiB}}\n"
         )
         width_rows = rows_per_part(WIDTH, DTYPE, PART_BYTES)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # as vLLM's CPU engines run (its threads bound to their cores)
     with tempfile.TemporaryDirectory(prefix="kvtier-encoder-loads-") as tmp:
-        bench = Bench(Path(tmp), 8 if args.quick else 24)
+        bench = Bench(Path(tmp), 8 if args.quick else 16)
         try:
             result = bench.run()
         finally:

@@ -80,6 +80,8 @@ class ItemLocator:
         """Where the workers read hits leased in lmdb ("": none is leased there)."""
         self._lmdb_of: TierClient | None = None
         self._lmdb = LmdbReads()
+        self._scratch = bytearray()
+        """Where parts are read to be verified: one part's bytes, kept between items."""
         self._promoting: OrderedDict[str, Promotion] = OrderedDict()
         """Items looked up in the slower tiers, bounded as the items are (every miss leaves
         one)."""
@@ -156,7 +158,9 @@ class ItemLocator:
         tiers drop it) and never leased, since a load the workers fail would fail the request."""
         if item.verified:
             return True
-        scratch = memoryview(bytearray(item.layout.part_bytes))
+        if len(self._scratch) != item.layout.part_bytes:
+            self._scratch = bytearray(item.layout.part_bytes)
+        scratch = memoryview(self._scratch)
         for key, code in zip(item.keys, codes, strict=True):
             if code == TierCode.LMDB and not self._lmdb.read_into(self.lmdb_path, key, scratch):
                 if failed := self._lmdb.take_failed():
