@@ -37,6 +37,8 @@ from tests.fixtures.servers import vllm_server
 
 USERS = 4
 MAX_MODEL_LEN = 4096
+STARTUP_S = 600.0
+"""A server's start may take minutes on a busy machine (builds, the first image's warm-up)."""
 CONFIGS = ("vllm_alone", "kvtier", "example_connector")
 ARENA = Path(f"/dev/shm/kvtier-encoder-serving-{os.getpid()}")
 
@@ -87,9 +89,10 @@ def serve(model: Path, name: str, root: Path, spec: WorkloadSpec, requests: int)
     # every image of the set, asked about once: what a cache keeps for the next server
     warm = dataclasses.replace(spec, rounds=1)
     # short paths: vLLM's sockets live under them
-    with vllm_server(model, root / "1", max_model_len=MAX_MODEL_LEN, args=args) as url:
+    started = {"max_model_len": MAX_MODEL_LEN, "args": args, "startup_s": STARTUP_S}
+    with vllm_server(model, root / "1", **started) as url:
         run_level(BenchConfig(url=url, workload=warm, requests=spec.images * 2), USERS, index=99)
-    with vllm_server(model, root / "2", max_model_len=MAX_MODEL_LEN, args=args) as url:
+    with vllm_server(model, root / "2", **started) as url:
         level = run_level(BenchConfig(url=url, workload=spec, requests=requests), USERS)
         hits = encoder_hits(url) if name == "kvtier" else None
     return summary(level, hits)

@@ -17,6 +17,7 @@ from kvtier_vllm.shared.vllm_compat import (
     cache_hit_source,
     transfer_results,
 )
+from kvtier_vllm.shared.vllm_stats import prom_metrics_hook, stats_hook
 
 if TYPE_CHECKING:
     import torch
@@ -226,19 +227,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             else None
         )
 
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
-        return KVTierStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: Any,
-        metric_types: dict[Any, Any],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> Any:
-        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    build_kv_connector_stats = stats_hook(KVTierStats)
+    build_prom_metrics = prom_metrics_hook(KVTierPromMetrics)
 
     def shutdown(self) -> None:
         for role in (self._worker, self._scheduler):

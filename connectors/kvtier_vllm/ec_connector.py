@@ -22,12 +22,12 @@ from kvtier_vllm.shared.guard import contained
 from kvtier_vllm.shared.vllm_compat import (
     ECConnectorBase,
     ECConnectorMetadata,
-    ECConnectorPromMetrics,
     ECConnectorRole,
     ECConnectorStats,
     ECConnectorWorkerMetadata,
     tensor_parallel_rank,
 )
+from kvtier_vllm.shared.vllm_stats import prom_metrics_hook, stats_hook
 
 log = logging.getLogger(__name__)
 
@@ -118,19 +118,8 @@ class KVTierECConnector(ECConnectorBase):
             return None  # the scheduler side reports the workers' figures too
         return self._deltas.take(scheduler.counters)
 
-    @classmethod
-    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECConnectorStats:
-        return KVTierECStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: Any,
-        metric_types: dict[Any, Any],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> ECConnectorPromMetrics:
-        return KVTierECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    build_ec_connector_stats = stats_hook(KVTierECStats)
+    build_prom_metrics = prom_metrics_hook(KVTierECPromMetrics)
 
     def take_unavailable_requests(self) -> set[str]:
         scheduler = self._scheduler

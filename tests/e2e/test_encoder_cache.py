@@ -109,7 +109,7 @@ def test_embedded_a_fresh_engine_loads_what_another_stored(
     assert seen.stores == 2
     assert seen.hits == 0
     assert seen.stored_bytes == 2 * 16 * 128 * 4  # two outputs of 16 rows of 128 float32
-    # the arena ended with the engine: its outputs wait in lmdb, promoted while requests wait
+    # the arena ended with the engine: its outputs wait in lmdb, read from its map
     with running_llm(vlm, limit_mm_per_prompt=MM_LIMITS, ec_transfer_config=embedded) as llm:
         tokens = ask(llm, LATER)
         seen = counters(llm)
@@ -117,7 +117,8 @@ def test_embedded_a_fresh_engine_loads_what_another_stored(
         loaded = counter(llm, "vllm:kvtier_encoder_bytes", pool="encoder", direction="load")
     assert tokens == expected(alone, LATER)
     assert seen.hits == 2
-    assert seen.promotions == 2
+    assert seen.lmdb_loads == 2
+    assert seen.promotions == 0  # no request waited for one
     assert seen.stores == 0
     assert hits == 2  # vLLM's own /metrics
     assert loaded == seen.loaded_bytes == 2 * 16 * 128 * 4
@@ -212,10 +213,15 @@ def test_a_node_with_lmdb_wiped_gets_outputs_from_the_object_store(
     other = ec_config(
         {"kvtier_config": str(node_yaml(tmp_path / "b", shm_path, s3_store)), "part_kib": 4}
     )
-    tokens, seen = run_engine(vlm, other, LATER)
+    with running_llm(vlm, limit_mm_per_prompt=MM_LIMITS, ec_transfer_config=other) as llm:
+        tokens = ask(llm, LATER)
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.ec_connector._scheduler
+        seen, tiers = scheduler.counters, scheduler.session.client.stats().counters
     assert tokens == expected(alone, LATER)
     assert seen.hits == 2
-    assert seen.promotions == 2
+    # a probe of the store brought each output's parts into lmdb: loaded from its map
+    assert seen.lmdb_loads == 2
+    assert tiers["hit_chunks_object"] == 4  # two parts each, counted as the store's
 
 
 def test_the_same_text_with_another_image_never_hits_the_first_images_kv(

@@ -16,6 +16,7 @@ from kvtier_vllm.shared.vllm_compat import (
     ECConnectorPromMetrics,
     ECConnectorStats,
 )
+from kvtier_vllm.shared.vllm_stats import cleared, summed
 
 POOL = "encoder"
 ITEM_RESULTS = {
@@ -33,13 +34,8 @@ VERIFY = {"compared": "compared", "mismatched": "mismatch"}
 
 @dataclass
 class KVTierECStats(ECConnectorStats):
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: ECConnectorStats) -> ECConnectorStats:
-        for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
-        return self
+    reset = cleared
+    aggregate = summed
 
     def reduce(self) -> dict[str, int | float]:
         data = self.data

@@ -6,12 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.core.encoder import PartLayout
-from kvtier.core.protocol import SlotRef
+from kvtier.core.protocol import FailedChunk, SlotRef
 
 
 @dataclass(frozen=True, slots=True)
 class ItemSlots:
-    """One encoder output and the arena slots of its parts, in order."""
+    """One encoder output and the arena slots of its parts, in order (or leases in lmdb:
+    `kvtier.core.protocol.in_lmdb`, read from lmdb's map)."""
 
     identifier: str
     rows: int
@@ -30,6 +31,8 @@ class ECStepPlan:
     hits, served as misses)."""
 
     arena_path: str = ""
+    lmdb_path: str = ""
+    """Where parts leased in lmdb are read ("": none is)."""
     step: int = -1
     loads: list[ItemSlots] = field(default_factory=list)
     stores: list[ItemSlots] = field(default_factory=list)
@@ -50,6 +53,8 @@ class ECReport:
     load_seconds: float = 0.0
     loaded_bytes: int = 0
     stored_bytes: int = 0
+    failed_chunks: list[FailedChunk] = field(default_factory=list)
+    """Parts read from lmdb that failed verification, to report to the tiers."""
 
     def merge(self, other: ECReport) -> ECReport:
         """Two workers' reports as one: an item failed if it failed on any worker."""
@@ -66,4 +71,5 @@ class ECReport:
             load_seconds=max(self.load_seconds, other.load_seconds),
             loaded_bytes=max(self.loaded_bytes, other.loaded_bytes),
             stored_bytes=self.stored_bytes + other.stored_bytes,
+            failed_chunks=[*self.failed_chunks, *other.failed_chunks],
         )

@@ -1,29 +1,29 @@
 """The encoder-cache connector's scheduler side: which items are loaded from the tiers, which
 are stored, and the leases and reservations behind them.
 
-An item is a hit only when the arena holds every part of it: the parts are leased when vLLM
-asks (`has_cache_item`), so they stay until the workers read them, and given back at the end of
-a step that did not schedule the item. An item only lmdb or the object store holds is promoted
-in the background; its request waits for it (vLLM skips it for the step) up to
-``promote_wait_ms``, since reading a part back takes far less than encoding the item again,
-then runs the encoder. A miss never waits on the slower tiers: the arena is read without a call
-(sidecar) or by a function call into the tiers' indexes (embedded), and lmdb and the object
-store are asked in the background.
-"""
+An item is a hit when the arena holds every part of it, or lmdb the others (with
+``lmdb_loads``; see `kvtier_vllm.encoder.item_search` for where an item is found, and when its
+request waits): the parts are leased when vLLM asks (`has_cache_item`), so they stay until the
+workers read them, and given back at the end of a step that did not schedule the item.
+
+Every hit counts in the tiers' figures once: a lookup of the slower tiers counts it there, and
+one the arena's index answered (sidecar) reaches kvtierd with the next hit report. The
+verification sample is drawn before an item's lookup, which is flagged ``verify`` when it is
+sampled: kvtierd counts what it finds as verified, not as hits."""
 
 from __future__ import annotations
 
 import logging
 import random
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.core.encoder import PartLayout, item_keys
 from kvtier.core.errors import KVTierError
-from kvtier.core.keys import ChunkKey, NamespaceSpec, Pool, namespace_of
-from kvtier.core.protocol import Answer, LookupResult, TierClient, arena_hit
+from kvtier.core.keys import NamespaceSpec, Pool, namespace_of
+from kvtier.core.protocol import IndexedRef, TierClient, in_lmdb
+from kvtier_vllm.encoder.item_search import MAX_ITEMS, PROMOTING, Item, ItemLocator, in_arena
 from kvtier_vllm.encoder.metadata import ECReport, ECStepPlan, ItemSlots
 from kvtier_vllm.encoder.settings import EncoderCacheConfig
 from kvtier_vllm.encoder.steps import Settlement, StepLedger
@@ -31,12 +31,8 @@ from kvtier_vllm.shared.connection import Session
 
 log = logging.getLogger(__name__)
 
-ARENA, PROMOTING, ABSENT = "arena", "promoting", "absent"
-RETRY_S = 1.0
-PROMOTER_TURN_S = 0.0002
-"""An item given up on (nowhere, or promoted too slowly) is looked up again after this."""
-MAX_ITEMS = 8192
-"""Items whose keys are remembered (a request asks about its items every step it waits)."""
+REPORT_EVERY_S = 0.25
+"""Hits answered from the arena's index reach kvtierd this often (as the KV connector's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,20 +43,6 @@ class EncoderPlan:
     spec: NamespaceSpec
     chunk_bytes: int
     pool: Pool = Pool.ENCODER
-
-
-@dataclass(slots=True)
-class Item:
-    identifier: str
-    rows: int
-    keys: list[ChunkKey]
-    layout: PartLayout
-
-
-@dataclass(slots=True)
-class Promotion:
-    deadline: float
-    asked: Answer[LookupResult] | None = None
 
 
 @dataclass
@@ -76,6 +58,8 @@ class ECCounters:
     compared: int = 0
     mismatched: int = 0
     load_failed: int = 0
+    lmdb_loads: int = 0
+    """Hits leased in lmdb, the workers reading them from its map."""
     loaded_bytes: int = 0
     stored_bytes: int = 0
     load_seconds: float = 0.0
@@ -104,10 +88,9 @@ class EncoderCacheScheduler:
         self.namespaces: dict[str, bytes] = {}
         self.session = Session(cfg, replica, list(self.plans.values()), self.namespaces, self.close)
         self.counters = ECCounters()
+        self.locator = ItemLocator(cfg, self._draw, self._promoted)
         self._random = random.Random(cfg.verify_seed)
         self._items: OrderedDict[str, Item] = OrderedDict()
-        self._promoting: OrderedDict[str, Promotion] = OrderedDict()
-        """Items looked up in the slower tiers, bounded as ``_items`` (every miss leaves one)."""
         self._leased: dict[str, ItemSlots] = {}
         """Hits answered this step, their parts leased."""
         self._sampled: dict[str, ItemSlots] = {}
@@ -127,6 +110,8 @@ class EncoderCacheScheduler:
         if not self.session.connect():
             return None
         client = self.session.client
+        if client is not None:
+            self.locator.connected(client)
         return client if client is not None and client.serving else None
 
     def _item(self, identifier: str, modality: str, rows: int) -> Item | None:
@@ -145,62 +130,14 @@ class EncoderCacheScheduler:
             self._items.popitem(last=False)
         return item
 
-    def _in_arena(self, client: TierClient, item: Item) -> bool | None:
-        """Whether the arena holds every part; None where only a call can tell."""
-        refs = client.in_arena(item.keys)
-        if refs is None:
-            return None
-        return len(refs) == len(item.keys)
-
-    def _where(self, client: TierClient, item: Item) -> str:
-        """ "arena", "promoting" (the request waits) or "absent" (the encoder runs)."""
-        in_arena = self._in_arena(client, item)
-        if in_arena:
-            self._promoting.pop(item.identifier, None)
-            return ARENA
-        now = time.monotonic()
-        promotion = self._promoting.get(item.identifier)
-        if promotion is not None and now >= promotion.deadline + RETRY_S:
-            promotion = None  # given up on long ago: another engine may have stored it since
-        if promotion is None:
-            promotion = Promotion(now + self.cfg.promote_wait_ms / 1000)
-            promotion.asked = client.lookup_behind(item.keys)
-            self._promoting[item.identifier] = promotion
-            if len(self._promoting) > MAX_ITEMS:
-                self._promoting.popitem(last=False)
-            promotion.asked.wait(self.cfg.lookup_wait_ms / 1000)
-        elif now >= promotion.deadline:
-            return ABSENT  # waited long enough: the encoder runs
-        return self._follow(client, item, promotion, embedded=in_arena is None)
-
-    def _follow(self, client: TierClient, item: Item, promotion: Promotion, embedded: bool) -> str:
-        """A lookup of the slower tiers under way, or a promotion: follow it one step."""
-        asked = promotion.asked
-        if asked is None:  # promoting
-            if embedded:
-                # the promoting thread is this process's: a step that only asks again holds
-                # the interpreter, and would let it run once a switch interval (5 ms)
-                time.sleep(PROMOTER_TURN_S)
-                if arena_hit(client.lookup(item.keys)) == len(item.keys):
-                    self._promoting.pop(item.identifier, None)
-                    return ARENA
-            return PROMOTING
-        if not asked.done():
-            return PROMOTING
-        found = asked.result()
-        if found.hits < len(item.keys):
-            if found.pending:  # the object store is still being probed
-                promotion.asked = client.lookup_behind(item.keys)
-                return PROMOTING
-            promotion.deadline = time.monotonic()  # nowhere: never waited for again soon
-            return ABSENT
-        if arena_hit(found):
-            self._promoting.pop(item.identifier, None)
-            return ARENA
-        promotion.asked = None
-        client.promote(item.keys)
+    def _promoted(self) -> None:
         self.counters.promotions += 1
-        return PROMOTING
+
+    def _draw(self, item: Item) -> bool:
+        """Whether the item's next hit is sampled, drawn once before its first lookup."""
+        if item.verify is None:
+            item.verify = self._sample()
+        return item.verify
 
     # -- vLLM's scheduler hooks --------------------------------------------------------------
 
@@ -218,7 +155,7 @@ class EncoderCacheScheduler:
             if position.offset + position.length <= num_computed_tokens:
                 continue  # its KV is there: vLLM runs no encoder for it
             item = self._item_of(request, index)
-            if item is not None and self._where(client, item) == PROMOTING:
+            if item is not None and self.locator.where(client, item) == PROMOTING:
                 ready = False
         return ready
 
@@ -239,26 +176,44 @@ class EncoderCacheScheduler:
         client = self.client()
         if not self.consumer or item is None or client is None:
             return False
-        if self._in_arena(client, item) is False:
+        arena = in_arena(client, item)
+        if arena is False and not item.below:
             return False
+        sampled = self._draw(item)
         try:
-            refs = client.lease(item.keys)
+            if arena and not item.counted:
+                self._count_indexed_hit(client, item, sampled)
+            refs = client.lease(item.keys, in_lmdb=item.below)
         except KVTierError as exc:
             log.warning("kvtier: encoder cache lease failed, the encoder runs: %s", exc)
             return False
         granted = [ref for ref in refs if ref is not None]
         if len(granted) < len(refs):
+            item.below = False  # looked up again next time
             if granted:
                 client.release(granted)
             return False
+        item.verify, item.counted = None, False
         slots = ItemSlots(identifier, item.rows, item.layout, tuple(granted))
-        if self._sample():
+        if sampled:
             self._sampled[identifier] = slots
             self.counters.sampled += 1
             return False
         self._leased[identifier] = slots
         self.counters.hits += 1
+        self.counters.lmdb_loads += any(map(in_lmdb, granted))
         return True
+
+    @staticmethod
+    def _count_indexed_hit(client: TierClient, item: Item, sampled: bool) -> None:
+        """Count a hit the arena's index answered, as the KV connector's lookups do: no call
+        now, the next hit report tells kvtierd. Where the index no longer holds it all, the
+        lookup is a call, and the leases it took are given back (the lease below is the one
+        held)."""
+        _, refs = client.lookup(item.keys, lease=True, verify=sampled)
+        held = [ref for ref in refs if ref is not None and not isinstance(ref, IndexedRef)]
+        if held:
+            client.release(held)
 
     def _sample(self) -> bool:
         rate = self.cfg.verify_sample_rate
@@ -284,7 +239,10 @@ class EncoderCacheScheduler:
         client = self.session.client
         unused = [ref for slots in self._leased.values() for ref in slots.refs]
         self._leased.clear()
-        plan = ECStepPlan(arena_path=str(client.arena_path) if client is not None else "")
+        plan = ECStepPlan(
+            arena_path=str(client.arena_path) if client is not None else "",
+            lmdb_path=self.locator.lmdb_path,
+        )
         plan.loads = list(self._loads.values())
         self._loads.clear()
         plan.checks = list(self._sampled.values())
@@ -299,6 +257,7 @@ class EncoderCacheScheduler:
         self._steps.record(plan)
         if client is not None:
             self._apply(client, self._steps.expire())
+            self._quietly(client.report_hits, REPORT_EVERY_S)
         return plan
 
     def _reserve(self, client: TierClient, items: list[Item]) -> list[ItemSlots]:
@@ -331,13 +290,15 @@ class EncoderCacheScheduler:
         self.counters.stored_bytes += report.stored_bytes
         self.counters.load_seconds += report.load_seconds
         self.counters.load_failed += len(report.load_failed)
+        client = self.session.client
+        if report.failed_chunks and client is not None:
+            self._quietly(client.report_failed, report.failed_chunks)
         for identifier in report.load_failed:
             self._unavailable |= self._readers.get(identifier, set())
         settled = self._steps.settle(report)
         for slots, error in settled.checked:
             self.counters.compared += 1
             self._judge(slots, error)
-        client = self.session.client
         if client is not None:
             self._apply(client, settled)
 
@@ -386,6 +347,7 @@ class EncoderCacheScheduler:
                 self._quietly(client.release, held)
             self._apply(client, self._steps.drain())
             client.close()
+        self.locator.close()
 
 
 def tagged(feature: Any) -> bool:

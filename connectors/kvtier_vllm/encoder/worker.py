@@ -1,5 +1,6 @@
 """The encoder-cache connector's worker side: encoder outputs copied between vLLM's encoder
-cache and the arena slots the scheduler side leased or reserved.
+cache and the arena slots the scheduler side leased or reserved, or read from lmdb's map where
+it leased them there (`kvtier_vllm.shared.lmdb_reads`, verified as they are read).
 
 Every worker reads the hits (each holds the whole output); only the first tensor-parallel rank
 writes, since every rank computes the same output. A read is checked against the slots'
@@ -17,8 +18,11 @@ import torch
 
 from kvtier.client import ArenaAtPath, ArenaMemory
 from kvtier.core.errors import KVTierError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import in_lmdb
 from kvtier_vllm.encoder.metadata import ECReport, ECStepPlan, ItemSlots
 from kvtier_vllm.shared.copies import copies_for
+from kvtier_vllm.shared.lmdb_reads import LmdbReads
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ class EncoderCacheWorker:
         """Pins the arena for a CUDA device (cudaHostRegister): parts copy at DMA speed."""
         self._arena: ArenaAtPath | None = None
         self._pinned: ArenaMemory | None = None
+        self._lmdb = LmdbReads()
         self._plan = ECStepPlan()
         self._report = ECReport()
         self._said: set[str] = set()
@@ -62,6 +67,8 @@ class EncoderCacheWorker:
         """Read this step's hits into ``encoder_cache``. vLLM needs each one there: one that
         cannot be read is filled with zeros and reported, and its requests fail."""
         started = time.perf_counter()
+        below = [ChunkKey(r.key) for s in self._plan.loads for r in s.refs if in_lmdb(r)]
+        self._lmdb.read_ahead(self._plan.lmdb_path, below)
         for slots in self._plan.loads:
             if slots.identifier in encoder_cache:
                 self._report.loaded.add(slots.identifier)
@@ -79,6 +86,7 @@ class EncoderCacheWorker:
                 self._report.loaded.add(slots.identifier)
                 self._report.loaded_bytes += slots.nbytes
             encoder_cache[slots.identifier] = tensor
+        self._report.failed_chunks += self._lmdb.take_failed()
         self._report.load_seconds += time.perf_counter() - started
 
     @staticmethod
@@ -87,28 +95,45 @@ class EncoderCacheWorker:
 
     def _read(self, slots: ItemSlots, device: torch.device | None = None) -> torch.Tensor | None:
         """The stored output on ``device`` (the worker's), or None where a slot changed while
-        it was read. Each part is copied from the arena straight to the device: one copy, at
-        the arena's pinned bandwidth where the KV connector registered it with CUDA."""
-        try:
-            arena = self._memory()
-        except KVTierError as exc:
-            self._say("arena", f"kvtier: encoder outputs cannot be read: {exc}")
-            return None
+        it was read, or a part leased in lmdb could not be read from it whole. Each part in the
+        arena is copied straight to the device: one copy, at the arena's pinned bandwidth where
+        the KV connector registered it with CUDA; one in lmdb is read, verified, into host
+        memory (the output itself on a CPU device) and copied from there."""
+        arena = None
+        if not all(map(in_lmdb, slots.refs)):
+            try:
+                arena = self._memory()
+            except KVTierError as exc:
+                self._say("arena", f"kvtier: encoder outputs cannot be read: {exc}")
+                return None
         layout = slots.layout
         out = torch.empty(
-            slots.rows * layout.row_bytes, dtype=torch.uint8, device=device or self.device
-        )
+            len(slots.refs) * layout.part_bytes, dtype=torch.uint8, device=device or self.device
+        )  # whole parts: one in lmdb is read whole, its padding too
+        host = out if out.device.type == "cpu" else None
         for part, ref in enumerate(slots.refs):
-            rows = layout.rows_of(part, slots.rows)
+            used = layout.rows_of(part, slots.rows) * layout.row_bytes
             start = part * layout.part_bytes
-            view = arena.view(ref.offset, rows * layout.row_bytes)
-            src = torch.frombuffer(view, dtype=torch.uint8)
-            out[start : start + len(view)].copy_(src, non_blocking=True)
+            if in_lmdb(ref):
+                if host is None:
+                    host = torch.empty(len(out), dtype=torch.uint8)
+                whole = host[start : start + layout.part_bytes]
+                if not self._lmdb.read_into(self._plan.lmdb_path, ChunkKey(ref.key), _bytes(whole)):
+                    return None
+                src = host[start : start + used]
+            else:
+                assert arena is not None
+                src = torch.frombuffer(arena.view(ref.offset, used), dtype=torch.uint8)
+            if src.data_ptr() != out[start:].data_ptr():
+                out[start : start + used].copy_(src, non_blocking=True)
         _landed(out)  # the bytes read are those the generations below vouch for
-        if not all(arena.is_current(ref.slot, ref.generation) for ref in slots.refs):
+        if arena is not None and not all(
+            in_lmdb(ref) or arena.is_current(ref.slot, ref.generation) for ref in slots.refs
+        ):
             self._say("reused", "kvtier: an encoder output's slot was reused while read")
             return None
-        return out.view(self._dtype(slots)).view(slots.rows, layout.width)
+        raw = out[: slots.rows * layout.row_bytes]
+        return raw.view(self._dtype(slots)).view(slots.rows, layout.width)
 
     # -- stores and checks -------------------------------------------------------------------
 
@@ -175,6 +200,7 @@ class EncoderCacheWorker:
             log.error(message)
 
     def close(self) -> None:
+        self._lmdb.close()
         self.copies.detach()
         self._pinned = None
         if self._arena is not None:
@@ -186,6 +212,11 @@ def _landed(tensor: torch.Tensor) -> None:
     """Wait for the copies queued on the tensor's device (none to wait for on the CPU)."""
     if tensor.is_cuda:
         torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU byte tensor's memory, to read into."""
+    return tensor.numpy().data
 
 
 def relative_error(stored: torch.Tensor, computed: Any) -> float:

@@ -21,6 +21,7 @@ from kvtier_vllm.shared.vllm_compat import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from kvtier_vllm.shared.vllm_stats import cleared, summed
 
 DIRECTIONS = ("load", "store")
 FILLS = ("none", "previous", "zeros")
@@ -109,13 +110,8 @@ class KVTierStats(KVConnectorStats):
         """The draft revision now current (a gauge: the last one reported wins)."""
         self.data[_SEP.join(("revision", revision))] = 1
 
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
-        return self
+    reset = cleared
+    aggregate = summed
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}

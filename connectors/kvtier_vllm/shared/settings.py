@@ -105,6 +105,14 @@ class TiersConfig(BaseModel):
         "recompute the hit, as it measures its prefill. A slow store then costs at most that "
         "much more than recomputing, and a hit is not given up for far less than it saves.",
     )
+    lmdb_loads: bool = Field(
+        True,
+        description="Load hits held in lmdb (KV chunks, encoder outputs) straight from lmdb's "
+        "map in vLLM's processes, verified and decoded there, with no arena slot; they are "
+        "promoted into the arena first otherwise. Sidecar mode needs lmdb's directory "
+        "(lmdb.path) mounted here as kvtierd sees it, readable and its lock file writable; "
+        "where it cannot be opened, the connector logs why at start and promotes instead.",
+    )
     verify_sample_rate: float = Field(
         0.001,
         ge=0,
@@ -224,14 +232,6 @@ class ConnectorConfig(TiersConfig):
         True,
         description="Fingerprint the draft weights before every step that loads or stores "
         "draft chunks, so that none is used under the wrong draft revision.",
-    )
-    lmdb_loads: bool = Field(
-        True,
-        description="Load hits held in lmdb straight from lmdb's map in vLLM's workers, "
-        "verified and decoded there, with no arena slot; they are promoted into the arena "
-        "first otherwise. Sidecar mode needs lmdb's directory (lmdb.path) mounted here as "
-        "kvtierd sees it, readable and its lock file writable; where it cannot be opened, the "
-        "connector logs why at start and promotes instead.",
     )
     load_policy: LoadPolicy = Field(
         LoadPolicy.MEASURED,

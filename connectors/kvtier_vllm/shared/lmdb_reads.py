@@ -1,0 +1,95 @@
+"""Chunks leased in lmdb (`kvtier.core.protocol.in_lmdb`), read from lmdb's map by the process
+that loads them: both connectors' loads of hits held in lmdb (``lmdb_loads``).
+
+Every read is verified (and decoded, for a coded lmdb) into a buffer of the caller's. A chunk
+gone from lmdb or failing verification is not read; a corrupt one is kept to be reported to the
+tiers (`kvtier.core.protocol.TierClient.report_failed`), which check it and drop it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvtier.client import LmdbReader, failure_of, reader_at, release_reader
+from kvtier.core.errors import TierUnavailableError
+from kvtier.core.keys import ChunkKey
+from kvtier.core.protocol import FailedChunk, TierClient, TierCode
+
+log = logging.getLogger(__name__)
+
+
+def readable_lmdb(client: TierClient, wanted: bool) -> str:
+    """lmdb's path, where loads may be leased there: ``wanted`` (``lmdb_loads``), the tiers have
+    lmdb, and it opens here (else why not is logged, and hits below the arena are promoted)."""
+    path = client.lmdb_path
+    if not wanted or path is None:
+        return ""
+    try:
+        reader_at(path)
+    except TierUnavailableError as exc:
+        log.warning(
+            "kvtier: %s; hits held there are promoted into the arena before they load (mount "
+            "it here to load them straight from it)",
+            exc,
+        )
+        return ""
+    release_reader(path)  # the readers open their own
+    return str(path)
+
+
+class LmdbReads:
+    """Verified reads of the chunks leased in one lmdb, its reader opened once."""
+
+    def __init__(self) -> None:
+        self._reader: LmdbReader | None = None
+        self._path = ""
+        self.failed: list[FailedChunk] = []
+
+    def read_ahead(self, path: str, keys: Sequence[ChunkKey]) -> None:
+        """A step's chunks read from disk at once, not one fault after another."""
+        reader = self._open(path) if keys else None
+        if reader is not None:
+            reader.read_ahead(keys)
+
+    def read_into(self, path: str, key: ChunkKey, dst: memoryview) -> bool:
+        """Whether ``key``'s chunk was read into ``dst``, verified and decoded: False where
+        lmdb cannot be read here, no longer holds it, or it is corrupt (kept in ``failed``)."""
+        reader = self._open(path)
+        if reader is None:
+            return False
+        outcome = reader.read_into(key, dst)
+        if outcome is True or outcome is False:
+            return outcome
+        log.error(
+            "kvtier: chunk %s in lmdb failed verification (%s): not served, and reported",
+            key.hex(),
+            outcome,
+        )
+        self.failed.append(FailedChunk(key, TierCode.LMDB, failure_of(outcome)))
+        return False
+
+    def take_failed(self) -> list[FailedChunk]:
+        """The chunks found failing verification since the last call, to report."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def close(self) -> None:
+        """Give the reader back (the engine shuts down): the last user in this process closes
+        lmdb's environment and its reader slots, so the process can open it again."""
+        if self._reader is not None:
+            release_reader(self._path)
+        self._reader = None
+        self._path = ""
+
+    def _open(self, path: str) -> LmdbReader | None:
+        """The reader of ``path``, opened once: a path that fails to open is not tried again."""
+        if path != self._path:
+            self.close()
+            self._path = path
+            try:
+                self._reader = reader_at(Path(path)) if path else None
+            except TierUnavailableError as exc:
+                log.error("kvtier: %s; its loads are not served from it", exc)
+        return self._reader
