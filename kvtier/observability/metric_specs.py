@@ -117,6 +117,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "Chunks that failed to move: demote, promote, upload.",
     ),
     _spec(
+        "counter",
+        "writeback_skipped_chunks",
+        "",
+        "Chunks write-back left unwritten (lmdb unhealthy, or their namespace quarantined): "
+        "kept in the arena only, as a cache; not counted as demoted.",
+    ),
+    _spec(
         "histogram",
         "transfer_duration_seconds",
         "direction",

@@ -158,6 +158,9 @@ class TierCollector(Collector):
             chunks.add_metric(["demote"], cpu["writeback_ok"])
             chunks.add_metric(["promote"], manager["promotions"] + manager["promotions_object"])
             failures.add_metric(["demote"], cpu["writeback_failed"] + manager["writeback_errors"])
+            skipped = metric_family("writeback_skipped_chunks")
+            skipped.add_metric([], cpu["writeback_skipped"])
+            yield skipped
             failures.add_metric(
                 ["promote"], manager["promotion_failed"] + manager["promotion_errors"]
             )
