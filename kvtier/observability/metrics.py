@@ -230,6 +230,11 @@ class TierCollector(Collector):
         healthy = metric_family("object_store_healthy")
         healthy.add_metric([], int(store.healthy))
         yield healthy
+        learned = metric_family("object_store_learned_bytes")
+        theirs = stats.tiers[OBJECT].learned if OBJECT in stats.tiers else {}
+        for pool in Pool:  # every pool from the start, like the tiers' own usage
+            learned.add_metric([pool], theirs[pool].used_bytes if pool in theirs else 0)
+        yield learned
         state = store.breaker.state
         breaker = metric_family("object_store_breaker_state")
         for name in ("closed", "open", "half_open"):
