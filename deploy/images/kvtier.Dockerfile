@@ -46,7 +46,7 @@ USER 10001:10001
 # admin API (gRPC, with the health service) and Prometheus /metrics
 EXPOSE 7461 7462
 
-# Docker only: kubelet ignores HEALTHCHECK and uses the manifests' gRPC probes instead
+# Docker only: kubelet ignores HEALTHCHECK and uses the manifests' /healthz probes instead
 HEALTHCHECK --interval=30s --timeout=10s --start-period=60s --retries=3 \
     CMD ["kvtier", "health", "--config", "/etc/kvtier/kvtier.yaml", "--timeout", "5"]
 

@@ -394,3 +394,6 @@ class TierStats:
     """Keyed by (replica, pool); capacity_bytes there is the replica's quota."""
     counters: Counter[str] = field(default_factory=Counter)
     """hits, misses, stores, store_rejected, evictions_<reason>, corrupt, ..."""
+    learned: dict[str, UsageStats] = field(default_factory=dict)
+    """Per pool, chunks of the object store that other nodes uploaded and this one only learned
+    of: not its own, so neither in ``pools`` nor in ``used_bytes``."""

@@ -55,8 +55,19 @@ METRICS: tuple[MetricSpec, ...] = (
     _spec("info", "build", "version", "The kvtier version serving."),
     # capacity and use
     _spec("gauge", "tier_capacity_bytes", "tier", "Byte budget of each tier (0: unbounded)."),
-    _spec("gauge", "tier_used_bytes", "tier pool", "Bytes held, per tier and pool."),
-    _spec("gauge", "tier_chunks", "tier pool", "Chunks held, per tier and pool."),
+    _spec(
+        "gauge",
+        "tier_used_bytes",
+        "tier pool",
+        "Bytes held, per tier and pool; in the object store, those of the objects this node "
+        "uploaded (its budget's).",
+    ),
+    _spec(
+        "gauge",
+        "tier_chunks",
+        "tier pool",
+        "Chunks held, per tier and pool; in the object store, this node's own.",
+    ),
     _spec("gauge", "pool_capacity_bytes", "tier pool", "Share of the arena each pool may fill."),
     _spec("gauge", "arena_slot_classes", "", "Arena slot classes in use (arena.max_slot_classes)."),
     _spec("gauge", "arena_free_extents", "", "Arena extents no slot class holds."),
@@ -115,6 +126,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "transfer_failures",
         "direction",
         "Chunks that failed to move: demote, promote, upload.",
+    ),
+    _spec(
+        "counter",
+        "writeback_skipped_chunks",
+        "",
+        "Chunks write-back left unwritten (lmdb unhealthy, or their namespace quarantined): "
+        "kept in the arena only, as a cache; not counted as demoted.",
     ),
     _spec(
         "histogram",
@@ -215,6 +233,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "1 for the circuit breaker's current state (closed, open, half_open), else 0.",
     ),
     _spec("counter", "object_store_uploads", "", "Objects uploaded."),
+    _spec(
+        "gauge",
+        "object_store_learned_bytes",
+        "pool",
+        "Bytes of chunks in the shared store that other nodes uploaded and this one learned of "
+        '(probes, fetches, warmup): not its own, so not in tier_used_bytes{tier="object"}.',
+    ),
     _spec("counter", "object_store_probes", "", "Probes for objects other nodes uploaded."),
     _spec(
         "counter",

@@ -158,6 +158,9 @@ class TierCollector(Collector):
             chunks.add_metric(["demote"], cpu["writeback_ok"])
             chunks.add_metric(["promote"], manager["promotions"] + manager["promotions_object"])
             failures.add_metric(["demote"], cpu["writeback_failed"] + manager["writeback_errors"])
+            skipped = metric_family("writeback_skipped_chunks")
+            skipped.add_metric([], cpu["writeback_skipped"])
+            yield skipped
             failures.add_metric(
                 ["promote"], manager["promotion_failed"] + manager["promotion_errors"]
             )
@@ -227,6 +230,11 @@ class TierCollector(Collector):
         healthy = metric_family("object_store_healthy")
         healthy.add_metric([], int(store.healthy))
         yield healthy
+        learned = metric_family("object_store_learned_bytes")
+        theirs = stats.tiers[OBJECT].learned if OBJECT in stats.tiers else {}
+        for pool in Pool:  # every pool from the start, like the tiers' own usage
+            learned.add_metric([pool], theirs[pool].used_bytes if pool in theirs else 0)
+        yield learned
         state = store.breaker.state
         breaker = metric_family("object_store_breaker_state")
         for name in ("closed", "open", "half_open"):

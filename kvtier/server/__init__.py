@@ -1,1 +1,2 @@
-"""kvtierd: the daemon wiring, its gRPC servicers, sessions and authentication."""
+"""kvtierd: the daemon wiring, its gRPC servicers, sessions and authentication, and its HTTP port
+(metrics, probes)."""

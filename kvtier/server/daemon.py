@@ -1,5 +1,6 @@
 """kvtierd wiring: the TierManager behind a unix-socket data plane, a TCP admin API, health,
-reflection and a Prometheus endpoint; and the lifecycle around them."""
+reflection and an HTTP port (Prometheus ``/metrics``, ``/healthz`` for probes); and the lifecycle
+around them."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ import threading
 from concurrent import futures
 from pathlib import Path
 from types import FrameType
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from kvtier.api.v1 import admin_pb2, admin_pb2_grpc, tier_pb2, tier_pb2_grpc
 from kvtier.core.admin_token import TOKEN_KEY, read_token, token_path, write_new_token
@@ -29,6 +30,7 @@ from kvtier.core.memory import keep_freed_pages
 from kvtier.observability.metrics import build_registry
 from kvtier.server.admin import READ_ONLY_METHODS, AdminServicer
 from kvtier.server.dataplane import TierServicer
+from kvtier.server.http_port import start_http_port
 from kvtier.server.interceptors import ErrorInterceptor, TokenAuthInterceptor
 from kvtier.server.peers import TenantPolicy, TicketOffice
 from kvtier.server.sessions import SessionRegistry
@@ -143,7 +145,7 @@ class Daemon:
         self.metrics_port = 0
         self._stopped = threading.Event()
         self._servers: list[tuple[grpc.Server, health.HealthServicer, str]] = []
-        self._metrics: object | None = None
+        self._metrics: WSGIServer | None = None
         self._owns_socket = False  # never remove the socket of another live daemon
         self._socket_gid: int | None = None
         self._tickets: TicketOffice | None = None
@@ -251,7 +253,7 @@ class Daemon:
         host, port = split_address(cfg.metrics_address, "server.metrics_address")
         registry = build_registry(self.manager, self.sessions.counts)
         try:
-            server, _thread = start_http_server(port, host, registry=registry)
+            server = start_http_port(host, port, registry, lambda: not self._stopped.is_set())
         except OSError as exc:
             raise ConfigError("server.metrics_address", f"cannot listen: {exc.strerror}") from exc
         self._metrics = server
@@ -298,7 +300,7 @@ class Daemon:
         for server, _health, _service in self._servers:
             server.stop(grace=2.0).wait()
         if self._metrics is not None:
-            self._metrics.shutdown()  # type: ignore[attr-defined]
+            self._metrics.shutdown()
         if self._tickets is not None:
             self._tickets.close()
         if hasattr(self, "sessions"):

@@ -39,7 +39,8 @@ class WriteBack:
         """``between_batches`` runs on the write-back thread each time it has caught up; chunks
         of a namespace ``skip`` names (quarantined), and every chunk while ``writes()`` is false
         (lmdb is unhealthy), are marked written without being written: the arena keeps them as
-        a cache, evicted as clean ones are, so it never fills with chunks it cannot write."""
+        a cache, evicted as clean ones are, so it never fills with chunks it cannot write; they
+        count as ``writeback_skipped``, never as written."""
         self._skip = skip
         self._writes = writes
         self._cpu = cpu
@@ -103,12 +104,15 @@ class WriteBack:
             return 0
         ok = False
         changed: set[ChunkKey] = set()
+        skipped: set[ChunkKey] = set()
         try:
             by_owner: dict[str, list[SlotRef]] = {}
             writes = self._writes()
             for ref in refs:
                 if writes and not self._skip(namespace_of(ref.key)):
                     by_owner.setdefault(cpu.owner_of(ref), []).append(ref)
+                else:
+                    skipped.add(ref.key)
             for owner, group in by_owner.items():
                 # the encoder's checksum of what it stores is compared with the commit's
                 stored, differ = self._lmdb.put_many_checked(
@@ -121,7 +125,7 @@ class WriteBack:
                     )
             ok = True
         finally:
-            cpu.writeback_done(refs, ok, changed)
+            cpu.writeback_done(refs, ok, changed, skipped)
         return len(refs)
 
     def flush(self, timeout: float = 30.0) -> bool:

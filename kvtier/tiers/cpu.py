@@ -184,11 +184,16 @@ class CpuTier(Tier):
         )
 
     def writeback_done(
-        self, refs: Sequence[SlotRef], ok: bool, changed: Collection[ChunkKey] = ()
+        self,
+        refs: Sequence[SlotRef],
+        ok: bool,
+        changed: Collection[ChunkKey] = (),
+        skipped: Collection[ChunkKey] = (),
     ) -> None:
         """End write-back leases; a failed write leaves the chunk clean-but-arena-only. Chunks
-        in ``changed`` no longer matched their commit checksum: they are dropped."""
-        self.slots.writeback_done(refs, ok, changed)
+        in ``changed`` no longer matched their commit checksum: they are dropped. Chunks in
+        ``skipped`` were left unwritten on purpose: clean, arena-only, counted apart."""
+        self.slots.writeback_done(refs, ok, changed, skipped)
 
     # -- the Tier contract ----------------------------------------------------------------
 

@@ -279,9 +279,14 @@ class ArenaSlots:
         return self._checksums.of(ref, take_now=take_now)
 
     def writeback_done(
-        self, refs: Sequence[SlotRef], ok: bool, changed: Collection[ChunkKey]
+        self,
+        refs: Sequence[SlotRef],
+        ok: bool,
+        changed: Collection[ChunkKey],
+        skipped: Collection[ChunkKey],
     ) -> None:
-        """End write-back leases, the chunks clean; those in ``changed`` are dropped."""
+        """End write-back leases, the chunks clean; those in ``changed`` are dropped, those in
+        ``skipped`` were never written and count apart from the written ones."""
         with self._lock:
             for ref in refs:
                 if not self._current(ref, READY):
@@ -294,7 +299,10 @@ class ArenaSlots:
                 if ref.key in changed:
                     self._drop_changed(ref)
                     continue
-                self._counters.add("writeback_ok" if ok else "writeback_failed", 1)
+                if ref.key in skipped:
+                    self._counters.add("writeback_skipped", 1)
+                else:
+                    self._counters.add("writeback_ok" if ok else "writeback_failed", 1)
 
     def _drop_changed(self, ref: SlotRef) -> None:
         """Drop a chunk whose bytes changed after its commit: lookups miss it from now on; a

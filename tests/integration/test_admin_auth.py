@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from contextlib import closing
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 
 from kvtier import __version__
 from kvtier.core.errors import PermissionDeniedError
+from kvtier.server.http_port import HEALTH_PATH
 from tests.integration.daemon_harness import (
     ROOT,
     Processes,
@@ -80,6 +82,26 @@ def test_the_default_admin_api_refuses_an_unauthenticated_gc_and_evict(
         cpu = next(t for t in admin.stats().tiers if t.tier == "cpu")
         assert cpu.usage.chunks == N, "the arena was evicted"
         assert admin.evict(tier="cpu") == {"cpu": N}
+
+
+def test_probes_get_healthz_without_a_token_while_the_admin_api_still_refuses_one(
+    procs: Processes, tmp_path: Path, shm_path: Path
+) -> None:
+    files = write_config(tmp_path, shm_path)
+    daemon = procs.start_daemon(files, env={"XDG_STATE_HOME": str(tmp_path / "state")})
+    assert daemon.admin_token  # the admin API is token-only
+    # as kubelet asks: a plain GET, no header of any kind
+    url = f"http://127.0.0.1:{daemon.metrics_port}{HEALTH_PATH}"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+        assert response.read() == b"ok\n"  # nothing of the daemon's state
+    with (
+        closing(daemon.admin("")) as anonymous,
+        pytest.raises(PermissionDeniedError, match="not authenticated: missing bearer"),
+    ):
+        anonymous.stats()
+    with closing(daemon.admin()) as admin:
+        assert admin.stats().tiers
 
 
 def _kvtier(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

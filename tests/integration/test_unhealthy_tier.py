@@ -35,8 +35,9 @@ from tests.integration.test_integrity_reports import (
     store_again_and_read_in_lmdb,
 )
 from tests.integration.test_locate import BLOCKS_PER_CHUNK, prompt_hashes
-from tests.integration.test_object_manager import node_config, store, uploaded
+from tests.integration.test_object_manager import store, uploaded
 from tests.support import keys_for, target_spec
+from tests.support import object_node_config as node_config
 
 SOUND = [i for i in range(STORED) if i not in CORRUPT]
 UNHEALTHY = "lmdb is unhealthy"
@@ -101,6 +102,7 @@ def test_an_unhealthy_lmdb_is_neither_read_nor_written_and_stores_go_to_the_aren
     )
     assert lmdb_chunks(daemon) == len(SOUND)  # the sound chunks are still there
     before = _reads(daemon)
+    demoted = metric(daemon, "kvtier_transfer_chunks_total", direction="demote")
 
     engine = GrpcTierClient(daemon.files.socket, "r2")
     try:
@@ -136,6 +138,9 @@ def test_an_unhealthy_lmdb_is_neither_read_nor_written_and_stores_go_to_the_aren
         writer.close()
     assert _reads(daemon) == before  # nothing written into lmdb either
     assert lmdb_chunks(daemon) == len(SOUND)
+    # nor claimed as demoted: write-back counts them as skipped
+    assert metric(daemon, "kvtier_transfer_chunks_total", direction="demote") == demoted
+    assert metric(daemon, "kvtier_writeback_skipped_chunks_total") == STORED
     assert metric(daemon, "kvtier_tier_healthy", tier="lmdb") == 0
     assert UNHEALTHY in daemon.log_text()  # said once, as it was seen
     assert HEALTHY_AGAIN not in daemon.log_text()

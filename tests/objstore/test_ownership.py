@@ -15,19 +15,25 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.core.keys import ChunkKey
 from kvtier.core.pools import PoolRegistry
+from kvtier.observability.metrics import build_registry
+from kvtier.tiering.manager import TierManager
 from kvtier.tiers.objstore import pins as fleet_pins
 from kvtier.tiers.objstore.catalog import Catalog
 from kvtier.tiers.objstore.pins import PINS_DIR, PINS_FORMAT
 from kvtier.tiers.objstore.tier import COMPANION_SUFFIX, META_NODE, ObjectTier
 from tests.contract.tier_contract import CHUNK
+from tests.integration.test_object_manager import CHUNK as NODE_CHUNK
+from tests.integration.test_object_manager import store, uploaded
 from tests.objstore import test_object_tier
-from tests.objstore.fixtures import GCS_ENDPOINT_ENV, ProxiedStore, StoreFactory
+from tests.objstore.fixtures import GCS_ENDPOINT_ENV, ObjectNodes, ProxiedStore, StoreFactory
 from tests.objstore.servers import FaultMode, _Handler, _LoopbackHttp
 from tests.objstore.test_object_tier import Tier, keys, put_when_ready, read
-from tests.support import object_config, payload_for, target_spec
+from tests.support import keys_for, object_config, payload_for, target_spec
 
 make_tier = test_object_tier.make_tier  # the same fixture, found by name here
 
@@ -388,3 +394,44 @@ def test_ownership_survives_a_restart(
         assert tier.budget.used() == used == sum(chunk_objects(tier)[name] for name in owned)
     finally:
         tier.close()
+
+
+def test_object_usage_counts_a_nodes_own_objects_and_the_learned_ones_apart(
+    object_nodes: ObjectNodes, store_factory: StoreFactory
+) -> None:
+    """Two nodes on one bucket: the other node's objects, learned by warmup, are not counted in
+    tier_used_bytes{tier="object"}, only in object_store_learned_bytes."""
+    url = store_factory("s3")
+    theirs_node, ours_node = object_nodes(url, "a"), object_nodes(url, "b")
+    namespace = theirs_node.register_pool(target_spec(), NODE_CHUNK)
+    ours_node.register_pool(target_spec(), NODE_CHUNK)
+    theirs, ours = keys_for(namespace, 4), keys_for(namespace, 2, start=100)
+    for node, batch in ((theirs_node, theirs), (ours_node, ours)):
+        assert store(node, batch) == len(batch)
+        uploaded(node, batch)
+    for _ in ours_node.warmup(object_index=True):
+        pass
+    assert ours_node.object is not None
+    assert ours_node.object.contains(theirs) == [True] * len(theirs)  # learned
+    assert ours_node.object.index.owned_bytes() > 0
+
+    def gauges(node: TierManager) -> dict[tuple[str, str], float]:
+        text = generate_latest(build_registry(node, lambda: (0, 0, 0))).decode()
+        return {
+            (s.name, s.labels.get("tier", "")): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.labels.get("pool") == "target"
+        }
+
+    def length(node: TierManager, batch: Sequence[ChunkKey]) -> int:
+        assert node.object is not None
+        return sum(loc.length for key in batch if (loc := node.object.index.get(key)))
+
+    own = gauges(ours_node)
+    assert own["kvtier_tier_chunks", "object"] == len(ours)
+    assert own["kvtier_tier_used_bytes", "object"] == length(ours_node, ours)
+    assert own["kvtier_object_store_learned_bytes", ""] == length(ours_node, theirs) > 0
+    other = gauges(theirs_node)
+    assert other["kvtier_tier_used_bytes", "object"] == length(theirs_node, theirs)
+    assert other["kvtier_object_store_learned_bytes", ""] == 0

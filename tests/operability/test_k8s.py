@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from kvtier.core.config import load_config
-from kvtier.server.daemon import admin_credentials
+from kvtier.server.daemon import admin_credentials, is_loopback, split_address
+from kvtier.server.http_port import HEALTH_PATH
 from tests.operability.kustomize import Doc, build, normalise
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
@@ -80,7 +81,9 @@ def test_workloads_hang_together(overlay: str, tmp_path: Path) -> None:
     assert _one(docs, "ServiceAccount", "kvtier")
     service = _one(docs, "Service", "kvtier-metrics")
     metrics_port = int(config.server.metrics_address.rpartition(":")[2])
-    admin_port = int(config.server.admin_address.rpartition(":")[2])
+    # operators call the admin API from inside the pod: its token never crosses the network
+    assert is_loopback(split_address(config.server.admin_address, "server.admin_address")[0])
+    assert not config.server.allow_insecure_token
     assert service["spec"]["ports"][0]["port"] == metrics_port
     kvtier_pods = []
     for workload in [d for d in docs if d["kind"] in WORKLOADS]:
@@ -111,9 +114,9 @@ def test_workloads_hang_together(overlay: str, tmp_path: Path) -> None:
         daemon = containers["kvtier"]
         ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
         assert ports["kvtier-metrics"] == metrics_port
-        assert ports["kvtier-admin"] == admin_port
+        assert "kvtier-admin" not in ports  # on loopback: nothing outside the pod reaches it
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert daemon[probe]["grpc"]["port"] == admin_port, probe
+            assert daemon[probe]["httpGet"] == {"path": HEALTH_PATH, "port": metrics_port}, probe
         mounts = {m["mountPath"]: m for m in daemon["volumeMounts"]}
         assert mounts["/etc/kvtier/kvtier.yaml"]["subPath"] == "kvtier.yaml"
         assert daemon["args"] == ["serve", "--config", "/etc/kvtier/kvtier.yaml"]

@@ -444,7 +444,13 @@ MUTATIONS: dict[Callable[[World], Problems], list[tuple[str, str, str, str, str]
     ],
     check_ports: [
         ("expose", D, "EXPOSE 7461 7462", "EXPOSE 7461", "EXPOSE"),
-        ("probe", "sidecar", "port: 7461", "port: 7463", "7463"),
+        (
+            "probe",
+            "sidecar",
+            "/healthz\n            port: 7462",
+            "/healthz\n            port: 7463",
+            "7463",
+        ),
     ],
     check_paths: [
         ("owner", D, "-o 10001 -g 10001 -m 0750", "-o 0 -g 0 -m 0750", "/run/kvtier"),

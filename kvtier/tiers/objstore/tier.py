@@ -414,13 +414,23 @@ class ObjectTier(Tier):
         return self.counters.snapshot()["corrupt"]  # stats() walks the whole index
 
     def stats(self) -> TierStats:
+        """Usage counts the chunks of the objects this node owns, as its budget does; those of
+        objects it only learned of are apart (``learned``)."""
         pools: dict[str, UsageStats] = {}
         replicas: dict[tuple[str, str], UsageStats] = {}
+        learned: dict[str, UsageStats] = {}
+        objects = self.index.objects
         for loc in list(self.index.chunks.values()):
-            for usage in (
-                pools.setdefault(loc.pool, UsageStats()),
-                replicas.setdefault((loc.replica, loc.pool), UsageStats()),
-            ):
+            entry = objects.get(loc.obj)
+            usages: tuple[UsageStats, ...]
+            if entry is not None and entry.owned:
+                usages = (
+                    pools.setdefault(loc.pool, UsageStats()),
+                    replicas.setdefault((loc.replica, loc.pool), UsageStats()),
+                )
+            else:
+                usages = (learned.setdefault(loc.pool, UsageStats()),)
+            for usage in usages:
                 usage.chunks += 1
                 usage.used_bytes += loc.length
         counters = self.counters.snapshot()
@@ -433,6 +443,7 @@ class ObjectTier(Tier):
             pools=pools,
             replicas=replicas,
             counters=counters,
+            learned=learned,
         )
 
     def close(self) -> None:
