@@ -38,8 +38,10 @@ PROMPT_TOKENS = 690
 HIT_TOKENS = 688  # 43 blocks of 16
 LATENT_CHUNK_BYTES = 16 * 576 * 4 * 3  # one block of a 576-wide fp32 latent, 3 layers
 LOGPROB_GAP = 1.3e-4
-"""How far vLLM's own ExampleConnector moves the first token's logprob at TP=2: loaded KV computes
-the last tokens through another kernel path than a whole prefill, nothing more."""
+"""How far vLLM's own ExampleConnector moved the first token's logprob at TP=2 in one run: loaded KV
+computes the last tokens through another kernel path than a whole prefill, nothing more. At TP=2
+the gap moved from run to run (1.4e-5 in one, 4.5e-3 in another): it is bounded by the float-order
+gap between degrees, and the bytes every rank loaded are checked before it."""
 
 
 @pytest.fixture(scope="module")
@@ -122,18 +124,21 @@ def test_mla_chunks_hold_the_latent_tp2_computed_and_hit_at_tp2_and_tp1(
     # one latent copy per chunk: rank 0 wrote it, rank 1 wrote nothing
     assert stored == 2 * HIT_TOKENS // 16
     assert stored_bytes == stored * LATENT_CHUNK_BYTES
+    # the float order of TP=2 against TP=1, without kvtier: vLLM's CPU MLA path moves a logprob
+    # by as much when only the batch a prompt's last tokens are computed in changes
+    degrees = max(abs(a - b) for a, b in zip(alone_tp1[1], first, strict=True))
     with mla_engine(mla_model, 2, connector) as llm:
         # twice: the second round loads the chunks again into blocks the first one freed
         for _ in range(2):
             again, again_first, cached = generate(llm, mla_prompts)
             assert cached == [HIT_TOKENS, HIT_TOKENS]
+            # every rank holds the 43 full blocks of each prompt as TP=2 computed them; what
+            # may differ is each prompt's last block, with tokens computed after the hit
+            assert unmatched(computed, llm.collective_rpc(written_blocks)) <= len(mla_prompts)
             assert again == tokens
-            assert max(abs(a - b) for a, b in zip(again_first, first, strict=True)) <= LOGPROB_GAP
-        held = llm.collective_rpc(written_blocks)
+            gap = max(abs(a - b) for a, b in zip(again_first, first, strict=True))
+            assert gap <= max(degrees, LOGPROB_GAP), (again_first, first, degrees)
         assert counter_value(llm, EXTERNAL_HITS) == 2 * 2 * HIT_TOKENS
-    # every rank holds the 43 full blocks of each prompt as TP=2 computed them; what may differ
-    # is each prompt's last block, with tokens computed after the hit
-    assert unmatched(computed, held) <= len(mla_prompts)
     with mla_engine(mla_model, 1, connector) as llm:
         cross, cross_first, cached = generate(llm, mla_prompts)
         held = llm.collective_rpc(written_blocks)
@@ -141,7 +146,6 @@ def test_mla_chunks_hold_the_latent_tp2_computed_and_hit_at_tp2_and_tp1(
     assert unmatched(computed, held) <= len(mla_prompts)
     # the TP=1 engine computes its last tokens over TP=2's latent: within the gap between
     # the two degrees without kvtier
-    degrees = max(abs(a - b) for a, b in zip(alone_tp1[1], first, strict=True))
     assert max(abs(a - b) for a, b in zip(cross_first, first, strict=True)) <= degrees + LOGPROB_GAP
     assert len(cross) == 2
 
