@@ -32,7 +32,8 @@ from tests.e2e.test_connector import EXTERNAL_HITS
 from tests.e2e.test_connector_tp import sidecar
 from tests.integration.daemon_harness import DaemonFiles, Processes
 
-pytestmark = pytest.mark.slow
+# four engines, two of them TP=2 with a process per rank
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPT_TOKENS = 690
 HIT_TOKENS = 688  # 43 blocks of 16

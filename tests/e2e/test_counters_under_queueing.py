@@ -83,8 +83,9 @@ def counted_asks(monkeypatch: pytest.MonkeyPatch, replan: bool) -> Counter[str]:
 
     def counting(self: KVTierScheduler, request: Any, computed: int) -> tuple[int | None, bool]:
         seen[request.request_id] += 1
-        if replan:
-            self.calls.release(self.state(request).drop_plan())
+        decision = self.state(request).decision
+        if replan and decision is not None:
+            self.calls.release(decision.drop_plan())
         return original(self, request, computed)
 
     monkeypatch.setattr(KVTierScheduler, "get_num_new_matched_tokens", counting)

@@ -213,6 +213,8 @@ def test_fill_policies_write_defined_draft_pages_and_swaps_are_found_without_kvt
                 layer[blocks] = poison
             seen["poisoned"] += len(blocks)
         start_load_kv(self, meta)
+        for batch in self._receiving:  # asynchronous loads land on the loading thread
+            batch.done.wait(60)
         for layer in pages if blocks else ():
             filled = layer[blocks]
             seen["left"] += int((filled == poison).all(dim=1).sum())

@@ -19,9 +19,10 @@ from kvtier.core.lineage import BlockLineage, unpack
 from kvtier.fleet.event_log import EventLog
 from kvtier.fleet.kv_events import external_hash
 from kvtier.tiering.manager import TierManager
-from tests.integration.test_object_manager import CHUNK, node_config
+from tests.integration.test_object_manager import CHUNK
 from tests.router_index import RouterIndex
 from tests.support import keys_for, payload_for, target_spec
+from tests.support import object_node_config as node_config
 
 BLOCKS = 4
 BLOCK_SIZE = 16
