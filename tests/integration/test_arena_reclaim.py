@@ -336,6 +336,9 @@ def test_a_class_no_open_session_holds_lends_its_extents_at_once(
     first.namespaces.add(a)
     a_keys = keys_for(a, cpu.memory.num_extents * 8)
     assert _store(client, a_keys) == len(a_keys)  # A holds every extent
+    # written back, so that only the session can stand between B and A's extents (dirty ones
+    # are lent once written: test_dirty_chunks_taken_for_another_class_are_written_back_first)
+    assert client.flush()
     sessions.discard(first)  # model A's engine goes away; its namespace is not yet expired
     assert client.manager.registry.get(a) in client.manager.registry.registrations()
     second = sessions.open("r0", "engine-b", 0, 0)
