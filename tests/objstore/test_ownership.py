@@ -409,8 +409,7 @@ def test_object_usage_counts_a_nodes_own_objects_and_the_learned_ones_apart(
     for node, batch in ((theirs_node, theirs), (ours_node, ours)):
         assert store(node, batch) == len(batch)
         uploaded(node, batch)
-    for _ in ours_node.warmup(object_index=True):
-        pass
+    list(ours_node.warmup(object_index=True))  # runs to its end: the index learns their objects
     assert ours_node.object is not None
     assert ours_node.object.contains(theirs) == [True] * len(theirs)  # learned
     assert ours_node.object.index.owned_bytes() > 0
