@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from benchmarks.harness.system import remove_arena
 from kvtier.bench import BenchConfig, WorkloadSpec
 from kvtier.bench.runner import LevelResult, run_level
 from kvtier.bench.scrape import parse_counters, total
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        ARENA.unlink(missing_ok=True)
+        remove_arena(ARENA)
     ours = configs["kvtier"]
     result: dict[str, Any] = {
         "model": model.name,

@@ -19,6 +19,7 @@ import yaml
 from benchmarks.harness.connector import kvtier_connector
 from benchmarks.harness.kvtierd import Kvtierd
 from benchmarks.harness.sizes import KiB, extent_for
+from benchmarks.harness.system import remove_arena
 from benchmarks.models import ServingModel
 from benchmarks.serving_cases import (
     ARENA_BYTES,
@@ -230,7 +231,7 @@ class Servers:
             if lmcache is not None:
                 lmcache.stop()
             # its own arena only: other servers may still be running
-            self.shm(run_name).unlink(missing_ok=True)
+            remove_arena(self.shm(run_name))
             # the stored KV (a preallocated LMDB file is its whole budget): keep the logs only
             for heavy in (tmp / "lmdb", tmp / "kvtierd" / "lmdb", tmp / "example-storage"):
                 shutil.rmtree(heavy, ignore_errors=True)
@@ -239,4 +240,4 @@ class Servers:
         if self.moto is not None:
             self.moto.stop()
         for path in self.shm_paths:
-            path.unlink(missing_ok=True)
+            remove_arena(path)

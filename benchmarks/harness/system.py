@@ -1,6 +1,6 @@
 """The machine under a benchmark: the page cache (dropping a file from it, how much of a file it
 holds, a cold read's time), CPU time (the machine's, a process's, other processes' share of a
-run) and the file system a path is on."""
+run), the file system a path is on, and an ended run's arena files."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 from benchmarks.harness.sizes import MiB
 from benchmarks.harness.stats import median
+from kvtier.tiers.commit_checksums import ledger_path
 
 # -- page cache -------------------------------------------------------------------------------
 
@@ -158,3 +159,10 @@ def fs_type(path: Path) -> str:
             if inside and len(point) > len(best):
                 best, kind = point, fields[2]
     return kind
+
+
+def remove_arena(path: Path) -> None:
+    """Remove an arena whose owner has ended, and the commit checksums kept beside it (an
+    engine stopped without closing its embedded arena leaves both)."""
+    path.unlink(missing_ok=True)
+    ledger_path(path).unlink(missing_ok=True)

@@ -11,8 +11,9 @@ else a busy class of the same pool holding at least two extents more than the bo
 two models in use level out rather than take turns. A pool keeps its floor
 (`PoolConfig.floor_share`) while a namespace of it is registered, and a pool below its floor
 may take from busy pools above theirs; otherwise a busy pool keeps what its stores took. An
-extent holding a dirty, leased, pinned or reserved slot is never taken: the refused store makes
-write-back write every dirty chunk, and the next store finds the extent clean. A class no
+extent holding a dirty, leased, pinned or reserved slot is never taken: a borrow that finds
+its lenders dirty makes write-back write every dirty chunk (as a refused store does), even when
+the store then evicts the borrower's own chunk, and a later store finds the extent clean. A class no
 registered namespace uses (they expire when idle: `PoolRegistry`) gives its extents back the
 same way and is forgotten, so `max_slot_classes` counts the classes in use.
 
@@ -218,11 +219,18 @@ class ArenaRoom:
         now = time.monotonic()
         if now < cls.reclaim_after:
             return False
+        dirty_lender = False
         for lender in self._lenders(cls, now):
             for extent in heapq.nlargest(_EXTENT_SCAN, lender.held()):  # stores fill low first
                 if self._clear_extent(extent, "reclaim", owner):
                     self._counters.add("extents_lent", 1)
                     return self._extents.take(cls)
+            dirty_lender = dirty_lender or lender.dirty_count > 0
+        if dirty_lender and not self.refused:
+            # the store may yet succeed by evicting the borrower's own chunks, so nothing is
+            # refused: press write-back anyway (once until it asks), or the lender's extents
+            # stay dirty for as long as the clean reserve leaves them so
+            self.refused = 1
         cls.reclaim_after = now + _RECLAIM_RETRY_S
         return False
 
@@ -323,13 +331,14 @@ class ArenaRoom:
         if self._grow(cls):
             return cls.take_free()
         if self._usage.over_quota(q, cls.pool, cls.slot_bytes):
-            # a replica at its quota makes room from its own chunks only, or stores nothing
+            # a replica at its quota makes room from its own chunks only, or stores nothing;
+            # an idle class's extent holding them goes before the class's own chunks, as below
             victim = self._retired_victim(cls, q, "quota")
+            if victim is None and self._borrow(cls, owner=q):
+                return cls.take_free()
             if victim is None:
                 slot = self._first_victim(cls, q)
                 victim = None if slot is None else (slot, "quota")
-                if victim is None and self._borrow(cls, owner=q):
-                    return cls.take_free()
                 if victim is None:
                     self._counters.add("store_over_quota", 1)
         elif self._borrow(cls):

@@ -8,11 +8,15 @@ Each checksum is also kept on file (`ChecksumLedger`), beside the arena, where t
 at the arena's path reads it when this process was killed (`arena_salvage`): with each chunk's
 key, generation and place, as this process knew them. The file is this process's own (mode
 0600), never mapped by clients; a record carries a check of itself, so one half written when
-the process died is skipped.
+the process died is skipped. Its owner holds a lock on it while it lives: a ledger no process
+locks, whose arena file is gone (a killed owner's arena removed by hand, or by a script that
+knew only the arena's name), has nothing left to speak for, and the next owner of any arena in
+that directory removes it (`remove_orphaned_ledgers`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -39,11 +43,48 @@ _FIELDS = struct.Struct(f"<QQQ16sH6x{_KEY_BYTES}s")
 _CHECK = struct.Struct("<Q")
 RECORD_BYTES = _FIELDS.size + _CHECK.size
 LEDGER_MODE = 0o600
+_SUFFIX = ".checksums"
 
 
 def ledger_path(arena: Path) -> Path:
     """Where the owner of the arena at ``arena`` keeps its commit checksums."""
-    return arena.with_name(arena.name + ".checksums")
+    return arena.with_name(arena.name + _SUFFIX)
+
+
+def remove_orphaned_ledgers(directory: Path) -> int:
+    """Remove the ledgers in ``directory`` that this user owns, no live process locks, and whose
+    arena file is gone; returns how many. A dead owner's ledger beside its arena stays: the
+    next owner at that path salvages from it."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(directory) if n.endswith(_SUFFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = directory / name
+        arena = directory / name.removesuffix(_SUFFIX)
+        if os.path.lexists(arena):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, or a link: not ours to judge
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError: its owner lives
+            # still that file, and still no arena: a new owner makes its arena first
+            if os.stat(path).st_ino == st.st_ino and not os.path.lexists(arena):
+                path.unlink()
+                removed += 1
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("arena: removed %d commit-checksum files of dead owners in %s", removed, directory)
+    return removed
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +112,7 @@ class ChecksumLedger:
         """A new, empty ledger for an arena of ``slots`` slots at ``arena``, in place of any
         earlier one (its successor reads that first); None, logged, when it cannot be made:
         the arena works without it, and what it holds is not kept after a crash."""
+        remove_orphaned_ledgers(arena.parent)
         path = ledger_path(arena)
         size = max(1, slots) * RECORD_BYTES
         fd = -1
@@ -78,6 +120,7 @@ class ChecksumLedger:
             path.unlink(missing_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, LEDGER_MODE)
             os.fchmod(fd, LEDGER_MODE)  # whatever the umask
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives
             os.posix_fallocate(fd, 0, size)  # no SIGBUS on a later store into a full mount
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:

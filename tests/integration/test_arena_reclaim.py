@@ -4,6 +4,7 @@ namespaces and slot classes expire. Real arena in /dev/shm, real LMDB, the embed
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -142,6 +143,32 @@ def test_dirty_chunks_taken_for_another_class_are_written_back_first(
     assert lmdb is not None
     assert lmdb.contains(gone) == [True] * len(gone), "a dirty chunk was evicted unwritten"
     assert cpu.stats().counters["evictions_reclaim"] == len(gone)
+
+
+def test_a_class_that_evicts_its_own_chunks_presses_write_back_for_its_lenders(
+    shm_path: Path, tmp_path: Path, close_after: list[InProcessClient]
+) -> None:
+    # the default clean reserve: write-back keeps a fifth of each class clean, so most of A's
+    # extents stay dirty while B's stores always find a clean chunk of B's own to evict
+    client = _client(_config(shm_path, tmp_path, arena_mib=32, reclaim_idle_s=0.2))
+    close_after.append(client)
+    cpu = client.manager.cpu
+    extents = cpu.memory.num_extents
+    a = client.register_pool(target_spec(model="a"), 512 * KiB)
+    a_keys = keys_for(a, extents * 8)
+    assert _store(client, a_keys) == len(a_keys)  # A holds every extent
+    b = client.register_pool(target_spec(model="b"), 1 * MiB)
+    fresh = itertools.count()  # a key evicted once is in lmdb: B stores new ones
+
+    def grown() -> bool:
+        _store(client, keys_for(b, 1, start=next(fresh)))
+        return _extents(cpu, 1 * MiB) >= extents - 1
+
+    _until(grown, "B took A's extents once they were written")
+    gone = [k for k, held in zip(a_keys, cpu.contains(a_keys), strict=True) if not held]
+    lmdb = client.manager.lmdb
+    assert lmdb is not None
+    assert lmdb.contains(gone) == [True] * len(gone), "a dirty chunk was evicted unwritten"
 
 
 def test_a_fully_free_extent_returns_and_a_new_class_takes_it(shm_path: Path) -> None:

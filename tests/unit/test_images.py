@@ -10,22 +10,28 @@ import ast
 import contextlib
 import copy
 import io
+import ipaddress
 import json
 import re
+import subprocess
+import sys
 import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+from prometheus_client import CollectorRegistry
 
 from kvtier._version import __version__
 from kvtier.cli.main import _parser
 from kvtier.core.config import KVTierConfig, from_mapping
+from kvtier.server.http_port import HEALTH_PATH, start_http_port
 from tests.operability.kustomize import build
 from tests.unit.dockerfiles import OCI, Image, admitted, exec_form, parse, under
 
@@ -187,7 +193,12 @@ def check_ports(w: World) -> Problems:
     problems = []
     for overlay in OVERLAYS:
         cfg = w.config(overlay).server
-        wanted = {int(a.rpartition(":")[2]) for a in (cfg.admin_address, cfg.metrics_address)}
+        # an admin API on the pod's loopback is reached from inside only: not exposed
+        listening = [
+            cfg.metrics_address,
+            *([] if _loopback(cfg.admin_address) else [cfg.admin_address]),
+        ]
+        wanted = {int(a.rpartition(":")[2]) for a in listening}
         for _pod, c in w.containers(overlay, w.title(DAEMON)):
             wanted |= {p["containerPort"] for p in c.get("ports", [])}
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -237,6 +248,27 @@ def check_paths(w: World) -> Problems:
     return problems
 
 
+def _loopback(address: str) -> bool:
+    host = address.rpartition(":")[0].strip("[]")
+    return host == "localhost" or ipaddress.ip_address(host).is_loopback
+
+
+def _image_config(w: World) -> tuple[str, KVTierConfig]:
+    """The configuration file the image copies to its CMD's --config, and what it holds."""
+    image = w.image(DAEMON)
+    config_path = _flag(exec_form(image.final.last("CMD")), "--config")
+    (source,) = [s for _o, ss, dest, _ in image.copies() if dest == config_path for s in ss]
+    return source, from_mapping(yaml.safe_load(w.files[source]))
+
+
+def healthcheck(w: World) -> tuple[list[str], str]:
+    """The daemon image's HEALTHCHECK command and the one URL its code asks ("" if none)."""
+    health = (w.image(DAEMON).final.last("HEALTHCHECK") or "").partition("CMD")[2]
+    check = exec_form(health.strip())
+    urls = re.findall(r"https?://[^'\"\s]+", " ".join(check))
+    return check, urls[0] if len(urls) == 1 else ""
+
+
 def _flag(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv[:-1] else None
 
@@ -259,12 +291,18 @@ def check_command(w: World) -> Problems:
     if not entrypoint or entrypoint[0] not in scripts:
         return [f"{DAEMON}: ENTRYPOINT {entrypoint} is not a console script of {sorted(scripts)}"]
     problems = [p for p in [_parses(entrypoint[1:] + cmd, "serve")] if p]
-    health = (image.final.last("HEALTHCHECK") or "").partition("CMD")[2]
-    check = exec_form(health.strip())
-    if check[:1] != entrypoint[:1] or _parses(check[1:], "health") is not None:
-        problems.append(f"{DAEMON}: HEALTHCHECK {check} does not run `kvtier health`")
-    elif _flag(check, "--config") != _flag(cmd, "--config"):
-        problems.append(f"{DAEMON}: HEALTHCHECK reads another --config than CMD")
+    # the check asks /healthz where the image's own configuration serves it, from inside
+    check, url = healthcheck(w)
+    source, own = _image_config(w)
+    metrics_port = own.server.metrics_address.rpartition(":")[2]
+    parts = urlsplit(url)
+    if check[:2] != ["python", "-c"] or not url:
+        problems.append(f"{DAEMON}: HEALTHCHECK {check} is not python -c asking one URL")
+    elif (parts.hostname, str(parts.port), parts.path) != ("127.0.0.1", metrics_port, HEALTH_PATH):
+        problems.append(
+            f"{DAEMON}: HEALTHCHECK asks {url}, not {HEALTH_PATH} on 127.0.0.1:{metrics_port} "
+            f"(server.metrics_address in {source})"
+        )
     for overlay in OVERLAYS:
         for _pod, c in w.containers(overlay, w.title(DAEMON)):
             if c.get("command", entrypoint) + c.get("args", cmd) != entrypoint + cmd:
@@ -443,7 +481,15 @@ MUTATIONS: dict[Callable[[World], Problems], list[tuple[str, str, str, str, str]
         ("host-dirs", "daemonset", "chown 10001:10001", "chown 0:0", "chowns to 0:0"),
     ],
     check_ports: [
-        ("expose", D, "EXPOSE 7461 7462", "EXPOSE 7461", "EXPOSE"),
+        ("expose", D, "EXPOSE 7462", "EXPOSE 7461", "EXPOSE"),
+        ("admin-exposed", D, "EXPOSE 7462", "EXPOSE 7461 7462", "EXPOSE"),
+        (
+            "admin-open",
+            "s3",
+            "admin_address: 127.0.0.1:7461",
+            "admin_address: 0.0.0.0:7461",
+            "7461",
+        ),
         (
             "probe",
             "sidecar",
@@ -462,7 +508,16 @@ MUTATIONS: dict[Callable[[World], Problems], list[tuple[str, str, str, str, str]
     check_command: [
         ("entrypoint", D, 'ENTRYPOINT ["kvtier"]', 'ENTRYPOINT ["kvtierd"]', "console script"),
         ("cmd", D, 'CMD ["serve"', 'CMD ["serv"', "invalid choice"),
-        ("health", D, '"kvtier", "health"', '"kvtier", "stats"', "HEALTHCHECK"),
+        ("health", D, '["python", "-c"', '["kvtier", "health"', "not python -c"),
+        ("health-port", D, "127.0.0.1:7462/healthz", "127.0.0.1:7461/healthz", "7461/healthz"),
+        ("health-path", D, "7462/healthz", "7462/metrics", "/metrics"),
+        (
+            "health-config",
+            CONFIG,
+            "metrics_address: 0.0.0.0:7462",
+            "metrics_address: 0.0.0.0:9464",
+            "9464",
+        ),
         ("args", "sidecar", "- --config", "- --configuration", "otherwise"),
     ],
     check_engine_image: [
@@ -499,3 +554,26 @@ def test_each_check_can_fail(world: World, case: tuple[Any, str, str, str, str])
 
 def test_every_check_is_mutated() -> None:
     assert set(MUTATIONS) == set(CHECKS)
+
+
+def test_the_healthcheck_passes_while_kvtierd_serves_and_fails_once_it_stops(
+    world: World,
+) -> None:
+    """The HEALTHCHECK's own command, run against kvtierd's real HTTP port (its port swapped
+    for a free one): Docker reads its exit status."""
+    check, url = healthcheck(world)
+    serving = [True]
+    server = start_http_port("127.0.0.1", 0, CollectorRegistry(), lambda: serving[0])
+    port = server.server_address[1]
+    argv = [
+        sys.executable,
+        *(a.replace(url, f"http://127.0.0.1:{port}{HEALTH_PATH}") for a in check[1:]),
+    ]
+    try:
+        assert subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
+        serving[0] = False  # stopping: /healthz answers 503
+        assert subprocess.run(argv, capture_output=True, timeout=30).returncode != 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert subprocess.run(argv, capture_output=True, timeout=30).returncode != 0  # none listens
