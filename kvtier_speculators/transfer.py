@@ -103,28 +103,34 @@ class KVTierHiddenStates(HiddenStatesTransfer):
         self._samples: SampleReader | None = None
         self._index: SampleIndex | None = None
         self._generated: dict[str, HiddenStatesRef] = {}
+        self._tokens: Callable[[int], Sequence[int]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Dataloader workers each open their own session: nothing open is pickled."""
         state = dict(self.__dict__)
-        state.update(_session=None, _samples=None, _index=None, _generated={})
+        state.update(_session=None, _samples=None, _index=None, _generated={}, _tokens=None)
         return state
 
     def setup(self) -> None:
         if self._session is None:
             self._session = self._open()
             self._samples = SampleReader(self._session.reader, ChunkCache(self.cache_bytes))
-        if self.token_ids is None:
-            self.token_ids = self._dataset_tokens()
+        if self._tokens is None:
+            self._tokens = self.token_ids or self._dataset_tokens()
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor] | None:
         self.setup()
         index = self._sample_index()
         if index is None:
             return None
-        assert self.token_ids is not None  # set by setup
-        ref = index.find(self.token_ids(file_idx))
-        return None if ref is None else self._load(ref)
+        assert self._tokens is not None  # set by setup
+        ref = index.find(self._tokens(file_idx))
+        if ref is None:
+            return None
+        try:
+            return self._load(ref)
+        except HiddenStatesError:
+            return None  # evicted since it was listed: Speculators generates it again
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         self.setup()

@@ -6,6 +6,7 @@ Speculators' own `ArrowDataset`. The index and the cache are checked alone as lo
 from __future__ import annotations
 
 import argparse
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -219,6 +220,10 @@ def test_speculators_arrow_dataset_reads_its_samples_from_kvtier(
         assert torch.equal(item["hidden_states"], expected[:, :-1].flatten(1))
         assert torch.equal(item["verifier_last_hidden_states"], expected[:, -1])
         assert item["input_ids"].tolist() == prompt
+    # dataloader workers get a copy: nothing open, nor the dataset's column, is pickled
+    copy = pickle.loads(pickle.dumps(transfer))
+    assert copy._session is None
+    assert copy._tokens is None
 
 
 def test_the_chunk_cache_keeps_its_bound_dropping_the_least_recently_used() -> None:
