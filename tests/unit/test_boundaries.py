@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = (ROOT / "kvtier", ROOT / "connectors" / "kvtier_vllm")
+SOURCES = (ROOT / "kvtier", ROOT / "connectors" / "kvtier_vllm", ROOT / "kvtier_speculators")
 GENERATED = "kvtier.api"  # protoc's stubs
 MAX_LINES = 500
 
@@ -61,6 +61,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     ),
     "kvtier.bench": ("kvtier.core",),
     "kvtier.cli": ("kvtier",),  # the top: everything
+    # Speculators' hidden-states backend: the clients and the hidden-state reader and export
+    # (listing a pool's manifests), never the connector
+    "kvtier_speculators": (*KVTIER_SURFACE, "kvtier.hidden", "kvtier.tiers.lmdb_env"),
     "kvtier_vllm": KVTIER_SURFACE,  # the two modules vLLM loads: every package below
     "kvtier_vllm.shared": KVTIER_SURFACE,  # what both connectors use, knowing neither
     "kvtier_vllm.encoder": (*KVTIER_SURFACE, "kvtier_vllm.shared"),
@@ -154,7 +157,10 @@ def _imports(path: Path, *, when_loaded: bool = False) -> set[str]:
 
 
 def _ours(module: str) -> bool:
-    return module.split(".")[0] in {"kvtier", "kvtier_vllm"} and _module_path(module) is not None
+    return (
+        module.split(".")[0] in {"kvtier", "kvtier_vllm", "kvtier_speculators"}
+        and _module_path(module) is not None
+    )
 
 
 def _package(module: str) -> str:

@@ -24,6 +24,7 @@ from kvtier.hidden.reader import (
     MANIFEST_PART_BYTES,
     REF_FIELD,
     HiddenStatesRef,
+    manifest_name,
     manifest_parts,
     manifest_spec,
     tail_hash,
@@ -130,7 +131,8 @@ class Manifests:
                 self.write(client, ref)
             except KVTierError as exc:
                 self.calls.failed("manifest", exc)
-        return ref, {REF_FIELD: ref.to_json()}
+        # Speculators names a generated sample by its ``handle``: the manifest's name
+        return ref, {REF_FIELD: ref.to_json(), "handle": manifest_name(ref).hex()}
 
     def write(self, client: TierClient, ref: HiddenStatesRef) -> int:
         """Parts committed (0: present already, no room, the tiers refuse manifests, or the
