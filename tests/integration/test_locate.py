@@ -195,3 +195,35 @@ def test_heartbeats_bring_kvtierds_costs_back_to_the_engine(
         }
     finally:
         client.close()
+
+
+def test_registrations_reply_brings_kvtierds_costs_before_any_heartbeat(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    """An engine that registers after kvtierd measured its costs decides its first lookup by
+    them: the registration's reply carries them, no heartbeat needed."""
+    procs.start_daemon(files)
+    measured = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
+    late = GrpcTierClient(files.socket, "dp1", timeout_s=10.0)
+    try:
+        measured.register_pool(target_spec(), CHUNK)
+        timings = EngineTimings()
+        for chunks, tokens in [(1, 64), (8, 512), (2, 128), (12, 768)] * 2:
+            timings.loaded("lmdb", chunks, chunks * CHUNK, 0.030 + 0.001 * chunks)
+            timings.prefilled(tokens, 0.01 + 0.0002 * tokens)
+        measured.report_timings(timings)
+        deadline = time.monotonic() + 10.0
+        while (fit := measured.costs()) is None or fit.prefill_fit is None:
+            assert time.monotonic() < deadline, "no heartbeat carried the engine's timings"
+            time.sleep(0.05)
+        late.register_pool(target_spec(), CHUNK)
+        costs = late.costs()  # at once: its first heartbeat is a heartbeat interval away
+        assert costs is not None, "the registration's reply carried no costs"
+        assert costs.prefill_fit is not None
+        chooser = CostChooser(late.costs)
+        # one chunk: a 30 ms load against 13 ms of recompute; twelve: 42 ms against 154 ms
+        assert chooser.tokens_to_load([("lmdb", 1)], TOKENS_PER_CHUNK) == 0
+        assert chooser.tokens_to_load([("lmdb", 12)], TOKENS_PER_CHUNK) == 12 * TOKENS_PER_CHUNK
+    finally:
+        late.close()
+        measured.close()
