@@ -12,6 +12,8 @@ import time
 from typing import Any
 
 import pytest
+from kvtier_vllm.kv.metadata import ChunkCopy
+from kvtier_vllm.kv.worker_side.load_times import RequestLoads
 
 from kvtier.core.costs import EngineTimings
 from kvtier.core.errors import InvalidRequestError, UnknownPoolError
@@ -184,12 +186,7 @@ def test_heartbeats_bring_kvtierds_costs_back_to_the_engine(
         # one chunk: a 30 ms load against 13 ms of recompute; twelve: 42 ms against 154 ms
         assert chooser.tokens_to_load([("lmdb", 1)], TOKENS_PER_CHUNK) == 0
         assert chooser.tokens_to_load([("lmdb", 12)], TOKENS_PER_CHUNK) == 12 * TOKENS_PER_CHUNK
-        gauges = {
-            (labels["tier"], labels["part"]): value
-            for name, labels, value in daemon.metrics()
-            if name == "kvtier_load_fit_seconds"
-        }
-        assert gauges == {
+        assert load_fit_gauges(daemon) == {
             ("lmdb", "load"): pytest.approx(0.030),
             ("lmdb", "chunk"): pytest.approx(0.001),
         }
@@ -227,3 +224,41 @@ def test_registrations_reply_brings_kvtierds_costs_before_any_heartbeat(
     finally:
         late.close()
         measured.close()
+
+
+def test_requests_loads_as_the_worker_reports_them_show_both_parts_for_the_arena(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    """The worker reports each request's chunks from the arena as one load: reaching a real
+    kvtierd with the heartbeats, they show in kvtier_load_fit_seconds as a fixed part and a
+    part per chunk for the arena, as for lmdb."""
+    daemon = procs.start_daemon(files)
+    client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
+    try:
+        client.register_pool(target_spec(), CHUNK)
+        timings = EngineTimings()
+        for chunks in (1, 8, 2, 12, 4):
+            loads = RequestLoads()
+            for i in range(chunks):
+                first = 0.0004 if i == 0 else 0.0
+                loads.add(ChunkCopy("target", i, 0, 1, (i + 1,), request="r"), CHUNK, first + 1e-4)
+            loads.report(timings)
+        client.report_timings(timings)
+        deadline = time.monotonic() + 10.0
+        while not (gauges := load_fit_gauges(daemon)):
+            assert time.monotonic() < deadline, "no heartbeat carried the engine's loads"
+            time.sleep(0.05)
+        assert gauges == {
+            ("cpu", "load"): pytest.approx(0.0004),
+            ("cpu", "chunk"): pytest.approx(1e-4),
+        }
+    finally:
+        client.close()
+
+
+def load_fit_gauges(daemon: RunningDaemon) -> dict[tuple[str, str], float]:
+    return {
+        (labels["tier"], labels["part"]): value
+        for name, labels, value in daemon.metrics()
+        if name == "kvtier_load_fit_seconds"
+    }
