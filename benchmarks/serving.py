@@ -421,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks-per-chunk", type=int, default=4)
     parser.add_argument("--model", choices=sorted(MODELS), default=PRESENT.name)
     parser.add_argument(
-        "--lmcache-python", help="LMCache's environment's python (gpu-ratio's LMCache server)"
+        "--lmcache-python",
+        help="LMCache's environment's python (gpu-ratio's LMCache server; default: the one "
+        "scripts/lmcache-env.sh builds, where it exists)",
     )
     parser.add_argument(
         "--no-reuse-cycles", type=int, help="no-reuse cycles (3 quick, 12 full; 0: none)"

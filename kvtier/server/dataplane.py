@@ -169,6 +169,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
                 ).items()
             ],
             lmdb_path=str(lmdb.config.path) if (lmdb := self.manager.lmdb) is not None else "",
+            costs=costs_to(self.manager.costs.snapshot()),
         )
 
     def _admit(self, peer: Peer | None, specs: Sequence[NamespaceSpec]) -> None:

@@ -12,6 +12,8 @@ import time
 from typing import Any
 
 import pytest
+from kvtier_vllm.kv.metadata import ChunkCopy
+from kvtier_vllm.kv.worker_side.load_times import RequestLoads
 
 from kvtier.core.costs import EngineTimings
 from kvtier.core.errors import InvalidRequestError, UnknownPoolError
@@ -184,14 +186,79 @@ def test_heartbeats_bring_kvtierds_costs_back_to_the_engine(
         # one chunk: a 30 ms load against 13 ms of recompute; twelve: 42 ms against 154 ms
         assert chooser.tokens_to_load([("lmdb", 1)], TOKENS_PER_CHUNK) == 0
         assert chooser.tokens_to_load([("lmdb", 12)], TOKENS_PER_CHUNK) == 12 * TOKENS_PER_CHUNK
-        gauges = {
-            (labels["tier"], labels["part"]): value
-            for name, labels, value in daemon.metrics()
-            if name == "kvtier_load_fit_seconds"
-        }
-        assert gauges == {
+        assert load_fit_gauges(daemon) == {
             ("lmdb", "load"): pytest.approx(0.030),
             ("lmdb", "chunk"): pytest.approx(0.001),
         }
     finally:
         client.close()
+
+
+def test_registrations_reply_brings_kvtierds_costs_before_any_heartbeat(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    """An engine that registers after kvtierd measured its costs decides its first lookup by
+    them: the registration's reply carries them, no heartbeat needed."""
+    procs.start_daemon(files)
+    measured = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
+    late = GrpcTierClient(files.socket, "dp1", timeout_s=10.0)
+    try:
+        measured.register_pool(target_spec(), CHUNK)
+        timings = EngineTimings()
+        for chunks, tokens in [(1, 64), (8, 512), (2, 128), (12, 768)] * 2:
+            timings.loaded("lmdb", chunks, chunks * CHUNK, 0.030 + 0.001 * chunks)
+            timings.prefilled(tokens, 0.01 + 0.0002 * tokens)
+        measured.report_timings(timings)
+        deadline = time.monotonic() + 10.0
+        while (fit := measured.costs()) is None or fit.prefill_fit is None:
+            assert time.monotonic() < deadline, "no heartbeat carried the engine's timings"
+            time.sleep(0.05)
+        late.register_pool(target_spec(), CHUNK)
+        costs = late.costs()  # at once: its first heartbeat is a heartbeat interval away
+        assert costs is not None, "the registration's reply carried no costs"
+        assert costs.prefill_fit is not None
+        chooser = CostChooser(late.costs)
+        # one chunk: a 30 ms load against 13 ms of recompute; twelve: 42 ms against 154 ms
+        assert chooser.tokens_to_load([("lmdb", 1)], TOKENS_PER_CHUNK) == 0
+        assert chooser.tokens_to_load([("lmdb", 12)], TOKENS_PER_CHUNK) == 12 * TOKENS_PER_CHUNK
+    finally:
+        late.close()
+        measured.close()
+
+
+def test_requests_loads_as_the_worker_reports_them_show_both_parts_for_the_arena(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    """The worker reports each request's chunks from the arena as one load: reaching a real
+    kvtierd with the heartbeats, they show in kvtier_load_fit_seconds as a fixed part and a
+    part per chunk for the arena, as for lmdb."""
+    daemon = procs.start_daemon(files)
+    client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
+    try:
+        client.register_pool(target_spec(), CHUNK)
+        timings = EngineTimings()
+        for chunks in (1, 8, 2, 12, 4):
+            loads = RequestLoads()
+            for i in range(chunks):
+                first = 0.0004 if i == 0 else 0.0
+                loads.add(ChunkCopy("target", i, 0, 1, (i + 1,), request="r"), CHUNK, first + 1e-4)
+            loads.report(timings)
+        client.report_timings(timings)
+        deadline = time.monotonic() + 10.0
+        while not (gauges := load_fit_gauges(daemon)):
+            assert time.monotonic() < deadline, "no heartbeat carried the engine's loads"
+            time.sleep(0.05)
+        assert gauges == {
+            ("cpu", "load"): pytest.approx(0.0004),
+            ("cpu", "chunk"): pytest.approx(1e-4),
+        }
+    finally:
+        client.close()
+
+
+def load_fit_gauges(daemon: RunningDaemon) -> dict[tuple[str, str], float]:
+    return {
+        (labels["tier"], labels["part"]): value
+        for name, labels, value in daemon.metrics()
+        if name == "kvtier_load_fit_seconds"
+    }

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from kvtier_vllm.kv.metadata import ChunkCopy
+from kvtier_vllm.kv.worker_side.load_times import RequestLoads
 
 from kvtier.core.costs import (
     HALF_LIFE,
@@ -183,3 +185,30 @@ def test_a_report_without_load_counts_feeds_only_the_mean() -> None:
     tier = costs.snapshot().tiers["lmdb"]
     assert tier.load_fit is None
     assert tier.samples == 2
+
+
+def test_requests_loads_as_the_worker_reports_them_fit_both_parts_of_every_tier() -> None:
+    """The worker sums each request's chunks of one tier into one load (lmdb's read-ahead,
+    done once for a batch, shared among its lmdb loads): from such reports the fit recovers
+    a known fixed part and part per chunk for the arena and for lmdb."""
+    costs = LoadCosts()
+    fixed = {"cpu": 0.0004, "lmdb": 0.003}
+    per_chunk = {"cpu": 0.0002, "lmdb": 0.0015}
+    for sizes in ((1, 4), (2, 7), (3, 1)):
+        timings = EngineTimings()
+        loads = RequestLoads({"lmdb": fixed["lmdb"] * len(sizes)})
+        for request, chunks in enumerate(sizes):
+            for i in range(chunks):
+                for tier, key in (("cpu", b""), ("lmdb", b"k")):
+                    copy = ChunkCopy("target", i, 0, 1, (i + 1,), request=str(request), key=key)
+                    first = fixed[tier] if i == 0 and tier == "cpu" else 0.0
+                    loads.add(copy, 1 << 20, first + per_chunk[tier])
+        loads.report(timings)
+        costs.reported(timings)
+    for tier in ("cpu", "lmdb"):
+        fit = costs.snapshot().tiers[tier].load_fit
+        assert fit is not None, tier
+        assert (fit.per_load, fit.per_chunk) == (
+            pytest.approx(fixed[tier]),
+            pytest.approx(per_chunk[tier]),
+        )

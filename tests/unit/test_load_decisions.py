@@ -34,10 +34,17 @@ GPU = CostSnapshot(
 MIXED = [("cpu", 3), ("object", 1), ("cpu", 1)]
 
 
+def decided(decisions: LoadDecisions, runs: list[tuple[str, int]]) -> int:
+    """The tokens ``decisions`` loads of the hit ``runs``, its choice counted as final."""
+    choice = decisions.choose(runs, TOKENS)
+    decisions.count(choice)
+    return choice.tokens
+
+
 def test_measured_is_the_default_and_always_loads_every_hit_unchanged() -> None:
     assert parse({}).load_policy is LoadPolicy.MEASURED
     always = LoadDecisions(parse({"load_policy": "always"}).load_policy, lambda: GPU)
-    assert always.tokens_to_load(MIXED, TOKENS) == 5 * TOKENS
+    assert decided(always, MIXED) == 5 * TOKENS
     stats = KVTierStats()
     always.report(stats)
     assert stats.is_empty(), "always decides nothing: nothing is counted"
@@ -45,7 +52,7 @@ def test_measured_is_the_default_and_always_loads_every_hit_unchanged() -> None:
 
 def test_measured_loads_the_prefix_that_beats_recomputing_and_counts_each_run() -> None:
     measured = LoadDecisions(LoadPolicy.MEASURED, lambda: GPU)
-    assert measured.tokens_to_load(MIXED, TOKENS) == 3 * TOKENS
+    assert decided(measured, MIXED) == 3 * TOKENS
     stats = KVTierStats()
     measured.report(stats)
     assert stats.data["decided|cpu|load"] == 1
@@ -63,7 +70,7 @@ def test_measured_loads_the_prefix_that_beats_recomputing_and_counts_each_run() 
 
 def test_without_costs_measured_loads_every_hit_and_saves_nothing_counted() -> None:
     measured = LoadDecisions(LoadPolicy.MEASURED, lambda: None)
-    assert measured.tokens_to_load(MIXED, TOKENS) == 5 * TOKENS
+    assert decided(measured, MIXED) == 5 * TOKENS
     stats = KVTierStats()
     measured.report(stats)
     assert stats.data == {"decided|cpu|load": 2, "decided|object|load": 1}
@@ -88,7 +95,7 @@ def test_decisions_reach_vllms_metrics() -> None:
     prom = KVTierPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["e"], {0: ["0"]})
     measured = LoadDecisions(LoadPolicy.MEASURED, lambda: GPU)
     for _ in range(2):
-        measured.tokens_to_load(MIXED, TOKENS)
+        decided(measured, MIXED)
         stats = KVTierStats()
         measured.report(stats)
         prom.observe(stats.data)
@@ -106,7 +113,7 @@ def test_a_hit_cut_short_is_loaded_whole_now_and_then_to_be_measured_again() -> 
     """A tier's cost is measured on its loads: were a slow one never loaded again, it could
     never show that it sped up. One cut hit in REMEASURE_EVERY loads whole."""
     measured = LoadDecisions(LoadPolicy.MEASURED, lambda: GPU)
-    loaded = [measured.tokens_to_load(MIXED, TOKENS) for _ in range(2 * REMEASURE_EVERY)]
+    loaded = [decided(measured, MIXED) for _ in range(2 * REMEASURE_EVERY)]
     whole = [i for i, tokens in enumerate(loaded) if tokens == 5 * TOKENS]
     assert whole == [REMEASURE_EVERY - 1, 2 * REMEASURE_EVERY - 1]
     assert set(loaded) == {3 * TOKENS, 5 * TOKENS}
@@ -115,7 +122,7 @@ def test_a_hit_cut_short_is_loaded_whole_now_and_then_to_be_measured_again() -> 
     assert stats.data["decided|object|load"] == 2
     assert stats.data["decided|object|recompute"] == 2 * REMEASURE_EVERY - 2
     for _ in range(REMEASURE_EVERY - 1):  # whole anyway: not counted toward the next
-        assert measured.tokens_to_load([("cpu", 4)], TOKENS) == 4 * TOKENS
-    later = [measured.tokens_to_load(MIXED, TOKENS) for _ in range(REMEASURE_EVERY)]
+        assert decided(measured, [("cpu", 4)]) == 4 * TOKENS
+    later = [decided(measured, MIXED) for _ in range(REMEASURE_EVERY)]
     assert later[-1] == 5 * TOKENS
     assert set(later[:-1]) == {3 * TOKENS}

@@ -15,8 +15,10 @@ from typing import Any
 
 import pytest
 from kvtier_vllm.drafts.swaps import DraftTracker, Fill
+from kvtier_vllm.kv.connector_stats import KVTierStats
 from kvtier_vllm.kv.scheduler_side.hit_decision import PROMOTE_WAIT_ASKS, HitDecision
 from kvtier_vllm.kv.scheduler_side.hit_setup import HitSetup
+from kvtier_vllm.kv.scheduler_side.load_chooser import WholeHit
 from kvtier_vllm.kv.scheduler_side.load_decisions import LoadDecisions
 from kvtier_vllm.kv.scheduler_side.loads import LoadPlan
 from kvtier_vllm.kv.scheduler_side.prompt_keys import keys_in
@@ -27,6 +29,7 @@ from kvtier_vllm.shared.settings import LoadPolicy
 from kvtier.client import InProcessClient
 from kvtier.core.costs import EngineTimings
 from kvtier.core.keys import ChunkKey, Pool
+from kvtier.core.load_choice import LoadChoice
 from kvtier.core.protocol import LookupResult, TierCode
 from kvtier.rpc.calls import Pending
 from kvtier.tiering.manager import TierManager
@@ -132,7 +135,7 @@ def test_a_hit_in_the_arena_is_leased_in_one_ask(client: InProcessClient) -> Non
     assert len(p.calls.unreturned) == 0
 
 
-class FirstChunks:
+class FirstChunks(WholeHit):
     """A load chooser that loads the hit's first ``chunks`` chunks at most; keeps the runs it
     was asked about."""
 
@@ -140,9 +143,9 @@ class FirstChunks:
         self.chunks = chunks
         self.asked: list[list[tuple[str, int]]] = []
 
-    def tokens_to_load(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> int:
+    def choose(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> LoadChoice:
         self.asked.append(list(runs))
-        return min(self.chunks, sum(n for _, n in runs)) * chunk_tokens
+        return LoadChoice(min(self.chunks, sum(n for _, n in runs)) * chunk_tokens, ())
 
 
 def test_a_chooser_that_loads_a_shorter_prefix_leases_only_its_chunks(
@@ -554,3 +557,26 @@ def test_a_slow_tier_past_a_cheap_prefix_is_recomputed_not_waited_for(
 def with_chooser(p: HitSetup, decisions: LoadDecisions) -> HitSetup:
     p.chooser = decisions
     return p
+
+
+def test_a_request_waiting_for_its_promotions_is_counted_once(client: InProcessClient) -> None:
+    """Asked again while its lmdb chunks come up into the arena, the request's decision is
+    counted when its plan is final, not at each ask."""
+    ns, hit = four_in_lmdb(client)
+    timings = EngineTimings()
+    for chunks, tokens in [(1, 64), (4, 256)] * 2:
+        timings.loaded("lmdb", chunks, chunks << 20, 1e-6 * chunks)
+        timings.prefilled(tokens, 0.001 + 1e-4 * tokens)
+    client.report_timings(timings)
+    decide = LoadDecisions(LoadPolicy.MEASURED, client.costs)
+    asked = ask(with_chooser(shared(client, ns, wait_s=30), decide))
+    assert asked.plan_load(0, 4) is None  # promoted: ask again
+    in_arena(client, hit)
+    plan = asked.plan_load(0, 4)
+    assert plan is not None
+    assert plan.chunks == 4
+    stats = KVTierStats()
+    decide.report(stats)
+    assert stats.data["decided|lmdb|load"] == 1
+    assert stats.data["saved|load"] == pytest.approx(4 * (64 * 1e-4 - 1e-6), rel=0.05)
+    client.release(plan.refs())

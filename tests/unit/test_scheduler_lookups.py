@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 import torch
 from kvtier_vllm.kv.metadata import KVTierMetadata
+from kvtier_vllm.kv.scheduler_side.load_chooser import WholeHit
 from kvtier_vllm.kv.scheduler_side.prompt_keys import keys_in
 from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
 from kvtier_vllm.shared.settings import ConnectorConfig
 
 from kvtier.client import InProcessClient
 from kvtier.core.keys import ChunkKey
+from kvtier.core.load_choice import LoadChoice
 from kvtier.tiers.cpu import CpuTier
 from tests.support import MiB
 from tests.unit.test_planner import ArenaReading
@@ -166,16 +168,16 @@ def copied_and_released(scheduler: KVTierScheduler, req: Any, chunks: int) -> No
     assert evictable() == chunks
 
 
-class FirstRun:
+class FirstRun(WholeHit):
     """A load chooser that loads the hit's first run of one tier; keeps the runs it was asked
     about."""
 
     def __init__(self) -> None:
         self.asked: list[list[tuple[str, int]]] = []
 
-    def tokens_to_load(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> int:
+    def choose(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> LoadChoice:
         self.asked.append(list(runs))
-        return runs[0][1] * chunk_tokens if runs else 0
+        return LoadChoice(runs[0][1] * chunk_tokens if runs else 0, ())
 
 
 def test_a_hit_cut_to_its_first_run_loads_only_that_run(scheduler: KVTierScheduler) -> None:

@@ -281,3 +281,18 @@ def test_a_step_that_computes_nothing_reports_the_load_it_started(
     # nothing else runs: the worker waits for the load rather than step on without it
     assert bare.worker.finished_loads() == ({"r1"}, set())
     assert torch.equal(bare.blocks("target", (1, 2)), bare.slot(ref))
+
+
+def test_each_requests_load_is_timed_as_one_load_of_its_chunks(bare: BareWorker) -> None:
+    """kvtierd fits a load as a fixed part plus a part per chunk: a request's chunks from the
+    arena are reported as one load of that many, not one load a chunk."""
+    refs = [bare.store() for _ in range(4)]
+    loads = [bare.load(ref, (2 * i + 1, 2 * i + 2), "r1") for i, ref in enumerate(refs[:3])]
+    loads.append(bare.load(refs[3], (9, 10), "r2"))
+    bare.worker.start_load_kv(bare.meta(loads, receiving=["r1", "r2"]))
+    assert bare.finished_loads() == ({"r1", "r2"}, set())
+    reported = bare.worker.worker_meta()
+    assert reported is not None
+    arena = reported.timings.loads["cpu"]
+    assert (arena.loads, arena.chunks) == (2, 4)
+    assert arena.chunks_squared == 3 * 3 + 1 * 1

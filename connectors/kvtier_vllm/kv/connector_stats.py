@@ -246,7 +246,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             name="vllm:kvtier_load_decisions_total",
             documentation="Runs of hits' chunks held in one tier that load_policy: measured "
             "loaded or recomputed: a hit loads the prefix expected to take less than "
-            "recomputing it. A request waiting for its promotions is decided at each ask.",
+            "recomputing it. A request is counted once, when its plan is final.",
             labelnames=[*base, "tier", "decision"],
         )
         self._saved: Any = self._counter_cls(

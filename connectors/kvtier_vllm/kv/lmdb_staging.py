@@ -10,6 +10,8 @@ and nothing wrong is served; a corrupt one is reported to the tiers, which check
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvtier.core.keys import ChunkKey
@@ -26,9 +28,12 @@ class LmdbStaging:
     def __init__(self) -> None:
         self.reads = LmdbReads()
 
-    def read_ahead(self, path: str, jobs: list[ChunkCopy]) -> None:
-        """A step's chunks read from disk at once, not one fault after another."""
+    def read_ahead(self, path: str, jobs: list[ChunkCopy]) -> float:
+        """A step's chunks read from disk at once, not one fault after another; returns the
+        seconds it took (part of their loads)."""
+        started = time.perf_counter()
         self.reads.read_ahead(path, [ChunkKey(job.key) for job in jobs])
+        return time.perf_counter() - started
 
     def stage(self, path: str, job: ChunkCopy, nbytes: int) -> torch.Tensor | None:
         """The job's chunk, verified and decoded, as ``nbytes`` bytes of their own; None (a

@@ -258,6 +258,7 @@ class RegisterSessionResponse(_message.Message):
     QUARANTINED_FIELD_NUMBER: _builtins.int
     CODED_FIELD_NUMBER: _builtins.int
     LMDB_PATH_FIELD_NUMBER: _builtins.int
+    COSTS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     arena_path: _builtins.str
     heartbeat_interval_ms: _builtins.int
@@ -284,6 +285,12 @@ class RegisterSessionResponse(_message.Message):
         (lmdb.codec or object.codec int8 or fp8): their hits may be off by the codec's bound.
         """
 
+    @_builtins.property
+    def costs(self) -> _admin_pb2.Costs:
+        """What loads from each tier and prefilling cost, as measured (as HeartbeatResponse.costs):
+        a new engine chooses between loading and recomputing from its first lookup.
+        """
+
     def __init__(
         self,
         *,
@@ -296,10 +303,11 @@ class RegisterSessionResponse(_message.Message):
         quarantined: _abc.Iterable[_builtins.bytes] | None = ...,
         coded: _abc.Iterable[Global___CodedNamespace] | None = ...,
         lmdb_path: _builtins.str = ...,
+        costs: _admin_pb2.Costs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["costs", b"costs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_path", b"arena_path", "coded", b"coded", "drafts", b"drafts", "heartbeat_interval_ms", b"heartbeat_interval_ms", "lmdb_path", b"lmdb_path", "namespaces", b"namespaces", "quarantined", b"quarantined", "session_id", b"session_id", "session_timeout_ms", b"session_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_path", b"arena_path", "coded", b"coded", "costs", b"costs", "drafts", b"drafts", "heartbeat_interval_ms", b"heartbeat_interval_ms", "lmdb_path", b"lmdb_path", "namespaces", b"namespaces", "quarantined", b"quarantined", "session_id", b"session_id", "session_timeout_ms", b"session_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

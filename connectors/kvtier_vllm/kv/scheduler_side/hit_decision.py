@@ -21,11 +21,12 @@ from typing import Any, TypeVar
 
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.load_choice import LoadChoice
 from kvtier.core.protocol import Answer, LookupResult, SlotRef, in_lmdb
 from kvtier_vllm.kv.connector_stats import KVTierStats
 from kvtier_vllm.kv.scheduler_side.hit_setup import CPU, HitSetup
 from kvtier_vllm.kv.scheduler_side.leases import Offered
-from kvtier_vllm.kv.scheduler_side.load_chooser import chosen_chunks
+from kvtier_vllm.kv.scheduler_side.load_chooser import chosen_chunks, tier_runs
 from kvtier_vllm.kv.scheduler_side.loads import LoadPlan
 from kvtier_vllm.kv.scheduler_side.prompt_keys import Needed, PromptKeys, plan_span
 from kvtier_vllm.kv.scheduler_side.verify import Sampled
@@ -116,6 +117,11 @@ class HitDecision:
     """Per chunk, where it was when first asked for (promoted ones came from lmdb)."""
     behind: tuple[list[ChunkKey], Answer[LookupResult]] | None = None
     """The first lookup, asked in the background, and its keys: the plan takes its answer."""
+    choice: tuple[bytes, LoadChoice] | None = None
+    """The chooser's choice, and the tiers of the hit it was made for: asked again for the
+    same hit (waiting for its promotions), the request keeps it."""
+    counted: bool = False
+    """Its choice was counted, when a plan was final: a request is counted once."""
 
     @cached_property
     def keys(self) -> PromptKeys:
@@ -275,7 +281,24 @@ class HitDecision:
     def plan_load(self, first: int, limit: int) -> LoadPlan | None:
         """The load of the hit from chunk ``first`` (vLLM holds the ones before) up to
         ``limit``, with its leases taken; an empty plan (no chunk) for no hit, or None: ask
-        again next step, chunks are on their way into the arena."""
+        again next step, chunks are on their way into the arena. The first plan made counts
+        the chooser's choice."""
+        plan = self._plan_load(first, limit)
+        if plan is not None and self.choice is not None and not self.counted:
+            self.counted = True
+            self.setup.chooser.count(self.choice[1])
+        return plan
+
+    def _chosen(self, first: int, chunks: int) -> int:
+        """The chunks of the hit from ``first`` up to ``chunks`` the chooser loads, chosen once
+        for each hit the request is asked with."""
+        tiers = self._tiers(first, chunks)
+        if self.choice is None or self.choice[0] != tiers:
+            runs = tier_runs(tiers)
+            self.choice = tiers, self.setup.chooser.choose(runs, self.setup.chunk_tokens)
+        return chosen_chunks(self.choice[1], tiers, self.setup.chunk_tokens)
+
+    def _plan_load(self, first: int, limit: int) -> LoadPlan | None:
         setup = self.setup
         self.planned += 1
         try:
@@ -290,8 +313,7 @@ class HitDecision:
             self.first_tiers.setdefault(chunk, code)
         if chunks > first:
             # the chooser may take a shorter prefix: only that is promoted and leased
-            tiers = self._tiers(first, chunks)
-            chunks = first + chosen_chunks(setup.chooser, tiers, setup.chunk_tokens)
+            chunks = first + self._chosen(first, chunks)
         # per plan, the chunks of the hit to bring up first
         below = {
             plan.key: [

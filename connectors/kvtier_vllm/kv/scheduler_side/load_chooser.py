@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvtier.core.load_choice import LoadChoice, whole_hit
 from kvtier.core.protocol import TierCode
 
 
@@ -13,18 +14,26 @@ class LoadChooser(Protocol):
     """Chooses how many tokens of a hit's prefix to load; vLLM computes the rest. A shorter
     prefix may be chosen over a longer one that is slower to load than to compute."""
 
-    def tokens_to_load(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> int:
+    def choose(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> LoadChoice:
         """Of the hit ``runs`` (in prefix order, consecutive chunks of one tier: its name as
-        `TierCode.tier` says it, and how many), the tokens to load from its first chunk on;
-        rounded down to whole chunks of ``chunk_tokens``."""
+        `TierCode.tier` says it, and how many), the tokens to load from its first chunk on
+        (rounded down to whole chunks of ``chunk_tokens``) and each run's choice."""
+        ...
+
+    def count(self, choice: LoadChoice) -> None:
+        """Counts a request's choice, once: when its plan is final (a request waiting for its
+        promotions is asked again, and may be chosen for again, before that)."""
         ...
 
 
 class WholeHit:
-    """Loads every chunk of the hit."""
+    """Loads every chunk of the hit; counts nothing."""
 
-    def tokens_to_load(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> int:
-        return sum(chunks for _, chunks in runs) * chunk_tokens
+    def choose(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> LoadChoice:
+        return whole_hit(runs, chunk_tokens)
+
+    def count(self, choice: LoadChoice) -> None:
+        pass
 
 
 def tier_runs(tier_codes: bytes) -> list[tuple[str, int]]:
@@ -39,7 +48,6 @@ def tier_runs(tier_codes: bytes) -> list[tuple[str, int]]:
     return runs
 
 
-def chosen_chunks(chooser: LoadChooser, tier_codes: bytes, chunk_tokens: int) -> int:
-    """The chunks of a hit (``tier_codes``: one a chunk) ``chooser`` loads, from its first."""
-    tokens = chooser.tokens_to_load(tier_runs(tier_codes), chunk_tokens)
-    return max(0, min(len(tier_codes), tokens // chunk_tokens))
+def chosen_chunks(choice: LoadChoice, tier_codes: bytes, chunk_tokens: int) -> int:
+    """The chunks of a hit (``tier_codes``: one a chunk) ``choice`` loads, from its first."""
+    return max(0, min(len(tier_codes), choice.tokens // chunk_tokens))

@@ -1,6 +1,7 @@
 """Which part of a hit the connector loads: the prefix measured to beat recomputing it
 (`kvtier.core.load_choice`, over the costs its client reads without a call), or every chunk
-(``load_policy: always``). Decisions are counted for the metrics until the next report."""
+(``load_policy: always``). A request's decision is counted once, when its plan is final, for the
+metrics until the next report."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 
 from kvtier.core.costs import CostSnapshot
-from kvtier.core.load_choice import CostChooser, LoadChoice, RunChoice
+from kvtier.core.load_choice import CostChooser, LoadChoice, whole_hit
 from kvtier_vllm.kv.connector_stats import KVTierStats
 from kvtier_vllm.shared.settings import LoadPolicy
 
@@ -19,8 +20,7 @@ measured on its loads, so one that sped up again (a disk no longer busy) shows i
 
 class LoadDecisions:
     """Decides, per lookup, how many tokens of a hit to load, and counts each run's decision
-    and the seconds it is expected to save. A request asked again while its chunks are
-    promoted is decided again at each ask."""
+    and the seconds it is expected to save, once a request's plan is final."""
 
     def __init__(self, policy: LoadPolicy, costs: Callable[[], CostSnapshot | None]) -> None:
         self.policy = policy
@@ -32,21 +32,22 @@ class LoadDecisions:
         self._cut = 0
         """Hits the costs cut short, loaded whole every `REMEASURE_EVERY`."""
 
-    def tokens_to_load(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> int:
-        """The tokens of the hit ``runs`` (``(tier, chunks)`` in prefix order) to load."""
+    def choose(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> LoadChoice:
+        """The prefix of the hit ``runs`` (``(tier, chunks)`` in prefix order) to load."""
         if self.policy is LoadPolicy.ALWAYS:
-            return sum(chunks for _, chunks in runs) * chunk_tokens
+            return whole_hit(runs, chunk_tokens)
         choice = self._chooser.choose(runs, chunk_tokens)
         whole = sum(run.chunks for run in choice.runs) * chunk_tokens
         if choice.tokens < whole:
             self._cut += 1
             if self._cut % REMEASURE_EVERY == 0:  # loaded to be measured: no saving counted
-                loads = tuple(RunChoice(r.tier, r.chunks, True, None) for r in choice.runs)
-                choice = LoadChoice(whole, loads)
-        self._count(choice)
-        return choice.tokens
+                choice = whole_hit([(r.tier, r.chunks) for r in choice.runs], chunk_tokens)
+        return choice
 
-    def _count(self, choice: LoadChoice) -> None:
+    def count(self, choice: LoadChoice) -> None:
+        """Counts a request's final ``choice``: each run's decision, and what it saves."""
+        if self.policy is LoadPolicy.ALWAYS:
+            return  # nothing was decided
         saved: defaultdict[str, float] = defaultdict(float)
         for run in choice.runs:
             decision = "load" if run.load else "recompute"

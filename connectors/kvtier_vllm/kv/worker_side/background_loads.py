@@ -47,6 +47,8 @@ class IssuedLoads:
     """Draft chunks planned for other draft weights, whose pages were zeroed instead."""
     unverified: int = 0
     """Draft chunks loaded with no fingerprint of the draft weights taken in their step."""
+    read_ahead_s: float = 0.0
+    """Seconds spent reading lmdb's pages ahead for all its chunks from lmdb at once."""
 
 
 @dataclass(slots=True)

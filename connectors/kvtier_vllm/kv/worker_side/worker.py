@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvtier.client import ArenaMemory
-from kvtier.core.costs import CPU, LMDB, EngineTimings
+from kvtier.core.costs import LMDB, EngineTimings
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import ChunkKey, Pool
 from kvtier.core.protocol import FailedChunk, Failure, TierCode
@@ -33,6 +33,7 @@ from kvtier_vllm.kv.lmdb_staging import LmdbStaging
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.kv.worker_side.background_loads import BackgroundLoads, IssuedLoads, LoadBatch
 from kvtier_vllm.kv.worker_side.chunk_views import ChunkViews
+from kvtier_vllm.kv.worker_side.load_times import RequestLoads
 from kvtier_vllm.kv.worker_side.pages import own_caches, pages_of, stacked
 from kvtier_vllm.kv.worker_side.sends import PendingSends
 from kvtier_vllm.layout.plans import kv_groups, plan_pools
@@ -245,7 +246,7 @@ class KVTierWorker:
         if slots is None or arena is None:
             loads.failed = [(job, 0.0) for job in jobs]
             return loads
-        staging.read_ahead(lmdb_path, [job for job in jobs if job.key])
+        loads.read_ahead_s = staging.read_ahead(lmdb_path, [job for job in jobs if job.key])
         coded: list[ChunkCopy] = []
         for job in jobs:
             plan = self.plans.get(job.plan)
@@ -303,6 +304,7 @@ class KVTierWorker:
         held that chunk's bytes while they were read (its generation moves before it is
         rewritten); any other slot is a load error."""
         arena = loads.arena
+        timed = RequestLoads({LMDB: loads.read_ahead_s})
         for job, seconds in loads.copies:
             ok = bool(job.key) or (  # read from lmdb, verified: no slot to check
                 arena is not None
@@ -314,7 +316,10 @@ class KVTierWorker:
                 if arena is not None and arena is self._arena and job.chunk:  # reused under it
                     moved = FailedChunk(ChunkKey(job.chunk), TierCode.CPU, Failure.GENERATION)
                     self._moved.append(moved)
-            self._count("load", job, seconds, ok)
+            nbytes = self._count("load", job, seconds, ok)
+            if ok:
+                timed.add(job, nbytes, seconds)
+        timed.report(self._timings)
 
     def fail_step(self, meta: KVTierMetadata, loads: bool) -> None:
         """A hook failed part way: this step's loads (``loads``) or stores are failures, so
@@ -406,7 +411,7 @@ class KVTierWorker:
             started = time.perf_counter()
             ok = self._copy(job, slots, into_arena=True)
             (issued if ok else self._failed).append((job.slot, job.generation))
-            self._record("store", job, started, ok)
+            self._count("store", job, time.perf_counter() - started, ok)
         if coded:
             started = time.perf_counter()
             written = self.views.encode_stores(coded, slots)
@@ -440,19 +445,15 @@ class KVTierWorker:
                 error = self.views.compare(job, source)
             self._compared.append((job.slot, job.generation, error))
 
-    def _record(self, direction: str, job: ChunkCopy, started: float, ok: bool) -> None:
-        self._count(direction, job, time.perf_counter() - started, ok)
-
-    def _count(self, direction: str, job: ChunkCopy, seconds: float, ok: bool) -> None:
+    def _count(self, direction: str, job: ChunkCopy, seconds: float, ok: bool) -> int:
         plan = self.plans.get(job.plan)
         if plan is None:
-            return
+            return 0
         blocks = sum(1 for b in job.block_ids if b)
         page = plan.page_bytes if plan.codec is None else plan.codec.page_bytes
         nbytes = page * len(plan.layer_names) * blocks  # this rank's part
         self.stats.record(direction, str(plan.pool), nbytes, seconds, ok)
-        if direction == "load" and ok:  # a chunk staged from lmdb's map names its key
-            self._timings.loaded(LMDB if job.key else CPU, 1, nbytes, seconds)
+        return nbytes
 
     def take_stats(self) -> KVTierStats | None:
         stats, self.stats = take_report(self.stats)
