@@ -90,7 +90,6 @@ from typing import Any
 import yaml
 
 from benchmarks import hybrid_ttft
-from benchmarks.harness.buffers import no_gc
 from benchmarks.harness.cases import Case, Sample
 from benchmarks.harness.cli import MODEL_CACHE, log_progress
 from benchmarks.harness.connector import kvtier_connector
@@ -105,7 +104,6 @@ from benchmarks.harness.system import (
 )
 from benchmarks.harness.targets import judged, ok_or_missed
 from benchmarks.ttft_cases import (
-    EXTERNAL_HITS,
     FULL,
     KV_CACHE_BYTES,
     MAX_MODEL_LEN,
@@ -113,6 +111,7 @@ from benchmarks.ttft_cases import (
     QUICK,
     Mode,
     example_connector,
+    first_token,
     headline_blocks_per_chunk,
     kvtier,
     local,
@@ -215,19 +214,7 @@ class Bench:
             gc.collect()
 
     def first_token(self, llm: Any, prompt: Sequence[int]) -> Sample:
-        params = engines.greedy(1)
-        before = engines.counter_value(llm, EXTERNAL_HITS)
-        with no_gc():
-            start = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)
-            elapsed = time.perf_counter() - start
-        external = engines.counter_value(llm, EXTERNAL_HITS) - before
-        return Sample(
-            elapsed * 1e3,
-            out[0].num_cached_tokens or 0,
-            int(external),
-            out[0].outputs[0].token_ids[0],
-        )
+        return first_token(llm, prompt)
 
     def from_files(
         self, llm: Any, prompt: Sequence[int], case: Case, files: Sequence[Path], drop: bool

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from benchmarks import hybrid_ttft
 from benchmarks.harness.buffers import no_gc
-from benchmarks.harness.cases import Case, delta
+from benchmarks.harness.cases import Case, Sample, delta
 from benchmarks.harness.kvtierd import Kvtierd
 from benchmarks.harness.sizes import GiB, MiB, round_up
 from benchmarks.harness.stats import median
@@ -38,6 +38,23 @@ MISS_OUTPUT_TOKENS = 32
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
 SAME_WITHIN = 0.05
 """Arena hits this close are the same on this machine (its noise between runs)."""
+
+
+def first_token(llm: Any, prompt: Sequence[int]) -> Sample:
+    """One prompt's TTFT: one ``generate`` with ``max_tokens=1``, with its hit and first token."""
+    params = engines.greedy(1)
+    before = engines.counter_value(llm, EXTERNAL_HITS)
+    with no_gc():
+        start = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    external = engines.counter_value(llm, EXTERNAL_HITS) - before
+    return Sample(
+        elapsed * 1e3,
+        out[0].num_cached_tokens or 0,
+        int(external),
+        out[0].outputs[0].token_ids[0],
+    )
 
 
 def headline_blocks_per_chunk(rows: list[dict[str, Any]]) -> int:
