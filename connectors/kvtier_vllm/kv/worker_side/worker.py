@@ -33,7 +33,7 @@ from kvtier_vllm.kv.lmdb_staging import LmdbStaging
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.kv.worker_side.background_loads import BackgroundLoads, IssuedLoads, LoadBatch
 from kvtier_vllm.kv.worker_side.chunk_views import ChunkViews
-from kvtier_vllm.kv.worker_side.pages import own_caches, pages_of, stacked
+from kvtier_vllm.kv.worker_side.pages import own_caches, plan_pages, stacked
 from kvtier_vllm.kv.worker_side.sends import PendingSends
 from kvtier_vllm.layout.plans import kv_groups, plan_pools
 from kvtier_vllm.shared.copies import CpuCopies, Fence, copies_for
@@ -103,7 +103,7 @@ class KVTierWorker:
         except UnsupportedGroupError:
             return  # the scheduler side says why, and plans nothing
         for plan in plans:
-            held = [pages_of(kv_caches[name]) for name in plan.layer_names]
+            held = [plan_pages(plan, kv_caches[name]) for name in plan.layer_names]
             pages = [p for p, _ in filter(None, held)]
             orders = {order for _, order in filter(None, held)} - {""}
             actual = {p.shape[1] for p in pages}
@@ -120,7 +120,8 @@ class KVTierWorker:
                 continue
             self.plans[plan.key] = plan
             self.pages[plan.key] = pages
-            self.dtypes[plan.key] = kv_caches[plan.layer_names[0]].dtype
+            if plan.pool is not Pool.STATE:  # a state page mixes dtypes: never compared
+                self.dtypes[plan.key] = kv_caches[plan.layer_names[0]].dtype
             if pages[0].device != self.copies.device:
                 self.copies = copies_for(pages[0].device)
             stack = stacked(pages)

@@ -1,0 +1,126 @@
+"""Hybrid models whose state-space or linear-attention layers keep a state, not KV (vLLM's
+MambaSpec groups), with prefix caching in vLLM's ``align`` mode: kvtier stores each chunk's
+attention KV and every state layer's state at the chunk's end, and a hit is the last chunk
+where both are held. Outputs must equal vLLM's own, top-3 logprobs included.
+
+Each model builder comes with its state stride: vLLM raises the block size to it, and every
+engine here computes at most one stride per step, so a state is kept at every boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.models import (
+    ModelSet,
+    build_qwen3_next_hybrid,
+    running_llm,
+    shared_prefix_prompts,
+    vocab_size_of,
+)
+from tests.e2e.test_connector import TRANSFER_BYTES, cached_by_source, counter, kvtier_config
+from tests.e2e.test_connector_hybrid import Run, generate
+from tests.integration.daemon_harness import Processes, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass(frozen=True)
+class StateModel:
+    build: Callable[..., Path]
+    stride: int
+    """Tokens between kept states: the block size vLLM raises this model's to."""
+    dtype: str
+
+
+STATE_MODELS = [
+    pytest.param(StateModel(build_qwen3_next_hybrid, 544, "bfloat16"), id="qwen3-next"),
+]
+STRIDES = 2
+"""Whole strides in each prompt: a hit ends at one of two boundaries."""
+SUFFIX = 100
+
+
+@dataclass(frozen=True)
+class Served:
+    path: Path
+    model: StateModel
+
+    def engine(self, **kwargs: Any) -> dict[str, Any]:
+        return {
+            "dtype": self.model.dtype,
+            "enable_prefix_caching": True,
+            "max_num_batched_tokens": self.model.stride,
+            **kwargs,
+        }
+
+
+@pytest.fixture(scope="module", params=STATE_MODELS)
+def served(request: pytest.FixtureRequest, models_dir: Path, tiny_models: ModelSet) -> Served:
+    model: StateModel = request.param
+    return Served(model.build(models_dir, tokenizer_dir=tiny_models.tokenizer), model)
+
+
+@pytest.fixture(scope="module")
+def state_prompts(served: Served) -> list[list[int]]:
+    stride = served.model.stride
+    return shared_prefix_prompts(
+        2,
+        vocab_size=vocab_size_of(served.path),
+        prefix_len=STRIDES * stride,
+        suffix_len=SUFFIX,
+        num_prefixes=2,
+        seed=11,
+    )
+
+
+@dataclass(frozen=True)
+class Baseline:
+    cold: Run
+    hit: Run
+    """Asked again, on vLLM's own prefix cache: what a kvtier hit must reproduce."""
+
+
+@pytest.fixture(scope="module")
+def baseline(served: Served, state_prompts: list[list[int]]) -> Baseline:
+    with running_llm(served.path, **served.engine()) as llm:
+        block = llm.llm_engine.vllm_config.cache_config.block_size
+        assert block == served.model.stride, "the builder's stride is not vLLM's block size"
+        cold = generate(llm, state_prompts)
+        hit = generate(llm, state_prompts)
+    assert hit.cached == [STRIDES * served.model.stride] * len(state_prompts)
+    return Baseline(cold, hit)
+
+
+def test_a_fresh_engine_hits_the_kv_and_state_another_stored(
+    served: Served,
+    state_prompts: list[list[int]],
+    baseline: Baseline,
+    procs: Processes,
+    tmp_path: Path,
+    shm_path: Path,
+) -> None:
+    files = write_config(
+        tmp_path, shm_path, {"arena": {"size_bytes": 64 << 20, "min_slot_bytes": 16 << 10}}
+    )
+    sidecar = kvtier_config({"mode": "sidecar", "socket_path": str(files.socket)})
+    procs.start_daemon(files)
+    hit_tokens = STRIDES * served.model.stride
+    with running_llm(served.path, **served.engine(kv_transfer_config=sidecar)) as llm:
+        first = generate(llm, state_prompts)
+        stored = counter(llm, TRANSFER_BYTES, direction="store", pool="state")
+    assert first.same_output(baseline.cold)
+    assert stored > 0
+    with running_llm(served.path, **served.engine(kv_transfer_config=sidecar)) as llm:
+        run = generate(llm, state_prompts)
+        loaded = counter(llm, TRANSFER_BYTES, direction="load", pool="state")
+        from_arena = cached_by_source(llm, "host")
+    assert run.cached == [hit_tokens] * len(state_prompts)
+    assert from_arena == hit_tokens * len(state_prompts)
+    assert loaded > 0
+    assert run.same_output(baseline.hit)
