@@ -23,7 +23,13 @@ from tests.e2e.models import (
     shared_prefix_prompts,
     vocab_size_of,
 )
-from tests.e2e.test_connector import TRANSFER_BYTES, cached_by_source, counter, kvtier_config
+from tests.e2e.test_connector import (
+    TRANSFER_BYTES,
+    cached_by_source,
+    counter,
+    embedded_yaml,
+    kvtier_config,
+)
 from tests.e2e.test_connector_hybrid import Run, generate
 from tests.integration.daemon_harness import Processes, write_config
 
@@ -124,3 +130,44 @@ def test_a_fresh_engine_hits_the_kv_and_state_another_stored(
     assert from_arena == hit_tokens * len(state_prompts)
     assert loaded > 0
     assert run.same_output(baseline.hit)
+
+
+def diverging(prompt: list[int], stride: int) -> list[int]:
+    """``prompt`` up to the middle of its second stride, then other tokens: a hit ends at the
+    boundary before the divergence."""
+    other = shared_prefix_prompts(1, prefix_len=stride, suffix_len=0, seed=99)[0]
+    return prompt[: stride + stride // 2] + other
+
+
+def test_embedded_hits_the_stored_state_and_a_diverging_prompt_the_boundary_before(
+    served: Served,
+    state_prompts: list[list[int]],
+    baseline: Baseline,
+    tmp_path: Path,
+    shm_path: Path,
+) -> None:
+    stride = served.model.stride
+    diverged = diverging(state_prompts[0], stride)
+    with running_llm(served.path, **served.engine()) as llm:
+        # vLLM keeps a finished prompt's last boundary state only: one ending past the first
+        generate(llm, [state_prompts[0][: stride + SUFFIX]])
+        reference = generate(llm, [diverged])  # on vLLM's own prefix cache
+    assert reference.cached == [stride]
+    # hits from lmdb wait for their promotion: room for a slow machine
+    connector = kvtier_config(
+        {"kvtier_config": str(embedded_yaml(tmp_path, shm_path)), "promote_wait_ms": 20000}
+    )
+    with running_llm(served.path, **served.engine(kv_transfer_config=connector)) as llm:
+        first = generate(llm, state_prompts)
+    assert first.same_output(baseline.cold)
+    # the first engine closed its tiers: a fresh one hits what lmdb kept
+    with running_llm(served.path, **served.engine(kv_transfer_config=connector)) as llm:
+        partial = generate(llm, [diverged])
+        run = generate(llm, state_prompts)
+        loaded = counter(llm, TRANSFER_BYTES, direction="load", pool="state")
+    assert partial.cached == [stride]
+    assert partial.same_output(reference)
+    # the first prompt's first stride is in vLLM's own cache now; kvtier loads the rest
+    assert run.cached == [STRIDES * stride] * len(state_prompts)
+    assert run.same_output(baseline.hit)
+    assert loaded > 0
