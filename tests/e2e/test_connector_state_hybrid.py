@@ -9,13 +9,18 @@ engine here computes at most one stride per step, so a state is kept at every bo
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import pytest
 
+from kvtier.core.blockfmt import peek_header
+from kvtier.core.keys import Pool
+from kvtier.tiers.lmdb_reader import DATABASES
 from tests.e2e.models import (
     ModelSet,
     build_qwen3_next_hybrid,
@@ -31,7 +36,7 @@ from tests.e2e.test_connector import (
     kvtier_config,
 )
 from tests.e2e.test_connector_hybrid import Run, generate
-from tests.integration.daemon_harness import Processes, write_config
+from tests.integration.daemon_harness import Processes, RunningDaemon, wait_for, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -171,3 +176,63 @@ def test_embedded_hits_the_stored_state_and_a_diverging_prompt_the_boundary_befo
     assert run.cached == [STRIDES * stride] * len(state_prompts)
     assert run.same_output(baseline.hit)
     assert loaded > 0
+
+
+def corrupt_states(lmdb_dir: Path) -> int:
+    """Flip the last payload byte of every state chunk in lmdb (kvtierd stopped), as a failing
+    disk would; how many there were."""
+    env = lmdb.open(str(lmdb_dir), max_dbs=len(DATABASES), subdir=True)
+    flipped = 0
+    try:
+        with env.begin(write=True, db=env.open_db(b"chunks", create=False)) as txn:
+            for key, stored in list(txn.cursor()):
+                if peek_header(stored).pool is not Pool.STATE:
+                    continue
+                value = bytearray(stored)
+                value[-1] ^= 0xFF
+                txn.put(key, bytes(value))
+                flipped += 1
+    finally:
+        env.close()
+    return flipped
+
+
+def integrity_failures(daemon: RunningDaemon, pool: str) -> float:
+    return sum(
+        value
+        for name, labels, value in daemon.metrics()
+        if name == "kvtier_integrity_failures_total" and labels.get("pool") == pool
+    )
+
+
+def test_a_corrupted_state_is_never_served_and_is_counted(
+    served: Served,
+    state_prompts: list[list[int]],
+    baseline: Baseline,
+    procs: Processes,
+    tmp_path: Path,
+    shm_path: Path,
+) -> None:
+    files = write_config(
+        tmp_path, shm_path, {"arena": {"size_bytes": 64 << 20, "min_slot_bytes": 16 << 10}}
+    )
+    sidecar = kvtier_config(
+        {"mode": "sidecar", "socket_path": str(files.socket), "promote_wait_ms": 20000}
+    )
+    # what every deployment runs: a load that failed is recomputed
+    sidecar["kv_load_failure_policy"] = "recompute"
+    daemon = procs.start_daemon(files)
+    with running_llm(served.path, **served.engine(kv_transfer_config=sidecar)) as llm:
+        generate(llm, state_prompts)
+    assert daemon.signal_and_wait(signal.SIGTERM, 60) == 0  # drains the arena to lmdb
+    # every boundary's state, each prompt's two: the attention KV beside them is intact
+    assert corrupt_states(files.lmdb) == STRIDES * len(state_prompts)
+    daemon = procs.start_daemon(files)
+    with running_llm(served.path, **served.engine(kv_transfer_config=sidecar)) as llm:
+        run = generate(llm, state_prompts)
+    # the workers read each state from lmdb, find it corrupt and recompute from the first
+    # block: with no state at any boundary, KV alone is never a hit
+    assert run.cached == [0] * len(state_prompts)
+    # recomputed in other batches than the baseline's, which round bf16 otherwise
+    assert run.same_tokens_and_top(baseline.cold, tolerance=1e-3)
+    wait_for(lambda: integrity_failures(daemon, "state") > 0, 30, "the corrupt states counted")
