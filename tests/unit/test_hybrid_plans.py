@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kvtier_vllm.layout.plans import PoolPlan, kv_groups, misplaced_draft
+from kvtier_vllm.layout.plans import PoolPlan, kv_groups, misplaced_draft, plan_pools
+from kvtier_vllm.shared.settings import ConnectorConfig
 from kvtier_vllm.shared.shapes import UnsupportedGroupError
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -102,6 +103,17 @@ def test_an_align_mode_state_group_reads_the_state_at_the_hit_end_and_keeps_ever
     for chunks in (1, 2, 7):
         assert plan.first_needed(chunks, BLOCK) == chunks - 1  # the state at the hit's end
     assert all(plan.keeps(c, 7, 0, BLOCK) for c in range(7))  # a hit may end at any of them
+
+
+def test_state_groups_above_tp1_are_refused_with_the_degree() -> None:
+    mamba = MambaSpec(
+        block_size=BLOCK, shapes=((4,),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
+    groups = kv_groups(config((layers(0), mamba), (layers(1), attention(FullAttentionSpec))))
+    tp2 = SimpleNamespace(tensor_parallel_size=2)
+    engine = SimpleNamespace(model_config=None, cache_config=None, parallel_config=tp2)
+    with pytest.raises(UnsupportedGroupError, match="tensor_parallel_size=2"):
+        plan_pools(engine, groups[:1], ConnectorConfig())
 
 
 def test_a_draft_model_outside_group_zero_is_refused_with_what_to_do() -> None:

@@ -321,19 +321,19 @@ def _plan_group(
 def _state_plan(
     vllm_config: Any, group: KVGroup, state: StateShape, cfg: ConnectorConfig, named: bool
 ) -> PoolPlan:
-    """A state group's pool: one block's state per layer and chunk. A state every TP rank
-    holds whole is written by rank 0 and read at any degree; a sharded one (each rank its own
-    part, as vLLM splits the heads) is a chunk of this degree alone, each rank writing its
-    part."""
+    """A state group's pool: one block's state per layer and chunk, at TP=1 (the one degree
+    an engine has proven it at)."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
     tp = parallel.tensor_parallel_size
-    rank = parallel.rank % tp
-    if state.sharded and tp > 1:
-        shard = Shard(tp, rank, 1, True, tp, tp)
-    else:
-        shard = Shard(1, 0, 1, rank == 0, 1)
+    if tp > 1:
+        held = "each rank's part" if state.sharded else "a copy on every rank"
+        raise UnsupportedGroupError(
+            f"state-space or linear-attention layers at tensor_parallel_size={tp} ({held} of "
+            "the state): kvtier serves them at TP=1 only so far"
+        )
+    shard = Shard()
     revision = weights.target_revision(vllm_config, cfg.model_revision) if named else ""
     spec = NamespaceSpec(
         model=str(model.model),
