@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier_vllm.kv.connector_stats import KVTierPromMetrics, KVTierStats
 from kvtier_vllm.kv.metadata import KVTierMetadata
+from kvtier_vllm.layout.states import state_chunking
 from kvtier_vllm.shared.build_check import say_build_once
 from kvtier_vllm.shared.guard import contained, report_with_next_stats
 from kvtier_vllm.shared.settings import parse
@@ -31,9 +32,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         say_build_once()
         cfg = parse(self._kv_transfer_config.kv_connector_extra_config)
+        scheduler = role == KVConnectorRole.SCHEDULER
+        cfg = state_chunking(cfg, kv_cache_config, announce=scheduler)
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
+        if scheduler:
             from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
 
             self._scheduler = KVTierScheduler(vllm_config, kv_cache_config, cfg)

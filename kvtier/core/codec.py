@@ -29,6 +29,7 @@ _POOLS = {
     tier_pb2.POOL_DRAFT: Pool.DRAFT,
     tier_pb2.POOL_HIDDEN: Pool.HIDDEN,
     tier_pb2.POOL_ENCODER: Pool.ENCODER,
+    tier_pb2.POOL_STATE: Pool.STATE,
 }
 _POOL_CODES = {pool: code for code, pool in _POOLS.items()}
 _TIER_CODES = {code.tier: tier_pb2.Tier.ValueType(code) for code in TierCode}

@@ -73,6 +73,8 @@ def _default_pools() -> dict[str, PoolConfig]:
         "draft": PoolConfig(max_share=0.5),
         "hidden": PoolConfig(max_share=0.25),
         "encoder": PoolConfig(max_share=0.25),
+        # a state chunk is about one attention chunk's size, and every hit needs one
+        "state": PoolConfig(max_share=0.5),
     }
 
 

@@ -84,6 +84,9 @@ class Pool(enum.StrEnum):
     """Hidden states an engine captures for draft training (not attention KV)."""
     ENCODER = "encoder"
     """A multimodal encoder's outputs, per item (`kvtier.core.encoder`)."""
+    STATE = "state"
+    """State-space or linear-attention layers' state at the end of a chunk (not attention
+    KV): one state per chunk, which a hit ending there reads."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,3 +3,4 @@ e2e tests import."""
 
 from tests.fixtures.engines import *  # noqa: F403
 from tests.fixtures.models import *  # noqa: F403
+from tests.fixtures.state_models import *  # noqa: F403

@@ -21,7 +21,7 @@ from tests.support import draft_spec, keys_for, target_spec
 ROOT = Path(__file__).resolve().parents[2]
 LABELS = {
     "tier": {"cpu", "lmdb", "object"},
-    "pool": {"target", "draft", "hidden", "encoder"},
+    "pool": {"target", "draft", "hidden", "encoder", "state"},
     "op": {"lookup", "reserve", "commit", "abort", "prefetch", "release", "promote"},
     "result": {"ok", "error", "credential", "rejected", "invalid"}
     | {"confirmed", "refused", "gone", "foreign", "unchecked"},

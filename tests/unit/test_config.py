@@ -13,7 +13,7 @@ def test_defaults_need_no_file() -> None:
     assert cfg.arena.path == Path("/dev/shm/kvtier-arena")
     assert cfg.arena.size_bytes is None
     assert cfg.lmdb.enabled
-    assert set(cfg.arena.pools) == {"target", "draft", "hidden", "encoder"}
+    assert set(cfg.arena.pools) == {"target", "draft", "hidden", "encoder", "state"}
 
 
 def test_yaml_then_environment_overrides(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kvtier_vllm.layout.plans import PoolPlan, kv_groups, misplaced_draft
+from kvtier_vllm.layout.plans import PoolPlan, kv_groups, misplaced_draft, plan_pools
+from kvtier_vllm.shared.settings import ConnectorConfig
 from kvtier_vllm.shared.shapes import UnsupportedGroupError
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -76,15 +77,43 @@ def test_the_window_starts_at_the_chunk_holding_the_first_block_vllm_keeps(
     assert PoolPlan(Pool.TARGET, layers(0), 4096, target_spec(), 1).first_needed(chunks, 32) == 0
 
 
-def test_state_space_groups_and_mixed_block_sizes_are_refused() -> None:
+def test_state_groups_without_align_mode_and_mixed_block_sizes_are_refused() -> None:
     mamba = MambaSpec(block_size=BLOCK, shapes=((4,),), dtypes=(torch.float32,))
-    with pytest.raises(UnsupportedGroupError, match="MambaSpec"):
+    # vLLM keeps no state per block boundary but in align mode: nothing to store per chunk
+    with pytest.raises(UnsupportedGroupError, match="mamba_cache_mode=none"):
         kv_groups(config((layers(0), mamba), (layers(1), attention(FullAttentionSpec))))
     bigger = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=32, dtype=torch.float32)
     with pytest.raises(UnsupportedGroupError, match="block sizes"):
         kv_groups(config((layers(0), attention(FullAttentionSpec)), (layers(1), bigger)))
     with pytest.raises(UnsupportedGroupError, match="hashed every 16"):
         kv_groups(config((layers(0), attention(FullAttentionSpec)), hashed=16))
+
+
+def test_an_align_mode_state_group_reads_the_state_at_the_hit_end_and_keeps_every_one() -> None:
+    shapes, dtypes = ((3, 512), (2, 128, 128)), (torch.bfloat16, torch.float32)
+    mamba = MambaSpec(block_size=BLOCK, shapes=shapes, dtypes=dtypes, mamba_cache_mode="align")
+    state, full = kv_groups(config((layers(0), mamba), (layers(1), attention(FullAttentionSpec))))
+    assert full.state is None
+    assert full.window == 0
+    assert state.state is not None
+    # a page is each state's part of a block, unpadded: bf16 conv state, fp32 recurrent state
+    assert state.state.page_bytes == 3 * 512 * 2 + 2 * 128 * 128 * 4
+    assert state.state.sharded  # vLLM's default: each TP rank holds its heads' state
+    plan = PoolPlan(Pool.STATE, layers(0), state.state.page_bytes, target_spec(), 1, window=1)
+    for chunks in (1, 2, 7):
+        assert plan.first_needed(chunks, BLOCK) == chunks - 1  # the state at the hit's end
+    assert all(plan.keeps(c, 7, 0, BLOCK) for c in range(7))  # a hit may end at any of them
+
+
+def test_state_groups_above_tp1_are_refused_with_the_degree() -> None:
+    mamba = MambaSpec(
+        block_size=BLOCK, shapes=((4,),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
+    groups = kv_groups(config((layers(0), mamba), (layers(1), attention(FullAttentionSpec))))
+    tp2 = SimpleNamespace(tensor_parallel_size=2)
+    engine = SimpleNamespace(model_config=None, cache_config=None, parallel_config=tp2)
+    with pytest.raises(UnsupportedGroupError, match="tensor_parallel_size=2"):
+        plan_pools(engine, groups[:1], ConnectorConfig())
 
 
 def test_a_draft_model_outside_group_zero_is_refused_with_what_to_do() -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from kvtier.core.keys import NamespaceSpec, PageLayout, Pool
 from kvtier.hidden.reader import HIDDEN_ATTENTION
 from kvtier_vllm.layout.fp8 import FP8, Fp8Layout
+from kvtier_vllm.layout.states import STATE_WINDOW, StateShape, is_state_spec, state_shape
 from kvtier_vllm.shared import weights
 from kvtier_vllm.shared.settings import ConnectorConfig
 from kvtier_vllm.shared.shapes import (
@@ -54,6 +55,8 @@ class KVGroup:
     0: every earlier token (full attention)."""
     sliding_window: int = 0
     """The model's window, for the namespace; 0: full attention."""
+    state: StateShape | None = None
+    """State-space or linear-attention layers: their state's page; None: attention KV."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +91,11 @@ class PoolPlan:
     def keeps(self, chunk: int, end: int, every: int, chunk_tokens: int) -> bool:
         """Whether a prompt whose hit ends at chunk ``end`` stores ``chunk`` here: every chunk
         for full attention; for a sliding window, the window before ``end``, every chunk past
-        it, and (``every`` > 0) the window before each multiple of ``every`` chunks."""
+        it, and (``every`` > 0) the window before each multiple of ``every`` chunks. The state
+        pool keeps every chunk whose state vLLM kept (a hit may end at any of them); the others'
+        blocks are null, and never stored."""
+        if self.pool is Pool.STATE:
+            return True
         if chunk >= self.first_needed(end, chunk_tokens):
             return True
         # the nearest checkpoint after the chunk has the latest window start of any after it
@@ -188,8 +195,12 @@ def kv_groups(kv_cache_config: Any, layer_names: Iterable[str] = ()) -> list[KVG
     for index, group in enumerate(groups):
         if not getattr(group, "enable_kv_transfer", True):
             raise UnsupportedGroupError(f"KV-cache group {index} does not allow KV transfer")
+        names = tuple(group.layer_names)
+        if is_state_spec(group.kv_cache_spec):
+            out.append(KVGroup(index, names, STATE_WINDOW, state=state_shape(group.kv_cache_spec)))
+            continue
         window, sliding = _group_kind(group.kv_cache_spec)
-        out.append(KVGroup(index, tuple(group.layer_names), window, sliding))
+        out.append(KVGroup(index, names, window, sliding))
     return out
 
 
@@ -236,6 +247,9 @@ def plan_pools(
     the checkpoint); the worker, which never makes a key, plans without reading them."""
     plans = []
     for group in groups:
+        if group.state is not None:
+            plans.append(_state_plan(vllm_config, group, group.state, cfg, named))
+            continue
         for plan in _plan_group(vllm_config, group.layer_names, cfg, named):
             key = str(plan.pool) if len(groups) == 1 else f"{plan.pool}.{group.index}"
             spec = plan.spec
@@ -302,6 +316,56 @@ def _plan_group(
             )
         )
     return plans
+
+
+def _state_plan(
+    vllm_config: Any, group: KVGroup, state: StateShape, cfg: ConnectorConfig, named: bool
+) -> PoolPlan:
+    """A state group's pool: one block's state per layer and chunk, at TP=1 (the one degree
+    an engine has proven it at)."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    tp = parallel.tensor_parallel_size
+    if tp > 1:
+        held = "each rank's part" if state.sharded else "a copy on every rank"
+        raise UnsupportedGroupError(
+            f"state-space or linear-attention layers at tensor_parallel_size={tp} ({held} of "
+            "the state): kvtier serves them at TP=1 only so far"
+        )
+    shard = Shard()
+    revision = weights.target_revision(vllm_config, cfg.model_revision) if named else ""
+    spec = NamespaceSpec(
+        model=str(model.model),
+        model_revision=revision,
+        pool=Pool.STATE,
+        kv_dtype="uint8",
+        layout=PageLayout(
+            tokens_per_block=1,  # one state per block, whatever its tokens: a page of bytes
+            blocks_per_chunk=cfg.blocks_per_chunk,
+            num_kv_heads=shard.heads,
+            head_sizes=(state.page_bytes,),
+            layer_names=group.layer_names,
+            kv_order=page_order(layout_name(cache)),
+        ),
+        tp_size=shard.tp_size,
+        pp_size=parallel.pipeline_parallel_size,
+        hash_algo=cache.prefix_caching_hash_algo,
+        tenant=cfg.tenant,
+        attention=state.describe(cache.block_size),
+    )
+    key = f"{Pool.STATE}.{group.index}"
+    return PoolPlan(
+        Pool.STATE,
+        group.layer_names,
+        state.page_bytes,
+        spec,
+        cfg.blocks_per_chunk,
+        key,
+        group=group.index,
+        window=group.window,
+        shard=shard,
+    )
 
 
 def aux_layers(vllm_config: Any) -> tuple[int, ...]:

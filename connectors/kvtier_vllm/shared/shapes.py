@@ -20,8 +20,8 @@ from typing import Any
 
 
 class UnsupportedGroupError(ValueError):
-    """A KV-cache group kvtier cannot store (state-space or chunked-local layers), or weights it
-    cannot name."""
+    """A KV-cache group kvtier cannot store (chunked-local layers, state layers outside vLLM's
+    align mode), or weights it cannot name."""
 
 
 HEADS_FIRST = "HNC"

@@ -34,6 +34,7 @@ class _PoolEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Pool.ValueType],
     POOL_DRAFT: _Pool.ValueType  # 2
     POOL_HIDDEN: _Pool.ValueType  # 3
     POOL_ENCODER: _Pool.ValueType  # 4
+    POOL_STATE: _Pool.ValueType  # 5
 
 class Pool(_Pool, metaclass=_PoolEnumTypeWrapper): ...
 
@@ -42,6 +43,7 @@ POOL_TARGET: Pool.ValueType  # 1
 POOL_DRAFT: Pool.ValueType  # 2
 POOL_HIDDEN: Pool.ValueType  # 3
 POOL_ENCODER: Pool.ValueType  # 4
+POOL_STATE: Pool.ValueType  # 5
 Global___Pool: _TypeAlias = Pool  # noqa: Y015
 
 class _Tier:

@@ -80,8 +80,9 @@ class PromptKeys:
 
 
 def targets_of(plans: Iterable[PoolPlan]) -> list[PoolPlan]:
-    """The plans a hit needs every chunk of, full attention first (a shorter hit they find never
-    moves their own start): the target's, and the captured hidden states' (a hit without them
-    would leave its prefix's states unwritten for the request's reference)."""
-    needed = (p for p in plans if p.pool in (Pool.TARGET, Pool.HIDDEN))
+    """The plans a hit needs (every chunk, or a window's), full attention first (a shorter hit
+    they find never moves their own start): the target's, the captured hidden states' (a hit
+    without them would leave its prefix's states unwritten for the request's reference), and the
+    state layers' (their state at the hit's end)."""
+    needed = (p for p in plans if p.pool in (Pool.TARGET, Pool.HIDDEN, Pool.STATE))
     return sorted(needed, key=lambda p: bool(p.window))

@@ -5,10 +5,13 @@ consecutive blocks, and a page's shape as this rank holds it and as a chunk hold
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 
+from kvtier.core.keys import Pool
 from kvtier_vllm.layout.plans import KVGroup, PoolPlan
+from kvtier_vllm.layout.states import state_pages
 from kvtier_vllm.shared.shapes import HEADS_FIRST, TOKENS_FIRST
 
 
@@ -33,6 +36,15 @@ def pages_of(tensor: torch.Tensor) -> tuple[torch.Tensor, str] | None:
     if tensor.shape[1] == 1:
         return flat, ""  # one head: the same bytes in either order
     return flat, HEADS_FIRST if heads_first else TOKENS_FIRST
+
+
+def plan_pages(plan: PoolPlan, cache: Any) -> tuple[torch.Tensor, str] | None:
+    """A layer's cache as `pages_of` gives it; a state layer's tensors as one page per block
+    (`states.state_pages`), in either order."""
+    if plan.pool is not Pool.STATE:
+        return pages_of(cache)
+    pages = state_pages(cache)
+    return None if pages is None else (pages, "")
 
 
 def stacked(pages: list[torch.Tensor]) -> torch.Tensor | None:
@@ -89,6 +101,9 @@ def own_caches(groups: list[KVGroup], kv_caches: dict[str, torch.Tensor]) -> lis
     is the target's, stored once (and the scheduler side plans without them)."""
     out = []
     for group in groups:
+        if group.state is not None:  # vLLM shares no state between layers
+            out.append(group)
+            continue
         seen: set[tuple[int, tuple[int, ...]]] = set()
         names = []
         for name in group.layer_names:

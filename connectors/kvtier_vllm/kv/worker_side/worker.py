@@ -7,8 +7,7 @@ slot that was reused meanwhile (its generation moved) is reported as a load erro
 recomputes those blocks instead of using them: per block with one KV-cache group, per request
 (an asynchronous load) with several. The generation is checked once the copy landed, never when
 it is queued: on a device the bytes are read later, and an arena-index hit holds no lease, so
-its slot may be evicted and rewritten in between. A chunk leased in lmdb is read from lmdb's map
-into a buffer of its own first (`kvtier_vllm.kv.lmdb_staging`), verified there, and copied from it.
+its slot may be evicted and rewritten in between. lmdb's chunks are verified as they are staged.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetad
 from kvtier_vllm.kv.worker_side.background_loads import BackgroundLoads, IssuedLoads, LoadBatch
 from kvtier_vllm.kv.worker_side.chunk_views import ChunkViews
 from kvtier_vllm.kv.worker_side.load_times import RequestLoads
-from kvtier_vllm.kv.worker_side.pages import own_caches, pages_of, stacked
+from kvtier_vllm.kv.worker_side.pages import own_caches, plan_pages, stacked
 from kvtier_vllm.kv.worker_side.sends import PendingSends
 from kvtier_vllm.layout.plans import kv_groups, plan_pools
 from kvtier_vllm.shared.copies import CpuCopies, Fence, copies_for
@@ -104,7 +103,7 @@ class KVTierWorker:
         except UnsupportedGroupError:
             return  # the scheduler side says why, and plans nothing
         for plan in plans:
-            held = [pages_of(kv_caches[name]) for name in plan.layer_names]
+            held = [plan_pages(plan, kv_caches[name]) for name in plan.layer_names]
             pages = [p for p, _ in filter(None, held)]
             orders = {order for _, order in filter(None, held)} - {""}
             actual = {p.shape[1] for p in pages}
@@ -121,7 +120,8 @@ class KVTierWorker:
                 continue
             self.plans[plan.key] = plan
             self.pages[plan.key] = pages
-            self.dtypes[plan.key] = kv_caches[plan.layer_names[0]].dtype
+            if plan.pool is not Pool.STATE:  # a state page mixes dtypes: never compared
+                self.dtypes[plan.key] = kv_caches[plan.layer_names[0]].dtype
             if pages[0].device != self.copies.device:
                 self.copies = copies_for(pages[0].device)
             stack = stacked(pages)
