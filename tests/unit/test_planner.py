@@ -420,12 +420,14 @@ class AnsweredLater(ArenaReading):
         self.waited_on += 1
         return self._client.lookup(*args, **kwargs)
 
-    def lookup_behind(self, keys: list[ChunkKey], verify: bool = False) -> Pending[LookupResult]:
+    def lookup_behind(
+        self, keys: list[ChunkKey], again: bool = False, verify: bool = False
+    ) -> Pending[LookupResult]:
         self.behind.append(keys)
 
         def answer() -> LookupResult:
             self.gate.wait()
-            return self._client.lookup(keys, verify=verify)
+            return self._client.lookup(keys, again=again, verify=verify)
 
         return Pending(self._calls.submit(answer), lambda r: r, "test")
 
@@ -481,6 +483,39 @@ def test_a_hit_answered_in_the_background_from_lmdb_is_promoted_then_leased(
     now = client.manager.stats().counters
     assert now["lookups"] - counted["lookups"] == 1  # the background ask, counted once
     assert now["hit_chunks_lmdb"] - counted["hit_chunks_lmdb"] == 4
+    client.release(plan.refs())
+
+
+def test_a_lookup_that_found_a_probe_running_is_asked_again_in_the_background(
+    client: InProcessClient, later: AnsweredLater
+) -> None:
+    """kvtierd holds a lookup up to its probe budget while it probes the object store past the
+    hit: asked again on the engine's step, every step would wait that long."""
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(2)))  # a probe runs past chunks 0-1
+    probes = [True]
+    lookup = later.lookup
+
+    def probing_once(keys: list[ChunkKey], **kwargs: Any) -> Any:
+        found, leased = lookup(keys, **kwargs)
+        return (replace(found, pending=True) if probes and probes.pop() else found), leased
+
+    later.lookup = probing_once  # type: ignore[method-assign]
+    counted = client.manager.stats().counters
+    asked = ask(shared(later, ns, wait_s=30))  # type: ignore[arg-type]
+    assert asked.answered(0, 6, 0.0)  # chunk 0 in the arena: a hit, asked at once
+    assert asked.plan_load(0, 6) is None  # the probe may find more: ask again
+    assert later.waited_on == 1
+    assert not asked.answered(0, 6, 0.0)  # the engine's step goes on without the answer
+    assert later.behind == [keys(ns["target"], range(6))]
+    later.gate.set()
+    assert asked.answered(0, 6, None)
+    plan = asked.plan_load(0, 6)
+    assert plan is not None
+    assert (plan.chunks, plan.tiers) == (2, bytes([CPU] * 2))
+    assert later.waited_on == 1  # the plan took the background answer
+    now = client.manager.stats().counters
+    assert now["lookups"] - counted["lookups"] == 1  # asked again: not counted again
     client.release(plan.refs())
 
 

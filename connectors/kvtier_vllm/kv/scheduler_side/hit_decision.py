@@ -115,7 +115,11 @@ class HitDecision:
     first_tiers: dict[int, int] = field(default_factory=dict)
     """Per chunk, where it was when first asked for (promoted ones came from lmdb)."""
     behind: tuple[list[ChunkKey], Answer[LookupResult]] | None = None
-    """The first lookup, asked in the background, and its keys: the plan takes its answer."""
+    """A lookup asked in the background, and its keys: the plan takes its answer."""
+    probing: bool = False
+    """Its last lookup found kvtierd still probing the object store past the hit: the next is
+    asked in the background, since kvtierd holds a lookup up to its probe budget and the
+    engine's step would wait that long for it."""
 
     @cached_property
     def keys(self) -> PromptKeys:
@@ -259,16 +263,18 @@ class HitDecision:
     def answered(self, first: int, limit: int, wait_s: float | None) -> bool:
         """Whether `plan_load` may run now, having waited at most ``wait_s`` (None: as long as
         the call may take). A first lookup whose first chunk the arena's index does not hold
-        (most likely a miss) is asked in the background: until it is answered, ask again."""
+        (most likely a miss), and one asked again while a probe of the object store runs, are
+        asked in the background: until it is answered, ask again."""
         if self.behind is None:
-            if self.looked:
+            if self.looked and not self.probing:
                 return True
             client = self.setup.client
             keys = self._needed(first, limit).keys
-            held = client.in_arena(keys[:1])
-            if not keys or held is None or held:
-                return True  # the index answers, or a lookup here is no dearer than a check
-            self.behind = keys, client.lookup_behind(keys, verify=self.verify)
+            if not self.probing:
+                held = client.in_arena(keys[:1])
+                if not keys or held is None or held:
+                    return True  # the index answers, or a lookup here is no dearer than a check
+            self.behind = keys, client.lookup_behind(keys, again=self.looked, verify=self.verify)
             self.looked = True
         return self.behind[1].wait(wait_s)
 
@@ -282,6 +288,7 @@ class HitDecision:
             found = self._find(first, limit)
         finally:
             self.looked = True
+        self.probing = found.pending
         chunks = found.chunks
         if setup.drop_last and chunks > first:
             chunks -= 1
