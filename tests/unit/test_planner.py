@@ -269,6 +269,42 @@ def test_a_probe_of_the_store_is_waited_for_a_share_of_recomputing_the_rest(
     assert asked.plan_load(0, 6) == LoadPlan(0, 0, {}, [])
 
 
+def test_a_probe_waits_no_longer_than_its_share_of_recomputing_however_long_wait_s(
+    client: InProcessClient,
+) -> None:
+    """A hit cheap to recompute is not held back for ``wait_s`` (promote_wait_ms, a second by
+    default) while kvtierd probes the object store: only its share of recomputing it."""
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(2)))
+    lookup = client.lookup
+
+    def probing(keys: list[ChunkKey], **kwargs: Any) -> Any:
+        found, leased = lookup(keys, **kwargs)
+        return replace(found, pending=True), leased
+
+    client.lookup = probing  # type: ignore[method-assign,assignment]
+    timings = StepTimings(wait_share=0.5)
+    timings.prefill.observe(1e-6, 100)  # a microsecond a token: 6 chunks are worth 0.2 ms
+    p = HitSetup(
+        client,
+        [TARGET],
+        ns,
+        chunk_tokens=CHUNK_TOKENS,
+        blocks_per_chunk=BPC,
+        wait_s=30,
+        recompute_wait=timings.recompute_wait,
+    )
+    asked = ask(p)
+    for _ in range(PROMOTE_WAIT_ASKS):
+        assert asked.plan_load(0, 6) is None
+    assert asked.waiting_since is not None
+    asked.waiting_since -= 0.01  # as if 10 ms had passed: far past the share, far short of 30 s
+    plan = asked.plan_load(0, 6)
+    assert plan is not None, "still waiting for the probe"
+    assert (plan.chunks, plan.tiers) == (2, bytes([CPU] * 2))
+    client.release(plan.refs())
+
+
 def test_the_last_chunk_is_dropped_for_eagle_style_drafters(client: InProcessClient) -> None:
     ns = register(client, TARGET)
     store(client, keys(ns["target"], range(3)))

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.protocol import Answer, LookupResult, SlotRef, in_lmdb
+from kvtier.core.protocol import Answer, LookupResult, SlotRef, TierCode, in_lmdb
 from kvtier_vllm.kv.connector_stats import KVTierStats
 from kvtier_vllm.kv.scheduler_side.hit_setup import CPU, HitSetup
 from kvtier_vllm.kv.scheduler_side.leases import Offered
@@ -31,6 +31,7 @@ from kvtier_vllm.kv.scheduler_side.prompt_keys import Needed, PromptKeys, plan_s
 from kvtier_vllm.kv.scheduler_side.verify import Sampled
 from kvtier_vllm.layout.plans import PoolPlan
 
+OBJECT = int(TierCode.OBJECT)
 _WINDOW_TRIES = 4  # sliding-window checks of one lookup, each with a shorter hit
 PROMOTE_WAIT_ASKS = 3
 """Asks a request may wait for its promotions however long its steps take: where a step
@@ -62,10 +63,15 @@ def _by_plan(needed: Needed, items: Items) -> dict[str, tuple[int, Items]]:
     return out
 
 
-def _wait_s(setup: HitSetup, chunks: int) -> float:
-    """How long a hit of ``chunks`` chunks may be waited for."""
+def _wait_s(setup: HitSetup, chunks: int, from_store: bool = False) -> float:
+    """How long a hit of ``chunks`` chunks may be waited for. What comes ``from_store`` (a
+    probe, a download) waits only its share of recomputing it once the engine measured that:
+    a slow store costs at most that much more than recomputing, however long ``wait_s``."""
     recompute = setup.recompute_wait
-    return max(setup.wait_s, recompute(chunks * setup.chunk_tokens) if recompute else 0.0)
+    worth = recompute(chunks * setup.chunk_tokens) if recompute else 0.0
+    if from_store and worth > 0:
+        return worth
+    return max(setup.wait_s, worth)
 
 
 @dataclass
@@ -313,7 +319,10 @@ class HitDecision:
             setup.leases.give_back(found.leases)
             # a probe still running may find the rest of the prompt
             worth = (limit if found.pending else chunks) - first
-            if self.may_wait(_wait_s(setup, worth), PROMOTE_WAIT_ASKS):
+            from_store = found.pending or any(
+                OBJECT in codes[: chunks - start] for start, codes in found.tiers.values()
+            )
+            if self.may_wait(_wait_s(setup, worth, from_store), PROMOTE_WAIT_ASKS):
                 self._promote(below)
                 return None
             if setup.windowed and any(below.values()):
