@@ -158,9 +158,10 @@ def throughput_bound(alone: Any, served: Any, measured_ratios: dict[str, Any]) -
     ``alone``'s level and its arena load put in (both per token, as measured in the run)."""
     prefill = (measured_ratios.get("prefill") or {}).get("prefill_s_per_token")
     load = (measured_ratios.get("loads") or {}).get("arena_s_per_token")
-    if prefill is None or load is None or served.cached_tokens is None:
+    served_cached = served.server.cached_tokens_by_source  # vLLM's own and the connector's
+    if prefill is None or load is None or not served_cached:
         return None
-    hit_tokens = served.cached_tokens - (alone.cached_tokens or 0)
+    hit_tokens = sum(served_cached.values()) - sum(alone.server.cached_tokens_by_source.values())
     left = alone.duration_s - hit_tokens * (prefill - load)
     return float(alone.duration_s / left) if left > 0 else None
 
