@@ -155,8 +155,10 @@ class InProcessClient(TierClient):
     def report_failed(self, chunks: Sequence[FailedChunk]) -> None:
         self.manager.integrity.submit(chunks, f"replica {self.replica}")
 
-    def lookup_behind(self, keys: Sequence[ChunkKey], verify: bool = False) -> Answer[LookupResult]:
-        return Ready(self.manager.lookup(keys, verify=verify))
+    def lookup_behind(
+        self, keys: Sequence[ChunkKey], again: bool = False, verify: bool = False
+    ) -> Answer[LookupResult]:
+        return Ready(self.manager.lookup(keys, again=again, verify=verify))
 
     def in_arena(self, keys: Sequence[ChunkKey]) -> list[SlotRef] | None:
         return None  # a lookup here is no dearer

@@ -267,7 +267,9 @@ class TierClient(Protocol):
         """`lookup` with ``lease``: the answer and the lease of each found chunk."""
         ...
 
-    def lookup_behind(self, keys: Sequence[ChunkKey], verify: bool = False) -> Answer[LookupResult]:
+    def lookup_behind(
+        self, keys: Sequence[ChunkKey], again: bool = False, verify: bool = False
+    ) -> Answer[LookupResult]:
         """`lookup` without a lease, without waiting for the answer: a caller that must not
         wait asks again later, or waits as long as it may."""
         ...

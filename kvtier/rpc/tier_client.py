@@ -169,11 +169,11 @@ class GrpcTierClient(TierClient):
         return lookup_from(self._keys_call(lookup, keys, self._leased(release), flags))
 
     def lookup_behind(
-        self, keys: Sequence[ChunkKey], verify: bool = False
+        self, keys: Sequence[ChunkKey], again: bool = False, verify: bool = False
     ) -> Pending[LookupResult]:
         self._channel.check()  # nothing queues behind a daemon that does not answer
         future = self._channel.submit(
-            self._keys_call, self._channel.lookup, keys, (), _counting(False, verify)
+            self._keys_call, self._channel.lookup, keys, (), _counting(again, verify)
         )
         return Pending(future, lookup_from, self.target)
 

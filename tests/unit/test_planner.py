@@ -272,6 +272,42 @@ def test_a_probe_of_the_store_is_waited_for_a_share_of_recomputing_the_rest(
     assert asked.plan_load(0, 6) == LoadPlan(0, 0, {}, [])
 
 
+def test_a_probe_waits_no_longer_than_its_share_of_recomputing_however_long_wait_s(
+    client: InProcessClient,
+) -> None:
+    """A hit cheap to recompute is not held back for ``wait_s`` (promote_wait_ms, a second by
+    default) while kvtierd probes the object store: only its share of recomputing it."""
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(2)))
+    lookup = client.lookup
+
+    def probing(keys: list[ChunkKey], **kwargs: Any) -> Any:
+        found, leased = lookup(keys, **kwargs)
+        return replace(found, pending=True), leased
+
+    client.lookup = probing  # type: ignore[method-assign,assignment]
+    timings = StepTimings(wait_share=0.5)
+    timings.prefill.observe(1e-6, 100)  # a microsecond a token: 6 chunks are worth 0.2 ms
+    p = HitSetup(
+        client,
+        [TARGET],
+        ns,
+        chunk_tokens=CHUNK_TOKENS,
+        blocks_per_chunk=BPC,
+        wait_s=30,
+        recompute_wait=timings.recompute_wait,
+    )
+    asked = ask(p)
+    for _ in range(PROMOTE_WAIT_ASKS):
+        assert asked.plan_load(0, 6) is None
+    assert asked.waiting_since is not None
+    asked.waiting_since -= 0.01  # as if 10 ms had passed: far past the share, far short of 30 s
+    plan = asked.plan_load(0, 6)
+    assert plan is not None, "still waiting for the probe"
+    assert (plan.chunks, plan.tiers) == (2, bytes([CPU] * 2))
+    client.release(plan.refs())
+
+
 def test_the_last_chunk_is_dropped_for_eagle_style_drafters(client: InProcessClient) -> None:
     ns = register(client, TARGET)
     store(client, keys(ns["target"], range(3)))
@@ -423,12 +459,14 @@ class AnsweredLater(ArenaReading):
         self.waited_on += 1
         return self._client.lookup(*args, **kwargs)
 
-    def lookup_behind(self, keys: list[ChunkKey], verify: bool = False) -> Pending[LookupResult]:
+    def lookup_behind(
+        self, keys: list[ChunkKey], again: bool = False, verify: bool = False
+    ) -> Pending[LookupResult]:
         self.behind.append(keys)
 
         def answer() -> LookupResult:
             self.gate.wait()
-            return self._client.lookup(keys, verify=verify)
+            return self._client.lookup(keys, again=again, verify=verify)
 
         return Pending(self._calls.submit(answer), lambda r: r, "test")
 
@@ -484,6 +522,39 @@ def test_a_hit_answered_in_the_background_from_lmdb_is_promoted_then_leased(
     now = client.manager.stats().counters
     assert now["lookups"] - counted["lookups"] == 1  # the background ask, counted once
     assert now["hit_chunks_lmdb"] - counted["hit_chunks_lmdb"] == 4
+    client.release(plan.refs())
+
+
+def test_a_lookup_that_found_a_probe_running_is_asked_again_in_the_background(
+    client: InProcessClient, later: AnsweredLater
+) -> None:
+    """kvtierd holds a lookup up to its probe budget while it probes the object store past the
+    hit: asked again on the engine's step, every step would wait that long."""
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(2)))  # a probe runs past chunks 0-1
+    probes = [True]
+    lookup = later.lookup
+
+    def probing_once(keys: list[ChunkKey], **kwargs: Any) -> Any:
+        found, leased = lookup(keys, **kwargs)
+        return (replace(found, pending=True) if probes and probes.pop() else found), leased
+
+    later.lookup = probing_once  # type: ignore[method-assign]
+    counted = client.manager.stats().counters
+    asked = ask(shared(later, ns, wait_s=30))  # type: ignore[arg-type]
+    assert asked.answered(0, 6, 0.0)  # chunk 0 in the arena: a hit, asked at once
+    assert asked.plan_load(0, 6) is None  # the probe may find more: ask again
+    assert later.waited_on == 1
+    assert not asked.answered(0, 6, 0.0)  # the engine's step goes on without the answer
+    assert later.behind == [keys(ns["target"], range(6))]
+    later.gate.set()
+    assert asked.answered(0, 6, None)
+    plan = asked.plan_load(0, 6)
+    assert plan is not None
+    assert (plan.chunks, plan.tiers) == (2, bytes([CPU] * 2))
+    assert later.waited_on == 1  # the plan took the background answer
+    now = client.manager.stats().counters
+    assert now["lookups"] - counted["lookups"] == 1  # asked again: not counted again
     client.release(plan.refs())
 
 

@@ -102,8 +102,9 @@ class TiersConfig(BaseModel):
         le=1,
         description="A request may wait longer than promote_wait_ms for its hit (promotions, "
         "a probe of the object store): up to this share of the time the engine would take to "
-        "recompute the hit, as it measures its prefill. A slow store then costs at most that "
-        "much more than recomputing, and a hit is not given up for far less than it saves.",
+        "recompute the hit, as it measures its prefill; what comes from the object store waits "
+        "only this share once measured. A slow store then costs at most that much more than "
+        "recomputing, and a hit is not given up for far less than it saves.",
     )
     lmdb_loads: bool = Field(
         True,

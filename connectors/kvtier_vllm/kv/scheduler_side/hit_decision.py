@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.load_choice import LoadChoice
-from kvtier.core.protocol import Answer, LookupResult, SlotRef, in_lmdb
+from kvtier.core.protocol import Answer, LookupResult, SlotRef, TierCode, in_lmdb
 from kvtier_vllm.kv.connector_stats import KVTierStats
 from kvtier_vllm.kv.scheduler_side.hit_setup import CPU, HitSetup
 from kvtier_vllm.kv.scheduler_side.leases import Offered
@@ -32,6 +32,7 @@ from kvtier_vllm.kv.scheduler_side.prompt_keys import Needed, PromptKeys, plan_s
 from kvtier_vllm.kv.scheduler_side.verify import Sampled
 from kvtier_vllm.layout.plans import PoolPlan
 
+OBJECT = int(TierCode.OBJECT)
 _WINDOW_TRIES = 4  # sliding-window checks of one lookup, each with a shorter hit
 PROMOTE_WAIT_ASKS = 3
 """Asks a request may wait for its promotions however long its steps take: where a step
@@ -63,10 +64,15 @@ def _by_plan(needed: Needed, items: Items) -> dict[str, tuple[int, Items]]:
     return out
 
 
-def _wait_s(setup: HitSetup, chunks: int) -> float:
-    """How long a hit of ``chunks`` chunks may be waited for."""
+def _wait_s(setup: HitSetup, chunks: int, from_store: bool = False) -> float:
+    """How long a hit of ``chunks`` chunks may be waited for. What comes ``from_store`` (a
+    probe, a download) waits only its share of recomputing it once the engine measured that:
+    a slow store costs at most that much more than recomputing, however long ``wait_s``."""
     recompute = setup.recompute_wait
-    return max(setup.wait_s, recompute(chunks * setup.chunk_tokens) if recompute else 0.0)
+    worth = recompute(chunks * setup.chunk_tokens) if recompute else 0.0
+    if from_store and worth > 0:
+        return worth
+    return max(setup.wait_s, worth)
 
 
 @dataclass
@@ -116,12 +122,16 @@ class HitDecision:
     first_tiers: dict[int, int] = field(default_factory=dict)
     """Per chunk, where it was when first asked for (promoted ones came from lmdb)."""
     behind: tuple[list[ChunkKey], Answer[LookupResult]] | None = None
-    """The first lookup, asked in the background, and its keys: the plan takes its answer."""
+    """A lookup asked in the background, and its keys: the plan takes its answer."""
     choice: tuple[bytes, LoadChoice] | None = None
     """The chooser's choice, and the tiers of the hit it was made for: asked again for the
     same hit (waiting for its promotions), the request keeps it."""
     counted: bool = False
     """Its choice was counted, when a plan was final: a request is counted once."""
+    probing: bool = False
+    """Its last lookup found kvtierd still probing the object store past the hit: the next is
+    asked in the background, since kvtierd holds a lookup up to its probe budget and the
+    engine's step would wait that long for it."""
 
     @cached_property
     def keys(self) -> PromptKeys:
@@ -265,16 +275,18 @@ class HitDecision:
     def answered(self, first: int, limit: int, wait_s: float | None) -> bool:
         """Whether `plan_load` may run now, having waited at most ``wait_s`` (None: as long as
         the call may take). A first lookup whose first chunk the arena's index does not hold
-        (most likely a miss) is asked in the background: until it is answered, ask again."""
+        (most likely a miss), and one asked again while a probe of the object store runs, are
+        asked in the background: until it is answered, ask again."""
         if self.behind is None:
-            if self.looked:
+            if self.looked and not self.probing:
                 return True
             client = self.setup.client
             keys = self._needed(first, limit).keys
-            held = client.in_arena(keys[:1])
-            if not keys or held is None or held:
-                return True  # the index answers, or a lookup here is no dearer than a check
-            self.behind = keys, client.lookup_behind(keys, verify=self.verify)
+            if not self.probing:
+                held = client.in_arena(keys[:1])
+                if not keys or held is None or held:
+                    return True  # the index answers, or a lookup here is no dearer than a check
+            self.behind = keys, client.lookup_behind(keys, again=self.looked, verify=self.verify)
             self.looked = True
         return self.behind[1].wait(wait_s)
 
@@ -305,6 +317,7 @@ class HitDecision:
             found = self._find(first, limit)
         finally:
             self.looked = True
+        self.probing = found.pending
         chunks = found.chunks
         if setup.drop_last and chunks > first:
             chunks -= 1
@@ -328,7 +341,10 @@ class HitDecision:
             setup.leases.give_back(found.leases)
             # a probe still running may find the rest of the prompt
             worth = (limit if found.pending else chunks) - first
-            if self.may_wait(_wait_s(setup, worth), PROMOTE_WAIT_ASKS):
+            from_store = found.pending or any(
+                OBJECT in codes[: chunks - start] for start, codes in found.tiers.values()
+            )
+            if self.may_wait(_wait_s(setup, worth, from_store), PROMOTE_WAIT_ASKS):
                 self._promote(below)
                 return None
             if setup.windowed and any(below.values()):
