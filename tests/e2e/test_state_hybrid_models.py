@@ -58,13 +58,13 @@ MODELS = {
         state_dtypes=("torch.float32", "torch.float32"),
         engine_patch=mamba2_align_on_cpu,
     ),
-    # "LFLF": gated delta nets at layers 0 and 2. Conv over q, k (2 heads x 64) and v (4 x 64);
-    # state per value head (4), key dim x value dim (64 x 64), fp32 beside the bf16 conv.
+    # "LFLF": gated delta nets at layers 0 and 2. Conv over q, k (1 head x 128) and v (2 x 128);
+    # state per value head (2), key dim x value dim (128 x 128), fp32 beside the bf16 conv.
     "qwen3_next": StateModel(
         build=lambda root, tok: build_qwen3_next_hybrid(root, tokenizer_dir=tok),
         dtype="bfloat16",
         state_layers=("model.layers.0.linear_attn", "model.layers.2.linear_attn"),
-        state_shapes=((3, 512), (4, 64, 64)),
+        state_shapes=((3, 512), (2, 128, 128)),
         state_dtypes=("torch.bfloat16", "torch.float32"),
     ),
 }
