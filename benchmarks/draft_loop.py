@@ -172,13 +172,15 @@ def swap_acceptance(
         before = generate(llm, prompts)
         fresh = current(llm)
         trained.save(drafter)
-        llm.reset_prefix_cache(reset_connector=True)
+        if not llm.reset_prefix_cache(reset_connector=True):
+            raise RuntimeError("vLLM did not reset its prefix cache for the swap")
         swap_draft_weights(llm, checkpoint_weights(drafter))
         after = generate(llm, prompts)
         swapped = current(llm)
         return {
             "revision_before": fresh,
             "revision_after": swapped,
+            "swap_seen": swapped != fresh,
             "acceptance_before": acceptance(llm, fresh),
             "acceptance_after": acceptance(llm, swapped),
             "outputs": (before, after),
