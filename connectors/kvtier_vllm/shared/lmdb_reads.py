@@ -1,23 +1,28 @@
 """Chunks leased in lmdb (`kvtier.core.protocol.in_lmdb`), read from lmdb's map by the process
 that loads them: both connectors' loads of hits held in lmdb (``lmdb_loads``).
 
-Every read is verified (and decoded, for a coded lmdb) into a buffer of the caller's. A chunk
-gone from lmdb or failing verification is not read; a corrupt one is kept to be reported to the
-tiers (`kvtier.core.protocol.TierClient.report_failed`), which check it and drop it.
+Every read is verified: in place in lmdb's map (a chunk stored as it is, read within `holding`:
+the caller copies it from there), or decoded into a buffer of the caller's. A chunk gone from
+lmdb or failing verification is not read; a corrupt one is kept to be reported to the tiers
+(`kvtier.core.protocol.TierClient.report_failed`), which check it and drop it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
-from kvtier.client import LmdbReader, failure_of, reader_at, release_reader
-from kvtier.core.errors import TierUnavailableError
+from kvtier.client import LmdbReader, LmdbSnapshot, failure_of, reader_at, release_reader
+from kvtier.core.errors import ChunkFormatError, TierUnavailableError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import FailedChunk, TierClient, TierCode
 
 log = logging.getLogger(__name__)
+HOLD_S = 0.05
+"""The longest one read transaction is held (then begun again): its pages stay pinned, and
+lmdb's writer cannot reuse them, for that long."""
 
 
 def readable_lmdb(client: TierClient, wanted: bool) -> str:
@@ -45,6 +50,7 @@ class LmdbReads:
     def __init__(self) -> None:
         self._reader: LmdbReader | None = None
         self._path = ""
+        self._snapshot: LmdbSnapshot | None = None
         self.failed: list[FailedChunk] = []
 
     def read_ahead(self, path: str, keys: Sequence[ChunkKey]) -> None:
@@ -59,8 +65,51 @@ class LmdbReads:
         reader = self._open(path)
         if reader is None:
             return False
-        outcome = reader.read_into(key, dst)
-        if outcome is True or outcome is False:
+        return self._outcome(key, reader.read_into(key, dst)) is True
+
+    @contextmanager
+    def holding(self, path: str) -> Iterator[None]:
+        """`read` calls in this block share read transactions (each held at most ``HOLD_S``);
+        the last ends when it exits, so none outlives the step's loads."""
+        reader = self._open(path)
+        if reader is None or self._snapshot is not None:
+            yield
+            return
+        with reader.snapshot(HOLD_S) as self._snapshot:
+            try:
+                yield
+            finally:
+                self._snapshot = None
+
+    def read(
+        self,
+        path: str,
+        key: ChunkKey,
+        nbytes: int,
+        buffer: Callable[[], memoryview],
+        in_place: bool,
+    ) -> memoryview | None:
+        """``key``'s chunk (``nbytes`` long), verified: with ``in_place`` within `holding`, a
+        chunk stored as it is is a view of lmdb's map, valid until the next read or the
+        block's end; any other is decoded into ``buffer()``. None where `read_into` would
+        return False."""
+        reader = self._open(path)
+        if reader is None:
+            return None
+        held = self._snapshot
+        if held is not None:
+            outcome = held.read(key, nbytes, buffer, in_place)
+        else:
+            with reader.snapshot() as snapshot:
+                outcome = snapshot.read(key, nbytes, buffer, in_place=False)
+        read = self._outcome(key, outcome)
+        return read if isinstance(read, memoryview) else None
+
+    def _outcome(
+        self, key: ChunkKey, outcome: memoryview | ChunkFormatError | bool
+    ) -> memoryview | bool:
+        """A read's outcome; a chunk failing verification is logged, kept to report, and False."""
+        if not isinstance(outcome, ChunkFormatError):
             return outcome
         log.error(
             "kvtier: chunk %s in lmdb failed verification (%s): not served, and reported",
