@@ -121,7 +121,7 @@ class Bench:
             for i, key in enumerate(keys)
         ]
         copies = CpuCopies()
-        with timed("in_place"), self.staging.holding(self.lmdb_path, copies):
+        with timed("in_place"), self.staging.holding(copies):
             for job in jobs:
                 chunk = self.staging.stage(self.lmdb_path, job, self.nbytes, copies)
                 assert chunk is not None

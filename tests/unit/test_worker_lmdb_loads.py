@@ -62,6 +62,11 @@ class Stored:
             value[-1] ^= 0x40
             txn.put(key, bytes(value))
 
+    def open_reads(self) -> list[str]:
+        """lmdb's reader slots in a read transaction now (pinning the pages it sees)."""
+        rows = self.tier.store.env.readers().splitlines()[1:]
+        return [row for row in rows if row.split()[-1] != "-"]
+
     def expected(self, key: ChunkKey) -> torch.Tensor:
         data = torch.frombuffer(bytearray(self.payloads[key]), dtype=torch.uint8)
         return data.view(LAYERS, BLOCKS_PER_CHUNK, PAGE)
@@ -118,6 +123,7 @@ def test_a_plain_chunk_is_copied_from_lmdbs_map_into_the_pages_with_no_staging_b
     for i, key in enumerate(keys):
         assert torch.equal(bare.blocks("target", _blocks(i)), stored.expected(key))
     assert counted.allocated == 0  # verified and copied in lmdb's map
+    assert stored.open_reads() == []  # no read transaction outlives the step's loads
     assert bare.worker.worker_meta() is not None  # the loads' timings, no corrupt chunk
     assert bare.worker.staging.take_failed() == []
 
@@ -167,3 +173,16 @@ def test_a_snapshot_sees_a_writers_delete_once_held_past_its_bound(stored: Store
             assert stored.tier.delete([key]) == 1
             again = snapshot.read(key, CHUNK, buffer, in_place=True)
             assert isinstance(again, memoryview) is still_seen, hold_s
+
+
+def test_the_read_transaction_of_a_steps_loads_ends_with_them(
+    bare: BareWorker, stored: Stored
+) -> None:
+    staging, copies = bare.worker.staging, bare.worker.copies
+    job = ChunkCopy("target", 0, 0, 0, _blocks(0), key=bytes(stored.keys[0]))
+    with staging.holding(copies):
+        assert stored.open_reads() == []  # begun at the first read only
+        assert staging.stage(stored.path, job, CHUNK, copies) is not None
+        assert staging.stage(stored.path, job, CHUNK, copies) is not None
+        assert len(stored.open_reads()) == 1  # one, shared by the step's reads
+    assert stored.open_reads() == []

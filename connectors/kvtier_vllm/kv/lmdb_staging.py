@@ -109,13 +109,13 @@ class LmdbStaging:
         return time.perf_counter() - started
 
     @contextmanager
-    def holding(self, path: str, copies: CpuCopies) -> Iterator[None]:
+    def holding(self, copies: CpuCopies) -> Iterator[None]:
         """A step's loads, copied by ``copies``: chunks staged in place in this block are read
         in read transactions held `kvtier_vllm.shared.lmdb_reads.HOLD_S` at most each, the
         last ended with the block; staging buffers taken in it are reused once the copies
         issued in it landed."""
         try:
-            with self.reads.holding(path):
+            with self.reads.holding():
                 yield
         finally:
             self.buffers.landing(copies.fence())

@@ -51,6 +51,7 @@ class LmdbReads:
         self._reader: LmdbReader | None = None
         self._path = ""
         self._snapshot: LmdbSnapshot | None = None
+        self._holding = False
         self.failed: list[FailedChunk] = []
 
     def read_ahead(self, path: str, keys: Sequence[ChunkKey]) -> None:
@@ -68,18 +69,19 @@ class LmdbReads:
         return self._outcome(key, reader.read_into(key, dst)) is True
 
     @contextmanager
-    def holding(self, path: str) -> Iterator[None]:
-        """`read` calls in this block share read transactions (each held at most ``HOLD_S``);
-        the last ends when it exits, so none outlives the step's loads."""
-        reader = self._open(path)
-        if reader is None or self._snapshot is not None:
+    def holding(self) -> Iterator[None]:
+        """`read` calls in this block share read transactions (each held at most ``HOLD_S``,
+        begun at the first read); the last ends when the block exits, so none outlives the
+        step's loads."""
+        if self._holding:
             yield
             return
-        with reader.snapshot(HOLD_S) as self._snapshot:
-            try:
-                yield
-            finally:
-                self._snapshot = None
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            self._end_snapshot()
 
     def read(
         self,
@@ -96,9 +98,10 @@ class LmdbReads:
         reader = self._open(path)
         if reader is None:
             return None
-        held = self._snapshot
-        if held is not None:
-            outcome = held.read(key, nbytes, buffer, in_place)
+        if self._holding:
+            if self._snapshot is None:
+                self._snapshot = LmdbSnapshot(reader, HOLD_S)
+            outcome = self._snapshot.read(key, nbytes, buffer, in_place)
         else:
             with reader.snapshot() as snapshot:
                 outcome = snapshot.read(key, nbytes, buffer, in_place=False)
@@ -127,10 +130,16 @@ class LmdbReads:
     def close(self) -> None:
         """Give the reader back (the engine shuts down): the last user in this process closes
         lmdb's environment and its reader slots, so the process can open it again."""
+        self._end_snapshot()
         if self._reader is not None:
             release_reader(self._path)
         self._reader = None
         self._path = ""
+
+    def _end_snapshot(self) -> None:
+        if self._snapshot is not None:
+            self._snapshot.end()
+            self._snapshot = None
 
     def _open(self, path: str) -> LmdbReader | None:
         """The reader of ``path``, opened once: a path that fails to open is not tried again."""

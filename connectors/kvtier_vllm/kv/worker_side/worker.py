@@ -248,7 +248,7 @@ class KVTierWorker:
             return loads
         loads.read_ahead_s = staging.read_ahead(lmdb_path, [job for job in jobs if job.key])
         coded: list[ChunkCopy] = []
-        with staging.holding(lmdb_path, self.copies):  # each chunk copied before the next read
+        with staging.holding(self.copies):  # each chunk copied before the next read
             for job in jobs:
                 plan = self.plans.get(job.plan)
                 source = slots
