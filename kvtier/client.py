@@ -26,7 +26,13 @@ from kvtier.core.protocol import (
     TierClient,
 )
 from kvtier.tiers.arena import ArenaAtPath, ArenaMemory
-from kvtier.tiers.lmdb_reader import LmdbReader, failure_of, reader_at, release_reader
+from kvtier.tiers.lmdb_reader import (
+    LmdbReader,
+    LmdbSnapshot,
+    failure_of,
+    reader_at,
+    release_reader,
+)
 
 if TYPE_CHECKING:  # the manager is handed in: importing this module loads no tier
     from kvtier.core.config import KVTierConfig
@@ -37,6 +43,7 @@ __all__ = [
     "ArenaMemory",
     "InProcessClient",
     "LmdbReader",
+    "LmdbSnapshot",
     "SharedClient",
     "embedded",
     "failure_of",

@@ -390,10 +390,7 @@ def decode_into(
     is in cache; on a mismatch ``dst`` holds garbage and the caller must not publish it.
     """
     header = decode_header(value, expect_key)
-    if len(dst) != header.raw_len:
-        raise CorruptChunkError(
-            f"payload of {header.raw_len} bytes does not fit a {len(dst)}-byte slot"
-        )
+    _check_fits(header, len(dst))
     src = memoryview(value)[HEADER_SIZE:]
     checksum = _copy_hashed(src, dst) if header.codec is Codec.NONE else payload_checksum(src)
     if checksum != header.payload_checksum:
@@ -401,6 +398,28 @@ def decode_into(
     if header.codec is not Codec.NONE:
         _decode_payload(header, src, dst)
     return header
+
+
+def verified_in_place(
+    value: bytes | bytearray | memoryview, expect_key: ChunkKey, nbytes: int
+) -> memoryview | None:
+    """Verify ``value`` where it lies and return its payload, a view of ``value`` (``nbytes``
+    long), where it is stored as it is; None where it is coded (`decode_into` decodes it)."""
+    header = decode_header(value, expect_key)
+    if header.codec is not Codec.NONE:
+        return None
+    _check_fits(header, nbytes)
+    payload = memoryview(value)[HEADER_SIZE:]
+    if payload_checksum(payload) != header.payload_checksum:
+        raise CorruptChunkError("payload checksum mismatch")
+    return payload
+
+
+def _check_fits(header: ChunkHeader, nbytes: int) -> None:
+    if nbytes != header.raw_len:
+        raise CorruptChunkError(
+            f"payload of {header.raw_len} bytes does not fit a {nbytes}-byte slot"
+        )
 
 
 def _decode_payload(header: ChunkHeader, coded: memoryview, dst: memoryview) -> None:

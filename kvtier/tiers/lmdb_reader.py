@@ -22,7 +22,9 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
@@ -36,6 +38,7 @@ from kvtier.core.protocol import Failure
 __all__ = [
     "DATABASES",
     "LmdbReader",
+    "LmdbSnapshot",
     "adopt",
     "copy_payload",
     "disown",
@@ -134,12 +137,82 @@ class LmdbReader:
             return False
         return failure if failure is not None else found
 
+    def begin(self) -> lmdb.Transaction:
+        """A read transaction of the chunks, whose values are views of the map."""
+        try:
+            return self.env.begin(db=self._chunks, buffers=True)
+        except lmdb.MapResizedError:  # the writer grew the map: adopt its size
+            self.env.set_mapsize(0)
+            return self.env.begin(db=self._chunks, buffers=True)
+
+    @contextmanager
+    def snapshot(self, hold_s: float = 0.05) -> Iterator[LmdbSnapshot]:
+        """Reads sharing one read transaction (begun again once held ``hold_s``), ended when the
+        block exits: views it handed out are invalid after."""
+        snapshot = LmdbSnapshot(self, hold_s)
+        try:
+            yield snapshot
+        finally:
+            snapshot.end()
+
     def read_ahead(self, keys: Sequence[ChunkKey]) -> None:
         """Start reading these chunks from disk, all together (`will_need`)."""
         try:
             will_need(self.env, self._chunks, keys)
         except lmdb.Error as exc:  # a hint only: the reads themselves report failures
             log.debug("lmdb: read-ahead failed: %s", exc)
+
+
+class LmdbSnapshot:
+    """Verified reads of a run of chunks (a step's loads) in one read transaction, where a
+    chunk stored as it is is verified in lmdb's map and handed out as a view of it: the bytes
+    verified are the bytes the caller then copies, with no copy between. A transaction pins the
+    pages it sees (the writer cannot reuse them), so it is begun again at the first read past
+    ``hold_s``: none is held longer than that plus one chunk's read and copy."""
+
+    def __init__(self, reader: LmdbReader, hold_s: float) -> None:
+        self._reader = reader
+        self._hold_s = hold_s
+        self._txn: lmdb.Transaction | None = None
+        self._begun = 0.0
+
+    def read(
+        self, key: ChunkKey, nbytes: int, buffer: Callable[[], memoryview], in_place: bool
+    ) -> memoryview | ChunkFormatError | bool:
+        """``key``'s payload (``nbytes`` long), verified: with ``in_place`` and stored as it
+        is, a view of lmdb's map, valid until the next read or the snapshot's end; otherwise
+        decoded into ``buffer()``, returned. False where lmdb no longer holds it or cannot be
+        read; how it failed verification."""
+        try:
+            value = self._current().get(key)
+            if value is None:
+                return False
+            view = blockfmt.verified_in_place(value, key, nbytes) if in_place else None
+            if view is None:
+                view = buffer()
+                blockfmt.decode_into(value, key, view)
+            return view
+        except ChunkFormatError as exc:
+            return without_frames(exc)
+        except lmdb.Error as exc:
+            log.error("lmdb: cannot read chunk %s here: %s", key.hex(), exc)
+            self.end()
+            return False
+
+    def end(self) -> None:
+        """End the transaction (a later read begins another)."""
+        if self._txn is not None:
+            self._txn.abort()
+            self._txn = None
+
+    def _current(self) -> lmdb.Transaction:
+        now = time.monotonic()
+        if self._txn is not None and now - self._begun <= self._hold_s:
+            return self._txn
+        self.end()
+        self._txn = self._reader.begin()
+        self._begun = now
+        return self._txn
 
 
 class _Held:

@@ -46,6 +46,10 @@ def test_roundtrip(key: ChunkKey, desc: ChunkDescriptor, payload: bytes) -> None
     dst = bytearray(len(payload))
     blockfmt.decode_into(value, key, memoryview(dst))
     assert bytes(dst) == payload
+    in_place = blockfmt.verified_in_place(value, key, len(payload))
+    assert in_place is not None
+    assert bytes(in_place) == payload
+    assert in_place.obj is value  # a view of the stored value, not a copy
     reused = bytearray(b"\xee" * (len(value) + 7))  # a scratch buffer larger than needed
     assert blockfmt.encode_into(reused, key, desc, payload) == len(value)
     assert bytes(reused[: len(value)]) == value
@@ -73,6 +77,8 @@ def test_no_bit_flip_decodes(
         blockfmt.decode(value, key)
     with pytest.raises(ChunkFormatError):
         blockfmt.decode_into(value, key, memoryview(bytearray(len(payload))))
+    with pytest.raises(ChunkFormatError):
+        blockfmt.verified_in_place(value, key, len(payload))
 
 
 @given(keys, keys, descriptors, payloads)

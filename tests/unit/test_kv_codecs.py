@@ -122,6 +122,7 @@ def test_a_coded_chunk_is_version_2_and_decodes_into_a_slot_of_the_raw_size() ->
     assert header.codec is Codec.FP8
     assert header.raw_len == len(raw)
     assert blockfmt.peek_header(value).codec is Codec.FP8
+    assert blockfmt.verified_in_place(value, KEY, len(raw)) is None  # decoded into a buffer
     slot = bytearray(len(raw))
     blockfmt.decode_into(value, KEY, memoryview(slot))
     assert _errors("bfloat16", raw, bytes(slot)).max() <= error_bound(Codec.FP8, HEAD)

@@ -60,6 +60,9 @@ _PASSED = Fence()
 class CpuCopies:
     """Synchronous copies: every fence is already passed."""
 
+    immediate = True
+    """A copy is done when `copy` returns: its source may change right after."""
+
     def __init__(self) -> None:
         self.device = torch.device("cpu")
 
@@ -92,6 +95,8 @@ class CpuCopies:
 
 class CudaCopies(CpuCopies):
     """Copies between device pages and a pinned arena on one side stream, fenced by events."""
+
+    immediate = False
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -155,6 +160,8 @@ class DeferredCopies(CpuCopies):
     copies: what it changes meanwhile (a slot evicted and rewritten) is what they read.
     ``busy_queries``: how many times each fence answers "not yet" before its copies land.
     """
+
+    immediate = False
 
     def __init__(
         self,

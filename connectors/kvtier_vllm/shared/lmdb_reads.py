@@ -1,23 +1,28 @@
 """Chunks leased in lmdb (`kvtier.core.protocol.in_lmdb`), read from lmdb's map by the process
 that loads them: both connectors' loads of hits held in lmdb (``lmdb_loads``).
 
-Every read is verified (and decoded, for a coded lmdb) into a buffer of the caller's. A chunk
-gone from lmdb or failing verification is not read; a corrupt one is kept to be reported to the
-tiers (`kvtier.core.protocol.TierClient.report_failed`), which check it and drop it.
+Every read is verified: in place in lmdb's map (a chunk stored as it is, read within `holding`:
+the caller copies it from there), or decoded into a buffer of the caller's. A chunk gone from
+lmdb or failing verification is not read; a corrupt one is kept to be reported to the tiers
+(`kvtier.core.protocol.TierClient.report_failed`), which check it and drop it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
-from kvtier.client import LmdbReader, failure_of, reader_at, release_reader
-from kvtier.core.errors import TierUnavailableError
+from kvtier.client import LmdbReader, LmdbSnapshot, failure_of, reader_at, release_reader
+from kvtier.core.errors import ChunkFormatError, TierUnavailableError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import FailedChunk, TierClient, TierCode
 
 log = logging.getLogger(__name__)
+HOLD_S = 0.05
+"""The longest one read transaction is held (then begun again): its pages stay pinned, and
+lmdb's writer cannot reuse them, for that long."""
 
 
 def readable_lmdb(client: TierClient, wanted: bool) -> str:
@@ -45,6 +50,8 @@ class LmdbReads:
     def __init__(self) -> None:
         self._reader: LmdbReader | None = None
         self._path = ""
+        self._snapshot: LmdbSnapshot | None = None
+        self._holding = False
         self.failed: list[FailedChunk] = []
 
     def read_ahead(self, path: str, keys: Sequence[ChunkKey]) -> None:
@@ -59,8 +66,53 @@ class LmdbReads:
         reader = self._open(path)
         if reader is None:
             return False
-        outcome = reader.read_into(key, dst)
-        if outcome is True or outcome is False:
+        return self._outcome(key, reader.read_into(key, dst)) is True
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """`read` calls in this block share read transactions (each held at most ``HOLD_S``,
+        begun at the first read); the last ends when the block exits, so none outlives the
+        step's loads."""
+        if self._holding:
+            yield
+            return
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            self._end_snapshot()
+
+    def read(
+        self,
+        path: str,
+        key: ChunkKey,
+        nbytes: int,
+        buffer: Callable[[], memoryview],
+        in_place: bool,
+    ) -> memoryview | None:
+        """``key``'s chunk (``nbytes`` long), verified: with ``in_place`` within `holding`, a
+        chunk stored as it is is a view of lmdb's map, valid until the next read or the
+        block's end; any other is decoded into ``buffer()``. None where `read_into` would
+        return False."""
+        reader = self._open(path)
+        if reader is None:
+            return None
+        if self._holding:
+            if self._snapshot is None:
+                self._snapshot = LmdbSnapshot(reader, HOLD_S)
+            outcome = self._snapshot.read(key, nbytes, buffer, in_place)
+        else:
+            with reader.snapshot() as snapshot:
+                outcome = snapshot.read(key, nbytes, buffer, in_place=False)
+        read = self._outcome(key, outcome)
+        return read if isinstance(read, memoryview) else None
+
+    def _outcome(
+        self, key: ChunkKey, outcome: memoryview | ChunkFormatError | bool
+    ) -> memoryview | bool:
+        """A read's outcome; a chunk failing verification is logged, kept to report, and False."""
+        if not isinstance(outcome, ChunkFormatError):
             return outcome
         log.error(
             "kvtier: chunk %s in lmdb failed verification (%s): not served, and reported",
@@ -78,10 +130,16 @@ class LmdbReads:
     def close(self) -> None:
         """Give the reader back (the engine shuts down): the last user in this process closes
         lmdb's environment and its reader slots, so the process can open it again."""
+        self._end_snapshot()
         if self._reader is not None:
             release_reader(self._path)
         self._reader = None
         self._path = ""
+
+    def _end_snapshot(self) -> None:
+        if self._snapshot is not None:
+            self._snapshot.end()
+            self._snapshot = None
 
     def _open(self, path: str) -> LmdbReader | None:
         """The reader of ``path``, opened once: a path that fails to open is not tried again."""

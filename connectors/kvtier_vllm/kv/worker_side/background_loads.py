@@ -1,7 +1,7 @@
 """Asynchronous loads, issued off the engine's thread.
 
 A request with a hit waits in vLLM while the running ones go on: its chunks are read (from arena
-slots, or staged from lmdb's map and verified) and copied into its blocks by one thread of the
+slots, or verified in lmdb's map) and copied into its blocks by one thread of the
 worker's own, a step's loads after another's, and the worker reports the request finished once
 they landed (`KVTierWorker.finished_loads`). The engine's thread never waits for one, except
 before the arena is mapped again or the worker shuts down (`BackgroundLoads.drain`): no copy may
@@ -16,8 +16,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
 
 from kvtier.client import ArenaMemory
 from kvtier_vllm.kv.metadata import ChunkCopy
@@ -38,8 +36,6 @@ class IssuedLoads:
     """The mapping they were read from; a remapped arena fails them."""
     copies: list[tuple[ChunkCopy, float]]
     """Each load, with the seconds its copy took to issue."""
-    read: list[torch.Tensor]
-    """The chunks read from lmdb that the copies read from: kept until they landed."""
     failed: list[tuple[ChunkCopy, float]] = field(default_factory=list)
     """Loads that could not be issued (a chunk gone or corrupt, a slot reused), with the
     seconds spent on them."""
@@ -135,6 +131,6 @@ class BackgroundLoads:
             except Exception:  # a load never leaves its request waiting: it fails instead
                 log.exception("kvtier: issuing asynchronous loads failed; they are recomputed")
                 batch.failed |= batch.requests
-                batch.issued = IssuedLoads(fence(), None, [], [])
+                batch.issued = IssuedLoads(fence(), None, [])
             finally:
                 batch.done.set()

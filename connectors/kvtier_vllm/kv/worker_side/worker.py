@@ -7,7 +7,7 @@ slot that was reused meanwhile (its generation moved) is reported as a load erro
 recomputes those blocks instead of using them: per block with one KV-cache group, per request
 (an asynchronous load) with several. The generation is checked once the copy landed, never when
 it is queued: on a device the bytes are read later, and an arena-index hit holds no lease, so
-its slot may be evicted and rewritten in between. lmdb's chunks are verified as they are staged.
+its slot may be evicted and rewritten in between. lmdb's chunks: `kvtier_vllm.kv.lmdb_staging`.
 """
 
 from __future__ import annotations
@@ -240,45 +240,45 @@ class KVTierWorker:
         checked: str,
         draft_ok: bool,
     ) -> IssuedLoads:
-        """Queue the copies of ``jobs`` into vLLM's pages (chunks leased in lmdb staged from
-        its map first); what failed is only noted, for the engine's thread to report."""
-        loads = IssuedLoads(Fence(), arena := self._arena, [], [])
+        """Queue the copies of ``jobs`` into vLLM's pages (chunks leased in lmdb verified in its
+        map first); what failed is only noted, for the engine's thread to report."""
+        loads = IssuedLoads(Fence(), arena := self._arena, [])
         if slots is None or arena is None:
             loads.failed = [(job, 0.0) for job in jobs]
             return loads
         loads.read_ahead_s = staging.read_ahead(lmdb_path, [job for job in jobs if job.key])
         coded: list[ChunkCopy] = []
-        for job in jobs:
-            plan = self.plans.get(job.plan)
-            source = slots
-            staged_s = 0.0  # reading a chunk from lmdb's map is part of its load
-            started = time.perf_counter()
-            if job.key and plan is not None:
-                chunk = staging.stage(lmdb_path, job, plan.chunk_bytes)
-                if chunk is None:
-                    loads.failed.append((job, time.perf_counter() - started))
+        with staging.holding(self.copies):  # each chunk copied before the next read
+            for job in jobs:
+                plan = self.plans.get(job.plan)
+                source = slots
+                staged_s = 0.0  # reading a chunk from lmdb's map is part of its load
+                started = time.perf_counter()
+                if job.key and plan is not None:
+                    chunk = staging.stage(lmdb_path, job, plan.chunk_bytes, self.copies)
+                    if chunk is None:
+                        loads.failed.append((job, time.perf_counter() - started))
+                        continue
+                    source, staged_s = chunk, time.perf_counter() - started
+                if plan is not None and plan.codec is not None:
+                    if not job.key:
+                        coded.append(job)
+                        continue
+                    ok = self.views.decode_loads([job], source)[0]
+                    (loads.copies if ok else loads.failed).append((job, staged_s))
                     continue
-                loads.read.append(source := chunk)
-                staged_s = time.perf_counter() - started
-            if plan is not None and plan.codec is not None:
-                if not job.key:
-                    coded.append(job)
-                    continue
-                ok = self.views.decode_loads([job], source)[0]
-                (loads.copies if ok else loads.failed).append((job, staged_s))
-                continue
-            if self._is_draft(job) and not job.fill:
-                if not draft_ok:  # planned for other weights: a defined fill instead
-                    self._zero(job.plan, list(job.block_ids))
-                    loads.zero_filled += 1
-                    continue
-                if not checked and self._draft_watch is not None:
-                    loads.unverified += 1
-            started = time.perf_counter()
-            ok = self._copy(job, source, into_arena=False)
-            (loads.copies if ok else loads.failed).append(
-                (job, staged_s + time.perf_counter() - started)
-            )
+                if self._is_draft(job) and not job.fill:
+                    if not draft_ok:  # planned for other weights: a defined fill instead
+                        self._zero(job.plan, list(job.block_ids))
+                        loads.zero_filled += 1
+                        continue
+                    if not checked and self._draft_watch is not None:
+                        loads.unverified += 1
+                started = time.perf_counter()
+                ok = self._copy(job, source, into_arena=False)
+                (loads.copies if ok else loads.failed).append(
+                    (job, staged_s + time.perf_counter() - started)
+                )
         if coded:
             started = time.perf_counter()
             decoded = self.views.decode_loads(coded, slots)
@@ -336,7 +336,7 @@ class KVTierWorker:
     def _fail_requests(self, requests: set[str]) -> None:
         """Asynchronous loads that will not come: reported finished and failed at once."""
         if requests:
-            batch = LoadBatch(requests, set(requests), issued=IssuedLoads(Fence(), None, [], []))
+            batch = LoadBatch(requests, set(requests), issued=IssuedLoads(Fence(), None, []))
             batch.done.set()
             self._receiving.append(batch)
 
