@@ -1,7 +1,8 @@
 """Time to first token of an MLA model on a kvtier arena hit, against a prompt of the uncached
 suffix alone; and the bytes kvtier stores per token against one latent copy per TP rank.
 
-Usage: ``python -m benchmarks.mla_ttft [--quick] [--json] [--tp N] [--cache-dir DIR]``
+Usage: ``python -m benchmarks.mla_ttft [--quick] [--json] [--tp N] [--load-mode MODE]
+[--cache-dir DIR]``
 
 The model is built locally into ``--cache-dir`` (tests/fixtures/models.py, ``build_deepseek_mla``:
 a 3-layer DeepSeek-V2, hidden 128, 4 heads, kv_lora_rank 512 + rope 64, fp32, random weights);
@@ -18,6 +19,7 @@ but the one holding the last token) and, right after it, the suffix the hit left
 its own (shorter than a block, so never stored). A TTFT is the wall time of one
 ``llm.generate()`` of one prompt with ``max_tokens=1``, the median over every prompt of every
 pass (5 prompts, 3 passes; 3 and 2 with ``--quick``), after an untimed warm-up of each path.
+``--load-mode`` sets the connector's ``load_mode`` in both engines (its default otherwise).
 
 - ``mla_cold_ms``: engine 1's prefill of a whole prompt (nothing to hit yet), for scale.
 - ``mla_arena_hit_ms``, ``mla_suffix_only_ms``: engine 2's hit, and its suffix alone.
@@ -44,6 +46,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvtier_vllm.shared.settings import LoadMode
+
 from benchmarks.harness.cases import Case
 from benchmarks.harness.cli import MODEL_CACHE, emit, log_progress
 from benchmarks.harness.connector import kvtier_connector
@@ -67,8 +71,9 @@ def targets(tp: int) -> dict[str, Target]:
 
 
 class MlaBench:
-    def __init__(self, cache_dir: Path, tp: int, quick: bool) -> None:
+    def __init__(self, cache_dir: Path, tp: int, quick: bool, load_mode: str | None) -> None:
         self.tp = tp
+        self.load_mode = load_mode
         self.passes = 2 if quick else 3
         self.root = Path(tempfile.mkdtemp(prefix="mla-ttft-", dir=cache_dir))
         engines.apply_engine_env(engines.engine_env(self.root, caches=cache_dir))
@@ -109,10 +114,10 @@ class MlaBench:
         suffix = Case("mla_suffix_only", 0)
         try:
             daemon.start()
-            connector = kvtier_connector(
-                {"mode": "sidecar", "socket_path": str(daemon.socket_path)},
-                recompute_failed_loads=False,
-            )
+            extra = {"mode": "sidecar", "socket_path": str(daemon.socket_path)}
+            if self.load_mode:
+                extra["load_mode"] = self.load_mode
+            connector = kvtier_connector(extra, recompute_failed_loads=False)
             log.info("engine 1 (TP=%d): computes and stores the prompts", self.tp)
             with self.engine(connector) as llm:
                 first_token(llm, self.warmup)
@@ -134,6 +139,7 @@ class MlaBench:
         return {
             "model": self.model.name,
             "tp": self.tp,
+            "load_mode": self.load_mode or "default",
             "prompt_tokens": PROMPT_TOKENS,
             "hit_tokens": self.hit,
             "mla_cold_ms": cold.ms,
@@ -156,7 +162,10 @@ def table(result: dict[str, Any]) -> str:
     goals = targets(result["tp"])
     met = result["targets_met"]
     cases = result["cases"]
-    lines = [f"MLA ({result['model']}, TP={result['tp']}, {result['prompt_tokens']} tokens):"]
+    lines = [
+        f"MLA ({result['model']}, TP={result['tp']}, {result['prompt_tokens']} tokens, "
+        f"load_mode {result['load_mode']}):"
+    ]
     for name in ("mla_cold", "mla_arena_hit", "mla_suffix_only"):
         case = cases[name]
         same = case.get("first_token_same_as_cold", "")
@@ -172,11 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="fewer prompts and passes")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
+    parser.add_argument(
+        "--load-mode",
+        choices=[mode.value for mode in LoadMode],
+        help="the connector's load_mode (default: the connector's own default)",
+    )
     parser.add_argument("--cache-dir", type=Path, default=MODEL_CACHE, help="models")
     args = parser.parse_args(argv)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     log_progress(log)
-    bench = MlaBench(args.cache_dir, args.tp, args.quick)
+    bench = MlaBench(args.cache_dir, args.tp, args.quick, args.load_mode)
     try:
         result = bench.run()
     finally:

@@ -10,7 +10,8 @@ engine here computes at most one stride per step, so a state is kept at every bo
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,9 @@ from kvtier.core.keys import Pool
 from kvtier.tiers.lmdb_reader import DATABASES
 from tests.e2e.models import (
     ModelSet,
+    build_mamba2_hybrid,
     build_qwen3_next_hybrid,
+    mamba2_align_on_cpu,
     running_llm,
     shared_prefix_prompts,
     vocab_size_of,
@@ -47,14 +50,21 @@ class StateModel:
     stride: int
     """Tokens between kept states: the block size vLLM raises this model's to."""
     dtype: str
+    engine_patch: Callable[[], AbstractContextManager[None]] = nullcontext
+    """Held around every engine of the model."""
 
 
 STATE_MODELS = [
     pytest.param(StateModel(build_qwen3_next_hybrid, 544, "bfloat16"), id="qwen3-next"),
+    # fp32 like its conv and ssm states; vLLM's CPU build keeps them at boundaries only patched
+    pytest.param(StateModel(build_mamba2_hybrid, 96, "float32", mamba2_align_on_cpu), id="mamba2"),
 ]
 STRIDES = 2
 """Whole strides in each prompt: a hit ends at one of two boundaries."""
-SUFFIX = 100
+SUFFIX = 40
+"""Tokens past the last whole stride: under half of any stride, so a prompt's last kept state is
+at its last whole stride, and one stride plus a suffix ends before a prompt diverging in the
+middle of its second stride."""
 
 
 @dataclass(frozen=True)
@@ -72,9 +82,12 @@ class Served:
 
 
 @pytest.fixture(scope="module", params=STATE_MODELS)
-def served(request: pytest.FixtureRequest, models_dir: Path, tiny_models: ModelSet) -> Served:
+def served(
+    request: pytest.FixtureRequest, models_dir: Path, tiny_models: ModelSet
+) -> Iterator[Served]:
     model: StateModel = request.param
-    return Served(model.build(models_dir, tokenizer_dir=tiny_models.tokenizer), model)
+    with model.engine_patch():
+        yield Served(model.build(models_dir, tokenizer_dir=tiny_models.tokenizer), model)
 
 
 @pytest.fixture(scope="module")
