@@ -35,20 +35,19 @@ import logging
 import os
 import shutil
 import tempfile
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.buffers import no_gc
-from benchmarks.harness.cases import Case, Sample
+from benchmarks.harness.cases import Case
 from benchmarks.harness.cli import MODEL_CACHE, emit, log_progress
 from benchmarks.harness.connector import kvtier_connector
 from benchmarks.harness.kvtierd import Kvtierd
 from benchmarks.harness.sizes import MiB, extent_for, round_up
 from benchmarks.harness.targets import Target, judged, verdict
+from benchmarks.ttft_cases import first_token
 from tests.fixtures import engines, models, state_models
 
 log = logging.getLogger("kvtier.bench")
@@ -58,7 +57,6 @@ TARGETS: dict[str, Target] = {
     "state_hybrid_bytes_vs_kv_plus_state": ("<=", 1.0),
 }
 STORED = "vllm:kvtier_transfer_bytes"
-EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
 KV_CACHE_BYTES = 512 * MiB
 MAX_MODEL_LEN = 4096
 
@@ -154,19 +152,6 @@ class StateBench:
             del llm
             gc.collect()
 
-    def first_token(self, llm: Any, prompt: Sequence[int]) -> Sample:
-        before = engines.counter_value(llm, EXTERNAL_HITS)
-        with no_gc():
-            start = time.perf_counter()
-            out = llm.generate(
-                [{"prompt_token_ids": list(prompt)}], engines.greedy(1), use_tqdm=False
-            )
-            elapsed = time.perf_counter() - start
-        external = engines.counter_value(llm, EXTERNAL_HITS) - before
-        return Sample(
-            elapsed * 1e3, out[0].num_cached_tokens or 0, external, out[0].outputs[0].token_ids[0]
-        )
-
     def rounds(self, llm: Any) -> Iterator[int]:
         """Passes over the prompts, vLLM's prefix cache emptied before each after the first."""
         for r in range(self.mode.rounds):
@@ -183,11 +168,11 @@ class StateBench:
                 block = llm.llm_engine.vllm_config.cache_config.block_size
                 per_token = kv_plus_state_per_token(state_models.kv_cache_config_of(llm))
                 local.expected = self.full_hit(block)
-                self.first_token(llm, self.warmup)
-                self.first_token(llm, self.warmup)
+                first_token(llm, self.warmup)
+                first_token(llm, self.warmup)
                 for _ in self.rounds(llm):
-                    cold.samples += [self.first_token(llm, p) for p in self.prompts]
-                    local.samples += [self.first_token(llm, p) for p in self.prompts]
+                    cold.samples += [first_token(llm, p) for p in self.prompts]
+                    local.samples += [first_token(llm, p) for p in self.prompts]
             arena = Case("arena_hit", self.full_hit(block), connector=True)
             refused, stored = self.with_kvtier(name, model, case.dtype, block, per_token, arena)
         first_tokens = [s.token for s in cold.samples[: len(self.prompts)]]
@@ -237,12 +222,12 @@ class StateBench:
                 if refused := refusal_of(llm):
                     return f"refused at start: {refused}", 0.0
                 for prompt in [self.warmup, *self.prompts]:
-                    self.first_token(llm, prompt)
+                    first_token(llm, prompt)
                 stored = engines.counter(llm, STORED, direction="store")
             with self.engine(model, dtype, connector) as llm:
-                self.first_token(llm, self.warmup)
+                first_token(llm, self.warmup)
                 for _ in self.rounds(llm):
-                    arena.samples += [self.first_token(llm, p) for p in self.prompts]
+                    arena.samples += [first_token(llm, p) for p in self.prompts]
         finally:
             daemon.stop()
         return "", stored

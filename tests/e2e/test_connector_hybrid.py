@@ -481,7 +481,7 @@ def test_a_failed_load_is_reported_per_request_and_recomputed(
     shm_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvtier.client import ArenaMemory, LmdbReader
+    from kvtier.client import ArenaMemory, LmdbSnapshot
 
     # vLLM refuses block-level load errors when there are several KV-cache groups (it raises
     # and the engine dies); kvtier reports the request instead, and vLLM recomputes it
@@ -495,7 +495,7 @@ def test_a_failed_load_is_reported_per_request_and_recomputed(
     # every slot the worker copies from now reads as reused since it was leased, and every
     # chunk leased in lmdb as gone from it (the first engine's chunks are in lmdb by now)
     monkeypatch.setattr(ArenaMemory, "is_current", lambda self, slot, generation: False)
-    monkeypatch.setattr(LmdbReader, "read_into", lambda self, key, dst: False)
+    monkeypatch.setattr(LmdbSnapshot, "read", lambda self, key, nbytes, buffer, in_place: False)
     with running_llm(hybrid_model, kv_transfer_config=connector) as llm:
         failed = generate(llm, prompts)
         errors = counter(llm, "vllm:kvtier_transfer_errors", direction="load")
