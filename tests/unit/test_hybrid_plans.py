@@ -105,37 +105,51 @@ def test_an_align_mode_state_group_reads_the_state_at_the_hit_end_and_keeps_ever
     assert all(plan.keeps(c, 7, 0, BLOCK) for c in range(7))  # a hit may end at any of them
 
 
-def tp2_engine(rank: int) -> SimpleNamespace:
+def tp_engine(rank: int, tp: int = 2) -> SimpleNamespace:
     return SimpleNamespace(
         model_config=SimpleNamespace(model="m"),
         cache_config=SimpleNamespace(
             block_size=BLOCK, kv_cache_layout=None, prefix_caching_hash_algo="sha256"
         ),
         parallel_config=SimpleNamespace(
-            tensor_parallel_size=2, rank=rank, pipeline_parallel_size=1
+            tensor_parallel_size=tp, rank=rank, pipeline_parallel_size=1
         ),
     )
 
 
-def state_group(replicated: bool) -> list[KVGroup]:
+def state_group(replicated: bool, kind: str = "GDN_ATTN") -> list[KVGroup]:
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
     mamba = MambaSpec(
         block_size=BLOCK,
         shapes=((4,),),
         dtypes=(torch.float32,),
         mamba_cache_mode="align",
         tp_replicated=replicated,
+        mamba_type=MambaAttentionBackendEnum[kind],
     )
     return kv_groups(config((layers(0), mamba), (layers(1), attention(FullAttentionSpec))))[:1]
 
 
 def test_a_replicated_state_above_tp1_is_refused_with_the_degree() -> None:
     with pytest.raises(UnsupportedGroupError, match="tensor_parallel_size=2 \\(a copy"):
-        plan_pools(tp2_engine(0), state_group(True), ConnectorConfig(), named=False)
+        plan_pools(tp_engine(0), state_group(True), ConnectorConfig(), named=False)
+
+
+def test_a_state_kind_whose_shards_are_unproven_is_refused_above_tp1() -> None:
+    with pytest.raises(
+        UnsupportedGroupError, match="MAMBA2 state layers at tensor_parallel_size=2"
+    ):
+        plan_pools(tp_engine(0), state_group(False, "MAMBA2"), ConnectorConfig(), named=False)
+    (plan,) = plan_pools(
+        tp_engine(0, tp=1), state_group(False, "MAMBA2"), ConnectorConfig(), named=False
+    )
+    assert plan.spec.tp_size == 1
 
 
 def test_a_sharded_state_at_tp2_is_each_ranks_part_of_a_per_degree_chunk() -> None:
-    (first,) = plan_pools(tp2_engine(0), state_group(False), ConnectorConfig(), named=False)
-    (second,) = plan_pools(tp2_engine(1), state_group(False), ConnectorConfig(), named=False)
+    (first,) = plan_pools(tp_engine(0), state_group(False), ConnectorConfig(), named=False)
+    (second,) = plan_pools(tp_engine(1), state_group(False), ConnectorConfig(), named=False)
     # both ranks write their 16 bytes of a 32-byte page; the chunk is committed once both have
     assert (first.shard.first, second.shard.first) == (0, 1)
     assert first.shard.writes

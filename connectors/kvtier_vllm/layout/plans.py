@@ -22,7 +22,13 @@ from typing import Any
 from kvtier.core.keys import NamespaceSpec, PageLayout, Pool
 from kvtier.hidden.reader import HIDDEN_ATTENTION
 from kvtier_vllm.layout.fp8 import FP8, Fp8Layout
-from kvtier_vllm.layout.states import STATE_WINDOW, StateShape, is_state_spec, state_shape
+from kvtier_vllm.layout.states import (
+    SHARDS_PROVEN,
+    STATE_WINDOW,
+    StateShape,
+    is_state_spec,
+    state_shape,
+)
 from kvtier_vllm.shared import weights
 from kvtier_vllm.shared.settings import ConnectorConfig
 from kvtier_vllm.shared.shapes import (
@@ -332,6 +338,11 @@ def _state_plan(
         raise UnsupportedGroupError(
             f"state-space or linear-attention layers at tensor_parallel_size={tp} (a copy of "
             "the state on every rank): kvtier serves replicated states at TP=1 only so far"
+        )
+    if tp > 1 and state.kind not in SHARDS_PROVEN:
+        raise UnsupportedGroupError(
+            f"{state.kind} state layers at tensor_parallel_size={tp}: kvtier serves per-rank "
+            f"state shards of {', '.join(sorted(SHARDS_PROVEN))} layers only above TP=1 so far"
         )
     shard = Shard(tp, parallel.rank % tp, 1, True, tp, tp) if tp > 1 else Shard()
     revision = weights.target_revision(vllm_config, cfg.model_revision) if named else ""
