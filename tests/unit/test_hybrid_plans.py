@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kvtier_vllm.layout.plans import PoolPlan, kv_groups, misplaced_draft, plan_pools
+from kvtier_vllm.layout.plans import KVGroup, PoolPlan, kv_groups, misplaced_draft, plan_pools
 from kvtier_vllm.shared.settings import ConnectorConfig
 from kvtier_vllm.shared.shapes import UnsupportedGroupError
 from vllm.v1.kv_cache_interface import (
@@ -105,15 +105,61 @@ def test_an_align_mode_state_group_reads_the_state_at_the_hit_end_and_keeps_ever
     assert all(plan.keeps(c, 7, 0, BLOCK) for c in range(7))  # a hit may end at any of them
 
 
-def test_state_groups_above_tp1_are_refused_with_the_degree() -> None:
-    mamba = MambaSpec(
-        block_size=BLOCK, shapes=((4,),), dtypes=(torch.float32,), mamba_cache_mode="align"
+def tp_engine(rank: int, tp: int = 2) -> SimpleNamespace:
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model="m"),
+        cache_config=SimpleNamespace(
+            block_size=BLOCK, kv_cache_layout=None, prefix_caching_hash_algo="sha256"
+        ),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=tp, rank=rank, pipeline_parallel_size=1
+        ),
     )
-    groups = kv_groups(config((layers(0), mamba), (layers(1), attention(FullAttentionSpec))))
-    tp2 = SimpleNamespace(tensor_parallel_size=2)
-    engine = SimpleNamespace(model_config=None, cache_config=None, parallel_config=tp2)
-    with pytest.raises(UnsupportedGroupError, match="tensor_parallel_size=2"):
-        plan_pools(engine, groups[:1], ConnectorConfig())
+
+
+def state_group(replicated: bool, kind: str = "GDN_ATTN") -> list[KVGroup]:
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    mamba = MambaSpec(
+        block_size=BLOCK,
+        shapes=((4,),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode="align",
+        tp_replicated=replicated,
+        mamba_type=MambaAttentionBackendEnum[kind],
+    )
+    return kv_groups(config((layers(0), mamba), (layers(1), attention(FullAttentionSpec))))[:1]
+
+
+def test_a_replicated_state_above_tp1_is_refused_with_the_degree() -> None:
+    with pytest.raises(UnsupportedGroupError, match="tensor_parallel_size=2 \\(a copy"):
+        plan_pools(tp_engine(0), state_group(True), ConnectorConfig(), named=False)
+
+
+def test_a_state_kind_whose_shards_are_unproven_is_refused_above_tp1() -> None:
+    with pytest.raises(
+        UnsupportedGroupError, match="MAMBA2 state layers at tensor_parallel_size=2"
+    ):
+        plan_pools(tp_engine(0), state_group(False, "MAMBA2"), ConnectorConfig(), named=False)
+    (plan,) = plan_pools(
+        tp_engine(0, tp=1), state_group(False, "MAMBA2"), ConnectorConfig(), named=False
+    )
+    assert plan.spec.tp_size == 1
+
+
+def test_a_sharded_state_at_tp2_is_each_ranks_part_of_a_per_degree_chunk() -> None:
+    (first,) = plan_pools(tp_engine(0), state_group(False), ConnectorConfig(), named=False)
+    (second,) = plan_pools(tp_engine(1), state_group(False), ConnectorConfig(), named=False)
+    # both ranks write their 16 bytes of a 32-byte page; the chunk is committed once both have
+    assert (first.shard.first, second.shard.first) == (0, 1)
+    assert first.shard.writes
+    assert second.shard.writes
+    assert first.shard.writers == 2
+    assert first.page_bytes == 16
+    assert first.chunk_page_bytes == 32
+    # the degree is in the namespace: a TP=1 engine's state chunks are others
+    assert first.spec.tp_size == 2
+    assert first.spec == second.spec
 
 
 def test_a_draft_model_outside_group_zero_is_refused_with_what_to_do() -> None:

@@ -22,7 +22,13 @@ from typing import Any
 from kvtier.core.keys import NamespaceSpec, PageLayout, Pool
 from kvtier.hidden.reader import HIDDEN_ATTENTION
 from kvtier_vllm.layout.fp8 import FP8, Fp8Layout
-from kvtier_vllm.layout.states import STATE_WINDOW, StateShape, is_state_spec, state_shape
+from kvtier_vllm.layout.states import (
+    SHARDS_PROVEN,
+    STATE_WINDOW,
+    StateShape,
+    is_state_spec,
+    state_shape,
+)
 from kvtier_vllm.shared import weights
 from kvtier_vllm.shared.settings import ConnectorConfig
 from kvtier_vllm.shared.shapes import (
@@ -321,19 +327,24 @@ def _plan_group(
 def _state_plan(
     vllm_config: Any, group: KVGroup, state: StateShape, cfg: ConnectorConfig, named: bool
 ) -> PoolPlan:
-    """A state group's pool: one block's state per layer and chunk, at TP=1 (the one degree
-    an engine has proven it at)."""
+    """A state group's pool: one block's state per layer and chunk. Above TP=1 each rank's
+    part of a page is its own "head" of the chunk's, and the chunk names the degree: another
+    degree's ranks split the state otherwise, so never read it."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
     tp = parallel.tensor_parallel_size
-    if tp > 1:
-        held = "each rank's part" if state.sharded else "a copy on every rank"
+    if tp > 1 and not state.sharded:
         raise UnsupportedGroupError(
-            f"state-space or linear-attention layers at tensor_parallel_size={tp} ({held} of "
-            "the state): kvtier serves them at TP=1 only so far"
+            f"state-space or linear-attention layers at tensor_parallel_size={tp} (a copy of "
+            "the state on every rank): kvtier serves replicated states at TP=1 only so far"
         )
-    shard = Shard()
+    if tp > 1 and state.kind not in SHARDS_PROVEN:
+        raise UnsupportedGroupError(
+            f"{state.kind} state layers at tensor_parallel_size={tp}: kvtier serves per-rank "
+            f"state shards of {', '.join(sorted(SHARDS_PROVEN))} layers only above TP=1 so far"
+        )
+    shard = Shard(tp, parallel.rank % tp, 1, True, tp, tp) if tp > 1 else Shard()
     revision = weights.target_revision(vllm_config, cfg.model_revision) if named else ""
     spec = NamespaceSpec(
         model=str(model.model),

@@ -67,6 +67,12 @@ def _itemsize(dtype: str) -> int:
     return int(getattr(torch, dtype).itemsize)
 
 
+SHARDS_PROVEN = frozenset({"GDN_ATTN"})
+"""State kinds whose per-rank shards kvtier has served above TP=1 with vLLM alone's outputs (a
+Qwen3-Next's gated delta nets at TP=2). Others are refused there: the CPU build cannot run a
+Mamba-2 hybrid at TP>1 with prefix caching, so their shards are unproven."""
+
+
 def is_state_spec(spec: Any) -> bool:
     return type(spec).__name__ == "MambaSpec"
 
