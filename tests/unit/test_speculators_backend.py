@@ -198,7 +198,10 @@ def test_a_trainer_and_an_engine_in_one_process_share_the_arena_it_has_one_owner
     assert transfer.get_cached(0) is not None  # the trainer opened the tiers
     engine = shared_embedded(transfer.config, "engine")  # as the connector opens them
     try:
-        assert engine.manager is transfer._session.client.manager  # type: ignore[union-attr]
+        assert transfer._session is not None
+        trainer = transfer._session.client
+        assert isinstance(trainer, InProcessClient)
+        assert engine.manager is trainer.manager
     finally:
         engine.close()
     again = transfer.get_cached(1)  # the engine's leaving closed nothing of the trainer's
