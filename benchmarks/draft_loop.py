@@ -271,7 +271,10 @@ def run(
     else:
         for dtype, name in (("auto", "kvtier"), ("fp8", "kvtier_fp8")):
             transfer = kvtier_transfer(backend, configs[dtype], captured[dtype]["refs"], prompts)
-            trainers[name], trained = train(drafter, transfer, samples, steps)
+            try:
+                trainers[name], trained = train(drafter, transfer, samples, steps)
+            finally:
+                transfer.close()  # the tiers go back whole to the engine that swaps
             stored = captured[dtype]["stored_bytes"]
             result[name] = {
                 **asdict(trained),

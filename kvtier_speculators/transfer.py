@@ -70,8 +70,9 @@ class KVTierHiddenStates(HiddenStatesTransfer):
 
     ``config`` is a kvtier config (a path or loaded): with ``through_daemon`` the chunks are
     read through the kvtierd at its ``server.socket_path`` and manifests listed from its lmdb;
-    without, the trainer opens the tiers itself (arena, lmdb, object store) and lists the
-    object store's manifests too, so it finds what any node of the fleet captured.
+    without, the trainer opens the tiers itself (arena, lmdb, object store; an engine of the
+    same process shares them) and lists the object store's manifests too, so it finds what any
+    node of the fleet captured.
     ``namespace`` is the hidden pool (hex, a reference's ``namespace``); without it, the first
     generated sample's pool. ``token_ids(i)`` gives sample ``i``'s tokens; without it, the
     ``input_ids`` column of the dataset at ``data_path`` (what `ArrowDataset` reads).
@@ -189,9 +190,10 @@ class KVTierHiddenStates(HiddenStatesTransfer):
                 return stored_keys_read_only(config.lmdb.path, manifests)
 
             return _Session(client, HiddenStatesReader(client, self.timeout_s), listed)
-        from kvtier.client import embedded
+        from kvtier.client import shared_embedded
 
-        own = embedded(self.config, "speculators")
+        # an engine in this process may own the arena already: an arena has one owner
+        own = shared_embedded(self.config, "speculators")
         reader = HiddenStatesReader(own, self.timeout_s, below=from_lmdb(own.manager))
         return _Session(own, reader, lambda ns: manifest_keys(own.manager, ns, self.tenant))
 

@@ -1,6 +1,7 @@
 """The draft loop on real engines: serve with kvtier capturing hidden states, train an EAGLE-3
-drafter with Speculators from them, write its weights where a serving engine's draft model
-points, swap them in, and read acceptance per draft revision from kvtier's metrics.
+drafter with Speculators from them through kvtier's own backend (read from kvtier's tiers, no
+file in between), write its weights where a serving engine's draft model points, swap them in,
+and read acceptance per draft revision from kvtier's metrics.
 
 The target has random weights, so the trained drafter need not be accepted more; what holds is
 that training lowered its loss, that kvtier saw the swap as a new revision and counted
@@ -9,15 +10,12 @@ acceptance for both, and that speculative decoding kept the target's greedy outp
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvtier.cli.main import main as kvtier_cli
-from kvtier.hidden.export import file_name
-from kvtier.hidden.reader import REF_FIELD, HiddenStatesRef
+from kvtier.hidden.reader import REF_FIELD
 from tests.e2e.models import (
     ModelSet,
     capture_config,
@@ -41,14 +39,14 @@ def test_states_kvtier_captured_train_a_drafter_that_a_serving_engine_swaps_in(
     tiny_models: ModelSet, tmp_path: Path, shm_path: Path
 ) -> None:
     pytest.importorskip("speculators", reason="Speculators 0.9 is not installed")
-    hs_connectors = pytest.importorskip("hs_connectors", reason="hs-connectors is not installed")
+    pytest.importorskip("hs_connectors", reason="hs-connectors is not installed")
+    from kvtier_speculators import KVTierHiddenStates
     from tests.fixtures.draft_training import (
         CAPTURED_LAYERS,
         SPECULATIVE_TOKENS,
         Trainer,
         build_drafter,
         build_target,
-        link_as_samples,
         read_transfer,
     )
 
@@ -67,23 +65,21 @@ def test_states_kvtier_captured_train_a_drafter_that_a_serving_engine_swaps_in(
     expected = [list(o.outputs[0].token_ids) for o in outputs]
     refs = [o.kv_transfer_params[REF_FIELD] for o in outputs]
 
-    # 2. export the states, as Speculators' file backend reads them
-    refs_file = tmp_path / "refs.jsonl"
-    refs_file.write_text("".join(json.dumps(r) + "\n" for r in refs))
-    exported = tmp_path / "exported"
-    export = ["hidden", "export", "--config", str(config), "--refs", str(refs_file)]
-    assert kvtier_cli([*export, "--to", str(exported)]) == 0
-    names = [file_name(HiddenStatesRef.from_json(r)) for r in refs]
-    samples = link_as_samples(exported, names, tmp_path / "samples")
-
-    # 3. train a fresh drafter from them
+    # 2. train a fresh drafter on the states read from kvtier's tiers, each found by its tokens
     drafter = build_drafter(target, tmp_path / "drafter")
     trainer = Trainer(drafter)
-    transfer = hs_connectors.FileTransfer(samples)
-    trained = trainer.train(read_transfer(transfer), len(prompts), STEPS)
+    transfer = KVTierHiddenStates(
+        config, refs[0]["namespace"], token_ids=prompts.__getitem__, through_daemon=False
+    )
+    try:
+        trained = trainer.train(read_transfer(transfer), len(prompts), STEPS)
+    finally:
+        transfer.close()
     assert trained.loss_after < trained.loss_before, trained
+    written = [p for p in tmp_path.rglob("*.safetensors") if drafter not in p.parents]
+    assert written == [], written  # no training file between capture and training
 
-    # 4. serve with the fresh drafter, then swap in the trained one where it points
+    # 3. serve with the fresh drafter, then swap in the trained one where it points
     spec = {
         "method": "eagle3",
         "model": str(drafter),

@@ -22,7 +22,7 @@ from kvtier_vllm.hidden_capture.tails import Capture, Manifests
 from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
 from kvtier_vllm.layout.plans import PoolPlan
 
-from kvtier.client import ArenaAtPath, InProcessClient
+from kvtier.client import ArenaAtPath, InProcessClient, shared_embedded
 from kvtier.core.config import KVTierConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool, make_key
@@ -190,6 +190,23 @@ def test_a_generated_sample_is_read_from_its_reference_and_delete_forgets_only_t
         assert torch.equal(again["hidden_states"], sample["hidden_states"])
     finally:
         transfer.close()
+
+
+def test_a_trainer_and_an_engine_in_one_process_share_the_arena_it_has_one_owner_of(
+    transfer: KVTierHiddenStates,
+) -> None:
+    assert transfer.get_cached(0) is not None  # the trainer opened the tiers
+    engine = shared_embedded(transfer.config, "engine")  # as the connector opens them
+    try:
+        assert transfer._session is not None
+        trainer = transfer._session.client
+        assert isinstance(trainer, InProcessClient)
+        assert engine.manager is trainer.manager
+    finally:
+        engine.close()
+    again = transfer.get_cached(1)  # the engine's leaving closed nothing of the trainer's
+    assert again is not None
+    assert torch.equal(again["hidden_states"], states_of(PROMPTS[1]))
 
 
 def test_speculators_arrow_dataset_reads_its_samples_from_kvtier(
