@@ -39,7 +39,10 @@ WORKERS="${KVTIER_TEST_WORKERS:-$(nproc)}"
 # A short root: vLLM binds unix sockets under each test's tmp_path, and sun_path holds 107 bytes.
 BASETEMP="/tmp/kvt-$(id -u)"
 set +e
-"$VENV/bin/pytest" -n "$WORKERS" --dist loadfile --basetemp "$BASETEMP" -m "not serial" "$@"
+# Files in collection order (tests/conftest.py puts those that start engines first), not
+# xdist's order by test count, which hands the few-test engine files out last.
+"$VENV/bin/pytest" -n "$WORKERS" --dist loadfile --no-loadscope-reorder --basetemp "$BASETEMP" \
+  -m "not serial" "$@"
 parallel=$?
 "$VENV/bin/pytest" -p no:xdist -m serial "$@"
 alone=$?

@@ -16,6 +16,28 @@ from tests.support import arenas_of_this_process, manager_config, new_arena_path
 pytest_plugins = ["tests.objstore.fixtures"]
 
 
+ENGINE_DIRS = ("tests/e2e/", "tests/bench/")
+"""Where tests start vLLM engines: minutes a file, against seconds elsewhere."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files that start engines first, those with a test marked slow before the rest. The suite
+    runs by file over one worker per core (scripts/test.sh, xdist's own reordering off): a long
+    file handed out last would run alone while the other workers sit idle."""
+
+    def weight(item: pytest.Item) -> int:
+        if item.get_closest_marker("slow") is not None:
+            return 0
+        return 1 if item.nodeid.startswith(ENGINE_DIRS) else 2
+
+    per_file: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        per_file[path] = min(per_file.get(path, 2), weight(item))
+    # a stable sort: each file's tests stay together, in their order
+    items.sort(key=lambda item: per_file[item.nodeid.split("::", 1)[0]])
+
+
 @pytest.fixture(scope="session", autouse=True)
 def engine_caches(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """vLLM's and torch's compiled kernels, shared by every engine of the run."""
