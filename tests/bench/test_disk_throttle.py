@@ -21,7 +21,11 @@ from benchmarks.harness.disk_throttle import (
     disk_of,
     hierarchy,
 )
+from benchmarks.harness.kvtierd import Kvtierd
 from benchmarks.harness.sizes import KiB, MiB
+from benchmarks.models import GPU_RATIO
+from benchmarks.serving_cases import LMDB_BACKED, SIDECAR
+from benchmarks.serving_servers import Servers
 
 ROOT = Path(__file__).resolve().parents[2]
 BANDWIDTH = 20_000_000
@@ -112,6 +116,12 @@ def test_a_partition_is_throttled_on_its_whole_disk(tmp_path: Path) -> None:
 def test_without_a_block_io_controller_the_throttle_says_so(tmp_path: Path) -> None:
     with pytest.raises(ThrottleUnavailable, match="no cgroup v1 blkio throttle"):
         hierarchy(tmp_path / "v1", tmp_path / "v2")
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / "cgroup.controllers").write_text("cpu memory pids\n")
+    with pytest.raises(ThrottleUnavailable, match="no cgroup v2 io controller"):
+        hierarchy(tmp_path / "v1", tmp_path / "v2")
+    (tmp_path / "v2" / "cgroup.controllers").write_text("cpu io memory pids\n")
+    assert hierarchy(tmp_path / "v1", tmp_path / "v2") == (tmp_path / "v2", True)
 
 
 # -- a real cgroup ------------------------------------------------------------------------------
@@ -233,3 +243,34 @@ def test_the_lmdb_load_is_timed_on_the_throttled_disk(on_disk: Path) -> None:
     # every token's KV came from the disk, at the bound at most
     assert 16 * KiB / loads.lmdb_cold_s_per_token <= BANDWIDTH * 1.5
     assert _blkio_cgroup(os.getpid()) == home
+
+
+def test_a_servers_kvtierd_below_its_arena_reads_throttled_while_it_serves(on_disk: Path) -> None:
+    servers = Servers(
+        on_disk,
+        on_disk / "model",
+        on_disk / "draft",
+        sizes=GPU_RATIO,
+        blocks_per_chunk=4,
+        chunk_bytes=64 * 16 * KiB,
+        working_set_bytes=16 * MiB,
+        kv_per_token=16 * KiB,
+        hidden_per_token=0,
+        connector_extra={},
+    )
+    servers.scale_lmdb_disk(60e-6)
+    daemon = Kvtierd(on_disk / "kvtierd", servers.shm("throttled"), 64 * MiB, 32 * MiB)
+    try:
+        daemon.start()
+        assert daemon.pid is not None
+        home = _blkio_cgroup(daemon.pid)
+        with servers.lmdb_reads(LMDB_BACKED, daemon, "lmdb-backed"):
+            assert _blkio_cgroup(daemon.pid).startswith("/kvtier-gpu-ratio-")
+        assert servers.lmdb_throttles["lmdb-backed"].startswith("reads at 467 MB/s (")
+        assert _blkio_cgroup(daemon.pid) == home
+        with servers.lmdb_reads(SIDECAR, daemon, "arena-backed"):  # its arena holds it all
+            assert _blkio_cgroup(daemon.pid) == home
+        assert "arena-backed" not in servers.lmdb_throttles
+    finally:
+        daemon.stop()
+        servers.close()
