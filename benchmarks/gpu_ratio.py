@@ -15,10 +15,14 @@ shaped so that this machine's ratios land near the GPU's; this module measures t
   environment was closed, its file synced and its pages dropped from the page cache
   (``/proc/sys/vm/drop_caches``, or ``posix_fadvise(DONTNEED)`` on the data file where that
   cannot be written): a read from the disk, as on a node whose page cache holds other data.
+  Read at the disk bandwidth ``node_scaled_disk`` gives (a blkio cgroup,
+  benchmarks/harness/disk_throttle.py): a disk that reads nearly at memory speed would make
+  lmdb as cheap as the arena, which no GPU node's NVMe is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,12 +30,14 @@ import statistics
 import tempfile
 import threading
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.fleet_costs import gpu_node
+from benchmarks.fleet_costs import GPU_FIGURES, gpu_node
 from benchmarks.harness.buffers import filled, timed, touched
+from benchmarks.harness.disk_throttle import DiskThrottle, ThrottleUnavailable
 from benchmarks.harness.sizes import MiB, extent_for
 from benchmarks.harness.specs import spec_for_chunk
 from kvtier.core.config import ArenaConfig, LMDBConfig
@@ -44,6 +50,8 @@ from tests.fixtures.keys import keys_for
 PREFILL_TIME = "vllm:request_prefill_time_seconds"
 GPU_WINDOW = 2.0
 """A ratio measured here counts as the GPU's when it lies within this factor of it."""
+THROTTLED = "gpu-ratio"
+"""The name this benchmark's blkio cgroups start with."""
 
 
 def gpu_ratios(chunk_tokens: int = 256) -> dict[str, float]:
@@ -54,12 +62,61 @@ def gpu_ratios(chunk_tokens: int = 256) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
+class DiskBandwidth:
+    """A read bandwidth for lmdb's disk, and how it was derived (or, at 0, why none was)."""
+
+    bytes_per_s: int
+    how: str
+
+
+def node_scaled_disk(prefill_s_per_token: float, kv_bytes_per_token: int) -> DiskBandwidth:
+    """The bandwidth at which this machine's disk stands to its compute as a GPU node's NVMe
+    stands to its H100: reading a token's KV takes the same share of prefilling it. The NVMe's
+    bandwidth scaled by the KV bytes a token here over there and by the GPU's prefill time a
+    token over this machine's. lmdb's read-in past the KV (``lmdb_read_in_vs_prompt_kv``,
+    which the GPU node's load time carries) is not applied: the reads here pay it themselves."""
+    nvme = GPU_FIGURES["nvme_bytes_per_s"][0]
+    gpu_kv = GPU_FIGURES["kv_bytes_per_token"][0]
+    gpu_prefill = gpu_node().prefill_s_per_token
+    if prefill_s_per_token <= 0:
+        return DiskBandwidth(0, f"a prefill time of {prefill_s_per_token:.3g} s a token")
+    bytes_per_s = nvme * (kv_bytes_per_token / gpu_kv) * (gpu_prefill / prefill_s_per_token)
+    how = (
+        f"NVMe {nvme / 1e9:.1f} GB/s x {kv_bytes_per_token:,} / {gpu_kv:,.0f} bytes of KV a "
+        f"token x {gpu_prefill * 1e6:.1f} / {prefill_s_per_token * 1e6:.1f} us of prefill a "
+        "token (GPU node / here)"
+    )
+    return DiskBandwidth(round(bytes_per_s), how)
+
+
+@contextlib.contextmanager
+def reads_throttled(path: Path, disk: DiskBandwidth | None, pid: int) -> Iterator[str]:
+    """While entered, process ``pid`` reads the disk under ``path`` at ``disk``'s bandwidth;
+    yields what was done, "not throttled: <why>" where it could not be."""
+    if disk is None or disk.bytes_per_s <= 0:
+        why = disk.how if disk is not None else "no prefill time measured to scale the disk to"
+        yield f"not throttled: {why}"
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            throttle = stack.enter_context(DiskThrottle(THROTTLED, path, disk.bytes_per_s))
+            throttle.place(pid)
+            said = f"{throttle.describe()}: {disk.how}"
+        except (ThrottleUnavailable, OSError) as exc:
+            stack.close()
+            said = f"not throttled: {exc}"
+        yield said
+
+
+@dataclass(frozen=True)
 class LoadCosts:
-    """Seconds per token of KV, by tier, and how lmdb's pages left the page cache."""
+    """Seconds per token of KV, by tier, how lmdb's pages left the page cache and at what
+    bandwidth its disk read them."""
 
     arena_s_per_token: float
     lmdb_cold_s_per_token: float
     dropped_by: str
+    lmdb_disk: str = ""
 
 
 def drop_page_cache(data_file: Path) -> str:
@@ -106,10 +163,16 @@ class PageCacheDropper:
 
 
 def measure_loads(
-    kv_bytes_per_token: int, chunk_tokens: int, *, total_bytes: int = 64 * MiB, reps: int = 3
+    kv_bytes_per_token: int,
+    chunk_tokens: int,
+    *,
+    total_bytes: int = 64 * MiB,
+    reps: int = 3,
+    disk: DiskBandwidth | None = None,
 ) -> LoadCosts:
     """The median over ``reps`` of loading ``total_bytes`` of chunks of ``chunk_tokens``
-    tokens from the arena and, with its pages dropped, from lmdb."""
+    tokens from the arena and, with its pages dropped, from lmdb on a disk read at ``disk``'s
+    bandwidth (this process throttled while it reads)."""
     chunk = kv_bytes_per_token * chunk_tokens
     n = max(1, total_bytes // chunk)
     registry = PoolRegistry()
@@ -121,11 +184,12 @@ def measure_loads(
     root = Path(tempfile.mkdtemp(prefix="kvtier-gpu-ratio-"))
     try:
         arena_s = _arena_load_s(root, registry, keys, chunks, reps)
-        lmdb_s, dropped_by = _lmdb_cold_load_s(root, registry, keys, chunks, reps)
+        with reads_throttled(root, disk, os.getpid()) as lmdb_disk:
+            lmdb_s, dropped_by = _lmdb_cold_load_s(root, registry, keys, chunks, reps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     tokens = n * chunk_tokens
-    return LoadCosts(arena_s / tokens, lmdb_s / tokens, dropped_by)
+    return LoadCosts(arena_s / tokens, lmdb_s / tokens, dropped_by, lmdb_disk)
 
 
 Chunks = list[tuple[memoryview, memoryview]]
@@ -185,9 +249,12 @@ def _lmdb_cold_load_s(
     for _ in range(reps):
         # closed (unmapped) and synced first: the kernel drops only clean, unmapped pages
         os.sync()
-        dropped_by = drop_page_cache(config.path / "data.mdb")
+        drop_page_cache(config.path / "data.mdb")
         reader = LmdbTier(config, registry)
         try:
+            # opening walks the file (what it reads ahead stays cached): dropped again, all
+            # but the pages the reader keeps mapped, so that the loads read the disk
+            dropped_by = drop_page_cache(config.path / "data.mdb")
             for out in (out for _, out in chunks):
                 out[:1] = b"\xff" if out[0] != 0xFF else b"\x00"  # a load must write it back
             samples.append(timed(lambda: load(reader)))  # noqa: B023 (called at once)

@@ -301,6 +301,7 @@ class Bench:
                 log.info("%s: healthy in %.1f s", case.name, server.start_s)
                 if plan.measure_prefill:
                     out.prefill = self.measure_prefill(server)
+                    self.servers.scale_lmdb_disk(out.prefill["prefill_s_per_token"])
                 warmup = WARMUP
                 daemon = self.servers.daemons.get(case.name)
                 before = daemon.counters() if daemon is not None else {}
@@ -396,7 +397,7 @@ class Bench:
         }
         ratios = {}
         if self.sizes.gpu_ratio:  # now, while no server runs
-            ratios = serving_gpu_ratio.measure(outcomes, self.kv_per_token, self.bpc * BLOCK_SIZE)
+            ratios = serving_gpu_ratio.measure(outcomes, self.servers, self.bpc * BLOCK_SIZE)
         cycles = self.no_reuse.run(outcomes, self.only)
         result = result_of(self, outcomes, cycles, ratios)
         result["wall_s"] = time.perf_counter() - started

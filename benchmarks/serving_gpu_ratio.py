@@ -47,6 +47,7 @@ from benchmarks.serving_cases import (
     headline_name,
 )
 from benchmarks.serving_figures import Outcome, no_reuse_ratios
+from benchmarks.serving_servers import Servers
 from kvtier.bench.scrape import Samples, delta, parse_counters
 from tests.fixtures import models
 
@@ -171,16 +172,19 @@ def _hook_share(level: Any) -> float:
     return float(sum(level.server.connector_hook_seconds.values()) / level.duration_s)
 
 
-def measure(
-    outcomes: dict[str, Outcome], kv_bytes_per_token: int, chunk_tokens: int
-) -> dict[str, Any]:
-    """The loads' costs measured now, and the ratios of the engine's prefill time (vLLM alone's
-    ``Plan.measure_prefill``) to them."""
+def measure(outcomes: dict[str, Outcome], servers: Servers, chunk_tokens: int) -> dict[str, Any]:
+    """The loads' costs measured now, lmdb's on the disk ``servers`` read it at below an arena
+    (scaled to the engine's prefill time, vLLM alone's ``Plan.measure_prefill``), the ratios of
+    that time to them, and how each server past the arena had its lmdb reads throttled."""
     prefill = next((o.prefill for o in outcomes.values() if o.prefill), None)
     if prefill is None:
         return {"error": "vLLM alone did not run: no prefill time"}
-    loads = measure_loads(kv_bytes_per_token, chunk_tokens)
-    return {**ratios(prefill["prefill_s_per_token"], loads, chunk_tokens), "prefill": prefill}
+    loads = measure_loads(servers.kv_per_token, chunk_tokens, disk=servers.lmdb_disk)
+    return {
+        **ratios(prefill["prefill_s_per_token"], loads, chunk_tokens),
+        "prefill": prefill,
+        "lmdb_servers": dict(servers.lmdb_throttles),
+    }
 
 
 def _f(value: Any, fmt: str) -> str:
@@ -201,6 +205,9 @@ def tables(result: dict[str, Any]) -> list[str]:
             f"{prefill['short_tokens']} vs {prefill['long_tokens']} tokens); arena load "
             f"{loads['arena_s_per_token'] * 1e6:.2f} us/token; lmdb, pages dropped "
             f"({loads['dropped_by']}), {loads['lmdb_cold_s_per_token'] * 1e6:.2f} us/token.",
+            "",
+            f"lmdb's disk {loads.get('lmdb_disk') or 'not throttled: not asked'}.",
+            *(f"- {name}: {said}" for name, said in measured.get("lmdb_servers", {}).items()),
             "",
             "| tier | here | GPU node | within 2x |",
             "|---|---:|---:|---|",

@@ -5,6 +5,7 @@ moto's S3)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -16,6 +17,7 @@ from typing import Any
 import boto3.session
 import yaml
 
+from benchmarks.gpu_ratio import DiskBandwidth, node_scaled_disk, reads_throttled
 from benchmarks.harness.connector import kvtier_connector
 from benchmarks.harness.kvtierd import Kvtierd
 from benchmarks.harness.sizes import KiB, extent_for
@@ -36,6 +38,8 @@ from benchmarks.serving_figures import profiler_args
 from benchmarks.serving_lmcache import LmcacheServer
 from tests.fixtures.s3 import SCRUBBED_ENV, MotoServer, irsa_env, patched_env
 from tests.fixtures.servers import VllmServer, connector_arg
+
+log = logging.getLogger("kvtier.bench.serving")
 
 
 class Servers:
@@ -72,6 +76,11 @@ class Servers:
         self.shm_paths: list[Path] = []
         self.daemons: dict[str, Kvtierd] = {}
         self.moto: MotoServer | None = None
+        self.lmdb_disk: DiskBandwidth | None = None
+        """On the GPU-ratio model, the bandwidth lmdb's disk reads at below an arena (set once
+        the engine's prefill time is measured)."""
+        self.lmdb_throttles: dict[str, str] = {}
+        """How each server past the arena had its lmdb reads throttled, by run name."""
 
     def hidden_bytes(self, kv_bytes: int) -> int:
         """The captured hidden states' cache for the tokens ``kv_bytes`` of KV hold."""
@@ -222,7 +231,8 @@ class Servers:
         )
         try:
             server.start()
-            yield server, metrics_url
+            with self.lmdb_reads(case, daemon, run_name):
+                yield server, metrics_url
         finally:
             server.stop()
             if daemon is not None:
@@ -235,6 +245,26 @@ class Servers:
             # the stored KV (a preallocated LMDB file is its whole budget): keep the logs only
             for heavy in (tmp / "lmdb", tmp / "kvtierd" / "lmdb", tmp / "example-storage"):
                 shutil.rmtree(heavy, ignore_errors=True)
+
+    def scale_lmdb_disk(self, prefill_s_per_token: float) -> None:
+        """lmdb's disk below an arena, from now: a GPU node's NVMe scaled to this machine's
+        prefill time a token (benchmarks/gpu_ratio.py)."""
+        self.lmdb_disk = node_scaled_disk(prefill_s_per_token, self.kv_per_token)
+
+    @contextmanager
+    def lmdb_reads(self, case: Case, daemon: Kvtierd | None, run_name: str) -> Iterator[None]:
+        """On the GPU-ratio model, kvtierd below an arena (lmdb's reader: lmdb-backed, and
+        object-backed's lmdb) reads its disk at ``lmdb_disk`` from now (its start not
+        throttled) until the server stops. The embedded server's lmdb is not throttled: its
+        arena holds the working set."""
+        pid = daemon.pid if daemon is not None else None
+        if not (self.sizes.gpu_ratio and case.below and daemon is not None and pid):
+            yield
+            return
+        with reads_throttled(daemon.lmdb_path, self.lmdb_disk, pid) as said:
+            self.lmdb_throttles[run_name] = said
+            log.info("%s: lmdb %s", run_name, said)
+            yield
 
     def close(self) -> None:
         if self.moto is not None:
