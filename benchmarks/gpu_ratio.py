@@ -30,7 +30,7 @@ import statistics
 import tempfile
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -90,8 +90,8 @@ def node_scaled_disk(prefill_s_per_token: float, kv_bytes_per_token: int) -> Dis
 
 
 @contextlib.contextmanager
-def reads_throttled(path: Path, disk: DiskBandwidth | None, pid: int) -> Iterator[str]:
-    """While entered, process ``pid`` reads the disk under ``path`` at ``disk``'s bandwidth;
+def reads_throttled(path: Path, disk: DiskBandwidth | None, pids: Sequence[int]) -> Iterator[str]:
+    """While entered, processes ``pids`` read the disk under ``path`` at ``disk``'s bandwidth;
     yields what was done, "not throttled: <why>" where it could not be."""
     if disk is None or disk.bytes_per_s <= 0:
         why = disk.how if disk is not None else "no prefill time measured to scale the disk to"
@@ -100,7 +100,8 @@ def reads_throttled(path: Path, disk: DiskBandwidth | None, pid: int) -> Iterato
     with contextlib.ExitStack() as stack:
         try:
             throttle = stack.enter_context(DiskThrottle(THROTTLED, path, disk.bytes_per_s))
-            throttle.place(pid)
+            for pid in pids:
+                throttle.place(pid)
             said = f"{throttle.describe()}: {disk.how}"
         except (ThrottleUnavailable, OSError) as exc:
             stack.close()
@@ -184,7 +185,7 @@ def measure_loads(
     root = Path(tempfile.mkdtemp(prefix="kvtier-gpu-ratio-"))
     try:
         arena_s = _arena_load_s(root, registry, keys, chunks, reps)
-        with reads_throttled(root, disk, os.getpid()) as lmdb_disk:
+        with reads_throttled(root, disk, [os.getpid()]) as lmdb_disk:
             lmdb_s, dropped_by = _lmdb_cold_load_s(root, registry, keys, chunks, reps)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -21,7 +21,7 @@ from benchmarks.gpu_ratio import DiskBandwidth, node_scaled_disk, reads_throttle
 from benchmarks.harness.connector import kvtier_connector
 from benchmarks.harness.kvtierd import Kvtierd
 from benchmarks.harness.sizes import KiB, extent_for
-from benchmarks.harness.system import remove_arena
+from benchmarks.harness.system import process_tree, remove_arena
 from benchmarks.models import ServingModel
 from benchmarks.serving_cases import (
     ARENA_BYTES,
@@ -231,7 +231,8 @@ class Servers:
         )
         try:
             server.start()
-            with self.lmdb_reads(case, daemon, run_name):
+            engine_pid = server.proc.pid if server.proc is not None else None
+            with self.lmdb_reads(case, daemon, run_name, engine_pid):
                 yield server, metrics_url
         finally:
             server.stop()
@@ -252,16 +253,20 @@ class Servers:
         self.lmdb_disk = node_scaled_disk(prefill_s_per_token, self.kv_per_token)
 
     @contextmanager
-    def lmdb_reads(self, case: Case, daemon: Kvtierd | None, run_name: str) -> Iterator[None]:
-        """On the GPU-ratio model, kvtierd below an arena (lmdb's reader: lmdb-backed, and
-        object-backed's lmdb) reads its disk at ``lmdb_disk`` from now (its start not
-        throttled) until the server stops. The embedded server's lmdb is not throttled: its
-        arena holds the working set."""
+    def lmdb_reads(
+        self, case: Case, daemon: Kvtierd | None, run_name: str, engine_pid: int | None
+    ) -> Iterator[None]:
+        """On the GPU-ratio model, lmdb below an arena (lmdb-backed, and object-backed's lmdb)
+        is read at ``lmdb_disk`` from now (starts not throttled) until the server stops, by
+        both its readers: kvtierd (promotions) and the engine's processes, which load hits
+        straight from lmdb's map (``lmdb_loads``). The embedded server's lmdb is not
+        throttled: its arena holds the working set."""
         pid = daemon.pid if daemon is not None else None
         if not (self.sizes.gpu_ratio and case.below and daemon is not None and pid):
             yield
             return
-        with reads_throttled(daemon.lmdb_path, self.lmdb_disk, pid) as said:
+        readers = [pid, *process_tree(engine_pid)]
+        with reads_throttled(daemon.lmdb_path, self.lmdb_disk, readers) as said:
             self.lmdb_throttles[run_name] = said
             log.info("%s: lmdb %s", run_name, said)
             yield

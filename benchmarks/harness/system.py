@@ -4,6 +4,7 @@ run), the file system a path is on, and an ended run's arena files."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import time
@@ -101,6 +102,19 @@ def busy_cpu_seconds() -> float:
             int, f.readline().split()[1:9]
         )
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int | None) -> list[int]:
+    """``pid`` and every live descendant of it (/proc), parents first; none for ``None``."""
+    if pid is None:
+        return []
+    tree, i = [pid], 0
+    while i < len(tree):
+        for task in Path(f"/proc/{tree[i]}/task").glob("*/children"):
+            with contextlib.suppress(OSError):  # the task ended meanwhile
+                tree += [int(child) for child in task.read_text().split()]
+        i += 1
+    return tree
 
 
 def process_cpu_seconds(pid: int) -> float:

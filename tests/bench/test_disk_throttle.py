@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,9 +92,9 @@ def test_the_disk_reads_a_tokens_kv_in_the_share_of_its_prefill_an_nvme_does_on_
 def test_a_prefill_time_that_is_no_time_scales_no_disk_and_throttles_nothing() -> None:
     disk = node_scaled_disk(-1e-6, 16 * KiB)
     assert disk.bytes_per_s == 0
-    with reads_throttled(Path("/"), disk, os.getpid()) as said:
+    with reads_throttled(Path("/"), disk, [os.getpid()]) as said:
         assert said.startswith("not throttled: a prefill time of -1e-06")
-    with reads_throttled(Path("/"), None, os.getpid()) as said:
+    with reads_throttled(Path("/"), None, [os.getpid()]) as said:
         assert said == "not throttled: no prefill time measured to scale the disk to"
 
 
@@ -245,7 +246,9 @@ def test_the_lmdb_load_is_timed_on_the_throttled_disk(on_disk: Path) -> None:
     assert _blkio_cgroup(os.getpid()) == home
 
 
-def test_a_servers_kvtierd_below_its_arena_reads_throttled_while_it_serves(on_disk: Path) -> None:
+def test_kvtierd_and_the_engines_processes_below_an_arena_read_lmdb_throttled_while_it_serves(
+    on_disk: Path,
+) -> None:
     servers = Servers(
         on_disk,
         on_disk / "model",
@@ -260,17 +263,35 @@ def test_a_servers_kvtierd_below_its_arena_reads_throttled_while_it_serves(on_di
     )
     servers.scale_lmdb_disk(60e-6)
     daemon = Kvtierd(on_disk / "kvtierd", servers.shm("throttled"), 64 * MiB, 32 * MiB)
+    # an engine's processes as vLLM's server runs them: a front end whose child loads the hits
+    engine = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)
     try:
         daemon.start()
         assert daemon.pid is not None
-        home = _blkio_cgroup(daemon.pid)
-        with servers.lmdb_reads(LMDB_BACKED, daemon, "lmdb-backed"):
-            assert _blkio_cgroup(daemon.pid).startswith("/kvtier-gpu-ratio-")
+        engine_core = _child_of(engine.pid)
+        readers = [daemon.pid, engine.pid, engine_core]
+        home = {pid: _blkio_cgroup(pid) for pid in readers}
+        with servers.lmdb_reads(LMDB_BACKED, daemon, "lmdb-backed", engine.pid):
+            for pid in readers:
+                assert _blkio_cgroup(pid).startswith("/kvtier-gpu-ratio-")
         assert servers.lmdb_throttles["lmdb-backed"].startswith("reads at 467 MB/s (")
-        assert _blkio_cgroup(daemon.pid) == home
-        with servers.lmdb_reads(SIDECAR, daemon, "arena-backed"):  # its arena holds it all
-            assert _blkio_cgroup(daemon.pid) == home
+        assert {pid: _blkio_cgroup(pid) for pid in readers} == home
+        with servers.lmdb_reads(SIDECAR, daemon, "arena-backed", engine.pid):  # arena holds all
+            assert {pid: _blkio_cgroup(pid) for pid in readers} == home
         assert "arena-backed" not in servers.lmdb_throttles
     finally:
         daemon.stop()
+        os.killpg(engine.pid, signal.SIGKILL)
+        engine.wait()
         servers.close()
+
+
+def _child_of(pid: int) -> int:
+    """``pid``'s one child, once it has started."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    for _ in range(500):
+        found = children.read_text().split()
+        if found:
+            return int(found[0])
+        time.sleep(0.01)
+    raise AssertionError(f"{pid} started no child")
