@@ -109,8 +109,8 @@ class ObjectFetcher:
 
     def _probe(self, key: ChunkKey, deadline: float | None) -> bool | None:
         """Whether an object starting at ``key`` exists (its chunks are then in lmdb); None
-        when the answer did not come before ``deadline`` (None: is not there yet; the probe
-        runs on, and is not over any budget)."""
+        when the answer did not come before ``deadline``. With no ``deadline`` a probe not
+        answered yet is not waited for: None at once, the probe runs on, over no budget."""
         now = time.monotonic()
         with self._lock:
             if self._probe_misses.get(key, 0.0) > now:
