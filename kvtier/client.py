@@ -95,17 +95,29 @@ class InProcessClient(TierClient):
         return self.manager.register_pool(spec, chunk_bytes)
 
     def lookup_unleased(
-        self, keys: Sequence[ChunkKey], release: Sequence[SlotRef], again: bool, verify: bool
+        self,
+        keys: Sequence[ChunkKey],
+        release: Sequence[SlotRef],
+        again: bool,
+        verify: bool,
+        probe_wait: bool = True,
     ) -> LookupResult:
         if release:
             self.manager.release(release)
-        return self.manager.lookup(keys, again=again, verify=verify)
+        return self.manager.lookup(keys, again=again, verify=verify, probe_wait=probe_wait)
 
     def lookup_leasing(
-        self, keys: Sequence[ChunkKey], release: Sequence[SlotRef], again: bool, verify: bool
+        self,
+        keys: Sequence[ChunkKey],
+        release: Sequence[SlotRef],
+        again: bool,
+        verify: bool,
+        probe_wait: bool = True,
     ) -> tuple[LookupResult, list[SlotRef | None]]:
         self.manager.release(release)
-        return self.manager.lookup_leasing(keys, self.replica, again=again, verify=verify)
+        return self.manager.lookup_leasing(
+            keys, self.replica, again=again, verify=verify, probe_wait=probe_wait
+        )
 
     def reserve_slots(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:
         return self.manager.reserve(keys, self.replica)
@@ -165,7 +177,8 @@ class InProcessClient(TierClient):
     def lookup_behind(
         self, keys: Sequence[ChunkKey], again: bool = False, verify: bool = False
     ) -> Answer[LookupResult]:
-        return Ready(self.manager.lookup(keys, again=again, verify=verify))
+        # answered in the caller's thread: a probe of the object store is not waited for
+        return Ready(self.manager.lookup(keys, again=again, verify=verify, probe_wait=False))
 
     def in_arena(self, keys: Sequence[ChunkKey]) -> list[SlotRef] | None:
         return None  # a lookup here is no dearer

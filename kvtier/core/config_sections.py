@@ -395,7 +395,8 @@ class ObjectStoreConfig(ConfigSection):
         20.0,
         ge=0,
         description="Longest a lookup waits for probes of chunks other nodes uploaded; past it "
-        "the caller is told to ask again.",
+        "the caller is told to ask again. The engine's step never waits on it: the connector's "
+        "lookups from inside it leave the probe running and ask again later.",
     )
     probe_chunks: int = Field(
         4, ge=0, description="Chunks past the known prefix probed in the store per lookup."

@@ -221,6 +221,7 @@ class TierClient(Protocol):
         lease: Literal[False] = ...,
         again: bool = ...,
         verify: bool = ...,
+        probe_wait: bool = ...,
     ) -> LookupResult: ...
 
     @overload
@@ -232,6 +233,7 @@ class TierClient(Protocol):
         lease: Literal[True],
         again: bool = ...,
         verify: bool = ...,
+        probe_wait: bool = ...,
     ) -> tuple[LookupResult, list[SlotRef | None]]: ...
 
     def lookup(
@@ -242,27 +244,41 @@ class TierClient(Protocol):
         lease: bool = False,
         again: bool = False,
         verify: bool = False,
+        probe_wait: bool = True,
     ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
         """Look the keys up, first ending the leases ``release``. With ``lease``, also lease
         the found chunks when the arena holds them all, all in one call. ``again``: the same
         request asks again while it waits; its keys and hits are not counted twice.
         ``verify``: the request is sampled for verification, so what is found is counted as
-        verified, not as hits: none of it is served.
+        verified, not as hits: none of it is served. ``probe_wait``: wait, up to the object
+        store's lookup budget, for a probe of the store past what the arena and lmdb hold; a
+        caller inside an engine's step turns it off and asks again while the answer is
+        ``pending``.
 
         A client that subclasses this protocol inherits this method (and `reserve`) and serves
         its two forms, `lookup_unleased` and `lookup_leasing`: the overloads are written once."""
         if lease:
-            return self.lookup_leasing(keys, release, again, verify)
-        return self.lookup_unleased(keys, release, again, verify)
+            return self.lookup_leasing(keys, release, again, verify, probe_wait)
+        return self.lookup_unleased(keys, release, again, verify, probe_wait)
 
     def lookup_unleased(
-        self, keys: Sequence[ChunkKey], release: Sequence[SlotRef], again: bool, verify: bool
+        self,
+        keys: Sequence[ChunkKey],
+        release: Sequence[SlotRef],
+        again: bool,
+        verify: bool,
+        probe_wait: bool = True,
     ) -> LookupResult:
         """`lookup` without ``lease``."""
         ...
 
     def lookup_leasing(
-        self, keys: Sequence[ChunkKey], release: Sequence[SlotRef], again: bool, verify: bool
+        self,
+        keys: Sequence[ChunkKey],
+        release: Sequence[SlotRef],
+        again: bool,
+        verify: bool,
+        probe_wait: bool = True,
     ) -> tuple[LookupResult, list[SlotRef | None]]:
         """`lookup` with ``lease``: the answer and the lease of each found chunk."""
         ...
@@ -271,7 +287,8 @@ class TierClient(Protocol):
         self, keys: Sequence[ChunkKey], again: bool = False, verify: bool = False
     ) -> Answer[LookupResult]:
         """`lookup` without a lease, without waiting for the answer: a caller that must not
-        wait asks again later, or waits as long as it may."""
+        wait asks again later, or waits as long as it may. A client that answers it in the
+        caller's thread does not wait for a probe of the object store either."""
         ...
 
     @overload

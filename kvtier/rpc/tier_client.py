@@ -37,6 +37,7 @@ from kvtier.rpc.session import DaemonSession
 _LOOKUP_LEASE = tier_pb2.LookupRequest.LEASE_FIELD_NUMBER
 _LOOKUP_AGAIN = tier_pb2.LookupRequest.AGAIN_FIELD_NUMBER
 _LOOKUP_VERIFY = tier_pb2.LookupRequest.VERIFY_FIELD_NUMBER
+_LOOKUP_NO_PROBE_WAIT = tier_pb2.LookupRequest.NO_PROBE_WAIT_FIELD_NUMBER
 _PREFETCH_IN_LMDB = tier_pb2.PrefetchRequest.IN_LMDB_FIELD_NUMBER
 _IN_ARENA = int(TierCode.CPU)
 
@@ -162,9 +163,14 @@ class GrpcTierClient(TierClient):
         self._session.in_session(lambda: self._channel.call(stub.QuarantineNamespace, request))
 
     def lookup_unleased(
-        self, keys: Sequence[ChunkKey], release: Sequence[SlotRef], again: bool, verify: bool
+        self,
+        keys: Sequence[ChunkKey],
+        release: Sequence[SlotRef],
+        again: bool,
+        verify: bool,
+        probe_wait: bool = True,
     ) -> LookupResult:
-        flags = _counting(again, verify)
+        flags = (*_counting(again, verify), *_probing(probe_wait))
         lookup = self._channel.lookup
         return lookup_from(self._keys_call(lookup, keys, self._leased(release), flags))
 
@@ -178,7 +184,12 @@ class GrpcTierClient(TierClient):
         return Pending(future, lookup_from, self.target)
 
     def lookup_leasing(
-        self, keys: Sequence[ChunkKey], release: Sequence[SlotRef], again: bool, verify: bool
+        self,
+        keys: Sequence[ChunkKey],
+        release: Sequence[SlotRef],
+        again: bool,
+        verify: bool,
+        probe_wait: bool = True,
     ) -> tuple[LookupResult, list[SlotRef | None]]:
         """The part of a hit the arena holds is answered from its key index, with no call and
         no lease: whoever copies a slot checks its generation afterwards anyway, and a call
@@ -196,7 +207,8 @@ class GrpcTierClient(TierClient):
         rest = keys[len(found) :]
         try:
             lookup = self._channel.lookup
-            response = self._keys_call(lookup, rest, ended, (_LOOKUP_LEASE, *flags))
+            asked = (_LOOKUP_LEASE, *flags, *_probing(probe_wait))
+            response = self._keys_call(lookup, rest, ended, asked)
         except KVTierError:
             self._reports.due_again(owned)  # these end with the next call; ``release``
             raise  # stays the caller's
@@ -296,3 +308,9 @@ def _counting(again: bool, verify: bool) -> tuple[int, ...]:
     """The flags that say how kvtierd counts a lookup: not again (asked again while it waits),
     or as verified rather than hit (sampled for verification)."""
     return (*((_LOOKUP_AGAIN,) if again else ()), *((_LOOKUP_VERIFY,) if verify else ()))
+
+
+def _probing(probe_wait: bool) -> tuple[int, ...]:
+    """The flag that tells kvtierd not to wait for a probe of the object store: an old
+    kvtierd ignores it and waits up to its budget, as it always did."""
+    return () if probe_wait else (_LOOKUP_NO_PROBE_WAIT,)

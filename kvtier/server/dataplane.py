@@ -190,7 +190,12 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
         release = self._refs(session, request.release)
         if release:
             self.sessions.release(session, release)
-        result = self.manager.lookup(keys, again=request.again, verify=request.verify)
+        result = self.manager.lookup(
+            keys,
+            again=request.again,
+            verify=request.verify,
+            probe_wait=not request.no_probe_wait,
+        )
         if not request.again or result.from_store:
             self.telemetry.looked_up(
                 session.replica,

@@ -1,7 +1,7 @@
 """A lookup's search through the tiers: the tier of each chunk of the longest stored prefix, the
 arena first, then lmdb, then the object store (probed for what other nodes uploaded, within
-``object.lookup_budget_ms``). A tier that is unhealthy (`kvtier.tiering.health`) is left out:
-its chunks are misses while it is."""
+``object.lookup_budget_ms``, or not waited for at all by a lookup that must not wait). A tier
+that is unhealthy (`kvtier.tiering.health`) is left out: its chunks are misses while it is."""
 
 from __future__ import annotations
 
@@ -40,7 +40,10 @@ class Finder:
         self._uploader = uploader
         self._health = health
 
-    def find(self, keys: Sequence[ChunkKey]) -> LookupResult:
+    def find(self, keys: Sequence[ChunkKey], probe_wait: bool = True) -> LookupResult:
+        """``probe_wait``: wait for a probe of the object store up to the lookup budget;
+        without it, answer with what the arena and lmdb hold, the probe left running
+        (``pending``)."""
         in_cpu = self._cpu.contains(keys)
         try:
             in_arena = in_cpu.index(False)
@@ -54,7 +57,7 @@ class Finder:
             extend()
             if self._fetcher is not None and len(codes) < len(keys):
                 if from_store:
-                    pending = self._fetcher.probe_past(keys, codes, extend)
+                    pending = self._fetcher.probe_past(keys, codes, extend, probe_wait)
                 if self._uploader is not None:  # what misses is stored next: its order packs it
                     first = max(0, len(codes) - 1)
                     self._uploader.follows(keys[first : first + 8192])

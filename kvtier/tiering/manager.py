@@ -9,7 +9,8 @@
   evicted (write-back), or right after commit (write-through); the data plane never waits on it;
 - with an object store, chunks written to lmdb are uploaded from a bounded queue, object chunks are
   promoted on request, and a lookup probes the store for chunks other nodes uploaded (within
-  ``object.lookup_budget_ms``), counted as object hits;
+  ``object.lookup_budget_ms``; not waited for by one with ``probe_wait`` off), counted as object
+  hits;
 - draft pools are versioned: an old revision's chunks are evicted first, and deleted from every
   tier after ``manager.draft_grace_s``; target chunks are never touched;
 - what a killed owner committed to the arena reaches lmdb once its namespace registers again;
@@ -226,14 +227,21 @@ class TierManager:
             counters.add(f"hit_chunks_{tier}", n)
 
     def lookup(
-        self, keys: Sequence[ChunkKey], *, again: bool = False, verify: bool = False
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        again: bool = False,
+        verify: bool = False,
+        probe_wait: bool = True,
     ) -> LookupResult:
         """The tier of each chunk of the longest stored prefix. ``again``: a request asking
         again while it waits, not counted as a lookup. ``verify``: a request sampled for
-        verification, whose found chunks are counted as verified, not hits (none is served)."""
+        verification, whose found chunks are counted as verified, not hits (none is served).
+        ``probe_wait`` off: a probe of the object store is started or joined, not waited for
+        (an engine's step asks so); the answer is ``pending`` while it runs."""
         keys = self.quarantines.cut(keys)
         self._check_pools(keys)
-        result = self.finder.find(keys)
+        result = self.finder.find(keys, probe_wait)
         if self.fetcher and not verify:  # what a probe brought counts once, as the store's
             result = replace(result, from_store=self.fetcher.claim(keys[: result.hits]))
         if not again:
@@ -249,10 +257,11 @@ class TierManager:
         *,
         again: bool = False,
         verify: bool = False,
+        probe_wait: bool = True,
     ) -> tuple[LookupResult, list[SlotRef | None]]:
         """`lookup`, also leasing the found chunks when the arena holds them all: a hit served
         from the arena then takes one call."""
-        result = self.lookup(keys, again=again, verify=verify)
+        result = self.lookup(keys, again=again, verify=verify, probe_wait=probe_wait)
         return result, self.lease(keys[: arena_hit(result)], replica)
 
     # -- store ----------------------------------------------------------------------------

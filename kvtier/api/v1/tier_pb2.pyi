@@ -411,6 +411,7 @@ class LookupRequest(_message.Message):
     AGAIN_FIELD_NUMBER: _builtins.int
     SERVED_FIELD_NUMBER: _builtins.int
     VERIFY_FIELD_NUMBER: _builtins.int
+    NO_PROBE_WAIT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     lease: _builtins.bool
     """Also lease the found chunks when the arena holds every one of them, as Prefetch would: a
@@ -429,6 +430,11 @@ class LookupRequest(_message.Message):
     compares what is found with them, serving none. Counted as a lookup whose found chunks are
     verified, not hits.
     """
+    no_probe_wait: _builtins.bool
+    """Answer at once with what the arena and lmdb hold: a probe of the object store past them is
+    started (or joined) and not waited for, and `pending` says it runs. A lookup made inside an
+    engine's step sets it; without it the lookup waits up to the store's lookup budget.
+    """
     @_builtins.property
     def keys(self) -> Global___KeyBatch: ...
     @_builtins.property
@@ -445,10 +451,11 @@ class LookupRequest(_message.Message):
         again: _builtins.bool = ...,
         served: _builtins.bool = ...,
         verify: _builtins.bool = ...,
+        no_probe_wait: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["again", b"again", "keys", b"keys", "lease", b"lease", "release", b"release", "served", b"served", "session_id", b"session_id", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["again", b"again", "keys", b"keys", "lease", b"lease", "no_probe_wait", b"no_probe_wait", "release", b"release", "served", b"served", "session_id", b"session_id", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,7 +1,8 @@
 """Chunks from the object store into lmdb, and from there into the arena.
 
 - a lookup probes the store for objects other nodes uploaded, past the chunks it found, no longer
-  than ``object.lookup_budget_ms``; what a probe finds is kept in lmdb;
+  than ``object.lookup_budget_ms`` (not at all for one that must not wait: the probe runs on, and
+  a later lookup finds what it brought); what a probe finds is kept in lmdb;
 - a promotion downloads the objects holding the chunks asked for, keeps them in lmdb and promotes
   them into the arena;
 - `ObjectFetcher.keep` is what both, and warmup's fetch, do with downloaded chunks.
@@ -67,16 +68,21 @@ class ObjectFetcher:
     # -- probe ----------------------------------------------------------------------------
 
     def probe_past(
-        self, keys: Sequence[ChunkKey], found: Sized, extend: Callable[[], object]
+        self,
+        keys: Sequence[ChunkKey],
+        found: Sized,
+        extend: Callable[[], object],
+        wait: bool = True,
     ) -> bool:
         """Probe the store for objects other nodes uploaded, starting at the first key found
-        nowhere (``keys[len(found)]``), within the lookup budget. Found chunks land in lmdb;
-        ``extend`` then grows ``found`` over what the tiers now hold. Returns True when a probe
-        is still running at the deadline."""
+        nowhere (``keys[len(found)]``), within the lookup budget; without ``wait``, a probe not
+        answered yet is left running, not waited for. Found chunks land in lmdb; ``extend``
+        then grows ``found`` over what the tiers now hold. Returns True when a probe is still
+        running at the deadline."""
         if not self.tier.principal_resolved.is_set():
             return True  # the identity is still being resolved at start: ask again, not a miss
         cfg = self.tier.config
-        deadline = time.monotonic() + cfg.lookup_budget_ms / 1000.0
+        deadline = time.monotonic() + cfg.lookup_budget_ms / 1000.0 if wait else None
         for _ in range(cfg.probe_chunks):
             if len(found) >= len(keys) or not self.tier.healthy:
                 return False
@@ -101,9 +107,10 @@ class ObjectFetcher:
             self._probed.difference_update(keys)
             return before - len(self._probed)
 
-    def _probe(self, key: ChunkKey, deadline: float) -> bool | None:
+    def _probe(self, key: ChunkKey, deadline: float | None) -> bool | None:
         """Whether an object starting at ``key`` exists (its chunks are then in lmdb); None
-        when the answer did not come before ``deadline``."""
+        when the answer did not come before ``deadline``. With no ``deadline`` a probe not
+        answered yet is not waited for: None at once, the probe runs on, over no budget."""
         now = time.monotonic()
         with self._lock:
             if self._probe_misses.get(key, 0.0) > now:
@@ -112,6 +119,8 @@ class ObjectFetcher:
             if future is None:
                 future = self._downloads.submit(self._probe_job, key, time.perf_counter())
                 self._probes[key] = future
+        if deadline is None:
+            return future.result() if future.done() else None
         try:
             return future.result(timeout=max(0.0, deadline - now))
         except FutureTimeout:

@@ -7,7 +7,9 @@ A hit is the longest prefix every target plan holds; the load chooser may take a
 of it. Its chunks must all be in the arena to be loaded (or in lmdb, with ``in_lmdb``: the
 worker reads those from lmdb's map): the others are promoted in the background and the request
 is asked again next step, for up to ``wait_s`` (or a share of what recomputing the hit takes,
-where longer); past that the hit shrinks to what the arena holds. The draft pool's chunks come
+where longer); past that the hit shrinks to what the arena holds. No lookup made in the
+engine's step waits for a probe of the object store: its answer says a probe runs, and the
+request is asked again in the background, as for a promotion. The draft pool's chunks come
 with their target's, or the draft pages are filled. What every request's decision shares is a
 `HitSetup`.
 """
@@ -129,9 +131,9 @@ class HitDecision:
     counted: bool = False
     """Its choice was counted, when a plan was final: a request is counted once."""
     probing: bool = False
-    """Its last lookup found kvtierd still probing the object store past the hit: the next is
-    asked in the background, since kvtierd holds a lookup up to its probe budget and the
-    engine's step would wait that long for it."""
+    """Its last lookup found a probe of the object store running past the hit (a lookup in the
+    step starts one and does not wait for it): the next is asked in the background, since the
+    tiers hold a lookup up to their probe budget and the engine's step would wait that long."""
 
     @cached_property
     def keys(self) -> PromptKeys:
@@ -409,7 +411,9 @@ class HitDecision:
                 span = plan_span(plan, first, chunks, setup.chunk_tokens)
                 if plan.window or plan.key not in found:
                     # the first lookup counted these keys: the window checks are asked again
-                    result = setup.client.lookup(self._keys(plan, list(span)), again=True)
+                    result = setup.client.lookup(
+                        self._keys(plan, list(span)), again=True, probe_wait=False
+                    )
                     pending |= result.pending
                     found[plan.key] = (span.start, result.tier_codes)
                 have = span.start + len(found[plan.key][1])
@@ -447,7 +451,7 @@ class HitDecision:
         setup = self.setup
         keys = self._keys(draft, list(plan_span(draft, hit.start, hit.stop, setup.chunk_tokens)))
         again = self.waiting_since is not None
-        found = setup.client.lookup(keys, again=again, verify=self.verify)
+        found = setup.client.lookup(keys, again=again, verify=self.verify, probe_wait=False)
         below = [k for k, c in zip(keys, found.tier_codes, strict=False) if c != CPU]
         if not below and not found.pending:
             return False
