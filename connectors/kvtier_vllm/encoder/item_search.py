@@ -125,7 +125,8 @@ class ItemLocator:
                 # the promoting thread is this process's: a step that only asks again holds
                 # the interpreter, and would let it run once a switch interval (5 ms)
                 time.sleep(PROMOTER_TURN_S)
-                if arena_hit(client.lookup(item.keys)) == len(item.keys):
+                # the step never waits on an object-store probe: the arena is what counts here
+                if arena_hit(client.lookup(item.keys, probe_wait=False)) == len(item.keys):
                     self._promoting.pop(item.identifier, None)
                     return ARENA
             return PROMOTING

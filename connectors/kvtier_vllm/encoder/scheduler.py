@@ -210,7 +210,7 @@ class EncoderCacheScheduler:
         now, the next hit report tells kvtierd. Where the index no longer holds it all, the
         lookup is a call, and the leases it took are given back (the lease below is the one
         held)."""
-        _, refs = client.lookup(item.keys, lease=True, verify=sampled)
+        _, refs = client.lookup(item.keys, lease=True, verify=sampled, probe_wait=False)
         held = [ref for ref in refs if ref is not None and not isinstance(ref, IndexedRef)]
         if held:
             client.release(held)
