@@ -317,6 +317,7 @@ def ttft_parts_table(result: dict[str, Any]) -> list[str]:
         f"{result['settings']['ttft_parts']})",
         "",
         "Queue: arrival in the engine to first scheduled (an async load's wait lies inside it); "
+        "kvtier load wait: over the requests that loaded a hit, first ask to the load landing; "
         "prefill: first scheduled to first token (a sync load's copy lies inside it); TTFT as "
         "vLLM's front end measures it.",
         "",
