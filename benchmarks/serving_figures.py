@@ -1,5 +1,6 @@
 """The serving benchmark's figures: a case's outcome, a level's summary (hits by round, TTFT of
-later rounds), no-reuse ratios, kvtier's own time, and the profiler's step shares."""
+later rounds, where the time to first token went), no-reuse ratios, kvtier's own time, and the
+profiler's step shares."""
 
 from __future__ import annotations
 
@@ -20,6 +21,21 @@ from kvtier.bench.stats import Percentiles
 from kvtier.bench.trace import load_trace, step_shares
 
 log = logging.getLogger("kvtier.bench.serving")
+
+PHASE_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5]
+PHASE_BUCKETS += [2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0, 480.0, 1920.0, 7680.0]
+"""Bounds of vLLM's request-phase and TTFT histograms on the benchmark's servers: its default
+phase buckets start at 0.3 s, too coarse for a p90 of a first token's parts."""
+TTFT_PARTS_SCOPE = (
+    "whole level: every round, each user's first (a cold prefill) included, since users' "
+    "rounds overlap; mean exact, p90 interpolated within the histogram's buckets"
+)
+
+
+def histogram_args() -> list[str]:
+    """vLLM's arguments for `PHASE_BUCKETS`."""
+    families = ("request_latency", "time_to_first_token")
+    return ["--custom-histogram-buckets", json.dumps(dict.fromkeys(families, PHASE_BUCKETS))]
 
 
 @dataclass
@@ -95,6 +111,7 @@ def summary(level: LevelResult) -> dict[str, Any]:
         "daemon_hit_ratio": server.daemon_hit_ratio,
         "daemon_lookup_chunks": server.daemon_lookup_chunks,
         "daemon_hit_chunks_by_tier": server.daemon_hit_chunks_by_tier,
+        "ttft_parts": server.ttft_parts,
     }
 
 

@@ -31,6 +31,7 @@ from benchmarks.serving_cases import (
     USERS,
 )
 from benchmarks.serving_figures import (
+    TTFT_PARTS_SCOPE,
     Outcome,
     later_rounds_ttft,
     mean_cost,
@@ -201,6 +202,7 @@ def result_of(
             "connector_extra": bench.connector_extra,
             "speculative_tokens": SPEC_TOKENS,
             "run_dir": str(bench.servers.root),
+            "ttft_parts": TTFT_PARTS_SCOPE,
         },
         "_outcomes": outcomes,
     }
@@ -253,6 +255,7 @@ def tables(result: dict[str, Any]) -> str:
                 f"{_pct(lv['hit_ratio'])} | {_pct(lv['daemon_hit_ratio'])} | "
                 f"{lv['ok']}/{lv['requests']} |"
             )
+    lines += ttft_parts_table(result)
     lines += past_the_arena_table(result)
     if "gpu_ratio_targets" in result:
         lines += serving_gpu_ratio.tables(result)
@@ -284,6 +287,46 @@ def tables(result: dict[str, Any]) -> str:
             f"({profile['kvtier_outside_steps_s']:.3f} s of kvtier outside steps).",
         ]
     return "\n".join(lines)
+
+
+TTFT_PARTS = (("queue", "queue"), ("load_wait", "kvtier load wait"), ("prefill", "prefill"))
+TTFT_PARTS += (("ttft", "TTFT"),)
+
+
+def ttft_parts_table(result: dict[str, Any]) -> list[str]:
+    """Per server at the headline concurrency: the mean and p90 of each part of a request's
+    time to first token, from the engine's histograms."""
+    rows = []
+    for s in result["servers"].values():
+        level = next(
+            (lv for lv in s["multi_round"] if lv["concurrency"] == HEADLINE_CONCURRENCY), None
+        )
+        parts = level["ttft_parts"] if level else {}
+        if parts:
+            cells = [
+                f"{_ms(p.get('mean_s'))}/{_ms(p.get('p90_s'))}" if p else "-"
+                for p in (parts.get(part) for part, _ in TTFT_PARTS)
+            ]
+            requests = int((parts.get("ttft") or {}).get("requests") or 0)
+            rows.append(f"| {s['label']} | {requests} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return [
+        "",
+        f"## Where the time to first token goes (concurrency {HEADLINE_CONCURRENCY}; "
+        f"{result['settings']['ttft_parts']})",
+        "",
+        "Queue: arrival in the engine to first scheduled (an async load's wait lies inside it); "
+        "kvtier load wait: over the requests that loaded a hit, first ask to the load landing; "
+        "prefill: first scheduled to first token (a sync load's copy lies inside it); TTFT as "
+        "vLLM's front end measures it.",
+        "",
+        "| server | requests | "
+        + " | ".join(f"{label} mean/p90 ms" for _, label in TTFT_PARTS)
+        + " |",
+        "|---|---:|" + "---:|" * len(TTFT_PARTS),
+        *rows,
+    ]
 
 
 def past_the_arena_table(result: dict[str, Any]) -> list[str]:

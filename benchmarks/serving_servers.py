@@ -34,7 +34,7 @@ from benchmarks.serving_cases import (
     Case,
     Plan,
 )
-from benchmarks.serving_figures import profiler_args
+from benchmarks.serving_figures import histogram_args, profiler_args
 from benchmarks.serving_lmcache import LmcacheServer
 from tests.fixtures.s3 import SCRUBBED_ENV, MotoServer, irsa_env, patched_env
 from tests.fixtures.servers import VllmServer, connector_arg
@@ -210,6 +210,8 @@ class Servers:
             args += ["--speculative-config", json.dumps(spec)]
         if case.capture:
             args += ["--speculative-config", json.dumps(CAPTURE)]
+        if case.connector != "lmcache":  # LMCache serves from a vLLM of its own
+            args += histogram_args()
         env = {"VLLM_SERVER_DEV_MODE": "1"}
         if plan.profile:
             args += profiler_args(tmp / "traces")

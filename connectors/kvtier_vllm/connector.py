@@ -112,6 +112,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 connector_output.kv_connector_worker_meta,
                 getattr(connector_output, "failed_recving", None) or (),
                 getattr(connector_output, "invalid_block_ids", None) or (),
+                getattr(connector_output, "finished_recving", None) or (),
             ),
             lambda: None,
         )

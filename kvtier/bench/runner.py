@@ -113,6 +113,7 @@ class LevelResult:
         out["hit_ratio"] = self.server.hit_ratio
         out["hit_ratio_by_source"] = self.server.hit_ratio_by_source
         out["daemon_hit_ratio"] = self.server.daemon_hit_ratio
+        out["ttft_parts"] = self.server.ttft_parts
         out["error_messages"] = self.error_messages
         return out
 

@@ -10,11 +10,21 @@ splits them into local_compute, local_cache_hit and external_kv_transfer. kvtier
 the daemon serves ``kvtier_lookup_chunks_total`` and ``kvtier_hit_chunks_total{tier}`` on its
 own port.
 
+vLLM's per-request histograms split a request's time to first token:
+``vllm:request_queue_time_seconds`` (arrival in the engine to first scheduled, which includes
+the wait in WAITING_FOR_REMOTE_KVS for an asynchronous load),
+``vllm:request_prefill_time_seconds`` (first scheduled to first token, a synchronous load's copy
+included) and ``vllm:time_to_first_token_seconds`` (measured by the front end, so it also holds
+what happens before the engine); kvtier's connector adds ``vllm:kvtier_load_wait_seconds`` (a
+request's first ask to its load landing). Their deltas over a level are `Histogram`s: the mean
+is exact, quantiles are interpolated within buckets.
+
 The counters are server-wide: other traffic during a level is counted too.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -35,14 +45,21 @@ CONNECTOR_HOOK_SECONDS = "vllm:kvtier_hook_seconds_total"
 CONNECTOR_DRAWS = "vllm:kvtier_verify_requests_total"
 DAEMON_LOOKUPS = "kvtier_lookup_chunks_total"
 DAEMON_HITS = "kvtier_hit_chunks_total"
+TTFT_PARTS = {
+    "queue": "vllm:request_queue_time_seconds",
+    "load_wait": "vllm:kvtier_load_wait_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "ttft": "vllm:time_to_first_token_seconds",
+}
+"""The histograms a request's time to first token is split by, by part."""
 
 
 def parse_counters(text: str) -> Samples:
-    """Every counter and gauge sample (``_created`` timestamps left out), keyed by sample name
-    and sorted labels."""
+    """Every counter, gauge and histogram sample (``_bucket``, ``_count``, ``_sum``; ``_created``
+    timestamps left out), keyed by sample name and sorted labels."""
     out: Samples = {}
     for family in text_string_to_metric_families(text):
-        if family.type in ("histogram", "gaugehistogram", "summary"):
+        if family.type in ("gaugehistogram", "summary"):
             continue
         for sample in family.samples:
             if sample.name.endswith("_created"):
@@ -89,6 +106,58 @@ def has(samples: Samples, name: str) -> bool:
 
 
 @dataclass(frozen=True)
+class Histogram:
+    """A histogram's observations over a level (a delta), its series summed."""
+
+    bounds: tuple[float, ...]
+    """Upper bounds of its finite buckets, ascending."""
+    cumulative: tuple[float, ...]
+    """Observations at or below each bound; ``count`` is the +Inf bucket's."""
+    count: float
+    sum: float
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count > 0 else None
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile (0..1) as Prometheus's ``histogram_quantile`` reads it: linear
+        within the bucket that holds its rank, from 0 in the first bucket; a rank past the last
+        finite bound gives that bound. None with no observation."""
+        if not 0 <= q <= 1:
+            raise ValueError(f"quantile must be within 0..1, got {q}")
+        if self.count <= 0 or not self.bounds:
+            return None
+        rank = q * self.count
+        below, lower = 0.0, 0.0
+        for bound, at in zip(self.bounds, self.cumulative, strict=True):
+            if at >= rank and at > below:
+                return lower + (bound - lower) * (rank - below) / (at - below)
+            below, lower = at, bound
+        return self.bounds[-1]
+
+
+def histogram(samples: Samples, name: str, **labels: str) -> Histogram | None:
+    """The histogram ``name`` over the series whose labels include ``labels``; None where the
+    page has no such histogram."""
+    if not has(samples, f"{name}_count"):
+        return None
+    at: dict[float, float] = {}
+    for (n, series), v in samples.items():
+        d = dict(series)
+        if n == f"{name}_bucket" and all(d.get(k) == w for k, w in labels.items()):
+            bound = float(d["le"])
+            at[bound] = at.get(bound, 0.0) + v
+    bounds = sorted(b for b in at if not math.isinf(b))
+    return Histogram(
+        bounds=tuple(bounds),
+        cumulative=tuple(at[b] for b in bounds),
+        count=total(samples, f"{name}_count", **labels),
+        sum=total(samples, f"{name}_sum", **labels),
+    )
+
+
+@dataclass(frozen=True)
 class ServerCounters:
     """What the server counted during one level (deltas); None where it exposes no such
     metric."""
@@ -107,6 +176,17 @@ class ServerCounters:
     """Requests with a hit the verification sampler drew for, by outcome (sampled, served)."""
     daemon_lookup_chunks: float | None = None
     daemon_hit_chunks_by_tier: dict[str, float] = field(default_factory=dict)
+    ttft_histograms: dict[str, Histogram] = field(default_factory=dict)
+    """The engine's histograms of `TTFT_PARTS`, by part (those it exposes)."""
+
+    @property
+    def ttft_parts(self) -> dict[str, dict[str, float | None]]:
+        """Per part of a request's time to first token: the requests observed, the mean
+        (exact) and the p90 (interpolated within the histogram's buckets), in seconds."""
+        return {
+            part: {"requests": h.count, "mean_s": h.mean, "p90_s": h.quantile(0.9)}
+            for part, h in self.ttft_histograms.items()
+        }
 
     @property
     def hit_ratio(self) -> float | None:
@@ -159,4 +239,9 @@ def server_counters(
         verify_draws=by_label(e, CONNECTOR_DRAWS, "outcome", **labels),
         daemon_lookup_chunks=total(d, DAEMON_LOOKUPS) if has(d, DAEMON_LOOKUPS) else None,
         daemon_hit_chunks_by_tier=by_label(d, DAEMON_HITS, "tier"),
+        ttft_histograms={
+            part: h
+            for part, name in TTFT_PARTS.items()
+            if (h := histogram(e, name, **labels)) is not None
+        },
     )

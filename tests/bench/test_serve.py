@@ -107,6 +107,13 @@ def test_multi_round_counts_match_the_workload(
         assert level["output_tps"] > 0
         assert level["output_tps_per_user"] > 0
         assert level["itl_s"]["p50"] > 0
+        # where each first token's time went, from vLLM's histograms: no connector, no load wait
+        parts = level["ttft_parts"]
+        assert set(parts) == {"queue", "prefill", "ttft"}
+        for part in parts.values():
+            assert part["requests"] == USERS * R
+            assert part["mean_s"] >= 0
+            assert part["p90_s"] >= 0
     # the whole run, from the server's counters: measured and warm-up requests, nothing else
     n = len(LEVELS)
     assert server["vllm:request_success_total"] == n * (USERS * R + WARMUP)

@@ -81,6 +81,13 @@ def test_a_restarted_server_loads_the_outputs_the_first_one_stored(
             level = run_level(BenchConfig(url=url, workload=SPEC, requests=requests), 2, index=run)
             assert level.ok == requests, level.error_messages
             assert level.ttft_s.p50 > 0
+            # a server with kvtier's encoder cache splits its first tokens' time too (no KV
+            # connector: no load wait)
+            parts = level.server.ttft_parts
+            assert set(parts) == {"queue", "prefill", "ttft"}
+            for part in parts.values():
+                assert part["requests"] == requests
+                assert min(part["mean_s"] or -1.0, part["p90_s"] or -1.0) >= 0, part
             # the first server encodes each image once; the second loads from lmdb what the
             # first one stored (and stores an image of the set the first one never saw)
             assert encoder_items(url, result) >= 1

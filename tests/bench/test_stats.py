@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvtier.bench.scrape import delta, parse_counters, server_counters
+from kvtier.bench.scrape import Histogram, delta, histogram, parse_counters, server_counters
 from kvtier.bench.stats import Percentiles, inter_token_gaps, percentile, rate
 
 
@@ -91,8 +91,62 @@ def test_hit_ratio_by_source_from_a_before_after_delta() -> None:
     assert c.daemon_hit_ratio == pytest.approx(0.75)
 
 
+HISTOGRAMS = """\
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_bucket{engine="0",le="0.1",model_name="m"} %(q1)s
+vllm:request_queue_time_seconds_bucket{engine="0",le="0.5",model_name="m"} %(q5)s
+vllm:request_queue_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} %(n)s
+vllm:request_queue_time_seconds_count{engine="0",model_name="m"} %(n)s
+vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} %(qsum)s
+vllm:request_queue_time_seconds_bucket{engine="0",le="0.1",model_name="other"} 50
+vllm:request_queue_time_seconds_bucket{engine="0",le="0.5",model_name="other"} 50
+vllm:request_queue_time_seconds_bucket{engine="0",le="+Inf",model_name="other"} 50
+vllm:request_queue_time_seconds_count{engine="0",model_name="other"} 50
+vllm:request_queue_time_seconds_sum{engine="0",model_name="other"} 1
+# TYPE vllm:kvtier_load_wait_seconds histogram
+vllm:kvtier_load_wait_seconds_bucket{engine="0",le="0.01",model_name="m"} %(w1)s
+vllm:kvtier_load_wait_seconds_bucket{engine="0",le="0.1",model_name="m"} %(w2)s
+vllm:kvtier_load_wait_seconds_bucket{engine="0",le="+Inf",model_name="m"} %(w2)s
+vllm:kvtier_load_wait_seconds_count{engine="0",model_name="m"} %(w2)s
+vllm:kvtier_load_wait_seconds_sum{engine="0",model_name="m"} %(wsum)s
+"""
+
+
+def test_a_levels_histogram_is_the_delta_of_its_buckets_with_quantiles_from_them() -> None:
+    before = {"q1": 5, "q5": 8, "n": 10, "qsum": 4.0, "w1": 1, "w2": 1, "wsum": 0.005}
+    after = {"q1": 15, "q5": 26, "n": 30, "qsum": 9.0, "w1": 1, "w2": 5, "wsum": 0.205}
+    d = delta(parse_counters(HISTOGRAMS % before), parse_counters(HISTOGRAMS % after))
+    queue = histogram(d, "vllm:request_queue_time_seconds", model_name="m")
+    # 20 requests: 10 at or below 0.1 s, 8 in (0.1, 0.5], 2 past 0.5
+    assert queue == Histogram(bounds=(0.1, 0.5), cumulative=(10, 18), count=20, sum=5.0)
+    assert queue.mean == pytest.approx(0.25)
+    assert queue.quantile(0.5) == pytest.approx(0.1)  # rank 10: the first bucket's top
+    assert queue.quantile(0.25) == pytest.approx(0.05)  # rank 5 of 10 in [0, 0.1]
+    assert queue.quantile(0.7) == pytest.approx(0.1 + 0.4 * 4 / 8)  # rank 14: 4 of 8 in it
+    assert queue.quantile(0.95) == 0.5  # in the +Inf bucket: the last finite bound
+    with pytest.raises(ValueError, match=r"0\.\.1"):
+        queue.quantile(90)
+    c = server_counters(d, model="m")
+    assert c.ttft_histograms["queue"] == queue
+    parts = c.ttft_parts
+    assert set(parts) == {"queue", "load_wait"}  # only what the page has
+    assert parts["load_wait"]["requests"] == 4
+    assert parts["load_wait"]["mean_s"] == pytest.approx(0.05)
+    # no wait fell at or below 0.01 s: all four lie in (0.01, 0.1], the p90 at 3.6 of them
+    assert parts["load_wait"]["p90_s"] == pytest.approx(0.01 + 0.09 * 3.6 / 4)
+    assert parts["queue"]["p90_s"] == pytest.approx(0.1 + 0.4 * 8 / 8)
+
+
+def test_a_histogram_with_no_observation_has_no_mean_or_quantile() -> None:
+    empty = Histogram(bounds=(0.1,), cumulative=(0,), count=0, sum=0.0)
+    assert empty.mean is None
+    assert empty.quantile(0.9) is None
+    assert histogram({}, "vllm:request_queue_time_seconds") is None
+
+
 def test_a_server_without_the_metrics_gives_none() -> None:
     c = server_counters(None)
+    assert c.ttft_parts == {}
     assert c.prompt_tokens is None
     assert c.hit_ratio is None
     assert c.daemon_hit_ratio is None

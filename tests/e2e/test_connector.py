@@ -67,6 +67,18 @@ def hook_seconds(hook: str | None = None) -> float:
     )
 
 
+def load_waits(llm: Any) -> tuple[float, float]:
+    """(requests observed, seconds) of ``vllm:kvtier_load_wait_seconds``, over engines."""
+    from vllm.v1.metrics.reader import Histogram
+
+    found = [
+        m
+        for m in llm.get_metrics()
+        if isinstance(m, Histogram) and m.name == "vllm:kvtier_load_wait_seconds"
+    ]
+    return sum(m.count for m in found), sum(m.sum for m in found)
+
+
 def kvtier_config(extra: dict[str, Any]) -> dict[str, Any]:
     """The connector with ``extra``, under the tests' deadlines and without verification; a
     failed load is vLLM's default (an error), so that tests see one."""
@@ -112,6 +124,7 @@ def test_embedded_outputs_match_and_a_fresh_engine_hits_what_another_stored(
     with running_llm(tiny_models.target, kv_transfer_config=connector, kv_events=True) as llm:
         first, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
         assert counter_value(llm, EXTERNAL_HITS) == 0  # nothing stored before this engine
+        assert load_waits(llm)[0] == 0  # no hit, no load to wait for
         stored = counter(llm, TRANSFER_BYTES, direction="store", pool="target")
     assert first == baseline[: len(prompts)]
     assert cached == [0] * len(prompts)
@@ -127,6 +140,10 @@ def test_embedded_outputs_match_and_a_fresh_engine_hits_what_another_stored(
         assert cached_by_source(llm, "disk") > 0
         assert cached_by_source(llm, "host") == 0
         loaded = counter(llm, TRANSFER_BYTES, direction="load", pool="target")
+        # each request waited for its one load from lmdb, and that wait took time
+        waited, waited_s = load_waits(llm)
+    assert waited == len(prompts)
+    assert waited_s > 0
     # kvtier's own transfer counters in vLLM's /metrics: what one stored, the other loaded
     assert stored > 0
     assert 0 < loaded <= stored

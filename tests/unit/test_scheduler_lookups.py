@@ -57,14 +57,19 @@ def _vllm_config() -> Any:
     )
 
 
-def open_scheduler(shm_path: Path, tmp_path: Path) -> KVTierScheduler:
-    """An embedded scheduler of one full-attention group, its arena at ``shm_path``."""
+def open_scheduler(shm_path: Path, tmp_path: Path, **settings: Any) -> KVTierScheduler:
+    """An embedded scheduler of one full-attention group, its arena at ``shm_path``
+    (``settings``: the connector's, beside those set here)."""
     tiers = tmp_path / "kvtier.yaml"  # JSON is YAML
     arena = {"path": str(shm_path), "size_bytes": 16 * MiB, "extent_bytes": 2 * MiB}
     lmdb = {"path": str(tmp_path / "lmdb"), "budget_bytes": 64 * MiB}
     tiers.write_text(json.dumps({"arena": arena, "lmdb": lmdb}))
     cfg = ConnectorConfig(
-        kvtier_config=tiers, model_revision="r1", blocks_per_chunk=BPC, verify_sample_rate=0
+        kvtier_config=tiers,
+        model_revision="r1",
+        blocks_per_chunk=BPC,
+        verify_sample_rate=0,
+        **settings,
     )
     groups = [SimpleNamespace(kv_cache_spec=FullAttentionSpec(), layer_names=list(LAYERS))]
     return KVTierScheduler(_vllm_config(), SimpleNamespace(kv_cache_groups=groups), cfg)

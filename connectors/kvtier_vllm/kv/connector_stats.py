@@ -33,6 +33,8 @@ DRAW_OUTCOMES = ("sampled", "served")
 """What the verification sampler made of a request with a hit."""
 ERROR_BUCKETS = (1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, float("inf"))
 """Upper bounds of the relative-error histogram's buckets."""
+LOAD_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Upper bounds (seconds) of the load-wait histogram's buckets."""
 POOLS = ("target", "draft", "hidden")
 DECISIONS = ("load", "recompute")
 """What `load_policy: measured` made of a run of a hit's chunks held in one tier."""
@@ -100,6 +102,12 @@ class KVTierStats(KVConnectorStats):
     def load_saved(self, decision: str, seconds: float) -> None:
         """Seconds loading (or recomputing) instead of the other is expected to have saved."""
         self.add(_SEP.join(("saved", decision)), seconds)
+
+    def load_waited(self, seconds: float) -> None:
+        """A request waited ``seconds`` from its first ask until its load landed; each wait
+        keeps a key of its own until reported, so /metrics observes it exactly."""
+        waits = sum(key.startswith("load_wait") for key in self.data)
+        self.data[_SEP.join(("load_wait", str(waits)))] = seconds
 
     def hooks(self, seconds: dict[str, float]) -> None:
         """Seconds spent inside each of kvtier's hooks."""
@@ -264,6 +272,15 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             labelnames=[*base, "pool"],
             buckets=list(ERROR_BUCKETS[:-1]),
         )
+        self._load_waits: Any = histogram(
+            name="vllm:kvtier_load_wait_seconds",
+            documentation="Seconds a request with a hit waited for its KV, from its first ask "
+            "to its first load landing: to the workers reporting it (async loads, inside "
+            "vLLM's queue time) or to the step that schedules it (sync loads, whose copy is "
+            "in vLLM's prefill time).",
+            labelnames=base,
+            buckets=list(LOAD_WAIT_BUCKETS),
+        )
         gauge: Any = self._gauge_cls
         self._revision: Any = gauge(
             name="vllm:kvtier_draft_revision_info",
@@ -314,6 +331,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             self._decided.labels(*labels, parts[1], parts[2]).inc(value)
         elif kind == "saved" and parts[1] in DECISIONS and value > 0:
             self._saved.labels(*labels, parts[1]).inc(value)
+        elif kind == "load_wait":
+            self._load_waits.labels(*labels).observe(value)
         elif kind == "hook" and value:
             self._hooks.labels(*labels, parts[1]).inc(value)
         elif kind == "stale":

@@ -5,17 +5,21 @@ prefix, and their leases go back."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvtier.core.protocol import SlotRef
 from kvtier_vllm.drafts.swaps import Fill
 from kvtier_vllm.kv.connector_stats import KVTierStats
 from kvtier_vllm.kv.metadata import KVTierMetadata
+from kvtier_vllm.kv.scheduler_side.load_waits import LoadWaits
 from kvtier_vllm.kv.scheduler_side.loads import LoadPlan
 from kvtier_vllm.kv.scheduler_side.requests import RequestState
 from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
 from kvtier_vllm.layout.plans import PoolPlan
+
+log = logging.getLogger(__name__)
 
 
 class PendingLoads:
@@ -44,6 +48,8 @@ class PendingLoads:
         """Asynchronous loads planned since the last step, for the next step's metadata."""
         self._queued_leases: list[SlotRef] = []
         self._ready: dict[str, LoadPlan] = {}
+        self.waits = LoadWaits()
+        """How long each request waited for its first load, into the stats."""
 
     def grant(self, state: RequestState, plan: LoadPlan, blocks: Any, stats: KVTierStats) -> None:
         """vLLM allocated ``blocks`` for the load of ``plan``."""
@@ -57,6 +63,7 @@ class PendingLoads:
         self._queued_leases.extend(self.add_copies(self.queued, state, plan, stats))
         self.queued.receiving.append(state.request.request_id)
         self.queued.block_errors = self.block_errors
+        self.waits.waiting(state)
 
     def take_queued(self) -> KVTierMetadata:
         """The next step's metadata, with the asynchronous loads queued for it."""
@@ -89,13 +96,32 @@ class PendingLoads:
         if plan.fill is not Fill.NONE and plan.chunks:
             stats.fill(plan.fill, plan.chunks)
         state.stored_chunks = max(state.stored_chunks, plan.end)
+        if not self.async_loads:
+            self.waits.handed_out(state, stats)
         return plan.refs()
+
+    def reported(
+        self,
+        requests: Mapping[str, RequestState],
+        finished: Iterable[str],
+        failed: Iterable[str],
+        stats: KVTierStats,
+    ) -> None:
+        """The workers finished these asynchronous loads, ``failed`` among them: those
+        requests are recomputed without kvtier."""
+        failed = set(failed)
+        for req_id in failed:
+            if (state := requests.get(req_id)) is not None:
+                log.warning("kvtier: the load of request %s failed; vLLM recomputes it", req_id)
+                state.load_failed = True
+        self.waits.reported(set(finished) - failed, failed, stats)
 
     def forget(self, req_id: str) -> None:
         """The request finished: a load granted and not copied gives its leases back."""
         plan = self._ready.pop(req_id, None)
         if plan is not None:
             self.calls.release(plan.refs())
+        self.waits.forget(req_id)
 
     def abandon_load(
         self, req_id: str, state: RequestState | None, blocks: Any, num_external_tokens: int

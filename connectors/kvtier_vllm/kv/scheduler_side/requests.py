@@ -3,6 +3,7 @@ it, and its hit decision."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,8 @@ class RequestState:
     """Its asynchronous load failed: vLLM recomputes it, without kvtier."""
     tail_stored: bool = False
     """Its prompt's hidden-state tail was reserved (captured hidden states)."""
+    asked_at: float | None = field(default_factory=time.perf_counter)
+    """When it first asked for a hit (perf_counter); None once its first load landed."""
 
     @property
     def local_hit(self) -> int:

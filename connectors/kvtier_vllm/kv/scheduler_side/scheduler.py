@@ -385,12 +385,13 @@ class KVTierScheduler:
         return self.events.take()
 
     def update_connector_output(
-        self, worker_meta: Any, failed_loads: Iterable[str] = (), failed_blocks: Iterable[int] = ()
+        self,
+        worker_meta: Any,
+        failed_loads: Iterable[str] = (),
+        failed_blocks: Iterable[int] = (),
+        finished_loads: Iterable[str] = (),
     ) -> None:
-        for req_id in failed_loads:
-            if (state := self._requests.get(req_id)) is not None:
-                log.warning("kvtier: the load of request %s failed; vLLM recomputes it", req_id)
-                state.load_failed = True
+        self.pending.reported(self._requests, finished_loads, failed_loads, self.stats)
         if invalid := set(failed_blocks):
             # one group: a load fails per block, and vLLM recomputes from the first failed one
             for req_id, state in self._requests.items():
