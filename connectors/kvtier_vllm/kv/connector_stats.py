@@ -33,7 +33,7 @@ DRAW_OUTCOMES = ("sampled", "served")
 """What the verification sampler made of a request with a hit."""
 ERROR_BUCKETS = (1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, float("inf"))
 """Upper bounds of the relative-error histogram's buckets."""
-POOLS = ("target", "draft", "hidden")
+POOLS = ("target", "draft", "hidden", "state")
 DECISIONS = ("load", "recompute")
 """What `load_policy: measured` made of a run of a hit's chunks held in one tier."""
 MAX_REVISIONS = 16
