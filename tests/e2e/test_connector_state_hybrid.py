@@ -18,9 +18,10 @@ from typing import Any
 
 import lmdb
 import pytest
+from kvtier_vllm.kv.connector_stats import VERIFY_RESULTS
 
-from kvtier.core.blockfmt import peek_header
-from kvtier.core.keys import Pool
+from kvtier.core.blockfmt import decode, peek_header
+from kvtier.core.keys import Pool, namespace_of
 from kvtier.tiers.lmdb_reader import DATABASES
 from tests.e2e.models import (
     ModelSet,
@@ -33,12 +34,14 @@ from tests.e2e.models import (
 )
 from tests.e2e.test_connector import (
     TRANSFER_BYTES,
+    VERIFIED,
     cached_by_source,
     counter,
     embedded_yaml,
     kvtier_config,
 )
 from tests.e2e.test_connector_hybrid import Run, generate
+from tests.fixtures.engines import scheduler_of
 from tests.integration.daemon_harness import Processes, RunningDaemon, wait_for, write_config
 
 pytestmark = pytest.mark.slow
@@ -183,12 +186,66 @@ def test_embedded_hits_the_stored_state_and_a_diverging_prompt_the_boundary_befo
         partial = generate(llm, [diverged])
         run = generate(llm, state_prompts)
         loaded = counter(llm, TRANSFER_BYTES, direction="load", pool="state")
+        verified, swapped = verify_states(llm, state_prompts, baseline)
     assert partial.cached == [stride]
     assert partial.same_output(reference)
     # the first prompt's first stride is in vLLM's own cache now; kvtier loads the rest
     assert run.cached == [STRIDES * stride] * len(state_prompts)
     assert run.same_output(baseline.hit)
     assert loaded > 0
+    # every hit's last state compared part by part: none left unchecked
+    assert verified == {"match": len(state_prompts), "mismatch": 0, "unchecked": 0}
+    assert swapped["mismatch"] >= 1
+
+
+def verify_states(
+    llm: Any, prompts: list[list[int]], baseline: Baseline
+) -> tuple[dict[str, float], dict[str, float]]:
+    """With every hit verified, ``prompts`` asked again, then again once lmdb's state chunks
+    were stored anew each with another's payload (`rotate_lmdb_chunks`); the state chunks'
+    verdicts each time. The wrong states' namespace ends quarantined, every output vLLM's
+    own."""
+    scheduler = scheduler_of(llm)
+    [plan] = [key for key in scheduler.namespaces if key.startswith(str(Pool.STATE))]
+    scheduler.verifier.rate = 1.0
+
+    def verdicts() -> dict[str, float]:
+        return {r: counter(llm, VERIFIED, pool="state", result=r) for r in VERIFY_RESULTS}
+
+    assert llm.reset_prefix_cache()  # the lookups go to kvtier: sampled, computed, compared
+    right = generate(llm, prompts)
+    counted = verdicts()
+    state_errors = [e for pool, e in scheduler.verifier.errors if pool == "state"]
+    print(f"relative errors of right states: {state_errors}")
+    assert right.cached == [0] * len(prompts)
+    assert right.same_tokens_and_top(baseline.cold, tolerance=1e-3)
+    assert rotate_lmdb_chunks(scheduler, plan) >= len(prompts)
+    assert llm.reset_prefix_cache()
+    wrong = generate(llm, prompts)
+    assert wrong.same_tokens_and_top(baseline.cold, tolerance=1e-3)
+    assert list(scheduler.verifier.quarantined) == [bytes(scheduler.namespaces[plan])]
+    after = verdicts()
+    return counted, {r: after[r] - counted[r] for r in VERIFY_RESULTS}
+
+
+def rotate_lmdb_chunks(scheduler: Any, plan: str) -> int:
+    """Store each chunk of ``plan`` (a plan key) that an embedded engine's lmdb holds again
+    with the next one's payload, through lmdb's own store path (a fresh header and checksum),
+    as a store path filing payloads under the wrong keys would: only a recomputation can tell
+    them wrong. Returns how many chunks changed."""
+    namespace = scheduler.namespaces[plan]
+    store = scheduler.session.client.manager.lmdb
+    held = store.keys()  # the tier's chunks: no mapping to iterate
+    keys = sorted(k for k in held if namespace_of(k) == namespace)
+    payloads = []
+    for key in keys:
+        value = bytearray(store.encoded_length(key))
+        assert store.copy_encoded(key, memoryview(value))
+        payloads.append(bytes(decode(value, key)))
+    rotated = payloads[1:] + payloads[:1]
+    store.delete(keys)
+    assert all(store.put_many(list(zip(keys, rotated, strict=True))))
+    return sum(new != old for new, old in zip(rotated, payloads, strict=True))
 
 
 def corrupt_states(lmdb_dir: Path) -> int:

@@ -94,6 +94,18 @@ def test_a_chunk_matches_only_if_every_part_does_and_a_mismatch_quarantines() ->
     assert sum(counts(stats).values()) == 4
 
 
+def test_a_comparison_that_is_not_a_number_is_a_mismatch() -> None:
+    # KV holding a NaN compares as NaN, which no bound or maximum would ever catch
+    verifier = Verifier(1.0, 0.05, BY_KEY)
+    verifier.computed(sampled(), [BLOCKS[0], BLOCKS[0]], range(1, 2), BPC)
+    jobs, _ = verifier.hand_out()
+    [target] = [j for j in jobs if j.plan == TARGET.key]
+    stats = KVTierStats()
+    verifier.reported([(target.slot, target.generation, float("nan"))], stats)
+    assert counts(stats) == {"verify|target|mismatch": 1}
+    assert list(verifier.quarantined) == [NS[TARGET.key]]
+
+
 def test_quarantines_follow_the_tiers_list_and_its_lifting() -> None:
     verifier = Verifier(1.0, 0.05, BY_KEY)
     verifier.computed(sampled(), [BLOCKS[0], BLOCKS[0]], range(1, 2), BPC)

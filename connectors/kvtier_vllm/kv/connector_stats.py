@@ -35,7 +35,7 @@ ERROR_BUCKETS = (1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, float("inf"))
 """Upper bounds of the relative-error histogram's buckets."""
 LOAD_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Upper bounds (seconds) of the load-wait histogram's buckets."""
-POOLS = ("target", "draft", "hidden")
+POOLS = ("target", "draft", "hidden", "state")
 DECISIONS = ("load", "recompute")
 """What `load_policy: measured` made of a run of a hit's chunks held in one tier."""
 MAX_REVISIONS = 16

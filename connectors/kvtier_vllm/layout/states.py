@@ -45,10 +45,16 @@ class StateShape:
     @property
     def page_bytes(self) -> int:
         """One block's state, every tensor's part, unpadded."""
-        return sum(
-            math.prod(shape) * _itemsize(dtype)
-            for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
-        )
+        return sum(nbytes for _, nbytes, _ in self.parts())
+
+    def parts(self) -> tuple[tuple[int, int, str], ...]:
+        """Each tensor's place in a page: (first byte, bytes, dtype), in the page's order."""
+        out, start = [], 0
+        for shape, dtype in zip(self.shapes, self.dtypes, strict=True):
+            nbytes = math.prod(shape) * _itemsize(dtype)
+            out.append((start, nbytes, dtype))
+            start += nbytes
+        return tuple(out)
 
     def describe(self, stride: int) -> str:
         """The kind, the tokens between states, shapes and dtypes, for the namespace's

@@ -127,7 +127,7 @@ class TiersConfig(BaseModel):
         0.05,
         gt=0,
         description="The largest relative error (norm of the difference over the norm of the "
-        "recomputed KV, per layer) of a chunk that still matches.",
+        "recomputed KV, per layer; a state chunk's per tensor) of a chunk that still matches.",
     )
     verify_seed: int | None = Field(
         None, description="Seeds the choice of sampled requests (unset: a random seed)."

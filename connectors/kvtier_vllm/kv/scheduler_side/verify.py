@@ -14,6 +14,7 @@ quarantine.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import deque
 from collections.abc import Iterable
@@ -164,6 +165,7 @@ class Verifier:
         for slot, generation, error in checked:
             handle = (slot, generation)
             if handle in self._checks:
+                error = math.inf if math.isnan(error) else error  # NaN KV: no `max`, no match
                 unknown = error < 0 or worst.get(handle, 0.0) < 0
                 worst[handle] = -1.0 if unknown else max(worst.get(handle, 0.0), error)
         for handle, error in worst.items():

@@ -2,7 +2,7 @@
 cache they copy to or from, per pool. These views are the worker's copy plans (one pair per run
 of blocks, all layers at once where they sit at one stride), its fp8 codec for hidden states
 (a step's chunks coded in one pass per pool), and its verification compare (the relative error
-of a kept chunk against the KV vLLM computed in its place)."""
+of a kept chunk against the KV vLLM computed in its place; a state's part by part)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import torch
 from kvtier.client import ArenaMemory
 from kvtier_vllm.kv.metadata import ChunkCopy
 from kvtier_vllm.kv.worker_side.pages import block_runs, page_dims
+from kvtier_vllm.kv.worker_side.state_compare import StateCompare
 from kvtier_vllm.layout import fp8
 from kvtier_vllm.layout.fp8 import Fp8Layout
 from kvtier_vllm.layout.plans import PoolPlan
+from kvtier_vllm.layout.states import StateShape
 
 
 class ChunkViews:
@@ -24,10 +26,21 @@ class ChunkViews:
         self.pages: dict[str, list[torch.Tensor]] = {}
         """Per pool, each layer's cache as [blocks, page bytes] (`pages.pages_of`)."""
         self.dtypes: dict[str, torch.dtype] = {}
+        """Each plan's KV dtype, to compare chunks in."""
         self.stacks: dict[str, torch.Tensor] = {}
         """Per pool whose layers sit at one stride: all of them as one view (`pages.stacked`)."""
+        self.states: dict[str, StateCompare] = {}
+        """Per state pool: its pages' parts, each compared in its own dtype."""
         self.arena: ArenaMemory | None = None
         """The arena mapped here, whose generations tell a slot still planned for."""
+
+    def compares(self, plan: PoolPlan, dtype: torch.dtype, state: StateShape | None) -> None:
+        """How chunks of ``plan`` are compared: in the cache's ``dtype``, or a state pool's
+        page (``state``, which mixes dtypes) part by part."""
+        if state is None:
+            self.dtypes[plan.key] = dtype
+        else:
+            self.states[plan.key] = StateCompare(state)
 
     def coded(
         self, jobs: list[ChunkCopy], slots: torch.Tensor
@@ -133,6 +146,8 @@ class ChunkViews:
         """The chunk's largest relative error over its layers (the norm of the difference over
         the norm of vLLM's own KV); negative where the slot is not the one planned for."""
         pairs = self.pairs(job, slots, per_layer=True)
+        if job.plan in self.states:
+            return -1.0 if pairs is None else self.states[job.plan].error(pairs)
         dtype = self.dtypes.get(job.plan)
         if pairs is None or dtype is None:
             return -1.0

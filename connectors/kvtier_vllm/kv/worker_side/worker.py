@@ -52,7 +52,6 @@ class KVTierWorker:
         self.plans = self.views.plans
         self.pages = self.views.pages
         self.dtypes = self.views.dtypes
-        """Each plan's KV dtype, to compare chunks in."""
         self.stacks = self.views.stacks
         self._arena_bytes: torch.Tensor | None = None
         self._arena_inode = 0
@@ -120,8 +119,9 @@ class KVTierWorker:
                 continue
             self.plans[plan.key] = plan
             self.pages[plan.key] = pages
-            if plan.pool is not Pool.STATE:  # a state page mixes dtypes: never compared
-                self.dtypes[plan.key] = kv_caches[plan.layer_names[0]].dtype
+            state = next((g.state for g in groups if g.index == plan.group), None)
+            cache = kv_caches[plan.layer_names[0]]
+            self.views.compares(plan, cache.dtype, state if plan.pool is Pool.STATE else None)
             if pages[0].device != self.copies.device:
                 self.copies = copies_for(pages[0].device)
             stack = stacked(pages)
