@@ -268,7 +268,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         self._errors: Any = histogram(
             name="vllm:kvtier_verify_relative_error",
             documentation="Relative error of compared chunks (the norm of the difference over "
-            "the norm of the recomputed KV, the worst layer); the sum adds bucket bounds.",
+            "the norm of the recomputed KV, the worst layer; a state chunk's worst tensor); the "
+            "sum adds bucket bounds.",
             labelnames=[*base, "pool"],
             buckets=list(ERROR_BUCKETS[:-1]),
         )
