@@ -19,6 +19,7 @@ from tests.e2e.conftest import MAX_TOKENS, set_engine_env
 from tests.e2e.models import (
     ModelSet,
     counter,
+    counter_series,
     counter_value,
     generate_tokens,
     running_llm,
@@ -54,17 +55,9 @@ def verified(llm: Any, pool: str = "target") -> tuple[float, float]:
 
 
 def hook_seconds(hook: str | None = None) -> float:
-    """``vllm:kvtier_hook_seconds_total`` in this process's registry, read whole (vLLM's metrics
-    reader truncates counters to integers), summed over engines and, without ``hook``, hooks."""
-    from prometheus_client import REGISTRY
-
-    return sum(
-        sample.value
-        for family in REGISTRY.collect()
-        for sample in family.samples
-        if sample.name == "vllm:kvtier_hook_seconds_total"
-        and (hook is None or sample.labels.get("hook") == hook)
-    )
+    """``vllm:kvtier_hook_seconds_total`` summed over engines and, without ``hook``, hooks."""
+    which = {"hook": hook} if hook is not None else {}
+    return sum(value for _, value in counter_series("vllm:kvtier_hook_seconds", **which))
 
 
 def kvtier_config(extra: dict[str, Any]) -> dict[str, Any]:
