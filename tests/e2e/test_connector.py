@@ -23,6 +23,7 @@ from tests.e2e.models import (
     counter_value,
     generate_tokens,
     running_llm,
+    untimed_transfers,
 )
 from tests.integration.daemon_harness import DaemonFiles, Processes, wait_for
 
@@ -120,6 +121,7 @@ def test_embedded_outputs_match_and_a_fresh_engine_hits_what_another_stored(
         assert cached_by_source(llm, "disk") > 0
         assert cached_by_source(llm, "host") == 0
         loaded = counter(llm, TRANSFER_BYTES, direction="load", pool="target")
+        assert not untimed_transfers(llm)  # each copy's seconds counted with its bytes
     # kvtier's own transfer counters in vLLM's /metrics: what one stored, the other loaded
     assert stored > 0
     assert 0 < loaded <= stored

@@ -73,7 +73,7 @@ def test_load_seconds_reach_the_reader_whole_summed_over_ranks_and_steps(
     assert (
         counter(llm, "vllm:kvtier_transfer_bytes", direction="load") == STEPS * RANKS * RANK_BYTES
     )
-    assert untimed_transfers() == []
+    assert untimed_transfers(llm) == []
     # the log line's rate: every rank's bytes over every rank's seconds
     assert logged.transfer_stats_accumulator is not None
     line = logged.transfer_stats_accumulator.reduce()
@@ -87,4 +87,5 @@ def test_bytes_without_seconds_are_found_untimed(vllm_registry: None) -> None:
     stats.record("load", "draft", MiB, 0.0, True)
     stats.record("load", "target", MiB, 0.001, True)
     prom.observe(stats.data)
-    assert untimed_transfers() == [("load", "draft")]
+    llm = SimpleNamespace(get_metrics=get_metrics_snapshot)
+    assert untimed_transfers(llm) == [("load", "draft")]
