@@ -226,7 +226,7 @@ class MlaBench:
                         tail.time(llm, doc + t, t)
                 loaded = {
                     what: engines.counter(llm, f"vllm:kvtier_transfer_{what}", direction="load")
-                    for what in ("bytes", "chunks")
+                    for what in ("bytes", "chunks", "seconds")
                 }
                 decided = {d: engines.counter(llm, DECISIONS, decision=d) for d in DECIDED}
         finally:
@@ -294,7 +294,8 @@ def table(result: dict[str, Any]) -> str:
     loaded = result["loaded_by_engine_2"]
     lines.append(
         f"  engine 2 loaded {loaded['chunks']:.0f} chunks, {loaded['bytes'] / MiB:.0f} MiB"
-        f" (all ranks); load decisions {result['load_decisions_by_engine_2']}"
+        f" in {loaded.get('seconds', 0.0) * 1e3:.1f} ms of copies (all ranks);"
+        f" load decisions {result['load_decisions_by_engine_2']}"
     )
     lines.append(f"  first_token_same_as_cold (tail hit): {result['first_token_same_as_cold']}")
     lines.append(f"  hits_ok: {result['hits_ok']}")

@@ -16,7 +16,14 @@ from kvtier_vllm.kv.worker_side.background_loads import BackgroundLoads, LoadBat
 from kvtier_vllm.kv.worker_side.worker import KVTierWorker
 
 from tests.e2e.conftest import MAX_TOKENS
-from tests.e2e.models import ModelSet, counter, generate_tokens, greedy, running_llm
+from tests.e2e.models import (
+    ModelSet,
+    counter,
+    generate_tokens,
+    greedy,
+    running_llm,
+    untimed_transfers,
+)
 from tests.e2e.test_connector import cached_by_source, embedded_yaml, kvtier_config
 from tests.e2e.test_lmdb_loads import LOAD_ERRORS, corrupt_chunks
 from tests.fixtures.models import BLOCK_SIZE
@@ -72,12 +79,14 @@ def test_arena_hits_load_on_the_loading_thread_and_give_vllms_outputs(
         assert llm.reset_prefix_cache()  # vLLM's own cache forgets them: kvtier's arena holds them
         again, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
         from_arena = cached_by_source(llm, "host")
+        untimed = untimed_transfers(llm)
     assert first == again == baseline[: len(prompts)]
     assert all(c >= 600 for c in cached), cached
     assert from_arena >= 600 * len(prompts)
     # every hit's load went through the loading thread, each request's once
     loaded = [r for batch in submitted for r in batch]
     assert len(loaded) == len(set(loaded)) == len(prompts)
+    assert not untimed  # timed on the loading thread, counted on the engine's
 
 
 def test_a_chunk_corrupt_between_lookup_and_load_is_recomputed_from_there(

@@ -19,9 +19,11 @@ from tests.e2e.conftest import MAX_TOKENS, set_engine_env
 from tests.e2e.models import (
     ModelSet,
     counter,
+    counter_series,
     counter_value,
     generate_tokens,
     running_llm,
+    untimed_transfers,
 )
 from tests.integration.daemon_harness import DaemonFiles, Processes, wait_for
 
@@ -54,17 +56,9 @@ def verified(llm: Any, pool: str = "target") -> tuple[float, float]:
 
 
 def hook_seconds(hook: str | None = None) -> float:
-    """``vllm:kvtier_hook_seconds_total`` in this process's registry, read whole (vLLM's metrics
-    reader truncates counters to integers), summed over engines and, without ``hook``, hooks."""
-    from prometheus_client import REGISTRY
-
-    return sum(
-        sample.value
-        for family in REGISTRY.collect()
-        for sample in family.samples
-        if sample.name == "vllm:kvtier_hook_seconds_total"
-        and (hook is None or sample.labels.get("hook") == hook)
-    )
+    """``vllm:kvtier_hook_seconds_total`` summed over engines and, without ``hook``, hooks."""
+    which = {"hook": hook} if hook is not None else {}
+    return sum(value for _, value in counter_series("vllm:kvtier_hook_seconds", **which))
 
 
 def load_waits(llm: Any) -> tuple[float, float]:
@@ -140,6 +134,7 @@ def test_embedded_outputs_match_and_a_fresh_engine_hits_what_another_stored(
         assert cached_by_source(llm, "disk") > 0
         assert cached_by_source(llm, "host") == 0
         loaded = counter(llm, TRANSFER_BYTES, direction="load", pool="target")
+        assert not untimed_transfers(llm)  # each copy's seconds counted with its bytes
         # each request waited for its one load from lmdb, and that wait took time
         waited, waited_s = load_waits(llm)
     assert waited == len(prompts)

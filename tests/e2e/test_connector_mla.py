@@ -33,6 +33,7 @@ from tests.e2e.models import (
     counter_value,
     greedy,
     running_llm,
+    untimed_transfers,
 )
 from tests.e2e.test_connector import EXTERNAL_HITS
 from tests.e2e.test_connector_tp import sidecar
@@ -197,6 +198,8 @@ def test_mla_chunks_hold_the_latent_tp2_computed_and_hit_at_tp2_and_tp1(
             assert hits["alone"][:2] == example["alone"][:2]
             assert hits["together"][0] == tokens
         assert counter_value(llm, EXTERNAL_HITS) == 2 * 2 * 2 * HIT_TOKENS
+        # both ranks' loads timed with their bytes
+        assert not untimed_transfers(llm)
     with mla_engine(mla_model, 1, connector) as llm:
         cross, cross_first, cached = generate(llm, mla_prompts)
         held = llm.collective_rpc(written_blocks)

@@ -17,6 +17,7 @@ from tests.e2e.models import (
     ModelSet,
     build_qwen3_next_hybrid,
     shared_prefix_prompts,
+    untimed_transfers,
     vocab_size_of,
 )
 from tests.e2e.test_connector import TRANSFER_BYTES, cached_by_source, counter, kvtier_config
@@ -85,9 +86,11 @@ def test_tp2_states_hit_in_a_fresh_tp2_engine_and_never_in_a_tp1_engine(
         run = generate(llm, prompts)
         loaded = state_bytes(llm, "load")
         from_arena = cached_by_source(llm, "host")
+        untimed = untimed_transfers(llm)
     assert run.cached == [hit_tokens] * len(prompts)
     assert from_arena == hit_tokens * len(prompts)
     assert loaded > 0
+    assert not untimed  # each rank's state and KV loads timed with their bytes
     assert run.same_output(alone)
     # the attention KV is there for any degree, but no state a TP=1 rank can read: a miss
     with engine(model, 1, sidecar) as llm:

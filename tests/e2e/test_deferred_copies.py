@@ -24,7 +24,14 @@ from kvtier.core.protocol import SlotRef
 from kvtier.rpc import GrpcTierClient
 from kvtier.tiers.arena import ArenaMemory
 from tests.e2e.conftest import MAX_TOKENS
-from tests.e2e.models import ModelSet, counter, counter_value, generate_tokens, running_llm
+from tests.e2e.models import (
+    ModelSet,
+    counter,
+    counter_value,
+    generate_tokens,
+    running_llm,
+    untimed_transfers,
+)
 from tests.e2e.test_connector import NO_VERIFICATION, SHARED_CORE_DEADLINES
 from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon
 from tests.support import keys_for, layout, target_spec
@@ -137,6 +144,7 @@ def test_a_slot_rewritten_before_its_load_landed_is_recomputed(
             hits = counter_value(llm, EXTERNAL_HITS)
             chunks = counter(llm, "vllm:kvtier_transfer_chunks", direction="load")
             errors = counter(llm, "vllm:kvtier_transfer_errors", direction="load")
+            untimed = untimed_transfers(llm)
     finally:
         rewriter.close()
     # the fresh engine found the first one's chunks in kvtierd's arena, from its key index:
@@ -150,5 +158,6 @@ def test_a_slot_rewritten_before_its_load_landed_is_recomputed(
     assert loaded
     assert reported == loaded
     assert errors == chunks > 0
+    assert not untimed  # failed copies too: each timed with its bytes
     # and recomputed them: the outputs of an engine without kvtier
     assert tokens == expected

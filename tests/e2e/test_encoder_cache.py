@@ -115,6 +115,7 @@ def test_embedded_a_fresh_engine_loads_what_another_stored(
         seen = counters(llm)
         hits = counter(llm, "vllm:kvtier_encoder_items", pool="encoder", result="hit")
         loaded = counter(llm, "vllm:kvtier_encoder_bytes", pool="encoder", direction="load")
+        loaded_s = counter(llm, "vllm:kvtier_encoder_load_seconds", pool="encoder")
     assert tokens == expected(alone, LATER)
     assert seen.hits == 2
     assert seen.lmdb_loads == 2
@@ -122,6 +123,8 @@ def test_embedded_a_fresh_engine_loads_what_another_stored(
     assert seen.stores == 0
     assert hits == 2  # vLLM's own /metrics
     assert loaded == seen.loaded_bytes == 2 * 16 * 128 * 4
+    assert loaded_s == pytest.approx(seen.load_seconds)  # timed with the bytes, read whole
+    assert loaded_s > 0
 
 
 def test_a_corrupt_part_is_never_served(

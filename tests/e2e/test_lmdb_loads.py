@@ -17,7 +17,7 @@ import yaml
 
 from kvtier.rpc import AdminClient
 from tests.e2e.conftest import MAX_TOKENS
-from tests.e2e.models import ModelSet, counter, generate_tokens, running_llm
+from tests.e2e.models import ModelSet, counter, generate_tokens, running_llm, untimed_transfers
 from tests.e2e.test_connector import cached_by_source, kvtier_config
 from tests.integration.daemon_harness import DaemonFiles, Processes
 
@@ -106,6 +106,7 @@ def test_hits_held_only_in_lmdb_load_from_its_map_without_promotion(
             tokens, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
             from_disk = cached_by_source(llm, "disk")
             errors = counter(llm, LOAD_ERRORS, direction="load")
+            untimed = untimed_transfers(llm)
         after = admin.stats().counters
         lmdb_counters = _lmdb_counters(admin)
         arena_hits = next(t for t in admin.stats().tiers if t.tier == "cpu").counters["hits"]
@@ -115,6 +116,7 @@ def test_hits_held_only_in_lmdb_load_from_its_map_without_promotion(
     assert all(c >= 600 for c in cached), cached
     assert from_disk >= 600 * len(prompts)
     assert errors == 0
+    assert not untimed  # each copy's seconds counted with its bytes
     promoted = after["promotions"] - before["promotions"]
     if lmdb_loads:
         assert promoted == 0

@@ -296,3 +296,17 @@ def test_each_requests_load_is_timed_as_one_load_of_its_chunks(bare: BareWorker)
     arena = reported.timings.loads["cpu"]
     assert (arena.loads, arena.chunks) == (2, 4)
     assert arena.chunks_squared == 3 * 3 + 1 * 1
+
+
+@pytest.mark.parametrize("request_id", ["", "r1"], ids=["sync", "async"])
+def test_a_loads_seconds_are_counted_with_its_bytes(bare: BareWorker, request_id: str) -> None:
+    ref = bare.store()
+    receiving = [request_id] if request_id else []
+    bare.worker.start_load_kv(bare.meta([bare.load(ref, (1, 2), request_id)], receiving))
+    if request_id:
+        assert bare.finished_loads() == ({request_id}, set())
+    assert bare.worker.block_ids_with_load_errors() == set()
+    stats = bare.worker.take_stats()
+    assert stats is not None
+    assert stats.data["load.target.bytes"] == bare.blocks("target", (1, 2)).numel()
+    assert stats.data["load.target.seconds"] > 0
