@@ -5,17 +5,21 @@ engine.
 
 A tiny 3-layer fp32 llama captures layers 0 to 3 for requests sharing a system prompt;
 an engine stores them exact (``hidden_dtype: auto``), another as fp8. From the same fresh
-drafter, each backend trains the same steps over the same samples, one a step, each read through
-the backend every step as a dataloader does. Figures per backend: training samples per second,
-the bytes written to disk for training data (the file backend's export; kvtier's backend writes
-nothing beyond its tiers), the bytes held per sample (kvtier's hidden pool, deduplicated by
-prefix, against the exported files), and the mean loss over the samples after the steps. Then
-an engine serving with the fresh drafter has the trained weights written where its draft model
-points and swapped in: acceptance per draft revision, before and after, from kvtier's counters.
+drafter, each backend trains a copy of its own (its own optimizer) the same steps over the same
+samples, one a step, each read through the backend every step as a dataloader does. The backends
+train in lockstep, step ``i`` of each in turn, so whatever else loads the machine falls on all of
+them alike; each one's steps are timed on their own. Figures per backend: training samples per
+second, the seconds a step's read took (the read alone), the bytes written to disk for training
+data (the file backend's export; kvtier's backend writes nothing beyond its tiers), the bytes
+held per sample (kvtier's hidden pool, deduplicated by prefix, against the exported files), and
+the mean loss over the samples after the steps. Then an engine serving with the fresh drafter
+has the trained weights written where its draft model points and swapped in: acceptance per
+draft revision, before and after, from kvtier's counters.
 
     python -m benchmarks.draft_loop [--quick] [--json FILE] [--backend file|kvtier ...]
 
-``kvtier_vs_file_samples_per_s`` is kvtier's backend's rate over the file backend's;
+``kvtier_vs_file_samples_per_s`` is kvtier's backend's rate over the file backend's, both from
+the one lockstep run (kvtier's fp8 states train in it too, as a third copy);
 ``loss_difference_exact`` is the relative difference of the two final losses with exact storage
 (the same states: 0), ``loss_difference_fp8`` the same for kvtier's fp8 states. The kvtier row
 is skipped, with the reason, where ``kvtier_speculators`` does not import.
@@ -42,11 +46,11 @@ from tests.fixtures.draft_training import (
     CAPTURED_LAYERS,
     SPECULATIVE_TOKENS,
     Trainer,
-    Training,
     build_drafter,
     build_target,
     link_as_samples,
     read_transfer,
+    train_in_lockstep,
 )
 from tests.fixtures.draft_weights import checkpoint_weights, swap_draft_weights
 from tests.fixtures.engines import (
@@ -140,11 +144,6 @@ def kvtier_transfer(
         token_ids=lambda index: prompts[index],
         through_daemon=False,
     )
-
-
-def train(drafter: Path, transfer: Any, samples: int, steps: int) -> tuple[Trainer, Training]:
-    trainer = Trainer(drafter)
-    return trainer, trainer.train(read_transfer(transfer), samples, steps)
 
 
 def swap_acceptance(
@@ -251,7 +250,7 @@ def run(
     captured = {dtype: capture(target, configs[dtype], prompts, dtype) for dtype in dtypes}
     drafter = build_drafter(target, root / "drafter")
     result: dict[str, Any] = {"requests": samples, "tokens": len(prompts[0]), "steps": steps}
-    trainers: dict[str, Trainer] = {}
+    transfers: dict[str, Any] = {}
 
     if "file" in backends:
         from hs_connectors import FileTransfer
@@ -259,9 +258,8 @@ def run(
         started = time.perf_counter()
         files, written = export(configs["auto"], captured["auto"]["refs"], root)
         export_s = time.perf_counter() - started
-        trainers["file"], trained = train(drafter, FileTransfer(files), samples, steps)
+        transfers["file"] = FileTransfer(files)
         result["file"] = {
-            **asdict(trained),
             "export_s": export_s,
             "disk_bytes_written": written,
             "bytes_per_sample": written / samples,
@@ -270,18 +268,24 @@ def run(
         result["kvtier"] = {"skipped": backend}
     else:
         for dtype, name in (("auto", "kvtier"), ("fp8", "kvtier_fp8")):
-            transfer = kvtier_transfer(backend, configs[dtype], captured[dtype]["refs"], prompts)
-            try:
-                trainers[name], trained = train(drafter, transfer, samples, steps)
-            finally:
-                transfer.close()  # the tiers go back whole to the engine that swaps
+            refs = captured[dtype]["refs"]
+            transfers[name] = kvtier_transfer(backend, configs[dtype], refs, prompts)
             stored = captured[dtype]["stored_bytes"]
             result[name] = {
-                **asdict(trained),
                 "disk_bytes_written": 0,
                 "tier_bytes": stored,
                 "bytes_per_sample": stored / samples,
             }
+    trainers = {name: Trainer(drafter) for name in transfers}
+    try:
+        runs = {name: (trainers[name], read_transfer(t)) for name, t in transfers.items()}
+        trained = train_in_lockstep(runs, samples, steps) if runs else {}
+    finally:
+        for transfer in transfers.values():
+            if hasattr(transfer, "close"):
+                transfer.close()  # the tiers go back whole to the engine that swaps
+    for name, training in trained.items():
+        result[name] = {**asdict(training), **result[name]}
     file, kvtier, fp8 = (result.get(n, {}) for n in ("file", "kvtier", "kvtier_fp8"))
     if "loss_after" in file and "loss_after" in kvtier:
         result["kvtier_vs_file_samples_per_s"] = kvtier["samples_per_s"] / file["samples_per_s"]

@@ -8,6 +8,7 @@ from typing import Any
 
 from hs_connectors.transfer import HiddenStatesBackend
 
+from kvtier_speculators.samples import MAX_SAMPLES
 from kvtier_speculators.transfer import KVTierHiddenStates
 
 NAME = "kvtier"
@@ -47,6 +48,14 @@ class KVTierBackend(HiddenStatesBackend):
             help="open the tiers in the trainer (lmdb, object store) instead of reading "
             "through kvtierd",
         )
+        _add(
+            parser,
+            "--kvtier-max-samples",
+            type=int,
+            default=MAX_SAMPLES,
+            help="the samples kept known by their token ids; past it the least recently read "
+            "is looked up again when asked for",
+        )
 
     @staticmethod
     def add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +71,7 @@ class KVTierBackend(HiddenStatesBackend):
             data_path=data_path,
             tenant=args.kvtier_tenant,
             through_daemon=not args.kvtier_embedded,
+            max_samples=args.kvtier_max_samples,
         )
 
     @staticmethod

@@ -32,7 +32,13 @@ from kvtier.hidden.reader import (
     manifest_name,
     manifest_spec,
 )
-from kvtier_speculators.samples import ChunkCache, SampleIndex, SampleReader
+from kvtier_speculators.samples import (
+    MAX_SAMPLES,
+    ChunkCache,
+    SampleIndex,
+    SampleReader,
+    manifest_key,
+)
 
 HANDLE_FIELD = "handle"
 """What Speculators names a generated sample by in ``kv_transfer_params``."""
@@ -76,6 +82,9 @@ class KVTierHiddenStates(HiddenStatesTransfer):
     ``namespace`` is the hidden pool (hex, a reference's ``namespace``); without it, the first
     generated sample's pool. ``token_ids(i)`` gives sample ``i``'s tokens; without it, the
     ``input_ids`` column of the dataset at ``data_path`` (what `ArrowDataset` reads).
+    ``max_samples`` bounds the samples known by their token ids (each holds its tokens and
+    chunk hashes); past it the least recently read is dropped and looked up again when asked
+    for, so a dataset larger than it lists the manifests again on such reads.
     """
 
     def __init__(
@@ -90,6 +99,7 @@ class KVTierHiddenStates(HiddenStatesTransfer):
         cache_bytes: int = 256 << 20,
         timeout_s: float = 30.0,
         refresh_s: float = 5.0,
+        max_samples: int = MAX_SAMPLES,
     ) -> None:
         self.config = config if isinstance(config, KVTierConfig) else load_config(Path(config))
         self.namespace = bytes.fromhex(namespace) if isinstance(namespace, str) else namespace
@@ -100,6 +110,7 @@ class KVTierHiddenStates(HiddenStatesTransfer):
         self.cache_bytes = cache_bytes
         self.timeout_s = timeout_s
         self.refresh_s = refresh_s
+        self.max_samples = max_samples
         self._session: _Session | None = None
         self._samples: SampleReader | None = None
         self._index: SampleIndex | None = None
@@ -172,7 +183,13 @@ class KVTierHiddenStates(HiddenStatesTransfer):
             def read(keys: Sequence[ChunkKey]) -> Iterable[HiddenStatesRef]:
                 return refs_of_manifests(session.reader, namespace, list(keys), tenant)[0]
 
-            self._index = SampleIndex(lambda: session.list_keys(namespace), read, self.refresh_s)
+            self._index = SampleIndex(
+                lambda: session.list_keys(namespace),
+                read,
+                key_of=lambda ref: manifest_key(ref, tenant),
+                refresh_s=self.refresh_s,
+                max_samples=self.max_samples,
+            )
         return self._index
 
     def _open(self) -> _Session:

@@ -29,7 +29,7 @@ from kvtier.core.keys import ChunkKey, NamespaceSpec, PageLayout, Pool, make_key
 from kvtier.hidden.reader import REF_FIELD, TOKENS_FIRST, HiddenStatesRef
 from kvtier.tiering.manager import TierManager
 from kvtier_speculators import KVTierHiddenStates
-from kvtier_speculators.samples import ChunkCache, SampleIndex
+from kvtier_speculators.samples import ChunkCache, SampleIndex, manifest_key
 from tests.support import manager_config
 
 BLOCK, BPC, LAYERS, HIDDEN = 16, 1, 4, 512  # 64 KiB bf16 chunks of 16 tokens: the smallest slot
@@ -284,3 +284,60 @@ def test_the_index_lists_again_only_past_its_interval_and_reads_each_manifest_on
     now[0] = 5.0
     assert index.find([3]) == refs[second]
     assert read == [[first], [second]]
+
+
+def test_the_index_keeps_its_bound_and_reads_a_dropped_sample_again() -> None:
+    read: list[list[ChunkKey]] = []
+    refs = [HiddenStatesRef(SPEC, (bytes([i]) * 32,), 1, (i,)) for i in range(3)]
+    manifests = {manifest_key(r): r for r in refs}
+
+    def read_refs(keys: object) -> list[HiddenStatesRef]:
+        assert isinstance(keys, list)
+        read.append(keys)
+        return [manifests[k] for k in keys]
+
+    # the clock stands still: only a dropped sample lists the manifests again
+    index = SampleIndex(lambda: list(manifests), read_refs, max_samples=2, clock=lambda: 0.0)
+    assert index.find([0]) == refs[0]
+    assert len(index) == 2
+    assert index.find([1]) == refs[1]  # dropped for 0, the most recently found: read again
+    assert len(index) == 2
+    assert index.find([0]) == refs[0]  # held: nothing read
+    keys = list(manifests)
+    assert read == [keys, [keys[1]]]
+    with pytest.raises(ValueError, match="max_samples"):
+        SampleIndex(lambda: [], read_refs, max_samples=0)
+
+
+def test_a_backend_bounded_to_one_sample_still_reads_each_sample_it_is_asked_for(
+    served: tuple[KVTierConfig, list[dict[str, object]]],
+) -> None:
+    config, params = served
+    namespace = HiddenStatesRef.from_json(params[0][REF_FIELD]).namespace
+    transfer = KVTierHiddenStates(
+        config,
+        namespace.hex(),
+        token_ids=PROMPTS.__getitem__,
+        through_daemon=False,
+        max_samples=1,
+    )
+    try:
+        for i in (0, 1, 0):
+            sample = transfer.get_cached(i)
+            assert sample is not None
+            assert torch.equal(sample["hidden_states"], states_of(PROMPTS[i]))
+        assert transfer._index is not None
+        assert len(transfer._index) == 1
+    finally:
+        transfer.close()
+
+
+def test_the_index_bound_is_a_train_argument(tmp_path: Path) -> None:
+    backend = HiddenStatesBackend.registry["kvtier"]
+    parser = argparse.ArgumentParser()
+    backend.add_train_args(parser)
+    (tmp_path / "kvtier.yaml").write_text("{}")
+    config = ["--kvtier-config", str(tmp_path / "kvtier.yaml")]
+    built = backend.from_train_args(parser.parse_args([*config, "--kvtier-max-samples", "8"]), "/d")
+    assert isinstance(built, KVTierHiddenStates)
+    assert built.max_samples == 8
