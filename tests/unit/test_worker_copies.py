@@ -15,8 +15,9 @@ import pytest
 import torch
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.kv.worker_side import background_loads
+from kvtier_vllm.kv.worker_side.load_times import LandingFence
 from kvtier_vllm.kv.worker_side.pages import block_runs, pages_of, stacked
-from kvtier_vllm.shared.copies import DeferredCopies, Pair
+from kvtier_vllm.shared.copies import CpuCopies, DeferredCopies, Pair
 
 from kvtier.core.protocol import FailedChunk, Failure, SlotRef, TierCode
 from tests.bare_worker import BareWorker, bare_worker
@@ -358,3 +359,24 @@ def test_a_device_loads_seconds_run_until_its_copies_landed(
     arena = reported.timings.loads["cpu"]
     assert (arena.loads, arena.chunks) == (1, 2)
     assert arena.seconds >= LANDING_S
+
+
+def test_a_fence_is_timed_to_when_it_was_first_seen_passed() -> None:
+    clock = Clock()
+    copies = DeferredCopies(clock.landing, busy_queries=1)
+    copies.copy(torch.zeros(4, dtype=torch.uint8), torch.ones(4, dtype=torch.uint8))
+    fence = LandingFence(copies, clock)
+    assert not fence()  # the device still busy: not landed yet, nothing counted
+    assert fence.shares([1, 2]) == [0.0, 0.0]
+    assert fence()
+    clock.now += LANDING_S  # asked again later: it had landed already
+    assert fence()
+    assert fence.shares([1, 2]) == pytest.approx([LANDING_S / 3, LANDING_S * 2 / 3])
+
+
+def test_a_cpu_loads_fence_adds_nothing_however_late_it_is_asked() -> None:
+    clock = Clock()
+    fence = LandingFence(CpuCopies(), clock)
+    clock.now += LANDING_S  # the forward ran on the host before the fence was asked
+    fence.wait()
+    assert fence.shares([1, 2]) == [0.0, 0.0]
