@@ -15,8 +15,9 @@ import pytest
 import torch
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.kv.worker_side import background_loads
+from kvtier_vllm.kv.worker_side.load_times import LandingFence
 from kvtier_vllm.kv.worker_side.pages import block_runs, pages_of, stacked
-from kvtier_vllm.shared.copies import DeferredCopies, Pair
+from kvtier_vllm.shared.copies import CpuCopies, DeferredCopies, Pair
 
 from kvtier.core.protocol import FailedChunk, Failure, SlotRef, TierCode
 from tests.bare_worker import BareWorker, bare_worker
@@ -310,3 +311,72 @@ def test_a_loads_seconds_are_counted_with_its_bytes(bare: BareWorker, request_id
     assert stats is not None
     assert stats.data["load.target.bytes"] == bare.blocks("target", (1, 2)).numel()
     assert stats.data["load.target.seconds"] > 0
+
+
+# -- a load's seconds run until its copies landed ---------------------------------------------
+
+LANDING_S = 1000.0
+"""What copies landing takes on the test's clock: far more than issuing them takes here."""
+
+
+class Clock:
+    """The worker's clock for loads queued and landed: moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def landing(self, copies: DeferredCopies, pairs: list[Pair]) -> None:
+        self.now += LANDING_S  # a device's copy stream, busy moving the bytes
+
+
+@pytest.mark.parametrize("request_id", ["", "r1"], ids=["sync", "async"])
+def test_a_device_loads_seconds_run_until_its_copies_landed(
+    bare: BareWorker, request_id: str
+) -> None:
+    """Queued on a device, a copy lands later: its load is timed to its landing, in the
+    transfer seconds and in the load times kvtierd fits its per-tier costs to."""
+    clock = Clock()
+    bare.worker.clock = clock
+    bare.worker.copies = DeferredCopies(clock.landing, busy_queries=2)
+    target, draft = bare.store("target"), bare.store("draft")
+    loads = [bare.load(target, (1, 2), request_id), bare.load(draft, (5,), request_id)]
+    receiving = [request_id] if request_id else []
+    bare.worker.start_load_kv(bare.meta(loads, receiving))
+    if request_id:  # the fence is asked later, until the copies landed
+        assert bare.finished_loads() == ({request_id}, set())
+    assert bare.worker.block_ids_with_load_errors() == set()
+    stats = bare.worker.take_stats()
+    assert stats is not None
+    # the wait is split over the loads by their bytes: the target chunk has twice the draft's
+    assert stats.data["load.target.bytes"] == 2 * stats.data["load.draft.bytes"]
+    assert stats.data["load.target.seconds"] >= LANDING_S * 2 / 3
+    assert stats.data["load.draft.seconds"] >= LANDING_S / 3
+    reported = bare.worker.worker_meta()
+    assert reported is not None
+    arena = reported.timings.loads["cpu"]
+    assert (arena.loads, arena.chunks) == (1, 2)
+    assert arena.seconds >= LANDING_S
+
+
+def test_a_fence_is_timed_to_when_it_was_first_seen_passed() -> None:
+    clock = Clock()
+    copies = DeferredCopies(clock.landing, busy_queries=1)
+    copies.copy(torch.zeros(4, dtype=torch.uint8), torch.ones(4, dtype=torch.uint8))
+    fence = LandingFence(copies, clock)
+    assert not fence()  # the device still busy: not landed yet, nothing counted
+    assert fence.shares([1, 2]) == [0.0, 0.0]
+    assert fence()
+    clock.now += LANDING_S  # asked again later: it had landed already
+    assert fence()
+    assert fence.shares([1, 2]) == pytest.approx([LANDING_S / 3, LANDING_S * 2 / 3])
+
+
+def test_a_cpu_loads_fence_adds_nothing_however_late_it_is_asked() -> None:
+    clock = Clock()
+    fence = LandingFence(CpuCopies(), clock)
+    clock.now += LANDING_S  # the forward ran on the host before the fence was asked
+    fence.wait()
+    assert fence.shares([1, 2]) == [0.0, 0.0]

@@ -185,7 +185,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             "its arena.",
             "vllm:kvtier_transfer_chunks_total": "Chunks kvtier copied between vLLM's KV cache "
             "and its arena, failed copies included.",
-            "vllm:kvtier_transfer_seconds_total": "Seconds kvtier spent copying chunks.",
+            "vllm:kvtier_transfer_seconds_total": "Seconds kvtier spent copying chunks (a load on "
+            "a device until its copies landed, not only queued).",
             "vllm:kvtier_transfer_errors_total": "Chunk copies that failed (the blocks are "
             "recomputed).",
         }

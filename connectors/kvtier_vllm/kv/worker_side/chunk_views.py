@@ -114,6 +114,15 @@ class ChunkViews:
             and mapped.is_current(job.slot, job.generation)
         )
 
+    def nbytes(self, job: ChunkCopy) -> int:
+        """The bytes ``job`` moves on this rank (its part of a chunk); none for no plan."""
+        plan = self.plans.get(job.plan)
+        if plan is None:
+            return 0
+        blocks = sum(1 for b in job.block_ids if b)
+        page = plan.page_bytes if plan.codec is None else plan.codec.page_bytes
+        return page * len(plan.layer_names) * blocks
+
     def pairs(
         self, job: ChunkCopy, slots: torch.Tensor, per_layer: bool
     ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

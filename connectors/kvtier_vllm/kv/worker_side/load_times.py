@@ -1,12 +1,66 @@
 """A request's load timed whole: its chunks from one tier are one load, whose fixed part is paid
 once and whose part per chunk is paid by each. Timed one chunk at a time, every load would be one
 chunk long, and kvtierd's fit of a load as fixed part plus part per chunk could not tell the two
-parts apart."""
+parts apart.
+
+A load lasts until its copies landed: on the CPU when its copy returned, on a device (and with
+`DeferredCopies`) once the copy stream passed the batch's fence, which `LandingFence` notes the
+first time the host sees it passed (a query, or a wait)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from kvtier.core.costs import CPU, LMDB, EngineTimings, Tally
 from kvtier_vllm.kv.metadata import ChunkCopy
+from kvtier_vllm.shared.copies import CpuCopies, Fence
+
+
+class LandingFence(Fence):
+    """The fence of a batch of loads, which notes when the host first saw it passed: the
+    seconds from the end of queuing its copies to then belong to its loads."""
+
+    __slots__ = ("_clock", "_fence", "_landed_at", "_queued_at")
+
+    def __init__(self, copies: CpuCopies, clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__()
+        self._fence = copies.fence()
+        self._clock = clock
+        self._queued_at = clock()
+        self._landed_at = self._queued_at if copies.immediate else None
+
+    def __call__(self) -> bool:
+        if self._landed_at is None:
+            if not self._fence():
+                return False
+            self._landed_at = self._clock()
+        return True
+
+    def wait(self) -> None:
+        if self._landed_at is None:
+            self._fence.wait()
+            self._landed_at = self._clock()
+
+    def shares(self, nbytes: list[int]) -> list[float]:
+        """The seconds until landing, split over loads of ``nbytes`` each by their bytes (evenly
+        where none has any); nothing while not seen landed."""
+        waited = 0.0 if self._landed_at is None else max(0.0, self._landed_at - self._queued_at)
+        total = sum(nbytes)
+        if not total:
+            return [waited / len(nbytes) for _ in nbytes]
+        return [waited * n / total for n in nbytes]
+
+
+def until_landed(
+    fence: Fence, loads: list[tuple[ChunkCopy, float]], nbytes: Callable[[ChunkCopy], int]
+) -> list[tuple[ChunkCopy, float]]:
+    """``loads``, each with the seconds it took to issue, timed until ``fence`` was seen passed:
+    each with its share (`LandingFence.shares`) of the wait, by its ``nbytes``."""
+    if not isinstance(fence, LandingFence):  # loads that issued no copy
+        return loads
+    shares = fence.shares([nbytes(job) for job, _ in loads])
+    return [(job, seconds + share) for (job, seconds), share in zip(loads, shares, strict=True)]
 
 
 class RequestLoads:

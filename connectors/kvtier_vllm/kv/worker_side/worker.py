@@ -32,7 +32,7 @@ from kvtier_vllm.kv.lmdb_staging import LmdbStaging
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.kv.worker_side.background_loads import BackgroundLoads, IssuedLoads, LoadBatch
 from kvtier_vllm.kv.worker_side.chunk_views import ChunkViews
-from kvtier_vllm.kv.worker_side.load_times import RequestLoads
+from kvtier_vllm.kv.worker_side.load_times import LandingFence, RequestLoads, until_landed
 from kvtier_vllm.kv.worker_side.pages import own_caches, plan_pages, stacked
 from kvtier_vllm.kv.worker_side.sends import PendingSends
 from kvtier_vllm.layout.plans import kv_groups, plan_pools
@@ -60,6 +60,7 @@ class KVTierWorker:
         self._compared: list[tuple[int, int, float]] = []
         self._timings = EngineTimings()
         """Loads by tier since the last report, timed here: kvtierd's cost estimates."""
+        self.clock = time.perf_counter  # when loads were queued and seen landed
         self._landing: list[tuple[Fence, list[tuple[int, int]]]] = []
         """Stores issued on a device stream, reported once their event completed."""
         self.copies: CpuCopies = copies_for(torch.device("cpu"))
@@ -221,6 +222,7 @@ class KVTierWorker:
                 sync, meta.lmdb_path, slots, self.staging, checked, self._draft_ok
             )
             self.copies.end_loads()
+            loads.fence()  # seen landed now if they did (on the host); else when waited on
             self._loads.append(loads)
             self._landed_or_failed(loads, set(), block_errors=True)
         if meta.receiving:
@@ -286,7 +288,7 @@ class KVTierWorker:
             for job, ok in zip(coded, decoded, strict=True):
                 (loads.copies if ok else loads.failed).append((job, each))
         # only queued so far: each slot's generation is checked once its bytes landed
-        loads.fence = self.copies.fence()
+        loads.fence = LandingFence(self.copies, self.clock)
         return loads
 
     def _landed_or_failed(self, loads: IssuedLoads, failed: set[str], block_errors: bool) -> None:
@@ -305,7 +307,7 @@ class KVTierWorker:
         rewritten); any other slot is a load error."""
         arena = loads.arena
         timed = RequestLoads({LMDB: loads.read_ahead_s})
-        for job, seconds in loads.copies:
+        for job, seconds in until_landed(loads.fence, loads.copies, self.views.nbytes):
             ok = bool(job.key) or (  # read from lmdb, verified: no slot to check
                 arena is not None
                 and arena is self._arena
@@ -449,9 +451,7 @@ class KVTierWorker:
         plan = self.plans.get(job.plan)
         if plan is None:
             return 0
-        blocks = sum(1 for b in job.block_ids if b)
-        page = plan.page_bytes if plan.codec is None else plan.codec.page_bytes
-        nbytes = page * len(plan.layer_names) * blocks  # this rank's part
+        nbytes = self.views.nbytes(job)
         self.stats.record(direction, str(plan.pool), nbytes, seconds, ok)
         return nbytes
 
