@@ -40,6 +40,10 @@ PROMOTE_WAIT_ASKS = 3
 """Asks a request may wait for its promotions however long its steps take: where a step
 outlasts ``promote_wait_ms`` (a long prefill beside it), waiting only by time would give up at
 the first ask after queuing them, before the daemon had room to hold them."""
+STORE_WAIT_ASKS = 1
+"""Asks a request may wait for the object store however long its steps take: one, to see the
+answer of the probe its first ask started (that ask never waits for it); past that only its
+share of recomputing the hit, which several steps of a busy engine would far outlast."""
 
 
 def hit_limit(request: Any, chunk_tokens: int, blocks_per_chunk: int, drop_last: bool) -> int:
@@ -346,7 +350,8 @@ class HitDecision:
             from_store = found.pending or any(
                 OBJECT in codes[: chunks - start] for start, codes in found.tiers.values()
             )
-            if self.may_wait(_wait_s(setup, worth, from_store), PROMOTE_WAIT_ASKS):
+            asks = STORE_WAIT_ASKS if from_store else PROMOTE_WAIT_ASKS
+            if self.may_wait(_wait_s(setup, worth, from_store), asks):
                 self._promote(below)
                 return None
             if setup.windowed and any(below.values()):
