@@ -1,6 +1,7 @@
 """Background threads' CPU priority (`kvtier.core.priority`): real threads of this process,
-their nice value and name read from /proc; and a TierManager's movers, embedded as in an engine,
-at `manager.background_nice` while the thread calling it keeps its own."""
+their nice value and name read from /proc; and a TierManager's movers and the connector's idle
+writer, embedded as in an engine, at `manager.background_nice` while the thread calling them
+keeps its own."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from kvtier_vllm.shared.connection import IdleWriter
 
+from kvtier.client import embedded
 from kvtier.core import priority
 from kvtier.core.priority import DEFAULT_NICE, enter_background, set_background_nice
 from kvtier.tiering.manager import TierManager
+from tests.integration.daemon_harness import wait_for
 from tests.support import keys_for, manager_config, payload_for, target_spec, thread_nices
 
 pytestmark = pytest.mark.skipif(
@@ -105,3 +109,20 @@ def test_an_embedded_managers_movers_run_at_its_nice_and_its_caller_at_its_own(
         assert my_nice() == before
     finally:
         m.close()
+
+
+def test_an_engines_idle_writer_runs_at_the_managers_nice(shm_path: Path, tmp_path: Path) -> None:
+    nice = min(19, my_nice() + 6)
+    client = embedded(manager_config(shm_path, tmp_path, background_nice=nice))
+    writer = IdleWriter(client, idle_s=0.01, backlog=1)
+    try:
+
+        def writer_nice() -> int | None:
+            found = [v for n, v in thread_nices(os.getpid()).values() if n == "kvtier-idle-wri"]
+            return found[0] if found else None
+
+        wait_for(lambda: writer_nice() is not None, 10.0, "the idle writer named")
+        assert writer_nice() == nice
+    finally:
+        writer.close()
+        client.close()
