@@ -50,9 +50,10 @@ Servers (``servers`` in the output):
   history in chunks, ``settings.working_set_bytes``): ``kvtier_sidecar_lmdb``, an arena of a
   quarter of it (extents of 8 chunks, so that a quarter is whole extents) with lmdb (1 GiB)
   holding the rest; ``kvtier_sidecar_object``, an arena and an lmdb budget of a quarter each,
-  and the object store holding everything: moto's S3 server, started for the run, reached
-  through IRSA (a role and a web identity token in kvtierd's environment, no keys),
-  ``object.admission: all``. ``lmdb_backed_vs_arena_backed`` (target >= 0.9) and
+  and the object store holding everything: moto's S3 server, started for the run at nice 19
+  (it stands for a remote store, so it takes no CPU the engine wants), reached through IRSA (a
+  role and a web identity token in kvtierd's environment, no keys), ``object.admission: all``.
+  ``lmdb_backed_vs_arena_backed`` (target >= 0.9) and
   ``object_backed_vs_arena_backed`` (>= 0.75) are their throughputs over ``kvtier_sidecar``'s;
   ``kvtier_sidecar_lmdb_fp8``, ``kvtier_sidecar_lmdb_i8`` and ``kvtier_sidecar_obj_fp8`` are
   the same servers with ``lmdb.codec`` (and ``object.codec``) fp8 or int8

@@ -38,6 +38,7 @@ from benchmarks.serving_figures import (
     no_reuse_ratios,
     summary,
 )
+from benchmarks.serving_servers import OBJECT_STORE_SETUP
 from kvtier.bench import LevelResult
 
 if TYPE_CHECKING:
@@ -184,6 +185,7 @@ def result_of(
             "block_size": BLOCK_SIZE,
             "blocks_per_chunk": bench.bpc,
             "arena_bytes": ARENA_BYTES,
+            "object_store": OBJECT_STORE_SETUP,
             "working_set_bytes": bench.servers.working_set_bytes,
             "multi_round": {
                 "users": USERS,
@@ -356,6 +358,8 @@ def past_the_arena_table(result: dict[str, Any]) -> list[str]:
             + (", ".join(f"{t} {int(n)}" for t, n in sorted(tiers.items())) or "-")
             + " |"
         )
+    if "object_store" in result["settings"]:
+        lines += ["", f"Object store: {result['settings']['object_store']}."]
     return lines
 
 

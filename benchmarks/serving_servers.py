@@ -41,6 +41,11 @@ from tests.fixtures.servers import VllmServer, connector_arg
 
 log = logging.getLogger("kvtier.bench.serving")
 
+MOTO_NICE = 19
+"""moto stands for a remote object store: at the lowest priority, its hashing and storing of
+every upload takes none of the engine's cores that the engine or kvtierd wants."""
+OBJECT_STORE_SETUP = f"moto's S3 on this machine at nice {MOTO_NICE}, standing for a remote store"
+
 
 class Servers:
     """Starts and stops the cases' servers under ``root``; ``daemons`` are the sidecars' kvtierd
@@ -132,7 +137,8 @@ class Servers:
     def s3(self) -> MotoServer:
         """moto's S3, started at first use, with the run's bucket."""
         if self.moto is None:
-            self.moto = MotoServer(self.root / "moto.log").start()
+            self.moto = MotoServer(self.root / "moto.log", nice=MOTO_NICE).start()
+            log.info("object store: %s", OBJECT_STORE_SETUP)
             with patched_env(irsa_env(self.root, self.moto.url), drop=SCRUBBED_ENV):
                 client = boto3.session.Session().client("s3")
                 client.create_bucket(Bucket=BUCKET)

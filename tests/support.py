@@ -143,3 +143,17 @@ def object_config(url: str, index: Path, **overrides: object) -> ObjectStoreConf
     }
     fields.update(overrides)
     return ObjectStoreConfig.model_validate(fields)
+
+
+def thread_nices(pid: int) -> dict[int, tuple[str, int]]:
+    """(name, nice value) of each thread of process ``pid`` by thread id, from /proc's stat
+    (the nice value is its field 19; the name is kept to 15 bytes)."""
+    threads: dict[int, tuple[str, int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended
+            continue
+        name, _, fields = stat[stat.index("(") + 1 :].rpartition(") ")
+        threads[int(task.name)] = (name, int(fields.split()[16]))  # fields from the third
+    return threads

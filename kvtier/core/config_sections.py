@@ -19,6 +19,7 @@ from pydantic import (
 )
 
 from kvtier.core.kvcodec import Codec
+from kvtier.core.priority import DEFAULT_NICE
 
 EvictionPolicyName = Literal["lru", "fifo"]
 """The eviction policies a tier can be configured with."""
@@ -307,6 +308,16 @@ class ManagerConfig(ConfigSection):
         "and engines' reports it confirmed) within integrity_window_s is unhealthy: in `kvtier "
         "health` and kvtier_tier_healthy, and (lmdb, the object store) neither read nor written, "
         "until the window holds fewer.",
+    )
+    background_nice: int = Field(
+        DEFAULT_NICE,
+        ge=0,
+        le=19,
+        description="The nice value (Linux, per thread) of the tiers' background threads: "
+        "write-back, uploads, downloads, promotion ahead of a load and maintenance sweeps. "
+        "They share the cores with the engine's scheduler, API server and detokenizer and with "
+        "the threads answering lookups, leases and loads, which keep the process's priority; "
+        "under contention those get the CPU first. 0: no lower.",
     )
 
 

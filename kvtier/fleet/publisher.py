@@ -15,6 +15,7 @@ import threading
 import zmq
 
 from kvtier.core.counters import Counters
+from kvtier.core.priority import enter_background
 from kvtier.fleet.event_log import EventLog
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class EventPublisher:
         return done.wait(timeout)
 
     def _run(self) -> None:
+        enter_background()
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)

@@ -27,6 +27,7 @@ from kvtier.core.config import KVTierConfig, ServerConfig
 from kvtier.core.cpus import pin_process
 from kvtier.core.errors import ConfigError
 from kvtier.core.memory import keep_freed_pages
+from kvtier.core.priority import enter_background, name_this_thread
 from kvtier.observability.metrics import build_registry
 from kvtier.server.admin import READ_ONLY_METHODS, AdminServicer
 from kvtier.server.dataplane import TierServicer
@@ -184,10 +185,15 @@ class Daemon:
         self._reaper = threading.Thread(target=self._reap_loop, name="kvtier-reaper", daemon=True)
         self._reaper.start()
 
-    def _grpc_server(self, service: str, interceptors: list[grpc.ServerInterceptor]) -> grpc.Server:
-        """A server for one kvtier service, with health and reflection that name only it."""
+    def _grpc_server(
+        self, service: str, interceptors: list[grpc.ServerInterceptor], threads: str
+    ) -> grpc.Server:
+        """A server for one kvtier service, with health and reflection that name only it; its
+        threads are named ``threads`` and keep the process's priority (they answer calls)."""
         server = grpc.server(
-            futures.ThreadPoolExecutor(self.config.server.workers),
+            futures.ThreadPoolExecutor(
+                self.config.server.workers, threads, initializer=name_this_thread
+            ),
             interceptors=interceptors,
             options=_GRPC_OPTIONS,
         )
@@ -204,7 +210,7 @@ class Daemon:
         self._owns_socket = True
         self._tickets = TicketOffice(cfg.socket_path, self._socket_gid)
         self._tickets.start()
-        server = self._grpc_server(_TIER_SERVICE, [ErrorInterceptor()])
+        server = self._grpc_server(_TIER_SERVICE, [ErrorInterceptor()], "kvtier-data")
         tenants = TenantPolicy.of(cfg, self._socket_gid)
         tier_pb2_grpc.add_TierServiceServicer_to_server(
             TierServicer(self.manager, self.sessions, cfg, tickets=self._tickets, tenants=tenants),
@@ -232,7 +238,7 @@ class Daemon:
         if admin_token is not None:
             interceptors.append(TokenAuthInterceptor(admin_token, read_token, READ_ONLY_METHODS))
         interceptors.append(ErrorInterceptor())
-        server = self._grpc_server(_ADMIN_SERVICE, interceptors)
+        server = self._grpc_server(_ADMIN_SERVICE, interceptors, "kvtier-admin")
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
             AdminServicer(self.manager, self.sessions), server
         )
@@ -260,6 +266,7 @@ class Daemon:
         self.metrics_port = server.server_port
 
     def _reap_loop(self) -> None:
+        enter_background()
         interval = min(1.0, self.config.server.session_timeout_s / 4)
         while not self._stopped.wait(interval):
             self.sessions.reap()

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from kvtier.core.config import ManagerConfig
 from kvtier.core.counters import Counters
+from kvtier.core.priority import enter_background
 from kvtier.core.protocol import FailedChunk, TierCode
 from kvtier.tiers.base import Tier
 from kvtier.tiers.lmdb_tier import LmdbTier
@@ -85,6 +86,7 @@ class IntegrityReports:
             self._wake.notify()
 
     def _check_pending(self) -> None:
+        enter_background()
         while True:
             with self._wake:
                 while not self._pending and not self._closed:

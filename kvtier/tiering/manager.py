@@ -38,6 +38,7 @@ from kvtier.core.errors import UnknownTierError
 from kvtier.core.journal import ChunkEvents, Journal
 from kvtier.core.keys import ChunkKey, NamespaceSpec, Pool, namespaces_of
 from kvtier.core.pools import PoolRegistry
+from kvtier.core.priority import set_background_nice
 from kvtier.core.protocol import (
     DraftRevision,
     DraftState,
@@ -80,6 +81,7 @@ class ManagerStats:
 class TierManager:
     def __init__(self, config: KVTierConfig) -> None:
         self.config = config
+        set_background_nice(config.manager.background_nice)  # before any mover starts
         self.registry = PoolRegistry(idle_s=config.server.namespace_idle_s)
         # read before the new arena takes the path: what a killed owner committed there
         self.stale = StaleArena.at(config.arena) if config.lmdb.enabled else None

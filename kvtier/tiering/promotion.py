@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from kvtier.core.config import ManagerConfig
 from kvtier.core.counters import Counters
 from kvtier.core.keys import ChunkKey
+from kvtier.core.priority import enter_background
 from kvtier.core.protocol import SlotRef
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
@@ -150,6 +151,7 @@ class Promoter:
         return self._queue.qsize()
 
     def _loop(self) -> None:
+        enter_background()
         while not self._stop.is_set():
             self.expire()
             try:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from kvtier.core.config import Admission, DemoteMode, KVTierConfig
 from kvtier.core.counters import Counters
 from kvtier.core.keys import ChunkKey, namespace_of
+from kvtier.core.priority import enter_background
 from kvtier.core.protocol import SlotRef
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.lmdb_tier import LmdbTier
@@ -71,6 +72,7 @@ class WriteBack:
         self._wake.set()
 
     def _loop(self) -> None:
+        enter_background()
         while not self._stop.is_set():
             self._wake.wait(0.5)
             self._wake.clear()

@@ -33,6 +33,7 @@ from xxhash import xxh3_64_intdigest
 
 from kvtier.core.counters import Counters
 from kvtier.core.keys import MAX_CHUNK_HASH_BYTES, NAMESPACE_BYTES, ChunkKey
+from kvtier.core.priority import enter_background
 from kvtier.core.protocol import SlotRef
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,7 @@ class CommitChecksums:
         self._queue.put(ref)
 
     def _loop(self) -> None:
+        enter_background()
         while (ref := self._queue.get()) is not None:
             with self._lock:
                 if self._closed or not self._current(ref):

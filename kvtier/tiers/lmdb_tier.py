@@ -43,6 +43,7 @@ from kvtier.core.counters import Counters
 from kvtier.core.errors import ChunkFormatError
 from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.core.pools import PoolRegistry
+from kvtier.core.priority import enter_background
 from kvtier.core.protocol import TierStats
 from kvtier.tiers import lmdb_reader
 from kvtier.tiers.base import Tier
@@ -201,6 +202,7 @@ class LmdbTier(Tier):
 
     def _background(self) -> None:
         """Sync every ``sync_interval_s``; clear dead readers' slots when due."""
+        enter_background()
         sync_every = self.config.sync_interval_s
         every = min(s for s in (sync_every, self.config.reader_check_interval_s) if s > 0)
         synced = time.monotonic()

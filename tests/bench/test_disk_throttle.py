@@ -24,9 +24,8 @@ from benchmarks.harness.disk_throttle import (
 )
 from benchmarks.harness.kvtierd import Kvtierd
 from benchmarks.harness.sizes import KiB, MiB
-from benchmarks.models import GPU_RATIO
 from benchmarks.serving_cases import LMDB_BACKED, SIDECAR
-from benchmarks.serving_servers import Servers
+from tests.bench.serving_harness import small_servers
 
 ROOT = Path(__file__).resolve().parents[2]
 BANDWIDTH = 20_000_000
@@ -249,18 +248,7 @@ def test_the_lmdb_load_is_timed_on_the_throttled_disk(on_disk: Path) -> None:
 def test_kvtierd_and_the_engines_processes_below_an_arena_read_lmdb_throttled_while_it_serves(
     on_disk: Path,
 ) -> None:
-    servers = Servers(
-        on_disk,
-        on_disk / "model",
-        on_disk / "draft",
-        sizes=GPU_RATIO,
-        blocks_per_chunk=4,
-        chunk_bytes=64 * 16 * KiB,
-        working_set_bytes=16 * MiB,
-        kv_per_token=16 * KiB,
-        hidden_per_token=0,
-        connector_extra={},
-    )
+    servers = small_servers(on_disk)
     servers.scale_lmdb_disk(60e-6)
     daemon = Kvtierd(on_disk / "kvtierd", servers.shm("throttled"), 64 * MiB, 32 * MiB)
     # an engine's processes as vLLM's server runs them: a front end whose child loads the hits

@@ -21,6 +21,7 @@ from kvtier.client import InProcessClient, shared_embedded
 from kvtier.core.config import DemoteMode, load_config
 from kvtier.core.errors import KVTierError, PoolLayoutError
 from kvtier.core.keys import NamespaceSpec, Pool
+from kvtier.core.priority import enter_background
 from kvtier.core.protocol import TierClient
 from kvtier.rpc import GrpcTierClient
 from kvtier_vllm.shared.settings import Mode, TiersConfig
@@ -124,6 +125,7 @@ class IdleWriter:
         return pending > 0 and idle
 
     def _run(self) -> None:
+        enter_background()  # the tiers' write-back, run from the engine's process
         while not self._stop.wait(self._idle_s / 2):
             try:
                 while self._due() and not self._stop.is_set():

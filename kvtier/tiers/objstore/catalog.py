@@ -27,6 +27,7 @@ from kvtier.core.errors import (
     UnknownVersionError,
 )
 from kvtier.core.keys import ChunkKey, namespace_of
+from kvtier.core.priority import enter_background
 from kvtier.tiers.objstore.backend import ObjectInfo
 from kvtier.tiers.objstore.index import ChunkLocation
 from kvtier.tiers.objstore.pins import DEAD_AFTER_S
@@ -92,7 +93,7 @@ def _bounded_map(
 ) -> Iterator[tuple[T, R]]:
     """``fn`` over ``items`` on a few threads, results in completion order; no more than
     twice ``concurrency`` submitted at once, so millions of objects do not sit in futures."""
-    pool = ThreadPoolExecutor(max(1, concurrency), "kvtier-catalog")
+    pool = ThreadPoolExecutor(max(1, concurrency), "kvtier-catalog", initializer=enter_background)
     pending: dict[Future[R], T] = {}
     try:
         for item in items:

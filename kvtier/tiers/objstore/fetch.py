@@ -21,6 +21,7 @@ from kvtier.core.costs import OBJECT, LoadCosts
 from kvtier.core.counters import Counters
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.priority import enter_background
 from kvtier.tiers.objstore.tier import REMOTE_REPLICA, FetchedChunk, ObjectTier
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,9 @@ class ObjectFetcher:
         self._put = put
         self._promote = promote
         self._counters = counters
-        self._downloads = ThreadPoolExecutor(tier.config.download_concurrency, "kvtier-download")
+        self._downloads = ThreadPoolExecutor(
+            tier.config.download_concurrency, "kvtier-download", initializer=enter_background
+        )
         self._probes: dict[ChunkKey, Future[bool]] = {}
         self._probe_misses: dict[ChunkKey, float] = {}
         self._probed: set[ChunkKey] = set()

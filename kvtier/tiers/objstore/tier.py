@@ -35,6 +35,7 @@ from kvtier.core.errors import ObjectStoreError
 from kvtier.core.keys import ChunkKey, namespace_of
 from kvtier.core.kvcodec import Codec
 from kvtier.core.pools import PoolRegistry
+from kvtier.core.priority import enter_background
 from kvtier.core.protocol import TierCode, TierStats, UsageStats
 from kvtier.tiers.base import Tier
 from kvtier.tiers.objstore import naming
@@ -112,6 +113,7 @@ class ObjectTier(Tier):
     def _check_loop(self) -> None:
         """Resolves the identity, then sends trials while the store is not sound; on its own
         thread, so a slow identity or store never holds up a caller."""
+        enter_background()
         self.health.resolve_principal()
         interval = max(0.05, min(1.0, self.config.breaker_reset_s / 4))
         while not self._closing.wait(interval):

@@ -32,6 +32,7 @@ from typing import Protocol
 from kvtier.core.config import ObjectStoreConfig
 from kvtier.core.counters import Counters
 from kvtier.core.keys import ChunkKey, namespace_of
+from kvtier.core.priority import enter_background
 from kvtier.tiers.objstore.tier import ObjectTier
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,9 @@ class Uploader:
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._slots = threading.Semaphore(config.upload_concurrency)
-        self._pool = ThreadPoolExecutor(config.upload_concurrency, "kvtier-upload")
+        self._pool = ThreadPoolExecutor(
+            config.upload_concurrency, "kvtier-upload", initializer=enter_background
+        )
         self._follows: dict[ChunkKey, ChunkKey] = {}  # key -> the chunk before it in its prompt
         self._stop = threading.Event()
         self._closing = threading.Event()
@@ -143,6 +146,7 @@ class Uploader:
         return True
 
     def _pack_loop(self) -> None:
+        enter_background()
         target = int(self.config.pack_target_bytes)
         linger = self.config.pack_linger_ms / 1000.0
         open_packs: dict[ChunkKey, _Pack] = {}  # by last key
@@ -260,6 +264,7 @@ class Uploader:
     def _resume_loop(self, held: Held, namespaces: Callable[[], Iterable[bytes]]) -> None:
         budget = self.config.reupload_max_chunks
         interval = 1.0 / self.config.reupload_chunks_per_s
+        enter_background()
         room = max(1, self.config.upload_queue_chunks // 2)  # leave new chunks the other half
         try:
             waiting: dict[bytes, list[tuple[ChunkKey, str]]] = {}
