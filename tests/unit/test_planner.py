@@ -526,6 +526,36 @@ def test_a_hit_answered_in_the_background_from_lmdb_is_promoted_then_leased(
     client.release(plan.refs())
 
 
+def test_a_first_chunk_in_lmdbs_map_is_looked_up_in_the_step_where_hits_load_from_there(
+    client: InProcessClient, later: AnsweredLater
+) -> None:
+    ns, _ = four_in_lmdb(client)
+    assert client.lmdb_path is not None
+    p = HitSetup(
+        later,  # type: ignore[arg-type]
+        [TARGET],
+        ns,
+        chunk_tokens=CHUNK_TOKENS,
+        blocks_per_chunk=BPC,
+        lmdb_path=str(client.lmdb_path),
+    )
+    try:
+        asked = ask(p)
+        # not in the arena's index, but in lmdb's map: a hit, planned in this step, no wait
+        assert asked.answered(0, 4, 0.0)
+        assert later.behind == []
+        plan = asked.plan_load(0, 4)
+        assert plan is not None
+        assert (plan.chunks, plan.tiers) == (4, bytes([LMDB] * 4))
+        client.release(plan.refs())
+        # a prompt neither holds is still asked in the background
+        other = HitDecision(p, SimpleNamespace(block_hashes=[b"x" * 32] * (6 * BPC)))
+        assert not other.answered(0, 6, 0.0)
+        assert len(later.behind) == 1
+    finally:
+        p.close()
+
+
 def test_a_lookup_that_found_a_probe_running_is_asked_again_in_the_background(
     client: InProcessClient, later: AnsweredLater
 ) -> None:

@@ -280,9 +280,10 @@ class HitDecision:
 
     def answered(self, first: int, limit: int, wait_s: float | None) -> bool:
         """Whether `plan_load` may run now, having waited at most ``wait_s`` (None: as long as
-        the call may take). A first lookup whose first chunk the arena's index does not hold
-        (most likely a miss), and one asked again while a probe of the object store runs, are
-        asked in the background: until it is answered, ask again."""
+        the call may take). A first lookup whose first chunk neither the arena's index nor
+        lmdb's map (where hits load from it) holds (most likely a miss), and one asked again
+        while a probe of the object store runs, are asked in the background: until it is
+        answered, ask again."""
         if self.behind is None:
             if self.looked and not self.probing:
                 return True
@@ -290,7 +291,7 @@ class HitDecision:
             keys = self._needed(first, limit).keys
             if not self.probing:
                 held = client.in_arena(keys[:1])
-                if not keys or held is None or held:
+                if not keys or held is None or held or self.setup.in_lmdb(keys[0]):
                     return True  # the index answers, or a lookup here is no dearer than a check
             self.behind = keys, client.lookup_behind(keys, again=self.looked, verify=self.verify)
             self.looked = True

@@ -181,7 +181,7 @@ class KVTierScheduler:
                 draft_pool=self.draft_pool,
                 leases=self.leases,
                 calls=self.calls,
-                in_lmdb=bool(self.lmdb_path),
+                lmdb_path=self.lmdb_path,
                 verifier=self.verifier,
                 session=self.session,
             )
@@ -484,6 +484,8 @@ class KVTierScheduler:
         self.calls.hand_back(force=True)
         client = self.session.detach()
         self.calls.client = None
+        if self.hits is not None:
+            self.hits.close()
         self.hits = None
         self.stores = None
         assert client is not None
