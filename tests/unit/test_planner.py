@@ -27,7 +27,7 @@ from kvtier_vllm.layout.plans import PoolPlan
 from kvtier_vllm.shared.settings import LoadPolicy
 
 from kvtier.client import InProcessClient
-from kvtier.core.costs import EngineTimings
+from kvtier.core.costs import CostSnapshot, EngineTimings, LoadFit, StepFit, TierCost
 from kvtier.core.keys import ChunkKey, Pool
 from kvtier.core.load_choice import LoadChoice
 from kvtier.core.protocol import LookupResult, TierCode
@@ -307,6 +307,53 @@ def test_a_probe_waits_one_ask_then_no_longer_than_its_share_of_recomputing_howe
     assert plan is not None, "still waiting for the probe"
     assert (plan.chunks, plan.tiers) == (2, bytes([CPU] * 2))
     client.release(plan.refs())
+
+
+def test_a_probe_is_not_waited_for_where_the_costs_say_the_store_cannot_beat_recomputing(
+    client: InProcessClient,
+) -> None:
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(2)))
+    lookup = client.lookup
+
+    def probing(keys: list[ChunkKey], **kwargs: Any) -> Any:
+        found, leased = lookup(keys, **kwargs)
+        return replace(found, pending=True), leased
+
+    client.lookup = probing  # type: ignore[method-assign,assignment]
+    per_chunk = 8.3e-3  # a GPU node's: the store's first byte and chunks cost more than that
+    gpu = CostSnapshot(
+        {
+            "cpu": TierCost(0.52e-3, 0, 0, 0, 9, LoadFit(0.0, 0.52e-3)),
+            "lmdb": TierCost(6.4e-3, 0, 0, 0, 9, LoadFit(0.0, 6.4e-3)),
+            "object": TierCost(9.1e-3, 0, 0, 0, 9, LoadFit(30e-3, 9.1e-3)),
+        },
+        per_chunk / CHUNK_TOKENS,
+        0.0,
+        9,
+        StepFit(0.01, per_chunk / CHUNK_TOKENS),
+    )
+    for costs, waits in ((gpu, False), (None, True)):
+        chooser = LoadDecisions(LoadPolicy.MEASURED, lambda c=costs: c)  # type: ignore[misc]
+        p = HitSetup(
+            client,
+            [TARGET],
+            ns,
+            chunk_tokens=CHUNK_TOKENS,
+            blocks_per_chunk=BPC,
+            wait_s=30,
+            chooser=chooser,
+        )
+        asked = ask(p)
+        plan = asked.plan_load(0, 6)
+        if waits:  # costs not measured: the probe may find a hit worth loading
+            assert plan is None
+            assert asked.probing
+            continue
+        assert plan is not None, "waited for a probe whose chunks would be recomputed"
+        assert (plan.chunks, plan.tiers) == (2, bytes([CPU] * 2))
+        assert not asked.probing
+        client.release(plan.refs())
 
 
 def test_the_last_chunk_is_dropped_for_eagle_style_drafters(client: InProcessClient) -> None:

@@ -317,6 +317,15 @@ class HitDecision:
             self.choice = tiers, self.setup.chooser.choose(runs, self.setup.chunk_tokens)
         return chosen_chunks(self.choice[1], tiers, self.setup.chunk_tokens)
 
+    def _store_may_win(self, first: int, held: int, limit: int) -> bool:
+        """Whether the chunks past the ``held`` ones, up to ``limit``, which a probe of the
+        object store may still find, are worth waiting for: the chooser would load some of them
+        from the store after the ``held`` ones (so too where no cost is measured, and for one
+        hit in `REMEASURE_EVERY` of those cut short, as loads are re-measured)."""
+        tiers = self._tiers(first, held) + bytes([OBJECT]) * (limit - held)
+        choice = self.setup.chooser.choose(tier_runs(tiers), self.setup.chunk_tokens)
+        return choice.tokens > (held - first) * self.setup.chunk_tokens
+
     def _plan_load(self, first: int, limit: int) -> LoadPlan | None:
         setup = self.setup
         self.planned += 1
@@ -324,13 +333,15 @@ class HitDecision:
             found = self._find(first, limit)
         finally:
             self.looked = True
-        self.probing = found.pending
         chunks = found.chunks
         if setup.drop_last and chunks > first:
             chunks -= 1
         anchor_start, anchor_codes = found.tiers[setup.anchor.key]
         for chunk, code in enumerate(anchor_codes, anchor_start):
             self.first_tiers.setdefault(chunk, code)
+        if found.pending and not self._store_may_win(first, found.chunks, limit):
+            found.pending = False  # what the probe finds could not beat recomputing it
+        self.probing = found.pending
         if chunks > first:
             # the chooser may take a shorter prefix: only that is promoted and leased
             chunks = first + self._chosen(first, chunks)
