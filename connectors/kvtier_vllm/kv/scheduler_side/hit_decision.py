@@ -177,11 +177,17 @@ class HitDecision:
             self.drawn = True
             self.verify = setup.verifier.sample(step)
         try:
-            if not self.answered(first, limit, setup.lookup_wait_s):
+            if self.answered(first, limit, setup.lookup_wait_s):
+                plan = self.plan_load(first, limit)
+            elif self._only_the_store_may_hold(first, limit):
+                # not waited for: kvtierd still counts the lookup, and its probe may bring the
+                # prompt into lmdb for a later request
+                self.behind = None
+                plan = LoadPlan(first, 0, {}, [])
+            else:
                 assert self.behind is not None  # asked in the background
                 setup.unanswered.append(self.behind[1])
                 return None  # kvtierd's answer is on its way: ask again next step
-            plan = self.plan_load(first, limit)
         except KVTierError as exc:
             setup.calls.failed("lookup", exc)
             return 0
@@ -316,6 +322,14 @@ class HitDecision:
             runs = tier_runs(tiers)
             self.choice = tiers, self.setup.chooser.choose(runs, self.setup.chunk_tokens)
         return chosen_chunks(self.choice[1], tiers, self.setup.chunk_tokens)
+
+    def _only_the_store_may_hold(self, first: int, limit: int) -> bool:
+        """Whether a first lookup asked in the background can only find what the object store
+        holds, which the costs say would take longer to load than to recompute: the arena's
+        index and lmdb's map both lack the first chunk (read here, with no call)."""
+        if self.probing or not self.setup.reads_lmdb:
+            return False
+        return not self._store_may_win(first, first, limit)
 
     def _store_may_win(self, first: int, held: int, limit: int) -> bool:
         """Whether the chunks past the ``held`` ones, up to ``limit``, which a probe of the

@@ -98,6 +98,11 @@ class HitSetup:
         self.unanswered: list[Answer[LookupResult]] = []
         """The lookups of requests asked again next step, still with kvtierd."""
 
+    @property
+    def reads_lmdb(self) -> bool:
+        """Whether lmdb's map is read here (`in_lmdb` says whether it holds a chunk)."""
+        return self._lmdb is not None
+
     def in_lmdb(self, key: ChunkKey) -> bool:
         """Whether lmdb holds ``key``, where hits load from lmdb's map: read from the map with no
         call (a hit there is worth a lookup in the step, as one in the arena's index is)."""
