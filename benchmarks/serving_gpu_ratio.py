@@ -32,6 +32,7 @@ gives; the workload is therefore not reshaped to it.
 from __future__ import annotations
 
 import math
+import re
 import urllib.request
 from typing import Any
 
@@ -71,12 +72,15 @@ def prefill_prompts(vocab: int, long_tokens: int) -> dict[int, list[list[int]]]:
     }
 
 
+_DECIDED = re.compile(r"kvtier_load_(decision|modes)")
+
+
 def decision_counters(url: str) -> Samples:
-    """The connector's load-decision series on the engine's /metrics (none before the
-    connector counts them)."""
+    """The connector's load-decision and load-mode series on the engine's /metrics (none
+    before the connector counts them)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         samples = parse_counters(r.read().decode())
-    return {key: v for key, v in samples.items() if "decision" in key[0]}
+    return {key: v for key, v in samples.items() if _DECIDED.search(key[0])}
 
 
 def decisions_between(before: Samples, after: Samples) -> dict[str, float]:

@@ -295,6 +295,12 @@ TTFT_PARTS = (("queue", "queue"), ("load_wait", "kvtier load wait"), ("prefill",
 TTFT_PARTS += (("ttft", "TTFT"),)
 
 
+def _mode_loads(server: dict[str, Any], mode: str) -> str:
+    """The loads ``server``'s connector granted in ``mode`` over its levels ("-": none)."""
+    loads = (server.get("load_decisions") or {}).get(f"vllm:kvtier_load_modes_total{{mode={mode}}}")
+    return f"{loads:.0f}" if loads else "-"
+
+
 def ttft_parts_table(result: dict[str, Any]) -> list[str]:
     """Per server at the headline concurrency: the mean and p90 of each part of a request's
     time to first token, from the engine's histograms."""
@@ -310,6 +316,8 @@ def ttft_parts_table(result: dict[str, Any]) -> list[str]:
                 for p in (parts.get(part) for part, _ in TTFT_PARTS)
             ]
             requests = int((parts.get("ttft") or {}).get("requests") or 0)
+            modes = [_mode_loads(s, mode) for mode in ("sync", "async")]
+            cells.append("/".join(modes) if any(m != "-" for m in modes) else "-")
             rows.append(f"| {s['label']} | {requests} | " + " | ".join(cells) + " |")
     if not rows:
         return []
@@ -321,12 +329,13 @@ def ttft_parts_table(result: dict[str, Any]) -> list[str]:
         "Queue: arrival in the engine to first scheduled (an async load's wait lies inside it); "
         "kvtier load wait: over the requests that loaded a hit, first ask to the load landing; "
         "prefill: first scheduled to first token (a sync load's copy lies inside it); TTFT as "
-        "vLLM's front end measures it.",
+        "vLLM's front end measures it; loads: the hits granted in each mode over the levels "
+        "(`vllm:kvtier_load_modes_total`).",
         "",
         "| server | requests | "
         + " | ".join(f"{label} mean/p90 ms" for _, label in TTFT_PARTS)
-        + " |",
-        "|---|---:|" + "---:|" * len(TTFT_PARTS),
+        + " | loads sync/async |",
+        "|---|---:|" + "---:|" * (len(TTFT_PARTS) + 1),
         *rows,
     ]
 

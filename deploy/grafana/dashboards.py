@@ -331,11 +331,17 @@ def overview() -> Board:
                 f'{{model_name=~"$model_name"}}[{RI}]))',
                 "seconds saved by {{decision}}",
             ),
+            target(
+                "sum by (mode) (rate(vllm:kvtier_load_modes_total"
+                f'{{model_name=~"$model_name"}}[{RI}]))',
+                "{{mode}} loads",
+            ),
         ],
         description="load_policy: measured. Runs of hits per second, per tier, loaded or "
         "recomputed (a run is recomputed where loading it is measured to take longer), and "
         "the seconds per second those decisions are expected to save: load against "
-        "recomputing, recompute against loading.",
+        "recomputing, recompute against loading; and loads per second by mode (load_mode: "
+        "auto loads inside the step where that holds its requests up less than a step).",
     )
     b.row("Object store")
     b.panel(

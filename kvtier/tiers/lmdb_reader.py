@@ -137,6 +137,15 @@ class LmdbReader:
             return False
         return failure if failure is not None else found
 
+    def holds(self, key: ChunkKey) -> bool:
+        """Whether the chunk ``key`` is stored, read from the map without touching its value
+        (False where it cannot be read)."""
+        try:
+            with self.begin() as txn:
+                return txn.get(key) is not None
+        except lmdb.Error:
+            return False
+
     def begin(self) -> lmdb.Transaction:
         """A read transaction of the chunks, whose values are views of the map."""
         try:

@@ -33,7 +33,9 @@ CORRUPT_CHUNK = 10  # of each request's hit: loaded from lmdb, found corrupt, re
 
 
 def _connector(tmp_path: Path, shm_path: Path, **extra: Any) -> dict[str, Any]:
-    config = kvtier_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path)), **extra})
+    # asynchronous whatever the steps and costs measured (auto may load a hit inside its step)
+    settings = {"load_mode": "async", **extra}
+    config = kvtier_config({"kvtier_config": str(embedded_yaml(tmp_path, shm_path)), **settings})
     return {**config, "kv_load_failure_policy": "recompute"}
 
 

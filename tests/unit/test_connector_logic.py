@@ -47,7 +47,7 @@ def test_settings_are_validated_with_the_key_named() -> None:
 def test_keys_stay_process_local_when_hashes_are_seeded_per_process(
     monkeypatch: pytest.MonkeyPatch, algo: str, seeded: bool, shared: bool
 ) -> None:
-    from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
+    from kvtier_vllm.kv.scheduler_side.prompt_keys import stable_tenant
 
     if seeded:
         monkeypatch.setenv("PYTHONHASHSEED", "0")
@@ -55,10 +55,10 @@ def test_keys_stay_process_local_when_hashes_are_seeded_per_process(
         monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     vllm_config = SimpleNamespace(cache_config=SimpleNamespace(prefix_caching_hash_algo=algo))
     cfg = parse({})
-    stable = KVTierScheduler._stable(cfg, vllm_config)
+    stable = stable_tenant(cfg, vllm_config)
     assert (stable.tenant == cfg.tenant) is shared
     if not shared:
-        assert stable.tenant != KVTierScheduler._stable(cfg, vllm_config).tenant
+        assert stable.tenant != stable_tenant(cfg, vllm_config).tenant
 
 
 @pytest.mark.parametrize(("policy", "warned"), [("fail", True), ("recompute", False)])

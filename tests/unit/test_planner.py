@@ -27,7 +27,7 @@ from kvtier_vllm.layout.plans import PoolPlan
 from kvtier_vllm.shared.settings import LoadPolicy
 
 from kvtier.client import InProcessClient
-from kvtier.core.costs import EngineTimings
+from kvtier.core.costs import CostSnapshot, EngineTimings, LoadFit, StepFit, TierCost
 from kvtier.core.keys import ChunkKey, Pool
 from kvtier.core.load_choice import LoadChoice
 from kvtier.core.protocol import LookupResult, TierCode
@@ -38,6 +38,19 @@ from tests.support import draft_spec, manager_config, target_spec
 BPC = 4  # blocks per chunk, as in tests.support's layout
 CHUNK_TOKENS = 16 * BPC
 CPU, LMDB = int(TierCode.CPU), int(TierCode.LMDB)
+PER_CHUNK_S = 8.3e-3
+"""A GPU node's recompute of a chunk: its object store's first byte and chunks cost more."""
+GPU_COSTS = CostSnapshot(
+    {
+        "cpu": TierCost(0.52e-3, 0, 0, 0, 9, LoadFit(0.0, 0.52e-3)),
+        "lmdb": TierCost(6.4e-3, 0, 0, 0, 9, LoadFit(0.0, 6.4e-3)),
+        "object": TierCost(9.1e-3, 0, 0, 0, 9, LoadFit(30e-3, 9.1e-3)),
+    },
+    PER_CHUNK_S / CHUNK_TOKENS,
+    0.0,
+    9,
+    StepFit(0.01, PER_CHUNK_S / CHUNK_TOKENS),
+)
 HASHES = [i.to_bytes(32, "big") for i in range(8 * BPC)]  # one per block: 8 chunks
 # 256 KiB chunks, the arena's smallest slot class; no worker checks the pages here
 TARGET = PoolPlan(Pool.TARGET, ("t0", "t1"), 32 << 10, target_spec(), BPC, "target")
@@ -309,6 +322,41 @@ def test_a_probe_waits_one_ask_then_no_longer_than_its_share_of_recomputing_howe
     client.release(plan.refs())
 
 
+def test_a_probe_is_not_waited_for_where_the_costs_say_the_store_cannot_beat_recomputing(
+    client: InProcessClient,
+) -> None:
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(2)))
+    lookup = client.lookup
+
+    def probing(keys: list[ChunkKey], **kwargs: Any) -> Any:
+        found, leased = lookup(keys, **kwargs)
+        return replace(found, pending=True), leased
+
+    client.lookup = probing  # type: ignore[method-assign,assignment]
+    for costs, waits in ((GPU_COSTS, False), (None, True)):
+        chooser = LoadDecisions(LoadPolicy.MEASURED, lambda c=costs: c)  # type: ignore[misc]
+        p = HitSetup(
+            client,
+            [TARGET],
+            ns,
+            chunk_tokens=CHUNK_TOKENS,
+            blocks_per_chunk=BPC,
+            wait_s=30,
+            chooser=chooser,
+        )
+        asked = ask(p)
+        plan = asked.plan_load(0, 6)
+        if waits:  # costs not measured: the probe may find a hit worth loading
+            assert plan is None
+            assert asked.probing
+            continue
+        assert plan is not None, "waited for a probe whose chunks would be recomputed"
+        assert (plan.chunks, plan.tiers) == (2, bytes([CPU] * 2))
+        assert not asked.probing
+        client.release(plan.refs())
+
+
 def test_the_last_chunk_is_dropped_for_eagle_style_drafters(client: InProcessClient) -> None:
     ns = register(client, TARGET)
     store(client, keys(ns["target"], range(3)))
@@ -524,6 +572,68 @@ def test_a_hit_answered_in_the_background_from_lmdb_is_promoted_then_leased(
     assert now["lookups"] - counted["lookups"] == 1  # the background ask, counted once
     assert now["hit_chunks_lmdb"] - counted["hit_chunks_lmdb"] == 4
     client.release(plan.refs())
+
+
+def test_a_first_chunk_in_lmdbs_map_is_looked_up_in_the_step_where_hits_load_from_there(
+    client: InProcessClient, later: AnsweredLater
+) -> None:
+    ns, _ = four_in_lmdb(client)
+    assert client.lmdb_path is not None
+    p = HitSetup(
+        later,  # type: ignore[arg-type]
+        [TARGET],
+        ns,
+        chunk_tokens=CHUNK_TOKENS,
+        blocks_per_chunk=BPC,
+        lmdb_path=str(client.lmdb_path),
+    )
+    try:
+        asked = ask(p)
+        # not in the arena's index, but in lmdb's map: a hit, planned in this step, no wait
+        assert asked.answered(0, 4, 0.0)
+        assert later.behind == []
+        plan = asked.plan_load(0, 4)
+        assert plan is not None
+        assert (plan.chunks, plan.tiers) == (4, bytes([LMDB] * 4))
+        client.release(plan.refs())
+        # a prompt neither holds is still asked in the background
+        other = HitDecision(p, SimpleNamespace(block_hashes=[b"x" * 32] * (6 * BPC)))
+        assert not other.answered(0, 6, 0.0)
+        assert len(later.behind) == 1
+    finally:
+        p.close()
+
+
+def test_a_prompt_only_the_store_may_hold_is_a_miss_at_once_where_it_cannot_beat_recomputing(
+    client: InProcessClient, later: AnsweredLater
+) -> None:
+    ns = register(client, TARGET)
+    lmdb = client.lmdb_path
+    assert lmdb is not None
+    request = SimpleNamespace(
+        block_hashes=HASHES, prompt_token_ids=[0] * (len(HASHES) * BPC * 4 + 1)
+    )
+    for costs, waits in ((GPU_COSTS, False), (None, True)):
+        p = HitSetup(
+            later,  # type: ignore[arg-type]
+            [TARGET],
+            ns,
+            chunk_tokens=CHUNK_TOKENS,
+            blocks_per_chunk=BPC,
+            lmdb_path=str(lmdb),
+            chooser=LoadDecisions(LoadPolicy.MEASURED, lambda c=costs: c),  # type: ignore[misc]
+        )
+        try:
+            asked = HitDecision(p, request)
+            # neither the arena's index nor lmdb's map holds chunk 0: kvtierd is asked in the
+            # background either way, and only unmeasured costs wait for its answer
+            tokens = asked.ask(0, 1, KVTierStats())
+            assert later.behind[-1] == keys(ns["target"], range(len(HASHES) // BPC))
+            assert tokens == (None if waits else 0)
+            assert len(p.unanswered) == int(waits)
+        finally:
+            p.close()
+    assert later.waited_on == 0
 
 
 def test_a_lookup_that_found_a_probe_running_is_asked_again_in_the_background(

@@ -21,10 +21,11 @@ def test_each_server_shows_the_mean_and_p90_of_each_part_in_ms() -> None:
     part = {"requests": 64.0, "mean_s": 0.0125, "p90_s": 0.04}
     kvtier = {"queue": part, "load_wait": part, "prefill": part, "ttft": part}
     alone = {"queue": part, "prefill": part, "ttft": part}  # no connector: no load wait
+    modes = {"vllm:kvtier_load_modes_total{mode=sync}": 5.0}
     result = {
         "settings": {"ttft_parts": TTFT_PARTS_SCOPE},
         "servers": {
-            "kvtier": server("kvtier", HEADLINE_CONCURRENCY, kvtier),
+            "kvtier": {**server("kvtier", HEADLINE_CONCURRENCY, kvtier), "load_decisions": modes},
             "vllm": server("vLLM alone", HEADLINE_CONCURRENCY, alone),
             "other": server("other level", HEADLINE_CONCURRENCY + 1, kvtier),
         },
@@ -33,8 +34,8 @@ def test_each_server_shows_the_mean_and_p90_of_each_part_in_ms() -> None:
     assert TTFT_PARTS_SCOPE in lines[1]
     rows = [line for line in lines if line.startswith("| kvtier") or line.startswith("| vLLM")]
     assert rows == [
-        "| kvtier | 64 | 12/40 | 12/40 | 12/40 | 12/40 |",
-        "| vLLM alone | 64 | 12/40 | - | 12/40 | 12/40 |",
+        "| kvtier | 64 | 12/40 | 12/40 | 12/40 | 12/40 | 5/- |",
+        "| vLLM alone | 64 | 12/40 | - | 12/40 | 12/40 | - |",
     ]
     assert not any("other level" in line for line in lines)  # not at the headline level
 

@@ -159,12 +159,12 @@ def test_the_connector_accepts_exactly_the_revisions_a_spec_accepts(revision: st
 def test_a_process_local_tenant_stays_valid_and_distinct(
     monkeypatch: pytest.MonkeyPatch, tenant: str
 ) -> None:
-    from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
+    from kvtier_vllm.kv.scheduler_side.prompt_keys import stable_tenant
 
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     vllm_config = SimpleNamespace(cache_config=SimpleNamespace(prefix_caching_hash_algo="xxhash"))
     cfg = parse({"tenant": tenant})
-    local = {KVTierScheduler._stable(cfg, vllm_config).tenant for _ in range(3)}
+    local = {stable_tenant(cfg, vllm_config).tenant for _ in range(3)}
     assert len(local) == 3
     for name in local:
         assert target_spec(tenant=name).tenant == name

@@ -38,6 +38,8 @@ LOAD_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 POOLS = ("target", "draft", "hidden", "state")
 DECISIONS = ("load", "recompute")
 """What `load_policy: measured` made of a run of a hit's chunks held in one tier."""
+LOAD_MODES = ("sync", "async")
+"""How a granted load ran: inside the step that schedules its request, or in the background."""
 MAX_REVISIONS = 16
 _SEP = "|"  # draft keys; revisions may hold dots, never this
 OTHER = "other"
@@ -102,6 +104,10 @@ class KVTierStats(KVConnectorStats):
     def load_saved(self, decision: str, seconds: float) -> None:
         """Seconds loading (or recomputing) instead of the other is expected to have saved."""
         self.add(_SEP.join(("saved", decision)), seconds)
+
+    def load_moded(self, mode: str, loads: int) -> None:
+        """``loads`` loads vLLM granted ran in ``mode`` (`LOAD_MODES`)."""
+        self.add(_SEP.join(("mode", mode)), loads)
 
     def load_waited(self, seconds: float) -> None:
         """A request waited ``seconds`` from its first ask until its load landed; each wait
@@ -265,6 +271,13 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             "load_policy: always would have spent more), from kvtier's measured costs.",
             labelnames=[*base, "decision"],
         )
+        self._modes: Any = self._counter_cls(
+            name="vllm:kvtier_load_modes_total",
+            documentation="Loads vLLM granted, by mode: sync (inside the step that schedules "
+            "the request; every request of that step waits for it) or async (the request waits "
+            "while the others run, a step at least). load_mode: auto chooses per load.",
+            labelnames=[*base, "mode"],
+        )
         histogram: Any = self._histogram_cls
         self._errors: Any = histogram(
             name="vllm:kvtier_verify_relative_error",
@@ -333,6 +346,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             self._decided.labels(*labels, parts[1], parts[2]).inc(value)
         elif kind == "saved" and parts[1] in DECISIONS and value > 0:
             self._saved.labels(*labels, parts[1]).inc(value)
+        elif kind == "mode" and parts[1] in LOAD_MODES and value:
+            self._modes.labels(*labels, parts[1]).inc(value)
         elif kind == "load_wait":
             self._load_waits.labels(*labels).observe(value)
         elif kind == "hook" and value:

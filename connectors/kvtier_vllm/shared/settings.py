@@ -24,6 +24,7 @@ class Mode(StrEnum):
 class LoadMode(StrEnum):
     """How a request's hit is loaded into vLLM's blocks."""
 
+    AUTO = "auto"
     ASYNC = "async"
     SYNC = "sync"
 
@@ -196,14 +197,16 @@ class ConnectorConfig(TiersConfig):
 
     blocks_per_chunk: int = Field(1, ge=1, description="vLLM blocks per stored chunk.")
     load_mode: LoadMode = Field(
-        LoadMode.ASYNC,
+        LoadMode.AUTO,
         description="async: a request with a hit waits for its load while the running "
         "requests go on; the workers copy it in the background and vLLM schedules it once it "
-        "landed (a failed chunk is recomputed from there). sync: the load runs inside the step "
-        "that first schedules the request, and every running request waits for it. Sync won in "
-        "no case measured, not even the one it could: a lone request's arena hit, which async "
-        "serves a step later (CPU build: 59-84 ms async, 284-550 ms sync). Models with several "
-        "KV-cache groups always load asynchronously.",
+        "landed (a failed chunk is recomputed from there), a step later at least. sync: the "
+        "load runs inside the step that first schedules the request, and every running request "
+        "waits for it. auto: per request, sync where the load's expected time (kvtier's "
+        "measured cost per tier) times the requests it would hold up, itself included, is "
+        "shorter than the step an async load waits through (this engine's steps, measured); "
+        "async otherwise, with nothing running, and until both are measured. Models with "
+        "several KV-cache groups always load asynchronously.",
     )
     hidden_dtype: Literal["auto", "fp8"] = Field(
         "auto",

@@ -177,11 +177,17 @@ class HitDecision:
             self.drawn = True
             self.verify = setup.verifier.sample(step)
         try:
-            if not self.answered(first, limit, setup.lookup_wait_s):
+            if self.answered(first, limit, setup.lookup_wait_s):
+                plan = self.plan_load(first, limit)
+            elif self._only_the_store_may_hold(first, limit):
+                # not waited for: kvtierd still counts the lookup, and its probe may bring the
+                # prompt into lmdb for a later request
+                self.behind = None
+                plan = LoadPlan(first, 0, {}, [])
+            else:
                 assert self.behind is not None  # asked in the background
                 setup.unanswered.append(self.behind[1])
                 return None  # kvtierd's answer is on its way: ask again next step
-            plan = self.plan_load(first, limit)
         except KVTierError as exc:
             setup.calls.failed("lookup", exc)
             return 0
@@ -280,9 +286,10 @@ class HitDecision:
 
     def answered(self, first: int, limit: int, wait_s: float | None) -> bool:
         """Whether `plan_load` may run now, having waited at most ``wait_s`` (None: as long as
-        the call may take). A first lookup whose first chunk the arena's index does not hold
-        (most likely a miss), and one asked again while a probe of the object store runs, are
-        asked in the background: until it is answered, ask again."""
+        the call may take). A first lookup whose first chunk neither the arena's index nor
+        lmdb's map (where hits load from it) holds (most likely a miss), and one asked again
+        while a probe of the object store runs, are asked in the background: until it is
+        answered, ask again."""
         if self.behind is None:
             if self.looked and not self.probing:
                 return True
@@ -290,7 +297,7 @@ class HitDecision:
             keys = self._needed(first, limit).keys
             if not self.probing:
                 held = client.in_arena(keys[:1])
-                if not keys or held is None or held:
+                if not keys or held is None or held or self.setup.in_lmdb(keys[0]):
                     return True  # the index answers, or a lookup here is no dearer than a check
             self.behind = keys, client.lookup_behind(keys, again=self.looked, verify=self.verify)
             self.looked = True
@@ -316,6 +323,23 @@ class HitDecision:
             self.choice = tiers, self.setup.chooser.choose(runs, self.setup.chunk_tokens)
         return chosen_chunks(self.choice[1], tiers, self.setup.chunk_tokens)
 
+    def _only_the_store_may_hold(self, first: int, limit: int) -> bool:
+        """Whether a first lookup asked in the background can only find what the object store
+        holds, which the costs say would take longer to load than to recompute: the arena's
+        index and lmdb's map both lack the first chunk (read here, with no call)."""
+        if self.probing or not self.setup.reads_lmdb:
+            return False
+        return not self._store_may_win(first, first, limit)
+
+    def _store_may_win(self, first: int, held: int, limit: int) -> bool:
+        """Whether the chunks past the ``held`` ones, up to ``limit``, which a probe of the
+        object store may still find, are worth waiting for: the chooser would load some of them
+        from the store after the ``held`` ones (so too where no cost is measured, and for one
+        hit in `REMEASURE_EVERY` of those cut short, as loads are re-measured)."""
+        tiers = self._tiers(first, held) + bytes([OBJECT]) * (limit - held)
+        choice = self.setup.chooser.choose(tier_runs(tiers), self.setup.chunk_tokens)
+        return choice.tokens > (held - first) * self.setup.chunk_tokens
+
     def _plan_load(self, first: int, limit: int) -> LoadPlan | None:
         setup = self.setup
         self.planned += 1
@@ -323,13 +347,15 @@ class HitDecision:
             found = self._find(first, limit)
         finally:
             self.looked = True
-        self.probing = found.pending
         chunks = found.chunks
         if setup.drop_last and chunks > first:
             chunks -= 1
         anchor_start, anchor_codes = found.tiers[setup.anchor.key]
         for chunk, code in enumerate(anchor_codes, anchor_start):
             self.first_tiers.setdefault(chunk, code)
+        if found.pending and not self._store_may_win(first, found.chunks, limit):
+            found.pending = False  # what the probe finds could not beat recomputing it
+        self.probing = found.pending
         if chunks > first:
             # the chooser may take a shorter prefix: only that is promoted and leased
             chunks = first + self._chosen(first, chunks)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvtier.core.keys import Pool
+from kvtier.client import reader_at, release_reader
+from kvtier.core.keys import ChunkKey, Pool
 from kvtier.core.protocol import Answer, LookupResult, TierClient, TierCode
 from kvtier_vllm.drafts.pool import DraftPool
 from kvtier_vllm.drafts.swaps import DraftTracker
@@ -46,7 +47,7 @@ class HitSetup:
         draft_pool: DraftPool | None = None,
         leases: Leases | None = None,
         calls: TierCalls | None = None,
-        in_lmdb: bool = False,
+        lmdb_path: str = "",
         verifier: Verifier | None = None,
         chooser: LoadChooser | None = None,
         session: Session | None = None,
@@ -73,8 +74,10 @@ class HitSetup:
         self.draft_plan = next((p for p in plans if p.pool is Pool.DRAFT), None)
         self.draft = draft
         self.draft_pool = draft_pool
-        self.loadable = bytes([CPU, LMDB] if in_lmdb else [CPU])
-        """The tiers a load reads: lmdb's chunks load from there with ``in_lmdb``, unpromoted."""
+        self.loadable = bytes([CPU, LMDB] if lmdb_path else [CPU])
+        """The tiers a load reads: lmdb's chunks load from there (``lmdb_path``), unpromoted."""
+        self._lmdb = reader_at(lmdb_path) if lmdb_path else None
+        self._lmdb_path = lmdb_path
         self.client = client
         """The client every lookup, lease and promotion goes over."""
         self.calls = calls if calls is not None else TierCalls(client)
@@ -82,7 +85,7 @@ class HitSetup:
             leases if leases is not None else Leases(2),
             self.calls,
             chunk_tokens=chunk_tokens,
-            in_lmdb=in_lmdb,
+            in_lmdb=bool(lmdb_path),
             windowed=self.windowed,
             draft=draft,
             draft_plan=self.draft_plan,
@@ -94,6 +97,22 @@ class HitSetup:
         """Told of each ask: writing to lmdb waits while the engine is busy."""
         self.unanswered: list[Answer[LookupResult]] = []
         """The lookups of requests asked again next step, still with kvtierd."""
+
+    @property
+    def reads_lmdb(self) -> bool:
+        """Whether lmdb's map is read here (`in_lmdb` says whether it holds a chunk)."""
+        return self._lmdb is not None
+
+    def in_lmdb(self, key: ChunkKey) -> bool:
+        """Whether lmdb holds ``key``, where hits load from lmdb's map: read from the map with no
+        call (a hit there is worth a lookup in the step, as one in the arena's index is)."""
+        return self._lmdb is not None and self._lmdb.holds(key)
+
+    def close(self) -> None:
+        """The client is given up: lmdb's reader goes back."""
+        if self._lmdb is not None:
+            self._lmdb = None
+            release_reader(self._lmdb_path)
 
     def next_step(self, wait_s: float | None) -> None:
         """A new step: the requests whose lookups were on their way are asked again in it;

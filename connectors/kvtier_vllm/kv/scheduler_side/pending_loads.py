@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 class PendingLoads:
     """Granted loads: a synchronous one waits for its request's first scheduled step, an
-    asynchronous one goes out with the next step's metadata (``queued``)."""
+    asynchronous one goes out with the next step's metadata (``queued``); which one a request's
+    is, its state says (``load_async``)."""
 
     def __init__(
         self,
@@ -33,15 +34,12 @@ class PendingLoads:
         *,
         block_size: int,
         blocks_per_chunk: int,
-        async_loads: bool,
         block_errors: bool = False,
     ) -> None:
         self.calls = calls
         self.by_key = by_key
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
-        self.async_loads = async_loads
-        """A hit's request waits for its load while the others run."""
         self.block_errors = block_errors
         """One KV-cache group: an asynchronous load fails per block, not per request."""
         self.queued = KVTierMetadata()
@@ -54,7 +52,7 @@ class PendingLoads:
     def grant(self, state: RequestState, plan: LoadPlan, blocks: Any, stats: KVTierStats) -> None:
         """vLLM allocated ``blocks`` for the load of ``plan``."""
         state.hit = plan
-        if not self.async_loads:
+        if not state.load_async:
             self._ready[state.request.request_id] = plan
             return
         # the request waits for this load; its blocks are known now, the copies go out with
@@ -88,7 +86,7 @@ class PendingLoads:
             state.block_ids,
             self.by_key,
             skip=plan.computed // self.block_size,
-            request=state.request.request_id if self.async_loads else "",
+            request=state.request.request_id if state.load_async else "",
             chunk_tokens=self.block_size * self.blocks_per_chunk,
             blocks_per_chunk=self.blocks_per_chunk,
         )
@@ -96,7 +94,7 @@ class PendingLoads:
         if plan.fill is not Fill.NONE and plan.chunks:
             stats.fill(plan.fill, plan.chunks)
         state.stored_chunks = max(state.stored_chunks, plan.end)
-        if not self.async_loads:
+        if not state.load_async:
             self.waits.handed_out(state, stats)
         return plan.refs()
 
@@ -133,7 +131,7 @@ class PendingLoads:
         local = state.local_hit if state is not None else 0
         first = local // self.block_size
         end = (local + num_external_tokens + self.block_size - 1) // self.block_size
-        if self.async_loads:
+        if state is None or state.load_async:
             self.queued.failed_requests.append(req_id)
             return
         for ids in blocks.get_block_ids():

@@ -3,12 +3,34 @@ pool plan needs: a hit's chunks are asked for as consecutive spans, one per plan
 
 from __future__ import annotations
 
+import logging
+import os
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.core.keys import ChunkKey, Pool, make_key
 from kvtier_vllm.layout.plans import PoolPlan
+from kvtier_vllm.shared.settings import ConnectorConfig
+
+log = logging.getLogger(__name__)
+
+
+def stable_tenant(cfg: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:
+    """``cfg``, with a tenant of this process's own where vLLM seeds its block hashes per
+    process: keys made from them would name other prompts in another engine."""
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    if algo.startswith("xxhash") and not os.environ.get("PYTHONHASHSEED"):
+        log.warning(
+            "prefix_caching_hash_algo=%s seeds block hashes per process: kvtier keeps this "
+            "engine's chunks to itself. Set PYTHONHASHSEED or use sha256 to share them.",
+            algo,
+        )
+        return cfg.model_copy(
+            update={"tenant": f"{cfg.tenant[:39]}-process-{uuid.uuid4().hex[:16]}"}
+        )
+    return cfg
 
 
 @dataclass(frozen=True)

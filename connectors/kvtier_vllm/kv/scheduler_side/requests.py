@@ -25,6 +25,8 @@ class RequestState:
     fill: Fill = Fill.NONE
     load_failed: bool = False
     """Its asynchronous load failed: vLLM recomputes it, without kvtier."""
+    load_async: bool = True
+    """Its hit, as last answered to vLLM, loads asynchronously (`load_modes`)."""
     tail_stored: bool = False
     """Its prompt's hidden-state tail was reserved (captured hidden states)."""
     asked_at: float | None = field(default_factory=time.perf_counter)

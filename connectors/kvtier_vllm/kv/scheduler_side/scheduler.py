@@ -15,11 +15,10 @@ on as if kvtier had missed.
 from __future__ import annotations
 
 import logging
-import os
-import uuid
 from collections.abc import Iterable
 from typing import Any
 
+from kvtier.core.costs import CostSnapshot
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import Pool
 from kvtier.core.protocol import TierClient
@@ -34,8 +33,9 @@ from kvtier_vllm.kv.scheduler_side.hit_decision import HitDecision, hit_limit
 from kvtier_vllm.kv.scheduler_side.hit_setup import HitSetup
 from kvtier_vllm.kv.scheduler_side.leases import Leases
 from kvtier_vllm.kv.scheduler_side.load_decisions import LoadDecisions
+from kvtier_vllm.kv.scheduler_side.load_modes import LoadModes
 from kvtier_vllm.kv.scheduler_side.pending_loads import PendingLoads
-from kvtier_vllm.kv.scheduler_side.prompt_keys import targets_of
+from kvtier_vllm.kv.scheduler_side.prompt_keys import stable_tenant, targets_of
 from kvtier_vllm.kv.scheduler_side.requests import RequestState
 from kvtier_vllm.kv.scheduler_side.stores import Stores
 from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
@@ -43,7 +43,7 @@ from kvtier_vllm.kv.scheduler_side.timings import StepTimings
 from kvtier_vllm.kv.scheduler_side.verify import Verifier
 from kvtier_vllm.layout.plans import engine_plans
 from kvtier_vllm.shared.connection import Session, close_client
-from kvtier_vllm.shared.settings import ConnectorConfig, LoadMode
+from kvtier_vllm.shared.settings import ConnectorConfig
 from kvtier_vllm.shared.vllm_compat import (
     eagle_block_drop,
     failure_policy_warning,
@@ -75,7 +75,7 @@ class KVTierScheduler:
         self.replica = cfg.replica_id or replica_of(vllm_config)
         self.refusal = ""
         """Why this engine's KV is never cached (set at start, for good)."""
-        cfg = self._stable(cfg, vllm_config)
+        cfg = stable_tenant(cfg, vllm_config)
         self.plans, groups, self.refusal = engine_plans(vllm_config, kv_cache_config, cfg)
         self.by_key = {plan.key: plan for plan in self.plans}
         self.targets = targets_of(self.plans)
@@ -89,13 +89,10 @@ class KVTierScheduler:
         hidden = next((p for p in self.plans if p.pool is Pool.HIDDEN), None)
         self.capture = Capture(hidden) if hidden is not None else None
         """Hidden states captured: each finished request gets a reference to them."""
-        self.async_loads = len(groups) > 1 or cfg.load_mode is LoadMode.ASYNC
-        """A hit's request waits for its load while the others run (several groups: always,
-        vLLM takes their load failures only per request, after an async load)."""
         self.stats = KVTierStats()
-        self.decisions = LoadDecisions(
-            cfg.load_policy, lambda: self.client.costs() if self.client is not None else None
-        )
+        self.decisions = LoadDecisions(cfg.load_policy, self._costs)
+        several = len(groups) > 1
+        self.modes = LoadModes(cfg.load_mode, self.timings, self._costs, several_groups=several)
         self.namespaces: dict[str, bytes] = {}
         """Per plan key; a pool without one is not stored (a draft mid-swap)."""
         self.calls = TierCalls(None)
@@ -120,8 +117,7 @@ class KVTierScheduler:
             self.by_key,
             block_size=self.block_size,
             blocks_per_chunk=cfg.blocks_per_chunk,
-            async_loads=self.async_loads,
-            block_errors=len(groups) == 1,
+            block_errors=not several,
         )
         self.hits: HitSetup | None = None
         self.stores: Stores | None = None
@@ -151,6 +147,9 @@ class KVTierScheduler:
     @property
     def client(self) -> TierClient | None:
         return self.session.client
+
+    def _costs(self) -> CostSnapshot | None:
+        return self.client.costs() if self.client is not None else None
 
     def _connect(self, wait: bool = False) -> bool:
         """Whether the tiers are open (see `Session.connect`); loads and stores of a client just
@@ -182,7 +181,7 @@ class KVTierScheduler:
                 draft_pool=self.draft_pool,
                 leases=self.leases,
                 calls=self.calls,
-                in_lmdb=bool(self.lmdb_path),
+                lmdb_path=self.lmdb_path,
                 verifier=self.verifier,
                 session=self.session,
             )
@@ -199,20 +198,6 @@ class KVTierScheduler:
             )
         return True
 
-    @staticmethod
-    def _stable(cfg: ConnectorConfig, vllm_config: Any) -> ConnectorConfig:
-        algo = vllm_config.cache_config.prefix_caching_hash_algo
-        if algo.startswith("xxhash") and not os.environ.get("PYTHONHASHSEED"):
-            log.warning(
-                "prefix_caching_hash_algo=%s seeds block hashes per process: kvtier keeps this "
-                "engine's chunks to itself. Set PYTHONHASHSEED or use sha256 to share them.",
-                algo,
-            )
-            return cfg.model_copy(
-                update={"tenant": f"{cfg.tenant[:39]}-process-{uuid.uuid4().hex[:16]}"}
-            )
-        return cfg
-
     def reset_cache(self) -> None:
         """vLLM dropped its prefix cache (pause_generation(clear_cache=True), around weight
         updates): drop the draft pool until its weights are fingerprinted again or kvtier names
@@ -225,6 +210,7 @@ class KVTierScheduler:
         if self.draft_pool is not None:
             self.draft_pool.report(self.stats)
         self.decisions.report(self.stats)
+        self.modes.report(self.stats)
         stats, self.stats = take_report(self.stats)
         return stats
 
@@ -252,7 +238,9 @@ class KVTierScheduler:
         if state.decision is None:
             state.decision = HitDecision(self.hits, request)
         tokens = state.decision.ask(num_computed_tokens, self._step, self.stats)
-        return tokens, bool(tokens) and self.async_loads
+        plan = state.decision.plan
+        state.load_async = bool(tokens) and plan is not None and self.modes.asynchronous(plan)
+        return tokens, state.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if adapter_uncached(request):
@@ -265,6 +253,7 @@ class KVTierScheduler:
             self.calls.release(plan.refs())
             return
         self.pending.grant(state, plan, blocks, self.stats)
+        self.modes.granted(plan, state.load_async)
 
     def abandon_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """`update_state_after_alloc` failed: see `PendingLoads.abandon_load`."""
@@ -285,6 +274,7 @@ class KVTierScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         self._step += 1
+        self.modes.next_step()
         if self.hits is not None:
             # nothing runs: waiting holds up no one, and the next step schedules them all
             idle = not scheduler_output.total_num_scheduled_tokens
@@ -494,6 +484,8 @@ class KVTierScheduler:
         self.calls.hand_back(force=True)
         client = self.session.detach()
         self.calls.client = None
+        if self.hits is not None:
+            self.hits.close()
         self.hits = None
         self.stores = None
         assert client is not None

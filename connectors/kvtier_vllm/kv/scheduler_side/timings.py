@@ -22,8 +22,14 @@ class StepTimings:
         self.steps = StepSums()
         """Its prefill steps, for a fixed part and a part per token (kvtierd fits the same)."""
         self.wait_share = wait_share
+        self.busy = Estimate()
+        """Seconds of this engine's steps that ran requests, decaying: what a request waiting
+        for an asynchronous load waits through."""
+        self.running = 0
+        """Requests the last step ran."""
         self._began = 0.0
         self._tokens = 0
+        self._requests = 0
 
     def began(self, scheduler_output: Any) -> None:
         """The scheduler handed the step to the workers (its forward starts now)."""
@@ -31,12 +37,16 @@ class StepTimings:
         requests = len(scheduler_output.num_scheduled_tokens)
         prefill = requests and tokens >= PREFILL_TOKENS_PER_REQUEST * requests
         self._tokens = tokens if prefill else 0
+        self._requests = requests if tokens else 0
         self._began = time.perf_counter()
 
     def ended(self, worker_timings: EngineTimings | None) -> None:
         """The step's output came back, with what the workers timed."""
+        seconds = time.perf_counter() - self._began
+        if self._requests:
+            self.busy.observe(seconds)
+        self.running, self._requests = self._requests, 0
         if self._tokens:
-            seconds = time.perf_counter() - self._began
             self.pending.prefilled(self._tokens, seconds)
             self.prefill.observe(seconds / self._tokens, self._tokens)
             step = EngineTimings()
