@@ -55,8 +55,9 @@ GPU_WINDOW = 2.0
 THROTTLED = "gpu-ratio"
 """The name this benchmark's blkio cgroups start with."""
 HELD_SLICES = 10
-"""The throttled cold lmdb load lasts this many of the throttle's slices at least: the slice's
-allowance that its first reads get at the disk's own speed is then a tenth of it at most."""
+"""The throttled cold lmdb load lasts this many of the throttle's slices at least: what passes
+unheld (a slice's bytes after idling, up to one more as the kernel rounds up to whole slices)
+is then a small share of it (held to 1.1-1.25x of the bandwidth, against 2.4x on 64 MiB)."""
 
 
 def gpu_ratios(chunk_tokens: int = 256) -> dict[str, float]:
