@@ -4,6 +4,11 @@ machine has only the unified hierarchy) that the processes are moved into, and s
 children too. The kernel charges a read to the cgroup of the process whose access brought it to
 the disk, page faults on an mmap (lmdb's reads) included.
 
+The kernel meters a cgroup's reads in slices of ``SLICE_S`` and grants a whole slice's bytes
+(``DiskThrottle.allowance_bytes``) at once to a cgroup that idled a slice: a read no longer than
+that passes at the disk's own speed, and any read is held to the bandwidth within about one
+slice. Only reads lasting many slices at the bandwidth are held to it closely.
+
 Each cgroup is named for its benchmark and the pid that made it; a throttle entered sweeps its
 benchmark's cgroups whose maker has died (a run killed before its exit), moving what still runs
 there back to the hierarchy's root. Where no throttle can be set, entering raises
@@ -24,6 +29,10 @@ BLKIO_V1 = Path("/sys/fs/cgroup/blkio")
 UNIFIED = Path("/sys/fs/cgroup")
 SYS_BLOCK = Path("/sys/dev/block")
 PREFIX = "kvtier-"
+SLICE_S = 0.1
+"""The block throttle's slice (block/blk-throttle.c ``DFL_THROTL_SLICE``, HZ / 10), the same on
+every device since Linux dropped the 20 ms slice of non-rotational queues (f76581f9f1d2, in
+stable kernels too: in 6.18.44 a non-rotational loop device gets 100 ms)."""
 _made = itertools.count()
 
 
@@ -129,9 +138,17 @@ class DiskThrottle:
         self._v2 = False
         self._home: dict[int, Path] = {}
 
+    @property
+    def allowance_bytes(self) -> int:
+        """What a read after an idle slice gets at the disk's own speed."""
+        return round(self.bytes_per_s * SLICE_S)
+
     def describe(self) -> str:
         kind = "cgroup v2 io.max" if self._v2 else "blkio v1"
-        return f"reads at {self.bytes_per_s / 1e6:.0f} MB/s ({kind} on {self.device})"
+        return (
+            f"reads at {self.bytes_per_s / 1e6:.0f} MB/s ({kind} on {self.device}; the first "
+            f"{self.allowance_bytes / 1e6:.1f} MB after {SLICE_S * 1e3:.0f} ms idle unheld)"
+        )
 
     def __enter__(self) -> DiskThrottle:
         if os.geteuid() != 0:

@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks.fleet_costs import GPU_FIGURES, gpu_node
-from benchmarks.gpu_ratio import DiskBandwidth, measure_loads, node_scaled_disk, reads_throttled
+from benchmarks.gpu_ratio import (
+    DiskBandwidth,
+    cold_load_bytes,
+    measure_loads,
+    node_scaled_disk,
+    reads_throttled,
+)
 from benchmarks.harness.disk_throttle import (
     DiskThrottle,
     ThrottleUnavailable,
@@ -243,6 +249,21 @@ def test_the_lmdb_load_is_timed_on_the_throttled_disk(on_disk: Path) -> None:
     # every token's KV came from the disk, at the bound at most
     assert 16 * KiB / loads.lmdb_cold_s_per_token <= BANDWIDTH * 1.5
     assert _blkio_cgroup(os.getpid()) == home
+
+
+def test_the_cold_load_reads_ten_slices_at_the_bound_at_least() -> None:
+    assert cold_load_bytes(64 * MiB, DiskBandwidth(465_000_000, "")) == 465_000_000
+    assert cold_load_bytes(64 * MiB, DiskBandwidth(20_000_000, "")) == 64 * MiB
+    assert cold_load_bytes(64 * MiB, DiskBandwidth(0, "")) == 64 * MiB
+    assert cold_load_bytes(64 * MiB, None) == 64 * MiB
+
+
+def test_a_cold_load_within_a_slices_allowance_is_still_held_to_the_bound(on_disk: Path) -> None:
+    # 2 MiB fits the 4 MB a slice grants at once after idling: read alone, it passes unheld
+    disk = DiskBandwidth(2 * BANDWIDTH, "a test's")
+    loads = measure_loads(16 * KiB, 128, total_bytes=2 * MiB, reps=1, disk=disk)
+    assert "the first 4.0 MB after 100 ms idle unheld" in loads.lmdb_disk
+    assert 16 * KiB / loads.lmdb_cold_s_per_token <= disk.bytes_per_s * 1.5
 
 
 def test_kvtierd_and_the_engines_processes_below_an_arena_read_lmdb_throttled_while_it_serves(
