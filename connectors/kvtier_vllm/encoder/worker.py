@@ -19,7 +19,7 @@ import torch
 from kvtier.client import ArenaAtPath, ArenaMemory
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.protocol import in_lmdb
+from kvtier.core.protocol import SlotRef, in_lmdb
 from kvtier_vllm.encoder.metadata import ECReport, ECStepPlan, ItemSlots
 from kvtier_vllm.shared.copies import copies_for
 from kvtier_vllm.shared.lmdb_reads import LmdbReads
@@ -95,10 +95,11 @@ class EncoderCacheWorker:
 
     def _read(self, slots: ItemSlots, device: torch.device | None = None) -> torch.Tensor | None:
         """The stored output on ``device`` (the worker's), or None where a slot changed while
-        it was read, or a part leased in lmdb could not be read from it whole. Each part in the
-        arena is copied straight to the device: one copy, at the arena's pinned bandwidth where
-        the KV connector registered it with CUDA; one in lmdb is read, verified, into host
-        memory (the output itself on a CPU device) and copied from there."""
+        it was read, or a part leased in lmdb could not be read from it whole. Each part is
+        copied once, straight to the device: from the arena at its pinned bandwidth where the
+        KV connector registered it with CUDA; from lmdb, on a CPU device, out of lmdb's map
+        where it was verified (one read transaction for the output), else verified into host
+        memory and copied from there."""
         arena = None
         if not all(map(in_lmdb, slots.refs)):
             try:
@@ -111,21 +112,22 @@ class EncoderCacheWorker:
             len(slots.refs) * layout.part_bytes, dtype=torch.uint8, device=device or self.device
         )  # whole parts: one in lmdb is read whole, its padding too
         host = out if out.device.type == "cpu" else None
-        for part, ref in enumerate(slots.refs):
-            used = layout.rows_of(part, slots.rows) * layout.row_bytes
-            start = part * layout.part_bytes
-            if in_lmdb(ref):
-                if host is None:
-                    host = torch.empty(len(out), dtype=torch.uint8)
-                whole = host[start : start + layout.part_bytes]
-                if not self._lmdb.read_into(self._plan.lmdb_path, ChunkKey(ref.key), _bytes(whole)):
-                    return None
-                src = host[start : start + used]
-            else:
-                assert arena is not None
-                src = torch.frombuffer(arena.view(ref.offset, used), dtype=torch.uint8)
-            if src.data_ptr() != out[start:].data_ptr():
-                out[start : start + used].copy_(src, non_blocking=True)
+        with self._lmdb.holding():
+            for part, ref in enumerate(slots.refs):
+                used = layout.rows_of(part, slots.rows) * layout.row_bytes
+                start = part * layout.part_bytes
+                if in_lmdb(ref):
+                    if host is None:
+                        host = torch.empty(len(out), dtype=torch.uint8)
+                    whole = _bytes(host[start : start + layout.part_bytes])
+                    if not self._from_lmdb(ref, whole, used, in_place=host is out):
+                        return None
+                    src = host[start : start + used]
+                else:
+                    assert arena is not None
+                    src = torch.frombuffer(arena.view(ref.offset, used), dtype=torch.uint8)
+                if src.data_ptr() != out[start:].data_ptr():
+                    out[start : start + used].copy_(src, non_blocking=True)
         _landed(out)  # the bytes read are those the generations below vouch for
         if arena is not None and not all(
             in_lmdb(ref) or arena.is_current(ref.slot, ref.generation) for ref in slots.refs
@@ -134,6 +136,19 @@ class EncoderCacheWorker:
             return None
         raw = out[: slots.rows * layout.row_bytes]
         return raw.view(self._dtype(slots)).view(slots.rows, layout.width)
+
+    def _from_lmdb(self, ref: SlotRef, whole: memoryview, used: int, in_place: bool) -> bool:
+        """Whether part ``ref`` was read from lmdb into ``whole`` (a part's bytes), verified:
+        with ``in_place`` (in `LmdbReads.holding`), verified in lmdb's map and its ``used``
+        bytes copied out of it before the next read; otherwise decoded into ``whole``."""
+        read = self._lmdb.read(
+            self._plan.lmdb_path, ChunkKey(ref.key), len(whole), lambda: whole, in_place
+        )
+        if read is None:
+            return False
+        if read is not whole:
+            whole[:used] = read[:used]
+        return True
 
     # -- stores and checks -------------------------------------------------------------------
 
