@@ -1,12 +1,14 @@
-"""The encoder-cache connector's loads of outputs held in lmdb, over a real lmdb and a real arena
-(embedded tiers, no engine): the scheduler side verifies the parts in lmdb's map before it
-leases them there, and the worker verifies them again in the map and copies them out of it
-once, into the output it hands vLLM.
+"""The encoder-cache connector's loads, over a real lmdb and a real arena (embedded tiers, no
+engine): the scheduler side verifies an output's parts in lmdb's map before it leases them
+there, and the worker verifies them again in the map and copies them out of it once, into the
+output it hands vLLM; an output in the arena is copied out of its slots once, and checked by
+their generations after.
 
 Nothing is decoded into a buffer on the way (a decode would be a second copy), no read
 transaction outlives the load, and a part that fails verification, before the lease or after
-it, is never served: the item is a miss, or its load fails and vLLM recomputes it; the part is
-reported to the tiers, which drop it."""
+it, is never served: the output is a miss (the encoder runs), or its load fails and is
+reported (its request fails rather than read it); the part is reported to the tiers, which
+drop it."""
 
 from __future__ import annotations
 
@@ -64,10 +66,13 @@ class Stored:
         worker.save({IDENTIFIER: self.output}, IDENTIFIER)
         assert worker.report().stored == {IDENTIFIER}
         assert self.client.commit(slots.refs) == len(self.keys)
-        assert manager.flush()
-        manager.evict("cpu")
-        assert manager.lmdb is not None
-        assert manager.lmdb.contains(self.keys) == [True] * len(self.keys)
+
+    def in_lmdb_only(self) -> Stored:
+        assert self.manager.flush()
+        self.manager.evict("cpu")
+        assert self.manager.lmdb is not None
+        assert self.manager.lmdb.contains(self.keys) == [True] * len(self.keys)
+        return self
 
     def plan(self, **lists: list[ItemSlots]) -> ECStepPlan:
         return ECStepPlan(
@@ -83,18 +88,24 @@ class Stored:
             time.sleep(0.01)
         return found
 
-    def load(self) -> tuple[dict[str, torch.Tensor], ECReport]:
-        """The worker's load of the output, leased in lmdb."""
+    def lease(self) -> ItemSlots:
+        """The output's parts leased where they are: in lmdb, or in the arena."""
         leased = self.client.lease(self.keys, in_lmdb=True)
-        assert all(ref is not None and in_lmdb(ref) for ref in leased), leased
-        slots = ItemSlots(IDENTIFIER, ROWS, self.layout, tuple(r for r in leased if r))
+        assert all(ref is not None for ref in leased), leased
+        return ItemSlots(IDENTIFIER, ROWS, self.layout, tuple(r for r in leased if r))
+
+    def load(self, slots: ItemSlots | None = None) -> tuple[dict[str, torch.Tensor], ECReport]:
+        """The worker's load of the output: of ``slots``, or of a lease of its own, released
+        once read."""
+        leased = slots or self.lease()
         cache: dict[str, torch.Tensor] = {}
         try:
-            self.worker.bind(self.plan(loads=[slots]))
+            self.worker.bind(self.plan(loads=[leased]))
             self.worker.load(cache)
             return cache, self.worker.report()
         finally:
-            self.client.release(slots.refs)
+            if slots is None:
+                self.client.release(leased.refs)
 
     def flip_last_byte(self, key: ChunkKey) -> None:
         """A disk's flipped bit in the part's payload (through the tiers' own environment)."""
@@ -113,12 +124,17 @@ class Stored:
 
 
 @pytest.fixture
-def stored(manager: TierManager) -> Iterator[Stored]:
+def in_arena(manager: TierManager) -> Iterator[Stored]:
     worker = EncoderCacheWorker(torch.device("cpu"), writes=True)
     try:
         yield Stored(manager, worker)
     finally:
         worker.close()
+
+
+@pytest.fixture
+def stored(in_arena: Stored) -> Stored:
+    return in_arena.in_lmdb_only()
 
 
 @pytest.fixture
@@ -147,7 +163,10 @@ def test_an_output_in_lmdb_is_verified_in_its_map_and_copied_out_of_it_once(
 ) -> None:
     assert stored.where(locator) == LMDB
     assert stored.open_reads() == []  # the check's read transaction ended with it
-    cache, report = stored.load()
+    slots = stored.lease()
+    assert all(map(in_lmdb, slots.refs))
+    cache, report = stored.load(slots)
+    stored.client.release(slots.refs)
     assert report.loaded == {IDENTIFIER}
     assert report.load_failed == set()
     assert report.loaded_bytes == stored.output.numel() * stored.output.element_size()
@@ -162,7 +181,7 @@ def test_a_part_corrupted_after_the_check_fails_the_load_and_is_reported(
     assert stored.where(locator) == LMDB
     stored.flip_last_byte(stored.keys[1])
     cache, report = stored.load()
-    assert report.load_failed == {IDENTIFIER}  # vLLM recomputes it
+    assert report.load_failed == {IDENTIFIER}
     assert report.loaded == set()
     assert not cache[IDENTIFIER].any()  # zeros, never the bytes read
     assert report.failed_chunks == [FailedChunk(stored.keys[1], TierCode.LMDB, Failure.PAYLOAD)]
@@ -179,3 +198,21 @@ def test_a_corrupt_part_makes_the_output_a_miss_and_is_dropped(
     assert stored.manager.lmdb is not None
     assert stored.manager.lmdb.contains(stored.keys) == [True, True, False]
     assert stored.open_reads() == []
+
+
+def test_an_output_in_the_arena_is_copied_out_of_its_slots_byte_exact(in_arena: Stored) -> None:
+    slots = in_arena.lease()
+    assert not any(map(in_lmdb, slots.refs))
+    cache, report = in_arena.load(slots)
+    in_arena.client.release(slots.refs)
+    assert report.loaded == {IDENTIFIER}
+    assert torch.equal(cache[IDENTIFIER], in_arena.output)
+
+
+def test_an_output_whose_slots_were_reused_meanwhile_is_not_served(in_arena: Stored) -> None:
+    slots = in_arena.lease()
+    in_arena.client.release(slots.refs)
+    in_arena.manager.evict("cpu")  # the slots freed: their generations move on
+    cache, report = in_arena.load(slots)
+    assert report.load_failed == {IDENTIFIER}
+    assert not cache[IDENTIFIER].any()
