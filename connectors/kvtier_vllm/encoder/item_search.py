@@ -4,9 +4,9 @@ arena (the request waits, up to ``promote_wait_ms``) or nowhere (the encoder run
 
 The arena is read without a call (sidecar) or by a function call into the tiers' indexes
 (embedded); lmdb and the object store are asked in the background, and what the object store
-holds (or lmdb, without ``lmdb_loads``) is promoted. Parts to lease in lmdb are read here and
-verified first: a load the workers fail would fail the request, so a corrupt part is reported
-(the tiers drop it) and its item is a miss.
+holds (or lmdb, without ``lmdb_loads``) is promoted. Parts to lease in lmdb are verified here
+first, in lmdb's map (one read transaction, nothing copied): a load the workers fail would fail
+the request, so a corrupt part is reported (the tiers drop it) and its item is a miss.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from kvtier.core.encoder import PartLayout
 from kvtier.core.errors import KVTierError
@@ -58,6 +59,12 @@ class Promotion:
     asked: Answer[LookupResult] | None = None
 
 
+def _scratch(nbytes: int) -> memoryview:
+    """Where a coded part would be decoded to be verified (lmdb stores encoder parts as they
+    are: they are checked in its map itself)."""
+    return memoryview(bytearray(nbytes))
+
+
 def in_arena(client: TierClient, item: Item) -> bool | None:
     """Whether the arena holds every part; None where only a call can tell."""
     refs = client.in_arena(item.keys)
@@ -80,8 +87,6 @@ class ItemLocator:
         """Where the workers read hits leased in lmdb ("": none is leased there)."""
         self._lmdb_of: TierClient | None = None
         self._lmdb = LmdbReads()
-        self._scratch = bytearray()
-        """Where parts are read to be verified: one part's bytes, kept between items."""
         self._promoting: OrderedDict[str, Promotion] = OrderedDict()
         """Items looked up in the slower tiers, bounded as the items are (every miss leaves
         one)."""
@@ -159,17 +164,21 @@ class ItemLocator:
         tiers drop it) and never leased, since a load the workers fail would fail the request."""
         if item.verified:
             return True
-        if len(self._scratch) != item.layout.part_bytes:
-            self._scratch = bytearray(item.layout.part_bytes)
-        scratch = memoryview(self._scratch)
-        for key, code in zip(item.keys, codes, strict=True):
-            if code == TierCode.LMDB and not self._lmdb.read_into(self.lmdb_path, key, scratch):
-                if failed := self._lmdb.take_failed():
-                    try:
-                        client.report_failed(failed)
-                    except KVTierError as exc:
-                        log.warning("kvtier: corrupt encoder parts not reported: %s", exc)
-                return False
+        nbytes = item.layout.part_bytes
+        with self._lmdb.holding():  # one read transaction; each part checked where it lies
+            whole = all(
+                self._lmdb.read(self.lmdb_path, key, nbytes, partial(_scratch, nbytes), True)
+                is not None
+                for key, code in zip(item.keys, codes, strict=True)
+                if code == TierCode.LMDB
+            )
+        if not whole:
+            if failed := self._lmdb.take_failed():
+                try:
+                    client.report_failed(failed)
+                except KVTierError as exc:
+                    log.warning("kvtier: corrupt encoder parts not reported: %s", exc)
+            return False
         item.verified = True
         return True
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from kvtier.client import ArenaAtPath, ArenaMemory
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.protocol import in_lmdb
+from kvtier.core.protocol import SlotRef, in_lmdb
 from kvtier_vllm.encoder.metadata import ECReport, ECStepPlan, ItemSlots
 from kvtier_vllm.shared.copies import copies_for
 from kvtier_vllm.shared.lmdb_reads import LmdbReads
@@ -95,10 +96,8 @@ class EncoderCacheWorker:
 
     def _read(self, slots: ItemSlots, device: torch.device | None = None) -> torch.Tensor | None:
         """The stored output on ``device`` (the worker's), or None where a slot changed while
-        it was read, or a part leased in lmdb could not be read from it whole. Each part in the
-        arena is copied straight to the device: one copy, at the arena's pinned bandwidth where
-        the KV connector registered it with CUDA; one in lmdb is read, verified, into host
-        memory (the output itself on a CPU device) and copied from there."""
+        it was read, or a part leased in lmdb could not be read from it whole. Each part is
+        copied once (`_copy_parts`, `_copy_parts_to_device`)."""
         arena = None
         if not all(map(in_lmdb, slots.refs)):
             try:
@@ -110,22 +109,12 @@ class EncoderCacheWorker:
         out = torch.empty(
             len(slots.refs) * layout.part_bytes, dtype=torch.uint8, device=device or self.device
         )  # whole parts: one in lmdb is read whole, its padding too
-        host = out if out.device.type == "cpu" else None
-        for part, ref in enumerate(slots.refs):
-            used = layout.rows_of(part, slots.rows) * layout.row_bytes
-            start = part * layout.part_bytes
-            if in_lmdb(ref):
-                if host is None:
-                    host = torch.empty(len(out), dtype=torch.uint8)
-                whole = host[start : start + layout.part_bytes]
-                if not self._lmdb.read_into(self._plan.lmdb_path, ChunkKey(ref.key), _bytes(whole)):
-                    return None
-                src = host[start : start + used]
-            else:
-                assert arena is not None
-                src = torch.frombuffer(arena.view(ref.offset, used), dtype=torch.uint8)
-            if src.data_ptr() != out[start:].data_ptr():
-                out[start : start + used].copy_(src, non_blocking=True)
+        if out.device.type == "cpu":
+            read = self._copy_parts(slots, arena, _bytes(out))
+        else:
+            read = self._copy_parts_to_device(slots, arena, out)
+        if not read:
+            return None
         _landed(out)  # the bytes read are those the generations below vouch for
         if arena is not None and not all(
             in_lmdb(ref) or arena.is_current(ref.slot, ref.generation) for ref in slots.refs
@@ -134,6 +123,55 @@ class EncoderCacheWorker:
             return None
         raw = out[: slots.rows * layout.row_bytes]
         return raw.view(self._dtype(slots)).view(slots.rows, layout.width)
+
+    def _copy_parts(self, slots: ItemSlots, arena: ArenaMemory | None, out: memoryview) -> bool:
+        """Whether every part was copied into ``out`` (host memory), each by one memcpy: from
+        its arena slot, or out of lmdb's map where it was verified (one read transaction for
+        the output)."""
+        with self._lmdb.holding():
+            for ref, start, used in _parts(slots):
+                if in_lmdb(ref):
+                    whole = out[start : start + slots.layout.part_bytes]
+                    if not self._from_lmdb(ref, whole, used, in_place=True):
+                        return False
+                else:
+                    assert arena is not None
+                    out[start : start + used] = arena.view(ref.offset, used)
+        return True
+
+    def _copy_parts_to_device(
+        self, slots: ItemSlots, arena: ArenaMemory | None, out: torch.Tensor
+    ) -> bool:
+        """Whether every part was copied to ``out`` on a device: from its arena slot straight,
+        at the arena's pinned bandwidth where the KV connector registered it with CUDA; from
+        lmdb, verified into host memory and copied from there."""
+        host = None
+        for ref, start, used in _parts(slots):
+            if in_lmdb(ref):
+                if host is None:
+                    host = torch.empty(len(out), dtype=torch.uint8)
+                whole = _bytes(host[start : start + slots.layout.part_bytes])
+                if not self._from_lmdb(ref, whole, used, in_place=False):
+                    return False
+                src = host[start : start + used]
+            else:
+                assert arena is not None
+                src = torch.frombuffer(arena.view(ref.offset, used), dtype=torch.uint8)
+            out[start : start + used].copy_(src, non_blocking=True)
+        return True
+
+    def _from_lmdb(self, ref: SlotRef, whole: memoryview, used: int, in_place: bool) -> bool:
+        """Whether part ``ref`` was read from lmdb into ``whole`` (a part's bytes), verified:
+        with ``in_place`` (in `LmdbReads.holding`), verified in lmdb's map and its ``used``
+        bytes copied out of it before the next read; otherwise decoded into ``whole``."""
+        read = self._lmdb.read(
+            self._plan.lmdb_path, ChunkKey(ref.key), len(whole), lambda: whole, in_place
+        )
+        if read is None:
+            return False
+        if read is not whole:
+            whole[:used] = read[:used]
+        return True
 
     # -- stores and checks -------------------------------------------------------------------
 
@@ -212,6 +250,13 @@ def _landed(tensor: torch.Tensor) -> None:
     """Wait for the copies queued on the tensor's device (none to wait for on the CPU)."""
     if tensor.is_cuda:
         torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def _parts(slots: ItemSlots) -> Iterator[tuple[SlotRef, int, int]]:
+    """Each part's ref, where it starts in the output's whole parts, and its bytes in use."""
+    layout = slots.layout
+    for part, ref in enumerate(slots.refs):
+        yield ref, part * layout.part_bytes, layout.rows_of(part, slots.rows) * layout.row_bytes
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -60,14 +60,6 @@ class LmdbReads:
         if reader is not None:
             reader.read_ahead(keys)
 
-    def read_into(self, path: str, key: ChunkKey, dst: memoryview) -> bool:
-        """Whether ``key``'s chunk was read into ``dst``, verified and decoded: False where
-        lmdb cannot be read here, no longer holds it, or it is corrupt (kept in ``failed``)."""
-        reader = self._open(path)
-        if reader is None:
-            return False
-        return self._outcome(key, reader.read_into(key, dst)) is True
-
     @contextmanager
     def holding(self) -> Iterator[None]:
         """`read` calls in this block share read transactions (each held at most ``HOLD_S``,
@@ -93,8 +85,8 @@ class LmdbReads:
     ) -> memoryview | None:
         """``key``'s chunk (``nbytes`` long), verified: with ``in_place`` within `holding`, a
         chunk stored as it is is a view of lmdb's map, valid until the next read or the
-        block's end; any other is decoded into ``buffer()``. None where `read_into` would
-        return False."""
+        block's end; any other is decoded into ``buffer()``. None where lmdb cannot be read
+        here, no longer holds it, or it is corrupt (kept in ``failed``)."""
         reader = self._open(path)
         if reader is None:
             return None
