@@ -88,6 +88,10 @@ class InProcessClient(TierClient):
         return None if lmdb is None else lmdb.config.path
 
     @property
+    def object_tier(self) -> bool:
+        return self.manager.object is not None
+
+    @property
     def serving(self) -> bool:
         return True  # every call is a function call here
 

@@ -199,6 +199,12 @@ class TierClient(Protocol):
         ...
 
     @property
+    def object_tier(self) -> bool:
+        """Whether the tiers may have an object store: a lookup may then find chunks neither
+        the arena nor lmdb holds (True where it is not known)."""
+        ...
+
+    @property
     def serving(self) -> bool:
         """False while the tiers do not answer in time: every call would fail at once, so a
         caller that must not wait serves without them."""

@@ -80,6 +80,8 @@ class DaemonSession:
         self._reopen_lock = threading.Lock()
         self.arena_path: Path | None = None
         self.lmdb_path: Path | None = None
+        self.object_tier = True
+        """Whether the daemon may have an object store (until its registration says)."""
         self.drafts: dict[bytes, DraftState] = {}
         self.quarantined: frozenset[bytes] = frozenset()
         self.costs: CostSnapshot | None = None
@@ -123,6 +125,7 @@ class DaemonSession:
         self.id = response.session_id
         self.arena_path = Path(response.arena_path)
         self.lmdb_path = Path(response.lmdb_path) if response.lmdb_path else None
+        self.object_tier = not response.no_object_tier
         self._arena.follow(self.arena_path)
         self._follow(response)
         self.coded = {bytes(c.namespace): c.error_bound for c in response.coded}

@@ -103,6 +103,10 @@ class GrpcTierClient(TierClient):
     def lmdb_path(self) -> Path | None:
         return self._session.lmdb_path
 
+    @property
+    def object_tier(self) -> bool:
+        return self._session.object_tier
+
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes:
         """Add a pool to this client's session (opening one if needed); returns its namespace."""
         return self._session.register_pool(spec, chunk_bytes)

@@ -170,6 +170,7 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
             ],
             lmdb_path=str(lmdb.config.path) if (lmdb := self.manager.lmdb) is not None else "",
             costs=costs_to(self.manager.costs.snapshot()),
+            no_object_tier=self.manager.object is None,
         )
 
     def _admit(self, peer: Peer | None, specs: Sequence[NamespaceSpec]) -> None:

@@ -387,7 +387,10 @@ def test_a_new_request_waits_for_a_stopped_kvtierd_without_holding_up_the_runnin
     from tests.fixtures.engines import greedy
 
     daemon = procs.start_daemon(daemon_files)
-    connector = kvtier_config({"mode": "sidecar", "socket_path": str(daemon_files.socket)})
+    # lmdb's map not read here: only kvtierd can say whether lmdb holds the new prompt (where
+    # the engine reads it, a prompt neither index holds is a miss at once)
+    sidecar = {"mode": "sidecar", "socket_path": str(daemon_files.socket), "lmdb_loads": False}
+    connector = kvtier_config(sidecar)
     running, new = prompts[0], fresh_prompts[0]
     stopped_steps = 4
     with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:

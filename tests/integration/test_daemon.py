@@ -581,6 +581,7 @@ def test_the_arenas_part_of_a_hit_comes_from_its_index_and_kvtierd_answers_the_r
     client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
     try:
         keys, refs = _committed(client, 3, more=2)
+        assert not client.object_tier  # the session said this daemon has no object store
         before = daemon.stats().counters
         result, found = client.lookup(keys, lease=True)
         assert (result.hits, result.tiers) == (3, ["cpu"] * 3)

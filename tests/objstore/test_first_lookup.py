@@ -122,6 +122,7 @@ def test_kvtierd_answers_a_lookup_from_the_step_without_waiting_for_its_probe(
     client = GrpcTierClient(files.socket, "r0", timeout_s=10.0)
     try:
         assert client.register_pool(TARGET.spec, TARGET.chunk_bytes) == ns
+        assert client.object_tier  # the session said this daemon has an object store
         keys = keys_in(ns, HASHES, range(CHUNKS), BPC)
         arena = ArenaMemory.attach(client.arena_path)
         try:

@@ -502,6 +502,7 @@ class AnsweredLater(ArenaReading):
         self.gate = threading.Event()
         self.behind: list[list[ChunkKey]] = []
         self.waited_on = 0
+        self.object_tier = client.object_tier
         self._calls = ThreadPoolExecutor(1)
 
     def lookup(self, *args: Any, **kwargs: Any) -> Any:
@@ -610,6 +611,7 @@ def test_a_prompt_only_the_store_may_hold_is_a_miss_at_once_where_it_cannot_beat
     ns = register(client, TARGET)
     lmdb = client.lmdb_path
     assert lmdb is not None
+    later.object_tier = True  # as if the tiers had an object store
     request = SimpleNamespace(
         block_hashes=HASHES, prompt_token_ids=[0] * (len(HASHES) * BPC * 4 + 1)
     )
@@ -631,6 +633,36 @@ def test_a_prompt_only_the_store_may_hold_is_a_miss_at_once_where_it_cannot_beat
             assert later.behind[-1] == keys(ns["target"], range(len(HASHES) // BPC))
             assert tokens == (None if waits else 0)
             assert len(p.unanswered) == int(waits)
+        finally:
+            p.close()
+    assert later.waited_on == 0
+
+
+def test_with_no_object_store_a_prompt_neither_index_holds_is_a_miss_at_its_first_ask(
+    client: InProcessClient, later: AnsweredLater
+) -> None:
+    ns = register(client, TARGET)
+    lmdb = client.lmdb_path
+    assert lmdb is not None
+    assert not client.object_tier  # these tiers: an arena and lmdb
+    request = SimpleNamespace(
+        block_hashes=HASHES, prompt_token_ids=[0] * (len(HASHES) * BPC * 4 + 1)
+    )
+    for lmdb_path, waits in ((str(lmdb), False), ("", True)):
+        p = HitSetup(
+            later,  # type: ignore[arg-type]
+            [TARGET],
+            ns,
+            chunk_tokens=CHUNK_TOKENS,
+            blocks_per_chunk=BPC,
+            lmdb_path=lmdb_path,
+        )
+        try:
+            # kvtierd is still asked in the background, to count it; where lmdb's map is not
+            # read here, lmdb may hold the prompt, and its answer is waited for
+            tokens = HitDecision(p, request).ask(0, 1, KVTierStats())
+            assert later.behind[-1] == keys(ns["target"], range(len(HASHES) // BPC))
+            assert tokens == (None if waits else 0)
         finally:
             p.close()
     assert later.waited_on == 0

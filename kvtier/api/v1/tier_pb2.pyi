@@ -261,6 +261,7 @@ class RegisterSessionResponse(_message.Message):
     CODED_FIELD_NUMBER: _builtins.int
     LMDB_PATH_FIELD_NUMBER: _builtins.int
     COSTS_FIELD_NUMBER: _builtins.int
+    NO_OBJECT_TIER_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     arena_path: _builtins.str
     heartbeat_interval_ms: _builtins.int
@@ -268,6 +269,10 @@ class RegisterSessionResponse(_message.Message):
     lmdb_path: _builtins.str
     """lmdb's environment directory, for leases granted in lmdb (PrefetchRequest.in_lmdb); empty
     where the daemon has no lmdb tier.
+    """
+    no_object_tier: _builtins.bool
+    """The daemon has no object store: a lookup finds only what the arena and lmdb hold. (Set
+    where it has none, so that a daemon that predates it reads as one that may.)
     """
     @_builtins.property
     def namespaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
@@ -306,10 +311,11 @@ class RegisterSessionResponse(_message.Message):
         coded: _abc.Iterable[Global___CodedNamespace] | None = ...,
         lmdb_path: _builtins.str = ...,
         costs: _admin_pb2.Costs | None = ...,
+        no_object_tier: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["costs", b"costs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_path", b"arena_path", "coded", b"coded", "costs", b"costs", "drafts", b"drafts", "heartbeat_interval_ms", b"heartbeat_interval_ms", "lmdb_path", b"lmdb_path", "namespaces", b"namespaces", "quarantined", b"quarantined", "session_id", b"session_id", "session_timeout_ms", b"session_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_path", b"arena_path", "coded", b"coded", "costs", b"costs", "drafts", b"drafts", "heartbeat_interval_ms", b"heartbeat_interval_ms", "lmdb_path", b"lmdb_path", "namespaces", b"namespaces", "no_object_tier", b"no_object_tier", "quarantined", b"quarantined", "session_id", b"session_id", "session_timeout_ms", b"session_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

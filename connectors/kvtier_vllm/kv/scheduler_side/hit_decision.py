@@ -179,7 +179,7 @@ class HitDecision:
         try:
             if self.answered(first, limit, setup.lookup_wait_s):
                 plan = self.plan_load(first, limit)
-            elif self._only_the_store_may_hold(first, limit):
+            elif self._nothing_else_to_find(first, limit):
                 # not waited for: kvtierd still counts the lookup, and its probe may bring the
                 # prompt into lmdb for a later request
                 self.behind = None
@@ -323,12 +323,15 @@ class HitDecision:
             self.choice = tiers, self.setup.chooser.choose(runs, self.setup.chunk_tokens)
         return chosen_chunks(self.choice[1], tiers, self.setup.chunk_tokens)
 
-    def _only_the_store_may_hold(self, first: int, limit: int) -> bool:
-        """Whether a first lookup asked in the background can only find what the object store
-        holds, which the costs say would take longer to load than to recompute: the arena's
-        index and lmdb's map both lack the first chunk (read here, with no call)."""
+    def _nothing_else_to_find(self, first: int, limit: int) -> bool:
+        """Whether a first lookup asked in the background can find nothing worth waiting for:
+        the arena's index and lmdb's map both lack the first chunk (read here, with no call),
+        and the tiers have no object store, or the costs say loading from it would take
+        longer than recomputing."""
         if self.probing or not self.setup.reads_lmdb:
             return False
+        if not self.setup.client.object_tier:
+            return True
         return not self._store_may_win(first, first, limit)
 
     def _store_may_win(self, first: int, held: int, limit: int) -> bool:
