@@ -317,7 +317,8 @@ class ManagerConfig(ConfigSection):
         "write-back, uploads, downloads, promotion ahead of a load and maintenance sweeps. "
         "They share the cores with the engine's scheduler, API server and detokenizer and with "
         "the threads answering lookups, leases and loads, which keep the process's priority; "
-        "under contention those get the CPU first. 0: no lower.",
+        "under contention those get the CPU first. 0 (the default): no lower; try 10 where "
+        "the tiers' uploads and write-back visibly slow the engine's own CPU work.",
     )
 
 
