@@ -41,7 +41,13 @@ def open_and_store(arena: Path, tmp: Path) -> TierManager:
     m = TierManager(manager_config(arena, tmp, arena_mib=6))
     ns = m.register_pool(target_spec(), CHUNK)
     (key,) = keys_for(ns, 1)
-    assert m.cpu.put(key, payload_for(key, CHUNK))
+    (ref,) = m.cpu.reserve([key])
+    assert ref is not None
+    m.cpu.view(ref)[:] = payload_for(key, CHUNK)
+    assert m.cpu.commit([ref]) == 1
+    # a thread of its own takes the commit's checksum: taken now if it has not yet, so that it
+    # is on file before the owner says ready
+    assert m.cpu.slots.commit_checksum(ref, take_now=True) is not None
     return m
 
 
