@@ -285,13 +285,8 @@ def test_a_probe_of_the_store_is_waited_for_a_share_of_recomputing_the_rest(
     assert asked.plan_load(0, 6) == LoadPlan(0, 0, {}, [])
 
 
-def test_a_probe_waits_one_ask_then_no_longer_than_its_share_of_recomputing_however_long_wait_s(
-    client: InProcessClient,
-) -> None:
-    """A hit cheap to recompute is not held back for ``wait_s`` (promote_wait_ms, a second by
-    default) while kvtierd probes the object store: only its share of recomputing it."""
-    ns = register(client, TARGET)
-    store(client, keys(ns["target"], range(2)))
+def always_probing(client: InProcessClient) -> None:
+    """Every lookup of ``client`` says a probe of the object store runs past its hit."""
     lookup = client.lookup
 
     def probing(keys: list[ChunkKey], **kwargs: Any) -> Any:
@@ -299,6 +294,16 @@ def test_a_probe_waits_one_ask_then_no_longer_than_its_share_of_recomputing_howe
         return replace(found, pending=True), leased
 
     client.lookup = probing  # type: ignore[method-assign,assignment]
+
+
+def test_a_probe_waits_one_ask_then_no_longer_than_its_share_of_recomputing_however_long_wait_s(
+    client: InProcessClient,
+) -> None:
+    """A hit cheap to recompute is not held back for ``wait_s`` (promote_wait_ms, a second by
+    default) while kvtierd probes the object store: only its share of recomputing it."""
+    ns = register(client, TARGET)
+    store(client, keys(ns["target"], range(2)))
+    always_probing(client)
     timings = StepTimings(wait_share=0.5)
     timings.prefill.observe(1e-6, 100)  # a microsecond a token: 6 chunks are worth 0.2 ms
     p = HitSetup(
@@ -327,13 +332,7 @@ def test_a_probe_is_not_waited_for_where_the_costs_say_the_store_cannot_beat_rec
 ) -> None:
     ns = register(client, TARGET)
     store(client, keys(ns["target"], range(2)))
-    lookup = client.lookup
-
-    def probing(keys: list[ChunkKey], **kwargs: Any) -> Any:
-        found, leased = lookup(keys, **kwargs)
-        return replace(found, pending=True), leased
-
-    client.lookup = probing  # type: ignore[method-assign,assignment]
+    always_probing(client)
     for costs, waits in ((GPU_COSTS, False), (None, True)):
         chooser = LoadDecisions(LoadPolicy.MEASURED, lambda c=costs: c)  # type: ignore[misc]
         p = HitSetup(
