@@ -137,14 +137,15 @@ class LmdbReader:
             return False
         return failure if failure is not None else found
 
-    def holds(self, key: ChunkKey) -> bool:
-        """Whether the chunk ``key`` is stored, read from the map without touching its value
-        (False where it cannot be read)."""
+    def holds(self, key: ChunkKey) -> bool | None:
+        """Whether the chunk ``key`` is stored, read from the map without touching its value;
+        None where the map cannot be read (that is no answer: a caller asks the tiers)."""
         try:
             with self.begin() as txn:
                 return txn.get(key) is not None
-        except lmdb.Error:
-            return False
+        except lmdb.Error as exc:
+            log.warning("lmdb: cannot look up chunk %s here: %s", key.hex(), exc)
+            return None
 
     def begin(self) -> lmdb.Transaction:
         """A read transaction of the chunks, whose values are views of the map."""

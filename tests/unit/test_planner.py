@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import lmdb
 import pytest
 from kvtier_vllm.drafts.swaps import DraftTracker, Fill
 from kvtier_vllm.kv.connector_stats import KVTierStats
@@ -26,7 +27,7 @@ from kvtier_vllm.kv.scheduler_side.timings import StepTimings
 from kvtier_vllm.layout.plans import PoolPlan
 from kvtier_vllm.shared.settings import LoadPolicy
 
-from kvtier.client import InProcessClient
+from kvtier.client import InProcessClient, LmdbReader
 from kvtier.core.costs import CostSnapshot, EngineTimings, LoadFit, StepFit, TierCost
 from kvtier.core.keys import ChunkKey, Pool
 from kvtier.core.load_choice import LoadChoice
@@ -600,6 +601,40 @@ def test_a_first_chunk_in_lmdbs_map_is_looked_up_in_the_step_where_hits_load_fro
         other = HitDecision(p, SimpleNamespace(block_hashes=[b"x" * 32] * (6 * BPC)))
         assert not other.answered(0, 6, 0.0)
         assert len(later.behind) == 1
+    finally:
+        p.close()
+
+
+def test_a_first_ask_where_lmdbs_map_cannot_be_read_is_looked_up_in_the_step_never_missed(
+    client: InProcessClient, later: AnsweredLater, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ns, _ = four_in_lmdb(client)
+    assert client.lmdb_path is not None
+    assert not client.object_tier
+
+    def readers_full(self: LmdbReader) -> None:
+        raise lmdb.ReadersFullError("mdb_txn_begin: MDB_READERS_FULL")
+
+    # the engine's own reads of the map fail; kvtierd's (the tiers') do not
+    monkeypatch.setattr(LmdbReader, "begin", readers_full)
+    p = HitSetup(
+        later,  # type: ignore[arg-type]
+        [TARGET],
+        ns,
+        chunk_tokens=CHUNK_TOKENS,
+        blocks_per_chunk=BPC,
+        lmdb_path=str(client.lmdb_path),
+    )
+    try:
+        # a map that cannot be read says nothing: neither a hit nor a miss at once
+        assert p.in_lmdb(keys(ns["target"], [0])[0]) is None
+        asked = ask(p)
+        assert asked.answered(0, 4, 0.0)
+        assert later.behind == []
+        plan = asked.plan_load(0, 4)
+        assert plan is not None
+        assert plan.chunks == 4
+        client.release(plan.refs())
     finally:
         p.close()
 

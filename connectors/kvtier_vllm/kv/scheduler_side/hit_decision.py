@@ -297,8 +297,10 @@ class HitDecision:
             keys = self._needed(first, limit).keys
             if not self.probing:
                 held = client.in_arena(keys[:1])
-                if not keys or held is None or held or self.setup.in_lmdb(keys[0]):
-                    return True  # the index answers, or a lookup here is no dearer than a check
+                if not keys or held is None or held or self.setup.in_lmdb(keys[0]) is not False:
+                    # the index or lmdb's map answers, or neither could be read: a lookup here
+                    # is no dearer than a check, and only a check that read both makes a miss
+                    return True
             self.behind = keys, client.lookup_behind(keys, again=self.looked, verify=self.verify)
             self.looked = True
         return self.behind[1].wait(wait_s)

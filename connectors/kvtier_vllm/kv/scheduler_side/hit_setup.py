@@ -103,10 +103,11 @@ class HitSetup:
         """Whether lmdb's map is read here (`in_lmdb` says whether it holds a chunk)."""
         return self._lmdb is not None
 
-    def in_lmdb(self, key: ChunkKey) -> bool:
+    def in_lmdb(self, key: ChunkKey) -> bool | None:
         """Whether lmdb holds ``key``, where hits load from lmdb's map: read from the map with no
-        call (a hit there is worth a lookup in the step, as one in the arena's index is)."""
-        return self._lmdb is not None and self._lmdb.holds(key)
+        call (a hit there is worth a lookup in the step, as one in the arena's index is); None
+        where the map could not be read."""
+        return self._lmdb.holds(key) if self._lmdb is not None else False
 
     def close(self) -> None:
         """The client is given up: lmdb's reader goes back."""
