@@ -29,16 +29,20 @@ class ArenaView:
         if readable_here() and (self._arena is None or self._arena.path != path):
             self._arena = ArenaAtPath(path, populate=False)
 
-    def find(self, keys: Sequence[ChunkKey], quarantined: frozenset[bytes]) -> list[IndexedRef]:
-        """The slot of each key of the longest prefix the arena holds, from its key index
-        (none where the index cannot be read here), up to a namespace in ``quarantined``, as
-        kvtierd's own lookup stops there."""
-        if self._arena is None or not keys:
+    def find(
+        self, keys: Sequence[ChunkKey], quarantined: frozenset[bytes]
+    ) -> list[IndexedRef] | None:
+        """The slot of each key of the longest prefix the arena holds, from its key index, up to
+        a namespace in ``quarantined``, as kvtierd's own lookup stops there; None where the
+        index cannot be read here now (which says nothing of what the arena holds)."""
+        if self._arena is None:
+            return None
+        if not keys:
             return []
         try:
             memory = self._arena.current()
         except KVTierError:
-            return []
+            return None
         refs = []
         for key in cut_at_namespaces(keys, quarantined):
             found = memory.find(key)

@@ -201,7 +201,7 @@ class GrpcTierClient(TierClient):
         kvtierd is asked only about the keys past it; `report_hits` tells it of the rest later."""
         flags = _counting(again, verify)
         self._channel.check()  # no hit, at once; ``release`` stays the caller's
-        found = self._arena.find(keys, self._session.quarantined)
+        found = self._arena.find(keys, self._session.quarantined) or []
         if keys and len(found) == len(keys):
             # the leases handed back end with the next report: no call now
             self._reports.answered(flags, keys, self._leased(release))
@@ -242,9 +242,8 @@ class GrpcTierClient(TierClient):
         self._reports.send_hits(every_s)
 
     def in_arena(self, keys: Sequence[ChunkKey]) -> list[SlotRef] | None:
-        if not self._arena.mapped:
-            return None
-        return list(self._arena.find(keys, self._session.quarantined))
+        found = self._arena.find(keys, self._session.quarantined)
+        return None if found is None else list(found)
 
     @staticmethod
     def _leased(refs: Sequence[SlotRef]) -> list[SlotRef]:

@@ -574,6 +574,27 @@ def test_a_leasing_lookup_leases_the_arena_prefix_and_releases_in_one_call(
         client.close()
 
 
+def test_an_arena_whose_file_is_gone_from_its_path_is_not_read_as_holding_nothing(
+    procs: Processes, files: DaemonFiles
+) -> None:
+    procs.start_daemon(files)
+    client = GrpcTierClient(files.socket, "dp0", timeout_s=10.0)
+    moved = files.arena.with_name(files.arena.name + ".moved")
+    try:
+        keys, _ = _committed(client, 2)
+        assert client.in_arena(keys) is not None
+        assert len(client.in_arena(keys) or []) == 2
+        # the path no longer names an arena (removed by hand): the index cannot be read, which
+        # says nothing of what the arena holds, so a caller asks kvtierd
+        files.arena.rename(moved)
+        wait_for(lambda: client.in_arena(keys) is None, 10.0, "the client's next look at the path")
+        assert client.lookup(keys).hits == 2
+    finally:
+        if moved.exists():
+            moved.rename(files.arena)
+        client.close()
+
+
 def test_the_arenas_part_of_a_hit_comes_from_its_index_and_kvtierd_answers_the_rest(
     procs: Processes, files: DaemonFiles
 ) -> None:
