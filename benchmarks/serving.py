@@ -175,7 +175,7 @@ from benchmarks.serving_cases import (
     gpu_ratio_cases,
     server_names,
 )
-from benchmarks.serving_figures import Outcome, read_profile, summary
+from benchmarks.serving_figures import Outcome, daemon_cpu_seconds, read_profile, summary
 from benchmarks.serving_lmcache import lmcache_python
 from benchmarks.serving_no_reuse import NoReusePhase
 from benchmarks.serving_report import clean, result_of, tables, write_docs
@@ -310,8 +310,10 @@ class Bench:
                 dropper, spec = self.page_cache_dropper(case), self.workload()
                 with dropper or contextlib.nullcontext():
                     for i, c in enumerate(self.concurrency if plan.multi_round else ()):
+                        daemon_cpu = daemon_cpu_seconds(daemon)
                         level = self.level(server, metrics_url, spec, c, USERS * ROUNDS, i, warmup)
                         out.multi_round.append(level)
+                        out.daemon_cpu_s.append(daemon_cpu_seconds(daemon) - daemon_cpu)
                         warmup = 0
                 out.page_cache_drops = dropper.drops if dropper else 0
                 out.load_decisions = serving_gpu_ratio.decisions_between(

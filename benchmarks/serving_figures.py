@@ -53,6 +53,8 @@ class Outcome:
     """kvtierd's counters over the multi-round levels (moves, promotions, evictions)."""
     load_decisions: dict[str, float] = field(default_factory=dict)
     """The connector's load-decision counters over the multi-round levels."""
+    daemon_cpu_s: list[float] = field(default_factory=list)
+    """kvtierd's CPU seconds during each multi-round level (NaN without kvtierd)."""
     page_cache_drops: int = 0
     """Page-cache drops during its levels (below the arena, on the GPU-ratio model)."""
     prefill: dict[str, float] = field(default_factory=dict)
@@ -60,6 +62,14 @@ class Outcome:
 
     def at(self, concurrency: int) -> LevelResult | None:
         return next((lv for lv in self.multi_round if lv.concurrency == concurrency), None)
+
+    def daemon_cpu_share(self, concurrency: int) -> float | None:
+        """kvtierd's CPU time over the multi-round level at ``concurrency``'s wall time, a share
+        of one core; None without kvtierd or that level."""
+        for level, cpu_s in zip(self.multi_round, self.daemon_cpu_s, strict=False):
+            if level.concurrency == concurrency and level.duration_s and not math.isnan(cpu_s):
+                return cpu_s / level.duration_s
+        return None
 
 
 def by_round(level: LevelResult) -> list[float | None]:

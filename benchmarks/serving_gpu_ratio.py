@@ -99,8 +99,9 @@ def headline(
     policies: bool,
     measured_ratios: dict[str, Any],
 ) -> dict[str, Any]:
-    """The GPU-ratio targets' values, the ratios measured, and each server's load decisions and
-    share of its levels spent in kvtier's hooks."""
+    """The GPU-ratio targets' values, the ratios measured, and each server's load decisions,
+    share of its levels spent in kvtier's hooks, and kvtierd's CPU (a share of one core: on this
+    machine it competes with the engine for its two cores, which a GPU node's engine does not)."""
 
     def level(name: str) -> Any:
         outcome = outcomes.get(name)
@@ -154,6 +155,11 @@ def headline(
             for n in outcomes
             if (found := level(n)) is not None and found.server.connector_hook_seconds
         },
+        "kvtierd_cpu_share": {
+            n: share
+            for n, o in outcomes.items()
+            if (share := o.daemon_cpu_share(concurrency)) is not None
+        },
     }
 
 
@@ -196,7 +202,8 @@ def _f(value: Any, fmt: str) -> str:
 
 
 def tables(result: dict[str, Any]) -> list[str]:
-    """The ratios beside the GPU's, the targets, the load decisions and kvtier's hook share."""
+    """The ratios beside the GPU's, the targets, and each server's load decisions, kvtier hook
+    share and kvtierd CPU share."""
     measured = result.get("gpu_ratios") or {}
     lines = ["", "## Recompute over load, per token (this machine, in this run; GPU node)", ""]
     if measured.get("error"):
@@ -237,11 +244,16 @@ def tables(result: dict[str, Any]) -> list[str]:
         lines.append(f"| {key} | {_f(t['value'], '.3f')} | {t['target']} | {met} |")
     lines += [
         "",
-        "| server | kvtier hooks, share of the level | load decisions |",
-        "|---|---:|---|",
+        "| server | kvtier hooks, share of the level | kvtierd CPU, share of a core | "
+        "load decisions |",
+        "|---|---:|---:|---|",
     ]
     shares, decisions = result.get("kvtier_hook_share", {}), result.get("load_decisions", {})
-    for name in sorted(set(shares) | set(decisions)):
+    daemon = result.get("kvtierd_cpu_share", {})
+    for name in sorted(set(shares) | set(decisions) | set(daemon)):
         counted = ", ".join(f"{k} {v:g}" for k, v in sorted(decisions.get(name, {}).items()))
-        lines.append(f"| {name} | {_f(shares.get(name), '.2%')} | {counted or '-'} |")
+        lines.append(
+            f"| {name} | {_f(shares.get(name), '.2%')} | {_f(daemon.get(name), '.1%')} | "
+            f"{counted or '-'} |"
+        )
     return lines
