@@ -90,10 +90,9 @@ Workloads (kvtier/bench, token-exact prompts streamed to ``/v1/completions`` wit
   vLLM alone over the other) shows how far apart two identical servers are. A ratio that
   differs from 1 by less than that is within this machine's noise. What each server's speed
   does not move is kvtier's own time, read per measured level: ``no_reuse_hook_share``
-  (``..._embedded``), the seconds vLLM's engine loop spent inside kvtier's hooks
-  (``vllm:kvtier_hook_seconds_total``) over the level's wall time, and
-  ``no_reuse_kvtierd_cpu_share``, kvtierd's CPU time (/proc) over it, a share of one core;
-  ``no_reuse_kvtier_time`` holds every level's.
+  (``..._embedded``), vLLM's engine loop inside kvtier's hooks (``vllm:kvtier_hook_seconds_total``)
+  over the level's wall time, and ``no_reuse_kvtierd_cpu_share``, kvtierd's CPU time (/proc)
+  over it, a share of one core; ``no_reuse_kvtier_time`` holds every level's.
 
 Figures per level: output tokens/s (all users; successful requests), output tokens/s per user
 (mean over requests of output tokens over end-to-end latency), TTFT and ITL percentiles,

@@ -127,6 +127,7 @@ class Run:
         prompt_tokens: int,
         arena_mib: int = 1024,
         lmdb_mib: int = 2048,
+        connector_settings: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.root = root
@@ -139,7 +140,11 @@ class Run:
         }
         config.write_text(yaml.safe_dump(tree))
         self.connector = kvtier_connector(
-            {"kvtier_config": str(config), "blocks_per_chunk": BLOCKS_PER_CHUNK}
+            {
+                "kvtier_config": str(config),
+                "blocks_per_chunk": BLOCKS_PER_CHUNK,
+                **(connector_settings or {}),
+            }
         )
         rng = random.Random(7)
         vocab = models.vocab_size_of(model)

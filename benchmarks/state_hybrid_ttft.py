@@ -37,7 +37,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +77,14 @@ class StateModel:
     build: Callable[[Path, Path], Path]
     dtype: str
     engine_patch: Callable[[], AbstractContextManager[None]] = nullcontext
+    engine_args: dict[str, Any] = field(default_factory=dict)
 
 
 MODELS = {
     "qwen3_next": StateModel(
         lambda root, tok: state_models.build_qwen3_next_hybrid(root, tokenizer_dir=tok),
         "bfloat16",
+        engine_args=state_models.QWEN3_NEXT_ENGINE,
     ),
     "mamba2": StateModel(
         lambda root, tok: state_models.build_mamba2_hybrid(root, tokenizer_dir=tok),
@@ -133,17 +135,18 @@ class StateBench:
 
     @contextlib.contextmanager
     def engine(
-        self, model: Path, dtype: str, connector: dict[str, Any] | None = None
+        self, model: Path, case: StateModel, connector: dict[str, Any] | None = None
     ) -> Iterator[Any]:
         llm = engines.make_llm(
             model,
             kv_transfer_config=connector,
-            dtype=dtype,
+            dtype=case.dtype,
             block_size=None,  # vLLM raises it until an attention page holds a state
             kv_cache_memory_bytes=KV_CACHE_BYTES,
             max_model_len=MAX_MODEL_LEN,
             max_num_batched_tokens=MAX_MODEL_LEN,
             enable_prefix_caching=True,
+            **case.engine_args,
         )
         try:
             yield llm
@@ -164,7 +167,7 @@ class StateBench:
         model = self.models[name]
         cold, local = Case("cold", 0), Case("gpu_prefix_hit", 0)
         with case.engine_patch():
-            with self.engine(model, case.dtype) as llm:
+            with self.engine(model, case) as llm:
                 block = llm.llm_engine.vllm_config.cache_config.block_size
                 per_token = kv_plus_state_per_token(state_models.kv_cache_config_of(llm))
                 local.expected = self.full_hit(block)
@@ -174,7 +177,7 @@ class StateBench:
                     cold.samples += [first_token(llm, p) for p in self.prompts]
                     local.samples += [first_token(llm, p) for p in self.prompts]
             arena = Case("arena_hit", self.full_hit(block), connector=True)
-            refused, stored = self.with_kvtier(name, model, case.dtype, block, per_token, arena)
+            refused, stored = self.with_kvtier(name, model, case, block, per_token, arena)
         first_tokens = [s.token for s in cold.samples[: len(self.prompts)]]
         cases = {"cold": cold.summary(), "gpu_prefix_hit": local.summary(first_tokens)}
         if not refused:
@@ -201,7 +204,7 @@ class StateBench:
         return out
 
     def with_kvtier(
-        self, name: str, model: Path, dtype: str, block: int, per_token: float, arena: Case
+        self, name: str, model: Path, case: StateModel, block: int, per_token: float, arena: Case
     ) -> tuple[str, float]:
         """Engine 1 stores the prompts through kvtierd, engine 2 times ``arena``'s hits: the
         refusal ("" if none) and the bytes engine 1 stored."""
@@ -218,13 +221,13 @@ class StateBench:
         connector = kvtier_connector({**sidecar, "blocks_per_chunk": 1})
         try:
             daemon.start()
-            with self.engine(model, dtype, connector) as llm:
+            with self.engine(model, case, connector) as llm:
                 if refused := refusal_of(llm):
                     return f"refused at start: {refused}", 0.0
                 for prompt in [self.warmup, *self.prompts]:
                     first_token(llm, prompt)
                 stored = engines.counter(llm, STORED, direction="store")
-            with self.engine(model, dtype, connector) as llm:
+            with self.engine(model, case, connector) as llm:
                 first_token(llm, self.warmup)
                 for _ in self.rounds(llm):
                     arena.samples += [first_token(llm, p) for p in self.prompts]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from kvtier.core.blockfmt import decode, peek_header
 from kvtier.core.keys import Pool, namespace_of
 from kvtier.tiers.lmdb_reader import DATABASES
 from tests.e2e.models import (
+    QWEN3_NEXT_ENGINE,
     ModelSet,
     build_mamba2_hybrid,
     build_qwen3_next_hybrid,
@@ -55,10 +56,14 @@ class StateModel:
     dtype: str
     engine_patch: Callable[[], AbstractContextManager[None]] = nullcontext
     """Held around every engine of the model."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
 
 
 STATE_MODELS = [
-    pytest.param(StateModel(build_qwen3_next_hybrid, 544, "bfloat16"), id="qwen3-next"),
+    pytest.param(
+        StateModel(build_qwen3_next_hybrid, 544, "bfloat16", engine_args=QWEN3_NEXT_ENGINE),
+        id="qwen3-next",
+    ),
     # fp32 like its conv and ssm states; vLLM's CPU build keeps them at boundaries only patched
     pytest.param(StateModel(build_mamba2_hybrid, 96, "float32", mamba2_align_on_cpu), id="mamba2"),
 ]
@@ -80,6 +85,7 @@ class Served:
             "dtype": self.model.dtype,
             "enable_prefix_caching": True,
             "max_num_batched_tokens": self.model.stride,
+            **self.model.engine_args,
             **kwargs,
         }
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.models import (
+    QWEN3_NEXT_ENGINE,
     ModelSet,
     build_qwen3_next_hybrid,
     shared_prefix_prompts,
@@ -45,6 +46,7 @@ def engine(
         dtype="bfloat16",
         enable_prefix_caching=True,
         max_num_batched_tokens=STRIDE,
+        **QWEN3_NEXT_ENGINE,
     )
 
 

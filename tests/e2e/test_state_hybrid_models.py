@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,7 @@ from tests.e2e.models import (
     vocab_size_of,
 )
 from tests.fixtures.state_models import (
+    QWEN3_NEXT_ENGINE,
     build_mamba2_hybrid,
     build_qwen3_next_hybrid,
     kv_cache_config_of,
@@ -44,6 +46,7 @@ class StateModel:
     """Per state layer: the convolution's last inputs, then the recurrent state."""
     state_dtypes: tuple[str, ...]
     engine_patch: Callable[[], AbstractContextManager[None]] = nullcontext
+    engine_args: dict[str, Any] = field(default_factory=dict)
 
 
 MODELS = {
@@ -66,6 +69,7 @@ MODELS = {
         state_layers=("model.layers.0.linear_attn", "model.layers.2.linear_attn"),
         state_shapes=((3, 512), (2, 128, 128)),
         state_dtypes=("torch.bfloat16", "torch.float32"),
+        engine_args=QWEN3_NEXT_ENGINE,
     ),
 }
 
@@ -80,7 +84,13 @@ def test_a_repeated_prompt_hits_at_its_last_block_boundary_with_the_states_kept(
     model = case.build(models_dir, build_tokenizer(models_dir))
     with (
         case.engine_patch(),
-        running_llm(model, dtype=case.dtype, block_size=None, enable_prefix_caching=True) as llm,
+        running_llm(
+            model,
+            dtype=case.dtype,
+            block_size=None,
+            enable_prefix_caching=True,
+            **case.engine_args,
+        ) as llm,
     ):
         cache = llm.llm_engine.vllm_config.cache_config
         assert cache.mamba_cache_mode == "align"
