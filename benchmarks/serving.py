@@ -217,7 +217,7 @@ class Bench:
         self.model = sizes.build(cache_dir, tokenizer)
         self.draft = sizes.build_draft(cache_dir, tokenizer)
         self.vocab = models.vocab_size_of(self.model)
-        self.root = Path(tempfile.mkdtemp(prefix="serving-", dir=cache_dir))
+        self.root = Path(tempfile.mkdtemp(prefix="kvt-serving-"))  # short: vLLM's unix sockets
         config = json.loads((self.model / "config.json").read_text())
         per_token = self.kv_per_token = models.kv_bytes_per_token(self.model)
         chunk_bytes = per_token * BLOCK_SIZE * blocks_per_chunk
