@@ -120,6 +120,19 @@ def shared(
     )
 
 
+def reading_lmdb(later: AnsweredLater, ns: dict[str, bytes], client: InProcessClient) -> HitSetup:
+    """A target pool's hit setup over ``later``, reading ``client``'s lmdb map in the step."""
+    assert client.lmdb_path is not None
+    return HitSetup(
+        later,  # type: ignore[arg-type]
+        [TARGET],
+        ns,
+        chunk_tokens=CHUNK_TOKENS,
+        blocks_per_chunk=BPC,
+        lmdb_path=str(client.lmdb_path),
+    )
+
+
 def ask(setup: HitSetup) -> HitDecision:
     """The decision of a request of ``HASHES`` not asked about yet."""
     return HitDecision(setup, SimpleNamespace(block_hashes=HASHES))
@@ -580,14 +593,7 @@ def test_a_first_chunk_in_lmdbs_map_is_looked_up_in_the_step_where_hits_load_fro
 ) -> None:
     ns, _ = four_in_lmdb(client)
     assert client.lmdb_path is not None
-    p = HitSetup(
-        later,  # type: ignore[arg-type]
-        [TARGET],
-        ns,
-        chunk_tokens=CHUNK_TOKENS,
-        blocks_per_chunk=BPC,
-        lmdb_path=str(client.lmdb_path),
-    )
+    p = reading_lmdb(later, ns, client)
     try:
         asked = ask(p)
         # not in the arena's index, but in lmdb's map: a hit, planned in this step, no wait
@@ -617,14 +623,7 @@ def test_a_first_ask_where_lmdbs_map_cannot_be_read_is_looked_up_in_the_step_nev
 
     # the engine's own reads of the map fail; kvtierd's (the tiers') do not
     monkeypatch.setattr(LmdbReader, "begin", readers_full)
-    p = HitSetup(
-        later,  # type: ignore[arg-type]
-        [TARGET],
-        ns,
-        chunk_tokens=CHUNK_TOKENS,
-        blocks_per_chunk=BPC,
-        lmdb_path=str(client.lmdb_path),
-    )
+    p = reading_lmdb(later, ns, client)
     try:
         # a map that cannot be read says nothing: neither a hit nor a miss at once
         assert p.in_lmdb(keys(ns["target"], [0])[0]) is None
