@@ -177,6 +177,46 @@ def cold_load_bytes(total_bytes: int, disk: DiskBandwidth | None) -> int:
     return max(total_bytes, round(disk.bytes_per_s * SLICE_S * HELD_SLICES))
 
 
+Chunks = list[tuple[memoryview, memoryview]]
+"""Each chunk's bytes to store and where its load goes."""
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """``total_bytes`` of chunks of ``chunk_tokens`` tokens: each one's bytes to store, where
+    its load goes, and its key."""
+
+    registry: PoolRegistry
+    namespace: int
+    chunks: Chunks
+    chunk_tokens: int
+
+    @classmethod
+    def of(cls, kv_bytes_per_token: int, chunk_tokens: int, total_bytes: int) -> _Chunks:
+        chunk = kv_bytes_per_token * chunk_tokens
+        n = max(1, total_bytes // chunk)
+        registry = PoolRegistry()
+        namespace = registry.register(spec_for_chunk("gpu-ratio", chunk), chunk).namespace
+        src, dst = memoryview(filled(n * chunk)), memoryview(touched(n * chunk))
+        spans = [slice(i * chunk, (i + 1) * chunk) for i in range(n)]
+        return cls(registry, namespace, [(src[span], dst[span]) for span in spans], chunk_tokens)
+
+    def keys(self, n: int | None = None) -> list[ChunkKey]:
+        return keys_for(self.namespace, len(self.chunks) if n is None else n)
+
+    def tokens(self) -> int:
+        return len(self.chunks) * self.chunk_tokens
+
+
+def measure_arena_load(
+    kv_bytes_per_token: int, chunk_tokens: int, *, total_bytes: int = 64 * MiB, reps: int = 3
+) -> float:
+    """Seconds a token, the median over ``reps`` of loading ``total_bytes`` of chunks of
+    ``chunk_tokens`` tokens from the arena."""
+    made = _Chunks.of(kv_bytes_per_token, chunk_tokens, total_bytes)
+    return _arena_load_s(made.registry, made.keys(), made.chunks, reps) / made.tokens()
+
+
 def measure_loads(
     kv_bytes_per_token: int,
     chunk_tokens: int,
@@ -188,35 +228,25 @@ def measure_loads(
     """The median over ``reps`` of loading ``total_bytes`` of chunks of ``chunk_tokens``
     tokens from the arena and, with its pages dropped, ``cold_load_bytes`` from lmdb on a disk
     read at ``disk``'s bandwidth (this process throttled while it reads)."""
-    chunk = kv_bytes_per_token * chunk_tokens
-    n = max(1, total_bytes // chunk)
-    registry = PoolRegistry()
-    namespace = registry.register(spec_for_chunk("gpu-ratio", chunk), chunk).namespace
-    keys = keys_for(namespace, n)
-    src, dst = memoryview(filled(n * chunk)), memoryview(touched(n * chunk))
-    spans = [slice(i * chunk, (i + 1) * chunk) for i in range(n)]
-    chunks = [(src[span], dst[span]) for span in spans]
+    made = _Chunks.of(kv_bytes_per_token, chunk_tokens, total_bytes)
+    n, chunk = len(made.chunks), kv_bytes_per_token * chunk_tokens
     # more chunks for lmdb where the disk needs them, on the same buffers over again
     cold_n = max(n, -(-cold_load_bytes(total_bytes, disk) // chunk))
-    cold_keys, cold_chunks = keys_for(namespace, cold_n), [chunks[i % n] for i in range(cold_n)]
+    cold_chunks = [made.chunks[i % n] for i in range(cold_n)]
     root = Path(tempfile.mkdtemp(prefix="kvtier-gpu-ratio-"))
     try:
-        arena_s = _arena_load_s(root, registry, keys, chunks, reps)
+        arena_s = _arena_load_s(made.registry, made.keys(), made.chunks, reps)
         with reads_throttled(root, disk, [os.getpid()]) as lmdb_disk:
-            lmdb_s, dropped_by = _lmdb_cold_load_s(root, registry, cold_keys, cold_chunks, reps)
+            lmdb_s, dropped_by = _lmdb_cold_load_s(
+                root, made.registry, made.keys(cold_n), cold_chunks, reps
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    arena_token_s, lmdb_token_s = arena_s / (n * chunk_tokens), lmdb_s / (cold_n * chunk_tokens)
+    arena_token_s, lmdb_token_s = arena_s / made.tokens(), lmdb_s / (cold_n * chunk_tokens)
     return LoadCosts(arena_token_s, lmdb_token_s, dropped_by, lmdb_disk)
 
 
-Chunks = list[tuple[memoryview, memoryview]]
-"""Each chunk's bytes to store and where its load goes."""
-
-
-def _arena_load_s(
-    root: Path, registry: PoolRegistry, keys: list[ChunkKey], chunks: Chunks, reps: int
-) -> float:
+def _arena_load_s(registry: PoolRegistry, keys: list[ChunkKey], chunks: Chunks, reps: int) -> float:
     chunk = len(chunks[0][0])
     extent = extent_for(chunk)
     shm = Path(f"/dev/shm/kvtier-gpu-ratio-{os.getpid()}")

@@ -2,7 +2,7 @@
 
 Usage: ``python -m benchmarks.serving [--quick] [--json] [--profile] [--blocks-per-chunk N]``
 ``[--concurrency 1,2,4,8] [--servers NAME,...] [--connector-extra JSON] [--cache-dir DIR]``
-``[--docs DIR] [--keep] [--model present|gpu-ratio] [--lmcache-python PATH]``
+``[--docs DIR] [--keep] [--model present|gpu-ratio] [--doc-tokens N] [--lmcache-python PATH]``
 
 ``--model gpu-ratio`` runs the workload on a model shaped to a GPU node's recompute:load ratio
 (benchmarks/models.py) against vLLM alone, kvtier and LMCache, with the ratios measured in the
@@ -48,20 +48,16 @@ Servers (``servers`` in the output):
   ``kvtier_embedded``'s.
 - Past the arena, sidecar servers whose tiers hold less than the working set (every user's
   history in chunks, ``settings.working_set_bytes``): ``kvtier_sidecar_lmdb``, an arena of a
-  quarter of it (extents of 8 chunks, so that a quarter is whole extents) with lmdb (1 GiB)
-  holding the rest; ``kvtier_sidecar_object``, an arena and an lmdb budget of a quarter each,
-  and the object store holding everything: moto's S3 server, started for the run at nice 19
-  (it stands for a remote store, so it takes no CPU the engine wants), reached through IRSA (a
-  role and a web identity token in kvtierd's environment, no keys), ``object.admission: all``.
-  ``lmdb_backed_vs_arena_backed`` (target >= 0.9) and
-  ``object_backed_vs_arena_backed`` (>= 0.75) are their throughputs over ``kvtier_sidecar``'s;
-  ``kvtier_sidecar_lmdb_fp8``, ``kvtier_sidecar_lmdb_i8`` and ``kvtier_sidecar_obj_fp8`` are
-  the same servers with ``lmdb.codec`` (and ``object.codec``) fp8 or int8
-  (``lmdb_fp8_backed_vs_arena_backed``, ``lmdb_int8_backed_vs_arena_backed``,
-  ``object_fp8_backed_vs_arena_backed``);
-  ``past_the_arena`` gives each one's TTFTs and kvtierd's hits by tier, and every sidecar
-  server's ``daemon_counters`` are kvtierd's counters over its levels (promotions, holds,
-  evictions, rejected stores).
+  quarter of it (extents of 8 chunks: a quarter is whole extents) and lmdb (1 GiB) for the
+  rest; ``kvtier_sidecar_object``, an arena and an lmdb budget of a quarter each, and the
+  object store holding everything: moto's S3 server at nice 19 (a remote store takes no CPU the
+  engine wants), reached through IRSA (no keys), ``object.admission: all``. Their throughputs
+  over ``kvtier_sidecar``'s: ``lmdb_backed_vs_arena_backed`` (>= 0.9),
+  ``object_backed_vs_arena_backed`` (>= 0.75); ``kvtier_sidecar_lmdb_fp8``, ``..._lmdb_i8``
+  and ``kvtier_sidecar_obj_fp8`` run ``lmdb.codec`` (and ``object.codec``) fp8 or int8
+  (``lmdb_fp8_backed_vs_arena_backed``, ...). ``past_the_arena`` gives each one's TTFTs and
+  kvtierd's hits by tier; every sidecar's ``daemon_counters`` are kvtierd's counters over its
+  levels (promotions, holds, evictions, rejected stores).
 - ``vllm_more_hbm``: vLLM alone with six times the KV cache (24,576 tokens): every user's
   history fits. A reference for what GPU memory buys, not a target:
   ``throughput_vs_more_hbm`` is ``kvtier_sidecar``'s throughput over it.
@@ -77,28 +73,25 @@ Workloads (kvtier/bench, token-exact prompts streamed to ``/v1/completions`` wit
   own context (4 requests).
 - no-reuse: every prompt unique (1,696 tokens, 64 output tokens), at concurrency 4. This machine's
   speed drifts by several per cent within minutes, more than the 2 % the figure is judged by, so
-  vLLM alone, kvtier embedded and kvtier sidecar are started together (fresh servers; an idle
-  server takes about 1 % of a core) and measured in turn, in cycles. Each cycle measures every
-  server once, in an order rotated from cycle to cycle; each of its units waits for the machine
-  to be quiet (below 10 % busy for a second: the last unit's write-back is done), runs 4
-  unmeasured requests, which leave a write-back backlog, then the measured level of 8. Each
-  server first runs one unmeasured level. ``no_reuse_throughput_vs_vllm_alone`` is the mean over
+  vLLM alone, kvtier embedded and sidecar are started together (an idle server takes about 1 %
+  of a core) and measured in cycles, each measuring every server once in an order rotated from
+  cycle to cycle. Each unit waits for the machine to be quiet (below 10 % busy for a second),
+  runs 4 unmeasured requests (a write-back backlog), then the measured level of 8; each server
+  first runs one unmeasured level. ``no_reuse_throughput_vs_vllm_alone`` is the mean over
   cycles of sidecar over vLLM alone in the same cycle (``..._embedded``: embedded mode), with
   its standard error (``no_reuse_se``); 3 cycles with ``--quick``, 12 in the full run
-  (``--no-reuse-cycles``). ``vllm_b``, a second vLLM-alone server, is measured the same way:
-  each server started runs at a speed of its own, and ``no_reuse_second_vllm_alone`` (one
-  vLLM alone over the other) shows how far apart two identical servers are. A ratio that
-  differs from 1 by less than that is within this machine's noise. What each server's speed
-  does not move is kvtier's own time, read per measured level: ``no_reuse_hook_share``
-  (``..._embedded``), vLLM's engine loop inside kvtier's hooks (``vllm:kvtier_hook_seconds_total``)
-  over the level's wall time, and ``no_reuse_kvtierd_cpu_share``, kvtierd's CPU time (/proc)
-  over it, a share of one core; ``no_reuse_kvtier_time`` holds every level's.
+  (``--no-reuse-cycles``). ``no_reuse_second_vllm_alone`` is a second vLLM alone (``vllm_b``)
+  over the first: two identical servers differ by that much, and a ratio nearer 1 than it is
+  within this machine's noise. Each server's speed does not move kvtier's own time per measured
+  level: ``no_reuse_hook_share`` (``..._embedded``), vLLM's engine loop inside kvtier's hooks
+  (``vllm:kvtier_hook_seconds_total``) over the level's wall time, and
+  ``no_reuse_kvtierd_cpu_share``, kvtierd's CPU time (/proc) over it, a share of one core;
+  ``no_reuse_kvtier_time`` holds every level's.
 
-Figures per level: output tokens/s (all users; successful requests), output tokens/s per user
-(mean over requests of output tokens over end-to-end latency), TTFT and ITL percentiles,
-and hit ratios from each server's /metrics before and after the level
-(``vllm:prompt_tokens_cached_by_source_total`` over ``vllm:prompt_tokens_total``; for kvtier
-sidecar also kvtierd's ``kvtier_hit_chunks_total`` over ``kvtier_lookup_chunks_total``).
+Figures per level: output tokens/s (all users, successful requests) and per user (mean of
+output tokens over end-to-end latency), TTFT and ITL percentiles, and hit ratios from /metrics
+(``vllm:prompt_tokens_cached_by_source_total`` over ``vllm:prompt_tokens_total``; sidecars also
+kvtierd's ``kvtier_hit_chunks_total`` over ``kvtier_lookup_chunks_total``).
 
 Headline ratios (at concurrency 4, multi-round, one run; kvtier means sidecar unless named):
 ``throughput_vs_vllm_alone`` (target >= 2.0), ``ttft_p50_vs_vllm_alone`` (<= 0.25),
@@ -110,19 +103,15 @@ level is a cold prefill's; ``ttft_p50/p99_vs_vllm_alone_later_rounds`` compare t
 other rounds only.
 
 ``--profile`` (and always with ``--json``): the kvtier sidecar server runs with vLLM's torch
-profiler configured (``--profiler-config``, CPU activity, Python stacks, traces as JSON), and
-after its measured levels one more multi-round level (4 users x 2 rounds, 8-token answers, new
-contexts) is recorded between ``POST /start_profile`` and ``POST /stop_profile``. From the
-worker's trace: the step time is the sum of vLLM's per-step annotations
-(``execute_context_*_generation_*``, around ``model_runner.execute_model``); the model's time is
-``gpu_model_runner: forward`` (``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`` on that server);
-kvtier's time is the union (nested ranges counted once) of the ``kvtier:`` ranges the connector
-records, or, where the trace has none, of the Python-function
-events in ``kvtier_vllm`` modules (``kvtier_ranges: "python_functions"``).
-``kvtier_step_share`` is kvtier's time inside steps over step time. The worker is a separate
-process from the scheduler (CPU builds run the multiprocess executor), so scheduler-side hooks
-(``get_num_new_matched_tokens``, ``build_connector_meta``, ...) are not in that trace.
-Python-stack tracing slows Python code more than kernels, so the share is an upper bound.
+profiler (``--profiler-config``: CPU activity, Python stacks, JSON traces) and records one more
+multi-round level (4 users x 2 rounds, 8-token answers, new contexts) between
+``/start_profile`` and ``/stop_profile``. In the worker's trace, step time is the sum of vLLM's
+``execute_context_*_generation_*`` annotations, the model's is ``gpu_model_runner: forward``
+(``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``), kvtier's is the union of the connector's ``kvtier:``
+ranges (else of the Python events in ``kvtier_vllm`` modules: ``kvtier_ranges:
+"python_functions"``); ``kvtier_step_share`` is kvtier's time in steps over step time, an upper
+bound (Python-stack tracing slows Python more than kernels). Scheduler-side hooks run in
+another process (CPU builds run the multiprocess executor) and are not in that trace.
 
 ``--servers`` runs only the servers named (ratios need both of their servers);
 ``--connector-extra`` adds settings to every KVTierConnector configuration. The full run (all
@@ -202,6 +191,7 @@ class Bench:
         connector_extra: dict[str, Any] | None = None,
         only: set[str] | None = None,
         no_reuse_only: bool = False,
+        doc_tokens: int | None = None,
     ) -> None:
         self.mode = mode
         self.sizes = sizes
@@ -221,12 +211,15 @@ class Bench:
         config = json.loads((self.model / "config.json").read_text())
         per_token = self.kv_per_token = models.kv_bytes_per_token(self.model)
         chunk_bytes = per_token * BLOCK_SIZE * blocks_per_chunk
+        self.doc_fit = None  # the GPU-ratio model's prompts: fitted here unless asked
+        if sizes.gpu_ratio:
+            self.sizes, self.doc_fit = serving_gpu_ratio.fitted_sizes(self, doc_tokens)
         chunks = self.workload().longest_request() // (BLOCK_SIZE * blocks_per_chunk)
         self.servers = Servers(
             self.root,
             self.model,
             self.draft,
-            sizes=sizes,
+            sizes=self.sizes,
             lmcache_python=lmcache,
             blocks_per_chunk=blocks_per_chunk,
             chunk_bytes=chunk_bytes,
@@ -399,7 +392,8 @@ class Bench:
         }
         ratios = {}
         if self.sizes.gpu_ratio:  # now, while no server runs
-            ratios = serving_gpu_ratio.measure(outcomes, self.servers, self.bpc * BLOCK_SIZE)
+            chunk_tokens = self.bpc * BLOCK_SIZE
+            ratios = serving_gpu_ratio.measure(outcomes, self.servers, chunk_tokens, self.doc_fit)
         cycles = self.no_reuse.run(outcomes, self.only)
         result = result_of(self, outcomes, cycles, ratios)
         result["wall_s"] = time.perf_counter() - started
@@ -423,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--blocks-per-chunk", type=int, default=4)
     parser.add_argument("--model", choices=sorted(MODELS), default=PRESENT.name)
+    parser.add_argument(
+        "--doc-tokens", type=int, help="gpu-ratio's document length (default: fitted first)"
+    )
     parser.add_argument(
         "--lmcache-python",
         help="LMCache's environment's python (gpu-ratio's LMCache server; default: the one "
@@ -483,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         connector_extra=args.connector_extra,
         only=set(args.servers.split(",")) if args.servers else None,
         no_reuse_only=args.no_reuse_only,
+        doc_tokens=args.doc_tokens,
     )
     try:
         result = bench.run()

@@ -34,11 +34,14 @@ from __future__ import annotations
 import math
 import re
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.gpu_ratio import measure_loads, ratios
+from benchmarks.gpu_ratio_fit import DocFit, fit_on_engine, sized_to
 from benchmarks.harness.targets import met as target_met
+from benchmarks.models import ServingModel
 from benchmarks.serving_cases import (
+    BLOCK_SIZE,
     GPU_RATIO_TARGETS,
     LMCACHE,
     LMDB_BACKED,
@@ -51,6 +54,9 @@ from benchmarks.serving_figures import Outcome, no_reuse_ratios
 from benchmarks.serving_servers import Servers
 from kvtier.bench.scrape import Samples, delta, parse_counters
 from tests.fixtures import models
+
+if TYPE_CHECKING:
+    from benchmarks.serving import Bench
 
 PREFILL_PROMPTS = 5
 """Prompts of each length the prefill time is measured with (the first one unmeasured)."""
@@ -70,6 +76,23 @@ def prefill_prompts(vocab: int, long_tokens: int) -> dict[int, list[list[int]]]:
         )
         for length in (SHORT_PROMPT, long_tokens)
     }
+
+
+def fitted_sizes(bench: Bench, doc_tokens: int | None) -> tuple[ServingModel, DocFit]:
+    """``bench``'s model sized to documents of ``doc_tokens``, or of the length fitted to this
+    machine (benchmarks/gpu_ratio_fit.py) where that is None, and the fit."""
+    if doc_tokens is None:
+        found = fit_on_engine(
+            bench.sizes,
+            bench.model,
+            lambda long: prefill_prompts(bench.vocab, long),
+            bench.kv_per_token,
+            bench.bpc * BLOCK_SIZE,
+        )
+    else:
+        found = DocFit(doc_tokens)
+    longest = lambda doc: bench.workload(doc_tokens=doc).longest_request()  # noqa: E731
+    return sized_to(bench.sizes, found.doc_tokens, longest), found
 
 
 _DECIDED = re.compile(r"kvtier_load_(decision|modes)")
@@ -182,18 +205,23 @@ def _hook_share(level: Any) -> float:
     return float(sum(level.server.connector_hook_seconds.values()) / level.duration_s)
 
 
-def measure(outcomes: dict[str, Outcome], servers: Servers, chunk_tokens: int) -> dict[str, Any]:
+def measure(
+    outcomes: dict[str, Outcome], servers: Servers, chunk_tokens: int, doc_fit: DocFit | None
+) -> dict[str, Any]:
     """The loads' costs measured now, lmdb's on the disk ``servers`` read it at below an arena
     (scaled to the engine's prefill time, vLLM alone's ``Plan.measure_prefill``), the ratios of
-    that time to them, and how each server past the arena had its lmdb reads throttled."""
+    that time to them, how each server past the arena had its lmdb reads throttled, and how the
+    documents' length was chosen."""
+    fitted = {"doc_fit": doc_fit.describe()} if doc_fit is not None else {}
     prefill = next((o.prefill for o in outcomes.values() if o.prefill), None)
     if prefill is None:
-        return {"error": "vLLM alone did not run: no prefill time"}
+        return {"error": "vLLM alone did not run: no prefill time", **fitted}
     loads = measure_loads(servers.kv_per_token, chunk_tokens, disk=servers.lmdb_disk)
     return {
         **ratios(prefill["prefill_s_per_token"], loads, chunk_tokens),
         "prefill": prefill,
         "lmdb_servers": dict(servers.lmdb_throttles),
+        **fitted,
     }
 
 
@@ -206,6 +234,8 @@ def tables(result: dict[str, Any]) -> list[str]:
     share and kvtierd CPU share."""
     measured = result.get("gpu_ratios") or {}
     lines = ["", "## Recompute over load, per token (this machine, in this run; GPU node)", ""]
+    if measured.get("doc_fit"):
+        lines += [measured["doc_fit"], ""]
     if measured.get("error"):
         lines.append(f"Not measured: {measured['error']}")
     elif measured:

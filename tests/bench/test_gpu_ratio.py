@@ -15,12 +15,15 @@ from benchmarks.gpu_ratio import (
     LoadCosts,
     PageCacheDropper,
     gpu_ratios,
+    measure_arena_load,
     measure_loads,
     measure_prefill,
     ratios,
 )
+from benchmarks.gpu_ratio_fit import fit_on_server, nearest
 from benchmarks.harness.sizes import KiB, MiB
 from benchmarks.models import GPU_RATIO
+from benchmarks.serving_gpu_ratio import prefill_prompts
 from tests.fixtures import models
 from tests.fixtures.servers import VllmServer
 
@@ -106,3 +109,21 @@ def test_prefill_time_per_token_comes_from_the_engine(
     assert prefill["prefill_s_per_token"] == pytest.approx(
         (prefill["prefill_s_long"] - prefill["prefill_s_short"]) / 480
     )
+
+
+def test_the_document_length_is_fitted_to_the_engines_prefill_time(
+    gpu_ratio_server: tuple[str, Path],
+) -> None:
+    url, model = gpu_ratio_server
+    vocab = models.vocab_size_of(model)
+    arena_s = measure_arena_load(16 * KiB, 128, total_bytes=8 * MiB, reps=1)
+    found = fit_on_server(
+        url, model, lambda long: prefill_prompts(vocab, long), arena_s, GPU_RATIO, 128, (128, 448)
+    )
+    ratio = found.arena_ratio_by_doc
+    assert sorted(ratio) == [128, 448]
+    assert all(math.isfinite(r) and r > 0 for r in ratio.values())
+    # the model's compute is mostly attention: a longer prompt costs more a token
+    assert ratio[448] > ratio[128]
+    assert found.doc_tokens == nearest(ratio, found.gpu_arena_ratio)
+    assert found.arena_s_per_token == arena_s
