@@ -33,6 +33,7 @@ import numpy as np
 from kvtier.core import blockfmt
 from kvtier.core.errors import ChunkFormatError, TierUnavailableError
 from kvtier.core.keys import ChunkKey
+from kvtier.core.log_limit import LimitedLog
 from kvtier.core.protocol import Failure
 
 __all__ = [
@@ -113,6 +114,9 @@ class LmdbReader:
     def __init__(self, env: lmdb.Environment, chunks: lmdb._Database) -> None:
         self.env = env
         self._chunks = chunks
+        # a map that cannot be read fails every request's read and look-up the same way
+        self.read_failures = LimitedLog(log, logging.ERROR)
+        self._lookup_failures = LimitedLog(log, logging.WARNING)
 
     @classmethod
     def open(cls, path: Path) -> LmdbReader:
@@ -133,7 +137,7 @@ class LmdbReader:
                 self.env.set_mapsize(0)
                 found, failure = copy_payload(self.env, self._chunks, key, dst)
         except lmdb.Error as exc:
-            log.error("lmdb: cannot read chunk %s here: %s", key.hex(), exc)
+            self.read_failures.log("lmdb: cannot read chunk %s here: %s", key.hex(), exc)
             return False
         return failure if failure is not None else found
 
@@ -144,7 +148,7 @@ class LmdbReader:
             with self.begin() as txn:
                 return txn.get(key) is not None
         except lmdb.Error as exc:
-            log.warning("lmdb: cannot look up chunk %s here: %s", key.hex(), exc)
+            self._lookup_failures.log("lmdb: cannot look up chunk %s here: %s", key.hex(), exc)
             return None
 
     def begin(self) -> lmdb.Transaction:
@@ -205,7 +209,7 @@ class LmdbSnapshot:
         except ChunkFormatError as exc:
             return without_frames(exc)
         except lmdb.Error as exc:
-            log.error("lmdb: cannot read chunk %s here: %s", key.hex(), exc)
+            self._reader.read_failures.log("lmdb: cannot read chunk %s here: %s", key.hex(), exc)
             self.end()
             return False
 
