@@ -2,8 +2,10 @@
 
 A hit is a prefix of chunks held in runs, one tier each, in prefix order. A run can only be
 loaded with every run before it (vLLM's hits are prefixes), so the choice is a prefix: the one
-whose recompute time less its load time (each run's fixed part included) is the largest. Where
-a cost is not measured yet, the whole hit is loaded, as it was before costs were asked.
+whose recompute time less its load time (each run's fixed part included) is the largest. The
+loads already queued ahead of it (``ahead_s``) count against its first run: loading anything
+waits for them, recomputing does not. Where a cost is not measured yet, the whole hit is
+loaded, as it was before costs were asked.
 """
 
 from __future__ import annotations
@@ -39,16 +41,22 @@ class LoadChoice:
 
 
 def choose(
-    runs: Sequence[tuple[str, int]], chunk_tokens: int, costs: CostSnapshot | None
+    runs: Sequence[tuple[str, int]],
+    chunk_tokens: int,
+    costs: CostSnapshot | None,
+    ahead_s: float = 0.0,
 ) -> LoadChoice:
     """The prefix of the hit ``runs`` (``(tier, chunks)`` in prefix order) worth loading, with
-    ``chunk_tokens`` tokens a chunk: the one expected to save the most against recomputing it
-    (a shorter one where that saves more; the longer one on a tie). Without a measured cost for
-    each run's tier, or without the prefill fit, the whole hit."""
+    ``chunk_tokens`` tokens a chunk, after ``ahead_s`` seconds of loads queued before it: the
+    one expected to save the most against recomputing it (a shorter one where that saves more;
+    the longer one on a tie). Without a measured cost for each run's tier, or without the
+    prefill fit, the whole hit."""
     runs = [(tier, chunks) for tier, chunks in runs if chunks > 0]
     saved = _saved_per_run(runs, chunk_tokens, costs)
     if saved is None:
         return whole_hit(runs, chunk_tokens)
+    if saved:
+        saved[0] -= ahead_s
     best, best_saved, prefix = 0, 0.0, 0.0
     for i, run_saved in enumerate(saved, 1):
         prefix += run_saved
@@ -89,9 +97,11 @@ class CostChooser:
     def __init__(self, costs: Callable[[], CostSnapshot | None]) -> None:
         self._costs = costs
 
-    def choose(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> LoadChoice:
+    def choose(
+        self, runs: Sequence[tuple[str, int]], chunk_tokens: int, ahead_s: float = 0.0
+    ) -> LoadChoice:
         """The prefix worth loading, and per run the choice and what it saves (`choose`)."""
-        return choose(runs, chunk_tokens, self._costs())
+        return choose(runs, chunk_tokens, self._costs(), ahead_s)
 
     def tokens_to_load(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> int:
         """The tokens of the hit's prefix worth loading (`choose`)."""

@@ -1,7 +1,8 @@
 """Which part of a hit the connector loads: the prefix measured to beat recomputing it
 (`kvtier.core.load_choice`, over the costs its client reads without a call), or every chunk
-(``load_policy: always``). A request's decision is counted once, when its plan is final, for the
-metrics until the next report."""
+(``load_policy: always``). The asynchronous loads out count against loading a new hit: it
+would queue behind them (`LoadBacklog`). A request's decision is counted once, when its plan is
+final, for the metrics until the next report."""
 
 from __future__ import annotations
 
@@ -22,9 +23,16 @@ class LoadDecisions:
     """Decides, per lookup, how many tokens of a hit to load, and counts each run's decision
     and the seconds it is expected to save, once a request's plan is final."""
 
-    def __init__(self, policy: LoadPolicy, costs: Callable[[], CostSnapshot | None]) -> None:
+    def __init__(
+        self,
+        policy: LoadPolicy,
+        costs: Callable[[], CostSnapshot | None],
+        ahead_s: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         self.policy = policy
         self._chooser = CostChooser(costs)
+        self._ahead_s = ahead_s
+        """Seconds of loads a load granted now would wait behind."""
         self._decided: Counter[tuple[str, str]] = Counter()
         """Runs decided since the last report, by tier and decision."""
         self._saved: defaultdict[str, float] = defaultdict(float)
@@ -36,7 +44,7 @@ class LoadDecisions:
         """The prefix of the hit ``runs`` (``(tier, chunks)`` in prefix order) to load."""
         if self.policy is LoadPolicy.ALWAYS:
             return whole_hit(runs, chunk_tokens)
-        choice = self._chooser.choose(runs, chunk_tokens)
+        choice = self._chooser.choose(runs, chunk_tokens, self._ahead_s())
         whole = sum(run.chunks for run in choice.runs) * chunk_tokens
         if choice.tokens < whole:
             self._cut += 1

@@ -13,6 +13,7 @@ from kvtier.core.protocol import SlotRef
 from kvtier_vllm.drafts.swaps import Fill
 from kvtier_vllm.kv.connector_stats import KVTierStats
 from kvtier_vllm.kv.metadata import KVTierMetadata
+from kvtier_vllm.kv.scheduler_side.load_backlog import LoadBacklog
 from kvtier_vllm.kv.scheduler_side.load_waits import LoadWaits
 from kvtier_vllm.kv.scheduler_side.loads import LoadPlan
 from kvtier_vllm.kv.scheduler_side.requests import RequestState
@@ -48,9 +49,19 @@ class PendingLoads:
         self._ready: dict[str, LoadPlan] = {}
         self.waits = LoadWaits()
         """How long each request waited for its first load, into the stats."""
+        self.backlog = LoadBacklog()
+        """The asynchronous loads out, which a load granted now queues behind."""
 
-    def grant(self, state: RequestState, plan: LoadPlan, blocks: Any, stats: KVTierStats) -> None:
-        """vLLM allocated ``blocks`` for the load of ``plan``."""
+    def grant(
+        self,
+        state: RequestState,
+        plan: LoadPlan,
+        blocks: Any,
+        stats: KVTierStats,
+        expected_s: float | None = None,
+    ) -> None:
+        """vLLM allocated ``blocks`` for the load of ``plan``, expected to take ``expected_s``
+        (None: not measured)."""
         state.hit = plan
         if not state.load_async:
             self._ready[state.request.request_id] = plan
@@ -62,6 +73,7 @@ class PendingLoads:
         self.queued.receiving.append(state.request.request_id)
         self.queued.block_errors = self.block_errors
         self.waits.waiting(state)
+        self.backlog.granted(state.request.request_id, expected_s)
 
     def take_queued(self) -> KVTierMetadata:
         """The next step's metadata, with the asynchronous loads queued for it."""
@@ -112,7 +124,9 @@ class PendingLoads:
             if (state := requests.get(req_id)) is not None:
                 log.warning("kvtier: the load of request %s failed; vLLM recomputes it", req_id)
                 state.load_failed = True
-        self.waits.reported(set(finished) - failed, failed, stats)
+        finished = set(finished)
+        self.waits.reported(finished - failed, failed, stats)
+        self.backlog.landed(finished | failed)
 
     def forget(self, req_id: str) -> None:
         """The request finished: a load granted and not copied gives its leases back."""
@@ -120,6 +134,7 @@ class PendingLoads:
         if plan is not None:
             self.calls.release(plan.refs())
         self.waits.forget(req_id)
+        self.backlog.landed([req_id])
 
     def abandon_load(
         self, req_id: str, state: RequestState | None, blocks: Any, num_external_tokens: int

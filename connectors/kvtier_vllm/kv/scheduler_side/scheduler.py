@@ -33,7 +33,7 @@ from kvtier_vllm.kv.scheduler_side.hit_decision import HitDecision, hit_limit
 from kvtier_vllm.kv.scheduler_side.hit_setup import HitSetup
 from kvtier_vllm.kv.scheduler_side.leases import Leases
 from kvtier_vllm.kv.scheduler_side.load_decisions import LoadDecisions
-from kvtier_vllm.kv.scheduler_side.load_modes import LoadModes
+from kvtier_vllm.kv.scheduler_side.load_modes import LoadModes, expected_load_s
 from kvtier_vllm.kv.scheduler_side.pending_loads import PendingLoads
 from kvtier_vllm.kv.scheduler_side.prompt_keys import stable_tenant, targets_of
 from kvtier_vllm.kv.scheduler_side.requests import RequestState
@@ -90,7 +90,9 @@ class KVTierScheduler:
         self.capture = Capture(hidden) if hidden is not None else None
         """Hidden states captured: each finished request gets a reference to them."""
         self.stats = KVTierStats()
-        self.decisions = LoadDecisions(cfg.load_policy, self._costs)
+        self.decisions = LoadDecisions(
+            cfg.load_policy, self._costs, lambda: self.pending.backlog.seconds_ahead()
+        )
         several = len(groups) > 1
         self.modes = LoadModes(cfg.load_mode, self.timings, self._costs, several_groups=several)
         self.namespaces: dict[str, bytes] = {}
@@ -252,7 +254,7 @@ class KVTierScheduler:
         if num_external_tokens == 0:
             self.calls.release(plan.refs())
             return
-        self.pending.grant(state, plan, blocks, self.stats)
+        self.pending.grant(state, plan, blocks, self.stats, expected_load_s(plan, self._costs()))
         self.modes.granted(plan, state.load_async)
 
     def abandon_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
