@@ -241,8 +241,8 @@ class ConnectorConfig(TiersConfig):
         LoadPolicy.MEASURED,
         description="measured: load only the prefix of a hit whose load is expected to take "
         "less than recomputing it, from the costs kvtier measures (each tier's load time, a "
-        "fixed part per load included, and the engine's prefill); the whole hit while a cost "
-        "is not measured yet. always: load every hit.",
+        "fixed part per load included, and the engine's prefill), after the asynchronous loads "
+        "already out; the whole hit while a cost is not measured yet. always: load every hit.",
     )
     window_checkpoint_tokens: int = Field(
         0,
