@@ -20,7 +20,7 @@ import yaml
 from benchmarks.gpu_ratio import DiskBandwidth, node_scaled_disk, reads_throttled
 from benchmarks.harness.connector import kvtier_connector
 from benchmarks.harness.kvtierd import Kvtierd
-from benchmarks.harness.sizes import KiB, extent_for
+from benchmarks.harness.sizes import KiB, MiB, extent_for
 from benchmarks.harness.system import process_tree, remove_arena
 from benchmarks.models import ServingModel
 from benchmarks.serving_cases import (
@@ -119,11 +119,14 @@ class Servers:
 
     def past_the_arena(self, tree: dict[str, Any], below: str, daemon: Kvtierd) -> None:
         """Tiers that hold less than the working set: an arena of a quarter of it (extents of
-        8 chunks, so that a quarter is whole extents), then lmdb the rest, or lmdb a quarter
-        and the object store (moto, reached through IRSA) everything."""
-        extent = 8 * self.chunk_bytes
-        quarter = max(extent, round(self.working_set_bytes / 4 / extent) * extent)
-        tree["arena"].update(size_bytes=quarter, extent_bytes=extent)
+        up to 8 chunks, 4 of them at least, so that a quarter is whole extents; its tables get
+        room beyond), then lmdb the rest, or lmdb a quarter and the object store
+        (moto, reached through IRSA) everything."""
+        quarter_chunks = max(1, round(self.working_set_bytes / 4 / self.chunk_bytes))
+        extent = max(1, min(8, quarter_chunks // 4)) * self.chunk_bytes
+        quarter = max(extent, round(quarter_chunks * self.chunk_bytes / extent) * extent)
+        room = 2 * MiB  # the arena's tables: its data starts 2 MiB-aligned
+        tree["arena"].update(size_bytes=quarter + room, extent_bytes=extent)
         if below == "object":
             moto = self.s3()
             tree["lmdb"]["budget_bytes"] = quarter
