@@ -66,7 +66,9 @@ SHORT_PROMPT = 64
 
 
 def prefill_prompts(vocab: int, long_tokens: int) -> dict[int, list[list[int]]]:
-    """Prompts no cache holds (each its own), of ``SHORT_PROMPT`` and ``long_tokens`` tokens."""
+    """Prompts no cache holds (each its own, and the short ones their own for each
+    ``long_tokens``: one engine measures several lengths), of ``SHORT_PROMPT`` and
+    ``long_tokens`` tokens."""
     return {
         length: models.shared_prefix_prompts(
             PREFILL_PROMPTS,
@@ -74,7 +76,7 @@ def prefill_prompts(vocab: int, long_tokens: int) -> dict[int, list[list[int]]]:
             prefix_len=length - 1,
             suffix_len=1,
             num_prefixes=PREFILL_PROMPTS,
-            seed=7000 + length,
+            seed=7000 + length + 10_000 * long_tokens,
         )
         for length in (SHORT_PROMPT, long_tokens)
     }

@@ -9,6 +9,7 @@ import pytest
 from benchmarks.gpu_ratio import gpu_ratios
 from benchmarks.gpu_ratio_fit import DocFit, fit, nearest, sized_to
 from benchmarks.models import GPU_RATIO
+from benchmarks.serving_gpu_ratio import SHORT_PROMPT, prefill_prompts
 
 ARENA_S = 2e-6
 
@@ -70,3 +71,12 @@ def test_the_kv_cache_and_model_length_scale_with_the_longest_request() -> None:
 def test_documents_past_what_the_model_holds_are_refused() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         sized_to(GPU_RATIO, 4096, lambda doc: 2 * doc)
+
+
+def test_each_length_is_measured_against_short_prompts_no_other_length_cached() -> None:
+    first, second = prefill_prompts(1000, 192), prefill_prompts(1000, 256)
+    shorts = [tuple(p) for p in first[SHORT_PROMPT] + second[SHORT_PROMPT]]
+    assert len(set(shorts)) == len(shorts)
+    firsts = {tuple(p[:32]) for p in first[SHORT_PROMPT] + first[192]}
+    assert len(firsts) == len(first[SHORT_PROMPT]) + len(first[192])  # no shared prefix
+    assert prefill_prompts(1000, 192) == first  # the same run measures the same prompts
