@@ -57,8 +57,8 @@ GPU_RATIO = ServingModel(
     models.GPU_RATIO_SHAPE,
     kv_cache_bytes=40 * MiB,  # 2,560 tokens of 16 KiB: a quarter of the working set
     max_model_len=2048,
-    # prompts of about a thousand tokens: where this model's prefill per token sits near 8x
-    # an arena load and 2.6x a cold lmdb read on this machine (its attention grows with them)
+    # the longest documents the fit tries (benchmarks/gpu_ratio_fit.py), where a CPU with
+    # AVX-512 prefills a token at 14-20x an arena load; a slower one gets shorter ones
     doc_tokens=960,
     question_tokens=32,
     answer_tokens=32,

@@ -1,6 +1,7 @@
-"""The serving benchmark on the GPU-ratio model (``--model gpu-ratio``): its recompute:load
-ratios measured in the run beside a GPU node's, the connector's load decisions, and the targets
-that hold on a GPU node.
+"""The serving benchmark on the GPU-ratio model (``--model gpu-ratio``): its documents' length
+fitted to this machine first (benchmarks/gpu_ratio_fit.py), its recompute:load ratios measured
+in the run beside a GPU node's, the connector's load decisions, and the targets that hold on a
+GPU node.
 
 Targets, each a ratio measured in the same run at concurrency 4 (kvtier: the sidecar with the
 ``measured`` load policy where the connector has load policies, else its default):
