@@ -14,9 +14,9 @@ from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import ModelSet, counter, generate_tokens, greedy, running_llm
 from tests.e2e.test_connector import cached_by_source, embedded_yaml, kvtier_config
 
-STEP_S = 0.1
+STEP_S = 0.3
 """What each step takes at least here: a step that prefills on a large model (a tiny model's
-copies of a hit take well under a millisecond)."""
+copies of a hit take well under a millisecond, a few on a machine busy with other work)."""
 DEADLINE_S = 120
 
 
@@ -36,7 +36,10 @@ def test_auto_loads_in_the_background_until_measured_then_inside_long_steps(
         wait_for_save(self)
 
     tiers = str(embedded_yaml(tmp_path, shm_path))
-    connector = kvtier_config({"kvtier_config": tiers, "load_mode": "auto"})
+    # every hit loaded, whatever its measured cost against the tiny model's recompute: the
+    # mode of a load is what is tested, not whether it is made
+    settings = {"kvtier_config": tiers, "load_mode": "auto", "load_policy": "always"}
+    connector = kvtier_config(settings)
     with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
         generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)  # stored
         assert llm.reset_prefix_cache()  # vLLM's own cache forgets them: the arena holds them
