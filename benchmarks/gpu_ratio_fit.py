@@ -6,10 +6,11 @@ keeps, whatever the heads' count or width. Its prefill time per token therefore 
 prompt while a load's does not, and the recompute:load ratio a run measures depends on the
 prompts' length as much as on the CPU. On a 2-core EPYC without AVX-512 (2026-12-07) the arena's
 ratio was 26 at 128 tokens and 95 at 992; on one with AVX-512 BF16 it was 14-20 at 992. The
-prompt's length is the lever left, so ``--doc-tokens auto`` (the default) starts an engine
-first, measures its prefill time per token at each candidate length (benchmarks/gpu_ratio.py's
-``measure_prefill``) and the arena's load time per token, and runs the workload at the length
-whose ratio lies nearest the GPU node's, with every server's KV cache scaled to it.
+prompt's length is the lever left, so unless ``--doc-tokens`` names a length the run starts an
+engine first, measures its prefill time per token at each candidate length
+(benchmarks/gpu_ratio.py's ``measure_prefill``) and the arena's load time per token, and runs
+the workload at the length whose ratio lies nearest the GPU node's, with every server's KV cache
+scaled to it.
 """
 
 from __future__ import annotations

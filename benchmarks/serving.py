@@ -48,7 +48,7 @@ Servers (``servers`` in the output):
   ``kvtier_embedded``'s.
 - Past the arena, sidecar servers whose tiers hold less than the working set (every user's
   history in chunks, ``settings.working_set_bytes``): ``kvtier_sidecar_lmdb``, an arena of a
-  quarter of it (extents of 8 chunks: a quarter is whole extents) and lmdb (1 GiB) for the
+  quarter of it (in whole extents of up to 8 chunks) and lmdb (1 GiB) for the
   rest; ``kvtier_sidecar_object``, an arena and an lmdb budget of a quarter each, and the
   object store holding everything: moto's S3 server at nice 19 (a remote store takes no CPU the
   engine wants), reached through IRSA (no keys), ``object.admission: all``. Their throughputs

@@ -43,5 +43,5 @@ class LimitedLog:
             held, self._held = self._held, 0
             self._quiet_until = now + self._interval_s
         if held:
-            msg, args = f"{msg} (and {held} more like it since the last line)", args
+            msg = f"{msg} (and {held} more like it since the last line)"
         self._logger.log(self._level, msg, *args)

@@ -15,6 +15,7 @@ from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
 
 from kvtier.core.costs import CostSnapshot, LoadFit, StepFit, TierCost
 from kvtier.core.load_choice import choose
+from tests.support import HandClock
 from tests.unit.test_scheduler_lookups import (
     CHUNK_TOKENS,
     chunk_keys,
@@ -25,16 +26,8 @@ from tests.unit.test_scheduler_lookups import (
 )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_backlog_is_the_loads_out_less_the_time_the_thread_has_worked_on_them() -> None:
-    clock = Clock()
+    clock = HandClock()
     backlog = LoadBacklog(clock)
     assert backlog.seconds_ahead() == 0.0
     backlog.granted("a", 0.3)

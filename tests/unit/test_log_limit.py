@@ -8,20 +8,13 @@ import logging
 import pytest
 
 from kvtier.core.log_limit import LimitedLog
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import HandClock
 
 
 def test_the_first_line_is_logged_the_rest_counted_until_the_interval_passes(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    clock, logger = Clock(), logging.getLogger("kvtier.test.limited")
+    clock, logger = HandClock(), logging.getLogger("kvtier.test.limited")
     limited = LimitedLog(logger, logging.WARNING, interval_s=30.0, clock=clock)
     with caplog.at_level(logging.WARNING, logger=logger.name):
         for i in range(500):
@@ -39,7 +32,7 @@ def test_the_first_line_is_logged_the_rest_counted_until_the_interval_passes(
 def test_a_failure_after_a_quiet_interval_is_logged_alone(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    clock, logger = Clock(), logging.getLogger("kvtier.test.limited.quiet")
+    clock, logger = HandClock(), logging.getLogger("kvtier.test.limited.quiet")
     limited = LimitedLog(logger, logging.ERROR, interval_s=30.0, clock=clock)
     with caplog.at_level(logging.ERROR, logger=logger.name):
         limited.log("first")

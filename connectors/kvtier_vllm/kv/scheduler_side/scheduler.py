@@ -254,7 +254,9 @@ class KVTierScheduler:
         if num_external_tokens == 0:
             self.calls.release(plan.refs())
             return
-        self.pending.grant(state, plan, blocks, self.stats, expected_load_s(plan, self._costs()))
+        # only an asynchronous load queues behind the others (`LoadBacklog`)
+        expected = expected_load_s(plan, self._costs()) if state.load_async else None
+        self.pending.grant(state, plan, blocks, self.stats, expected)
         self.modes.granted(plan, state.load_async)
 
     def abandon_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
