@@ -24,6 +24,7 @@ from kvtier.core.protocol import (
     LookupResult,
     SlotRef,
     TierClient,
+    settle,
 )
 from kvtier.tiers.arena import ArenaAtPath, ArenaMemory
 from kvtier.tiers.lmdb_reader import (
@@ -136,6 +137,16 @@ class InProcessClient(TierClient):
 
     def abort(self, refs: Sequence[SlotRef]) -> None:
         self.manager.abort(refs)
+
+    def settle_behind(
+        self,
+        *,
+        commit: Sequence[SlotRef] = (),
+        lineages: Sequence[bytes] = (),
+        abort: Sequence[SlotRef] = (),
+        release: Sequence[SlotRef] = (),
+    ) -> Answer[int]:
+        return Ready(settle(self, commit, lineages, abort, release))  # no call to wait for
 
     def lease(
         self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = (), in_lmdb: bool = False

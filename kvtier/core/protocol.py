@@ -35,6 +35,7 @@ __all__ = [
     "TierCode",
     "arena_hit",
     "in_lmdb",
+    "settle",
 ]
 
 T_co = TypeVar("T_co", covariant=True)
@@ -331,6 +332,21 @@ class TierClient(Protocol):
 
     def abort(self, refs: Sequence[SlotRef]) -> None: ...
 
+    def settle_behind(
+        self,
+        *,
+        commit: Sequence[SlotRef] = (),
+        lineages: Sequence[bytes] = (),
+        abort: Sequence[SlotRef] = (),
+        release: Sequence[SlotRef] = (),
+    ) -> Answer[int]:
+        """`commit` (with ``lineages``), `abort` and `release`, in that order, without waiting
+        where the client can: kvtierd's client sends them on its call thread, behind the calls
+        queued before, so no engine step waits for its daemon to answer them. The answer is how
+        many were committed; one that fails may have handed back any part of them, and handing
+        each back again is safe."""
+        ...
+
     def lease(
         self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = (), in_lmdb: bool = False
     ) -> list[SlotRef | None]:
@@ -396,6 +412,22 @@ class TierClient(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def settle(
+    client: TierClient,
+    commit: Sequence[SlotRef] = (),
+    lineages: Sequence[bytes] = (),
+    abort: Sequence[SlotRef] = (),
+    release: Sequence[SlotRef] = (),
+) -> int:
+    """`TierClient.settle_behind`'s calls, made now; how many were committed."""
+    committed = client.commit(commit, lineages) if commit else 0
+    if abort:
+        client.abort(abort)
+    if release:
+        client.release(release)
+    return committed
 
 
 # What a tier reports of itself: the admin API's stats and the metrics read these.

@@ -27,6 +27,7 @@ from kvtier.core.protocol import (
     SlotRef,
     TierClient,
     TierCode,
+    settle,
 )
 from kvtier.rpc.arena_view import ArenaView
 from kvtier.rpc.calls import Breaker, Deadlines, Pending
@@ -283,6 +284,18 @@ class GrpcTierClient(TierClient):
         request = tier_pb2.AbortRequest(session_id=self.session_id, refs=[ref_to(r) for r in refs])
         abort = self._channel.stub.Abort
         self._session.with_old_refs(lambda: self._channel.call(abort, request))
+
+    def settle_behind(
+        self,
+        *,
+        commit: Sequence[SlotRef] = (),
+        lineages: Sequence[bytes] = (),
+        abort: Sequence[SlotRef] = (),
+        release: Sequence[SlotRef] = (),
+    ) -> Pending[int]:
+        self._channel.check()  # nothing queues behind a daemon that does not answer
+        handed = (list(commit), list(lineages), list(abort), list(release))
+        return Pending(self._channel.submit(settle, self, *handed), int, self.target)
 
     def promote(self, keys: Sequence[ChunkKey]) -> int:
         return int(self._keys_call(self._channel.promote, keys).queued)

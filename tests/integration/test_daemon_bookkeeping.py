@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
 from kvtier_vllm.kv.scheduler_side.unreturned import Handback, Unreturned
 
 from kvtier.api.v1 import admin_pb2, tier_pb2, tier_pb2_grpc
@@ -251,3 +252,32 @@ def test_a_commit_lost_to_a_stalled_daemon_is_sent_again_and_the_chunk_stored(
         assert daemon.stats().sessions == 1
     arena.close()
     assert procs.check(files.socket, 1)["present"] == [0]
+
+
+def test_hand_backs_go_without_waiting_and_what_a_stalled_daemon_failed_goes_back_later(
+    procs: Processes, tmp_path: Path, shm_path: Path
+) -> None:
+    files = _stallable(tmp_path, shm_path)
+    daemon = procs.start_daemon(files)
+    with closing(_client(files, timeout_s=STALLED_CALL_S)) as client:
+        refs = client.reserve([key_of(0), key_of(1)])
+        with closing(ArenaMemory.attach(daemon.arena)) as arena:
+            for index, ref in enumerate(refs):
+                assert ref is not None
+                arena.view(ref.offset, ref.nbytes)[:] = expected(key_of(index))
+        first, second = (r for r in refs if r is not None)
+        calls = TierCalls(client, Unreturned(every_s=0.0))
+        with _stalled(daemon):
+            calls.settle_behind([first])
+            # a stopped daemon answers nothing: the caller went on without the answer
+            assert calls.in_flight == 1
+            calls.settle(10 * STALLED_CALL_S)  # past the call's deadline: it failed
+            assert calls.in_flight == 0
+            assert len(calls.unreturned) == 1, "the failed commit's reservation was not kept"
+        calls.settle_behind([second])
+        calls.settle(10.0)
+        assert calls.in_flight == 0
+        assert client.lookup([key_of(1)]).hits == 1
+        wait_for(lambda: calls.hand_back() or not len(calls.unreturned), 20.0, "handed back")
+        assert client.lookup([key_of(0)]).hits == 1
+        assert _reservations(daemon) == 0

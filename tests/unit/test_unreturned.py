@@ -12,9 +12,10 @@ import pytest
 from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
 from kvtier_vllm.kv.scheduler_side.unreturned import Handback, Unreturned
 
+from kvtier.client import Ready
 from kvtier.core.errors import TierUnavailableError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.protocol import SlotRef
+from kvtier.core.protocol import SlotRef, settle
 from tests.support import HandClock
 
 
@@ -40,6 +41,16 @@ class Client:
 
     def abort(self, refs: Sequence[SlotRef]) -> None:
         self._call("abort", refs)
+
+    def settle_behind(
+        self,
+        *,
+        commit: Sequence[SlotRef] = (),
+        lineages: Sequence[bytes] = (),
+        abort: Sequence[SlotRef] = (),
+        release: Sequence[SlotRef] = (),
+    ) -> Ready[int]:
+        return Ready(settle(self, commit, lineages, abort, release))  # type: ignore[arg-type]
 
 
 def _refs(*slots: int) -> list[SlotRef]:

@@ -385,6 +385,19 @@ class KVTierScheduler:
         failed_blocks: Iterable[int] = (),
         finished_loads: Iterable[str] = (),
     ) -> None:
+        try:
+            self._take_output(worker_meta, failed_loads, failed_blocks, finished_loads)
+        finally:
+            if not self._requests:  # nothing left to run: what it stored is visible when idle
+                self.calls.settle(self.cfg.store_deadline_ms / 1000)
+
+    def _take_output(
+        self,
+        worker_meta: Any,
+        failed_loads: Iterable[str],
+        failed_blocks: Iterable[int],
+        finished_loads: Iterable[str],
+    ) -> None:
         self.pending.reported(self._requests, finished_loads, failed_loads, self.stats)
         if invalid := set(failed_blocks):
             # one group: a load fails per block, and vLLM recomputes from the first failed one
@@ -409,18 +422,7 @@ class KVTierScheduler:
             self.client.report_failed(worker_meta.failed_chunks)
         self.stores.reported(worker_meta.stored, worker_meta.failed)
         self.verifier.reported(worker_meta.checked, self.stats)
-        self._report_quarantines()
-
-    def _report_quarantines(self) -> None:
-        """Tell the tiers of namespaces found wrong here: every engine then stops loading them."""
-        while self.verifier.to_report and self.client is not None:
-            namespace, why = self.verifier.to_report[0]
-            try:
-                self.client.quarantine_namespace(namespace, why)
-            except KVTierError as exc:
-                self.calls.failed("quarantine", exc)
-                return  # tried again with the next report
-            self.verifier.to_report.pop(0)
+        self.verifier.report_quarantines(self.calls)
 
     def request_finished(
         self, request: Any, block_ids: list[list[int]] | None = None

@@ -199,8 +199,7 @@ class Stores:
                 done.append(pending.ref)
                 lineages.append(pending.lineage)
                 self.events.store_done(handle)
-        self.calls.commit(done, lineages if any(lineages) else ())
-        self.calls.abort(spoiled)
+        self.calls.settle_behind(done, lineages if any(lineages) else (), abort=spoiled)
 
     def abort_all(self) -> None:
         self.calls.abort([pending.ref for pending in self._pending.values()])

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvtier.core.errors import KVTierError
 from kvtier.core.keys import Pool, namespace_of
 from kvtier.core.protocol import SlotRef
 from kvtier_vllm.drafts.swaps import Fill
@@ -27,6 +28,7 @@ from kvtier_vllm.kv.connector_stats import KVTierStats
 from kvtier_vllm.kv.metadata import ChunkCopy, lmdb_key
 from kvtier_vllm.kv.scheduler_side.loads import LoadPlan
 from kvtier_vllm.layout.plans import PoolPlan
+from kvtier_vllm.shared.tier_access import TierAccess
 
 log = logging.getLogger(__name__)
 MAX_CHECKS = 1024
@@ -178,6 +180,18 @@ class Verifier:
             stats.verified(check.pool, "match" if matched else "mismatch", error)
             if not matched:
                 self._quarantine(check, error)
+
+    def report_quarantines(self, calls: TierAccess) -> None:
+        """Tell the tiers of namespaces found wrong here: every engine then stops loading them.
+        One that fails is told with the next report."""
+        while self.to_report and calls.client is not None:
+            namespace, why = self.to_report[0]
+            try:
+                calls.client.quarantine_namespace(namespace, why)
+            except KVTierError as exc:
+                calls.failed("quarantine", exc)
+                return
+            self.to_report.pop(0)
 
     def _quarantine(self, check: _Check, error: float) -> None:
         namespace = namespace_of(check.ref.key)
