@@ -329,6 +329,7 @@ class KVTierScheduler:
         meta.checks, leases = self.verifier.hand_out()
         self.leases.newest.extend(leases)
         assert self.stores is not None  # made with the client
+        self.stores.reserve(meta, self._step)
         self.stores.expire(self._step)
         self.timings.began(scheduler_output)
         return meta
@@ -360,9 +361,7 @@ class KVTierScheduler:
         assert self.stores is not None  # made with the client
         # a sliding window is stored where the prompt's own hit would read it, and past it
         end = hit_limit(request, self.chunk_tokens, bpc, self.drop_last) - int(self.drop_last)
-        self.stores.reserve(
-            meta, request, state.block_ids, chunks, end, state.local_hit, self._step, self.stats
-        )
+        self.stores.want(request, state.block_ids, chunks, end, state.local_hit, self.stats)
 
     def abandon_step(self, scheduler_output: Any) -> KVTierMetadata:
         """`build_connector_meta` failed: see `PendingLoads.abandon_step`."""

@@ -1,9 +1,9 @@
 """Stores: the chunks a step fills, reserved in the arena and committed once written.
 
-A chunk is reserved per plan once it is full, copied by the workers after the forward, and
-committed once every rank that writes a part of it has reported it written. A part any rank
-failed to write aborts the chunk, and so does a reservation no worker confirmed within a few
-steps.
+A chunk is reserved per plan once it is full (every chunk a step fills, in one call), copied by
+the workers after the forward, and committed once every rank that writes a part of it has
+reported it written. A part any rank failed to write aborts the chunk, and so does a reservation
+no worker confirmed within a few steps.
 """
 
 from __future__ import annotations
@@ -41,6 +41,16 @@ class _PendingStore:
     """Encoded, for a chunk of the anchor plan: sent with its commit, for routers."""
 
 
+@dataclass
+class _Wanted:
+    """A full chunk of a request to reserve with the step's others."""
+
+    plan: PoolPlan
+    request: Any
+    chunk: int
+    blocks: tuple[int, ...]
+
+
 class Stores:
     """Reservations over ``client`` for every plan with a namespace (``namespaces``, read at
     each call), and their commits. The anchor plan's chunks stand for their blocks in KV events.
@@ -71,21 +81,21 @@ class Stores:
         targets = targets_of(plans)
         self.anchor = targets[0] if targets else None
         self._pending: dict[tuple[int, int], _PendingStore] = {}
+        self._wanted: dict[ChunkKey, _Wanted] = {}
 
-    def reserve(
+    def want(
         self,
-        meta: KVTierMetadata,
         request: Any,
         block_ids: list[list[int]],
         chunks: range,
         end: int,
         local_hit: int,
-        step: int,
         stats: KVTierStats,
     ) -> None:
-        """Reserve the request's newly full ``chunks`` in every plan that keeps them (a hit
-        ending at chunk ``end`` reads them), and add their copies to ``meta``. ``local_hit``:
-        tokens vLLM's own prefix cache held when the request was first scheduled."""
+        """The request's newly full ``chunks``, in every plan that keeps them (a hit ending at
+        chunk ``end`` reads them), to reserve with the step's others (`reserve`).
+        ``local_hit``: tokens vLLM's own prefix cache held when the request was first
+        scheduled."""
         bpc = self.blocks_per_chunk
         for plan in self.plans:
             if plan.key not in self.namespaces:
@@ -105,24 +115,35 @@ class Stores:
             span_blocks = {c: tuple(ids[c * bpc : (c + 1) * bpc]) for c in span}
             storable = [c for c in span if all(span_blocks[c])]
             keys = keys_in(self.namespaces[plan.key], request.block_hashes, storable, bpc)
-            try:
-                refs = self.client.reserve(keys)
-            except KVTierError as exc:
-                self.calls.failed("reserve", exc)
-                return
-            for chunk, ref in zip(storable, refs, strict=True):
-                if ref is None:
-                    continue  # present already, or no room right now
-                lineage = self._lineage(request, chunk) if plan is self.anchor else None
-                if lineage is not None and self.events.enabled:
-                    self.events.store_planned(
-                        (ref.slot, ref.generation),
-                        ref.key,
-                        list(lineage.block_hashes),
-                        lineage.parent,
-                        list(lineage.token_ids),
-                    )
-                self._queue(meta, plan, ref, span_blocks[chunk], step, lineage)
+            for chunk, key in zip(storable, keys, strict=True):
+                if key not in self._wanted:  # two requests computing one prefix store it once
+                    self._wanted[key] = _Wanted(plan, request, chunk, span_blocks[chunk])
+
+    def reserve(self, meta: KVTierMetadata, step: int) -> None:
+        """Reserve what the step's requests want, in one call, and add their copies to
+        ``meta``."""
+        wanted, self._wanted = self._wanted, {}
+        if not wanted:
+            return
+        try:
+            refs = self.client.reserve(list(wanted))
+        except KVTierError as exc:
+            self.calls.failed("reserve", exc)
+            return
+        for store, ref in zip(wanted.values(), refs, strict=True):
+            if ref is None:
+                continue  # present already, or no room right now
+            plan, request, chunk = store.plan, store.request, store.chunk
+            lineage = self._lineage(request, chunk) if plan is self.anchor else None
+            if lineage is not None and self.events.enabled:
+                self.events.store_planned(
+                    (ref.slot, ref.generation),
+                    ref.key,
+                    list(lineage.block_hashes),
+                    lineage.parent,
+                    list(lineage.token_ids),
+                )
+            self._queue(meta, plan, ref, store.blocks, step, lineage)
 
     def reserve_one(
         self,
