@@ -54,6 +54,7 @@ SERVERS = (
     "vllm",
     "kvtier_embedded",
     "kvtier_sidecar",
+    "lmcache",
     "vllm_b",
     "example_connector",
     "offloading_connector",
@@ -149,12 +150,16 @@ MORE_HBM = Case("vllm_more_hbm", "vLLM alone, 6x the KV cache", kv_cache_scale=6
 """6 x 4,096 tokens: every user's history (16,384 tokens) with room for the batch."""
 
 
+LMCACHE = Case("lmcache", "LMCache 0.5.6, multiprocess", "lmcache")
+
+
 def every_case(profile: bool) -> list[tuple[Case, Plan]]:
     """The multi-round servers in the order they run; ``profile``: trace the sidecar's level."""
     return [
         (VLLM, Plan()),
         (EMBEDDED, Plan()),
         (SIDECAR, Plan(profile=profile)),
+        (LMCACHE, Plan()),
         (Case("example_connector", "ExampleConnector", "example"), Plan()),
         (Case("offloading_connector", "OffloadingConnector", "offloading"), Plan()),
         (Case("vllm_spec", "vLLM alone + spec", spec=True), Plan()),
@@ -179,7 +184,6 @@ def every_case(profile: bool) -> list[tuple[Case, Plan]]:
 
 # -- the GPU-ratio model (``--model gpu-ratio``) ---------------------------------------------
 
-LMCACHE = Case("lmcache", "LMCache 0.5.6, multiprocess", "lmcache")
 LOAD_POLICIES = ("always", "measured")
 GPU_RATIO_TARGETS: dict[str, Target] = {
     "gpu_ratio_throughput_vs_vllm_alone": (">=", 1.3),
