@@ -4,8 +4,10 @@ A hit is a prefix of chunks held in runs, one tier each, in prefix order. A run 
 loaded with every run before it (vLLM's hits are prefixes), so the choice is a prefix: the one
 whose recompute time less its load time (each run's fixed part included) is the largest. The
 loads already queued ahead of it (``ahead_s``) count against its first run: loading anything
-waits for them, recomputing does not. Where a cost is not measured yet, the whole hit is
-loaded, as it was before costs were asked.
+waits for them, recomputing does not; and so does what its request waits beside the load
+(``wait_s`` of the prefix's load time: the step a request loading in the background waits
+through, where one recomputing would run in the step at hand). Where a cost is not measured
+yet, the whole hit is loaded, as it was before costs were asked.
 """
 
 from __future__ import annotations
@@ -45,23 +47,27 @@ def choose(
     chunk_tokens: int,
     costs: CostSnapshot | None,
     ahead_s: float = 0.0,
+    wait_s: Callable[[float], float] = lambda load_s: 0.0,
 ) -> LoadChoice:
     """The prefix of the hit ``runs`` (``(tier, chunks)`` in prefix order) worth loading, with
-    ``chunk_tokens`` tokens a chunk, after ``ahead_s`` seconds of loads queued before it: the
-    one expected to save the most against recomputing it (a shorter one where that saves more;
-    the longer one on a tie). Without a measured cost for each run's tier, or without the
-    prefill fit, the whole hit."""
+    ``chunk_tokens`` tokens a chunk, after ``ahead_s`` seconds of loads queued before it and
+    with ``wait_s(load seconds)`` more that its request waits: the one expected to save the most
+    against recomputing it (a shorter one where that saves more; the longer one on a tie).
+    Without a measured cost for each run's tier, or without the prefill fit, the whole hit."""
     runs = [(tier, chunks) for tier, chunks in runs if chunks > 0]
-    saved = _saved_per_run(runs, chunk_tokens, costs)
-    if saved is None:
+    measured = _measured_runs(runs, chunk_tokens, costs)
+    if measured is None:
         return whole_hit(runs, chunk_tokens)
-    if saved:
-        saved[0] -= ahead_s
-    best, best_saved, prefix = 0, 0.0, 0.0
-    for i, run_saved in enumerate(saved, 1):
+    saved = [recompute - load for load, recompute in measured]
+    best, best_saved, prefix, loading = 0, 0.0, -ahead_s, 0.0
+    for i, (run_saved, (load, _)) in enumerate(zip(saved, measured, strict=True), 1):
         prefix += run_saved
-        if prefix >= best_saved:
-            best, best_saved = i, prefix
+        loading += load
+        net = prefix - wait_s(loading)
+        if net >= best_saved:
+            best, best_saved = i, net
+    if saved:  # the wait counts against the first run: loading anything waits for it
+        saved[0] -= ahead_s + wait_s(sum(load for load, _ in measured[: best or len(saved)]))
     choices = tuple(
         RunChoice(tier, chunks, i < best, run_saved if i < best else -run_saved)
         for i, ((tier, chunks), run_saved) in enumerate(zip(runs, saved, strict=True))
@@ -75,20 +81,20 @@ def whole_hit(runs: Sequence[tuple[str, int]], chunk_tokens: int) -> LoadChoice:
     return LoadChoice(sum(chunks for _, chunks in runs) * chunk_tokens, loads)
 
 
-def _saved_per_run(
+def _measured_runs(
     runs: Sequence[tuple[str, int]], chunk_tokens: int, costs: CostSnapshot | None
-) -> list[float] | None:
-    """Per run, its recompute time less its load time; None where one is not measured."""
+) -> list[tuple[float, float]] | None:
+    """Per run, its load and recompute seconds; None where one is not measured."""
     if costs is None or costs.prefill_fit is None:
         return None
-    saved = []
+    measured = []
     for tier, chunks in runs:
         load = costs.load_seconds(tier, chunks)
         recompute = costs.recompute_seconds(chunks * chunk_tokens)
         if load is None or recompute is None:
             return None
-        saved.append(recompute - load)
-    return saved
+        measured.append((load, recompute))
+    return measured
 
 
 class CostChooser:
@@ -98,10 +104,14 @@ class CostChooser:
         self._costs = costs
 
     def choose(
-        self, runs: Sequence[tuple[str, int]], chunk_tokens: int, ahead_s: float = 0.0
+        self,
+        runs: Sequence[tuple[str, int]],
+        chunk_tokens: int,
+        ahead_s: float = 0.0,
+        wait_s: Callable[[float], float] = lambda load_s: 0.0,
     ) -> LoadChoice:
         """The prefix worth loading, and per run the choice and what it saves (`choose`)."""
-        return choose(runs, chunk_tokens, self._costs(), ahead_s)
+        return choose(runs, chunk_tokens, self._costs(), ahead_s, wait_s)
 
     def tokens_to_load(self, runs: Sequence[tuple[str, int]], chunk_tokens: int) -> int:
         """The tokens of the hit's prefix worth loading (`choose`)."""

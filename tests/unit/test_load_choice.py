@@ -99,3 +99,35 @@ def test_costs_timed_as_kvtierd_and_the_engines_time_them_decide() -> None:
     snap = costs.snapshot()
     assert choose([("object", 2)], TOKENS, snap).tokens == 0
     assert choose([("object", 12)], TOKENS, snap).tokens == 12 * TOKENS
+
+
+def test_the_step_a_load_in_the_background_waits_counts_against_it() -> None:
+    """A request loading in the background waits a step (20 ms here) that one recomputing
+    runs through: 4 lmdb chunks save 7.6 ms, less than that step, and are recomputed; loaded
+    in their step (no wait) they are loaded. The arena's chunks save more than the step."""
+
+    def in_background(load_s: float) -> float:
+        return 20e-3
+
+    lmdb = choose([("lmdb", 4)], TOKENS, GPU, wait_s=in_background)
+    assert lmdb.tokens == 0
+    (run,) = lmdb.runs
+    assert run.seconds_saved == pytest.approx(20e-3 - 4 * (8.3e-3 - 6.4e-3))
+    assert choose([("lmdb", 4)], TOKENS, GPU, wait_s=lambda load_s: 0.0).tokens == 4 * TOKENS
+    assert choose([("cpu", 4)], TOKENS, GPU, wait_s=in_background).tokens == 4 * TOKENS
+
+
+def test_the_wait_is_priced_at_the_prefixs_own_load() -> None:
+    """Where a longer prefix would load in the background and a shorter one in its step, the
+    shorter one is loaded when the step's wait eats the longer one's extra saving."""
+    asked: list[float] = []
+
+    def background_past_2ms(load_s: float) -> float:
+        asked.append(load_s)
+        return 0.0 if load_s <= 2e-3 else 50e-3
+
+    choice = choose([("cpu", 3), ("lmdb", 4)], TOKENS, GPU, wait_s=background_past_2ms)
+    assert choice.tokens == 3 * TOKENS
+    assert [run.load for run in choice.runs] == [True, False]
+    assert asked[0] == pytest.approx(3 * 0.52e-3)
+    assert asked[1] == pytest.approx(3 * 0.52e-3 + 4 * 6.4e-3)

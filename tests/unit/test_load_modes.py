@@ -19,6 +19,7 @@ from kvtier_vllm.shared.settings import LoadMode, parse
 from kvtier.core.costs import CostSnapshot, EngineTimings, LoadFit, TierCost
 from kvtier.core.keys import ChunkKey
 from kvtier.core.protocol import LMDB_SLOT, SlotRef
+from tests.unit.test_load_backlog import costs as priced
 from tests.unit.test_scheduler_lookups import (
     CHUNK_TOKENS,
     chunk_keys,
@@ -158,5 +159,43 @@ def test_a_scheduler_over_real_tiers_chooses_each_mode_on_the_costs_its_tiers_me
         stats = scheduler.take_stats()
         assert stats is not None
         assert stats.data["mode|" + ("sync" if sync else "async")] == 1
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_load_in_the_background_makes_its_request_wait_a_step_and_one_in_its_step_none() -> None:
+    modes = LoadModes(LoadMode.AUTO, timed(0.5, 3), costs, several_groups=False)
+    assert modes.wait_s(4 * ARENA_S) == 0.0  # loaded in its step
+    assert modes.wait_s(4 * LMDB_S) == pytest.approx(0.5)  # in the background: a step
+    idle = LoadModes(LoadMode.AUTO, timed(0.5, 0), costs, several_groups=False)
+    assert idle.wait_s(4 * LMDB_S) == 0.0  # nothing runs: its request is scheduled as it lands
+    for mode, wait in ((LoadMode.SYNC, 0.0), (LoadMode.ASYNC, 0.5)):
+        fixed = LoadModes(mode, timed(0.5, 3), costs, several_groups=False)
+        assert fixed.wait_s(4 * ARENA_S) == pytest.approx(wait)
+    unmeasured = LoadModes(LoadMode.AUTO, StepTimings(), costs, several_groups=False)
+    assert unmeasured.wait_s(4 * LMDB_S) == 0.0  # no step measured: loaded as before
+
+
+def test_a_scheduler_recomputes_a_hit_that_saves_less_than_the_step_it_would_wait_for(
+    shm_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two arena chunks load in 10 ms and save 50 ms. Beside 9 running requests in steps of
+    80 ms, loading them in the step would hold up ten requests 100 ms: they would load in the
+    background, and their request would wait the 80 ms step, more than they save, so they are
+    recomputed. Beside one running request they load in the step and are loaded."""
+    scheduler = open_scheduler(shm_path, tmp_path)
+    try:
+        assert scheduler.client is not None
+        snapshot = priced(5e-3, 30e-3, CHUNK_TOKENS)
+        monkeypatch.setattr(scheduler.client, "costs", lambda: snapshot)
+        for _ in range(3):
+            scheduler.timings.busy.observe(0.080)
+        hits = {}
+        for req_id, running in (("crowded", 9), ("quiet", 1)):
+            scheduler.timings.running = running
+            req = request(req_id, 3)
+            store(scheduler, chunk_keys(scheduler, req, range(2)))
+            hits[req_id] = scheduler.get_num_new_matched_tokens(req, 0)
+        assert hits == {"crowded": (0, False), "quiet": (2 * CHUNK_TOKENS, False)}
     finally:
         scheduler.shutdown()

@@ -2,7 +2,8 @@
 (`kvtier.core.load_choice`, over the costs its client reads without a call), or every chunk
 (``load_policy: always``). The asynchronous loads out count against loading a new hit: it
 would queue behind them (`LoadBacklog`). A request's decision is counted once, when its plan is
-final, for the metrics until the next report."""
+final, for the metrics until the next report. So does the step a load in the background makes
+its request wait through (`LoadModes.wait_s`)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,14 @@ class LoadDecisions:
         policy: LoadPolicy,
         costs: Callable[[], CostSnapshot | None],
         ahead_s: Callable[[], float] = lambda: 0.0,
+        wait_s: Callable[[float], float] = lambda load_s: 0.0,
     ) -> None:
         self.policy = policy
         self._chooser = CostChooser(costs)
         self._ahead_s = ahead_s
         """Seconds of loads a load granted now would wait behind."""
+        self._wait_s = wait_s
+        """Seconds a load of the given seconds adds to its request's wait beyond itself."""
         self._decided: Counter[tuple[str, str]] = Counter()
         """Runs decided since the last report, by tier and decision."""
         self._saved: defaultdict[str, float] = defaultdict(float)
@@ -44,7 +48,7 @@ class LoadDecisions:
         """The prefix of the hit ``runs`` (``(tier, chunks)`` in prefix order) to load."""
         if self.policy is LoadPolicy.ALWAYS:
             return whole_hit(runs, chunk_tokens)
-        choice = self._chooser.choose(runs, chunk_tokens, self._ahead_s())
+        choice = self._chooser.choose(runs, chunk_tokens, self._ahead_s(), self._wait_s)
         whole = sum(run.chunks for run in choice.runs) * chunk_tokens
         if choice.tokens < whole:
             self._cut += 1

@@ -69,15 +69,28 @@ class LoadModes:
     def _sync_stall(self, plan: LoadPlan) -> float | None:
         """The seconds ``plan`` would hold up the step loading synchronously, where that is
         shorter than the step an asynchronous load waits through; else None."""
-        step, running = self._timings.busy, self._timings.running
-        if not running or not step.samples:
-            return None  # nothing runs beside it to hold up, or no step measured yet
         seconds = expected_load_s(plan, self._costs())
-        if seconds is None:
-            return None
-        if (self._stall_s + seconds) * (running + 1) >= step.mean:
+        if seconds is None or not self._holds_up_less_than_a_step(seconds):
             return None
         return seconds
+
+    def _holds_up_less_than_a_step(self, load_s: float) -> bool:
+        step, running = self._timings.busy, self._timings.running
+        if not running or not step.samples:
+            return False  # nothing runs beside it to hold up, or no step measured yet
+        return (self._stall_s + load_s) * (running + 1) < step.mean
+
+    def wait_s(self, load_s: float) -> float:
+        """What a load expected to take ``load_s`` adds to its request's wait beyond the load:
+        the step a load in the background waits through (vLLM schedules its request once the
+        load landed, where a recomputed one runs in the step at hand); nothing for a load in
+        its step, or where no request runs (the next step begins as the load lands)."""
+        step, running = self._timings.busy, self._timings.running
+        if self.mode is LoadMode.SYNC or not running or not step.samples:
+            return 0.0
+        if self.mode is LoadMode.AUTO and self._holds_up_less_than_a_step(load_s):
+            return 0.0
+        return step.mean
 
     def granted(self, plan: LoadPlan, asynchronous: bool) -> None:
         """vLLM took ``plan`` in the mode answered for it."""

@@ -90,9 +90,6 @@ class KVTierScheduler:
         self.capture = Capture(hidden) if hidden is not None else None
         """Hidden states captured: each finished request gets a reference to them."""
         self.stats = KVTierStats()
-        self.decisions = LoadDecisions(
-            cfg.load_policy, self._costs, lambda: self.pending.backlog.seconds_ahead()
-        )
         several = len(groups) > 1
         self.modes = LoadModes(cfg.load_mode, self.timings, self._costs, several_groups=several)
         self.namespaces: dict[str, bytes] = {}
@@ -120,6 +117,10 @@ class KVTierScheduler:
             block_size=self.block_size,
             blocks_per_chunk=cfg.blocks_per_chunk,
             block_errors=not several,
+        )
+        backlog = self.pending.backlog
+        self.decisions = LoadDecisions(
+            cfg.load_policy, self._costs, backlog.seconds_ahead, self.modes.wait_s
         )
         self.hits: HitSetup | None = None
         self.stores: Stores | None = None
