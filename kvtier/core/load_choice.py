@@ -4,10 +4,10 @@ A hit is a prefix of chunks held in runs, one tier each, in prefix order. A run 
 loaded with every run before it (vLLM's hits are prefixes), so the choice is a prefix: the one
 whose recompute time less its load time (each run's fixed part included) is the largest. The
 loads already queued ahead of it (``ahead_s``) count against its first run: loading anything
-waits for them, recomputing does not; and so does what its request waits beside the load
-(``wait_s`` of the prefix's load time: the step a request loading in the background waits
-through, where one recomputing would run in the step at hand). Where a cost is not measured
-yet, the whole hit is loaded, as it was before costs were asked.
+waits for them, recomputing does not; and so does what else a load of the prefix costs
+(``wait_s`` of the prefix's load time, in the same units as a recompute's time: the caller's
+share of the step a request loading in the background waits through). Where a cost is not
+measured yet, the whole hit is loaded, as it was before costs were asked.
 """
 
 from __future__ import annotations

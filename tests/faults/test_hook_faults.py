@@ -141,7 +141,10 @@ def test_a_hook_that_raises_costs_a_recompute_never_an_error(
 ) -> None:
     breaker = Breaker(monkeypatch)
     tiers = str(embedded_yaml(tmp_path, shm_path))
-    connector = recomputing({"kvtier_config": tiers, "load_mode": load_mode})
+    # every hit loads (always): this tests the hooks, not the load-or-recompute decision
+    connector = recomputing(
+        {"kvtier_config": tiers, "load_mode": load_mode, "load_policy": "always"}
+    )
     expected = baseline[: len(prompts)]
     with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
         assert generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)[0] == expected

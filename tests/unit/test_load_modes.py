@@ -163,35 +163,37 @@ def test_a_scheduler_over_real_tiers_chooses_each_mode_on_the_costs_its_tiers_me
         scheduler.shutdown()
 
 
-def test_a_load_in_the_background_makes_its_request_wait_a_step_and_one_in_its_step_none() -> None:
+def test_a_load_in_the_background_costs_a_step_shared_over_the_steps_requests() -> None:
     modes = LoadModes(LoadMode.AUTO, timed(0.5, 3), costs, several_groups=False)
     assert modes.wait_s(4 * ARENA_S) == 0.0  # loaded in its step
-    assert modes.wait_s(4 * LMDB_S) == pytest.approx(0.5)  # in the background: a step
+    # in the background: its request waits a 0.5 s step, which a recompute would cost each
+    # of the 4 requests in it a part of
+    assert modes.wait_s(4 * LMDB_S) == pytest.approx(0.5 / 4)
     idle = LoadModes(LoadMode.AUTO, timed(0.5, 0), costs, several_groups=False)
     assert idle.wait_s(4 * LMDB_S) == 0.0  # nothing runs: its request is scheduled as it lands
-    for mode, wait in ((LoadMode.SYNC, 0.0), (LoadMode.ASYNC, 0.5)):
+    for mode, wait in ((LoadMode.SYNC, 0.0), (LoadMode.ASYNC, 0.5 / 4)):
         fixed = LoadModes(mode, timed(0.5, 3), costs, several_groups=False)
         assert fixed.wait_s(4 * ARENA_S) == pytest.approx(wait)
     unmeasured = LoadModes(LoadMode.AUTO, StepTimings(), costs, several_groups=False)
     assert unmeasured.wait_s(4 * LMDB_S) == 0.0  # no step measured: loaded as before
 
 
-def test_a_scheduler_recomputes_a_hit_that_saves_less_than_the_step_it_would_wait_for(
+def test_a_scheduler_recomputes_a_hit_that_saves_less_than_its_share_of_the_step_it_waits(
     shm_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two arena chunks load in 10 ms and save 50 ms. Beside 9 running requests in steps of
-    80 ms, loading them in the step would hold up ten requests 100 ms: they would load in the
-    background, and their request would wait the 80 ms step, more than they save, so they are
-    recomputed. Beside one running request they load in the step and are loaded."""
+    """Two arena chunks load in 10 ms and save 2 ms. Beside 3 running requests in steps of
+    30 ms, loading them in the step would hold up four requests 40 ms: they would load in the
+    background, where their request waits the 30 ms step, 7.5 ms a request of it, more than
+    they save: recomputed. Beside one running request they load in the step, and are loaded."""
     scheduler = open_scheduler(shm_path, tmp_path)
     try:
         assert scheduler.client is not None
-        snapshot = priced(5e-3, 30e-3, CHUNK_TOKENS)
+        snapshot = priced(5e-3, 6e-3, CHUNK_TOKENS)
         monkeypatch.setattr(scheduler.client, "costs", lambda: snapshot)
         for _ in range(3):
-            scheduler.timings.busy.observe(0.080)
+            scheduler.timings.busy.observe(0.030)
         hits = {}
-        for req_id, running in (("crowded", 9), ("quiet", 1)):
+        for req_id, running in (("crowded", 3), ("quiet", 1)):
             scheduler.timings.running = running
             req = request(req_id, 3)
             store(scheduler, chunk_keys(scheduler, req, range(2)))

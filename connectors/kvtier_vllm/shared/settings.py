@@ -242,8 +242,9 @@ class ConnectorConfig(TiersConfig):
         description="measured: load only the prefix of a hit whose load is expected to take "
         "less than recomputing it, from the costs kvtier measures (each tier's load time, a "
         "fixed part per load included, and the engine's prefill), after the asynchronous loads "
-        "already out and, for a load in the background, the step its request then waits; the "
-        "whole hit while a cost is not measured yet. always: load every hit.",
+        "already out and, for a load in the background, the step its request then waits "
+        "(shared over the step's requests, as a recompute holds them all up); the whole hit "
+        "while a cost is not measured yet. always: load every hit.",
     )
     window_checkpoint_tokens: int = Field(
         0,

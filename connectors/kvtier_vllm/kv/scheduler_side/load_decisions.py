@@ -1,9 +1,9 @@
 """Which part of a hit the connector loads: the prefix measured to beat recomputing it
 (`kvtier.core.load_choice`, over the costs its client reads without a call), or every chunk
 (``load_policy: always``). The asynchronous loads out count against loading a new hit: it
-would queue behind them (`LoadBacklog`). A request's decision is counted once, when its plan is
-final, for the metrics until the next report. So does the step a load in the background makes
-its request wait through (`LoadModes.wait_s`)."""
+would queue behind them (`LoadBacklog`), and so does the step a load in the background makes its
+request wait, per request of that step (`LoadModes.wait_s`). A request's decision is counted
+once, when its plan is final, for the metrics until the next report."""
 
 from __future__ import annotations
 

@@ -81,16 +81,18 @@ class LoadModes:
         return (self._stall_s + load_s) * (running + 1) < step.mean
 
     def wait_s(self, load_s: float) -> float:
-        """What a load expected to take ``load_s`` adds to its request's wait beyond the load:
-        the step a load in the background waits through (vLLM schedules its request once the
-        load landed, where a recomputed one runs in the step at hand); nothing for a load in
-        its step, or where no request runs (the next step begins as the load lands)."""
+        """What a load expected to take ``load_s`` costs beyond the load, per request of the
+        step, as a recompute's time is: a load in the background makes its own request wait a
+        step (vLLM schedules it once the load landed, where a recomputed one runs in the step
+        at hand), while a recompute holds up every request of that step. So the step, shared
+        over the requests it runs and this one; nothing for a load in its step, or where no
+        request runs (the next step begins as the load lands)."""
         step, running = self._timings.busy, self._timings.running
         if self.mode is LoadMode.SYNC or not running or not step.samples:
             return 0.0
         if self.mode is LoadMode.AUTO and self._holds_up_less_than_a_step(load_s):
             return 0.0
-        return step.mean
+        return step.mean / (running + 1)
 
     def granted(self, plan: LoadPlan, asynchronous: bool) -> None:
         """vLLM took ``plan`` in the mode answered for it."""
