@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING
 
 from kvtier.core.costs import CostSnapshot, EngineTimings
 from kvtier.core.journal import ChunkEvents
@@ -22,9 +22,9 @@ from kvtier.core.protocol import (
     DraftState,
     FailedChunk,
     LookupResult,
+    Ready,
     SlotRef,
     TierClient,
-    settle,
 )
 from kvtier.tiers.arena import ArenaAtPath, ArenaMemory
 from kvtier.tiers.lmdb_reader import (
@@ -52,24 +52,6 @@ __all__ = [
     "release_reader",
     "shared_embedded",
 ]
-
-T = TypeVar("T")
-
-
-class Ready(Generic[T]):
-    """An answer there already (in-process calls)."""
-
-    def __init__(self, value: T) -> None:
-        self._value = value
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout_s: float | None) -> bool:
-        return True
-
-    def result(self) -> T:
-        return self._value
 
 
 class InProcessClient(TierClient):
@@ -137,16 +119,6 @@ class InProcessClient(TierClient):
 
     def abort(self, refs: Sequence[SlotRef]) -> None:
         self.manager.abort(refs)
-
-    def settle_behind(
-        self,
-        *,
-        commit: Sequence[SlotRef] = (),
-        lineages: Sequence[bytes] = (),
-        abort: Sequence[SlotRef] = (),
-        release: Sequence[SlotRef] = (),
-    ) -> Answer[int]:
-        return Ready(settle(self, commit, lineages, abort, release))  # no call to wait for
 
     def lease(
         self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = (), in_lmdb: bool = False

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, TypeVar, overload, runtime_checkable
+from typing import Generic, Literal, Protocol, TypeVar, overload, runtime_checkable
 
 from kvtier.core.costs import CostSnapshot, EngineTimings
 from kvtier.core.journal import ChunkEvents
@@ -30,6 +30,7 @@ __all__ = [
     "Failure",
     "IndexedRef",
     "LookupResult",
+    "Ready",
     "SlotRef",
     "TierClient",
     "TierCode",
@@ -38,6 +39,7 @@ __all__ = [
     "settle",
 ]
 
+T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
 
@@ -186,6 +188,22 @@ class Answer(Protocol[T_co]):
         ...
 
     def result(self) -> T_co: ...
+
+
+class Ready(Generic[T]):
+    """An answer there already (in-process calls)."""
+
+    def __init__(self, value: T) -> None:
+        self._value = value
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout_s: float | None) -> bool:
+        return True
+
+    def result(self) -> T:
+        return self._value
 
 
 @runtime_checkable
@@ -344,8 +362,8 @@ class TierClient(Protocol):
         where the client can: kvtierd's client sends them on its call thread, behind the calls
         queued before, so no engine step waits for its daemon to answer them. The answer is how
         many were committed; one that fails may have handed back any part of them, and handing
-        each back again is safe."""
-        ...
+        each back again is safe. Here: made now (an in-process client has no call to wait for)."""
+        return Ready(settle(self, commit, lineages, abort, release))
 
     def lease(
         self, keys: Sequence[ChunkKey], *, release: Sequence[SlotRef] = (), in_lmdb: bool = False

@@ -12,10 +12,9 @@ import pytest
 from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
 from kvtier_vllm.kv.scheduler_side.unreturned import Handback, Unreturned
 
-from kvtier.client import Ready
 from kvtier.core.errors import TierUnavailableError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.protocol import SlotRef, settle
+from kvtier.core.protocol import Ready, SlotRef, settle
 from tests.support import HandClock
 
 
