@@ -32,7 +32,7 @@ from tests.e2e.models import (
     running_llm,
     untimed_transfers,
 )
-from tests.e2e.test_connector import NO_VERIFICATION, SHARED_CORE_DEADLINES
+from tests.e2e.test_connector import EVERY_LOAD, NO_VERIFICATION, SHARED_CORE_DEADLINES
 from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon
 from tests.support import keys_for, layout, target_spec
 
@@ -99,6 +99,7 @@ def sidecar(socket: Path) -> dict[str, Any]:
             "socket_path": str(socket),
             **SHARED_CORE_DEADLINES,
             **NO_VERIFICATION,
+            **EVERY_LOAD,
         }
     )
 
