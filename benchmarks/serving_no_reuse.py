@@ -91,11 +91,16 @@ class NoReusePhase:
                         cases[current].no_reuse.append(level)
                         cost = kvtier_time(level, daemon_cpu_seconds(daemon) - daemon_cpu)
                         self.costs.setdefault(current, []).append(cost)
+                        by_hook = level.server.connector_hook_seconds
                         log.info(
                             "  kvtier's own time: hooks %.2f%% of the level (%.1f ms per "
-                            "request), kvtierd %.2f%% of a core",
+                            "request: %s), kvtierd %.2f%% of a core",
                             100 * cost["hooks"],
                             cost["hooks_ms_per_request"],
+                            ", ".join(
+                                f"{hook} {1000 * s / max(level.ok, 1):.2f}"
+                                for hook, s in sorted(by_hook.items(), key=lambda h: -h[1])
+                            ),
                             100 * cost["kvtierd_cpu"],
                         )
                         whole = level.ok == level.requests
