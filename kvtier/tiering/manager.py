@@ -245,7 +245,8 @@ class TierManager:
         self._check_pools(keys)
         result = self.finder.find(keys, probe_wait)
         if self.fetcher and not verify:  # what a probe brought counts once, as the store's
-            result = replace(result, from_store=self.fetcher.claim(keys[: result.hits]))
+            claimed = self.fetcher.claim(keys[: result.hits], result.tier_codes)
+            result = replace(result, from_store=claimed)
         if not again:
             self._count_lookup(len(keys), result, verify)
         elif result.from_store:

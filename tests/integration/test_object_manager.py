@@ -146,6 +146,23 @@ def test_object_chunks_are_promoted_after_lmdb_is_wiped(node: Node, tmp_path: Pa
     assert load_bytes(a, keys) == [payload_for(k, CHUNK) for k in keys]
 
 
+def test_a_hit_found_in_the_index_is_not_the_stores_again_when_a_probe_brings_it(
+    node: Node,
+) -> None:
+    a = node("a")
+    ns = a.register_pool(target_spec(), CHUNK)
+    keys = keys_for(ns, 4)
+    store(a, keys)
+    uploaded(a, keys)
+    a.evict()
+    assert a.lookup(keys).tiers == ["object"] * 4  # the store's hits, counted here
+    assert a.fetcher is not None  # a probe for another request brings the same object
+    assert not a.fetcher.probe_past(keys, [], lambda: None)
+    assert a.lookup(keys).tiers == ["lmdb"] * 4
+    hits = a.stats().counters
+    assert (hits["hit_chunks_object"], hits["hit_chunks_lmdb"]) == (4, 4)
+
+
 def test_the_index_survives_a_restart_so_nothing_is_uploaded_twice(node: Node) -> None:
     a = node("a")
     ns = a.register_pool(target_spec(), CHUNK)

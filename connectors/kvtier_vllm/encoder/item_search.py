@@ -130,8 +130,10 @@ class ItemLocator:
                 # the promoting thread is this process's: a step that only asks again holds
                 # the interpreter, and would let it run once a switch interval (5 ms)
                 time.sleep(PROMOTER_TURN_S)
-                # the step never waits on an object-store probe: the arena is what counts here
-                if arena_hit(client.lookup(item.keys, probe_wait=False)) == len(item.keys):
+                # the step never waits on an object-store probe: the arena is what counts here;
+                # the lookup that started the promotion counted the hit
+                found = client.lookup(item.keys, again=True, probe_wait=False)
+                if arena_hit(found) == len(item.keys):
                     self._promoting.pop(item.identifier, None)
                     return ARENA
             return PROMOTING

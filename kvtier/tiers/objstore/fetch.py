@@ -22,12 +22,14 @@ from kvtier.core.counters import Counters
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import ChunkKey
 from kvtier.core.priority import enter_background
+from kvtier.core.protocol import TierCode
 from kvtier.tiers.objstore.tier import REMOTE_REPLICA, FetchedChunk, ObjectTier
 
 log = logging.getLogger(__name__)
 
 _PROBE_MISS_TTL_S = 10.0  # a chunk another node uploads after a miss is found this much later
 _MAX_TRACKED = 1 << 17  # bound on per-key bookkeeping (probe misses)
+_OBJECT = int(TierCode.OBJECT)
 
 Put = Callable[[Sequence[tuple[ChunkKey, memoryview]], str], object]
 """Stores chunks in lmdb for a replica (`LmdbTier.put_many`)."""
@@ -57,6 +59,9 @@ class ObjectFetcher:
         self._probe_misses: dict[ChunkKey, float] = {}
         self._probed: set[ChunkKey] = set()
         """Chunks a probe brought into lmdb that no lookup has counted as a hit yet."""
+        self._indexed_hits: dict[ChunkKey, float] = {}
+        """Chunks a lookup counted as the store's, found in its index, until when a probe that
+        brings them after is not counting them again."""
         self._fetching: set[str] = set()
         self._lock = threading.Lock()
 
@@ -100,15 +105,29 @@ class ObjectFetcher:
                 return False
         return False
 
-    def claim(self, keys: Sequence[ChunkKey]) -> int:
+    def claim(self, keys: Sequence[ChunkKey], tier_codes: bytes = b"") -> int:
         """How many of ``keys`` a probe brought from the store since a lookup last found them:
-        hits served by the object tier, though lmdb holds them by the time they are found."""
+        hits served by the object tier, though lmdb holds them by the time they are found.
+        ``tier_codes``: where the lookup found each key; one found in the store's index is
+        counted as the store's there, so a probe still running for another key, and bringing
+        it in the same object, does not make it the store's hit twice."""
+        if _OBJECT in tier_codes:
+            self._counted_in_index(keys, tier_codes)
         if not self._probed:
             return 0
         with self._lock:
             before = len(self._probed)
             self._probed.difference_update(keys)
             return before - len(self._probed)
+
+    def _counted_in_index(self, keys: Sequence[ChunkKey], tier_codes: bytes) -> None:
+        until = time.monotonic() + _PROBE_MISS_TTL_S
+        with self._lock:
+            if len(self._indexed_hits) > _MAX_TRACKED:
+                self._indexed_hits.clear()
+            for key, code in zip(keys, tier_codes, strict=False):
+                if code == _OBJECT:
+                    self._indexed_hits[key] = until
 
     def _probe(self, key: ChunkKey, deadline: float | None) -> bool | None:
         """Whether an object starting at ``key`` exists (its chunks are then in lmdb); None
@@ -140,10 +159,12 @@ class ObjectFetcher:
             if chunks:
                 self.keep(chunks, started)
                 found = True
+                now = time.monotonic()
                 with self._lock:
                     if len(self._probed) > _MAX_TRACKED:
                         self._probed.clear()
-                    self._probed.update(c.key for c in chunks)
+                    counted = self._indexed_hits
+                    self._probed.update(c.key for c in chunks if counted.pop(c.key, 0.0) < now)
         except KVTierError as exc:
             log.debug("probe of %s failed: %s", key.hex(), exc)
         finally:
