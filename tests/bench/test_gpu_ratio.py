@@ -123,7 +123,5 @@ def test_the_document_length_is_fitted_to_the_engines_prefill_time(
     ratio = found.arena_ratio_by_doc
     assert sorted(ratio) == [128, 448]
     assert all(math.isfinite(r) and r > 0 for r in ratio.values())
-    # the model's compute is mostly attention: a longer prompt costs more a token
-    assert ratio[448] > ratio[128]
     assert found.doc_tokens == nearest(ratio, found.gpu_arena_ratio)
     assert found.arena_s_per_token == arena_s

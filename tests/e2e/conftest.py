@@ -29,6 +29,7 @@ from tests.e2e.models import (
     vocab_size_of,
 )
 from tests.fixtures.vision_models import build_idefics3
+from tests.integration import daemon_harness
 from tests.integration.daemon_harness import DaemonFiles, write_config
 
 MAX_TOKENS = 12
@@ -83,10 +84,17 @@ def set_engine_env(mp: pytest.MonkeyPatch, tmp: Path, *, multiprocess: bool = Fa
     reset_env_caches()
 
 
+ENGINE_SESSION_S = 20.0
+"""kvtierd's session timeout for engines: one in the test's own process can miss heartbeats for
+seconds on a loaded machine, and a session that lapses loses the stores it had reserved."""
+
+
 @pytest.fixture(autouse=True)
 def engine_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Every e2e test runs offline with vLLM's caches, sockets and temp files in its tmp_path."""
+    """Every e2e test runs offline with vLLM's caches, sockets and temp files in its tmp_path,
+    against daemons (`write_config`) whose sessions outlive a loaded machine's pauses."""
     set_engine_env(monkeypatch, tmp_path)
+    monkeypatch.setattr(daemon_harness, "SESSION_TIMEOUT_S", ENGINE_SESSION_S)
     yield tmp_path
     monkeypatch.undo()
     reset_env_caches()
