@@ -60,8 +60,8 @@ class ObjectFetcher:
         self._probed: set[ChunkKey] = set()
         """Chunks a probe brought into lmdb that no lookup has counted as a hit yet."""
         self._indexed_hits: dict[ChunkKey, float] = {}
-        """Chunks a lookup counted as the store's, found in its index, until when a probe that
-        brings them after is not counting them again."""
+        """Chunks a lookup found in the store's index and counted as its hits, each with the
+        time until which a probe bringing it is not counted again (bounded as the misses)."""
         self._fetching: set[str] = set()
         self._lock = threading.Lock()
 
@@ -163,8 +163,8 @@ class ObjectFetcher:
                 with self._lock:
                     if len(self._probed) > _MAX_TRACKED:
                         self._probed.clear()
-                    counted = self._indexed_hits
-                    self._probed.update(c.key for c in chunks if counted.pop(c.key, 0.0) < now)
+                    fresh = (c.key for c in chunks if self._indexed_hits.pop(c.key, 0.0) < now)
+                    self._probed.update(fresh)
         except KVTierError as exc:
             log.debug("probe of %s failed: %s", key.hex(), exc)
         finally:
