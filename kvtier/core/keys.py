@@ -223,6 +223,24 @@ def namespace_of(key: ChunkKey | bytes) -> bytes:
     return key[:NAMESPACE_BYTES]
 
 
+_BLANK_MARK = b"\xffkvtier-blank\xff"
+"""A blank key's chunk hash begins so; a real one does with odds of 2**-112."""
+MIN_BLANK_HASH_BYTES = len(_BLANK_MARK) + 2
+
+
+def blank_key(namespace: bytes, serial: int, hash_bytes: int) -> ChunkKey:
+    """A stand-in key of ``namespace`` for a slot reserved before its chunk is known: the
+    store that fills the slot names the chunk when it commits it. ``hash_bytes``: the length
+    of the namespace's chunk hashes (one call's keys share one length), at least
+    `MIN_BLANK_HASH_BYTES`; ``serial`` tells one blank from another."""
+    tail = hash_bytes - len(_BLANK_MARK)
+    return ChunkKey(namespace + _BLANK_MARK + (serial % 256**tail).to_bytes(tail, "big"))
+
+
+def is_blank(key: ChunkKey | bytes) -> bool:
+    return key[NAMESPACE_BYTES : NAMESPACE_BYTES + len(_BLANK_MARK)] == _BLANK_MARK
+
+
 def packed_namespaces(packed: bytes, key_bytes: int) -> set[bytes]:
     """The namespaces of keys packed end to end, ``key_bytes`` each, without a Python step per
     key (about 10 us for 8192 keys of one pool)."""

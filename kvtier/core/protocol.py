@@ -343,6 +343,12 @@ class TierClient(Protocol):
         """`reserve` with ``commit``: how many were committed, and the slots."""
         ...
 
+    def reserve_behind(self, keys: Sequence[ChunkKey]) -> Answer[list[SlotRef | None]]:
+        """`reserve` without waiting where the client can (kvtierd's client sends it on its
+        call thread); here, made now. For blank keys (`kvtier.core.keys.blank_key`): slots
+        reserved ahead of the stores that will name their chunks when they commit."""
+        return Ready(self.reserve_slots(keys))
+
     def commit(self, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()) -> int:
         """Commit written slots; ``lineages``, beside ``refs``: each chunk's encoded
         `kvtier.core.lineage.BlockLineage` (empty for none), for routers."""

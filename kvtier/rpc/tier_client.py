@@ -297,6 +297,10 @@ class GrpcTierClient(TierClient):
         handed = (list(commit), list(lineages), list(abort), list(release))
         return Pending(self._channel.submit(settle, self, *handed), int, self.target)
 
+    def reserve_behind(self, keys: Sequence[ChunkKey]) -> Pending[list[SlotRef | None]]:
+        self._channel.check()
+        return Pending(self._channel.submit(self.reserve_slots, list(keys)), list, self.target)
+
     def promote(self, keys: Sequence[ChunkKey]) -> int:
         return int(self._keys_call(self._channel.promote, keys).queued)
 

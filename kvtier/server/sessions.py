@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtier.core.errors import CapacityError, SessionNotFoundError
-from kvtier.core.keys import ChunkKey
+from kvtier.core.keys import ChunkKey, is_blank, namespace_of
 from kvtier.core.protocol import SlotRef
 from kvtier.server.peers import Peer
 from kvtier.tiering.manager import TierManager
@@ -194,29 +194,37 @@ class SessionRegistry:
         self.manager.abort(taken)  # reaped meanwhile: keep nothing for it
         raise self._gone(session.id)
 
-    def _take_reservations(self, session: Session, refs: Sequence[SlotRef]) -> list[SlotRef]:
-        taken: list[SlotRef] = []
+    def _take_reservations(
+        self, session: Session, refs: Sequence[SlotRef]
+    ) -> list[tuple[SlotRef, ChunkKey]]:
+        """The session's reservations ``refs`` name, no longer its own, each with the key the
+        ref gives it: a slot reserved blank (`kvtier.core.keys.blank_key`) is named by the
+        store that filled it, with a key of its namespace."""
+        taken: list[tuple[SlotRef, ChunkKey]] = []
         with self._lock:
             if session.closed:
                 raise self._gone(session.id)
             for ref in refs:
                 held = session.reservations.get(_handle(ref))
-                if held is not None and held[0].key == ref.key:
+                if held is None:
+                    continue
+                key = held[0].key
+                if key == ref.key or (is_blank(key) and namespace_of(key) == namespace_of(ref.key)):
                     del session.reservations[_handle(ref)]
-                    taken.append(held[0])
+                    taken.append((held[0], ref.key))
         return taken
 
     def commit(
         self, session: Session, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()
     ) -> int:
-        taken = self._take_reservations(session, refs)
+        taken = [replace(held, key=key) for held, key in self._take_reservations(session, refs)]
         if not lineages:
             return self.manager.commit(taken)
         by_key = {ref.key: lineage for ref, lineage in zip(refs, lineages, strict=False)}
         return self.manager.commit(taken, [by_key.get(ref.key, b"") for ref in taken])
 
     def abort(self, session: Session, refs: Sequence[SlotRef]) -> None:
-        self.manager.abort(self._take_reservations(session, refs))
+        self.manager.abort([held for held, _ in self._take_reservations(session, refs)])
 
     def lease(
         self, session: Session, keys: Sequence[ChunkKey], in_lmdb: bool = False

@@ -36,7 +36,7 @@ from kvtier.core.costs import LoadCosts
 from kvtier.core.counters import Counters
 from kvtier.core.errors import UnknownTierError
 from kvtier.core.journal import ChunkEvents, Journal
-from kvtier.core.keys import ChunkKey, NamespaceSpec, Pool, namespaces_of
+from kvtier.core.keys import ChunkKey, NamespaceSpec, Pool, is_blank, namespaces_of
 from kvtier.core.pools import PoolRegistry
 from kvtier.core.priority import set_background_nice
 from kvtier.core.protocol import (
@@ -274,7 +274,7 @@ class TierManager:
         The keys of one call are taken as consecutive chunks of one prefix, in order: only such
         runs share an object in the store."""
         if self.uploader is not None:
-            self.uploader.follows(keys)
+            self.uploader.follows([k for k in keys if not is_blank(k)])
         if self.lmdb is not None and self.health.serves(LmdbTier.name):
             present = self.lmdb.contains(keys)
             if any(present):  # already kept on disk: do not copy it again
@@ -293,6 +293,8 @@ class TierManager:
         kept for the object tier's announcements."""
         if lineages and self.objects is not None and self.objects.events is not None:
             self.objects.events.remember([r.key for r in refs], lineages)
+        if self.uploader is not None:  # a slot reserved blank learns its chunk only now
+            self.uploader.follows([r.key for r in refs])
         done = self.cpu.commit(refs)
         if done and self.writeback is not None:
             self.writeback.wake()

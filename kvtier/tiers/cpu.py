@@ -100,10 +100,10 @@ class CpuTier(Tier):
         return self.slots.live_counts()
 
     def pool_capacity_bytes(self, pool: str) -> int:
-        return self.slots.pool_capacity_bytes(pool)
+        return self.slots.usage.pool_capacity_bytes(pool)
 
     def quota_bytes(self, replica: str, pool: str) -> int:
-        return self.slots.quota_bytes(replica, pool)
+        return self.slots.usage.quota_bytes(replica, pool)
 
     def set_quota(self, replica: str, pool: str, nbytes: int | None) -> None:
         self.slots.set_quota(replica, pool, nbytes)
@@ -137,7 +137,7 @@ class CpuTier(Tier):
         self.slots.release(refs, counter)
 
     def owner_of(self, ref: SlotRef) -> str:
-        return self.slots.owner_of(ref)
+        return self.slots.usage.name_of(self.slots.owner_number(ref.slot))
 
     def view(self, ref: SlotRef) -> memoryview:
         return self.memory.view(ref.offset, ref.nbytes)

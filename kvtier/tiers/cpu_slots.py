@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from kvtier.core import blockfmt
 from kvtier.core.config import ArenaConfig
 from kvtier.core.counters import Counters
-from kvtier.core.keys import ChunkKey, namespace_of
+from kvtier.core.keys import ChunkKey, is_blank, namespace_of
 from kvtier.core.pools import PoolRegistry, Registration
 from kvtier.core.protocol import SlotRef, TierStats
 from kvtier.tiers.arena import ArenaMemory
@@ -54,7 +54,7 @@ class ArenaSlots:
         self.slot_count = n
         self._table = SlotTable(mem)
         self._lock = threading.RLock()
-        self._usage = ReplicaUsage(config, mem.num_extents, mem.extent_bytes)
+        self.usage = ReplicaUsage(config, mem.num_extents, mem.extent_bytes)
         self._committed: dict[ChunkKey, int] = {}  # committed chunks
         self._writing: dict[ChunkKey, int] = {}  # reserved, not yet committed
         self._keys: list[ChunkKey | None] = [None] * n
@@ -72,7 +72,7 @@ class ArenaSlots:
             self._payload_checksum,
             counters,
         )
-        self._room = ArenaRoom(config, registry, mem, self._usage, counters, self)
+        self._room = ArenaRoom(config, registry, mem, self.usage, counters, self)
         self._closed = False
         registry.admit_with(self.accept)  # a pool the arena refuses is never registered
 
@@ -107,15 +107,9 @@ class ArenaSlots:
         with self._lock:
             return self._room.live_counts()
 
-    def pool_capacity_bytes(self, pool: str) -> int:
-        return self._usage.pool_capacity_bytes(pool)
-
-    def quota_bytes(self, replica: str, pool: str) -> int:
-        return self._usage.quota_bytes(replica, pool)
-
     def set_quota(self, replica: str, pool: str, nbytes: int | None) -> None:
         with self._lock:
-            self._usage.set_quota(replica, pool, nbytes)
+            self.usage.set_quota(replica, pool, nbytes)
 
     # -- the store path: reserve -> write -> commit | abort -------------------------------
 
@@ -126,7 +120,7 @@ class ArenaSlots:
         out: list[SlotRef | None] = []
         now = time.monotonic()
         with self._lock:
-            q = self._usage.number(replica)
+            q = self.usage.number(replica)
             for key, reg in zip(keys, regs, strict=True):
                 if key in self._committed or key in self._writing:
                     self._counters.add("store_duplicate", 1)
@@ -141,23 +135,31 @@ class ArenaSlots:
                 self._keys[slot] = key
                 self._owner[slot] = q
                 self._writing[key] = slot
-                self._usage.reserved(q, cls.pool, cls.slot_bytes)
+                self.usage.reserved(q, cls.pool, cls.slot_bytes)
                 self._table.set_state(slot, WRITING)
                 out.append(self._ref(key, slot, reg.chunk_bytes))
         return out
 
     def commit(self, refs: Sequence[SlotRef], *, dirty: bool, lease: bool) -> int:
         """Make reserved slots READY and visible; ``dirty`` marks them for write-back, and
-        ``lease`` takes a read lease on each. Returns how many were still reserved."""
+        ``lease`` takes a read lease on each. Returns how many were still reserved. A blank
+        slot (`kvtier.core.keys.blank_key`) takes the chunk its ref names, unless held already."""
         done = 0
         committed: list[ChunkKey] = []
         hashing = dirty and self._config.commit_checksum
         with self._lock:
             for ref in refs:
-                if not self._current(ref, WRITING):
+                if not self._current(ref, WRITING) or is_blank(ref.key):
                     self._counters.add("commit_stale", 1)
                     continue
                 slot = ref.slot
+                if (blank := self._keys[slot]) != ref.key:  # reserved blank: named now
+                    if ref.key in self._committed or ref.key in self._writing:
+                        self._release_slot(slot)
+                        self._counters.add("store_duplicate", 1)
+                        continue
+                    self._writing[ref.key] = self._writing.pop(blank)  # type: ignore[arg-type]
+                    self._keys[slot] = ref.key
                 cls = self._room.class_of(slot)
                 q = self._owner[slot]
                 del self._writing[ref.key]
@@ -165,7 +167,7 @@ class ArenaSlots:
                 self._table.set_state(slot, READY)
                 self.memory.index.insert(ref.key, slot)
                 cls.ready += 1
-                self._usage.committed(q, cls.pool, cls.slot_bytes)
+                self.usage.committed(q, cls.pool, cls.slot_bytes)
                 if ref.key in self._pinned_keys:
                     self._pinned[slot] = True
                 else:
@@ -243,9 +245,6 @@ class ArenaSlots:
                 else:
                     self._counters.add("release_stale", 1)
 
-    def owner_of(self, ref: SlotRef) -> str:
-        return self._usage.name_of(self._owner[ref.slot])
-
     # -- write-back -----------------------------------------------------------------------
 
     def take_dirty(
@@ -314,7 +313,7 @@ class ArenaSlots:
             "checksum no longer matches; dropped, not written back",
             ref.key.hex(),
             cls.pool,
-            self._usage.name_of(self._owner[slot]),
+            self.usage.name_of(self._owner[slot]),
         )
         self._counters.add("corrupt", 1)
         self._counters.add(f"corrupt:{cls.pool}", 1)
@@ -359,7 +358,7 @@ class ArenaSlots:
         """Free the chunks that match, unless pinned or leased; returns how many."""
         dropped = 0
         with self._lock:
-            q = self._usage.find(replica) if replica is not None else None
+            q = self.usage.find(replica) if replica is not None else None
             if replica is not None and q is None:
                 return 0
             for key, slot in list(self._committed.items()):
@@ -402,7 +401,7 @@ class ArenaSlots:
                 used_bytes=sum(u.used_bytes for u in pools.values()),
                 chunks=len(self._committed),
                 pools=pools,
-                replicas=self._usage.stats(),
+                replicas=self.usage.stats(),
                 counters=self._counters.snapshot(),
             )
 
@@ -461,12 +460,12 @@ class ArenaSlots:
             cls.policy.remove(slot)
             cls.retired.discard(slot)
             cls.ready -= 1
-            self._usage.freed(q, cls.pool, cls.slot_bytes)
+            self.usage.freed(q, cls.pool, cls.slot_bytes)
             if self._dirty[slot]:
                 self._dirty[slot] = False
                 cls.dirty_count -= 1
         elif key is not None and self._writing.pop(key, None) is not None:
-            self._usage.unreserved(q, cls.pool, cls.slot_bytes)
+            self.usage.unreserved(q, cls.pool, cls.slot_bytes)
         self._keys[slot] = None
         self._pinned[slot] = False
         self._checksums.forget(slot)
@@ -484,9 +483,11 @@ class ArenaSlots:
         return SlotRef(key, slot, offset, nbytes, self._table.generation[slot])
 
     def _current(self, ref: SlotRef, state: int) -> bool:
+        """Whether ``ref`` holds its slot; a blank one, with a key of its namespace too."""
+        held = self._keys[ref.slot] if 0 <= ref.slot < len(self._keys) else None
+        blank = held is not None and is_blank(held) and namespace_of(held) == namespace_of(ref.key)
         return (
-            0 <= ref.slot < len(self._keys)
-            and self._keys[ref.slot] == ref.key
+            (held == ref.key or blank)
             and self._table.state[ref.slot] == state
             and self._table.generation[ref.slot] == ref.generation
         )

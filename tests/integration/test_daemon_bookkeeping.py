@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from kvtier_vllm.kv.scheduler_side.unreturned import Handback, Unreturned
 from kvtier.api.v1 import admin_pb2, tier_pb2, tier_pb2_grpc
 from kvtier.core.codec import spec_to
 from kvtier.core.errors import KVTierError
+from kvtier.core.keys import NAMESPACE_BYTES, blank_key, namespace_of
 from kvtier.rpc import GrpcTierClient
 from kvtier.server.sessions import EXPIRED_COUNTER
 from kvtier.tiers.arena import ArenaMemory
@@ -281,3 +283,32 @@ def test_hand_backs_go_without_waiting_and_what_a_stalled_daemon_failed_goes_bac
         wait_for(lambda: calls.hand_back() or not len(calls.unreturned), 20.0, "handed back")
         assert client.lookup([key_of(0)]).hits == 1
         assert _reservations(daemon) == 0
+
+
+def test_slots_reserved_blank_take_the_chunks_their_stores_name_and_go_back_with_the_session(
+    procs: Processes, tmp_path: Path, shm_path: Path
+) -> None:
+    files = write_config(tmp_path, shm_path, {})
+    daemon = procs.start_daemon(files)
+    arena = ArenaMemory.attach(daemon.arena)
+    key, other = key_of(0), key_of(1)
+    blanks = [blank_key(namespace_of(key), i, len(key) - NAMESPACE_BYTES) for i in range(5)]
+    with closing(_client(files)) as client:
+        answer = client.reserve_behind(blanks[:3])
+        assert answer.wait(10.0)
+        first, second, third = (ref for ref in answer.result() if ref is not None)
+        assert _reservations(daemon) == 3
+        arena.view(first.offset, first.nbytes)[:] = expected(key)
+        assert client.commit([replace(first, key=key)]) == 1
+        assert client.lookup([key, other]).hits == 1
+        assert client.commit([replace(second, key=key)]) == 0, "stored already: freed"
+        client.abort([replace(third, key=other)])  # its store never ran
+        assert _reservations(daemon) == 0
+        held = client.reserve_behind(blanks[3:])
+        assert held.wait(10.0)
+        assert all(held.result())
+        assert _reservations(daemon) == 2
+    # a client gone with slots held: they go back with its session
+    wait_for(lambda: _reservations(daemon) == 0, 10.0, "the held slots given back")
+    arena.close()
+    assert procs.check(files.socket, 1)["present"] == [0]

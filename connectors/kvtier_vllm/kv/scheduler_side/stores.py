@@ -22,6 +22,7 @@ from kvtier_vllm.kv.connector_stats import KVTierStats
 from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.kv.scheduler_side.events import KVEventFeed
 from kvtier_vllm.kv.scheduler_side.prompt_keys import keys_in, targets_of
+from kvtier_vllm.kv.scheduler_side.slot_stock import SlotStock
 from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
 from kvtier_vllm.layout.plans import PoolPlan
 
@@ -82,6 +83,7 @@ class Stores:
         self.anchor = targets[0] if targets else None
         self._pending: dict[tuple[int, int], _PendingStore] = {}
         self._wanted: dict[ChunkKey, _Wanted] = {}
+        self.stock = SlotStock(client, calls)
 
     def want(
         self,
@@ -120,19 +122,25 @@ class Stores:
                     self._wanted[key] = _Wanted(plan, request, chunk, span_blocks[chunk])
 
     def reserve(self, meta: KVTierMetadata, step: int) -> None:
-        """Reserve what the step's requests want, in one call, and add their copies to
-        ``meta``."""
+        """Reserve what the step's requests want, from the stock or else in one call, and add
+        their copies to ``meta``."""
         wanted, self._wanted = self._wanted, {}
-        if not wanted:
-            return
-        try:
-            refs = self.client.reserve(list(wanted))
-        except KVTierError as exc:
-            self.calls.failed("reserve", exc)
-            return
-        for store, ref in zip(wanted.values(), refs, strict=True):
+        self.stock.collect()
+        taken: dict[ChunkKey, SlotRef | None] = {}
+        for key in wanted:
+            if not self._in_arena(key):
+                taken[key] = self.stock.take(key)
+        self.stock.step(taken)
+        asked = [key for key, ref in taken.items() if ref is None]
+        if asked:
+            try:
+                taken.update(zip(asked, self.client.reserve(asked), strict=True))
+            except KVTierError as exc:
+                self.calls.failed("reserve", exc)
+        for key, ref in taken.items():
             if ref is None:
                 continue  # present already, or no room right now
+            store = wanted[key]
             plan, request, chunk = store.plan, store.request, store.chunk
             lineage = self._lineage(request, chunk) if plan is self.anchor else None
             if lineage is not None and self.events.enabled:
@@ -144,6 +152,10 @@ class Stores:
                     list(lineage.token_ids),
                 )
             self._queue(meta, plan, ref, store.blocks, step, lineage)
+
+    def _in_arena(self, key: ChunkKey) -> bool:
+        """Whether the arena's index holds ``key`` (a hint: no slot is taken for it)."""
+        return bool(self.client.in_arena([key]))
 
     def reserve_one(
         self,
@@ -224,3 +236,4 @@ class Stores:
 
     def abort_all(self) -> None:
         self.calls.abort([pending.ref for pending in self._pending.values()])
+        self.stock.give_back()

@@ -1,0 +1,115 @@
+"""Slots reserved ahead of the stores that fill them: a blank slot takes the chunk its store
+names when it commits (and frees itself where the arena holds that chunk already), a step's
+stores take slots from the stock without a reservation call, and slots held go back when old,
+when the engine is idle and at shutdown. A real scheduler over embedded tiers (no engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from kvtier_vllm.kv.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier_vllm.kv.scheduler_side import slot_stock
+from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
+
+from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey, blank_key, namespace_of
+from tests.support import HandClock
+from tests.unit.test_scheduler_lookups import CHUNK_TOKENS, arena, chunk_keys, open_scheduler
+from tests.unit.test_step_stores import prompt, reserved_keys, step
+
+
+@pytest.fixture
+def scheduler(shm_path: Path, tmp_path: Path) -> Iterator[KVTierScheduler]:
+    s = open_scheduler(shm_path, tmp_path, load_policy="always")
+    yield s
+    s.shutdown()
+
+
+def blanks(key: ChunkKey, count: int) -> list[ChunkKey]:
+    return [blank_key(namespace_of(key), i, len(key) - NAMESPACE_BYTES) for i in range(count)]
+
+
+def test_a_blank_slot_takes_the_chunk_its_store_names_unless_the_arena_has_it(
+    scheduler: KVTierScheduler,
+) -> None:
+    client = scheduler.client
+    assert client is not None
+    keys = chunk_keys(scheduler, prompt("a", 2), range(2))
+    refs = client.reserve(blanks(keys[0], 3))
+    assert all(refs)
+    assert arena(scheduler).slots.reserved == 3
+    first, second, third = (ref for ref in refs if ref is not None)
+    assert client.commit([first]) == 0, "a blank key is never a chunk"
+    elsewhere = ChunkKey(bytes(NAMESPACE_BYTES) + keys[0][NAMESPACE_BYTES:])
+    assert client.commit([replace(first, key=elsewhere)]) == 0, "another namespace's chunk"
+    assert client.lookup(keys).hits == 0
+
+    assert client.commit([replace(first, key=keys[0])]) == 1
+    assert client.lookup(keys).hits == 1
+    duplicates = arena(scheduler).stats().counters.get("store_duplicate", 0)
+    assert client.commit([replace(second, key=keys[0])]) == 0
+    assert arena(scheduler).stats().counters["store_duplicate"] == duplicates + 1
+    client.abort([replace(third, key=keys[1])])  # given back by the chunk its store named
+    assert arena(scheduler).slots.reserved == 0
+    assert client.lookup(keys).hits == 1
+
+
+def run_step(scheduler: KVTierScheduler, req: Any, first_block: int) -> KVTierMetadata:
+    """``req`` scheduled whole in one step, its blocks from ``first_block`` on."""
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: []), 0)
+    blocks = list(range(first_block, first_block + len(req.block_hashes)))
+    new = [SimpleNamespace(req_id=req.request_id, block_ids=[blocks], num_computed_tokens=0)]
+    return scheduler.build_connector_meta(step(new, {req.request_id: req.num_prompt_tokens}))
+
+
+def written(meta: KVTierMetadata) -> KVTierWorkerMetadata:
+    return KVTierWorkerMetadata(stored=[(c.slot, c.generation) for c in meta.stores])
+
+
+def test_stores_take_slots_held_ahead_without_a_call_and_commit_them_as_their_chunks(
+    scheduler: KVTierScheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = reserved_keys(scheduler, monkeypatch)
+    a, b = prompt("a", 2), prompt("b", 2)
+    first = run_step(scheduler, a, 1)
+    assert calls == [chunk_keys(scheduler, a, range(2))], "nothing held yet: reserved in step"
+    stock = scheduler.stores.stock if scheduler.stores is not None else None
+    assert stock is not None
+    stock.collect()
+    assert stock.held == 4, "twice the step's stores held for the next"
+    second = run_step(scheduler, b, 100)
+    assert len(calls) == 1, "b's stores waited for a reservation"
+    assert len(second.stores) == 2
+    assert stock.held == 2
+    scheduler.update_connector_output(written(first))
+    scheduler.update_connector_output(written(second))
+    for req in (a, b):
+        scheduler.request_finished(req)
+    scheduler.update_connector_output(KVTierWorkerMetadata())
+    assert stock.held == 0 and arena(scheduler).slots.reserved == 0, "the idle engine held room"
+    again = prompt("again", 2, like="b")
+    assert scheduler.get_num_new_matched_tokens(again, 0)[0] == 2 * CHUNK_TOKENS
+
+
+def test_slots_held_too_long_go_back_and_are_never_handed_to_a_store(
+    scheduler: KVTierScheduler,
+) -> None:
+    clock = HandClock()
+    stock = scheduler.stores.stock if scheduler.stores is not None else None
+    assert stock is not None
+    stock.clock = clock
+    run_step(scheduler, prompt("a", 2), 1)
+    stock.collect()
+    assert stock.held == 4
+    aborted = arena(scheduler).stats().counters.get("store_aborted", 0)
+    clock.now += slot_stock.MAX_AGE_S + 1
+    meta = run_step(scheduler, prompt("b", 1), 100)
+    assert arena(scheduler).stats().counters["store_aborted"] == aborted + 4
+    assert len(meta.stores) == 1, "b's chunk was reserved in its step"
+    # a's two, b's one, and the stock asked anew
+    assert arena(scheduler).slots.reserved == 2 + 1 + 4
