@@ -91,7 +91,8 @@ def test_stores_take_slots_held_ahead_without_a_call_and_commit_them_as_their_ch
     for req in (a, b):
         scheduler.request_finished(req)
     scheduler.update_connector_output(KVTierWorkerMetadata())
-    assert stock.held == 0 and arena(scheduler).slots.reserved == 0, "the idle engine held room"
+    assert stock.held == 0
+    assert arena(scheduler).slots.reserved == 0, "the idle engine held room"
     again = prompt("again", 2, like="b")
     assert scheduler.get_num_new_matched_tokens(again, 0)[0] == 2 * CHUNK_TOKENS
 
