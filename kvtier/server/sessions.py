@@ -37,6 +37,9 @@ _Handle = tuple[int, int]  # (slot, generation)
 _REMEMBER_EXPIRED = 4096  # ids of reaped sessions kept, to say "expired" rather than "unknown"
 EXPIRED_COUNTER = "reservations_expired"
 """The cpu tier's event counter of reservations the daemon aborted for being too old."""
+BLANK_EXPIRED_COUNTER = "blank_reservations_expired"
+"""The same, of blank ones (`kvtier.core.keys.blank_key`): slots an engine held ahead of
+stores that never came (it went idle), where no commit was lost."""
 EXPIRED_LEASES_COUNTER = "leases_expired"
 """The cpu tier's event counter of leases the daemon released for being too old."""
 
@@ -320,6 +323,12 @@ class SessionRegistry:
                     len(old_leases),
                     self.lease_timeout_s,
                 )
+        if blank := [ref for ref in stale if is_blank(ref.key)]:
+            stale = [ref for ref in stale if not is_blank(ref.key)]
+            try:
+                self.manager.cpu.abort(blank, counter=BLANK_EXPIRED_COUNTER)
+            except Exception:
+                log.exception("aborting %d expired blank reservations failed", len(blank))
         if stale:
             try:
                 aborted = self.manager.cpu.abort(stale, counter=EXPIRED_COUNTER)

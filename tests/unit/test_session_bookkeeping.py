@@ -5,13 +5,19 @@ are forced by the test (a hand-driven clock, a manager call that reaps midway)."
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from kvtier.core.errors import CapacityError, SessionNotFoundError
-from kvtier.core.keys import ChunkKey
-from kvtier.server.sessions import EXPIRED_COUNTER, EXPIRED_LEASES_COUNTER, SessionRegistry
+from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey, blank_key
+from kvtier.server.sessions import (
+    BLANK_EXPIRED_COUNTER,
+    EXPIRED_COUNTER,
+    EXPIRED_LEASES_COUNTER,
+    SessionRegistry,
+)
 from kvtier.tiering.manager import TierManager
 from tests.support import HandClock, keys_for, payload_for, target_spec
 
@@ -209,6 +215,24 @@ def test_a_reservation_never_committed_is_aborted_after_its_timeout(
     (again,) = sessions.reserve(session, [stuck])
     assert again is not None, "the key stayed unstorable"
     assert young is not None
+
+
+def test_a_blank_reservation_an_idle_engine_held_expires_apart_from_lost_commits(
+    manager: TierManager, sessions: SessionRegistry, clock: HandClock, ns: bytes
+) -> None:
+    (key,) = keys_for(ns, 1)
+    session = sessions.open("r0", "e0", 0, 0)
+    (held,) = sessions.reserve(session, [blank_key(ns, 0, len(key) - NAMESPACE_BYTES)])
+    assert held is not None
+    for _ in range(8):  # the engine stays alive, idle
+        clock.now += 4
+        sessions.heartbeat(session.id)
+        sessions.reap()
+    counters = manager.cpu.stats().counters
+    assert counters[BLANK_EXPIRED_COUNTER] == 1
+    assert counters.get(EXPIRED_COUNTER, 0) == 0, "counted as a lost commit"
+    assert sessions.commit(session, [replace(held, key=key)]) == 0
+    assert manager.lookup([key]).hits == 0
 
 
 def test_a_lease_never_released_is_released_after_its_timeout(

@@ -389,8 +389,6 @@ class KVTierScheduler:
             self._take_output(worker_meta, failed_loads, failed_blocks, finished_loads)
         finally:
             if not self._requests:  # nothing left to run: what it stored is visible when idle
-                if self.stores is not None:
-                    self.stores.stock.give_back()  # and it holds no arena room ahead
                 self.calls.settle(self.cfg.store_deadline_ms / 1000)
 
     def _take_output(

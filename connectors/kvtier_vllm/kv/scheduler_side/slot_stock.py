@@ -5,10 +5,10 @@ Each slot is reserved under a blank key of its namespace (`kvtier.core.keys.blan
 store that takes it names its chunk when it commits, and kvtierd frees the slot instead where
 the arena holds that chunk already. The stock is topped up with calls that go without waiting
 (`TierClient.reserve_behind`), answered by the next steps. Per namespace it holds twice what the
-busiest of the last `DEMAND_STEPS` steps stored, at most `MAX_STOCK`; a slot held `MAX_AGE_S`
-goes back, so an idle engine holds no arena room for long (and kvtierd aborts any reservation
-no one commits within its `server.reservation_timeout_s`). A store the stock has no slot for is
-reserved in its step, as before.
+busiest of the last `DEMAND_STEPS` steps stored, at most `MAX_STOCK`. A slot held `MAX_AGE_S`
+goes back at the next step; an engine gone idle keeps its stock for the next burst of
+requests, until kvtierd aborts it after `server.reservation_timeout_s` (counted apart from lost
+commits). A store the stock has no slot for is reserved in its step, as before.
 """
 
 from __future__ import annotations
@@ -102,8 +102,7 @@ class SlotStock:
         return sum(len(stock.held) for stock in self._by_namespace.values())
 
     def give_back(self) -> None:
-        """Abort every slot held (an idle engine holds no arena room; at shutdown, those still
-        asked for end with the session)."""
+        """Abort every slot held (at shutdown: those still asked for end with the session)."""
         self.collect()
         refs = self._aged + [ref for stock in self._by_namespace.values() for ref, _ in stock.held]
         self._aged = []
