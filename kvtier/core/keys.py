@@ -241,6 +241,14 @@ def is_blank(key: ChunkKey | bytes) -> bool:
     return key[NAMESPACE_BYTES : NAMESPACE_BYTES + len(_BLANK_MARK)] == _BLANK_MARK
 
 
+def may_name(held: ChunkKey | None, key: ChunkKey) -> bool:
+    """Whether a slot reserved under ``held`` is one a store of ``key`` commits or aborts:
+    reserved for ``key``, or blank in ``key``'s namespace."""
+    if held == key:
+        return True
+    return held is not None and is_blank(held) and namespace_of(held) == namespace_of(key)
+
+
 def packed_namespaces(packed: bytes, key_bytes: int) -> set[bytes]:
     """The namespaces of keys packed end to end, ``key_bytes`` each, without a Python step per
     key (about 10 us for 8192 keys of one pool)."""

@@ -343,11 +343,12 @@ class TierClient(Protocol):
         """`reserve` with ``commit``: how many were committed, and the slots."""
         ...
 
-    def reserve_behind(self, keys: Sequence[ChunkKey]) -> Answer[list[SlotRef | None]]:
-        """`reserve` without waiting where the client can (kvtierd's client sends it on its
-        call thread); here, made now. For blank keys (`kvtier.core.keys.blank_key`): slots
-        reserved ahead of the stores that will name their chunks when they commit."""
-        return Ready(self.reserve_slots(keys))
+    def reserve_behind(self, keys: Sequence[ChunkKey]) -> Answer[list[SlotRef | None]] | None:
+        """`reserve` without waiting (kvtierd's client sends it on its call thread), for blank
+        keys (`kvtier.core.keys.blank_key`): slots reserved ahead of the stores that name their
+        chunks when they commit. None where a reservation is a function call: nothing to gain
+        by reserving ahead."""
+        return None
 
     def commit(self, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()) -> int:
         """Commit written slots; ``lineages``, beside ``refs``: each chunk's encoded

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtier.core.errors import CapacityError, SessionNotFoundError
-from kvtier.core.keys import ChunkKey, is_blank, namespace_of
+from kvtier.core.keys import ChunkKey, is_blank, may_name
 from kvtier.core.protocol import SlotRef
 from kvtier.server.peers import Peer
 from kvtier.tiering.manager import TierManager
@@ -211,8 +211,7 @@ class SessionRegistry:
                 held = session.reservations.get(_handle(ref))
                 if held is None:
                     continue
-                key = held[0].key
-                if key == ref.key or (is_blank(key) and namespace_of(key) == namespace_of(ref.key)):
+                if may_name(held[0].key, ref.key):
                     del session.reservations[_handle(ref)]
                     taken.append((held[0], ref.key))
         return taken
@@ -220,7 +219,12 @@ class SessionRegistry:
     def commit(
         self, session: Session, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()
     ) -> int:
-        taken = [replace(held, key=key) for held, key in self._take_reservations(session, refs)]
+        pairs = self._take_reservations(session, refs)
+        named = [replace(held, key=key) for held, key in pairs if held.key != key]
+        kept = self.manager.refuse_kept(named)
+        taken = [
+            replace(held, key=key) for held, key in pairs if held.key == key or key not in kept
+        ]
         if not lineages:
             return self.manager.commit(taken)
         by_key = {ref.key: lineage for ref, lineage in zip(refs, lineages, strict=False)}

@@ -288,6 +288,17 @@ class TierManager:
                 return out
         return self.cpu.reserve(keys, replica)
 
+    def refuse_kept(self, refs: Sequence[SlotRef]) -> set[ChunkKey]:
+        """Of slots reserved blank (`kvtier.core.keys.blank_key`) and named as they commit, free
+        those whose chunk lmdb keeps, as `reserve` refuses it, counted as duplicates; returns
+        their keys."""
+        if not refs or self.lmdb is None or not self.health.serves(LmdbTier.name):
+            return set()
+        present = self.lmdb.contains([ref.key for ref in refs])
+        kept = [ref for ref, k in zip(refs, present, strict=True) if k]
+        self.cpu.abort(kept, "store_duplicate")
+        return {ref.key for ref in kept}
+
     def commit(self, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()) -> int:
         """``lineages``: each chunk's encoded `kvtier.core.lineage.BlockLineage` (empty: none),
         kept for the object tier's announcements."""

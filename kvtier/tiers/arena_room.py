@@ -46,6 +46,9 @@ ClassKey = tuple[str, int]  # (pool, slot bytes)
 
 _SCAN_LIMIT = 256  # slots inspected per queue when looking for a victim
 _EXTENT_SCAN = 8  # a lender's extents inspected for one that can be cleared
+BLANK_SHARE = 8
+"""A class holds at most this fraction of its pool's slots reserved blank: slots engines hold
+ahead of their stores never crowd out the stores themselves."""
 _RECLAIM_RETRY_S = 0.05  # a class no class could lend to asks again after this long
 
 
@@ -316,15 +319,23 @@ class ArenaRoom:
                 best = slot
         return None if best is None else (best, "capacity")
 
-    def allocate(self, cls: SlotClass, q: int) -> int | None:
+    def allocate(self, cls: SlotClass, q: int, blank: bool = False) -> int | None:
         """A free slot of ``cls`` for replica ``q``, room made if need be; None, counted as
-        refused, when there is none to make."""
+        refused, when there is none to make. ``blank``: for a blank key, counted in
+        ``cls.blank``; None past `BLANK_SHARE` of the pool."""
+        if blank:
+            pool_slots = self._usage.pool_capacity_bytes(cls.pool) // cls.slot_bytes
+            if cls.blank >= pool_slots // BLANK_SHARE:
+                self._counters.add("blank_refused", 1)
+                return None
+            cls.blank += 1  # undone below where no slot is found
         slot = cls.take_free()
         if slot is None:
             slot = self._make_room(cls, q)
             if slot is None:
                 self._counters.add("store_rejected", 1)
                 self.refused += 1
+                cls.blank -= blank
         return slot
 
     def _make_room(self, cls: SlotClass, q: int) -> int | None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from kvtier.core import blockfmt
 from kvtier.core.config import ArenaConfig
 from kvtier.core.counters import Counters
-from kvtier.core.keys import ChunkKey, is_blank, namespace_of
+from kvtier.core.keys import ChunkKey, is_blank, may_name, namespace_of
 from kvtier.core.pools import PoolRegistry, Registration
 from kvtier.core.protocol import SlotRef, TierStats
 from kvtier.tiers.arena import ArenaMemory
@@ -128,7 +128,7 @@ class ArenaSlots:
                     continue
                 cls = self._room.class_for(reg)
                 cls.last_used = now
-                slot = self._room.allocate(cls, q)
+                slot = self._room.allocate(cls, q, blank=is_blank(key))
                 if slot is None:
                     out.append(None)
                     continue
@@ -153,6 +153,7 @@ class ArenaSlots:
                     self._counters.add("commit_stale", 1)
                     continue
                 slot = ref.slot
+                cls = self._room.class_of(slot)
                 if (blank := self._keys[slot]) != ref.key:  # reserved blank: named now
                     if ref.key in self._committed or ref.key in self._writing:
                         self._release_slot(slot)
@@ -160,7 +161,7 @@ class ArenaSlots:
                         continue
                     self._writing[ref.key] = self._writing.pop(blank)  # type: ignore[arg-type]
                     self._keys[slot] = ref.key
-                cls = self._room.class_of(slot)
+                    cls.blank -= 1
                 q = self._owner[slot]
                 del self._writing[ref.key]
                 self._committed[ref.key] = slot
@@ -466,6 +467,7 @@ class ArenaSlots:
                 cls.dirty_count -= 1
         elif key is not None and self._writing.pop(key, None) is not None:
             self.usage.unreserved(q, cls.pool, cls.slot_bytes)
+            cls.blank -= is_blank(key)
         self._keys[slot] = None
         self._pinned[slot] = False
         self._checksums.forget(slot)
@@ -483,11 +485,10 @@ class ArenaSlots:
         return SlotRef(key, slot, offset, nbytes, self._table.generation[slot])
 
     def _current(self, ref: SlotRef, state: int) -> bool:
-        """Whether ``ref`` holds its slot; a blank one, with a key of its namespace too."""
-        held = self._keys[ref.slot] if 0 <= ref.slot < len(self._keys) else None
-        blank = held is not None and is_blank(held) and namespace_of(held) == namespace_of(ref.key)
+        """Whether ``ref`` holds its slot (a blank one too: `kvtier.core.keys.may_name`)."""
         return (
-            (held == ref.key or blank)
+            0 <= ref.slot < len(self._keys)
+            and may_name(self._keys[ref.slot], ref.key)
             and self._table.state[ref.slot] == state
             and self._table.generation[ref.slot] == ref.generation
         )

@@ -61,6 +61,8 @@ class SlotClass:
         self.ready = 0
         self.dirty: deque[tuple[int, int]] = deque()  # (slot, generation), commit order
         self.dirty_count = 0
+        self.blank = 0
+        """Slots reserved under a blank key (`kvtier.core.keys.blank_key`), not yet named."""
         self.retired: set[int] = set()  # slots of retired draft revisions: evicted first
         self.last_used = now
         """When a store or a load last used the class (time.monotonic)."""

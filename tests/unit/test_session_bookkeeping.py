@@ -19,6 +19,7 @@ from kvtier.server.sessions import (
     SessionRegistry,
 )
 from kvtier.tiering.manager import TierManager
+from kvtier.tiers.arena_room import BLANK_SHARE
 from tests.support import HandClock, keys_for, payload_for, target_spec
 
 CHUNK = 256 << 10
@@ -279,3 +280,47 @@ def test_a_session_past_its_lease_bound_is_refused_until_it_releases(
     assert manager.cpu.memory.refcount[a.slot] == 2  # the refused call took nothing
     sessions.release(session, [a])
     assert sessions.lease(session, [key])[0] is not None
+
+
+def test_blank_reservations_hold_at_most_an_eighth_of_the_pool_and_stores_find_the_rest(
+    manager: TierManager, sessions: SessionRegistry, ns: bytes
+) -> None:
+    keys = keys_for(ns, 64)
+    hash_bytes = len(keys[0]) - NAMESPACE_BYTES
+    session = sessions.open("r0", "e0", 0, 0)
+    pool_slots = manager.cpu.pool_capacity_bytes("target") // CHUNK
+    blanks = sessions.reserve(session, [blank_key(ns, i, hash_bytes) for i in range(pool_slots)])
+    held = [ref for ref in blanks if ref is not None]
+    assert len(held) == pool_slots // BLANK_SHARE
+    assert manager.cpu.stats().counters["blank_refused"] == pool_slots - len(held)
+    stores = sessions.reserve(session, keys[: pool_slots - len(held)])
+    assert all(stores), "the slots held blank took room from the stores"
+    # a blank slot named and committed, and another given back, let as many more be held
+    sessions.abort(session, [ref for ref in stores[:2] if ref is not None])  # room for them
+    manager.cpu.view(held[0])[:] = payload_for(keys[-1], CHUNK)
+    assert sessions.commit(session, [replace(held[0], key=keys[-1])]) == 1
+    sessions.abort(session, [replace(held[1], key=keys[-2])])
+    more = sessions.reserve(session, [blank_key(ns, pool_slots + i, hash_bytes) for i in range(3)])
+    assert [ref is not None for ref in more] == [True, True, False]
+    assert manager.cpu.stats().counters["blank_refused"] == pool_slots - len(held) + 1
+
+
+def test_a_slot_reserved_blank_is_freed_for_a_chunk_lmdb_keeps_as_a_keyed_one_is_refused(
+    manager: TierManager, sessions: SessionRegistry, ns: bytes
+) -> None:
+    kept, fresh = keys_for(ns, 2)
+    _store(manager, kept)
+    assert manager.flush()
+    manager.evict("cpu")
+    session = sessions.open("r0", "e0", 0, 0)
+    assert sessions.reserve(session, [kept]) == [None], "a keyed reservation is refused"
+    hash_bytes = len(kept) - NAMESPACE_BYTES
+    first, second = sessions.reserve(session, [blank_key(ns, i, hash_bytes) for i in range(2)])
+    assert first is not None
+    assert second is not None
+    manager.cpu.view(second)[:] = payload_for(fresh, CHUNK)
+    named = [replace(first, key=kept), replace(second, key=fresh)]
+    assert sessions.commit(session, named) == 1
+    assert manager.lookup([kept, fresh]).tiers == ["lmdb", "cpu"]
+    assert manager.cpu.stats().counters["store_duplicate"] == 2
+    assert manager.cpu.slots.reserved == 0, "the refused slot went back"

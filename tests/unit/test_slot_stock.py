@@ -17,16 +17,40 @@ from kvtier_vllm.kv.scheduler_side import slot_stock
 from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
 
 from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey, blank_key, namespace_of
+from kvtier.core.protocol import Ready
 from tests.support import HandClock
 from tests.unit.test_scheduler_lookups import CHUNK_TOKENS, arena, chunk_keys, open_scheduler
 from tests.unit.test_step_stores import prompt, reserved_keys, step
 
 
 @pytest.fixture
-def scheduler(shm_path: Path, tmp_path: Path) -> Iterator[KVTierScheduler]:
+def scheduler(
+    shm_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[KVTierScheduler]:
+    """An embedded scheduler whose client reserves ahead as kvtierd's does (the embedded
+    client's reservations are function calls: it keeps no stock)."""
     s = open_scheduler(shm_path, tmp_path, load_policy="always")
+    client = s.client
+    assert client is not None
+    monkeypatch.setattr(client, "reserve_behind", lambda keys: Ready(client.reserve_slots(keys)))
     yield s
     s.shutdown()
+
+
+def test_an_embedded_engine_keeps_no_stock_its_stores_reserve_in_their_step(
+    shm_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    embedded = open_scheduler(shm_path, tmp_path, load_policy="always")
+    try:
+        calls = reserved_keys(embedded, monkeypatch)
+        a, b = prompt("a", 2), prompt("b", 2)
+        run_step(embedded, a, 1)
+        meta = run_step(embedded, b, 100)
+        assert calls == [chunk_keys(embedded, req, range(2)) for req in (a, b)]
+        assert len(meta.stores) == 2
+        assert arena(embedded).slots.reserved == 4, "a's and b's stores, nothing held ahead"
+    finally:
+        embedded.shutdown()
 
 
 def blanks(key: ChunkKey, count: int) -> list[ChunkKey]:

@@ -13,9 +13,10 @@ from kvtier.tiers.cpu_slots import ArenaSlots
 from kvtier.tiers.lmdb_store import LmdbStore
 
 TIERS = Path(__file__).resolve().parents[2] / "kvtier" / "tiers"
-# a part's public attributes set in its __init__: the arena, the environment and its budget
+# a part's public attributes set in its __init__: the arena and its replicas' usage (read for
+# capacities, quotas and owners' names), the environment and its budget
 DECLARED_FIELDS = {
-    ArenaSlots: {"memory", "slot_count"},
+    ArenaSlots: {"memory", "slot_count", "usage"},
     LmdbStore: {"env", "budget", "space", "set_aside"},
 }
 

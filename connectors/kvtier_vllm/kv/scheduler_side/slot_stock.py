@@ -3,12 +3,14 @@ slots without waiting for kvtierd.
 
 Each slot is reserved under a blank key of its namespace (`kvtier.core.keys.blank_key`); the
 store that takes it names its chunk when it commits, and kvtierd frees the slot instead where
-the arena holds that chunk already. The stock is topped up with calls that go without waiting
-(`TierClient.reserve_behind`), answered by the next steps. Per namespace it holds twice what the
-busiest of the last `DEMAND_STEPS` steps stored, at most `MAX_STOCK`. A slot held `MAX_AGE_S`
-goes back at the next step; an engine gone idle keeps its stock for the next burst of
-requests, until kvtierd aborts it after `server.reservation_timeout_s` (counted apart from lost
-commits). A store the stock has no slot for is reserved in its step, as before.
+the arena holds that chunk already or lmdb keeps it. kvtierd holds at most an eighth of a pool's
+slots blank, so that a stock never crowds out the stores. The stock is topped up with calls that
+go without waiting (`TierClient.reserve_behind`), answered by the next steps. Per namespace it
+holds twice what the busiest of the last `DEMAND_STEPS` steps stored, at most `MAX_STOCK`. A
+slot held `MAX_AGE_S` goes back at the next step; an engine gone idle keeps its stock for the
+next burst of requests, until kvtierd aborts it after `server.reservation_timeout_s` (counted
+apart from lost commits). A store the stock has no slot for is reserved in its step. An embedded
+engine keeps no stock: its reservations are function calls.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class SlotStock:
         self._by_namespace: dict[bytes, _Namespace] = {}
         self._serial = itertools.count()
         self._aged: list[SlotRef] = []
+        self.off = False
+        """The client reserves by a function call (embedded): a step's stores reserve then."""
 
     def take(self, key: ChunkKey) -> SlotRef | None:
         """A slot held for ``key``'s namespace, named ``key``; None when none is held."""
@@ -79,6 +83,8 @@ class SlotStock:
         """Once a step, after its stores took their slots: what they stored (``stored``, the
         keys of every chunk the step stores) sets the demand; old slots go back, and a top-up
         is asked for each namespace below its target."""
+        if self.off:
+            return
         counts: dict[bytes, int] = {}
         for key in stored:
             namespace = namespace_of(key)
@@ -90,11 +96,12 @@ class SlotStock:
         for namespace, stock in self._by_namespace.items():
             stock.demand.append(counts.get(namespace, 0))
             self._age(stock, now)
+        aged, self._aged = self._aged, []
+        if aged:  # before the top-ups: kvtierd bounds the slots held blank
+            self.calls.abort(aged)
+        for namespace, stock in self._by_namespace.items():
             if stock.asked is None and len(stock.held) < stock.target:
                 self._ask(namespace, stock, stock.target - len(stock.held))
-        aged, self._aged = self._aged, []
-        if aged:
-            self.calls.abort(aged)
 
     @property
     def held(self) -> int:
@@ -133,3 +140,5 @@ class SlotStock:
             stock.asked = self.client.reserve_behind(keys)
         except KVTierError as exc:  # not sent: the breaker is open
             self.calls.failed("reserve", exc)
+            return
+        self.off = stock.asked is None
