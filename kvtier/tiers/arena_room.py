@@ -319,13 +319,21 @@ class ArenaRoom:
                 best = slot
         return None if best is None else (best, "capacity")
 
+    def _admits_blank(self, cls: SlotClass, q: int) -> bool:
+        """Whether ``cls`` may hold one more slot reserved blank for replica ``q``: at most
+        `BLANK_SHARE` of its pool, or of the replica's quota where that is less."""
+        usage = self._usage
+        room = min(
+            usage.pool_capacity_bytes(cls.pool), usage.quota_bytes(usage.name_of(q), cls.pool)
+        )
+        return cls.blank < room // cls.slot_bytes // BLANK_SHARE
+
     def allocate(self, cls: SlotClass, q: int, blank: bool = False) -> int | None:
         """A free slot of ``cls`` for replica ``q``, room made if need be; None, counted as
         refused, when there is none to make. ``blank``: for a blank key, counted in
-        ``cls.blank``; None past `BLANK_SHARE` of the pool."""
+        ``cls.blank``, and refused past `_admits_blank`."""
         if blank:
-            pool_slots = self._usage.pool_capacity_bytes(cls.pool) // cls.slot_bytes
-            if cls.blank >= pool_slots // BLANK_SHARE:
+            if not self._admits_blank(cls, q):
                 self._counters.add("blank_refused", 1)
                 return None
             cls.blank += 1  # undone below where no slot is found
