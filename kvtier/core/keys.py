@@ -226,6 +226,9 @@ def namespace_of(key: ChunkKey | bytes) -> bytes:
 _BLANK_MARK = b"\xffkvtier-blank\xff"
 """A blank key's chunk hash begins so; a real one does with odds of 2**-112."""
 MIN_BLANK_HASH_BYTES = len(_BLANK_MARK) + 2
+BLANK_HOLD_S = 60.0
+"""kvtierd aborts a slot reserved blank this long after it was reserved, or after
+``server.reservation_timeout_s`` where that is longer; a client writes one only well before."""
 
 
 def blank_key(namespace: bytes, serial: int, hash_bytes: int) -> ChunkKey:

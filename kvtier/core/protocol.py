@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, Literal, Protocol, TypeVar, overload, runtime_checkable
@@ -342,6 +342,13 @@ class TierClient(Protocol):
     ) -> tuple[int, list[SlotRef | None]]:
         """`reserve` with ``commit``: how many were committed, and the slots."""
         ...
+
+    def session_mark(self) -> Hashable | None:
+        """What a reservation made now is held under (kvtierd's client: its session and the
+        arena's file): one made under a mark is held, and its slot may be written, while the
+        mark stays the same. None while that cannot be told (kvtierd not heard from lately), and
+        where reservations are function calls."""
+        return None
 
     def reserve_behind(self, keys: Sequence[ChunkKey]) -> Answer[list[SlotRef | None]] | None:
         """`reserve` without waiting (kvtierd's client sends it on its call thread), for blank

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -90,6 +92,10 @@ class DaemonSession:
         self.coded: dict[bytes, float] = {}
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._heard_at = 0.0
+        self._fresh_s = 0.0
+        """How long after kvtierd last answered the session cannot have expired unheard: two
+        heartbeats, at most half the session's timeout."""
 
     def register_pool(self, spec: NamespaceSpec, chunk_bytes: int) -> bytes:
         """Add a pool to this session (opening one if needed); returns its namespace."""
@@ -123,6 +129,9 @@ class DaemonSession:
             channel.stub.RegisterSession, request, channel.register_s, metadata=metadata
         )
         self.id = response.session_id
+        self._heard_at = time.monotonic()
+        self._fresh_s = min(2 * response.heartbeat_interval_ms, response.session_timeout_ms / 2)
+        self._fresh_s /= 1000
         self.arena_path = Path(response.arena_path)
         self.lmdb_path = Path(response.lmdb_path) if response.lmdb_path else None
         self.object_tier = not response.no_object_tier
@@ -223,7 +232,20 @@ class DaemonSession:
     def _answered(self, response: tier_pb2.HeartbeatResponse) -> bool:
         """Takes what a heartbeat brought back; False if the session is gone."""
         self._follow(response)
+        if response.alive:
+            self._heard_at = time.monotonic()
         return response.alive
+
+    def mark(self) -> tuple[str, int] | None:
+        """The session, and the arena file, that a reservation made now is held in, while
+        kvtierd answered recently enough that it cannot have ended the session unheard; None
+        otherwise. A reservation made under one mark is held while the mark stays the same."""
+        if self.arena_path is None or time.monotonic() - self._heard_at > self._fresh_s:
+            return None
+        try:
+            return self.id, os.stat(self.arena_path).st_ino  # a restarted kvtierd's is new
+        except OSError:
+            return None
 
     def _follow(
         self, response: tier_pb2.RegisterSessionResponse | tier_pb2.HeartbeatResponse

@@ -84,6 +84,9 @@ class GrpcTierClient(TierClient):
     def session_id(self) -> str:
         return self._session.id
 
+    def session_mark(self) -> tuple[str, int] | None:
+        return self._session.mark()
+
     @property
     def breaker(self) -> Breaker | None:
         """Open while kvtierd does not answer in time; None without deadlines."""

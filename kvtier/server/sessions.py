@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtier.core.errors import CapacityError, SessionNotFoundError
-from kvtier.core.keys import ChunkKey, is_blank, may_name
+from kvtier.core.keys import BLANK_HOLD_S, ChunkKey, is_blank, may_name
 from kvtier.core.protocol import SlotRef
 from kvtier.server.peers import Peer
 from kvtier.tiering.manager import TierManager
@@ -300,7 +300,7 @@ class SessionRegistry:
                     del self._sessions[session.id]
                     session.closed = True
                     self._remember_expired(session.id)
-                stale = self._take_stale(now - self.reservation_timeout_s)
+                stale = self._take_stale(now)
                 old_leases = self._take_old_leases(now - self.lease_timeout_s)
         except Exception:
             log.exception("reaping sessions failed; trying again next round")
@@ -363,12 +363,18 @@ class SessionRegistry:
             old.append(key)
         return old
 
-    def _take_stale(self, before: float) -> list[SlotRef]:
-        """Reservations made before ``before``, taken out of their sessions (lock held)."""
+    def _take_stale(self, now: float) -> list[SlotRef]:
+        """Reservations past their timeout, taken out of their sessions (lock held); one
+        reserved blank, past `BLANK_HOLD_S` at the least, as its client may write it until
+        well before then."""
+        before = now - self.reservation_timeout_s
+        blank_before = now - max(self.reservation_timeout_s, BLANK_HOLD_S)
         stale: list[SlotRef] = []
         for session in self._sessions.values():
             for handle in self._older(session.reservations, before):
-                stale.append(session.reservations.pop(handle)[0])
+                ref, at = session.reservations[handle]
+                if at < blank_before or not is_blank(ref.key):
+                    stale.append(session.reservations.pop(handle)[0])
         return stale
 
     def _take_old_leases(self, before: float) -> list[SlotRef]:

@@ -5,6 +5,7 @@ real SIGSTOP."""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
@@ -312,3 +313,23 @@ def test_slots_reserved_blank_take_the_chunks_their_stores_name_and_go_back_with
     wait_for(lambda: _reservations(daemon) == 0, 10.0, "the held slots given back")
     arena.close()
     assert procs.check(files.socket, 1)["present"] == [0]
+
+
+def test_a_session_mark_holds_while_kvtierd_answers_and_a_restarted_one_gives_another(
+    procs: Processes, tmp_path: Path, shm_path: Path
+) -> None:
+    files = write_config(tmp_path, shm_path, {})
+    daemon = procs.start_daemon(files)
+    with closing(_client(files)) as client:
+        first = client.session_mark()
+        assert first is not None
+        assert first[0] == client.session_id
+        daemon.stop()  # no heartbeat is answered: the session may end unheard
+        wait_for(lambda: client.session_mark() is None, 10.0, "the mark given up")
+        daemon.signal_and_wait(signal.SIGKILL, 10.0)
+        procs.start_daemon(files)  # another session, in another arena under the same path
+        wait_for(lambda: client.session_mark() is not None, 20.0, "the client's new session")
+        second = client.session_mark()
+        assert second is not None
+        assert second[0] != first[0]
+        assert second[1] != first[1], "the same arena file"

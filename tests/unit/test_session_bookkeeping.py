@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvtier.core.errors import CapacityError, SessionNotFoundError
-from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey, blank_key
+from kvtier.core.keys import BLANK_HOLD_S, NAMESPACE_BYTES, ChunkKey, blank_key
 from kvtier.server.sessions import (
     BLANK_EXPIRED_COUNTER,
     EXPIRED_COUNTER,
@@ -223,15 +223,28 @@ def test_a_blank_reservation_an_idle_engine_held_expires_apart_from_lost_commits
 ) -> None:
     (key,) = keys_for(ns, 1)
     session = sessions.open("r0", "e0", 0, 0)
-    (held,) = sessions.reserve(session, [blank_key(ns, 0, len(key) - NAMESPACE_BYTES)])
+    blank, other = (blank_key(ns, i, len(key) - NAMESPACE_BYTES) for i in range(2))
+    start = clock.now
+    (held,) = sessions.reserve(session, [blank])
     assert held is not None
-    for _ in range(8):  # the engine stays alive, idle
+    assert sessions.reserve(session, keys_for(ns, 2)[1:]) != [None]
+    clock.now += 1
+    assert sessions.reserve(session, [other]) != [None]
+    while clock.now + 4 < start + BLANK_HOLD_S:  # the engine stays alive, idle
         clock.now += 4
         sessions.heartbeat(session.id)
         sessions.reap()
+        # past the reservation timeout only the keyed one goes: a client may write a blank
+        # one until well before BLANK_HOLD_S
+        if clock.now > start + 31:
+            assert manager.cpu.stats().counters[EXPIRED_COUNTER] == 1
+            assert len(session.reservations) == 2
+    clock.now = start + BLANK_HOLD_S + 0.5  # the first blank one is past it, the second not
+    sessions.reap()
     counters = manager.cpu.stats().counters
     assert counters[BLANK_EXPIRED_COUNTER] == 1
-    assert counters.get(EXPIRED_COUNTER, 0) == 0, "counted as a lost commit"
+    assert len(session.reservations) == 1
+    assert counters[EXPIRED_COUNTER] == 1, "counted as a lost commit"
     assert sessions.commit(session, [replace(held, key=key)]) == 0
     assert manager.lookup([key]).hits == 0
 

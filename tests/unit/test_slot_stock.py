@@ -33,8 +33,14 @@ def scheduler(
     client = s.client
     assert client is not None
     monkeypatch.setattr(client, "reserve_behind", lambda keys: Ready(client.reserve_slots(keys)))
+    monkeypatch.setattr(client, "session_mark", lambda: SESSION[0])
+    SESSION[0] = "first"
     yield s
     s.shutdown()
+
+
+SESSION: list[str | None] = ["first"]
+"""The session mark the scheduler's client gives now."""
 
 
 def test_an_embedded_engine_keeps_no_stock_its_stores_reserve_in_their_step(
@@ -140,3 +146,31 @@ def test_slots_held_too_long_go_back_and_are_never_handed_to_a_store(
     assert len(meta.stores) == 1, "b's chunk was reserved in its step"
     # a's two, b's one, and the stock asked anew
     assert arena(scheduler).slots.reserved == 2 + 1 + 4
+
+
+def test_slots_are_used_only_in_the_session_they_were_reserved_in(
+    scheduler: KVTierScheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = reserved_keys(scheduler, monkeypatch)
+    stock = scheduler.stores.stock if scheduler.stores is not None else None
+    assert stock is not None
+    run_step(scheduler, prompt("a", 2), 1)
+    stock.collect()
+    assert stock.held == 4
+    SESSION[0] = None  # kvtierd not heard from lately: the stock waits, and is not topped up
+    unheard = prompt("unheard", 1)
+    meta = run_step(scheduler, unheard, 100)
+    assert calls[-1] == chunk_keys(scheduler, unheard, range(1)), "reserved in its step"
+    assert len(meta.stores) == 1
+    assert stock.held == 4
+    SESSION[0] = "second"  # a new session (a restarted kvtierd): what the old one held is gone
+    aborted = arena(scheduler).stats().counters.get("store_aborted", 0)
+    after = prompt("after", 1)
+    meta = run_step(scheduler, after, 200)
+    assert calls[-1] == chunk_keys(scheduler, after, range(1)), "a slot of the old session"
+    assert len(meta.stores) == 1
+    assert arena(scheduler).stats().counters.get("store_aborted", 0) == aborted, "aborted"
+    stock.collect()
+    # topped up in the new session (within the share of blank slots: here no kvtierd ended the
+    # old session, whose slots stay reserved)
+    assert stock.held > 0
