@@ -174,3 +174,22 @@ def test_slots_are_used_only_in_the_session_they_were_reserved_in(
     # topped up in the new session (within the share of blank slots: here no kvtierd ended the
     # old session, whose slots stay reserved)
     assert stock.held > 0
+
+
+def test_a_namespace_that_stores_no_more_leaves_the_stock(scheduler: KVTierScheduler) -> None:
+    clock = HandClock()
+    stock = scheduler.stores.stock if scheduler.stores is not None else None
+    assert stock is not None
+    stock.clock = clock
+    run_step(scheduler, prompt("a", 2), 1)
+    stock.collect()
+    assert stock.namespaces == 1
+    for _ in range(slot_stock.DEMAND_STEPS):  # steps that store nothing
+        stock.collect()
+        stock.step([])
+    assert stock.namespaces == 1, "its slots are still held"
+    clock.now += slot_stock.MAX_AGE_S + 1
+    stock.step([])
+    assert stock.held == 0
+    assert arena(scheduler).slots.reserved == 2, "a's two stores only: the aged slots went back"
+    assert stock.namespaces == 0

@@ -66,6 +66,12 @@ class _Namespace:
     def target(self) -> int:
         return min(MAX_STOCK, 2 * max(self.demand, default=0))
 
+    @property
+    def unused(self) -> bool:
+        """Nothing held or asked for, and no store in the last `DEMAND_STEPS` steps (its
+        namespace went with a draft swap, say)."""
+        return not self.held and self.asked is None and self.target == 0
+
 
 class SlotStock:
     """Blank reservations over ``client``, per namespace; a call that fails is reported to
@@ -141,6 +147,8 @@ class SlotStock:
         aged, self._aged = self._aged, []
         if aged:  # before the top-ups: kvtierd bounds the slots held blank
             self.calls.abort(aged)
+        for namespace in [n for n, stock in self._by_namespace.items() if stock.unused]:
+            del self._by_namespace[namespace]
         if self._mark is None:
             return
         for namespace, stock in self._by_namespace.items():
@@ -151,6 +159,11 @@ class SlotStock:
     def held(self) -> int:
         """Slots held now, over every namespace."""
         return sum(len(stock.held) for stock in self._by_namespace.values())
+
+    @property
+    def namespaces(self) -> int:
+        """Namespaces with a stock, held or wanted."""
+        return len(self._by_namespace)
 
     def give_back(self) -> None:
         """Abort every slot held (at shutdown: those still asked for end with the session)."""
