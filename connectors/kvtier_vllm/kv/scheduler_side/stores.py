@@ -128,7 +128,7 @@ class Stores:
         self.stock.collect()
         taken: dict[ChunkKey, SlotRef | None] = {}
         for key in wanted:
-            if not self._in_arena(key):
+            if self.stock.off or not self._in_arena(key):  # no held slot for a stored chunk
                 taken[key] = self.stock.take(key)
         self.stock.step(taken)
         asked = [key for key, ref in taken.items() if ref is None]
