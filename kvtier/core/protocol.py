@@ -354,7 +354,7 @@ class TierClient(Protocol):
         """`reserve` without waiting (kvtierd's client sends it on its call thread), for blank
         keys (`kvtier.core.keys.blank_key`): slots reserved ahead of the stores that name their
         chunks when they commit. None where a reservation is a function call: nothing to gain
-        by reserving ahead."""
+        by reserving ahead (asking for no keys tells which, without a call)."""
         return None
 
     def commit(self, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()) -> int:

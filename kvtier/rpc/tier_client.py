@@ -20,10 +20,12 @@ from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, NamespaceSpec
 from kvtier.core.memory import keep_freed_pages
 from kvtier.core.protocol import (
+    Answer,
     DraftState,
     FailedChunk,
     IndexedRef,
     LookupResult,
+    Ready,
     SlotRef,
     TierClient,
     TierCode,
@@ -300,7 +302,9 @@ class GrpcTierClient(TierClient):
         handed = (list(commit), list(lineages), list(abort), list(release))
         return Pending(self._channel.submit(settle, self, *handed), int, self.target)
 
-    def reserve_behind(self, keys: Sequence[ChunkKey]) -> Pending[list[SlotRef | None]]:
+    def reserve_behind(self, keys: Sequence[ChunkKey]) -> Answer[list[SlotRef | None]]:
+        if not keys:
+            return Ready([])
         self._channel.check()
         return Pending(self._channel.submit(self.reserve_slots, list(keys)), list, self.target)
 

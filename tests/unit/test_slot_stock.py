@@ -16,8 +16,9 @@ from kvtier_vllm.kv.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.kv.scheduler_side import slot_stock
 from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
 
+from kvtier.client import InProcessClient
 from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey, blank_key, namespace_of
-from kvtier.core.protocol import Ready
+from kvtier.core.protocol import Ready, SlotRef
 from tests.support import HandClock
 from tests.unit.test_scheduler_lookups import CHUNK_TOKENS, arena, chunk_keys, open_scheduler
 from tests.unit.test_step_stores import prompt, reserved_keys, step
@@ -29,14 +30,16 @@ def scheduler(
 ) -> Iterator[KVTierScheduler]:
     """An embedded scheduler whose client reserves ahead as kvtierd's does (the embedded
     client's reservations are function calls: it keeps no stock)."""
-    s = open_scheduler(shm_path, tmp_path, load_policy="always")
-    client = s.client
-    assert client is not None
-    monkeypatch.setattr(client, "reserve_behind", lambda keys: Ready(client.reserve_slots(keys)))
-    monkeypatch.setattr(client, "session_mark", lambda: SESSION[0])
+    monkeypatch.setattr(InProcessClient, "reserve_behind", _reserve_behind)
+    monkeypatch.setattr(InProcessClient, "session_mark", lambda _: SESSION[0])
     SESSION[0] = "first"
+    s = open_scheduler(shm_path, tmp_path, load_policy="always")
     yield s
     s.shutdown()
+
+
+def _reserve_behind(client: InProcessClient, keys: list[ChunkKey]) -> Ready[list[SlotRef | None]]:
+    return Ready(client.reserve_slots(keys))
 
 
 SESSION: list[str | None] = ["first"]

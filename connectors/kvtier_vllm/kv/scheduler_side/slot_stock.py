@@ -88,7 +88,7 @@ class SlotStock:
         self._aged: list[SlotRef] = []
         self._mark: Hashable = None
         """The client's session mark this step (None: the stock is neither used nor topped up)."""
-        self.off = False
+        self.off = client.reserve_behind([]) is None
         """The client reserves by a function call (embedded): a step's stores reserve then."""
 
     def collect(self) -> None:
@@ -192,4 +192,3 @@ class SlotStock:
             self.calls.failed("reserve", exc)
             return
         stock.asked_at, stock.asked_mark = now, self._mark
-        self.off = stock.asked is None
