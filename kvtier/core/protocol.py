@@ -212,6 +212,13 @@ class TierClient(Protocol):
     def arena_path(self) -> Path: ...
 
     @property
+    def arena_inode(self) -> int:
+        """The arena file this client's session holds slots in, by inode; 0 where not known,
+        or where the client owns its arena. A worker that finds another file at the path (a
+        restarted kvtierd's, before this client's session follows it) copies none of them."""
+        return 0
+
+    @property
     def lmdb_path(self) -> Path | None:
         """lmdb's environment, for leases granted there (None: no lmdb tier, or one not to be
         read beside its writer)."""

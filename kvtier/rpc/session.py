@@ -81,6 +81,8 @@ class DaemonSession:
         self._pools: list[tier_pb2.PoolRegistration] = []
         self._reopen_lock = threading.Lock()
         self.arena_path: Path | None = None
+        self.arena_inode = 0
+        """The arena file's inode as the registration found it (0: none found)."""
         self.lmdb_path: Path | None = None
         self.object_tier = True
         """Whether the daemon may have an object store (until its registration says)."""
@@ -133,6 +135,10 @@ class DaemonSession:
         self._fresh_s = min(2 * response.heartbeat_interval_ms, response.session_timeout_ms / 2)
         self._fresh_s /= 1000
         self.arena_path = Path(response.arena_path)
+        try:  # read here, not in a step: a system call there waits out the engine's threads
+            self.arena_inode = os.stat(self.arena_path).st_ino  # a restarted kvtierd's is new
+        except OSError:
+            self.arena_inode = 0
         self.lmdb_path = Path(response.lmdb_path) if response.lmdb_path else None
         self.object_tier = not response.no_object_tier
         self._arena.follow(self.arena_path)
@@ -240,12 +246,9 @@ class DaemonSession:
         """The session, and the arena file, that a reservation made now is held in, while
         kvtierd answered recently enough that it cannot have ended the session unheard; None
         otherwise. A reservation made under one mark is held while the mark stays the same."""
-        if self.arena_path is None or time.monotonic() - self._heard_at > self._fresh_s:
+        if not self.arena_inode or time.monotonic() - self._heard_at > self._fresh_s:
             return None
-        try:
-            return self.id, os.stat(self.arena_path).st_ino  # a restarted kvtierd's is new
-        except OSError:
-            return None
+        return self.id, self.arena_inode
 
     def _follow(
         self, response: tier_pb2.RegisterSessionResponse | tier_pb2.HeartbeatResponse

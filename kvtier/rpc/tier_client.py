@@ -90,6 +90,10 @@ class GrpcTierClient(TierClient):
         return self._session.mark()
 
     @property
+    def arena_inode(self) -> int:
+        return self._session.arena_inode
+
+    @property
     def breaker(self) -> Breaker | None:
         """Open while kvtierd does not answer in time; None without deadlines."""
         return self._channel.breaker

@@ -248,6 +248,33 @@ def test_a_store_is_reported_only_once_its_copies_landed(bare: BareWorker) -> No
     assert torch.equal(bare.slot(ref), bare.blocks("target", (5, 6)))
 
 
+def test_a_step_whose_slots_were_given_in_another_arena_file_writes_none_of_them(
+    bare: BareWorker,
+) -> None:
+    # a restarted daemon's new arena at the path, before the scheduler's session followed it:
+    # the step's slot numbers are the old arena's, and may hold another chunk in the new one
+    (ref,) = bare.tier.reserve(keys_for(bare.namespaces["target"], 1, start=1000))
+    assert ref is not None
+    bare.pages["target"][:, [5, 6]] = torch.randint(0, 256, (2, 2, 4096), dtype=torch.uint8)
+    before = bare.slot(ref).clone()
+    store = ChunkCopy("target", ref.slot, ref.offset, ref.generation, (5, 6))
+    inode = bare.arena_path.stat().st_ino
+    meta = KVTierMetadata(str(bare.arena_path), arena_inode=inode + 1, stores=[store])
+    bare.worker.wait_for_save(meta)
+    reported = bare.worker.worker_meta()
+    assert reported is not None
+    assert reported.failed == [(ref.slot, ref.generation)]
+    assert not reported.stored
+    assert torch.equal(bare.slot(ref), before)
+    bare.worker.wait_for_save(
+        KVTierMetadata(str(bare.arena_path), arena_inode=inode, stores=[store])
+    )
+    landed = bare.worker.worker_meta()
+    assert landed is not None
+    assert landed.stored == [(ref.slot, ref.generation)]
+    assert torch.equal(bare.slot(ref), bare.blocks("target", (5, 6)))
+
+
 def test_an_asynchronous_load_whose_issuing_raised_fails_its_request_whole(
     bare: BareWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:

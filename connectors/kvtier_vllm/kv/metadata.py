@@ -44,6 +44,8 @@ class ChunkCopy:
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
     arena_path: str = ""
+    arena_inode: int = 0
+    """The arena file the step's slots and leases are in (`TierClient.arena_inode`; 0: any)."""
     lmdb_path: str = ""
     """Where loads leased in lmdb read from ("": none is)."""
     loads: list[ChunkCopy] = field(default_factory=list)

@@ -289,6 +289,7 @@ class KVTierScheduler:
         meta.idle = not scheduler_output.total_num_scheduled_tokens
         if self.client is not None:  # a restarted daemon may have put its arena elsewhere
             self.arena_path = str(self.client.arena_path)
+            meta.arena_inode = self.client.arena_inode
         meta.arena_path = self.arena_path
         meta.lmdb_path = self.lmdb_path
         if self.client is None:

@@ -136,12 +136,17 @@ class KVTierWorker:
             rank = self.vllm_config.parallel_config.rank
             self._draft_watch = DraftWatch(source, rank, self.cfg.draft_check_transfers)
 
-    def _slots(self, arena_path: str) -> torch.Tensor | None:
+    def _slots(self, arena_path: str, expected: int = 0) -> torch.Tensor | None:
         """The arena as bytes; mapped again when the file at the path is a new one (a restarted
-        daemon), so nothing is ever copied into an arena nobody reads."""
+        daemon), so nothing is ever copied into an arena nobody reads. None while the file is
+        not the one the step's slots were given in (``expected``, its inode; 0: any): a slot
+        of a restarted daemon's old arena may be another chunk's in the new one."""
         try:
             inode = os.stat(arena_path).st_ino
         except OSError:
+            return None
+        if expected and inode != expected:
+            log.info("kvtier: the arena at %s is not the step's (a restarted daemon)", arena_path)
             return None
         if self._arena is None or self._arena_inode != inode:
             self.shutdown()
@@ -205,14 +210,14 @@ class KVTierWorker:
             # map it on the first step that names it: populating the mapping of a large arena
             # takes a while, and would otherwise delay the first copy
             self._announced = meta.arena_path
-            self._slots(meta.arena_path)
+            self._slots(meta.arena_path, meta.arena_inode)
         self._load_errors.update(meta.invalid_blocks)
         self._fail_requests(set(meta.failed_requests))
         self.background.idle = meta.idle
         checked = self._check_draft(meta)
         if not meta.loads and not meta.zero and not meta.receiving:
             return
-        slots = self._slots(meta.arena_path)
+        slots = self._slots(meta.arena_path, meta.arena_inode)
         for key, blocks in meta.zero.items():
             self._zero(key, blocks)
         sync = [job for job in meta.loads if not job.request]
@@ -392,7 +397,7 @@ class KVTierWorker:
         if not meta.stores:
             self.sends.after(Fence(), meta.sending)
             return
-        slots = self._slots(meta.arena_path)
+        slots = self._slots(meta.arena_path, meta.arena_inode)
         if slots is None:
             self._failed.extend((job.slot, job.generation) for job in meta.stores)
             self.sends.after(Fence(), meta.sending)
@@ -433,7 +438,7 @@ class KVTierWorker:
         return self.sends.release_all()
 
     def _compare_checks(self, meta: KVTierMetadata) -> None:
-        slots = self._slots(meta.arena_path)
+        slots = self._slots(meta.arena_path, meta.arena_inode)
         for job in meta.checks:
             plan = self.plans.get(job.plan)
             if plan is not None and not plan.shard.writes:
