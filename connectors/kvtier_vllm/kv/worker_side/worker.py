@@ -1,13 +1,12 @@
 """The connector's worker side: copies between vLLM's KV blocks and arena slots.
 
 The worker maps the arena by path. Synchronous loads run in ``start_load_kv`` before the
-forward, asynchronous ones on the loading thread (`background_loads`); stores run in
-``wait_for_save``, after the forward (and the draft's) wrote the blocks. A load copied from a
-slot that was reused meanwhile (its generation moved) is reported as a load error, so vLLM
-recomputes those blocks instead of using them: per block with one KV-cache group, per request
-(an asynchronous load) with several. The generation is checked once the copy landed, never when
-it is queued: on a device the bytes are read later, and an arena-index hit holds no lease, so
-its slot may be evicted and rewritten in between. lmdb's chunks: `kvtier_vllm.kv.lmdb_staging`.
+forward, asynchronous ones on the loading thread (`background_loads`); stores in
+``wait_for_save``, after the forward (and the draft's) wrote the blocks. A load from a slot
+reused meanwhile (its generation moved) is a load error, so vLLM recomputes those blocks: per
+block with one KV-cache group, per request (an asynchronous load) with several. The generation
+is checked once the copy landed, never when queued: a device reads the bytes later, and an
+arena-index hit holds no lease. lmdb's chunks: `kvtier_vllm.kv.lmdb_staging`.
 """
 
 from __future__ import annotations
@@ -137,16 +136,13 @@ class KVTierWorker:
             self._draft_watch = DraftWatch(source, rank, self.cfg.draft_check_transfers)
 
     def _slots(self, arena_path: str, expected: int = 0) -> torch.Tensor | None:
-        """The arena as bytes; mapped again when the file at the path is a new one (a restarted
-        daemon), so nothing is ever copied into an arena nobody reads. None while the file is
-        not the one the step's slots were given in (``expected``, its inode; 0: any): a slot
-        of a restarted daemon's old arena may be another chunk's in the new one."""
+        """The arena as bytes, mapped again when a new file takes the path (a restarted daemon);
+        None while it is not the file the step's slots were given in (``expected``, 0: any)."""
         try:
             inode = os.stat(arena_path).st_ino
         except OSError:
             return None
         if expected and inode != expected:
-            log.info("kvtier: the arena at %s is not the step's (a restarted daemon)", arena_path)
             return None
         if self._arena is None or self._arena_inode != inode:
             self.shutdown()
@@ -156,9 +152,8 @@ class KVTierWorker:
                 log.error("kvtier: cannot map the arena at %s: %s", arena_path, exc)
                 return None
             self._arena_inode = inode
-            self._arena_bytes = torch.frombuffer(
-                self._arena.view(0, self._arena.size), dtype=torch.uint8
-            )
+            view = self._arena.view(0, self._arena.size)
+            self._arena_bytes = torch.frombuffer(view, dtype=torch.uint8)
             self.copies.attach(self._arena_bytes)
         return self._arena_bytes
 
