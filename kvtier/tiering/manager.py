@@ -291,12 +291,15 @@ class TierManager:
     def refuse_kept(self, refs: Sequence[SlotRef]) -> set[ChunkKey]:
         """Of slots reserved blank (`kvtier.core.keys.blank_key`) and named as they commit, free
         those whose chunk lmdb keeps, as `reserve` refuses it, counted as duplicates; returns
-        their keys."""
-        if not refs or self.lmdb is None or not self.health.serves(LmdbTier.name):
-            return set()
-        present = self.lmdb.contains([ref.key for ref in refs])
-        kept = [ref for ref, k in zip(refs, present, strict=True) if k]
-        self.cpu.abort(kept, "store_duplicate")
+        their keys. The others' keys are taken as consecutive chunks of one prefix, as
+        `reserve` takes its keys: their blank reservation could not tell."""
+        kept: list[SlotRef] = []
+        if refs and self.lmdb is not None and self.health.serves(LmdbTier.name):
+            present = self.lmdb.contains([ref.key for ref in refs])
+            kept = [ref for ref, k in zip(refs, present, strict=True) if k]
+            self.cpu.abort(kept, "store_duplicate")
+        if self.uploader is not None:
+            self.uploader.follows([ref.key for ref in refs if ref not in kept])
         return {ref.key for ref in kept}
 
     def commit(self, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()) -> int:
@@ -304,8 +307,6 @@ class TierManager:
         kept for the object tier's announcements."""
         if lineages and self.objects is not None and self.objects.events is not None:
             self.objects.events.remember([r.key for r in refs], lineages)
-        if self.uploader is not None:  # a slot reserved blank learns its chunk only now
-            self.uploader.follows([r.key for r in refs])
         done = self.cpu.commit(refs)
         if done and self.writeback is not None:
             self.writeback.wake()

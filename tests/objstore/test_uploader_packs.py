@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from kvtier.core.keys import NAMESPACE_BYTES, blank_key
 from kvtier.tiering.manager import TierManager
 from kvtier.tiers.objstore.tier import ObjectTier
 from tests.support import keys_for, object_node_config, payload_for, target_spec
@@ -79,3 +81,26 @@ def test_a_prompt_stored_over_several_steps_is_one_object(
     assert manager.object is not None
     name_of = manager.object.object_name
     assert objects(tmp_path / "bucket") == {name_of(prompt[0]): 12, name_of(other[0]): 6}
+
+
+def test_a_prompt_stored_in_slots_reserved_blank_is_one_object(
+    manager: TierManager, tmp_path: Path
+) -> None:
+    # a sidecar's stores take slots reserved ahead: the chunks are named only as they commit
+    ns = manager.register_pool(target_spec(), CHUNK)
+    prompt, other = keys_for(ns, 3), keys_for(ns, 3, start=100)
+    hash_bytes = len(prompt[0]) - NAMESPACE_BYTES
+    blanks = [blank_key(ns, serial, hash_bytes) for serial in range(6)]
+    held = [r for r in manager.reserve(blanks, "r0") if r is not None]
+    assert len(held) == 6
+    named = [replace(ref, key=key) for ref, key in zip(held, prompt + other, strict=True)]
+    for ref in named:
+        manager.cpu.view(ref)[:] = payload_for(ref.key, ref.nbytes)
+    for run in (named[:3], named[3:]):  # one commit a step, as the engine reports them
+        assert not manager.refuse_kept(run)
+        assert manager.commit(run) == 3
+    assert manager.flush()
+    assert manager.flush_uploads(20.0)
+    assert manager.object is not None
+    name_of = manager.object.object_name
+    assert objects(tmp_path / "bucket") == {name_of(prompt[0]): 3, name_of(other[0]): 3}
