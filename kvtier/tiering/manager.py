@@ -298,9 +298,10 @@ class TierManager:
             present = self.lmdb.contains([ref.key for ref in refs])
             kept = [ref for ref, k in zip(refs, present, strict=True) if k]
             self.cpu.abort(kept, "store_duplicate")
+        refused = {ref.key for ref in kept}
         if self.uploader is not None:
-            self.uploader.follows([ref.key for ref in refs if ref not in kept])
-        return {ref.key for ref in kept}
+            self.uploader.follows([ref.key for ref in refs if ref.key not in refused])
+        return refused
 
     def commit(self, refs: Sequence[SlotRef], lineages: Sequence[bytes] = ()) -> int:
         """``lineages``: each chunk's encoded `kvtier.core.lineage.BlockLineage` (empty: none),

@@ -15,6 +15,7 @@ import pytest
 from kvtier_vllm.kv.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier_vllm.kv.scheduler_side import slot_stock
 from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
+from kvtier_vllm.kv.scheduler_side.slot_stock import SlotStock
 
 from kvtier.client import InProcessClient
 from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey, blank_key, namespace_of
@@ -100,6 +101,20 @@ def run_step(scheduler: KVTierScheduler, req: Any, first_block: int) -> KVTierMe
     return scheduler.build_connector_meta(step(new, {req.request_id: req.num_prompt_tokens}))
 
 
+def stock_after_a_first_step(
+    scheduler: KVTierScheduler, clock: HandClock | None = None
+) -> SlotStock:
+    """The scheduler's stock, on ``clock`` where given, once a step stored two chunks of "a"
+    and its top-up came back."""
+    stock = scheduler.stores.stock if scheduler.stores is not None else None
+    assert stock is not None
+    if clock is not None:
+        stock.clock = clock
+    run_step(scheduler, prompt("a", 2), 1)
+    stock.collect()
+    return stock
+
+
 def written(meta: KVTierMetadata) -> KVTierWorkerMetadata:
     return KVTierWorkerMetadata(stored=[(c.slot, c.generation) for c in meta.stores])
 
@@ -136,11 +151,7 @@ def test_slots_held_too_long_go_back_and_are_never_handed_to_a_store(
     scheduler: KVTierScheduler,
 ) -> None:
     clock = HandClock()
-    stock = scheduler.stores.stock if scheduler.stores is not None else None
-    assert stock is not None
-    stock.clock = clock
-    run_step(scheduler, prompt("a", 2), 1)
-    stock.collect()
+    stock = stock_after_a_first_step(scheduler, clock)
     assert stock.held == 4
     aborted = arena(scheduler).stats().counters.get("store_aborted", 0)
     clock.now += slot_stock.MAX_AGE_S + 1
@@ -155,10 +166,7 @@ def test_slots_are_used_only_in_the_session_they_were_reserved_in(
     scheduler: KVTierScheduler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = reserved_keys(scheduler, monkeypatch)
-    stock = scheduler.stores.stock if scheduler.stores is not None else None
-    assert stock is not None
-    run_step(scheduler, prompt("a", 2), 1)
-    stock.collect()
+    stock = stock_after_a_first_step(scheduler)
     assert stock.held == 4
     SESSION[0] = None  # kvtierd not heard from lately: the stock waits, and is not topped up
     unheard = prompt("unheard", 1)
@@ -181,11 +189,7 @@ def test_slots_are_used_only_in_the_session_they_were_reserved_in(
 
 def test_a_namespace_that_stores_no_more_leaves_the_stock(scheduler: KVTierScheduler) -> None:
     clock = HandClock()
-    stock = scheduler.stores.stock if scheduler.stores is not None else None
-    assert stock is not None
-    stock.clock = clock
-    run_step(scheduler, prompt("a", 2), 1)
-    stock.collect()
+    stock = stock_after_a_first_step(scheduler, clock)
     assert stock.namespaces == 1
     for _ in range(slot_stock.DEMAND_STEPS):  # steps that store nothing
         stock.collect()
