@@ -79,14 +79,20 @@ def fit(
 def sized_to(sizes: ServingModel, doc_tokens: int, longest: Callable[[int], int]) -> ServingModel:
     """``sizes`` with documents of ``doc_tokens``, its KV cache scaled with the longest request
     (``longest(doc_tokens)``): the working set scales with it, and the cache stays the same share
-    of it. ``max_model_len`` is what the cache holds, at most the model's own."""
+    of it. ``max_model_len`` is what the cache holds, at most the model's own. Shorter requests
+    get levels of more users, so that a level sends about the prompt tokens it would at the
+    model's own length."""
     scale = longest(doc_tokens) / longest(sizes.doc_tokens)
     kv_cache_bytes = math.ceil(sizes.kv_cache_bytes * scale)
     max_model_len = min(sizes.max_model_len, math.ceil(sizes.max_model_len * scale))
     if longest(doc_tokens) > max_model_len:
         raise ValueError(f"{doc_tokens}-token documents do not fit {max_model_len} tokens")
     return replace(
-        sizes, doc_tokens=doc_tokens, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len
+        sizes,
+        doc_tokens=doc_tokens,
+        kv_cache_bytes=kv_cache_bytes,
+        max_model_len=max_model_len,
+        level_scale=max(1, math.ceil(1 / scale)),
     )
 
 

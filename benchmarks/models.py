@@ -28,6 +28,10 @@ class ServingModel:
     gpu_ratio: bool = False
     """Shaped to a GPU's recompute:load ratio: the run measures its ratios and the targets
     that hold on a GPU node."""
+    level_scale: int = 1
+    """Each level runs this many times the users (multi-round) or requests (no-reuse): shorter
+    documents than the model's own (fitted to the machine) would make a level too short to
+    measure against the machine's drift."""
 
     @property
     def dtype(self) -> str:

@@ -137,7 +137,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import serving_gpu_ratio
+from benchmarks import serving_figures, serving_gpu_ratio
 from benchmarks.gpu_ratio import PageCacheDropper, measure_prefill
 from benchmarks.harness.cli import MODEL_CACHE, emit
 from benchmarks.harness.connector import connector_knows
@@ -228,9 +228,8 @@ class Bench:
             hidden_per_token=len(CAPTURE_LAYERS) * config["hidden_size"] * 2,  # captured in bf16
             connector_extra=self.connector_extra,
         )
-        self.no_reuse = NoReusePhase(
-            self.servers, self.level, self.workload, self.failed, mode.no_reuse_cycles
-        )
+        phase = (mode.no_reuse_cycles, self.sizes.level_scale)
+        self.no_reuse = NoReusePhase(self.servers, self.level, self.workload, self.failed, *phase)
 
     def workload(self, kind: str = "multi-round", **overrides: Any) -> WorkloadSpec:
         settings: dict[str, Any] = {
@@ -303,9 +302,12 @@ class Bench:
                 with dropper or contextlib.nullcontext():
                     for i, c in enumerate(self.concurrency if plan.multi_round else ()):
                         daemon_cpu = daemon_cpu_seconds(daemon)
-                        level = self.level(server, metrics_url, spec, c, USERS * ROUNDS, i, warmup)
+                        requests = USERS * ROUNDS * self.sizes.level_scale
+                        level = self.level(server, metrics_url, spec, c, requests, i, warmup)
                         out.multi_round.append(level)
-                        out.daemon_cpu_s.append(daemon_cpu_seconds(daemon) - daemon_cpu)
+                        cpu_s = daemon_cpu_seconds(daemon) - daemon_cpu
+                        out.daemon_cpu_s.append(cpu_s)
+                        log.info("  %s", serving_figures.describe_kvtier_time(level, cpu_s))
                         warmup = 0
                 out.page_cache_drops = dropper.drops if dropper else 0
                 out.load_decisions = serving_gpu_ratio.decisions_between(

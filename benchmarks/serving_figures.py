@@ -122,6 +122,7 @@ def summary(level: LevelResult) -> dict[str, Any]:
         "daemon_lookup_chunks": server.daemon_lookup_chunks,
         "daemon_hit_chunks_by_tier": server.daemon_hit_chunks_by_tier,
         "ttft_parts": server.ttft_parts,
+        "kvtier_hook_ms_per_request": hook_ms_per_request(level),
     }
 
 
@@ -171,6 +172,26 @@ def kvtier_time(level: LevelResult, daemon_cpu_s: float) -> dict[str, float]:
         "hooks_ms_per_request": 1000 * hooks / level.ok if level.ok else math.nan,
         "kvtierd_cpu": daemon_cpu_s / wall,
     }
+
+
+def hook_ms_per_request(level: LevelResult) -> dict[str, float]:
+    """Milliseconds per successful request vLLM's engine loop spent in each of kvtier's hooks
+    during ``level``, the dearest first."""
+    by_hook = sorted(level.server.connector_hook_seconds.items(), key=lambda h: -h[1])
+    return {hook: 1000 * s / max(level.ok, 1) for hook, s in by_hook}
+
+
+def describe_kvtier_time(level: LevelResult, daemon_cpu_s: float) -> str:
+    """``kvtier_time``'s figures for ``level`` in words, with each hook's part."""
+    if not level.server.connector_hook_seconds:
+        return "kvtier's own time: none (no kvtier hook ran)"
+    cost = kvtier_time(level, daemon_cpu_s)
+    hooks = ", ".join(f"{hook} {ms:.2f}" for hook, ms in hook_ms_per_request(level).items())
+    return (
+        f"kvtier's own time: hooks {100 * cost['hooks']:.2f}% of the level "
+        f"({cost['hooks_ms_per_request']:.1f} ms per request: {hooks}), "
+        f"kvtierd {100 * cost['kvtierd_cpu']:.2f}% of a core"
+    )
 
 
 def mean_cost(costs: list[dict[str, float]], what: str) -> float | None:

@@ -28,6 +28,13 @@ everything the sidecar spends (its hooks, kvtierd's CPU on the engine's two core
 against it. The GPU node of benchmarks/fleet_costs.py prefills a token in 32 us and spends
 25 ms a decode step at the batch it runs, a ratio that depends on that batch, which no figure
 gives; the workload is therefore not reshaped to it.
+
+Documents fitted shorter than the model's own make short levels, which this machine's drift
+(identical servers started a minute apart differ by up to a quarter) would swamp: a level then
+runs as many times the users, and a no-reuse level the requests, as its longest request is
+shorter than at the model's own length, rounded up (``ServingModel.level_scale``). Each user's
+history is live only while its rounds run, so the live working set stays what the KV cache and
+arena were sized to.
 """
 
 from __future__ import annotations

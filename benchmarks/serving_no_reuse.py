@@ -16,7 +16,12 @@ from benchmarks.serving_cases import (
     NO_REUSE_REQUESTS,
     Plan,
 )
-from benchmarks.serving_figures import Outcome, daemon_cpu_seconds, kvtier_time
+from benchmarks.serving_figures import (
+    Outcome,
+    daemon_cpu_seconds,
+    describe_kvtier_time,
+    kvtier_time,
+)
 from benchmarks.serving_servers import Servers
 from kvtier.bench import BenchError, LevelResult, WorkloadSpec
 from tests.fixtures.servers import ServerError, VllmServer
@@ -38,8 +43,11 @@ class NoReusePhase:
         workload: Callable[..., WorkloadSpec],
         failed: Callable[[Outcome, BaseException, str], None],
         cycles: int,
+        scale: int = 1,
     ) -> None:
         self.servers = servers
+        self.requests = NO_REUSE_REQUESTS * scale
+        self.backlog = NO_REUSE_BACKLOG * scale
         self.run_level = level
         self.workload = workload
         self.failed = failed
@@ -76,7 +84,7 @@ class NoReusePhase:
                         self.servers.server(cases[current].case, Plan(), run_name(current))
                     )
                 for server, url in up.values():  # the first requests of a server, unmeasured
-                    self.level(server, url, NO_REUSE_REQUESTS)
+                    self.level(server, url, self.requests)
                 for cycle in range(self.cycles):
                     turn = cycle % len(names)
                     row: dict[str, float] = {}
@@ -84,25 +92,14 @@ class NoReusePhase:
                         server, url = up[current]
                         if wait_until_quiet() is None:
                             log.warning("the machine stayed busy: the level runs anyway")
-                        self.level(server, url, NO_REUSE_BACKLOG)
+                        self.level(server, url, self.backlog)
                         daemon = self.servers.daemons.get(run_name(current))
                         daemon_cpu = daemon_cpu_seconds(daemon)
-                        level = self.level(server, url, NO_REUSE_REQUESTS)
+                        level = self.level(server, url, self.requests)
                         cases[current].no_reuse.append(level)
-                        cost = kvtier_time(level, daemon_cpu_seconds(daemon) - daemon_cpu)
-                        self.costs.setdefault(current, []).append(cost)
-                        by_hook = level.server.connector_hook_seconds
-                        log.info(
-                            "  kvtier's own time: hooks %.2f%% of the level (%.1f ms per "
-                            "request: %s), kvtierd %.2f%% of a core",
-                            100 * cost["hooks"],
-                            cost["hooks_ms_per_request"],
-                            ", ".join(
-                                f"{hook} {1000 * s / max(level.ok, 1):.2f}"
-                                for hook, s in sorted(by_hook.items(), key=lambda h: -h[1])
-                            ),
-                            100 * cost["kvtierd_cpu"],
-                        )
+                        daemon_cpu = daemon_cpu_seconds(daemon) - daemon_cpu
+                        self.costs.setdefault(current, []).append(kvtier_time(level, daemon_cpu))
+                        log.info("  %s", describe_kvtier_time(level, daemon_cpu))
                         whole = level.ok == level.requests
                         row[current] = level.output_tps if whole else math.nan
                     cycles.append(row)

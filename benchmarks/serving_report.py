@@ -188,7 +188,7 @@ def result_of(
             "object_store": OBJECT_STORE_SETUP,
             "working_set_bytes": bench.servers.working_set_bytes,
             "multi_round": {
-                "users": USERS,
+                "users": USERS * bench.sizes.level_scale,
                 "doc_tokens": bench.sizes.doc_tokens,
                 "question_tokens": bench.sizes.question_tokens,
                 "answer_tokens": bench.sizes.answer_tokens,
@@ -198,8 +198,8 @@ def result_of(
             },
             "no_reuse": {
                 "cycles": bench.mode.no_reuse_cycles,
-                "requests": NO_REUSE_REQUESTS,
-                "backlog_requests": NO_REUSE_BACKLOG,
+                "requests": NO_REUSE_REQUESTS * bench.sizes.level_scale,
+                "backlog_requests": NO_REUSE_BACKLOG * bench.sizes.level_scale,
             },
             "connector_extra": bench.connector_extra,
             "speculative_tokens": SPEC_TOKENS,

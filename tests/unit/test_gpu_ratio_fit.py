@@ -68,6 +68,13 @@ def test_the_kv_cache_and_model_length_scale_with_the_longest_request() -> None:
     assert same == GPU_RATIO
 
 
+def test_shorter_documents_get_levels_that_send_as_many_prompt_tokens() -> None:
+    short = sized_to(GPU_RATIO, 128, longest)  # 384-token requests against 1,216
+    assert short.level_scale == 4
+    assert sized_to(GPU_RATIO, 704, longest).level_scale == 2
+    assert sized_to(GPU_RATIO, GPU_RATIO.doc_tokens, longest).level_scale == 1
+
+
 def test_documents_past_what_the_model_holds_are_refused() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         sized_to(GPU_RATIO, 4096, lambda doc: 2 * doc)
