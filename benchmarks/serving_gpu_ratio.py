@@ -58,7 +58,7 @@ from benchmarks.serving_cases import (
     VLLM,
     headline_name,
 )
-from benchmarks.serving_figures import Outcome, no_reuse_ratios
+from benchmarks.serving_figures import Outcome, hook_ms_per_request, no_reuse_ratios
 from benchmarks.serving_servers import Servers
 from kvtier.bench.scrape import Samples, delta, parse_counters
 from tests.fixtures import models
@@ -135,7 +135,7 @@ def headline(
     measured_ratios: dict[str, Any],
 ) -> dict[str, Any]:
     """The GPU-ratio targets' values, the ratios measured, and each server's load decisions,
-    share of its levels spent in kvtier's hooks, and kvtierd's CPU (a share of one core: on this
+    share of its levels spent in kvtier's hooks (and ms a request), and kvtierd's CPU (a share of one core: on this
     machine it competes with the engine for its two cores, which a GPU node's engine does not)."""
 
     def level(name: str) -> Any:
@@ -187,6 +187,11 @@ def headline(
         "load_decisions": {n: o.load_decisions for n, o in outcomes.items() if o.load_decisions},
         "kvtier_hook_share": {
             n: _hook_share(found)
+            for n in outcomes
+            if (found := level(n)) is not None and found.server.connector_hook_seconds
+        },
+        "kvtier_hook_ms_per_request": {
+            n: sum(hook_ms_per_request(found).values())
             for n in outcomes
             if (found := level(n)) is not None and found.server.connector_hook_seconds
         },
@@ -286,16 +291,17 @@ def tables(result: dict[str, Any]) -> list[str]:
         lines.append(f"| {key} | {_f(t['value'], '.3f')} | {t['target']} | {met} |")
     lines += [
         "",
-        "| server | kvtier hooks, share of the level | kvtierd CPU, share of a core | "
-        "load decisions |",
-        "|---|---:|---:|---|",
+        "| server | kvtier hooks, share of the level | ms a request | kvtierd CPU, share of a "
+        "core | load decisions |",
+        "|---|---:|---:|---:|---|",
     ]
     shares, decisions = result.get("kvtier_hook_share", {}), result.get("load_decisions", {})
+    per_request = result.get("kvtier_hook_ms_per_request", {})
     daemon = result.get("kvtierd_cpu_share", {})
     for name in sorted(set(shares) | set(decisions) | set(daemon)):
         counted = ", ".join(f"{k} {v:g}" for k, v in sorted(decisions.get(name, {}).items()))
         lines.append(
-            f"| {name} | {_f(shares.get(name), '.2%')} | {_f(daemon.get(name), '.1%')} | "
-            f"{counted or '-'} |"
+            f"| {name} | {_f(shares.get(name), '.2%')} | {_f(per_request.get(name), '.1f')} | "
+            f"{_f(daemon.get(name), '.1%')} | {counted or '-'} |"
         )
     return lines
