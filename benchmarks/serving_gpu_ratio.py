@@ -135,8 +135,9 @@ def headline(
     measured_ratios: dict[str, Any],
 ) -> dict[str, Any]:
     """The GPU-ratio targets' values, the ratios measured, and each server's load decisions,
-    share of its levels spent in kvtier's hooks (and ms a request), and kvtierd's CPU (a share of one core: on this
-    machine it competes with the engine for its two cores, which a GPU node's engine does not)."""
+    share of its levels spent in kvtier's hooks (and ms a request), and kvtierd's CPU (a share
+    of one core: on this machine it competes with the engine for its two cores, which a GPU
+    node's engine does not)."""
 
     def level(name: str) -> Any:
         outcome = outcomes.get(name)
