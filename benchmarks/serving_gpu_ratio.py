@@ -58,7 +58,7 @@ from benchmarks.serving_cases import (
     VLLM,
     headline_name,
 )
-from benchmarks.serving_figures import Outcome, hook_ms_per_request, no_reuse_ratios
+from benchmarks.serving_figures import Outcome, kvtier_time, no_reuse_ratios
 from benchmarks.serving_servers import Servers
 from kvtier.bench.scrape import Samples, delta, parse_counters
 from tests.fixtures import models
@@ -180,22 +180,19 @@ def headline(
         value = values[key]
         met = None if value is None else target_met(value, op, bound)
         targets[key] = {"value": value, "target": f"{op} {bound:g}", "met": met}
+    hooks = {  # kvtierd's CPU share is read per outcome, below
+        n: kvtier_time(found, math.nan)
+        for n in outcomes
+        if (found := level(n)) is not None and found.server.connector_hook_seconds
+    }
     return {
         **values,
         "gpu_ratio_throughput_bound": most,
         "gpu_ratio_targets": targets,
         "gpu_ratios": measured_ratios,
         "load_decisions": {n: o.load_decisions for n, o in outcomes.items() if o.load_decisions},
-        "kvtier_hook_share": {
-            n: _hook_share(found)
-            for n in outcomes
-            if (found := level(n)) is not None and found.server.connector_hook_seconds
-        },
-        "kvtier_hook_ms_per_request": {
-            n: sum(hook_ms_per_request(found).values())
-            for n in outcomes
-            if (found := level(n)) is not None and found.server.connector_hook_seconds
-        },
+        "kvtier_hook_share": {n: c["hooks"] for n, c in hooks.items()},
+        "kvtier_hook_ms_per_request": {n: c["hooks_ms_per_request"] for n, c in hooks.items()},
         "kvtierd_cpu_share": {
             n: share
             for n, o in outcomes.items()
@@ -216,11 +213,6 @@ def throughput_bound(alone: Any, served: Any, measured_ratios: dict[str, Any]) -
     hit_tokens = sum(served_cached.values()) - sum(alone.server.cached_tokens_by_source.values())
     left = alone.duration_s - hit_tokens * (prefill - load)
     return float(alone.duration_s / left) if left > 0 else None
-
-
-def _hook_share(level: Any) -> float:
-    """vLLM's engine loop inside kvtier's hooks over the level's wall time."""
-    return float(sum(level.server.connector_hook_seconds.values()) / level.duration_s)
 
 
 def measure(
