@@ -358,9 +358,10 @@ class TierClient(Protocol):
         return None
 
     def reserve_behind(self, keys: Sequence[ChunkKey]) -> Answer[list[SlotRef | None]] | None:
-        """`reserve` without waiting (kvtierd's client sends it on its call thread), for blank
-        keys (`kvtier.core.keys.blank_key`): slots reserved ahead of the stores that name their
-        chunks when they commit. None where a reservation is a function call: nothing to gain
+        """`reserve` without waiting (kvtierd's client sends it on its call thread): for blank
+        keys (`kvtier.core.keys.blank_key`), slots reserved ahead of the stores that name their
+        chunks when they commit, and for the chunks a step stores that no such slot was held
+        for, copied a step later. None where a reservation is a function call: nothing to gain
         by reserving ahead (asking for no keys tells which, without a call)."""
         return None
 

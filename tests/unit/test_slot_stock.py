@@ -18,7 +18,7 @@ from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
 from kvtier_vllm.kv.scheduler_side.slot_stock import SlotStock
 
 from kvtier.client import InProcessClient
-from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey, blank_key, namespace_of
+from kvtier.core.keys import NAMESPACE_BYTES, ChunkKey, blank_key, is_blank, namespace_of
 from kvtier.core.protocol import Ready, SlotRef
 from tests.support import HandClock
 from tests.unit.test_scheduler_lookups import CHUNK_TOKENS, arena, chunk_keys, open_scheduler
@@ -34,17 +34,22 @@ def scheduler(
     monkeypatch.setattr(InProcessClient, "reserve_behind", _reserve_behind)
     monkeypatch.setattr(InProcessClient, "session_mark", lambda _: SESSION[0])
     SESSION[0] = "first"
+    ASKED.clear()
     s = open_scheduler(shm_path, tmp_path, load_policy="always")
     yield s
     s.shutdown()
 
 
 def _reserve_behind(client: InProcessClient, keys: list[ChunkKey]) -> Ready[list[SlotRef | None]]:
+    if not all(is_blank(key) for key in keys):
+        ASKED.append(list(keys))
     return Ready(client.reserve_slots(keys))
 
 
 SESSION: list[str | None] = ["first"]
 """The session mark the scheduler's client gives now."""
+ASKED: list[list[ChunkKey]] = []
+"""The chunks each reservation asked for without waiting named (not held ahead)."""
 
 
 def test_an_embedded_engine_keeps_no_stock_its_stores_reserve_in_their_step(
@@ -125,13 +130,15 @@ def test_stores_take_slots_held_ahead_without_a_call_and_commit_them_as_their_ch
     calls = reserved_keys(scheduler, monkeypatch)
     a, b = prompt("a", 2), prompt("b", 2)
     first = run_step(scheduler, a, 1)
-    assert calls == [chunk_keys(scheduler, a, range(2))], "nothing held yet: reserved in step"
+    assert [chunk_keys(scheduler, a, range(2))] == ASKED, "nothing held yet: asked for"
+    assert len(first.stores) == 2, "answered at once here: copied in its step"
     stock = scheduler.stores.stock if scheduler.stores is not None else None
     assert stock is not None
     stock.collect()
     assert stock.held == 4, "twice the step's stores held for the next"
     second = run_step(scheduler, b, 100)
-    assert len(calls) == 1, "b's stores waited for a reservation"
+    assert len(ASKED) == 1, "b's stores asked for no reservation"
+    assert calls == [], "no step waited for one"
     assert len(second.stores) == 2
     assert stock.held == 2
     scheduler.update_connector_output(written(first))
@@ -178,7 +185,7 @@ def test_slots_are_used_only_in_the_session_they_were_reserved_in(
     aborted = arena(scheduler).stats().counters.get("store_aborted", 0)
     after = prompt("after", 1)
     meta = run_step(scheduler, after, 200)
-    assert calls[-1] == chunk_keys(scheduler, after, range(1)), "a slot of the old session"
+    assert ASKED[-1] == chunk_keys(scheduler, after, range(1)), "a slot of the old session"
     assert len(meta.stores) == 1
     assert arena(scheduler).stats().counters.get("store_aborted", 0) == aborted, "aborted"
     stock.collect()

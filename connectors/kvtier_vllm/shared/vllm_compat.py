@@ -52,6 +52,7 @@ __all__ = [
     "eagle_block_drop",
     "failure_policy_warning",
     "kv_cache_dtype_bytes",
+    "preemptions",
     "replica_of",
     "tensor_parallel_rank",
     "transfer_results",
@@ -168,3 +169,8 @@ def transfer_results(
     return KVConnectorTransferResults(
         finished_sending=sent or set(), finished_recving=done | failed, failed_recving=failed
     )
+
+
+def preemptions(request: Any) -> int:
+    """How often vLLM preempted ``request``: each time, it freed the request's blocks."""
+    return int(getattr(request, "num_preemptions", 0))

@@ -331,7 +331,8 @@ class KVTierScheduler:
         meta.checks, leases = self.verifier.hand_out()
         self.leases.newest.extend(leases)
         assert self.stores is not None  # made with the client
-        self.stores.reserve(meta, self._step)
+        # nothing runs: stores asked for earlier may be waited for, holding up no one
+        self.stores.reserve(meta, self._step, self.cfg.store_deadline_ms / 1000 * meta.idle)
         self.stores.expire(self._step)
         self.timings.began(scheduler_output)
         return meta
@@ -428,30 +429,30 @@ class KVTierScheduler:
     def request_finished(
         self, request: Any, block_ids: list[list[int]] | None = None
     ) -> tuple[bool, dict[str, Any] | None]:
-        """(keep the request's blocks until the workers report it sent, its
-        ``kv_transfer_params``): with hidden states captured, their reference, and the tail
-        the next step stores."""
+        """(keep its blocks until the workers report it sent: stores asked for are still to
+        copy from them, or its hidden-state tail; its ``kv_transfer_params``: with hidden
+        states captured, their reference)."""
         state = self._requests.get(request.request_id)
         self._forget(request)
         if state is None:
             return False, None  # never scheduled: no state was computed
-        return self._captured(request, block_ids or state.block_ids)
+        kept = self.stores is not None and self.stores.keep(request.request_id)
+        tail, params = self._captured(request, block_ids or state.block_ids)
+        if tail and not kept:  # reported sent after the tail's copy, the next step's
+            self.pending.queued.sending.append(request.request_id)
+        return kept or tail, params
 
     def _captured(
         self, request: Any, block_ids: list[list[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """(its hidden-state tail is copied from its blocks next step, its reference)"""
         capture = self.capture
         if capture is None or capture.plan.key not in self.namespaces:
             return False, None
         ref, params = self.manifests.reference(capture, request)
         if not capture.with_outputs(request):
             return False, params  # the prompt's tail was stored with its last token
-        # vLLM asserts each request reported sent is one it keeps: the last step here
-        queued = self.pending.queued
-        keep = self._store_tail(queued, request, ref, block_ids)
-        if keep:
-            queued.sending.append(request.request_id)
-        return keep, params
+        return self._store_tail(self.pending.queued, request, ref, block_ids), params
 
     def _store_tail(
         self, meta: KVTierMetadata, request: Any, ref: HiddenStatesRef, block_ids: list[list[int]]

@@ -23,6 +23,7 @@ from kvtier_vllm.kv.metadata import ChunkCopy, KVTierMetadata
 from kvtier_vllm.kv.scheduler_side.events import KVEventFeed
 from kvtier_vllm.kv.scheduler_side.prompt_keys import keys_in, targets_of
 from kvtier_vllm.kv.scheduler_side.slot_stock import SlotStock
+from kvtier_vllm.kv.scheduler_side.store_asks import StoreAsks
 from kvtier_vllm.kv.scheduler_side.tier_calls import TierCalls
 from kvtier_vllm.layout.plans import PoolPlan
 
@@ -84,6 +85,7 @@ class Stores:
         self._pending: dict[tuple[int, int], _PendingStore] = {}
         self._wanted: dict[ChunkKey, _Wanted] = {}
         self.stock = SlotStock(client, calls)
+        self.asks: StoreAsks[_Wanted] = StoreAsks(client, calls)
 
     def want(
         self,
@@ -121,9 +123,11 @@ class Stores:
                 if key not in self._wanted:  # two requests computing one prefix store it once
                     self._wanted[key] = _Wanted(plan, request, chunk, span_blocks[chunk])
 
-    def reserve(self, meta: KVTierMetadata, step: int) -> None:
-        """Reserve what the step's requests want, from the stock or else in one call, and add
-        their copies to ``meta``."""
+    def reserve(self, meta: KVTierMetadata, step: int, wait_s: float = 0.0) -> None:
+        """Add to ``meta`` the copies of what the step's requests want that the stock holds a
+        slot for, and ask for the rest without waiting (`StoreAsks`; where that cannot be done,
+        reserve it in one call); then add the copies of what was asked for and is answered by
+        now, waiting up to ``wait_s`` for it."""
         wanted, self._wanted = self._wanted, {}
         self.stock.collect()
         taken: dict[ChunkKey, SlotRef | None] = {}
@@ -131,27 +135,36 @@ class Stores:
             if self.stock.off or not self._in_arena(key):  # no held slot for a stored chunk
                 taken[key] = self.stock.take(key)
         self.stock.step(taken)
-        asked = [key for key, ref in taken.items() if ref is None]
-        if asked:
+        asked = {key: wanted[key] for key, ref in taken.items() if ref is None}
+        if asked and not self.asks.ask(asked):
             try:
-                taken.update(zip(asked, self.client.reserve(asked), strict=True))
+                taken.update(zip(asked, self.client.reserve(list(asked)), strict=True))
             except KVTierError as exc:
                 self.calls.failed("reserve", exc)
         for key, ref in taken.items():
-            if ref is None:
-                continue  # present already, or no room right now
-            store = wanted[key]
-            plan, request, chunk = store.plan, store.request, store.chunk
-            lineage = self._lineage(request, chunk) if plan is self.anchor else None
-            if lineage is not None and self.events.enabled:
-                self.events.store_planned(
-                    (ref.slot, ref.generation),
-                    ref.key,
-                    list(lineage.block_hashes),
-                    lineage.parent,
-                    list(lineage.token_ids),
-                )
-            self._queue(meta, plan, ref, store.blocks, step, lineage)
+            if ref is not None:  # None: asked for, present already, or no room right now
+                self._queue_wanted(meta, ref, wanted[key], step)
+        for ref, store in self.asks.answered(wait_s):
+            self._queue_wanted(meta, ref, store, step)
+        meta.sending.extend(self.asks.released())  # after the copies their blocks were kept for
+
+    def keep(self, request_id: str) -> bool:
+        """vLLM finished ``request_id``: whether it keeps the request's blocks for stores asked
+        for and not yet copied (the workers report it sent once they are, `StoreAsks`)."""
+        return self.asks.keep(request_id)
+
+    def _queue_wanted(self, meta: KVTierMetadata, ref: SlotRef, store: _Wanted, step: int) -> None:
+        plan, request, chunk = store.plan, store.request, store.chunk
+        lineage = self._lineage(request, chunk) if plan is self.anchor else None
+        if lineage is not None and self.events.enabled:
+            self.events.store_planned(
+                (ref.slot, ref.generation),
+                ref.key,
+                list(lineage.block_hashes),
+                lineage.parent,
+                list(lineage.token_ids),
+            )
+        self._queue(meta, plan, ref, store.blocks, step, lineage)
 
     def _in_arena(self, key: ChunkKey) -> bool:
         """Whether the arena's index holds ``key`` (a hint: no slot is taken for it)."""
@@ -237,3 +250,4 @@ class Stores:
     def abort_all(self) -> None:
         self.calls.abort([pending.ref for pending in self._pending.values()])
         self.stock.give_back()
+        self.asks.give_back()
