@@ -100,10 +100,11 @@ class InProcessClient(TierClient):
         again: bool,
         verify: bool,
         probe_wait: bool = True,
+        in_lmdb: bool = False,
     ) -> tuple[LookupResult, list[SlotRef | None]]:
         self.manager.release(release)
         return self.manager.lookup_leasing(
-            keys, self.replica, again=again, verify=verify, probe_wait=probe_wait
+            keys, self.replica, again=again, verify=verify, probe_wait=probe_wait, in_lmdb=in_lmdb
         )
 
     def reserve_slots(self, keys: Sequence[ChunkKey]) -> list[SlotRef | None]:

@@ -34,8 +34,8 @@ __all__ = [
     "SlotRef",
     "TierClient",
     "TierCode",
-    "arena_hit",
     "in_lmdb",
+    "leasable_hit",
     "settle",
 ]
 
@@ -81,6 +81,7 @@ class FailedChunk:
 # plain ints and names: the lookup path reads one per chunk
 _NAMES = {int(code): code.tier for code in TierCode}
 _CPU = int(TierCode.CPU)
+_LMDB = int(TierCode.LMDB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,11 +148,11 @@ def in_lmdb(ref: SlotRef) -> bool:
     return ref.slot == LMDB_SLOT
 
 
-def arena_hit(result: LookupResult) -> int:
-    """How many chunks a lookup found, when the arena holds every one of them; else 0 (part
-    of the hit is still to be promoted, and leases now would only be given back)."""
+def leasable_hit(result: LookupResult, in_lmdb: bool = False) -> int:
+    """How many chunks a lookup found, when the arena (``in_lmdb``: or lmdb, whose map the
+    caller reads) holds them all; else 0: leases would only be given back."""
     codes = result.tier_codes
-    return len(codes) if not codes.strip(bytes([_CPU])) else 0
+    return len(codes) if not codes.strip(bytes([_CPU, _LMDB] if in_lmdb else [_CPU])) else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +267,7 @@ class TierClient(Protocol):
         again: bool = ...,
         verify: bool = ...,
         probe_wait: bool = ...,
+        in_lmdb: bool = ...,
     ) -> tuple[LookupResult, list[SlotRef | None]]: ...
 
     def lookup(
@@ -277,20 +279,21 @@ class TierClient(Protocol):
         again: bool = False,
         verify: bool = False,
         probe_wait: bool = True,
+        in_lmdb: bool = False,
     ) -> LookupResult | tuple[LookupResult, list[SlotRef | None]]:
         """Look the keys up, first ending the leases ``release``. With ``lease``, also lease
-        the found chunks when the arena holds them all, all in one call. ``again``: the same
-        request asks again while it waits; its keys and hits are not counted twice.
-        ``verify``: the request is sampled for verification, so what is found is counted as
-        verified, not as hits: none of it is served. ``probe_wait``: wait, up to the object
-        store's lookup budget, for a probe of the store past what the arena and lmdb hold; a
-        caller inside an engine's step turns it off and asks again while the answer is
-        ``pending``.
+        the found chunks when the arena (``in_lmdb``: or lmdb, as `lease`) holds them all, in
+        one call. ``again``: the same request asks again while it waits; its keys and hits are
+        not counted twice. ``verify``: the request is sampled for verification, so what is
+        found is counted as verified, not as hits: none of it is served. ``probe_wait``: wait,
+        up to the object store's lookup budget, for a probe of the store past what the arena
+        and lmdb hold; a caller inside an engine's step turns it off and asks again while the
+        answer is ``pending``.
 
         A client that subclasses this protocol inherits this method (and `reserve`) and serves
         its two forms, `lookup_unleased` and `lookup_leasing`: the overloads are written once."""
         if lease:
-            return self.lookup_leasing(keys, release, again, verify, probe_wait)
+            return self.lookup_leasing(keys, release, again, verify, probe_wait, in_lmdb)
         return self.lookup_unleased(keys, release, again, verify, probe_wait)
 
     def lookup_unleased(
@@ -311,6 +314,7 @@ class TierClient(Protocol):
         again: bool,
         verify: bool,
         probe_wait: bool = True,
+        in_lmdb: bool = False,
     ) -> tuple[LookupResult, list[SlotRef | None]]:
         """`lookup` with ``lease``: the answer and the lease of each found chunk."""
         ...

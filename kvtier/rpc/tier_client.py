@@ -41,6 +41,7 @@ _LOOKUP_LEASE = tier_pb2.LookupRequest.LEASE_FIELD_NUMBER
 _LOOKUP_AGAIN = tier_pb2.LookupRequest.AGAIN_FIELD_NUMBER
 _LOOKUP_VERIFY = tier_pb2.LookupRequest.VERIFY_FIELD_NUMBER
 _LOOKUP_NO_PROBE_WAIT = tier_pb2.LookupRequest.NO_PROBE_WAIT_FIELD_NUMBER
+_LOOKUP_LEASE_IN_LMDB = tier_pb2.LookupRequest.LEASE_IN_LMDB_FIELD_NUMBER
 _PREFETCH_IN_LMDB = tier_pb2.PrefetchRequest.IN_LMDB_FIELD_NUMBER
 _IN_ARENA = int(TierCode.CPU)
 
@@ -204,6 +205,7 @@ class GrpcTierClient(TierClient):
         again: bool,
         verify: bool,
         probe_wait: bool = True,
+        in_lmdb: bool = False,
     ) -> tuple[LookupResult, list[SlotRef | None]]:
         """The part of a hit the arena holds is answered from its key index, with no call and
         no lease: whoever copies a slot checks its generation afterwards anyway, and a call
@@ -222,6 +224,7 @@ class GrpcTierClient(TierClient):
         try:
             lookup = self._channel.lookup
             asked = (_LOOKUP_LEASE, *flags, *_probing(probe_wait))
+            asked += (_LOOKUP_LEASE_IN_LMDB,) if in_lmdb else ()
             response = self._keys_call(lookup, rest, ended, asked)
         except KVTierError:
             self._reports.due_again(owned)  # these end with the next call; ``release``

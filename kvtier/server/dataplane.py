@@ -27,7 +27,7 @@ from kvtier.core.errors import InvalidRequestError, NamespaceAccessError, Permis
 from kvtier.core.journal import ChunkEvents
 from kvtier.core.keys import ChunkKey, NamespaceSpec, namespace_of
 from kvtier.core.peers import TICKET_METADATA
-from kvtier.core.protocol import SlotRef, arena_hit
+from kvtier.core.protocol import SlotRef, leasable_hit
 from kvtier.observability.telemetry import telemetry_of
 from kvtier.server.peers import Peer, TenantPolicy, TicketOffice
 from kvtier.server.sessions import Session, SessionRegistry
@@ -208,9 +208,11 @@ class TierServicer(tier_pb2_grpc.TierServiceServicer):
             )
         response = lookup_to(result)
         if request.served:
-            self._lease(session, keys[: arena_hit(result)], hold=False)
+            self._lease(session, keys[: leasable_hit(result)], hold=False)
         elif request.lease:
-            response.leases.extend(grants_to(self._lease(session, keys[: arena_hit(result)])))
+            in_lmdb = request.lease_in_lmdb
+            leased = self._lease(session, keys[: leasable_hit(result, in_lmdb)], in_lmdb=in_lmdb)
+            response.leases.extend(grants_to(leased))
         return response
 
     @_timed("reserve")

@@ -45,8 +45,8 @@ from kvtier.core.protocol import (
     LookupResult,
     SlotRef,
     TierStats,
-    arena_hit,
     in_lmdb,
+    leasable_hit,
 )
 from kvtier.tiering.admission import HitAdmission
 from kvtier.tiering.drafts import DraftRevisions
@@ -261,11 +261,14 @@ class TierManager:
         again: bool = False,
         verify: bool = False,
         probe_wait: bool = True,
+        in_lmdb: bool = False,
     ) -> tuple[LookupResult, list[SlotRef | None]]:
-        """`lookup`, also leasing the found chunks when the arena holds them all: a hit served
-        from the arena then takes one call."""
+        """`lookup`, also leasing the found chunks when the arena holds them all (``in_lmdb``:
+        the arena and lmdb between them, leased in lmdb where it holds them): a hit served
+        from there then takes one call."""
         result = self.lookup(keys, again=again, verify=verify, probe_wait=probe_wait)
-        return result, self.lease(keys[: arena_hit(result)], replica)
+        leased = keys[: leasable_hit(result, in_lmdb)]
+        return result, self.lease(leased, replica, in_lmdb=in_lmdb)
 
     # -- store ----------------------------------------------------------------------------
 

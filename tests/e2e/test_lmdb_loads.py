@@ -1,8 +1,9 @@
 """Hits held in lmdb, loaded by a real engine beside a real kvtierd straight from lmdb's map
-(``lmdb_loads``): no promotion, no arena slot, outputs vLLM's own; with it off, the same hits are
-promoted into the arena first. A chunk corrupted in lmdb is recomputed, never served, and
-reported: kvtierd drops it, and the next engine stores a good copy; with that many failing, lmdb
-is unhealthy, so the good copies stay in the arena and no engine reads lmdb's map meanwhile."""
+(``lmdb_loads``): no promotion, no arena slot, each hit leased by its lookup in one call, outputs
+vLLM's own; with it off, the same hits are promoted into the arena first. A chunk corrupted in
+lmdb is recomputed, never served, and reported: kvtierd drops it, and the next engine stores a
+good copy; with that many failing, lmdb is unhealthy, so the good copies stay in the arena and no
+engine reads lmdb's map meanwhile."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from kvtier.rpc import AdminClient
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import ModelSet, counter, generate_tokens, running_llm, untimed_transfers
 from tests.e2e.test_connector import cached_by_source, kvtier_config
-from tests.integration.daemon_harness import DaemonFiles, Processes
+from tests.integration.daemon_harness import DaemonFiles, Processes, RunningDaemon
 
 LOAD_ERRORS = "vllm:kvtier_transfer_errors"
 
@@ -30,10 +31,10 @@ def _stored_in_lmdb_only(
     procs: Processes,
     files: DaemonFiles,
     extra: dict[str, Any],
-) -> tuple[dict[str, Any], AdminClient]:
+) -> tuple[dict[str, Any], AdminClient, RunningDaemon]:
     """kvtierd started, ``prompts`` served by a first engine, and every chunk it stored written to
-    lmdb and dropped from the arena; the connector's config (``extra`` set) and an admin
-    client."""
+    lmdb and dropped from the arena; the connector's config (``extra`` set), an admin client
+    and kvtierd."""
     daemon = procs.start_daemon(files)
     connector = {
         **kvtier_config({"mode": "sidecar", "socket_path": str(files.socket), **extra}),
@@ -46,7 +47,17 @@ def _stored_in_lmdb_only(
     admin.evict(tier="cpu")
     cpu = next(t for t in admin.stats().tiers if t.tier == "cpu")
     assert cpu.usage.chunks == 0
-    return connector, admin
+    return connector, admin, daemon
+
+
+def _leases_asked(daemon: RunningDaemon) -> float:
+    """Lease calls kvtierd answered (a load's leases taken apart from its lookup)."""
+    samples = daemon.metrics()
+    return sum(
+        v
+        for name, labels, v in samples
+        if name == "kvtier_requests_total" and labels["op"] == "prefetch"
+    )
 
 
 def _lmdb_chunks(admin: AdminClient) -> int:
@@ -97,17 +108,17 @@ def test_hits_held_only_in_lmdb_load_from_its_map_without_promotion(
     daemon_files: DaemonFiles,
     lmdb_loads: bool,
 ) -> None:
-    connector, admin = _stored_in_lmdb_only(
+    connector, admin, daemon = _stored_in_lmdb_only(
         tiny_models, prompts, procs, daemon_files, {"lmdb_loads": lmdb_loads}
     )
     try:
-        before = admin.stats().counters
+        before, leases_before = admin.stats().counters, _leases_asked(daemon)
         with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
             tokens, cached = generate_tokens(llm, prompts, max_tokens=MAX_TOKENS)
             from_disk = cached_by_source(llm, "disk")
             errors = counter(llm, LOAD_ERRORS, direction="load")
             untimed = untimed_transfers(llm)
-        after = admin.stats().counters
+        after, lease_calls = admin.stats().counters, _leases_asked(daemon) - leases_before
         lmdb_counters = _lmdb_counters(admin)
         arena_hits = next(t for t in admin.stats().tiers if t.tier == "cpu").counters["hits"]
     finally:
@@ -122,6 +133,7 @@ def test_hits_held_only_in_lmdb_load_from_its_map_without_promotion(
         assert promoted == 0
         assert arena_hits == 0  # nothing came up into the arena to be loaded
         assert lmdb_counters.get("load_leases", 0) >= 600 * len(prompts) // 32
+        assert lease_calls == 0, "each hit leased by its lookup, in one call"
     else:
         assert promoted > 0
         assert lmdb_counters.get("load_leases", 0) == 0
@@ -147,7 +159,7 @@ def test_chunks_corrupted_in_lmdb_are_recomputed_reported_dropped_and_stored_aga
     and stores those chunks again in the arena only, and the one after loads the good copies
     from there."""
     _unhealthy_after(daemon_files, 8)
-    connector, admin = _stored_in_lmdb_only(tiny_models, prompts, procs, daemon_files, {})
+    connector, admin, _ = _stored_in_lmdb_only(tiny_models, prompts, procs, daemon_files, {})
     try:
         assert corrupt_chunks(daemon_files.lmdb) > 0
         held = _lmdb_chunks(admin)

@@ -7,7 +7,7 @@ from kvtier.core import codec
 from kvtier.core.costs import EngineTimings, LoadCosts
 from kvtier.core.journal import ChunkEvent, ChunkEvents
 from kvtier.core.keys import ChunkKey
-from kvtier.core.protocol import DraftState, LookupResult, SlotRef, TierCode, arena_hit
+from kvtier.core.protocol import DraftState, LookupResult, SlotRef, TierCode, leasable_hit
 from tests.support import draft_spec, target_spec
 
 KEY = ChunkKey(bytes(range(48)))
@@ -35,10 +35,13 @@ def test_each_pair_decodes_what_it_encodes() -> None:
     assert codec.drafts_from(codec.drafts_to(drafts)) == drafts
 
 
-def test_arena_hit_only_when_the_arena_holds_every_chunk() -> None:
-    assert arena_hit(LookupResult(2, bytes([TierCode.CPU] * 2))) == 2
-    assert arena_hit(LookupResult(2, bytes([TierCode.CPU, TierCode.LMDB]))) == 0
-    assert arena_hit(LookupResult(0, b"")) == 0
+def test_a_hit_is_leased_only_when_the_arena_holds_every_chunk_or_lmdb_is_read() -> None:
+    assert leasable_hit(LookupResult(2, bytes([TierCode.CPU] * 2))) == 2
+    assert leasable_hit(LookupResult(2, bytes([TierCode.CPU, TierCode.LMDB]))) == 0
+    both = LookupResult(2, bytes([TierCode.LMDB, TierCode.CPU]))
+    assert leasable_hit(both, in_lmdb=True) == 2
+    assert leasable_hit(LookupResult(2, bytes([TierCode.CPU, TierCode.OBJECT])), in_lmdb=True) == 0
+    assert leasable_hit(LookupResult(0, b"")) == 0
 
 
 def test_costs_and_load_timings_decode_what_they_encode() -> None:

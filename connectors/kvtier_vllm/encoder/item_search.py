@@ -21,7 +21,7 @@ from functools import partial
 from kvtier.core.encoder import PartLayout
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.protocol import Answer, LookupResult, TierClient, TierCode, arena_hit
+from kvtier.core.protocol import Answer, LookupResult, TierClient, TierCode, leasable_hit
 from kvtier_vllm.encoder.settings import EncoderCacheConfig
 from kvtier_vllm.shared.lmdb_reads import LmdbReads, readable_lmdb
 
@@ -133,7 +133,7 @@ class ItemLocator:
                 # the step never waits on an object-store probe: the arena is what counts here;
                 # the lookup that started the promotion counted the hit
                 found = client.lookup(item.keys, again=True, probe_wait=False)
-                if arena_hit(found) == len(item.keys):
+                if leasable_hit(found) == len(item.keys):
                     self._promoting.pop(item.identifier, None)
                     return ARENA
             return PROMOTING
@@ -146,7 +146,7 @@ class ItemLocator:
                 return PROMOTING
             promotion.deadline = time.monotonic()  # nowhere: never waited for again soon
             return ABSENT
-        if arena_hit(found):
+        if leasable_hit(found):
             self._promoting.pop(item.identifier, None)
             return ARENA
         if self.lmdb_path and set(found.tier_codes) <= READABLE:

@@ -418,6 +418,7 @@ class LookupRequest(_message.Message):
     SERVED_FIELD_NUMBER: _builtins.int
     VERIFY_FIELD_NUMBER: _builtins.int
     NO_PROBE_WAIT_FIELD_NUMBER: _builtins.int
+    LEASE_IN_LMDB_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     lease: _builtins.bool
     """Also lease the found chunks when the arena holds every one of them, as Prefetch would: a
@@ -441,6 +442,11 @@ class LookupRequest(_message.Message):
     started (or joined) and not waited for, and `pending` says it runs. A lookup made inside an
     engine's step sets it; without it the lookup waits up to the store's lookup budget.
     """
+    lease_in_lmdb: _builtins.bool
+    """With lease: the caller reads lmdb's map, so a hit the arena and lmdb hold between them is
+    leased whole, each chunk lmdb holds (and the arena does not) in lmdb as Prefetch's in_lmdb:
+    such a hit too takes one call.
+    """
     @_builtins.property
     def keys(self) -> Global___KeyBatch: ...
     @_builtins.property
@@ -458,10 +464,11 @@ class LookupRequest(_message.Message):
         served: _builtins.bool = ...,
         verify: _builtins.bool = ...,
         no_probe_wait: _builtins.bool = ...,
+        lease_in_lmdb: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["again", b"again", "keys", b"keys", "lease", b"lease", "no_probe_wait", b"no_probe_wait", "release", b"release", "served", b"served", "session_id", b"session_id", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["again", b"again", "keys", b"keys", "lease", b"lease", "lease_in_lmdb", b"lease_in_lmdb", "no_probe_wait", b"no_probe_wait", "release", b"release", "served", b"served", "session_id", b"session_id", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

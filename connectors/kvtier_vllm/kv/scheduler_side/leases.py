@@ -80,11 +80,18 @@ class LoadLeases:
     def lookup(
         self, client: TierClient, keys: list[ChunkKey], *, again: bool, verify: bool
     ) -> tuple[LookupResult, list[SlotRef | None]]:
-        """Look ``keys`` up, leasing those the arena holds; asked inside the engine's step, so
-        a probe of the object store is not waited for (the answer says it is pending)."""
+        """Look ``keys`` up, leasing those the arena holds (and lmdb, where loads read it: a
+        hit held there too takes one call); asked inside the engine's step, so a probe of the
+        object store is not waited for (the answer says it is pending)."""
         return self._releasing_due(
             lambda due: client.lookup(
-                keys, release=due, lease=True, again=again, verify=verify, probe_wait=False
+                keys,
+                release=due,
+                lease=True,
+                again=again,
+                verify=verify,
+                probe_wait=False,
+                in_lmdb=self.in_lmdb,
             )
         )
 
