@@ -16,7 +16,8 @@ import pytest
 
 from kvtier.core.errors import KVTierError, UnknownPoolError
 from kvtier.core.keys import ChunkKey
-from kvtier.core.protocol import SlotRef, TierClient, in_lmdb
+from kvtier.core.protocol import SlotRef, TierClient
+from kvtier.core.protocol import in_lmdb as in_lmdb_ref
 from kvtier.tiers.arena import ArenaMemory
 from tests.support import draft_spec, keys_for, payload_for, target_spec
 
@@ -205,36 +206,26 @@ class ClientContract:
         assert [r.key for r in again if r is not None] == keys[:2]
         client.release([r for r in again if r is not None])
 
-    def test_nothing_is_leased_unless_the_arena_holds_the_whole_hit(
+    @pytest.mark.parametrize("in_lmdb", [False, True], ids=["arena-only", "lmdb-read"])
+    def test_a_hit_lmdb_holds_part_of_is_leased_in_the_same_call_only_where_lmdb_is_read(
         self,
         client: TierClient,
         arena: ArenaMemory,
         ns: bytes,
         evict_arena: Callable[[], None],
-    ) -> None:
-        keys = keys_for(ns, 2)
-        self._store(client, arena, keys[:1])
-        evict_arena()
-        self._store(client, arena, keys[1:])
-        found, refs = client.lookup(keys, lease=True)
-        assert (found.hits, found.tiers) == (2, ["lmdb", "cpu"])
-        assert refs == []
-
-    def test_a_hit_lmdb_holds_part_of_is_leased_there_in_the_same_call_when_asked(
-        self,
-        client: TierClient,
-        arena: ArenaMemory,
-        ns: bytes,
-        evict_arena: Callable[[], None],
+        in_lmdb: bool,
     ) -> None:
         keys = keys_for(ns, 3)
         self._store(client, arena, keys[:1])
         evict_arena()
         self._store(client, arena, keys[1:2])
-        found, refs = client.lookup(keys, lease=True, in_lmdb=True)
+        found, refs = client.lookup(keys, lease=True, in_lmdb=in_lmdb)
         assert (found.hits, found.tiers) == (2, ["lmdb", "cpu"])
         leased = [r for r in refs if r is not None]
-        assert [(r.key, in_lmdb(r)) for r in leased] == [(keys[0], True), (keys[1], False)]
+        if not in_lmdb:
+            assert leased == [], "the arena holds part of the hit: nothing is leased"
+            return
+        assert [(r.key, in_lmdb_ref(r)) for r in leased] == [(keys[0], True), (keys[1], False)]
         assert client.lookup(keys).tiers == ["lmdb", "cpu"], "read from lmdb: not promoted"
         client.release(leased)
 
