@@ -200,7 +200,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         done = contained("get_transfer_results", worker.finished_loads, worker.fail_receiving)
         sent = contained(
             "get_transfer_results",
-            lambda: worker.finished_sends(finished_req_ids),
+            worker.finished_sends,
             worker.all_sends,
         )
         return transfer_results(*done, sent)

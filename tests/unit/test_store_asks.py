@@ -132,3 +132,18 @@ def test_an_answer_from_another_session_is_never_written(scheduler: KVTierSchedu
     assert [ref.key for ref in ANSWERS[0].result() if ref] == chunk_keys(scheduler, a, range(2))
     meta = scheduler.build_connector_meta(step([], {"a": 1}))
     assert meta.stores == []
+
+
+def test_a_step_whose_metadata_is_dropped_lets_kept_blocks_go_and_aborts_what_comes(
+    scheduler: KVTierScheduler,
+) -> None:
+    a = prompt("a", 2)
+    run_step(scheduler, a, 1)
+    assert scheduler.request_finished(a) == (True, None)
+    failed = scheduler.abandon_step(step([], {}))  # a hook failed: nothing of the step stored
+    assert failed.sending == ["a"], "its blocks go"
+    ANSWERS[0].give()
+    assert arena(scheduler).slots.reserved == 2
+    meta = scheduler.build_connector_meta(step([], {}))
+    assert (meta.stores, meta.sending) == ([], []), "never copied from blocks gone"
+    assert arena(scheduler).slots.reserved == 0, "aborted"

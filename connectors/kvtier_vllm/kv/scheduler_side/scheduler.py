@@ -66,11 +66,8 @@ class KVTierScheduler:
         self.timings = StepTimings(cfg.recompute_wait_share)
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = self.block_size * cfg.blocks_per_chunk
-        self.checkpoint = (
-            max(1, cfg.window_checkpoint_tokens // self.chunk_tokens)
-            if cfg.window_checkpoint_tokens
-            else 0
-        )
+        checkpoint = cfg.window_checkpoint_tokens
+        self.checkpoint = max(1, checkpoint // self.chunk_tokens) if checkpoint else 0
         """Chunks between the sliding windows kept for shorter prefixes (0: none)."""
         self.replica = cfg.replica_id or replica_of(vllm_config)
         self.refusal = ""
@@ -335,6 +332,7 @@ class KVTierScheduler:
         self.stores.reserve(meta, self._step, self.cfg.store_deadline_ms / 1000 * meta.idle)
         self.stores.expire(self._step)
         self.timings.began(scheduler_output)
+        meta.sending.extend(self.stores.asks.released())  # last: a failed step abandons them
         return meta
 
     def _add_stores(
@@ -367,8 +365,10 @@ class KVTierScheduler:
         self.stores.want(request, state.block_ids, chunks, end, state.local_hit, self.stats)
 
     def abandon_step(self, scheduler_output: Any) -> KVTierMetadata:
-        """`build_connector_meta` failed: see `PendingLoads.abandon_step`."""
-        return self.pending.abandon_step(scheduler_output, self._requests, self.arena_path)
+        """`build_connector_meta` failed: `PendingLoads.abandon_step`, `StoreAsks.abandon`."""
+        meta = self.pending.abandon_step(scheduler_output, self._requests, self.arena_path)
+        meta.sending += self.stores.asks.abandon() if self.stores is not None else []
+        return meta
 
     def take_events(self) -> list[object]:
         """vLLM asks after each step's forward: what goes to kvtierd now competes with no copy."""
@@ -429,9 +429,8 @@ class KVTierScheduler:
     def request_finished(
         self, request: Any, block_ids: list[list[int]] | None = None
     ) -> tuple[bool, dict[str, Any] | None]:
-        """(keep its blocks until the workers report it sent: stores asked for are still to
-        copy from them, or its hidden-state tail; its ``kv_transfer_params``: with hidden
-        states captured, their reference)."""
+        """(keep its blocks until reported sent: stores asked for, or its hidden-state tail,
+        still to copy from them; its ``kv_transfer_params``: hidden states' reference)."""
         state = self._requests.get(request.request_id)
         self._forget(request)
         if state is None:

@@ -46,9 +46,12 @@ class _Ask(Generic[W]):
     """Per request id, the request and its preemptions when asked: a later one took its
     blocks."""
 
+    abandoned: bool = False
+    """Its step's metadata was dropped (a hook failed): what it answers is aborted."""
+
     def holds(self, request: Any) -> bool:
         """Whether ``request`` still holds the blocks it was asked for with."""
-        return preemptions(request) == self.requests[request.request_id][1]
+        return not self.abandoned and preemptions(request) == self.requests[request.request_id][1]
 
 
 class StoreAsks(Generic[W]):
@@ -124,10 +127,19 @@ class StoreAsks(Generic[W]):
 
     def released(self) -> list[str]:
         """Finished requests kept for asks, none of them out any more: reported sent after the
-        copies of the step they are handed to."""
+        copies of the step they are handed to (its last call: a step that fails before it
+        hands them to `abandon`)."""
         done = self._kept - self._waiting_for()
         self._kept -= done
         return sorted(done)
+
+    def abandon(self) -> list[str]:
+        """A step's metadata was dropped (a hook failed, and nothing of it is stored): every
+        finished request kept, to report sent; what the asks out answer is aborted."""
+        for ask in self._out:
+            ask.abandoned = True
+        kept, self._kept = sorted(self._kept), set()
+        return kept
 
     def give_back(self) -> None:
         """At shutdown: abort the slots answered (those still out end with the session)."""

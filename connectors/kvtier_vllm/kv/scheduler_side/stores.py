@@ -146,7 +146,6 @@ class Stores:
                 self._queue_wanted(meta, ref, wanted[key], step)
         for ref, store in self.asks.answered(wait_s):
             self._queue_wanted(meta, ref, store, step)
-        meta.sending.extend(self.asks.released())  # after the copies their blocks were kept for
 
     def keep(self, request_id: str) -> bool:
         """vLLM finished ``request_id``: whether it keeps the request's blocks for stores asked

@@ -1,6 +1,12 @@
 """Finished requests whose blocks wait for their stores: vLLM frees a request's blocks once it is
 reported sent, so each is held behind the fence of the stores issued for it and reported once,
-when vLLM said it finished and that fence passed."""
+when that fence passed.
+
+The scheduler side names a request here (`KVTierMetadata.sending`) only after vLLM finished it
+and kept its blocks for it, in the metadata of that step or of a later one (stores asked for
+and answered steps later), so no request is reported before vLLM finished it; and vLLM may ask
+for what was sent before the step's stores were issued (it finishes a step's saves after), so
+a request named in a step goes out with a later one."""
 
 from __future__ import annotations
 
@@ -10,8 +16,6 @@ from kvtier_vllm.shared.copies import Fence
 class PendingSends:
     def __init__(self) -> None:
         self._waiting: list[tuple[Fence, set[str]]] = []
-        self._finished: set[str] = set()
-        """Requests vLLM said finished, not yet reported sent (it takes only those)."""
 
     def after(self, fence: Fence, requests: list[str]) -> None:
         """Hold ``requests`` until the stores issued before ``fence`` landed."""
@@ -20,21 +24,16 @@ class PendingSends:
         if fresh:
             self._waiting.append((fence, fresh))
 
-    def sent(self, finished: set[str]) -> set[str]:
+    def sent(self) -> set[str]:
         """Finished requests whose last stores landed: their blocks may go."""
-        self._finished |= finished
         sent: set[str] = set()
         waiting = []
         for fence, requests in self._waiting:
-            ready = requests & self._finished
-            if ready and fence():
-                sent |= ready
-                requests -= ready
-            if requests:
+            if fence():
+                sent |= requests
+            else:
                 waiting.append((fence, requests))
         self._waiting = waiting
-        self._finished -= sent
-        self._finished &= {r for _, reqs in waiting for r in reqs} | finished
         return sent
 
     def release_all(self) -> set[str]:

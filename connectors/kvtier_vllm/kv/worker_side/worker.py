@@ -425,8 +425,8 @@ class KVTierWorker:
         self._landing.append((fence, issued))
         self.sends.after(fence, meta.sending)
 
-    def finished_sends(self, finished: set[str]) -> set[str]:
-        return self.sends.sent(finished)
+    def finished_sends(self) -> set[str]:
+        return self.sends.sent()
 
     def all_sends(self) -> set[str]:
         """Every request waiting for its stores, as sent: when checking them failed."""
