@@ -3,6 +3,7 @@
 Usage: ``python -m benchmarks.serving [--quick] [--json] [--profile] [--blocks-per-chunk N]``
 ``[--concurrency 1,2,4,8] [--servers NAME,...] [--connector-extra JSON] [--cache-dir DIR]``
 ``[--docs DIR] [--keep] [--model present|gpu-ratio] [--doc-tokens N] [--lmcache-python PATH]``
+``[--pairs N]``
 
 ``--model gpu-ratio`` runs the workload on a model shaped to a GPU node's recompute:load ratio
 (benchmarks/models.py) against vLLM alone, kvtier and LMCache, with the ratios measured in the
@@ -138,7 +139,6 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import serving_figures, serving_gpu_ratio
-from benchmarks.gpu_ratio import PageCacheDropper, measure_prefill
 from benchmarks.harness.cli import MODEL_CACHE, emit
 from benchmarks.harness.connector import connector_knows
 from benchmarks.harness.system import CpuShare
@@ -148,13 +148,11 @@ from benchmarks.serving_cases import (
     CAPTURE_LAYERS,
     FULL,
     HEADLINE_CONCURRENCY,
-    PROFILE_ANSWER_TOKENS,
-    PROFILE_ROUNDS,
-    PROFILE_USERS,
     QUICK,
     ROUNDS,
     SERVERS,
     USERS,
+    VLLM,
     WARMUP,
     Case,
     Mode,
@@ -163,9 +161,10 @@ from benchmarks.serving_cases import (
     gpu_ratio_cases,
     server_names,
 )
-from benchmarks.serving_figures import Outcome, daemon_cpu_seconds, read_profile, summary
+from benchmarks.serving_figures import Outcome, daemon_cpu_seconds, profile_level
 from benchmarks.serving_lmcache import lmcache_python
 from benchmarks.serving_no_reuse import NoReusePhase
+from benchmarks.serving_pairs import PairedLevels, Up
 from benchmarks.serving_report import clean, result_of, tables, write_docs
 from benchmarks.serving_servers import Servers
 from kvtier.bench import BenchConfig, BenchError, LevelResult, WorkloadSpec, run_level
@@ -228,6 +227,8 @@ class Bench:
             hidden_per_token=len(CAPTURE_LAYERS) * config["hidden_size"] * 2,  # captured in bf16
             connector_extra=self.connector_extra,
         )
+        requests, pairs = USERS * ROUNDS * self.sizes.level_scale, self.sizes.gpu_ratio * mode.pairs
+        self.pairs = PairedLevels(self.level, self.workload, requests, pairs)
         phase = (mode.no_reuse_cycles, self.sizes.level_scale)
         self.no_reuse = NoReusePhase(self.servers, self.level, self.workload, self.failed, *phase)
 
@@ -282,25 +283,35 @@ class Bench:
         )
         return result
 
-    def run_case(self, case: Case, plan: Plan) -> Outcome:
+    def started(self, out: Outcome, server: VllmServer, plan: Plan) -> None:
+        out.start_s = server.start_s
+        out.log_path = str(server.log)
+        log.info("%s: healthy in %.1f s", out.case.name, server.start_s)
+        if plan.measure_prefill:
+            out.prefill = serving_gpu_ratio.engine_prefill(self, server)
+            self.servers.scale_lmdb_disk(out.prefill["prefill_s_per_token"])
+
+    def run_case(self, case: Case, plan: Plan, reference: Up | None = None) -> Outcome:
+        """``case``'s levels: one per concurrency, or with a ``reference`` up (vLLM alone), its
+        pairs beside it (benchmarks/serving_pairs.py)."""
         out = Outcome(case)
         started = time.perf_counter()
         log.info("%s: starting", case.name)
         try:
             with self.servers.server(case, plan) as (server, metrics_url):
-                out.start_s = server.start_s
-                out.log_path = str(server.log)
-                log.info("%s: healthy in %.1f s", case.name, server.start_s)
-                if plan.measure_prefill:
-                    out.prefill = self.measure_prefill(server)
-                    self.servers.scale_lmdb_disk(out.prefill["prefill_s_per_token"])
+                self.started(out, server, plan)
                 warmup = WARMUP
                 daemon = self.servers.daemons.get(case.name)
                 before = daemon.counters() if daemon is not None else {}
                 decisions = serving_gpu_ratio.decision_counters(server.url)
-                dropper, spec = self.page_cache_dropper(case), self.workload()
+                dropper, spec = self.servers.page_cache_dropper(case), self.workload()
                 with dropper or contextlib.nullcontext():
-                    for i, c in enumerate(self.concurrency if plan.multi_round else ()):
+                    if reference is not None:
+                        cpu_s = lambda: daemon_cpu_seconds(daemon)  # noqa: E731
+                        out.pairs = list(self.pairs.run((server, metrics_url), reference, cpu_s))
+                    out.multi_round = [pair.server for pair in out.pairs]
+                    out.daemon_cpu_s = [pair.cpu_s for pair in out.pairs]
+                    for i, c in enumerate(self.concurrency if not out.pairs else ()):
                         daemon_cpu = daemon_cpu_seconds(daemon)
                         requests = USERS * ROUNDS * self.sizes.level_scale
                         level = self.level(server, metrics_url, spec, c, requests, i, warmup)
@@ -321,28 +332,15 @@ class Bench:
                         if v != before.get(k, 0)
                     }
                 if plan.profile:
-                    out.profile = self.profile_level(server, metrics_url)
+                    traces = self.root / server.tmp.name / "traces"
+                    out.profile = profile_level(
+                        self.level, self.workload, traces, server, metrics_url
+                    )
         except (ServerError, BenchError, RuntimeError, OSError) as exc:
             self.failed(out, exc, case.name)
         out.wall_s = time.perf_counter() - started
         log.info("%s: done in %.0f s", case.name, out.wall_s)
         return out
-
-    def page_cache_dropper(self, case: Case) -> PageCacheDropper | None:
-        """On the GPU-ratio model, what a server keeps below its arena is read from the disk."""
-        daemon = self.servers.daemons.get(case.name)
-        if not (self.sizes.gpu_ratio and case.below and daemon):
-            return None
-        return PageCacheDropper(daemon.lmdb_path / "data.mdb")
-
-    def measure_prefill(self, server: VllmServer) -> dict[str, float]:
-        """The engine's prefill time per token over what a hit of the workload's first prompt
-        would save (benchmarks/gpu_ratio.py)."""
-        long = self.sizes.doc_tokens + self.sizes.question_tokens
-        prompts = serving_gpu_ratio.prefill_prompts(self.vocab, long)
-        prefill = measure_prefill(server.url, str(self.model), prompts)
-        log.info("prefill: %.1f us/token", prefill["prefill_s_per_token"] * 1e6)
-        return prefill
 
     def failed(self, out: Outcome, exc: BaseException, run_name: str) -> None:
         out.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -352,34 +350,18 @@ class Bench:
             out.log_tail = log_tail(log_file, 25)
         log.error("%s failed: %s", run_name, out.error)
 
-    def profile_level(self, server: VllmServer, metrics_url: str | None) -> dict[str, Any]:
-        trace_dir = self.root / server.tmp.name / "traces"
-        spec = self.workload(rounds=PROFILE_ROUNDS, answer_tokens=PROFILE_ANSWER_TOKENS)
-        server.post("/start_profile")
-        try:
-            level = self.level(
-                server,
-                metrics_url,
-                spec,
-                HEADLINE_CONCURRENCY,
-                PROFILE_USERS * PROFILE_ROUNDS,
-                900,
-                0,
-            )
-        finally:
-            server.post("/stop_profile", timeout=600)
-        best = read_profile(trace_dir)
-        if "error" in best:
-            return best
-        best["level"] = summary(level)
-        log.info(
-            "profile: kvtier %.1f%% of step time (%s), model forward %.1f%%, %d steps",
-            100 * best["kvtier_step_share"],
-            best["kvtier_ranges"],
-            100 * best["model_step_share"],
-            best["steps"],
-        )
-        return best
+    def reference(
+        self, stack: contextlib.ExitStack[Any], chosen: list[tuple[Case, Plan]]
+    ) -> tuple[Outcome, Up] | None:
+        """vLLM alone up (its prefill measured) for every other server's pairs, where the run
+        pairs levels and vLLM alone runs first; None otherwise."""
+        if not (chosen and chosen[0][0] is VLLM and self.pairs.pairs and len(chosen) > 1):
+            return None
+        out, plan = Outcome(VLLM), chosen[0][1]
+        log.info("%s: starting, kept up beside every other server", VLLM.name)
+        server, metrics_url = stack.enter_context(self.servers.server(VLLM, plan))
+        self.started(out, server, plan)
+        return out, (server, metrics_url)
 
     # -- all --------------------------------------------------------------------------------
 
@@ -387,11 +369,20 @@ class Bench:
         started = time.perf_counter()
         share = CpuShare()
         cases = gpu_ratio_cases(self.policies) if self.sizes.gpu_ratio else every_case(self.profile)
-        outcomes = {
-            case.name: self.run_case(case, plan)
+        chosen = [
+            (case, plan)
             for case, plan in cases
             if (self.only is None or case.name in self.only) and not self.no_reuse_only
-        }
+        ]
+        with contextlib.ExitStack() as stack:
+            alone = self.reference(stack, chosen)
+            outcomes = {
+                case.name: self.run_case(case, plan, alone[1] if alone else None)
+                for case, plan in chosen[bool(alone) :]
+            }
+        if alone:  # its levels are the pairs'
+            alone[0].multi_round = [p.alone for o in outcomes.values() for p in o.pairs]
+            outcomes = {VLLM.name: alone[0], **outcomes}
         ratios = {}
         if self.sizes.gpu_ratio:  # now, while no server runs
             chunk_tokens = self.bpc * BLOCK_SIZE
@@ -433,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-reuse-only", action="store_true", help="the no-reuse phase alone: no multi-round"
     )
+    parser.add_argument(
+        "--pairs", type=int, help="gpu-ratio: levels beside vLLM alone's (3 quick, 6 full; 0: none)"
+    )
     parser.add_argument("--concurrency", type=parse_list, help="multi-round levels")
     parser.add_argument(
         "--cache-dir",
@@ -468,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = QUICK if args.quick else FULL
     if args.no_reuse_cycles is not None:
         mode = replace(mode, no_reuse_cycles=args.no_reuse_cycles)
+    if args.pairs is not None:
+        mode = replace(mode, pairs=args.pairs)
     concurrency = args.concurrency or mode.concurrency
     if HEADLINE_CONCURRENCY not in concurrency:
         concurrency = tuple(sorted({*concurrency, HEADLINE_CONCURRENCY}))

@@ -70,10 +70,13 @@ class Mode:
     name: str
     concurrency: tuple[int, ...]
     no_reuse_cycles: int
+    pairs: int
+    """The GPU-ratio model's multi-round levels of each server beside vLLM alone's (0: one
+    level per concurrency, the servers one after another)."""
 
 
-QUICK = Mode("quick", (HEADLINE_CONCURRENCY,), 3)
-FULL = Mode("full", (1, 2, 4, 8), 12)
+QUICK = Mode("quick", (HEADLINE_CONCURRENCY,), 3, 3)
+FULL = Mode("full", (1, 2, 4, 8), 12, 6)
 NO_REUSE_REQUESTS = 8
 NO_REUSE_BACKLOG = 4
 """Unmeasured requests right before each measured no-reuse level: its write-back backlog."""

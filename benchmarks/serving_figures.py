@@ -9,18 +9,30 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.kvtierd import Kvtierd
 from benchmarks.harness.system import process_cpu_seconds
-from benchmarks.serving_cases import Case
-from kvtier.bench import LevelResult
+from benchmarks.serving_cases import (
+    HEADLINE_CONCURRENCY,
+    PROFILE_ANSWER_TOKENS,
+    PROFILE_ROUNDS,
+    PROFILE_USERS,
+    Case,
+)
+from kvtier.bench import LevelResult, WorkloadSpec
 from kvtier.bench.stats import Percentiles
 from kvtier.bench.trace import load_trace, step_shares
+from tests.fixtures.servers import VllmServer
 
 log = logging.getLogger("kvtier.bench.serving")
+
+Level = Callable[[VllmServer, str | None, WorkloadSpec, int, int, int, int], LevelResult]
+"""Runs one level: server, its kvtierd's metrics, workload, concurrency, requests, index,
+warm-up requests."""
 
 PHASE_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5]
 PHASE_BUCKETS += [2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0, 480.0, 1920.0, 7680.0]
@@ -36,6 +48,22 @@ def histogram_args() -> list[str]:
     """vLLM's arguments for `PHASE_BUCKETS`."""
     families = ("request_latency", "time_to_first_token")
     return ["--custom-histogram-buckets", json.dumps(dict.fromkeys(families, PHASE_BUCKETS))]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A server's level and the reference's of the same prompts beside it."""
+
+    server: LevelResult
+    alone: LevelResult
+    cpu_s: float
+    """kvtierd's CPU seconds during the server's level (NaN without kvtierd)."""
+
+    @property
+    def ratio(self) -> float:
+        """The server's output tokens/s over the reference's; NaN unless both ran whole."""
+        whole = all(lv.ok == lv.requests and lv.output_tps for lv in (self.server, self.alone))
+        return self.server.output_tps / self.alone.output_tps if whole else math.nan
 
 
 @dataclass
@@ -59,6 +87,8 @@ class Outcome:
     """Page-cache drops during its levels (below the arena, on the GPU-ratio model)."""
     prefill: dict[str, float] = field(default_factory=dict)
     """The engine's prefill time per token (``Plan.measure_prefill``)."""
+    pairs: list[Pair] = field(default_factory=list)
+    """Its multi-round levels beside vLLM alone's (benchmarks/serving_pairs.py), where paired."""
 
     def at(self, concurrency: int) -> LevelResult | None:
         return next((lv for lv in self.multi_round if lv.concurrency == concurrency), None)
@@ -209,6 +239,36 @@ def profiler_args(trace_dir: Path) -> list[str]:
         "ignore_frontend": True,
     }
     return ["--profiler-config", json.dumps(config)]
+
+
+def profile_level(
+    level: Level,
+    workload: Callable[..., WorkloadSpec],
+    trace_dir: Path,
+    server: VllmServer,
+    metrics_url: str | None,
+) -> dict[str, Any]:
+    """One short multi-round level under vLLM's torch profiler, and the step shares of its
+    trace (`read_profile`), with the level's summary."""
+    spec = workload(rounds=PROFILE_ROUNDS, answer_tokens=PROFILE_ANSWER_TOKENS)
+    server.post("/start_profile")
+    try:
+        requests = PROFILE_USERS * PROFILE_ROUNDS
+        profiled = level(server, metrics_url, spec, HEADLINE_CONCURRENCY, requests, 900, 0)
+    finally:
+        server.post("/stop_profile", timeout=600)
+    best = read_profile(trace_dir)
+    if "error" in best:
+        return best
+    best["level"] = summary(profiled)
+    log.info(
+        "profile: kvtier %.1f%% of step time (%s), model forward %.1f%%, %d steps",
+        100 * best["kvtier_step_share"],
+        best["kvtier_ranges"],
+        100 * best["model_step_share"],
+        best["steps"],
+    )
+    return best
 
 
 def read_profile(trace_dir: Path) -> dict[str, Any]:

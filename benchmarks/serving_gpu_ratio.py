@@ -4,7 +4,13 @@ in the run beside a GPU node's, the connector's load decisions, and the targets 
 GPU node.
 
 Targets, each a ratio measured in the same run at concurrency 4 (kvtier: the sidecar with the
-``measured`` load policy where the connector has load policies, else its default):
+``measured`` load policy where the connector has load policies, else its default). vLLM alone
+stays up through the run, and each other server's levels run in pairs beside one of its levels
+of the same prompts (benchmarks/serving_pairs.py: 3 pairs a server with ``--quick``, 6 in the
+full run, ``--pairs``; 0 runs one level a server, the servers one after another): a ratio over
+vLLM alone is the mean over a server's pairs (``gpu_ratio_pairs`` gives each pair's, the mean's
+standard error, and the server's hit TTFT ratio), and one server over another the ratio of
+their means.
 
 - ``gpu_ratio_throughput_vs_vllm_alone`` (>= 1.3): multi-round output tokens/s, the arena
   holding the working set, over vLLM alone's.
@@ -39,12 +45,13 @@ arena were sized to.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.gpu_ratio import measure_loads, ratios
+from benchmarks.gpu_ratio import measure_loads, measure_prefill, ratios
 from benchmarks.gpu_ratio_fit import DocFit, fit_on_engine, sized_to
 from benchmarks.harness.targets import met as target_met
 from benchmarks.models import ServingModel
@@ -58,13 +65,17 @@ from benchmarks.serving_cases import (
     VLLM,
     headline_name,
 )
-from benchmarks.serving_figures import Outcome, kvtier_time, no_reuse_ratios
+from benchmarks.serving_figures import Outcome, Pair, kvtier_time, no_reuse_ratios
+from benchmarks.serving_pairs import hit_ttft_ratio, later_rounds_p90, pair_ratios
 from benchmarks.serving_servers import Servers
 from kvtier.bench.scrape import Samples, delta, parse_counters
 from tests.fixtures import models
+from tests.fixtures.servers import VllmServer
 
 if TYPE_CHECKING:
     from benchmarks.serving import Bench
+
+log = logging.getLogger("kvtier.bench.serving")
 
 PREFILL_PROMPTS = 11
 """Prompts of each length the prefill time is measured with (the first one unmeasured): at the
@@ -88,6 +99,16 @@ def prefill_prompts(vocab: int, long_tokens: int) -> dict[int, list[list[int]]]:
         )
         for length in (SHORT_PROMPT, long_tokens)
     }
+
+
+def engine_prefill(bench: Bench, server: VllmServer) -> dict[str, float]:
+    """The engine's prefill time per token over what a hit of ``bench``'s workload's first
+    prompt would save (benchmarks/gpu_ratio.py)."""
+    long = bench.sizes.doc_tokens + bench.sizes.question_tokens
+    prompts = prefill_prompts(bench.vocab, long)
+    prefill = measure_prefill(server.url, str(bench.model), prompts)
+    log.info("prefill: %.1f us/token", prefill["prefill_s_per_token"] * 1e6)
+    return prefill
 
 
 def fitted_sizes(bench: Bench, doc_tokens: int | None) -> tuple[ServingModel, DocFit]:
@@ -148,31 +169,37 @@ def headline(
         found = level(name)
         return found.output_tps if found is not None else None
 
-    def hit_ttft_p90(name: str) -> float | None:
-        found = level(name)
-        later = [r.ttft_s for r in found.records if r.ok and r.round > 0] if found else []
-        return sorted(later)[math.ceil(0.9 * len(later)) - 1] if later else None
-
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
 
+    def pairs(name: str) -> list[Pair]:
+        return outcomes[name].pairs if name in outcomes else []
+
+    def over_alone(name: str) -> float | None:
+        """Output tokens/s over vLLM alone's: the mean over the server's pairs, where paired."""
+        return pair_ratios(pairs(name)).mean if pairs(name) else ratio(tps(name), tps(VLLM.name))
+
+    def hit_ttft(name: str) -> float | None:
+        if pairs(name):
+            return hit_ttft_ratio(pairs(name))
+        found, alone = level(name), level(VLLM.name)
+        return ratio(*(later_rounds_p90([lv]) if lv else None for lv in (found, alone)))
+
     side = headline_name(SIDECAR.name, policies)
     alone, served = level(VLLM.name), level(side)
+    if pairs(side):  # the sidecar's first pair: its two levels ran on the same prompts
+        alone, served = pairs(side)[0].alone, pairs(side)[0].server
     most = (
         throughput_bound(alone, served, measured_ratios)
         if alone is not None and served is not None
         else None
     )
     values = {
-        "gpu_ratio_throughput_vs_vllm_alone": ratio(tps(side), tps(VLLM.name)),
-        "gpu_ratio_vs_lmcache": ratio(tps(side), tps(LMCACHE.name)),
-        "hit_ttft_vs_recompute_p90": ratio(hit_ttft_p90(side), hit_ttft_p90(VLLM.name)),
-        "hit_ttft_vs_recompute_p90_lmdb": ratio(
-            hit_ttft_p90(headline_name(LMDB_BACKED.name, policies)), hit_ttft_p90(VLLM.name)
-        ),
-        "hit_ttft_vs_recompute_p90_object": ratio(
-            hit_ttft_p90(headline_name(OBJECT_BACKED.name, policies)), hit_ttft_p90(VLLM.name)
-        ),
+        "gpu_ratio_throughput_vs_vllm_alone": over_alone(side),
+        "gpu_ratio_vs_lmcache": ratio(over_alone(side), over_alone(LMCACHE.name)),
+        "hit_ttft_vs_recompute_p90": hit_ttft(side),
+        "hit_ttft_vs_recompute_p90_lmdb": hit_ttft(headline_name(LMDB_BACKED.name, policies)),
+        "hit_ttft_vs_recompute_p90_object": hit_ttft(headline_name(OBJECT_BACKED.name, policies)),
         "gpu_ratio_no_reuse": no_reuse_ratios(cycles, SIDECAR.name).mean,
     }
     targets = {}
@@ -189,6 +216,16 @@ def headline(
         **values,
         "gpu_ratio_throughput_bound": most,
         "gpu_ratio_targets": targets,
+        "gpu_ratio_pairs": {
+            n: {
+                "over_vllm_alone": (found := pair_ratios(o.pairs)).values,
+                "mean": found.mean,
+                "se": found.se,
+                "hit_ttft_p90_over_vllm_alone": hit_ttft_ratio(o.pairs),
+            }
+            for n, o in outcomes.items()
+            if o.pairs
+        },
         "gpu_ratios": measured_ratios,
         "load_decisions": {n: o.load_decisions for n, o in outcomes.items() if o.load_decisions},
         "kvtier_hook_share": {n: c["hooks"] for n, c in hooks.items()},

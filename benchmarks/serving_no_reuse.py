@@ -17,6 +17,7 @@ from benchmarks.serving_cases import (
     Plan,
 )
 from benchmarks.serving_figures import (
+    Level,
     Outcome,
     daemon_cpu_seconds,
     describe_kvtier_time,
@@ -27,10 +28,6 @@ from kvtier.bench import BenchError, LevelResult, WorkloadSpec
 from tests.fixtures.servers import ServerError, VllmServer
 
 log = logging.getLogger("kvtier.bench.serving")
-
-Level = Callable[[VllmServer, str | None, WorkloadSpec, int, int, int, int], LevelResult]
-"""Runs one level: server, its kvtierd's metrics, workload, concurrency, requests, index,
-warm-up requests."""
 
 
 class NoReusePhase:

@@ -17,7 +17,12 @@ from typing import Any
 import boto3.session
 import yaml
 
-from benchmarks.gpu_ratio import DiskBandwidth, node_scaled_disk, reads_throttled
+from benchmarks.gpu_ratio import (
+    DiskBandwidth,
+    PageCacheDropper,
+    node_scaled_disk,
+    reads_throttled,
+)
 from benchmarks.harness.connector import kvtier_connector
 from benchmarks.harness.kvtierd import Kvtierd
 from benchmarks.harness.sizes import KiB, MiB, extent_for
@@ -262,6 +267,13 @@ class Servers:
         """lmdb's disk below an arena, from now: a GPU node's NVMe scaled to this machine's
         prefill time a token (benchmarks/gpu_ratio.py)."""
         self.lmdb_disk = node_scaled_disk(prefill_s_per_token, self.kv_per_token)
+
+    def page_cache_dropper(self, case: Case) -> PageCacheDropper | None:
+        """On the GPU-ratio model, what a server keeps below its arena is read from the disk."""
+        daemon = self.daemons.get(case.name)
+        if not (self.sizes.gpu_ratio and case.below and daemon):
+            return None
+        return PageCacheDropper(daemon.lmdb_path / "data.mdb")
 
     @contextmanager
     def lmdb_reads(
