@@ -61,13 +61,13 @@ class PairedLevels:
         for i in range(self.pairs):
             index = next(self._index)
             order = (up, reference) if i % 2 == 0 else (reference, up)
-            levels: dict[int, LevelResult] = {}
-            spent = 0.0
+            levels: dict[int, tuple[LevelResult, float]] = {}
             for server, metrics_url in order:
-                before = cpu_s() if server is up[0] else 0.0
-                levels[id(server)] = self._level(server, metrics_url, spec, index)
-                spent = cpu_s() - before if server is up[0] else spent
-            pair = Pair(levels[id(up[0])], levels[id(reference[0])], spent)
+                before = cpu_s()
+                level = self._level(server, metrics_url, spec, index)
+                levels[id(server)] = level, cpu_s() - before
+            (served, spent), (alone, _) = levels[id(up[0])], levels[id(reference[0])]
+            pair = Pair(served, alone, spent)
             log.info("  pair %d: %.3f of vLLM alone's output tokens/s", i, pair.ratio)
             yield pair
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.models import ModelSet, generate_tokens, running_llm
-from tests.e2e.test_connector import cached_by_source, kvtier_config
+from tests.e2e.test_connector import cached_by_source
+from tests.e2e.test_connector_tp import sidecar
 from tests.integration.daemon_harness import DaemonFiles, Processes
 
 IDLE_STEPS = 20
@@ -36,7 +37,7 @@ def test_requests_finished_before_their_reservations_were_answered_let_their_blo
     daemon_files: DaemonFiles,
 ) -> None:
     procs.start_daemon(daemon_files)
-    connector = kvtier_config({"mode": "sidecar", "socket_path": str(daemon_files.socket)})
+    connector = sidecar(daemon_files)
     with running_llm(tiny_models.target, kv_transfer_config=connector) as llm:
         # one token each: every request finishes in the step that fills its chunks
         firsts, _ = generate_tokens(llm, prompts, max_tokens=1)

@@ -5,7 +5,7 @@ and at shutdown. A real scheduler over embedded tiers (no engine)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,10 +31,22 @@ def scheduler(
 ) -> Iterator[KVTierScheduler]:
     """An embedded scheduler whose client reserves ahead as kvtierd's does (the embedded
     client's reservations are function calls: it keeps no stock)."""
-    monkeypatch.setattr(InProcessClient, "reserve_behind", _reserve_behind)
-    monkeypatch.setattr(InProcessClient, "session_mark", lambda _: SESSION[0])
-    SESSION[0] = "first"
     ASKED.clear()
+    yield from reserving_behind(shm_path, tmp_path, monkeypatch, _reserve_behind, SESSION)
+
+
+def reserving_behind(
+    shm_path: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    reserve_behind: Callable[[InProcessClient, list[ChunkKey]], Any],
+    session: list[str | None],
+) -> Iterator[KVTierScheduler]:
+    """An embedded scheduler whose client reserves with ``reserve_behind`` and gives
+    ``session[0]`` as its session mark (first "first"), shut down after."""
+    monkeypatch.setattr(InProcessClient, "reserve_behind", reserve_behind)
+    monkeypatch.setattr(InProcessClient, "session_mark", lambda _: session[0])
+    session[0] = "first"
     s = open_scheduler(shm_path, tmp_path, load_policy="always")
     yield s
     s.shutdown()

@@ -16,8 +16,8 @@ from kvtier_vllm.kv.scheduler_side.scheduler import KVTierScheduler
 from kvtier.client import InProcessClient
 from kvtier.core.keys import ChunkKey, is_blank
 from kvtier.core.protocol import Ready, SlotRef
-from tests.unit.test_scheduler_lookups import CHUNK_TOKENS, arena, chunk_keys, open_scheduler, step
-from tests.unit.test_slot_stock import run_step, written
+from tests.unit.test_scheduler_lookups import CHUNK_TOKENS, arena, chunk_keys, step
+from tests.unit.test_slot_stock import reserving_behind, run_step, written
 from tests.unit.test_step_stores import prompt
 
 
@@ -43,7 +43,7 @@ class HeldAnswer:
 
 
 ANSWERS: list[HeldAnswer] = []
-SESSION = ["first"]
+SESSION: list[str | None] = ["first"]
 
 
 def _reserve_behind(client: InProcessClient, keys: list[ChunkKey]) -> Any:
@@ -59,13 +59,8 @@ def scheduler(
     shm_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[KVTierScheduler]:
     """An embedded scheduler whose client reserves without waiting as kvtierd's does."""
-    monkeypatch.setattr(InProcessClient, "reserve_behind", _reserve_behind)
-    monkeypatch.setattr(InProcessClient, "session_mark", lambda _: SESSION[0])
-    SESSION[0] = "first"
     ANSWERS.clear()
-    s = open_scheduler(shm_path, tmp_path, load_policy="always")
-    yield s
-    s.shutdown()
+    yield from reserving_behind(shm_path, tmp_path, monkeypatch, _reserve_behind, SESSION)
 
 
 def hits(scheduler: KVTierScheduler, like: str, chunks: int) -> int:

@@ -435,7 +435,7 @@ class KVTierScheduler:
         self._forget(request)
         if state is None:
             return False, None  # never scheduled: no state was computed
-        kept = self.stores is not None and self.stores.keep(request.request_id)
+        kept = self.stores is not None and self.stores.asks.keep(request.request_id)
         tail, params = self._captured(request, block_ids or state.block_ids)
         if tail and not kept:  # reported sent after the tail's copy, the next step's
             self.pending.queued.sending.append(request.request_id)

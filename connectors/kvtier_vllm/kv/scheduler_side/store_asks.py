@@ -148,11 +148,6 @@ class StoreAsks(Generic[W]):
         if refs:
             self.calls.abort(refs)
 
-    @property
-    def out(self) -> int:
-        """Asks not yet taken in."""
-        return len(self._out)
-
     def _waiting_for(self) -> set[str]:
         return {
             request_id

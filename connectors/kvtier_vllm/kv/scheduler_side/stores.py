@@ -147,11 +147,6 @@ class Stores:
         for ref, store in self.asks.answered(wait_s):
             self._queue_wanted(meta, ref, store, step)
 
-    def keep(self, request_id: str) -> bool:
-        """vLLM finished ``request_id``: whether it keeps the request's blocks for stores asked
-        for and not yet copied (the workers report it sent once they are, `StoreAsks`)."""
-        return self.asks.keep(request_id)
-
     def _queue_wanted(self, meta: KVTierMetadata, ref: SlotRef, store: _Wanted, step: int) -> None:
         plan, request, chunk = store.plan, store.request, store.chunk
         lineage = self._lineage(request, chunk) if plan is self.anchor else None
